@@ -1,0 +1,1 @@
+//! In-process backend: ranks are threads. (Being written.)

@@ -1,0 +1,37 @@
+//! Sequence-parallel attention with exact block kernels.
+//!
+//! Shape legend (used in every file of this crate):
+//! - `b` batch, `s` local (this rank's) tokens, `S` global tokens, `hq` query heads,
+//!   `hkv` key/value heads (GQA: `hq % hkv == 0`), `d` head dim.
+//! - `q [b, s, hq, d]`, `k`/`v [b, s_kv, hkv, d]`, `o [b, s, hq, d]` (dtype of `q`),
+//!   `lse [b, hq, s]` f32 (natural-log sum of exp of the scaled scores).
+//!
+//! Layers:
+//! - [`kernel`]: the block kernel contract `fwd -> (o, lse)`, `bwd(do, q, k, v, o, lse)`,
+//!   dispatched per device (CPU tiled kernel in [`cpu`], CUDA cuDNN behind `cuda`).
+//! - [`merge`]: the one stable log-sum-exp merge of partial results.
+//! - [`comm`]: the communicator abstraction and its in-process (threads) backend.
+//! - [`layout`]: zigzag / round-robin token layouts and global position ids.
+//! - modes, each with the single-device signature ([`mode::AttentionMode`]):
+//!   [`local`], [`ring`] (zigzag), [`ulysses`], [`fpdt`], [`usp`].
+//! - [`op`]: wraps any mode into a differentiable Candle op.
+
+pub mod comm;
+pub mod cpu;
+pub mod error;
+pub mod fpdt;
+pub mod kernel;
+pub mod layout;
+pub mod local;
+pub mod merge;
+pub mod mode;
+pub mod naive;
+pub mod op;
+pub mod ring;
+pub mod ulysses;
+pub mod usp;
+
+pub use error::AttnError;
+pub use kernel::Mask;
+pub use mode::AttentionMode;
+pub use op::attention;

@@ -1,0 +1,81 @@
+//! Makes any [`AttentionMode`] a differentiable Candle op.
+//!
+//! The forward runs outside the graph (on detached inputs); the result is attached to
+//! the graph by a `CustomOp3` whose forward hands back the precomputed output and whose
+//! backward calls the mode's backward with the saved global `o` and `lse`.
+
+use crate::mode::AttentionMode;
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use std::sync::Arc;
+
+struct AttnOp {
+    mode: Arc<dyn AttentionMode>,
+    o: Tensor,   // [b, s, hq, d], contiguous, offset 0
+    lse: Tensor, // [b, hq, s] f32
+    scale: f64,
+}
+
+fn owned(o: Tensor) -> Result<Tensor> {
+    let (plain, _) = {
+        let (_, l) = o.storage_and_layout();
+        (l.is_contiguous() && l.start_offset() == 0, ())
+    };
+    if plain {
+        Ok(o)
+    } else {
+        o.copy()
+    }
+}
+
+impl CustomOp3 for AttnOp {
+    fn name(&self) -> &'static str {
+        "seq-parallel-attention"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (st, l) = self.o.storage_and_layout();
+        match &*st {
+            Storage::Cpu(c) => Ok((c.try_clone(l)?, self.o.shape().clone())),
+            _ => candle_core::bail!("attention output is not on the CPU"),
+        }
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (st, l) = self.o.storage_and_layout();
+        match &*st {
+            Storage::Cuda(c) => Ok((c.try_clone(l)?, self.o.shape().clone())),
+            _ => candle_core::bail!("attention output is not on a CUDA device"),
+        }
+    }
+    fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dq, dk, dv) = self.mode.backward(&grad.contiguous()?, &q.detach(), &k.detach(), &v.detach(), &self.o, &self.lse, self.scale)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+/// Differentiable causal attention through `mode`; returns `o [b, s, hq, d]`.
+pub fn attention(mode: &Arc<dyn AttentionMode>, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    let (o, _) = attention_with_lse(mode, q, k, v, scale)?;
+    Ok(o)
+}
+
+/// Like [`attention`] but also returns the (non-differentiable) `lse [b, hq, s]`.
+pub fn attention_with_lse(mode: &Arc<dyn AttentionMode>, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let (o, lse) = mode.forward(&q.detach(), &k.detach(), &v.detach(), scale)?;
+    let o = owned(o)?;
+    if !(q.track_op() || k.track_op() || v.track_op()) {
+        return Ok((o, lse));
+    }
+    let op = AttnOp { mode: mode.clone(), o, lse: lse.clone(), scale };
+    let tracked = q.apply_op3_arc(&k, &v, Arc::new(Box::new(op)))?;
+    Ok((tracked, lse))
+}

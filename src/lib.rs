@@ -1,0 +1,18 @@
+//! longctx: long-context continued training of Llama-family models on Candle.
+//!
+//! - [`model`]: the Llama family as Hugging Face defines it (config, RoPE, blocks, loss).
+//! - [`hub`]: checkpoints in (safetensors, sharded, hub cache) and out (HF layout export).
+//! - [`train`]: the training loop / engine, optimizer, schedules.
+//! - [`data`]: datasets, packing, synthetic long-context data.
+//! - [`dist`]: parallel dims, process groups, launch.
+//! Attention and the sequence-parallel modes live in the `longctx-attention` crate.
+
+pub mod data;
+pub mod dist;
+pub mod error;
+pub mod hub;
+pub mod model;
+pub mod train;
+
+pub use error::{Error, Result};
+pub use longctx_attention as attention;

@@ -1,0 +1,3 @@
+fn main() {
+    eprintln!("longctx: being written");
+}
