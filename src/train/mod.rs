@@ -1,1 +1,9 @@
-//! (Being written.)
+//! Training: run config, optimizer, layer-wise engine, trainer loop, checkpoints, metrics.
+
+pub mod checkpoint;
+pub mod config;
+pub mod optim;
+
+pub use config::{ParallelMode, RunConfig, Stage};
+pub mod engine;
+pub mod init;

@@ -1,0 +1,368 @@
+//! The run configuration: a TOML file (every field optional, see `configs/`) whose
+//! values command-line flags override. Resolved once at start-up, validated, printed.
+
+use crate::train::optim::{AdamWConfig, Schedule};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// Sequence-parallel mode, named as EasyContext's `--parallel_mode` (plus FPDT and USP).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ParallelMode {
+    /// Every rank holds whole sequences (no sequence parallelism).
+    #[default]
+    DataParallel,
+    ZigzagRingAttn,
+    UlyssesAttn,
+    Fpdt,
+    Usp,
+}
+
+impl ParallelMode {
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "data_parallel" => Self::DataParallel,
+            "zigzag_ring_attn" => Self::ZigzagRingAttn,
+            "ulysses_attn" => Self::UlyssesAttn,
+            "fpdt" => Self::Fpdt,
+            "usp" => Self::Usp,
+            _ => return None,
+        })
+    }
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::DataParallel => "data_parallel",
+            Self::ZigzagRingAttn => "zigzag_ring_attn",
+            Self::UlyssesAttn => "ulysses_attn",
+            Self::Fpdt => "fpdt",
+            Self::Usp => "usp",
+        }
+    }
+    pub const ALL: &'static str = "data_parallel, zigzag_ring_attn, ulysses_attn, fpdt, usp";
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSection {
+    /// `builtin:tiny` (seeded random init, no download), a local directory, or a hub id.
+    pub source: String,
+    /// Weights/activations dtype on the device: f32, bf16 or f16 (CPU runs use f32).
+    pub dtype: String,
+    /// `cpu` or `cuda` (`cuda:N` for a device index).
+    pub device: String,
+}
+impl Default for ModelSection {
+    fn default() -> Self {
+        Self { source: "builtin:tiny".into(), dtype: "f32".into(), device: "cpu".into() }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataSection {
+    /// `synthetic:passkey`, a local file/directory (jsonl, txt, parquet, .bin tokens) or a hub dataset id.
+    pub dataset: String,
+    /// Column/field holding token ids or text (`input_ids` or `text`).
+    pub column: Option<String>,
+    /// Buffer of the streaming shuffle (0 = no shuffle).
+    pub shuffle_buffer: usize,
+}
+impl Default for DataSection {
+    fn default() -> Self {
+        Self { dataset: "synthetic:passkey".into(), column: None, shuffle_buffer: 64 }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainSection {
+    pub batch_size: usize,
+    pub gradient_accumulate_every: usize,
+    pub learning_rate: f64,
+    pub lr_schedule: Schedule,
+    pub warmup_steps: u64,
+    pub min_lr_ratio: f64,
+    /// Global-norm gradient clipping (0 = off).
+    pub clip_grad: f64,
+    pub adamw: AdamWConfig,
+    /// Write a resumable checkpoint every N optimizer steps (0 = only at stage ends).
+    pub checkpoint_every: u64,
+}
+impl Default for TrainSection {
+    fn default() -> Self {
+        Self {
+            batch_size: 1,
+            gradient_accumulate_every: 1,
+            learning_rate: 2e-5,
+            lr_schedule: Schedule::Constant,
+            warmup_steps: 0,
+            min_lr_ratio: 0.1,
+            clip_grad: 1.0,
+            adamw: AdamWConfig::default(),
+            checkpoint_every: 0,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelSection {
+    pub mode: ParallelMode,
+    /// Ranks when not started by a launcher (threads of this process sharing the device).
+    pub world_size: usize,
+    /// Sequence-parallel degree (ranks sharing one sequence); the rest is data parallel.
+    /// 0 = all ranks (world_size) for sequence-parallel modes, 1 for data_parallel.
+    pub sp_size: usize,
+    /// USP: Ulysses degree inside a ring group (sp_size = ulysses_size × ring).
+    pub ulysses_size: usize,
+    /// FPDT chunk size in global tokens.
+    pub fpdt_chunk_size: usize,
+    /// FPDT: keep kv chunks in host memory.
+    pub fpdt_offload: bool,
+    /// Keep saved layer inputs in host memory between forward and backward.
+    pub offload_activations: bool,
+    /// Tokens per chunk for token-wise parts (norms, MLP, head, loss).
+    pub token_chunk: usize,
+}
+impl Default for ParallelSection {
+    fn default() -> Self {
+        Self {
+            mode: ParallelMode::DataParallel,
+            world_size: 1,
+            sp_size: 0,
+            ulysses_size: 1,
+            fpdt_chunk_size: 65536,
+            fpdt_offload: false,
+            offload_activations: false,
+            token_chunk: 4096,
+        }
+    }
+}
+
+/// One stage of a progressive rope_theta recipe; each starts from the previous weights.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Stage {
+    pub seq_length: usize,
+    pub rope_theta: f64,
+    pub steps: u64,
+    pub learning_rate: Option<f64>,
+    pub parallel_mode: Option<ParallelMode>,
+    pub fpdt_chunk_size: Option<usize>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct ExportSection {
+    /// rope_theta written into the exported config.json (default: the last stage's).
+    pub final_rope_theta: Option<f64>,
+    /// max_position_embeddings written (default: the last stage's seq_length, or the
+    /// model's own if larger).
+    pub max_position_embeddings: Option<usize>,
+    /// Largest shard, bytes.
+    pub max_shard_bytes: Option<u64>,
+    /// dtype of the exported weights (default: the checkpoint's torch_dtype, else f32... bf16).
+    pub dtype: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    pub seed: u64,
+    pub output_dir: PathBuf,
+    pub model: ModelSection,
+    pub data: DataSection,
+    pub train: TrainSection,
+    pub parallel: ParallelSection,
+    #[serde(rename = "stage")]
+    pub stages: Vec<Stage>,
+    pub export: ExportSection,
+}
+
+impl Default for RunConfig {
+    /// The embedded default: the demo main job (tiny built-in Llama, passkey data, two stages).
+    fn default() -> Self {
+        Self {
+            seed: 42,
+            output_dir: PathBuf::from("runs/demo"),
+            model: ModelSection::default(),
+            data: DataSection::default(),
+            train: TrainSection { learning_rate: 3e-3, warmup_steps: 10, batch_size: 4, ..Default::default() },
+            parallel: ParallelSection { token_chunk: 256, ..Default::default() },
+            stages: vec![
+                Stage { seq_length: 256, rope_theta: 10_000.0, steps: 60, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None },
+                Stage { seq_length: 512, rope_theta: 100_000.0, steps: 30, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None },
+            ],
+            export: ExportSection::default(),
+        }
+    }
+}
+
+impl RunConfig {
+    /// Read a TOML run config; unknown or mistyped fields are errors naming the field.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let mut cfg: RunConfig = toml::from_str(&text).map_err(|e| {
+            let field = e.span().map(|s| text[s].lines().next().unwrap_or("").to_string()).unwrap_or_default();
+            Error::config(path, field, e.message().to_string())
+        })?;
+        // A file that names no stage gets none (not the demo's): `validate` then asks for one.
+        let has_stages = text.parse::<toml::Table>().map(|t| t.contains_key("stage")).unwrap_or(false);
+        if !has_stages {
+            cfg.stages.clear();
+        }
+        Ok(cfg)
+    }
+
+    /// The sequence-parallel degree for a mode and world size.
+    pub fn sp_size_for(&self, mode: ParallelMode) -> usize {
+        match mode {
+            ParallelMode::DataParallel => 1,
+            _ if self.parallel.sp_size == 0 => self.parallel.world_size,
+            _ => self.parallel.sp_size,
+        }
+    }
+
+    /// Check everything that can be checked without the model; `source` names where the
+    /// values came from (a file or "flags") for the messages.
+    pub fn validate(&self, source: &Path) -> Result<()> {
+        let bad = |field: &str, msg: String| Err(Error::config(source, field, msg));
+        if self.stages.is_empty() {
+            return bad("stage", "no stage given; add a [[stage]] with seq_length, rope_theta and steps (or pass --seq-length and --rope-theta)".into());
+        }
+        let p = &self.parallel;
+        if p.world_size == 0 {
+            return bad("parallel.world_size", "must be at least 1".into());
+        }
+        if self.train.batch_size == 0 || self.train.gradient_accumulate_every == 0 {
+            return bad("train.batch_size", "batch_size and gradient_accumulate_every must be at least 1".into());
+        }
+        if !(self.train.learning_rate > 0.0) {
+            return bad("train.learning_rate", format!("must be positive, got {}", self.train.learning_rate));
+        }
+        if p.token_chunk == 0 {
+            return bad("parallel.token_chunk", "must be at least 1".into());
+        }
+        let mut prev_len = 0usize;
+        let mut prev_theta = 0f64;
+        for (i, st) in self.stages.iter().enumerate() {
+            let f = |name: &str| format!("stage[{i}].{name}");
+            if st.seq_length == 0 {
+                return bad(&f("seq_length"), "must be positive".into());
+            }
+            if !(st.rope_theta > 0.0) || !st.rope_theta.is_finite() {
+                return bad(&f("rope_theta"), format!("must be a positive number, got {}", st.rope_theta));
+            }
+            if st.steps == 0 {
+                return bad(&f("steps"), "must be at least 1".into());
+            }
+            if st.seq_length < prev_len || st.rope_theta < prev_theta {
+                return bad(
+                    &f("seq_length"),
+                    format!(
+                        "stages must not decrease: stage {i} has seq_length {} / rope_theta {} after {prev_len} / {prev_theta}; order stages by increasing length and theta",
+                        st.seq_length, st.rope_theta
+                    ),
+                );
+            }
+            prev_len = st.seq_length;
+            prev_theta = st.rope_theta;
+            let mode = st.parallel_mode.unwrap_or(p.mode);
+            let sp = self.sp_size_for(mode);
+            if sp == 0 || p.world_size % sp != 0 {
+                return bad("parallel.sp_size", format!("world_size {} is not a multiple of sp_size {sp}", p.world_size));
+            }
+            let chunk = st.fpdt_chunk_size.unwrap_or(p.fpdt_chunk_size);
+            match mode {
+                ParallelMode::DataParallel => {}
+                ParallelMode::ZigzagRingAttn => {
+                    if st.seq_length % (2 * sp) != 0 {
+                        return bad(&f("seq_length"), format!("zigzag ring over {sp} ranks needs a multiple of 2·{sp} = {}, got {}", 2 * sp, st.seq_length));
+                    }
+                }
+                ParallelMode::UlyssesAttn => {
+                    if st.seq_length % sp != 0 {
+                        return bad(&f("seq_length"), format!("ulysses over {sp} ranks needs a multiple of {sp}, got {}", st.seq_length));
+                    }
+                }
+                ParallelMode::Fpdt => {
+                    if chunk == 0 || chunk % sp != 0 {
+                        return bad("parallel.fpdt_chunk_size", format!("fpdt chunk size {chunk} must be a positive multiple of sp_size {sp}"));
+                    }
+                    if st.seq_length % chunk != 0 {
+                        return bad(&f("seq_length"), format!("fpdt needs seq_length to be a multiple of the chunk size {chunk}, got {}; use --fpdt-chunk-size dividing it", st.seq_length));
+                    }
+                }
+                ParallelMode::Usp => {
+                    let u = p.ulysses_size.max(1);
+                    if sp % u != 0 {
+                        return bad("parallel.ulysses_size", format!("usp: sp_size {sp} is not a multiple of ulysses_size {u}"));
+                    }
+                    let ring = sp / u;
+                    if st.seq_length % (2 * ring * u) != 0 {
+                        return bad(&f("seq_length"), format!("usp ({u} ulysses × {ring} ring) needs a multiple of {}, got {}", 2 * ring * u, st.seq_length));
+                    }
+                }
+            }
+        }
+        if let Some(t) = self.export.final_rope_theta {
+            if !(t > 0.0) || !t.is_finite() {
+                return bad("export.final_rope_theta", format!("must be a positive number, got {t}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid() {
+        RunConfig::default().validate(Path::new("<default>")).unwrap();
+    }
+
+    #[test]
+    fn rejects_bad_settings() {
+        let src = Path::new("run.toml");
+        let mut c = RunConfig::default();
+        c.stages[1].seq_length = 128;
+        let e = c.validate(src).unwrap_err().to_string();
+        assert!(e.contains("stage[1].seq_length") && e.contains("must not decrease"), "{e}");
+
+        let mut c = RunConfig::default();
+        c.stages[0].rope_theta = -1.0;
+        let e = c.validate(src).unwrap_err().to_string();
+        assert!(e.contains("rope_theta") && e.contains("positive"), "{e}");
+
+        let mut c = RunConfig::default();
+        c.parallel.mode = ParallelMode::ZigzagRingAttn;
+        c.parallel.world_size = 3;
+        c.stages[0].seq_length = 250;
+        let e = c.validate(src).unwrap_err().to_string();
+        assert!(e.contains("multiple of 2·3 = 6"), "{e}");
+
+        let mut c = RunConfig::default();
+        c.parallel.mode = ParallelMode::Fpdt;
+        c.parallel.world_size = 2;
+        c.parallel.fpdt_chunk_size = 96;
+        let e = c.validate(src).unwrap_err().to_string();
+        assert!(e.contains("multiple of the chunk size 96"), "{e}");
+    }
+
+    #[test]
+    fn toml_unknown_field_is_named() {
+        let dir = std::env::temp_dir().join(format!("longctx-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("bad.toml");
+        std::fs::write(&p, "[train]\nbatch_sise = 2\n").unwrap();
+        let e = RunConfig::from_file(&p).unwrap_err().to_string();
+        assert!(e.contains("bad.toml") && e.contains("batch_sise"), "{e}");
+        std::fs::write(&p, "[[stage]]\nseq_length = 1024\nrope_theta = 1e6\nsteps = 3\n[parallel]\nmode = \"zigzag_ring_attn\"\n").unwrap();
+        let c = RunConfig::from_file(&p).unwrap();
+        assert_eq!(c.parallel.mode, ParallelMode::ZigzagRingAttn);
+        assert_eq!(c.stages.len(), 1);
+    }
+}

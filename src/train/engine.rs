@@ -1,0 +1,269 @@
+//! The layer-wise training engine: exact gradients without a graph over the whole model.
+//!
+//! Candle keeps every intermediate of a graph alive until `backward()` returns, so a long
+//! sequence cannot be trained through one graph. Instead:
+//! 1. forward: embed, then each decoder layer on *untracked* weights (detached views of the
+//!    same storage), keeping only each layer's input `x_l [b, s, h]` (on the device, or
+//!    copied to host memory when offloading);
+//! 2. head: the final norm, `lm_head` and the cross-entropy run chunk by chunk over tokens
+//!    (`token_chunk` tokens at a time), so the `[tokens, vocab]` logits never exist whole;
+//!    each chunk's backward gives the grads of norm/head and a slice of `dL/dx_L`;
+//! 3. backward, top layer first: recompute the attention half `h = x + attn(norm1(x))`
+//!    with tracked weights (one graph for one layer's attention), run the MLP half
+//!    `y = h + mlp(norm2(h))` chunk by chunk seeded with `(y_c · g_c).sum()`, then seed the
+//!    attention graph with `(h · dL/dh).sum()` to get its param grads and `dL/dx_l`;
+//! 4. embedding grads from `dL/dx_0`, chunk by chunk.
+//! Gradients are of `scale · Σ token losses` (the trainer passes `1 / global token count`),
+//! accumulated in f32, detached.
+//!
+//! Shapes: `b` batch, `s` local tokens, `h` hidden, `V` vocabulary, `c` tokens per chunk.
+
+use crate::model::{Llama, RopeTable};
+use crate::Result;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::VarBuilder;
+use longctx_attention::AttentionMode;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Knobs of the engine.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Tokens per chunk for the token-wise parts (MLP, norms, head, loss, embedding).
+    pub token_chunk: usize,
+    /// Keep saved layer inputs in host memory between forward and backward.
+    pub offload_activations: bool,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self { token_chunk: 4096, offload_activations: false }
+    }
+}
+
+/// Memory the engine held, measured from the tensors it kept (bytes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryReport {
+    /// Saved layer inputs (∝ layers × tokens × hidden).
+    pub saved_bytes: usize,
+    /// Of which in host memory.
+    pub saved_host_bytes: usize,
+    /// Largest token-wise chunk intermediate set (logits chunk or MLP chunk; ∝ chunk).
+    pub transient_bytes: usize,
+}
+
+/// Result of one forward+backward over a micro-batch.
+pub struct StepResult {
+    /// Σ token losses (unscaled) of this rank's tokens.
+    pub loss_sum: f64,
+    /// Counted (non-ignored) tokens of this rank.
+    pub n_tokens: usize,
+    /// f32 gradients of `scale · Σ losses`, aligned with [`Engine::params`].
+    pub grads: Vec<Tensor>,
+    pub memory: MemoryReport,
+}
+
+/// A model pair over the same storage: `tracked` (Vars, for recomputation with autograd)
+/// and `plain` (detached views, for the graph-free forward).
+pub struct Engine {
+    pub tracked: Llama,
+    pub plain: Llama,
+    /// `(name, var)` for every parameter, in the model's order.
+    pub params: Vec<(String, Var)>,
+    pub opts: EngineOptions,
+}
+
+fn bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
+impl Engine {
+    /// Wrap a model loaded from Vars (e.g. `VarBuilder::from_varmap`). `vars` maps each
+    /// parameter name to its Var (the tensors in `tracked` must be those Vars).
+    pub fn new(tracked: Llama, vars: &HashMap<String, Var>, opts: EngineOptions) -> Result<Self> {
+        let mut params = Vec::new();
+        let mut plain_map = HashMap::new();
+        for (name, t) in tracked.named_parameters() {
+            let var = vars.get(&name).ok_or_else(|| crate::Error::Setting(format!("parameter `{name}` has no Var")))?;
+            params.push((name.clone(), var.clone()));
+            plain_map.insert(name, t.detach());
+        }
+        let dev = tracked.embed_tokens.embeddings().device().clone();
+        let vb = VarBuilder::from_tensors(plain_map, tracked.dtype(), &dev);
+        let mut plain = Llama::load(vb, &tracked.cfg)?;
+        plain.rope = tracked.rope.clone();
+        Ok(Self { tracked, plain, params, opts })
+    }
+
+    /// Build both views from Vars (one per parameter name, dtype and device of the run).
+    pub fn from_vars(cfg: &crate::model::LlamaConfig, vars: &HashMap<String, Var>, opts: EngineOptions) -> Result<Self> {
+        let first = vars.values().next().ok_or_else(|| crate::Error::Setting("no parameters".into()))?;
+        let (dtype, dev) = (first.dtype(), first.device().clone());
+        let map: HashMap<String, Tensor> = vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+        let tracked = Llama::load(VarBuilder::from_tensors(map, dtype, &dev), cfg)?;
+        Self::new(tracked, vars, opts)
+    }
+
+    /// Use `rope_theta` from now on (a new stage); both views.
+    pub fn set_rope(&mut self, rope: crate::model::Rope) {
+        self.tracked.rope = rope.clone();
+        self.plain.rope = rope;
+    }
+
+    fn chunks(&self, s: usize) -> Vec<(usize, usize)> {
+        let c = self.opts.token_chunk.max(1);
+        (0..s).step_by(c).map(|st| (st, c.min(s - st))).collect()
+    }
+
+    /// Add the gradients present in `grads` to `acc` (f32, detached).
+    fn collect(&self, grads: &candle_core::backprop::GradStore, acc: &mut [Option<Tensor>]) -> Result<()> {
+        for (i, (_, var)) in self.params.iter().enumerate() {
+            if let Some(g) = grads.get(var.as_tensor()) {
+                let g = g.detach().to_dtype(DType::F32)?;
+                acc[i] = Some(match acc[i].take() {
+                    Some(a) => a.add(&g)?,
+                    None => g,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Forward and backward of this rank's tokens.
+    /// `ids [b, s]` u32, `targets [b, s]` i64 (negative = ignore), `positions [b, s]` u32
+    /// global ids, `global_len` the global sequence length (for length-dependent RoPE),
+    /// `scale` multiplies the loss before differentiation.
+    pub fn step(
+        &self,
+        ids: &Tensor,
+        targets: &Tensor,
+        positions: &Tensor,
+        global_len: usize,
+        attn: &Arc<dyn AttentionMode>,
+        scale: f64,
+    ) -> Result<StepResult> {
+        let (_b, s) = ids.dims2()?;
+        let dev = ids.device().clone();
+        let rope: RopeTable = self.plain.rope_table(positions, Some(global_len))?;
+        let mut mem = MemoryReport::default();
+        let mut acc: Vec<Option<Tensor>> = vec![None; self.params.len()];
+        let chunks = self.chunks(s);
+
+        // 1. forward, graph-free; keep layer inputs.
+        let mut x = self.plain.embed(ids)?; // [b, s, h]
+        let mut saved: Vec<Tensor> = Vec::with_capacity(self.plain.layers.len());
+        for layer in &self.plain.layers {
+            let keep = if self.opts.offload_activations { x.to_device(&Device::Cpu)? } else { x.clone() };
+            mem.saved_bytes += bytes(&keep);
+            if self.opts.offload_activations {
+                mem.saved_host_bytes += bytes(&keep);
+            }
+            saved.push(keep);
+            let a = layer.self_attn.forward(&layer.input_layernorm.forward(&x)?, &rope, attn)?;
+            let hmid = x.add(&a)?;
+            let mut outs = Vec::with_capacity(chunks.len());
+            for &(st, len) in &chunks {
+                let hc = hmid.narrow(1, st, len)?;
+                let m = layer.mlp.forward(&layer.post_attention_layernorm.forward(&hc)?)?;
+                mem.transient_bytes = mem.transient_bytes.max(self.mlp_chunk_bytes(&hc));
+                outs.push(hc.add(&m)?);
+            }
+            x = Tensor::cat(&outs, 1)?;
+        }
+
+        // 2. head + loss, chunked; dL/dx_L.
+        let mut loss_sum = 0f64;
+        let mut n_tokens = 0usize;
+        let mut gx_chunks = Vec::with_capacity(chunks.len());
+        for &(st, len) in &chunks {
+            let hc = Var::from_tensor(&x.narrow(1, st, len)?.contiguous()?)?;
+            let logits = self.tracked.logits(&self.tracked.norm.forward(hc.as_tensor())?)?; // [b, c, V]
+            mem.transient_bytes = mem.transient_bytes.max(bytes(&logits) + logits.elem_count() * 4);
+            let (l, n) = crate::model::cross_entropy_sum(&logits, &targets.narrow(1, st, len)?)?;
+            loss_sum += l.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            n_tokens += n;
+            let grads = (l * scale)?.backward()?;
+            self.collect(&grads, &mut acc)?;
+            gx_chunks.push(match grads.get(hc.as_tensor()) {
+                Some(g) => g.detach(),
+                None => hc.as_tensor().zeros_like()?,
+            });
+        }
+        let mut gx = Tensor::cat(&gx_chunks, 1)?; // [b, s, h]
+        drop(x);
+
+        // 3. layers, top first: recompute one layer with tracked weights.
+        for (layer, x_in) in self.tracked.layers.iter().zip(saved.into_iter()).rev() {
+            let x_in = Var::from_tensor(&x_in.to_device(&dev)?)?;
+            let a = layer.self_attn.forward(&layer.input_layernorm.forward(x_in.as_tensor())?, &rope, attn)?;
+            let hmid = x_in.as_tensor().add(&a)?; // tracked graph of the attention half
+            let hplain = hmid.detach();
+            let mut gh_chunks = Vec::with_capacity(chunks.len());
+            for &(st, len) in &chunks {
+                let hc = Var::from_tensor(&hplain.narrow(1, st, len)?.contiguous()?)?;
+                let y = hc.as_tensor().add(&layer.mlp.forward(&layer.post_attention_layernorm.forward(hc.as_tensor())?)?)?;
+                let seed = y.mul(&gx.narrow(1, st, len)?)?.sum_all()?;
+                let grads = seed.backward()?;
+                self.collect(&grads, &mut acc)?;
+                gh_chunks.push(match grads.get(hc.as_tensor()) {
+                    Some(g) => g.detach(),
+                    None => hc.as_tensor().zeros_like()?,
+                });
+            }
+            let gh = Tensor::cat(&gh_chunks, 1)?;
+            let grads = hmid.mul(&gh)?.sum_all()?.backward()?;
+            self.collect(&grads, &mut acc)?;
+            gx = match grads.get(x_in.as_tensor()) {
+                Some(g) => g.detach(),
+                None => x_in.as_tensor().zeros_like()?,
+            };
+        }
+
+        // 4. embedding.
+        for &(st, len) in &chunks {
+            let e = self.tracked.embed(&ids.narrow(1, st, len)?)?;
+            let grads = e.mul(&gx.narrow(1, st, len)?)?.sum_all()?.backward()?;
+            self.collect(&grads, &mut acc)?;
+        }
+
+        let mut grads = Vec::with_capacity(acc.len());
+        for (a, (_, var)) in acc.into_iter().zip(&self.params) {
+            grads.push(match a {
+                Some(g) => g,
+                None => var.as_tensor().to_dtype(DType::F32)?.zeros_like()?,
+            });
+        }
+        Ok(StepResult { loss_sum, n_tokens, grads, memory: mem })
+    }
+
+    /// Bytes of one MLP chunk's intermediates (gate, up, product in the model dtype).
+    fn mlp_chunk_bytes(&self, hc: &Tensor) -> usize {
+        let tokens = hc.elem_count() / self.tracked.cfg.hidden_size.max(1);
+        3 * tokens * self.tracked.cfg.intermediate_size * hc.dtype().size_in_bytes()
+    }
+
+    /// Reference: the same gradients through one full graph (small inputs only).
+    pub fn full_graph_step(
+        &self,
+        ids: &Tensor,
+        targets: &Tensor,
+        positions: &Tensor,
+        attn: &Arc<dyn AttentionMode>,
+        scale: f64,
+    ) -> Result<StepResult> {
+        let (l, n) = self.tracked.loss(ids, targets, positions, attn)?;
+        let loss_sum = l.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let grads = (l * scale)?.backward()?;
+        let mut acc = vec![None; self.params.len()];
+        self.collect(&grads, &mut acc)?;
+        let grads = acc
+            .into_iter()
+            .zip(&self.params)
+            .map(|(a, (_, v))| match a {
+                Some(g) => Ok(g),
+                None => Ok(v.as_tensor().to_dtype(DType::F32)?.zeros_like()?),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(StepResult { loss_sum, n_tokens: n, grads, memory: MemoryReport::default() })
+    }
+}

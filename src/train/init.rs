@@ -1,0 +1,108 @@
+//! Built-in models (no download): configs embedded in the binary and a seeded random
+//! initialisation as transformers does it (`normal(0, initializer_range)` for linear
+//! and embedding weights, zeros for biases, ones for RMSNorm weights).
+
+use crate::model::LlamaConfig;
+use crate::{Error, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// The names `builtin:<name>` accepts.
+pub const BUILTINS: &str = "tiny";
+
+/// `config.json` of a built-in model.
+pub fn builtin_config_json(name: &str) -> Result<serde_json::Value> {
+    match name {
+        // ~0.4M parameters: trains on 2 CPU cores in about a minute per stage of the demo.
+        "tiny" => Ok(serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 176,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 256,
+            "vocab_size": 256,
+            "tie_word_embeddings": false,
+            "attention_bias": false,
+            "initializer_range": 0.02,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "torch_dtype": "float32"
+        })),
+        _ => Err(Error::config("--model", "model.source", format!("unknown built-in model `builtin:{name}`; available: {BUILTINS}"))),
+    }
+}
+
+pub fn builtin_config(name: &str) -> Result<LlamaConfig> {
+    LlamaConfig::from_value(Path::new(&format!("builtin:{name}/config.json")), builtin_config_json(name)?)
+}
+
+/// Names and shapes of every parameter of a config (tied head omitted).
+pub fn parameter_shapes(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, i, v, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim);
+    let (hq, hkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+    let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        out.push((format!("{p}.self_attn.q_proj.weight"), vec![hq * d, h]));
+        out.push((format!("{p}.self_attn.k_proj.weight"), vec![hkv * d, h]));
+        out.push((format!("{p}.self_attn.v_proj.weight"), vec![hkv * d, h]));
+        if cfg.qkv_bias() {
+            out.push((format!("{p}.self_attn.q_proj.bias"), vec![hq * d]));
+            out.push((format!("{p}.self_attn.k_proj.bias"), vec![hkv * d]));
+            out.push((format!("{p}.self_attn.v_proj.bias"), vec![hkv * d]));
+        }
+        out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, hq * d]));
+        if cfg.o_bias() {
+            out.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
+        }
+        out.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
+        out.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
+        out.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
+        out.push((format!("{p}.input_layernorm.weight"), vec![h]));
+        out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+    }
+    out.push(("model.norm.weight".to_string(), vec![h]));
+    if !cfg.tie_word_embeddings {
+        out.push(("lm_head.weight".to_string(), vec![v, h]));
+    }
+    out
+}
+
+/// Seeded random weights (same seed → same bits on every rank and run).
+pub fn random_init(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
+    let std = cfg.extra.get("initializer_range").and_then(serde_json::Value::as_f64).unwrap_or(0.02);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut out = HashMap::new();
+    for (name, shape) in parameter_shapes(cfg) {
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = if name.ends_with("norm.weight") {
+            vec![1.0; n]
+        } else if name.ends_with(".bias") {
+            vec![0.0; n]
+        } else {
+            (0..n)
+                .map(|_| {
+                    // Box–Muller.
+                    let u1: f64 = rng.random::<f64>().max(1e-300);
+                    let u2: f64 = rng.random::<f64>();
+                    ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos() * std) as f32
+                })
+                .collect()
+        };
+        out.insert(name, Tensor::from_vec(data, shape, &Device::Cpu)?.to_dtype(dtype)?.to_device(device)?);
+    }
+    Ok(out)
+}
+
+/// Turn weights into Vars (the tensors the optimizer updates in place).
+pub fn to_vars(weights: HashMap<String, Tensor>) -> Result<HashMap<String, Var>> {
+    weights.into_iter().map(|(n, t)| Ok((n, Var::from_tensor(&t)?))).collect()
+}
