@@ -1,0 +1,289 @@
+//! Resolving `--model`: a local directory, or a Hugging Face hub id (`org/name`,
+//! optionally `org/name@revision`) looked up in the HF cache and downloaded if needed.
+//!
+//! Cache layout (shared with Python's huggingface_hub / transformers):
+//! ```text
+//! <cache>/models--org--name/refs/<revision>        the commit hash the revision points to
+//! <cache>/models--org--name/snapshots/<hash>/<file> the files (often symlinks into blobs/)
+//! <cache>/models--org--name/blobs/<etag>
+//! ```
+//! The cache directory follows huggingface_hub exactly: `HF_HUB_CACHE`, else the legacy
+//! `HUGGINGFACE_HUB_CACHE`, else `$HF_HOME/hub`, else `$XDG_CACHE_HOME/huggingface/hub`,
+//! else `~/.cache/huggingface/hub`. (hf-hub 0.4 itself only honours `HF_HOME`, so we
+//! compute the directory and hand it over.) `HF_HUB_OFFLINE` (or `TRANSFORMERS_OFFLINE`)
+//! set to 1/ON/YES/TRUE means the network is never touched.
+
+use std::path::{Path, PathBuf};
+
+use super::config::CONFIG_FILE;
+use super::export::TOKENIZER_FILES;
+use super::load::{INDEX_FILE, SINGLE_FILE};
+use crate::{Error, Result};
+
+/// Where and how to look models up on the hub.
+#[derive(Debug, Clone)]
+pub struct HubOptions {
+    /// The hub cache directory (the one holding `models--org--name` folders).
+    pub cache_dir: PathBuf,
+    /// Never touch the network; everything must already be in `cache_dir`.
+    pub offline: bool,
+    /// Access token for gated/private models (`HF_TOKEN`, else `$HF_HOME/token`).
+    pub token: Option<String>,
+    /// Hub endpoint (`HF_ENDPOINT`), default https://huggingface.co.
+    pub endpoint: Option<String>,
+    /// Show download progress bars.
+    pub progress: bool,
+}
+
+fn non_empty(v: Option<String>) -> Option<String> {
+    v.filter(|s| !s.trim().is_empty())
+}
+
+/// `~/x` -> `$HOME/x`, like Python's `os.path.expanduser`.
+fn expand_home(p: String, home: &Option<PathBuf>) -> PathBuf {
+    match (p.strip_prefix("~/"), home) {
+        (Some(rest), Some(h)) => h.join(rest),
+        _ if p == "~" => home.clone().unwrap_or_else(|| PathBuf::from(p)),
+        _ => PathBuf::from(p),
+    }
+}
+
+/// huggingface_hub's truthy values for boolean environment variables.
+pub fn env_flag_true(v: Option<&str>) -> bool {
+    v.is_some_and(|v| matches!(v.trim().to_ascii_uppercase().as_str(), "1" | "ON" | "YES" | "TRUE"))
+}
+
+impl HubOptions {
+    /// Options from the process environment (see module docs).
+    pub fn from_env() -> Self {
+        Self::from_vars(|k| std::env::var(k).ok(), dirs_home())
+    }
+
+    /// Options from a variable lookup (`var(name)`) and home directory: the pure core of
+    /// [`HubOptions::from_env`], testable without touching the process environment.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>, home: Option<PathBuf>) -> Self {
+        let get = |k: &str| non_empty(var(k));
+        let hf_home = match get("HF_HOME") {
+            Some(h) => expand_home(h, &home),
+            None => {
+                let xdg = get("XDG_CACHE_HOME")
+                    .map(|x| expand_home(x, &home))
+                    .or_else(|| home.as_ref().map(|h| h.join(".cache")))
+                    .unwrap_or_else(|| PathBuf::from(".cache"));
+                xdg.join("huggingface")
+            }
+        };
+        let cache_dir = get("HF_HUB_CACHE")
+            .or_else(|| get("HUGGINGFACE_HUB_CACHE"))
+            .map(|c| expand_home(c, &home))
+            .unwrap_or_else(|| hf_home.join("hub"));
+        let offline = env_flag_true(get("HF_HUB_OFFLINE").or_else(|| get("TRANSFORMERS_OFFLINE")).as_deref());
+        let token = get("HF_TOKEN").or_else(|| {
+            let path = get("HF_TOKEN_PATH").map(|p| expand_home(p, &home)).unwrap_or_else(|| hf_home.join("token"));
+            non_empty(std::fs::read_to_string(path).ok()).map(|t| t.trim().to_string())
+        });
+        Self { cache_dir, offline, token, endpoint: get("HF_ENDPOINT"), progress: true }
+    }
+
+    /// Offline lookups in an explicit cache directory (tests, air-gapped machines).
+    pub fn offline_in(cache_dir: impl Into<PathBuf>) -> Self {
+        Self { cache_dir: cache_dir.into(), offline: true, token: None, endpoint: None, progress: false }
+    }
+}
+
+fn dirs_home() -> Option<PathBuf> {
+    std::env::var_os("HOME").filter(|h| !h.is_empty()).map(PathBuf::from)
+}
+
+/// What `--model` named.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSpec {
+    Local(PathBuf),
+    Hub { repo_id: String, revision: String },
+}
+
+impl ModelSpec {
+    /// An existing path is a local directory; `org/name` or `org/name@rev` (or a bare
+    /// legacy `name`) is a hub id; anything else is a local path that does not exist.
+    pub fn parse(s: &str) -> Self {
+        let path = Path::new(s);
+        if path.exists() {
+            return ModelSpec::Local(path.to_path_buf());
+        }
+        let (id, rev) = match s.split_once('@') {
+            Some((id, rev)) if !rev.is_empty() => (id, rev),
+            _ => (s, "main"),
+        };
+        let part_ok = |p: &str| {
+            !p.is_empty()
+                && !p.starts_with(['.', '-'])
+                && !p.contains("..")
+                && p.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        };
+        let parts: Vec<&str> = id.split('/').collect();
+        if (1..=2).contains(&parts.len()) && parts.iter().all(|p| part_ok(p)) {
+            ModelSpec::Hub { repo_id: id.to_string(), revision: rev.to_string() }
+        } else {
+            ModelSpec::Local(path.to_path_buf())
+        }
+    }
+}
+
+/// A resolved model: the local directory holding config.json, weights and tokenizer.
+#[derive(Debug, Clone)]
+pub struct ResolvedModel {
+    pub dir: PathBuf,
+    /// `(repo_id, commit)` when it came from the hub cache.
+    pub hub: Option<(String, String)>,
+}
+
+/// Resolves `spec` (see [`ModelSpec::parse`]) to a local model directory, downloading
+/// from the hub unless `opts.offline`.
+pub fn resolve_model(spec: &str, opts: &HubOptions) -> Result<ResolvedModel> {
+    match ModelSpec::parse(spec) {
+        ModelSpec::Local(dir) => {
+            if !dir.is_dir() {
+                return Err(Error::checkpoint(
+                    &dir,
+                    "model directory not found, and this is not a hub id of the form `org/name[@revision]`",
+                ));
+            }
+            Ok(ResolvedModel { dir, hub: None })
+        }
+        ModelSpec::Hub { repo_id, revision } => {
+            if opts.offline {
+                resolve_offline(&repo_id, &revision, &opts.cache_dir)
+            } else {
+                download(&repo_id, &revision, opts)
+            }
+        }
+    }
+}
+
+fn repo_folder(cache_dir: &Path, repo_id: &str) -> PathBuf {
+    cache_dir.join(format!("models--{}", repo_id.replace('/', "--")))
+}
+
+fn is_commit_hash(s: &str) -> bool {
+    s.len() == 40 && s.chars().all(|c| c.is_ascii_hexdigit())
+}
+
+/// Finds `repo_id@revision` in the cache without any network access and checks that the
+/// files needed to train (config, every weight file) are there.
+pub fn resolve_offline(repo_id: &str, revision: &str, cache_dir: &Path) -> Result<ResolvedModel> {
+    let folder = repo_folder(cache_dir, repo_id);
+    let how = format!(
+        "offline mode (HF_HUB_OFFLINE) forbids downloading: fetch it while online (run longctx \
+         without HF_HUB_OFFLINE, or `huggingface-cli download {repo_id}`) into the cache {}, or pass a local directory",
+        cache_dir.display()
+    );
+    if !folder.is_dir() {
+        return Err(Error::checkpoint(&folder, format!("model `{repo_id}` is not in the Hugging Face cache; {how}")));
+    }
+    let commit = if is_commit_hash(revision) && folder.join("snapshots").join(revision).is_dir() {
+        revision.to_string()
+    } else {
+        let ref_file = folder.join("refs").join(revision);
+        match std::fs::read_to_string(&ref_file) {
+            Ok(c) if !c.trim().is_empty() => c.trim().to_string(),
+            _ => {
+                return Err(Error::checkpoint(
+                    &ref_file,
+                    format!("revision `{revision}` of `{repo_id}` is not in the cache (no ref file); {how}"),
+                ))
+            }
+        }
+    };
+    let dir = folder.join("snapshots").join(&commit);
+    let need = |file: &str| -> Result<()> {
+        if dir.join(file).is_file() {
+            Ok(())
+        } else {
+            Err(Error::checkpoint(
+                dir.join(file),
+                format!("file `{file}` of `{repo_id}` (commit {commit}) is not in the cache; {how}"),
+            ))
+        }
+    };
+    need(CONFIG_FILE)?;
+    if !dir.join(SINGLE_FILE).is_file() {
+        if !dir.join(INDEX_FILE).is_file() {
+            need(SINGLE_FILE)?;
+        }
+        for shard in index_shards(&dir.join(INDEX_FILE))? {
+            need(&shard)?;
+        }
+    }
+    Ok(ResolvedModel { dir, hub: Some((repo_id.to_string(), commit)) })
+}
+
+/// The distinct shard file names of an index, sorted.
+fn index_shards(index: &Path) -> Result<Vec<String>> {
+    #[derive(serde::Deserialize)]
+    struct Index {
+        weight_map: std::collections::BTreeMap<String, String>,
+    }
+    let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
+    let parsed: Index = serde_json::from_str(&text)
+        .map_err(|e| Error::checkpoint(index, format!("not a valid index ({e}); expected a `weight_map` object")))?;
+    let mut shards: Vec<String> = parsed.weight_map.into_values().collect();
+    shards.sort();
+    shards.dedup();
+    Ok(shards)
+}
+
+/// Downloads (or finds in the cache) config, weights and tokenizer files of `repo_id`.
+fn download(repo_id: &str, revision: &str, opts: &HubOptions) -> Result<ResolvedModel> {
+    use hf_hub::api::sync::{ApiBuilder, ApiError};
+    let mut builder = ApiBuilder::new()
+        .with_cache_dir(opts.cache_dir.clone())
+        .with_token(opts.token.clone())
+        .with_progress(opts.progress);
+    if let Some(ep) = &opts.endpoint {
+        builder = builder.with_endpoint(ep.clone());
+    }
+    let api = builder
+        .build()
+        .map_err(|e| Error::Setting(format!("cannot set up the Hugging Face hub client: {e}")))?;
+    let repo = api.repo(hf_hub::Repo::with_revision(repo_id.to_string(), hf_hub::RepoType::Model, revision.to_string()));
+    let not_found = |e: &ApiError| matches!(e, ApiError::RequestError(r) if matches!(**r, ureq::Error::Status(404, _)));
+    let fail = |file: &str, e: ApiError| {
+        let hint = match &e {
+            ApiError::RequestError(r) if matches!(**r, ureq::Error::Status(401 | 403, _)) => {
+                " (gated or private model: accept its licence on the hub and set HF_TOKEN)"
+            }
+            ApiError::RequestError(r) if matches!(**r, ureq::Error::Status(404, _)) => {
+                " (no such repo, revision or file on the hub)"
+            }
+            _ => " (no network? set HF_HUB_OFFLINE=1 to use the cache only)",
+        };
+        Error::checkpoint(
+            opts.cache_dir.join(format!("models--{}", repo_id.replace('/', "--"))),
+            format!("cannot download `{file}` of `{repo_id}@{revision}`: {e}{hint}"),
+        )
+    };
+    let config = repo.get(CONFIG_FILE).map_err(|e| fail(CONFIG_FILE, e))?;
+    let dir = config
+        .parent()
+        .map(Path::to_path_buf)
+        .ok_or_else(|| Error::checkpoint(&config, "downloaded file has no parent directory"))?;
+    match repo.get(SINGLE_FILE) {
+        Ok(_) => {}
+        Err(e) if not_found(&e) => {
+            let index = repo.get(INDEX_FILE).map_err(|e| fail(INDEX_FILE, e))?;
+            for shard in index_shards(&index)? {
+                repo.get(&shard).map_err(|e| fail(&shard, e))?;
+            }
+        }
+        Err(e) => return Err(fail(SINGLE_FILE, e)),
+    }
+    for f in TOKENIZER_FILES {
+        match repo.get(f) {
+            Ok(_) => {}
+            Err(e) if not_found(&e) => {}
+            Err(e) => return Err(fail(f, e)),
+        }
+    }
+    let commit = dir.file_name().and_then(|s| s.to_str()).unwrap_or_default().to_string();
+    Ok(ResolvedModel { dir, hub: Some((repo_id.to_string(), commit)) })
+}

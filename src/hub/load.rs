@@ -1,0 +1,233 @@
+//! Loading the weights of a Hugging Face model directory.
+//!
+//! A directory holds either one `model.safetensors` or shards listed by
+//! `model.safetensors.index.json` (`{"metadata": {..}, "weight_map": {name: shard file}}`).
+//! Like transformers, a single `model.safetensors` wins when both exist.
+//! Files are memory-mapped; a tensor is read (and converted to the run dtype) only when
+//! asked for, so [`Checkpoint::var_builder`] streams weights straight into the model.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Shape, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+
+use super::st_file::SafetensorsFile;
+use crate::{Error, Result};
+
+pub const SINGLE_FILE: &str = "model.safetensors";
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The weights of one model directory: its safetensors files (mapped, headers checked)
+/// and which file holds which tensor.
+pub struct Checkpoint {
+    dir: PathBuf,
+    /// `Some(path)` for a sharded checkpoint.
+    index: Option<PathBuf>,
+    files: Vec<SafetensorsFile>,
+    /// tensor name -> position in `files`.
+    routing: BTreeMap<String, usize>,
+}
+
+#[derive(serde::Deserialize)]
+struct IndexJson {
+    weight_map: BTreeMap<String, String>,
+}
+
+impl Checkpoint {
+    /// Opens the weights of `dir`, checking every file header and (for a sharded
+    /// checkpoint) that every shard and every indexed tensor is present.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        if !dir.is_dir() {
+            return Err(Error::checkpoint(dir, "model directory not found (expected a directory with config.json and model.safetensors)"));
+        }
+        let single = dir.join(SINGLE_FILE);
+        if single.is_file() {
+            let file = SafetensorsFile::open(&single)?;
+            let routing = file.names().into_iter().map(|n| (n.to_string(), 0)).collect();
+            return Ok(Self { dir: dir.to_path_buf(), index: None, files: vec![file], routing });
+        }
+        let index = dir.join(INDEX_FILE);
+        if index.is_file() {
+            return Self::open_sharded(dir, &index);
+        }
+        let hint = if dir.join("pytorch_model.bin").exists() || dir.join("pytorch_model.bin.index.json").exists() {
+            " (only PyTorch .bin weights found: convert them to safetensors, e.g. load with transformers and `save_pretrained(dir, safe_serialization=True)`)"
+        } else {
+            ""
+        };
+        Err(Error::checkpoint(
+            dir,
+            format!("no weights: the model directory needs {SINGLE_FILE} or {INDEX_FILE} with its shards{hint}"),
+        ))
+    }
+
+    fn open_sharded(dir: &Path, index: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
+        let parsed: IndexJson = serde_json::from_str(&text).map_err(|e| {
+            Error::checkpoint(index, format!("not a valid index ({e}); expected {{\"metadata\": {{..}}, \"weight_map\": {{tensor: shard file}}}}"))
+        })?;
+        if parsed.weight_map.is_empty() {
+            return Err(Error::checkpoint(index, "`weight_map` is empty: the index lists no tensors"));
+        }
+        // Open each shard once, in sorted order.
+        let mut shard_pos: BTreeMap<&str, usize> = BTreeMap::new();
+        for shard in parsed.weight_map.values() {
+            shard_pos.entry(shard.as_str()).or_insert(0);
+        }
+        let mut files = Vec::with_capacity(shard_pos.len());
+        for (i, (shard, pos)) in shard_pos.iter_mut().enumerate() {
+            if shard.contains("..") || Path::new(shard).is_absolute() {
+                return Err(Error::checkpoint(index, format!("shard name `{shard}` must be a file name inside the model directory")));
+            }
+            let path = dir.join(shard);
+            if !path.is_file() {
+                return Err(Error::checkpoint(
+                    index,
+                    format!("shard `{shard}` named in the weight_map is missing ({}); re-download the checkpoint with all its shards", path.display()),
+                ));
+            }
+            files.push(SafetensorsFile::open(&path)?);
+            *pos = i;
+        }
+        let mut routing = BTreeMap::new();
+        for (name, shard) in &parsed.weight_map {
+            let pos = shard_pos[shard.as_str()];
+            if files[pos].entry(name).is_none() {
+                return Err(Error::checkpoint(
+                    files[pos].path(),
+                    format!(
+                        "tensor `{name}` is listed in {} but absent from this shard; the index and shards disagree, re-download or re-export the checkpoint",
+                        index.display()
+                    ),
+                ));
+            }
+            routing.insert(name.clone(), pos);
+        }
+        Ok(Self { dir: dir.to_path_buf(), index: Some(index.to_path_buf()), files, routing })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The index file of a sharded checkpoint.
+    pub fn index_file(&self) -> Option<&Path> {
+        self.index.as_deref()
+    }
+
+    /// The safetensors files, in the order shards are numbered.
+    pub fn files(&self) -> Vec<&Path> {
+        self.files.iter().map(|f| f.path()).collect()
+    }
+
+    /// All tensor names, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        self.routing.keys().map(String::as_str).collect()
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.routing.contains_key(name)
+    }
+
+    /// On-disk dtype string and shape of tensor `name`.
+    pub fn info(&self, name: &str) -> Option<(&str, &[usize])> {
+        let f = &self.files[*self.routing.get(name)?];
+        f.entry(name).map(|e| (e.dtype.as_str(), e.shape.as_slice()))
+    }
+
+    /// Reads one tensor converted to `dtype` on `device`.
+    pub fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
+        let Some(&pos) = self.routing.get(name) else {
+            let at = self.index.as_deref().unwrap_or_else(|| self.files[0].path());
+            return Err(Error::checkpoint(at, format!("tensor `{name}` not found in the checkpoint")));
+        };
+        self.files[pos].load(name, dtype, device)
+    }
+
+    /// Reads every tensor converted to `dtype` on `device`.
+    pub fn load_all(&self, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
+        let mut out = HashMap::with_capacity(self.routing.len());
+        for name in self.routing.keys() {
+            out.insert(name.clone(), self.load(name, dtype, device)?);
+        }
+        Ok(out)
+    }
+
+    /// A `VarBuilder` that reads each weight from the mapped files when the model asks
+    /// for it (no full copy of the checkpoint in memory), checking its shape.
+    pub fn var_builder(self, dtype: DType, device: &Device) -> VarBuilder<'static> {
+        let backend: Box<dyn candle_nn::var_builder::SimpleBackend> = Box::new(self);
+        VarBuilder::from_backend(backend, dtype, device.clone())
+    }
+}
+
+impl candle_nn::var_builder::SimpleBackend for Checkpoint {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _h: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self.get_unchecked(name, dtype, dev)?;
+        if t.shape() != &s {
+            let file = self.files[self.routing[name]].path();
+            return Err(candle_core::Error::Msg(format!(
+                "{}: tensor `{name}` has shape {:?} but the model expects {:?}; does config.json match these weights?",
+                file.display(),
+                t.dims(),
+                s.dims()
+            )));
+        }
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        match self.load(name, dtype, dev) {
+            Ok(t) => Ok(t),
+            Err(Error::Candle(e)) => Err(e),
+            Err(e) => Err(candle_core::Error::Msg(e.to_string())),
+        }
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.contains(name)
+    }
+}
+
+/// Loads every weight of the model directory `dir` (single or sharded safetensors,
+/// F32/F16/BF16/F64 on disk) converted to `dtype` on `device`.
+pub fn load_weights(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
+    Checkpoint::open(dir)?.load_all(dtype, device)
+}
+
+/// Fills `varmap` with every weight of `dir` as trainable `Var`s (dtype `dtype`, on
+/// `device`), replacing the value of a Var that already has that name. A model built
+/// afterwards with `VarBuilder::from_varmap(varmap, ..)` then starts from these weights.
+/// Returns the number of tensors loaded.
+pub fn load_into_varmap(dir: impl AsRef<Path>, varmap: &VarMap, dtype: DType, device: &Device) -> Result<usize> {
+    let ckpt = Checkpoint::open(dir)?;
+    let names: Vec<String> = ckpt.names().into_iter().map(str::to_string).collect();
+    for name in &names {
+        let t = ckpt.load(name, dtype, device)?;
+        let mut data = varmap.data().lock().map_err(|_| Error::Setting("VarMap mutex poisoned by a panic in another thread".into()))?;
+        match data.get(name) {
+            Some(var) => {
+                if var.shape() != t.shape() {
+                    return Err(Error::checkpoint(
+                        ckpt.files[ckpt.routing[name]].path(),
+                        format!("tensor `{name}` has shape {:?} but the VarMap already holds {:?}", t.dims(), var.dims()),
+                    ));
+                }
+                var.set(&t.to_dtype(var.dtype())?)?;
+            }
+            None => {
+                data.insert(name.clone(), candle_core::Var::from_tensor(&t)?);
+            }
+        }
+    }
+    Ok(names.len())
+}
