@@ -1,1 +1,186 @@
-//! (Being written.)
+//! Ulysses: sequence-parallel attention by all-to-all head resharding.
+//!
+//! Shapes (P ranks, `S = s·P` global tokens, `H` any head count divisible by P):
+//! - sequence-sharded `[b, s, H, d]`: this rank's contiguous token slice
+//!   `[r·s, (r+1)·s)` of the global sequence, all heads;
+//! - head-sharded `[b, S, H/P, d]`: the whole sequence, heads `[r·H/P, (r+1)·H/P)`.
+//!
+//! Forward: q, k, v go sequence → heads by one all-to-all each, the block kernel runs
+//! causally on the full sequence for the local heads, and `o` (and `lse [b, hq, s]`)
+//! come back heads → sequence. The backward of an all-to-all is the inverse all-to-all,
+//! so the backward exchanges `do`, `o`, `lse` (and q, k, v again) to head-sharded form,
+//! runs the kernel backward and sends `dq`, `dk`, `dv` back.
+//!
+//! GQA: rank r takes the contiguous query heads `[r·hq/P, (r+1)·hq/P)`, which use the
+//! kv heads `[r·hkv/P, (r+1)·hkv/P)` when `hkv % P == 0`. When `P` is a multiple of
+//! `hkv`, each kv head is first repeated `P/hkv` times *in place* (copies adjacent:
+//! `[k0, k0, k1, k1, ..]`), so rank r gets copy `r` = original kv head `r·hkv/P`,
+//! exactly the one its query heads use; the copies' gradients sum back.
+
+use crate::comm::Comm;
+use crate::kernel::{self, Mask};
+use crate::mode::AttentionMode;
+use candle_core::{DType, Result, Tensor};
+use std::sync::Arc;
+
+/// One all-to-all: cut `x` into P equal parts along `split_dim` (part i goes to rank i)
+/// and concatenate what arrives along `cat_dim` in rank order.
+pub fn exchange(comm: &dyn Comm, x: &Tensor, split_dim: usize, cat_dim: usize) -> Result<Tensor> {
+    let p = comm.world();
+    let n = x.dim(split_dim)?;
+    if p == 0 || n % p != 0 {
+        return crate::shape_err!(
+            "all-to-all: dim {split_dim} of {:?} (= {n}) is not divisible by the world size {p}",
+            x.dims()
+        );
+    }
+    let part = n / p;
+    let xs = (0..p).map(|i| x.narrow(split_dim, i * part, part)?.contiguous()).collect::<Result<Vec<_>>>()?;
+    let ys = comm.all_to_all(xs)?;
+    if ys.len() != p {
+        return crate::comm_err!("all-to-all returned {} parts for a world of {p}", ys.len());
+    }
+    Tensor::cat(&ys, cat_dim)
+}
+
+/// Sequence-sharded `[b, s, H, d]` → head-sharded `[b, s·P, H/P, d]` (global token order).
+pub fn seq_to_heads(comm: &dyn Comm, x: &Tensor) -> Result<Tensor> {
+    x.dims4()?;
+    exchange(comm, x, 2, 1)
+}
+
+/// Head-sharded `[b, S, H/P, d]` → sequence-sharded `[b, S/P, H, d]`; inverse of [`seq_to_heads`].
+pub fn heads_to_seq(comm: &dyn Comm, x: &Tensor) -> Result<Tensor> {
+    x.dims4()?;
+    exchange(comm, x, 1, 2)
+}
+
+/// Sequence-sharded `lse [b, H, s]` → head-sharded `[b, H/P, s·P]`.
+pub fn lse_seq_to_heads(comm: &dyn Comm, lse: &Tensor) -> Result<Tensor> {
+    lse.dims3()?;
+    exchange(comm, lse, 1, 2)
+}
+
+/// Head-sharded `lse [b, H/P, S]` → sequence-sharded `[b, H, S/P]`.
+pub fn lse_heads_to_seq(comm: &dyn Comm, lse: &Tensor) -> Result<Tensor> {
+    lse.dims3()?;
+    exchange(comm, lse, 2, 1)
+}
+
+/// How many times each kv head must be repeated before head sharding over `p` ranks:
+/// 1 when `hkv % p == 0`; `p / hkv` when `p % hkv == 0` (and `hq % p == 0`); else an error
+/// that lists the world sizes that would work.
+pub fn kv_replication(hq: usize, hkv: usize, p: usize) -> Result<usize> {
+    if p == 0 {
+        return crate::config_err!("head sharding over a world of 0 ranks");
+    }
+    if hkv == 0 || hq % hkv != 0 {
+        return crate::config_err!("query heads hq={hq} must be a positive multiple of kv heads hkv={hkv}");
+    }
+    let works = |p: usize| hq % p == 0 && (hkv % p == 0 || p % hkv == 0);
+    if works(p) {
+        return Ok(if hkv % p == 0 { 1 } else { p / hkv });
+    }
+    let ok: Vec<String> = (1..=hq).filter(|&w| works(w)).map(|w| w.to_string()).collect();
+    let why = if hq % p != 0 {
+        format!("query heads hq={hq} are not divisible by the world size P={p}")
+    } else {
+        format!("kv heads hkv={hkv} neither divisible by nor dividing P={p}")
+    };
+    crate::config_err!(
+        "head sharding (Ulysses) with hq={hq}, hkv={hkv}, P={p}: {why}; \
+         world sizes that work for these heads: {}",
+        ok.join(", ")
+    )
+}
+
+/// `x [b, t, hkv, d]` → `[b, t, hkv·r, d]` with each head repeated `r` times adjacently.
+pub fn replicate_kv_heads(x: &Tensor, r: usize) -> Result<Tensor> {
+    if r == 1 {
+        return Ok(x.clone());
+    }
+    let (b, t, h, d) = x.dims4()?;
+    x.unsqueeze(3)?.broadcast_as((b, t, h, r, d))?.reshape((b, t, h * r, d))
+}
+
+/// Backward of [`replicate_kv_heads`]: `dx [b, t, hkv·r, d]` → `[b, t, hkv, d]`, summing
+/// the gradients of the copies (in f32, returned in the dtype of `dx`).
+pub fn reduce_replicated_kv_grad(dx: &Tensor, r: usize) -> Result<Tensor> {
+    if r == 1 {
+        return Ok(dx.clone());
+    }
+    let (b, t, hr, d) = dx.dims4()?;
+    if hr % r != 0 {
+        return crate::shape_err!("replicated kv grad {:?}: heads {hr} not a multiple of {r}", dx.dims());
+    }
+    dx.to_dtype(DType::F32)?.reshape((b, t, hr / r, r, d))?.sum(3)?.to_dtype(dx.dtype())
+}
+
+/// Checks `q [b, s, hq, d]`, `k`/`v [b, s, hkv, d]` for head sharding over `p` ranks;
+/// returns the kv replication factor.
+pub fn check_heads(q: &Tensor, k: &Tensor, v: &Tensor, p: usize) -> Result<usize> {
+    let (b, s, hq, d) = q.dims4()?;
+    let (bk, sk, hkv, dk) = k.dims4()?;
+    if k.dims() != v.dims() || bk != b || sk != s || dk != d {
+        return crate::shape_err!("q {:?}, k {:?}, v {:?}: expected k = v = [{b}, {s}, hkv, {d}]", q.dims(), k.dims(), v.dims());
+    }
+    kv_replication(hq, hkv, p)
+}
+
+/// Ulysses attention; local tokens are the contiguous slice `[r·s, (r+1)·s)`.
+#[derive(Debug, Clone)]
+pub struct Ulysses {
+    pub comm: Arc<dyn Comm>,
+}
+
+impl Ulysses {
+    pub fn new(comm: Arc<dyn Comm>) -> Self {
+        Self { comm }
+    }
+
+    /// q, k, v to head-sharded full sequence (kv replicated as needed).
+    fn to_heads(&self, q: &Tensor, k: &Tensor, v: &Tensor, r: usize) -> Result<(Tensor, Tensor, Tensor)> {
+        let c = self.comm.as_ref();
+        let qh = seq_to_heads(c, q)?;
+        let kh = seq_to_heads(c, &replicate_kv_heads(k, r)?)?;
+        let vh = seq_to_heads(c, &replicate_kv_heads(v, r)?)?;
+        Ok((qh, kh, vh))
+    }
+}
+
+impl AttentionMode for Ulysses {
+    fn name(&self) -> &'static str {
+        "ulysses"
+    }
+
+    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+        let r = check_heads(q, k, v, self.comm.world())?;
+        let (qh, kh, vh) = self.to_heads(q, k, v, r)?;
+        let (oh, lseh) = kernel::fwd(&qh, &kh, &vh, Mask::Causal, scale)?; // [b,S,hq/P,d], [b,hq/P,S]
+        let c = self.comm.as_ref();
+        Ok((heads_to_seq(c, &oh)?, lse_heads_to_seq(c, &lseh)?))
+    }
+
+    fn backward(
+        &self,
+        d_o: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        lse: &Tensor,
+        scale: f64,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let r = check_heads(q, k, v, self.comm.world())?;
+        let c = self.comm.as_ref();
+        let (qh, kh, vh) = self.to_heads(q, k, v, r)?;
+        let doh = seq_to_heads(c, d_o)?;
+        let oh = seq_to_heads(c, o)?;
+        let lseh = lse_seq_to_heads(c, lse)?;
+        let (dqh, dkh, dvh) = kernel::bwd(&doh, &qh, &kh, &vh, &oh, &lseh, Mask::Causal, scale)?;
+        let dq = heads_to_seq(c, &dqh)?;
+        let dk = reduce_replicated_kv_grad(&heads_to_seq(c, &dkh)?, r)?;
+        let dv = reduce_replicated_kv_grad(&heads_to_seq(c, &dvh)?, r)?;
+        Ok((dq, dk, dv))
+    }
+}
