@@ -159,8 +159,7 @@ fn resolve_config(a: &TrainArgs) -> Result<(RunConfig, PathBuf)> {
         c.train.clip_grad = v;
     }
     if let Some(v) = &a.parallel_mode {
-        c.parallel.mode = ParallelMode::parse(v)
-            .ok_or_else(|| longctx::Error::config(flags, "--parallel-mode", format!("expected one of {}, got `{v}`", ParallelMode::ALL)))?;
+        c.parallel.mode = v.parse::<ParallelMode>().map_err(|e| longctx::Error::config(flags, "--parallel-mode", e.to_string()))?;
     }
     if let Some(v) = a.world_size {
         c.parallel.world_size = v;
@@ -237,6 +236,9 @@ fn train(a: TrainArgs) -> Result<()> {
         println!("{}", toml::to_string_pretty(&cfg)?);
         return Ok(());
     }
-    let _ = src;
-    anyhow::bail!("training loop not wired yet")
+    eprintln!("longctx train — resolved config (from {}):", src.display());
+    eprintln!("{}", toml::to_string(&cfg)?.trim_end());
+    let summary = longctx::train::trainer::run(&cfg, a.resume).context("training")?;
+    println!("exported to {}", summary.export_dir.display());
+    Ok(())
 }

@@ -6,41 +6,7 @@ use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-/// Sequence-parallel mode, named as EasyContext's `--parallel_mode` (plus FPDT and USP).
-#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum ParallelMode {
-    /// Every rank holds whole sequences (no sequence parallelism).
-    #[default]
-    DataParallel,
-    ZigzagRingAttn,
-    UlyssesAttn,
-    Fpdt,
-    Usp,
-}
-
-impl ParallelMode {
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "data_parallel" => Self::DataParallel,
-            "zigzag_ring_attn" => Self::ZigzagRingAttn,
-            "ulysses_attn" => Self::UlyssesAttn,
-            "fpdt" => Self::Fpdt,
-            "usp" => Self::Usp,
-            _ => return None,
-        })
-    }
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Self::DataParallel => "data_parallel",
-            Self::ZigzagRingAttn => "zigzag_ring_attn",
-            Self::UlyssesAttn => "ulysses_attn",
-            Self::Fpdt => "fpdt",
-            Self::Usp => "usp",
-        }
-    }
-    pub const ALL: &'static str = "data_parallel, zigzag_ring_attn, ulysses_attn, fpdt, usp";
-}
+pub use crate::dist::dims::ParallelMode;
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]

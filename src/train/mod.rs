@@ -7,3 +7,5 @@ pub mod optim;
 pub use config::{ParallelMode, RunConfig, Stage};
 pub mod engine;
 pub mod init;
+pub mod metrics;
+pub mod trainer;

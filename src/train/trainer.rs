@@ -1,0 +1,476 @@
+//! The training loop: stages of increasing length and rope_theta, each step
+//! `forward+backward (engine) → reduce grads → clip → AdamW (ZeRO-1) → write back`.
+//!
+//! Ranks: in-process (threads sharing the device, `parallel.world_size`) or, under
+//! `longctx launch`/torchrun/Slurm, one process per GPU (NCCL builds). Every rank runs
+//! [`rank_main`] in lockstep; rank 0 prints, writes metrics, checkpoints and the export.
+//!
+//! Exactness: the loss is Σ token losses / Σ counted tokens over all ranks and all
+//! micro-batches of the step (the count is all-reduced *before* the backward and used as
+//! the gradient scale), never a mean of means.
+
+use crate::data::loader::{DataSpec, DataState, FilesConfig, Loader, Shard};
+use crate::data::synthetic::{LossOn, PasskeyConfig};
+use crate::dist::dims::{build_groups, DimsRequest, Groups, ParallelDims, ParallelMode};
+use crate::model::{LlamaConfig, Rope};
+use crate::train::checkpoint::{self, OptimShard, TrainState};
+use crate::train::config::RunConfig;
+use crate::train::engine::{Engine, EngineOptions, MemoryReport};
+use crate::train::metrics::{Metrics, StepLine};
+use crate::train::optim::{lr_at, AdamW};
+use crate::{Error, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use longctx_attention::comm::Comm;
+use longctx_attention::{fpdt::Fpdt, layout, local::LocalAttention, ring::ZigzagRing, ulysses::Ulysses, usp::Usp, AttentionMode};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What a run produced.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    /// Mean loss of the first and last optimizer step of every stage.
+    pub stage_losses: Vec<(f64, f64)>,
+    pub steps: u64,
+    pub tokens: u64,
+    pub seconds: f64,
+    pub export_dir: PathBuf,
+    /// Largest memory report seen (rank 0).
+    pub memory: MemoryReport,
+}
+
+/// The model a run starts from, resolved once (shared by all in-process ranks).
+pub struct StartModel {
+    pub cfg: LlamaConfig,
+    pub config_json: serde_json::Value,
+    /// Host copies of the initial weights (f32 or the checkpoint dtype).
+    pub weights: HashMap<String, Tensor>,
+    /// Where tokenizer files come from (None for built-in models).
+    pub source_dir: Option<PathBuf>,
+    pub tokenizer: Option<tokenizers::Tokenizer>,
+}
+
+pub fn parse_dtype(s: &str, field_src: &Path) -> Result<DType> {
+    match s {
+        "f32" | "float32" => Ok(DType::F32),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        "f16" | "float16" => Ok(DType::F16),
+        _ => Err(Error::config(field_src, "model.dtype", format!("expected f32, bf16 or f16, got `{s}`"))),
+    }
+}
+
+pub fn parse_device(s: &str, field_src: &Path) -> Result<Device> {
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        _ if s.starts_with("cuda") => {
+            let idx = s.strip_prefix("cuda:").map(|i| i.parse::<usize>()).transpose().map_err(|_| {
+                Error::config(field_src, "model.device", format!("expected cpu, cuda or cuda:N, got `{s}`"))
+            })?;
+            Device::new_cuda(idx.unwrap_or(0)).map_err(|e| {
+                Error::config(field_src, "model.device", format!("cannot open `{s}`: {e} (is this a CUDA build? see README, GPU build)"))
+            })
+        }
+        _ => Err(Error::config(field_src, "model.device", format!("expected cpu, cuda or cuda:N, got `{s}`"))),
+    }
+}
+
+/// Resolve `model.source` into a config and initial weights.
+pub fn load_start_model(cfg: &RunConfig) -> Result<StartModel> {
+    if let Some(name) = cfg.model.source.strip_prefix("builtin:") {
+        let json = crate::train::init::builtin_config_json(name)?;
+        let mcfg = crate::train::init::builtin_config(name)?;
+        let weights = crate::train::init::random_init(&mcfg, cfg.seed, DType::F32, &Device::Cpu)?;
+        return Ok(StartModel { cfg: mcfg, config_json: json, weights, source_dir: None, tokenizer: None });
+    }
+    let resolved = crate::hub::resolve_model(&cfg.model.source, &crate::hub::HubOptions::from_env())?;
+    let dir = resolved.dir.clone();
+    let mcfg = LlamaConfig::from_file(dir.join("config.json"))?;
+    let json = crate::hub::read_config(&dir)?;
+    let weights = crate::hub::load_weights(&dir, DType::F32, &Device::Cpu)?;
+    let tokenizer = if dir.join("tokenizer.json").is_file() { Some(crate::hub::load_tokenizer(&dir)?) } else { None };
+    Ok(StartModel { cfg: mcfg, config_json: json, weights, source_dir: Some(dir), tokenizer })
+}
+
+/// The data spec of a stage.
+fn data_spec(cfg: &RunConfig, model: &StartModel, seq_len: usize) -> Result<DataSpec> {
+    let ds = &cfg.data.dataset;
+    if let Some(kind) = ds.strip_prefix("synthetic:") {
+        if kind != "passkey" {
+            return Err(Error::config("<run config>", "data.dataset", format!("unknown synthetic dataset `{ds}`; available: synthetic:passkey")));
+        }
+        let mut p = PasskeyConfig::new(seq_len);
+        p.vocab = model.cfg.vocab_size;
+        p.seed = cfg.seed;
+        p.loss_on = LossOn::All;
+        return Ok(DataSpec::Passkey(p));
+    }
+    let mut f = FilesConfig::new(ds.clone(), seq_len);
+    f.column = cfg.data.column.clone();
+    f.vocab_size = Some(model.cfg.vocab_size);
+    f.shuffle_buffer = cfg.data.shuffle_buffer;
+    f.seed = cfg.seed;
+    f.eos = model.cfg.extra.get("eos_token_id").and_then(|v| v.as_u64()).map(|v| v as u32);
+    Ok(DataSpec::Files(f))
+}
+
+/// The attention mode of a stage over this rank's groups.
+pub fn build_mode(mode: ParallelMode, groups: &Groups, chunk: usize, offload: bool) -> Arc<dyn AttentionMode> {
+    match mode {
+        ParallelMode::DataParallel => Arc::new(LocalAttention),
+        ParallelMode::ZigzagRingAttn => Arc::new(ZigzagRing::new(groups.sp.clone())),
+        ParallelMode::UlyssesAttn => Arc::new(Ulysses::new(groups.sp.clone())),
+        ParallelMode::Fpdt => Arc::new(Fpdt::new(groups.sp.clone(), chunk, offload)),
+        ParallelMode::Usp => Arc::new(Usp::new(groups.ulysses.clone(), groups.ring.clone())),
+    }
+}
+
+/// Global token indices this rank holds under a mode (in local order).
+pub fn local_indices(mode: ParallelMode, dims: &ParallelDims, sp_rank: usize, seq: usize, chunk: usize) -> Result<Vec<usize>> {
+    let sp = dims.sp;
+    let r = match mode {
+        ParallelMode::DataParallel => Ok((0..seq).collect()),
+        ParallelMode::ZigzagRingAttn => layout::zigzag_indices(seq, sp, sp_rank),
+        ParallelMode::UlyssesAttn => layout::contiguous_indices(seq, sp, sp_rank),
+        ParallelMode::Fpdt => layout::fpdt_indices(seq, sp, chunk, sp_rank),
+        ParallelMode::Usp => layout::usp_indices(seq, dims.ulysses, dims.ring, sp_rank),
+    };
+    r.map_err(Error::from)
+}
+
+/// Flat f32 copy of all parameters, padded to `shards · shard_len`.
+fn flatten(ts: &[Tensor], padded: usize) -> Result<Tensor> {
+    let flat: Vec<Tensor> = ts.iter().map(|t| t.to_dtype(DType::F32)?.flatten_all()).collect::<candle_core::Result<_>>()?;
+    let mut flat = Tensor::cat(&flat, 0)?;
+    let n = flat.dim(0)?;
+    if padded > n {
+        flat = Tensor::cat(&[&flat, &Tensor::zeros(padded - n, DType::F32, flat.device())?], 0)?;
+    }
+    Ok(flat)
+}
+
+/// Per-rank context shared by the threads.
+struct Shared<'a> {
+    cfg: &'a RunConfig,
+    model: &'a StartModel,
+    device: Device,
+    dtype: DType,
+    resume: Option<&'a checkpoint::Loaded>,
+}
+
+/// Run the whole config in this process (in-process ranks; or the world of a launched
+/// process when `world` is given).
+pub fn run(cfg: &RunConfig, resume: bool) -> Result<RunSummary> {
+    let src = Path::new("<run config>");
+    let device = parse_device(&cfg.model.device, src)?;
+    let dtype = if device.is_cpu() { DType::F32 } else { parse_dtype(&cfg.model.dtype, src)? };
+    let model = load_start_model(cfg)?;
+    let loaded = if resume { Some(checkpoint::load(&cfg.output_dir)?) } else { None };
+    let shared = Shared { cfg, model: &model, device, dtype, resume: loaded.as_ref() };
+    let w = cfg.parallel.world_size;
+    let outs = longctx_attention::comm::thread::run_ranks(w, |comm| rank_main(&shared, comm).map_err(|e| candle_core::Error::Msg(e.to_string())))
+        .map_err(|e| Error::Setting(e.to_string()))?;
+    outs.into_iter().next().flatten().ok_or_else(|| Error::Setting("rank 0 returned no summary".into()))
+}
+
+/// One rank's whole run. Returns the summary on rank 0.
+fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>> {
+    let cfg = sh.cfg;
+    let rank = world.rank();
+    let is_main = rank == 0;
+    let mcfg = &sh.model.cfg;
+
+    // Weights as Vars on the device, identical on every rank.
+    let mut vars: HashMap<String, Var> = HashMap::new();
+    for (n, t) in &sh.model.weights {
+        vars.insert(n.clone(), Var::from_tensor(&t.to_dtype(sh.dtype)?.to_device(&sh.device)?)?);
+    }
+    let opts = EngineOptions { token_chunk: cfg.parallel.token_chunk, offload_activations: cfg.parallel.offload_activations };
+    let mut engine = Engine::from_vars(mcfg, &vars, opts)?;
+    let param_tensors: Vec<Tensor> = engine.params.iter().map(|(_, v)| v.as_tensor().clone()).collect();
+    let sizes: Vec<usize> = param_tensors.iter().map(|t| t.elem_count()).collect();
+    let n_params: usize = sizes.iter().sum();
+
+    let mut stage_losses = Vec::new();
+    let mut memory = MemoryReport::default();
+    let mut total_tokens = 0u64;
+    let mut global_step = 0u64;
+    let mut metrics = if is_main { Some(Metrics::new(&cfg.output_dir, cfg, n_params, mcfg)?) } else { None };
+    let t0 = Instant::now();
+
+    // Resume.
+    let (mut start_stage, mut start_step, mut data_state): (usize, u64, Option<DataState>) = (0, 0, None);
+    let mut opt_state: Option<(u64, Vec<f32>, Vec<f32>, Vec<f32>)> = None;
+    if let Some(l) = sh.resume {
+        for (n, v) in &vars {
+            let t = l.weights.get(n).ok_or_else(|| Error::checkpoint(checkpoint::checkpoint_dir(&cfg.output_dir), format!("tensor `{n}` missing")))?;
+            v.set(&t.to_dtype(sh.dtype)?.to_device(&sh.device)?)?;
+        }
+        start_stage = l.state.stage;
+        start_step = l.state.stage_step;
+        global_step = l.state.global_step;
+        data_state = serde_json::from_value::<Option<DataState>>(l.state.data.clone())
+            .map_err(|e| Error::checkpoint(checkpoint::checkpoint_dir(&cfg.output_dir), format!("corrupt data cursor: {e}")))?;
+        // The optimizer state is re-sharded below once the dp size is known.
+        opt_state = Some((l.state.adam_step, Vec::new(), Vec::new(), Vec::new()));
+    }
+
+    let mut layout_cache: Option<(ParallelMode, usize)> = None;
+    let mut groups: Option<(ParallelDims, Groups)> = None;
+    let mut optim: Option<(AdamW, usize, usize, usize)> = None; // (state, dp rank, dp size, shard len)
+    for (si, stage) in cfg.stages.iter().enumerate().skip(start_stage) {
+        let mode = stage.parallel_mode.unwrap_or(cfg.parallel.mode);
+        let chunk = stage.fpdt_chunk_size.unwrap_or(cfg.parallel.fpdt_chunk_size);
+        if layout_cache.map(|(m, _)| m) != Some(mode) {
+            let sp = cfg.sp_size_for(mode);
+            let dims = ParallelDims::new(&DimsRequest {
+                mode,
+                world: world.world(),
+                sp: Some(sp),
+                ulysses: if mode == ParallelMode::Usp { Some(cfg.parallel.ulysses_size.max(1)) } else { None },
+                hq: mcfg.num_attention_heads,
+                hkv: mcfg.num_key_value_heads,
+            })?;
+            let g = build_groups(&world, &dims)?;
+            groups = Some((dims, g));
+            layout_cache = Some((mode, sp));
+        }
+        let (dims, g) = groups.as_ref().ok_or_else(|| Error::Setting("groups".into()))?;
+        let attn = build_mode(mode, g, chunk, cfg.parallel.fpdt_offload);
+        let dp_rank = g.dp.rank();
+        let dp = g.dp.world();
+        let sp_rank = g.sp.rank();
+        // Optimizer (built once; the dp layout of later stages must match).
+        if optim.is_none() {
+            let shard_len = n_params.div_ceil(dp);
+            let flat = flatten(&param_tensors, shard_len * dp)?.to_device(&Device::Cpu)?;
+            let master: Vec<f32> = flat.narrow(0, dp_rank * shard_len, shard_len)?.to_vec1()?;
+            let mut decay = Vec::with_capacity(shard_len * dp);
+            for ((_, v), &n) in engine.params.iter().zip(&sizes) {
+                decay.extend(std::iter::repeat_n(v.as_tensor().rank() >= 2, n));
+            }
+            decay.resize(shard_len * dp, false);
+            let decay = decay[dp_rank * shard_len..(dp_rank + 1) * shard_len].to_vec();
+            let mut st = AdamW::new(cfg.train.adamw.clone(), master, decay);
+            if let (Some((astep, _, _, _)), Some(l)) = (&opt_state, sh.resume) {
+                let (m_all, v_all, w_all) = concat_shards(&l.shards);
+                let (lo, hi) = (dp_rank * shard_len, (dp_rank + 1) * shard_len);
+                let pick = |x: &Vec<f32>| -> Vec<f32> {
+                    let mut y: Vec<f32> = x.get(lo.min(x.len())..hi.min(x.len())).unwrap_or(&[]).to_vec();
+                    y.resize(shard_len, 0.0);
+                    y
+                };
+                st.master = pick(&w_all);
+                st.m = pick(&m_all);
+                st.v = pick(&v_all);
+                st.step = *astep;
+            }
+            optim = Some((st, dp_rank, dp, shard_len));
+        }
+        let (adam, _, dp_n, shard_len) = optim.as_mut().ok_or_else(|| Error::Setting("optimizer".into()))?;
+        if *dp_n != dp {
+            return Err(Error::Setting(format!("stage {si}: data-parallel size changes from {dp_n} to {dp}; keep sp_size constant across stages")));
+        }
+
+        engine.set_rope(Rope::new(&mcfg.with_rope_theta(stage.rope_theta)));
+        let indices = local_indices(mode, dims, sp_rank, stage.seq_length, chunk)?;
+        let spec = data_spec(cfg, sh.model, stage.seq_length)?;
+        let mut loader = Loader::new(&spec, sh.model.tokenizer.as_ref(), Shard { rank: dp_rank, world: dp })?;
+        let first_step = if si == start_stage { start_step } else { 0 };
+        if si == start_stage {
+            if let Some(ds) = &data_state {
+                loader.restore(ds)?;
+            }
+        }
+        let lr_base = stage.learning_rate.unwrap_or(cfg.train.learning_rate);
+        let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);
+        if let Some(m) = metrics.as_mut() {
+            m.stage_start(si, stage, mode, world.world(), dims.sp, dp)?;
+        }
+        for step in first_step..stage.steps {
+            let ts = Instant::now();
+            // Micro-batches of this step, localized.
+            let mut micro = Vec::new();
+            for _ in 0..cfg.train.gradient_accumulate_every {
+                let batch = loader.next_batch(cfg.train.batch_size)?.ok_or_else(|| {
+                    Error::data(&cfg.data.dataset, format!("dataset exhausted at stage {si} step {step}; use more data or fewer steps"))
+                })?;
+                let local = batch.localize(&indices)?;
+                let b = batch.batch;
+                let s = indices.len();
+                let ids = Tensor::from_slice(&local.ids, (b, s), &sh.device)?;
+                let targets = Tensor::from_slice(&local.targets, (b, s), &sh.device)?;
+                let pos = Tensor::from_slice(&local.positions, (b, s), &sh.device)?;
+                let counted = local.targets.iter().filter(|&&t| t >= 0).count();
+                micro.push((ids, targets, pos, counted));
+            }
+            let local_count: usize = micro.iter().map(|m| m.3).sum();
+            let global_count = all_reduce_scalar(&world, local_count as f64)?;
+            let scale = if global_count > 0.0 { 1.0 / global_count } else { 0.0 };
+            let mut grads: Option<Vec<Tensor>> = None;
+            let mut loss_sum = 0f64;
+            for (ids, targets, pos, _) in &micro {
+                let r = engine.step(ids, targets, pos, stage.seq_length, &attn, scale)?;
+                loss_sum += r.loss_sum;
+                memory.saved_bytes = memory.saved_bytes.max(r.memory.saved_bytes);
+                memory.saved_host_bytes = memory.saved_host_bytes.max(r.memory.saved_host_bytes);
+                memory.transient_bytes = memory.transient_bytes.max(r.memory.transient_bytes);
+                grads = Some(match grads {
+                    None => r.grads,
+                    Some(acc) => acc.iter().zip(&r.grads).map(|(a, b)| a.add(b)).collect::<candle_core::Result<_>>()?,
+                });
+            }
+            let loss = all_reduce_scalar(&world, loss_sum)? / global_count.max(1.0);
+            let grads = grads.ok_or_else(|| Error::Setting("no micro-batch".into()))?;
+            // Sum over all ranks (sp ranks hold partial grads of their tokens, dp ranks of their samples).
+            let flat = flatten(&grads, *shard_len * dp)?;
+            let flat = if world.world() > 1 { world.all_reduce_sum(&flat)? } else { flat };
+            let flat = flat.to_device(&Device::Cpu)?;
+            let norm = flat.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?.sqrt();
+            let clip = cfg.train.clip_grad;
+            let coef = if clip > 0.0 && norm > clip { clip / (norm + 1e-6) } else { 1.0 };
+            let mut gshard: Vec<f32> = flat.narrow(0, dp_rank * *shard_len, *shard_len)?.to_vec1()?;
+            if coef != 1.0 {
+                gshard.iter_mut().for_each(|x| *x *= coef as f32);
+            }
+            let lr = lr_at(cfg.train.lr_schedule, lr_base, step, stage.steps, cfg.train.warmup_steps, cfg.train.min_lr_ratio);
+            adam.update(&gshard, lr);
+            // Gather the updated shards and write back into the Vars.
+            let shard = Tensor::from_slice(&adam.master, adam.master.len(), &Device::Cpu)?;
+            let full = if dp > 1 {
+                let parts = g.dp.all_gather(&shard.to_device(&sh.device)?)?;
+                Tensor::cat(&parts, 0)?.to_device(&Device::Cpu)?
+            } else {
+                shard
+            };
+            let mut off = 0;
+            for ((_, v), &n) in engine.params.iter().zip(&sizes) {
+                let t = full.narrow(0, off, n)?.reshape(v.as_tensor().shape())?.to_dtype(sh.dtype)?.to_device(&sh.device)?;
+                v.set(&t)?;
+                off += n;
+            }
+            global_step += 1;
+            let tokens = (cfg.train.batch_size * cfg.train.gradient_accumulate_every * dp * stage.seq_length) as u64;
+            total_tokens += tokens;
+            if step == first_step {
+                first_loss = loss;
+            }
+            last_loss = loss;
+            if !loss.is_finite() {
+                return Err(Error::Setting(format!("stage {si} step {step}: loss is {loss}; lower the learning rate or check the data")));
+            }
+            if let Some(m) = metrics.as_mut() {
+                m.step(&StepLine {
+                    stage: si,
+                    step: step + 1,
+                    steps: stage.steps,
+                    global_step,
+                    loss,
+                    lr,
+                    grad_norm: norm,
+                    tokens,
+                    seconds: ts.elapsed().as_secs_f64(),
+                    seq_len: stage.seq_length,
+                    memory,
+                })?;
+            }
+            let every = cfg.train.checkpoint_every;
+            let stage_end = step + 1 == stage.steps;
+            if (every > 0 && global_step % every == 0) || stage_end {
+                let (ns, nst) = if stage_end { (si + 1, 0) } else { (si, step + 1) };
+                let data = if stage_end { None } else { Some(loader.state()) };
+                save_checkpoint(sh, &world, g, &engine, adam, *shard_len, ns, nst, global_step, data)?;
+            }
+        }
+        stage_losses.push((first_loss, last_loss));
+        data_state = None;
+    }
+
+    // Export (rank 0), from the final weights.
+    let export_dir = cfg.output_dir.join("export");
+    if is_main {
+        let last = cfg.stages.last().ok_or_else(|| Error::Setting("no stage".into()))?;
+        let theta = cfg.export.final_rope_theta.unwrap_or(last.rope_theta);
+        let max_pos = cfg.export.max_position_embeddings.unwrap_or(last.seq_length.max(mcfg.max_position_embeddings));
+        let mut json = sh.model.config_json.clone();
+        crate::hub::set_context_fields(&mut json, theta, max_pos)?;
+        let dtype = match &cfg.export.dtype {
+            Some(d) => Some(parse_dtype(d, Path::new("<run config>"))?),
+            None => None,
+        };
+        if let Some(d) = dtype {
+            crate::hub::set_torch_dtype(&mut json, d)?;
+        }
+        let tensors: Vec<(String, Tensor)> = engine.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().detach())).collect();
+        let opts = crate::hub::ExportOptions { max_shard_bytes: cfg.export.max_shard_bytes.unwrap_or(5_000_000_000), dtype };
+        crate::hub::export(&export_dir, &tensors, &json, sh.model.source_dir.as_deref(), &opts)?;
+    }
+    world.barrier()?;
+    let summary = RunSummary { stage_losses, steps: global_step, tokens: total_tokens, seconds: t0.elapsed().as_secs_f64(), export_dir, memory };
+    if let Some(m) = metrics.as_mut() {
+        m.finish(&summary)?;
+    }
+    Ok(if is_main { Some(summary) } else { None })
+}
+
+fn concat_shards(shards: &[(Vec<f32>, Vec<f32>, Vec<f32>)]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (mut w, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
+    for (a, b, c) in shards {
+        w.extend_from_slice(a);
+        m.extend_from_slice(b);
+        v.extend_from_slice(c);
+    }
+    (m, v, w)
+}
+
+fn all_reduce_scalar(world: &Arc<dyn Comm>, x: f64) -> Result<f64> {
+    if world.world() == 1 {
+        return Ok(x);
+    }
+    let t = Tensor::new(&[x], &Device::Cpu)?;
+    Ok(world.all_reduce_sum(&t)?.to_vec1::<f64>()?[0])
+}
+
+#[allow(clippy::too_many_arguments)]
+fn save_checkpoint(
+    sh: &Shared<'_>,
+    world: &Arc<dyn Comm>,
+    g: &Groups,
+    engine: &Engine,
+    adam: &AdamW,
+    shard_len: usize,
+    stage: usize,
+    stage_step: u64,
+    global_step: u64,
+    data: Option<DataState>,
+) -> Result<()> {
+    // Gather every dp shard's optimizer state on rank 0 (only sp rank 0 of each dp group holds distinct state).
+    let dp = g.dp.world();
+    let to_t = |x: &[f32]| Tensor::from_slice(x, x.len(), &Device::Cpu);
+    let gather = |x: &[f32]| -> Result<Vec<Vec<f32>>> {
+        if dp == 1 {
+            return Ok(vec![x.to_vec()]);
+        }
+        let parts = g.dp.all_gather(&to_t(x)?.to_device(&sh.device)?)?;
+        parts.iter().map(|p| Ok(p.to_device(&Device::Cpu)?.to_vec1::<f32>()?)).collect()
+    };
+    let (ws, ms, vs) = (gather(&adam.master)?, gather(&adam.m)?, gather(&adam.v)?);
+    if world.rank() == 0 {
+        let weights: HashMap<String, Tensor> = engine.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().detach())).collect();
+        let shards: Vec<OptimShard<'_>> = (0..dp).map(|d| OptimShard { master: &ws[d], m: &ms[d], v: &vs[d] }).collect();
+        let _ = shard_len;
+        let state = TrainState {
+            stage,
+            stage_step,
+            global_step,
+            adam_step: adam.step,
+            data: serde_json::to_value(&data).map_err(|e| Error::Setting(e.to_string()))?,
+            rng: 0,
+            dp_shards: dp,
+            config: serde_json::to_value(sh.cfg).map_err(|e| Error::Setting(e.to_string()))?,
+        };
+        checkpoint::save(&sh.cfg.output_dir, &weights, &shards, &state)?;
+    }
+    world.barrier()?;
+    Ok(())
+}
