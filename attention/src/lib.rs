@@ -28,6 +28,8 @@ pub mod mode;
 pub mod naive;
 pub mod op;
 pub mod ring;
+#[doc(hidden)]
+pub mod testing;
 pub mod ulysses;
 pub mod usp;
 

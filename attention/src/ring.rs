@@ -1,1 +1,179 @@
-//! (Being written.)
+//! Zigzag ring attention over `W` ranks.
+//!
+//! Layout ([`crate::layout::zigzag_indices`]): the global sequence is cut into `2W`
+//! chunks of `B` tokens; rank `r` holds chunk `r` then chunk `2W-1-r`, so its local
+//! `q`, `k`, `v` have `2B` tokens: `q [b, 2B, hq, d]`, `k`/`v [b, 2B, hkv, d]`.
+//!
+//! Forward, step `s = 0..W`, with the kv block of rank `j = (r - s) mod W`:
+//! - `s = 0`: the local block against itself, causal over the whole `2B x 2B`;
+//! - `j < r`: both q chunks come after kv chunk `j` and before kv chunk `2W-1-j`:
+//!   all of q against the first kv half, no mask;
+//! - `j > r`: q chunk `r` precedes both kv chunks, q chunk `2W-1-r` follows both:
+//!   the second q half against all of kv, no mask.
+//!
+//! The next kv exchange (send to `r+1`, receive from `r-1`) is posted before the
+//! current block is computed and waited after, so communication overlaps compute.
+//! Partial results are merged in f32 with [`crate::merge`]. Only kv heads travel.
+//!
+//! Backward: the same three cases with the global `o`/`lse`. `dq` accumulates locally
+//! in f32. The f32 `dk`/`dv` accumulators of a kv block travel with it: at step `s`
+//! this rank adds its contribution to the accumulator of block `j` (received from
+//! `r-1`, which added its own at step `s-1`) and passes it to `r+1`; after `W` hops
+//! (the last one after step `W-1`) each accumulator is back on its owner with the
+//! contributions of every rank.
+
+use crate::comm::{Comm, Pending};
+use crate::kernel::{self, Mask};
+use crate::merge;
+use crate::mode::AttentionMode;
+use candle_core::{DType, Result, Tensor};
+use std::sync::Arc;
+
+#[derive(Debug, Clone)]
+pub struct ZigzagRing {
+    pub comm: Arc<dyn Comm>,
+}
+
+impl ZigzagRing {
+    pub fn new(comm: Arc<dyn Comm>) -> Self {
+        Self { comm }
+    }
+
+    /// Checks local shapes; returns the chunk length `B` (half the local length).
+    fn half(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<usize> {
+        kernel::check_shapes(q, k, v, Mask::Causal)?;
+        let s = q.dim(1)?;
+        if s % 2 != 0 || s == 0 {
+            return crate::shape_err!(
+                "zigzag ring: local length {s} must be even and non-zero (two chunks of the zigzag layout, \
+                 global length a multiple of 2·world = {})",
+                2 * self.comm.world()
+            );
+        }
+        Ok(s / 2)
+    }
+
+    /// Posts the exchange of `ts` around the ring (to next, from prev).
+    fn pass(&self, ts: &[Tensor]) -> Result<Pending> {
+        self.comm.sendrecv_start(ts.to_vec(), self.comm.next(), self.comm.prev())
+    }
+}
+
+/// Unpacks a received `[k, v]` (or `[dk_lo, dk_hi, dv_lo, dv_hi]`) message.
+fn expect<const N: usize>(ts: Vec<Tensor>, what: &str) -> Result<[Tensor; N]> {
+    let n = ts.len();
+    ts.try_into().or_else(|_| crate::comm_err!("zigzag ring: expected {N} tensors ({what}), received {n}"))
+}
+
+fn add_f32(acc: &Tensor, x: &Tensor) -> Result<Tensor> {
+    acc + x.to_dtype(DType::F32)?
+}
+
+impl AttentionMode for ZigzagRing {
+    fn name(&self) -> &'static str {
+        "zigzag-ring"
+    }
+
+    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+        let half = self.half(q, k, v)?;
+        let (w, r) = (self.comm.world(), self.comm.rank());
+        let q_hi = q.narrow(1, half, half)?;
+        let mut acc: Option<merge::Acc> = None;
+        let (mut k_j, mut v_j) = (k.clone(), v.clone());
+        for s in 0..w {
+            let j = (r + w - s) % w;
+            let next = if s + 1 < w { Some(self.pass(&[k_j.clone(), v_j.clone()])?) } else { None };
+            acc = Some(if s == 0 {
+                let (o, lse) = kernel::fwd(q, &k_j, &v_j, Mask::Causal, scale)?;
+                merge::merge(acc, &o, &lse)?
+            } else if j < r {
+                let (k_lo, v_lo) = (k_j.narrow(1, 0, half)?, v_j.narrow(1, 0, half)?);
+                let (o, lse) = kernel::fwd(q, &k_lo, &v_lo, Mask::None, scale)?;
+                merge::merge(acc, &o, &lse)?
+            } else {
+                let (o, lse) = kernel::fwd(&q_hi, &k_j, &v_j, Mask::None, scale)?;
+                merge::merge_at(acc, &o, &lse, half)?
+            });
+            if let Some(p) = next {
+                [k_j, v_j] = expect::<2>(p.wait()?, "k, v")?;
+            }
+        }
+        match acc {
+            Some(acc) => acc.finish(q.dtype()),
+            None => crate::config_err!("zigzag ring: world size is 0"),
+        }
+    }
+
+    fn backward(
+        &self,
+        d_o: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        lse: &Tensor,
+        scale: f64,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let half = self.half(q, k, v)?;
+        let (w, r) = (self.comm.world(), self.comm.rank());
+        if d_o.dims() != q.dims() || o.dims() != q.dims() {
+            return crate::shape_err!("zigzag ring backward: do {:?} and o {:?} must match q {:?}", d_o.dims(), o.dims(), q.dims());
+        }
+        let hi = |x: &Tensor, dim: usize| x.narrow(dim, half, half);
+        let lo = |x: &Tensor, dim: usize| x.narrow(dim, 0, half);
+        let (do_hi, q_hi, o_hi, lse_hi) = (hi(d_o, 1)?, hi(q, 1)?, hi(o, 1)?, hi(lse, 2)?);
+        // dq halves, f32 [b, B, hq, d]
+        let qz = Tensor::zeros(q_hi.dims(), DType::F32, q.device())?;
+        let (mut dq_lo, mut dq_hi) = (qz.clone(), qz);
+        // kv block j and, travelling with it, its f32 dk/dv accumulator halves [b, B, hkv, d]
+        let (mut k_j, mut v_j) = (k.clone(), v.clone());
+        let mut dkv_in: Option<Pending> = None;
+        for s in 0..w {
+            let j = (r + w - s) % w;
+            let next_kv = if s + 1 < w { Some(self.pass(&[k_j.clone(), v_j.clone()])?) } else { None };
+            // this rank's contribution to dq and to block j's dk/dv, as (lo, hi) halves
+            let (dq_c, dk_c, dv_c) = if s == 0 {
+                let (dq, dk, dv) = kernel::bwd(d_o, q, &k_j, &v_j, o, lse, Mask::Causal, scale)?;
+                ((Some(lo(&dq, 1)?), Some(hi(&dq, 1)?)), (Some(lo(&dk, 1)?), Some(hi(&dk, 1)?)), (Some(lo(&dv, 1)?), Some(hi(&dv, 1)?)))
+            } else if j < r {
+                let (k_lo, v_lo) = (lo(&k_j, 1)?, lo(&v_j, 1)?);
+                let (dq, dk, dv) = kernel::bwd(d_o, q, &k_lo, &v_lo, o, lse, Mask::None, scale)?;
+                ((Some(lo(&dq, 1)?), Some(hi(&dq, 1)?)), (Some(dk), None), (Some(dv), None))
+            } else {
+                let (dq, dk, dv) = kernel::bwd(&do_hi, &q_hi, &k_j, &v_j, &o_hi, &lse_hi, Mask::None, scale)?;
+                ((None, Some(dq)), (Some(lo(&dk, 1)?), Some(hi(&dk, 1)?)), (Some(lo(&dv, 1)?), Some(hi(&dv, 1)?)))
+            };
+            if let Some(x) = &dq_c.0 {
+                dq_lo = add_f32(&dq_lo, x)?;
+            }
+            if let Some(x) = &dq_c.1 {
+                dq_hi = add_f32(&dq_hi, x)?;
+            }
+            // the accumulator of block j: what ranks j..r-1 added (zero at s = 0)
+            let mut dkv = match dkv_in.take() {
+                Some(p) => expect::<4>(p.wait()?, "dk, dv accumulators")?,
+                None => {
+                    let z = Tensor::zeros(lo(&k_j, 1)?.dims(), DType::F32, k.device())?;
+                    [z.clone(), z.clone(), z.clone(), z]
+                }
+            };
+            for (slot, c) in [dk_c.0, dk_c.1, dv_c.0, dv_c.1].into_iter().enumerate() {
+                if let Some(c) = c {
+                    dkv[slot] = add_f32(&dkv[slot], &c)?;
+                }
+            }
+            dkv_in = Some(self.pass(&dkv)?);
+            if let Some(p) = next_kv {
+                [k_j, v_j] = expect::<2>(p.wait()?, "k, v")?;
+            }
+        }
+        let [dk_lo, dk_hi, dv_lo, dv_hi] = match dkv_in {
+            Some(p) => expect::<4>(p.wait()?, "dk, dv accumulators")?,
+            None => return crate::config_err!("zigzag ring: world size is 0"),
+        };
+        let dq = Tensor::cat(&[dq_lo, dq_hi], 1)?.to_dtype(q.dtype())?;
+        let dk = Tensor::cat(&[dk_lo, dk_hi], 1)?.to_dtype(k.dtype())?;
+        let dv = Tensor::cat(&[dv_lo, dv_hi], 1)?.to_dtype(v.dtype())?;
+        Ok((dq, dk, dv))
+    }
+}

@@ -1,0 +1,196 @@
+//! Helpers shared by the mode tests (hidden from the docs; not a stable API).
+//!
+//! Shapes: global `q [b, S, hq, d]`, `k`/`v [b, S, hkv, d]`, `do [b, S, hq, d]`,
+//! `lse [b, hq, S]`; each rank gets the rows of its layout's index list
+//! ([`crate::layout`]) and the results are put back in global order before they are
+//! compared with the single-device reference ([`crate::local::LocalAttention`]).
+//!
+//! Errors are max-norm relative: `max|got - want| / max|want|` per tensor.
+
+use crate::comm::thread::run_ranks;
+use crate::comm::Comm;
+use crate::layout::{gather, gather_seq, take_seq};
+use crate::local::LocalAttention;
+use crate::mode::AttentionMode;
+use candle_core::{DType, Device, Result, Tensor, Var};
+use std::sync::Arc;
+
+/// Global inputs of one attention call plus the upstream gradient `do`.
+#[derive(Debug, Clone)]
+pub struct Inputs {
+    pub q: Tensor,   // [b, S, hq, d]
+    pub k: Tensor,   // [b, S, hkv, d]
+    pub v: Tensor,   // [b, S, hkv, d]
+    pub d_o: Tensor, // [b, S, hq, d]
+}
+
+/// Forward and backward results, in global token order.
+#[derive(Debug, Clone)]
+pub struct Outputs {
+    pub o: Tensor,   // [b, S, hq, d]
+    pub lse: Tensor, // [b, hq, S]
+    pub dq: Tensor,  // [b, S, hq, d]
+    pub dk: Tensor,  // [b, S, hkv, d]
+    pub dv: Tensor,  // [b, S, hkv, d]
+}
+
+/// Max-norm relative error of each output.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Errors {
+    pub o: f64,
+    pub lse: f64,
+    pub dq: f64,
+    pub dk: f64,
+    pub dv: f64,
+}
+
+impl Errors {
+    pub fn max(&self) -> f64 {
+        [self.o, self.lse, self.dq, self.dk, self.dv].into_iter().fold(0.0, f64::max)
+    }
+}
+
+impl std::fmt::Display for Errors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "o {:.2e} lse {:.2e} dq {:.2e} dk {:.2e} dv {:.2e}", self.o, self.lse, self.dq, self.dk, self.dv)
+    }
+}
+
+/// Standard normal f32 tensor from a fixed seed (splitmix64 + Box-Muller), built on
+/// the CPU and moved to `device`, so every device sees the same numbers.
+pub fn randn(shape: &[usize], seed: u64, device: &Device) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let mut state = seed ^ 0x9e37_79b9_7f4a_7c15;
+    let mut next = || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut out = Vec::with_capacity(n + 1);
+    while out.len() < n {
+        // uniforms in (0, 1]
+        let u1 = ((next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+        let u2 = (next() >> 11) as f64 / (1u64 << 53) as f64;
+        let r = (-2.0 * u1.ln()).sqrt();
+        let t = 2.0 * std::f64::consts::PI * u2;
+        out.push((r * t.cos()) as f32);
+        out.push((r * t.sin()) as f32);
+    }
+    out.truncate(n);
+    Tensor::from_vec(out, shape, &Device::Cpu)?.to_device(device)
+}
+
+/// Random f32 inputs (q, k, v, do), seeded.
+pub fn random_inputs(b: usize, s: usize, hq: usize, hkv: usize, d: usize, seed: u64, device: &Device) -> Result<Inputs> {
+    Ok(Inputs {
+        q: randn(&[b, s, hq, d], seed, device)?,
+        k: randn(&[b, s, hkv, d], seed.wrapping_add(1), device)?,
+        v: randn(&[b, s, hkv, d], seed.wrapping_add(2), device)?,
+        d_o: randn(&[b, s, hq, d], seed.wrapping_add(3), device)?,
+    })
+}
+
+/// Single-device causal attention on the whole sequence, forward and backward.
+pub fn reference(inp: &Inputs, scale: f64) -> Result<Outputs> {
+    let m = LocalAttention;
+    let (o, lse) = m.forward(&inp.q, &inp.k, &inp.v, scale)?;
+    let (dq, dk, dv) = m.backward(&inp.d_o, &inp.q, &inp.k, &inp.v, &o, &lse, scale)?;
+    Ok(Outputs { o, lse, dq, dk, dv })
+}
+
+/// `max|got - want| / max|want|` (both converted to f32; shapes must agree).
+pub fn rel_err(got: &Tensor, want: &Tensor) -> Result<f64> {
+    if got.dims() != want.dims() {
+        return crate::shape_err!("rel_err: got {:?}, want {:?}", got.dims(), want.dims());
+    }
+    let (g, w) = (got.to_dtype(DType::F32)?, want.to_dtype(DType::F32)?);
+    let diff = (g - &w)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+    let norm = w.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+    Ok(if norm == 0.0 { diff } else { diff / norm })
+}
+
+pub fn compare(got: &Outputs, want: &Outputs) -> Result<Errors> {
+    Ok(Errors {
+        o: rel_err(&got.o, &want.o)?,
+        lse: rel_err(&got.lse, &want.lse)?,
+        dq: rel_err(&got.dq, &want.dq)?,
+        dk: rel_err(&got.dk, &want.dk)?,
+        dv: rel_err(&got.dv, &want.dv)?,
+    })
+}
+
+/// How a rank drives its mode in [`run_mode_with`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Drive {
+    /// `mode.forward` then `mode.backward` directly.
+    Direct,
+    /// Through [`crate::op::attention_with_lse`] on `Var`s and Candle's backward of
+    /// `sum(o * do)`, so the gradients are those a training step would see.
+    Op,
+}
+
+/// Runs `make(comm)`'s mode on `indices.len()` thread ranks, rank `r` holding the
+/// global tokens `indices[r]`, and returns the results in global order.
+pub fn run_mode<F>(indices: &[Vec<usize>], inp: &Inputs, scale: f64, make: F) -> Result<Outputs>
+where
+    F: Fn(Arc<dyn Comm>) -> Result<Arc<dyn AttentionMode>> + Sync,
+{
+    run_mode_with(Drive::Direct, indices, inp, scale, make)
+}
+
+/// [`run_mode`] with a choice of how each rank drives its mode.
+pub fn run_mode_with<F>(drive: Drive, indices: &[Vec<usize>], inp: &Inputs, scale: f64, make: F) -> Result<Outputs>
+where
+    F: Fn(Arc<dyn Comm>) -> Result<Arc<dyn AttentionMode>> + Sync,
+{
+    let world = indices.len();
+    let per_rank = run_ranks(world, |comm| {
+        let idx = &indices[comm.rank()];
+        let (q, k, v, d_o) = (take_seq(&inp.q, idx)?, take_seq(&inp.k, idx)?, take_seq(&inp.v, idx)?, take_seq(&inp.d_o, idx)?);
+        let mode = make(comm)?;
+        match drive {
+            Drive::Direct => {
+                let (o, lse) = mode.forward(&q, &k, &v, scale)?;
+                let (dq, dk, dv) = mode.backward(&d_o, &q, &k, &v, &o, &lse, scale)?;
+                Ok(Outputs { o, lse, dq, dk, dv })
+            }
+            Drive::Op => {
+                let (qv, kv, vv) = (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
+                let (o, lse) = crate::op::attention_with_lse(&mode, qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale)?;
+                let grads = (&o * &d_o)?.sum_all()?.backward()?;
+                let grad = |x: &Var, name: &str| -> Result<Tensor> {
+                    match grads.get(x.as_tensor()) {
+                        Some(g) => Ok(g.clone()),
+                        None => crate::shape_err!("op backward produced no gradient for {name}"),
+                    }
+                };
+                Ok(Outputs { dq: grad(&qv, "q")?, dk: grad(&kv, "k")?, dv: grad(&vv, "v")?, o: o.detach(), lse })
+            }
+        }
+    })?;
+    let pick = |f: fn(&Outputs) -> &Tensor| per_rank.iter().map(|x| f(x).clone()).collect::<Vec<_>>();
+    Ok(Outputs {
+        o: gather_seq(&pick(|x| &x.o), indices)?,
+        lse: gather(&pick(|x| &x.lse), 2, indices)?,
+        dq: gather_seq(&pick(|x| &x.dq), indices)?,
+        dk: gather_seq(&pick(|x| &x.dk), indices)?,
+        dv: gather_seq(&pick(|x| &x.dv), indices)?,
+    })
+}
+
+/// Errors of a mode against the single-device reference.
+pub fn check_mode<F>(drive: Drive, indices: &[Vec<usize>], inp: &Inputs, scale: f64, make: F) -> Result<Errors>
+where
+    F: Fn(Arc<dyn Comm>) -> Result<Arc<dyn AttentionMode>> + Sync,
+{
+    let want = reference(inp, scale)?;
+    let got = run_mode_with(drive, indices, inp, scale, make)?;
+    compare(&got, &want)
+}
+
+/// Per-rank index lists of a layout function `f(rank)` over `world` ranks.
+pub fn layout_of(world: usize, f: impl Fn(usize) -> Result<Vec<usize>>) -> Result<Vec<Vec<usize>>> {
+    (0..world).map(f).collect()
+}
