@@ -1,1 +1,250 @@
-//! (Being written.)
+//! FPDT (Ulysses-Offload): Ulysses applied chunk by chunk, kv chunks parked on the host.
+//!
+//! Shapes (P ranks, chunk `C` global tokens, `u = S / C` chunks, `c = C / P`):
+//! - local input `q [b, s = u·c, hq, d]`, `k`/`v [b, s, hkv, d]` in the round-robin layout
+//!   ([`crate::layout`]): local chunk i of rank r = global tokens `[iC + r·c, iC + (r+1)·c)`;
+//! - after [`seq_to_heads`] a chunk is the global segment `[iC, (i+1)C)` for this rank's
+//!   heads: `qh [b, C, hq/P, d]`, `kh`/`vh [b, C, hkv·rep/P, d]`, `lse [b, hq/P, C]`.
+//!
+//! Forward, chunk i: exchange the chunk, park its k, v (on the host when `offload`), then
+//! attend `qh_i` to kv chunks `0..=i`, merging with log-sum-exp (`Mask::Causal` only on
+//! the diagonal `j == i`, which uses the freshly exchanged chunk before it is dropped),
+//! loading chunk `j+1` before computing chunk `j`: at most two kv chunks live on the
+//! compute device at once (counted, see [`Fpdt::max_resident_kv_chunks`]).
+//!
+//! Backward, kv-outer / q-inner: q, do, o, lse of every chunk are exchanged once and
+//! parked; for kv chunk i (exchanged again, the only resident kv chunk) the q chunks
+//! `i..u` run the kernel backward with the saved global o/lse; `dk_i`, `dv_i` accumulate
+//! in f32 on the device, the dq partials in f32 where parked. `dq_i` is complete after kv
+//! chunk i, so every chunk's grads go back (heads → sequence) at the end of step i.
+//! Accumulators are rebuilt functionally (`a + b`), never written in place.
+
+use crate::comm::Comm;
+use crate::kernel::{self, Mask};
+use crate::merge;
+use crate::mode::AttentionMode;
+use crate::ulysses::{check_heads, heads_to_seq, lse_heads_to_seq, lse_seq_to_heads, reduce_replicated_kv_grad, replicate_kv_heads, seq_to_heads};
+use candle_core::{DType, Device, Result, Tensor};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Count of kv chunks resident on the compute device, with its high-water mark.
+#[derive(Debug, Default)]
+struct Residency {
+    now: AtomicUsize,
+    max: AtomicUsize,
+}
+
+/// One kv chunk counted as resident on the compute device while this lives.
+#[derive(Debug)]
+struct Slot(Arc<Residency>);
+
+impl Slot {
+    fn take(r: &Arc<Residency>) -> Self {
+        let now = r.now.fetch_add(1, Ordering::SeqCst) + 1;
+        r.max.fetch_max(now, Ordering::SeqCst);
+        Slot(r.clone())
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.now.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A kv chunk `[b, C, hkv', d]`; `slot` is set while it occupies compute-device memory.
+struct KvChunk {
+    k: Tensor,
+    v: Tensor,
+    _slot: Option<Slot>,
+}
+
+/// The q-side tensors of one chunk in head-sharded form.
+struct QChunk {
+    q: Tensor,   // [b, C, hq/P, d]
+    d_o: Tensor, // [b, C, hq/P, d]
+    o: Tensor,   // [b, C, hq/P, d]
+    lse: Tensor, // [b, hq/P, C] f32
+}
+
+/// FPDT attention over the round-robin layout with chunks of `chunk` global tokens.
+#[derive(Debug, Clone)]
+pub struct Fpdt {
+    pub comm: Arc<dyn Comm>,
+    /// `C`, global tokens per chunk (divisible by the world size, dividing `S`).
+    pub chunk: usize,
+    /// Park kv chunks, saved o/lse/q/do and dq partials on the host (`Device::Cpu`).
+    pub offload: bool,
+    residency: Arc<Residency>,
+}
+
+impl Fpdt {
+    pub fn new(comm: Arc<dyn Comm>, chunk: usize, offload: bool) -> Self {
+        Self { comm, chunk, offload, residency: Arc::default() }
+    }
+
+    /// Most kv chunks that were resident on the compute device at once, since creation.
+    /// With `offload` this is at most 2; without, the parked chunks stay on the device.
+    pub fn max_resident_kv_chunks(&self) -> usize {
+        self.residency.max.load(Ordering::SeqCst)
+    }
+
+    /// Validates the chunking for `s` local tokens; returns `(u, c)`: chunks and local
+    /// tokens per chunk.
+    pub fn plan(&self, s: usize) -> Result<(usize, usize)> {
+        let (p, big_c) = (self.comm.world(), self.chunk);
+        if big_c == 0 || big_c % p != 0 {
+            return crate::config_err!("FPDT chunk C={big_c} must be a positive multiple of the world size P={p}");
+        }
+        let total = s * p;
+        if total == 0 || total % big_c != 0 {
+            return crate::config_err!(
+                "FPDT: global length S={total} (local {s} × P={p}) is not a positive multiple of the chunk C={big_c}"
+            );
+        }
+        Ok((total / big_c, big_c / p))
+    }
+
+    /// Where parked tensors live: the host when offloading, else where they are.
+    fn park(&self, t: &Tensor) -> Result<Tensor> {
+        if self.offload {
+            t.to_device(&Device::Cpu)
+        } else {
+            Ok(t.clone())
+        }
+    }
+
+    /// Exchanges local kv chunk `[b, c, hkv, d]` to head-sharded `[b, C, hkv', d]` on the device.
+    fn exchange_kv(&self, k: &Tensor, v: &Tensor, rep: usize) -> Result<KvChunk> {
+        let c = self.comm.as_ref();
+        let k = seq_to_heads(c, &replicate_kv_heads(k, rep)?)?;
+        let v = seq_to_heads(c, &replicate_kv_heads(v, rep)?)?;
+        Ok(KvChunk { k, v, _slot: Some(Slot::take(&self.residency)) })
+    }
+
+    /// Parks a device kv chunk; without offload the parked chunk keeps its device slot.
+    fn park_kv(&self, kv: KvChunk) -> Result<KvChunk> {
+        if self.offload {
+            Ok(KvChunk { k: self.park(&kv.k)?, v: self.park(&kv.v)?, _slot: None })
+        } else {
+            Ok(kv)
+        }
+    }
+
+    /// Brings a parked kv chunk to `dev` (a new resident slot when it was on the host).
+    fn load_kv(&self, kv: &KvChunk, dev: &Device) -> Result<KvChunk> {
+        if self.offload {
+            Ok(KvChunk { k: kv.k.to_device(dev)?, v: kv.v.to_device(dev)?, _slot: Some(Slot::take(&self.residency)) })
+        } else {
+            Ok(KvChunk { k: kv.k.clone(), v: kv.v.clone(), _slot: None })
+        }
+    }
+
+    fn load_q(&self, qc: &QChunk, dev: &Device) -> Result<QChunk> {
+        Ok(QChunk { q: qc.q.to_device(dev)?, d_o: qc.d_o.to_device(dev)?, o: qc.o.to_device(dev)?, lse: qc.lse.to_device(dev)? })
+    }
+}
+
+/// `acc + x` in f32 (a new tensor; `None` starts the sum).
+fn add_f32(acc: Option<Tensor>, x: &Tensor) -> Result<Tensor> {
+    let x = x.to_dtype(DType::F32)?;
+    match acc {
+        None => Ok(x),
+        Some(a) => a + x,
+    }
+}
+
+impl AttentionMode for Fpdt {
+    fn name(&self) -> &'static str {
+        "fpdt"
+    }
+
+    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+        let rep = check_heads(q, k, v, self.comm.world())?;
+        let (u, cl) = self.plan(q.dim(1)?)?;
+        let (c, dev) = (self.comm.as_ref(), q.device());
+        let mut parked: Vec<KvChunk> = Vec::with_capacity(u);
+        let (mut os, mut lses) = (Vec::with_capacity(u), Vec::with_capacity(u));
+        for i in 0..u {
+            let qh = seq_to_heads(c, &q.narrow(1, i * cl, cl)?)?;
+            let fresh = self.exchange_kv(&k.narrow(1, i * cl, cl)?, &v.narrow(1, i * cl, cl)?, rep)?;
+            // Diagonal block on the fresh chunk, with chunk 0 already on its way.
+            let mut next = if i > 0 { Some(self.load_kv(&parked[0], dev)?) } else { None };
+            let (o_b, lse_b) = kernel::fwd(&qh, &fresh.k, &fresh.v, Mask::Causal, scale)?;
+            parked.push(self.park_kv(fresh)?);
+            let mut acc = merge::merge(None, &o_b, &lse_b)?;
+            for j in 0..i {
+                let cur = match next.take() {
+                    Some(kv) => kv,
+                    None => self.load_kv(&parked[j], dev)?,
+                };
+                next = if j + 1 < i { Some(self.load_kv(&parked[j + 1], dev)?) } else { None };
+                let (o_b, lse_b) = kernel::fwd(&qh, &cur.k, &cur.v, Mask::None, scale)?;
+                drop(cur);
+                acc = merge::merge(Some(acc), &o_b, &lse_b)?;
+            }
+            let (oh, lseh) = acc.finish(q.dtype())?;
+            os.push(heads_to_seq(c, &oh)?);
+            lses.push(lse_heads_to_seq(c, &lseh)?);
+        }
+        Ok((Tensor::cat(&os, 1)?, Tensor::cat(&lses, 2)?))
+    }
+
+    fn backward(
+        &self,
+        d_o: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        lse: &Tensor,
+        scale: f64,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let rep = check_heads(q, k, v, self.comm.world())?;
+        let (u, cl) = self.plan(q.dim(1)?)?;
+        let (c, dev) = (self.comm.as_ref(), q.device());
+        if d_o.dims() != q.dims() || o.dims() != q.dims() {
+            return crate::shape_err!("FPDT backward: do {:?} and o {:?} must match q {:?}", d_o.dims(), o.dims(), q.dims());
+        }
+        // The q side of every chunk, head-sharded and parked.
+        let mut qside = Vec::with_capacity(u);
+        for j in 0..u {
+            let part = |t: &Tensor| t.narrow(1, j * cl, cl);
+            qside.push(QChunk {
+                q: self.park(&seq_to_heads(c, &part(q)?)?)?,
+                d_o: self.park(&seq_to_heads(c, &part(d_o)?)?)?,
+                o: self.park(&seq_to_heads(c, &part(o)?)?)?,
+                lse: self.park(&lse_seq_to_heads(c, &lse.narrow(2, j * cl, cl)?)?)?,
+            });
+        }
+        let mut dq_acc: Vec<Option<Tensor>> = vec![None; u]; // f32 [b, C, hq/P, d], parked
+        let (mut dqs, mut dks, mut dvs) = (Vec::with_capacity(u), Vec::with_capacity(u), Vec::with_capacity(u));
+        for i in 0..u {
+            let kv = self.exchange_kv(&k.narrow(1, i * cl, cl)?, &v.narrow(1, i * cl, cl)?, rep)?;
+            let (mut dk_acc, mut dv_acc) = (None, None); // f32 on the device
+            let mut next = Some(self.load_q(&qside[i], dev)?);
+            for j in i..u {
+                let cur = match next.take() {
+                    Some(qc) => qc,
+                    None => self.load_q(&qside[j], dev)?,
+                };
+                next = if j + 1 < u { Some(self.load_q(&qside[j + 1], dev)?) } else { None };
+                let mask = if j == i { Mask::Causal } else { Mask::None };
+                let (dq_p, dk_p, dv_p) = kernel::bwd(&cur.d_o, &cur.q, &kv.k, &kv.v, &cur.o, &cur.lse, mask, scale)?;
+                dk_acc = Some(add_f32(dk_acc, &dk_p)?);
+                dv_acc = Some(add_f32(dv_acc, &dv_p)?);
+                dq_acc[j] = Some(add_f32(dq_acc[j].take(), &self.park(&dq_p)?)?);
+            }
+            drop(kv);
+            let (dqh, dkh, dvh) = match (dq_acc[i].take(), dk_acc, dv_acc) {
+                (Some(a), Some(b), Some(c)) => (a, b, c),
+                _ => return crate::shape_err!("FPDT backward: chunk {i} got no gradient"),
+            };
+            dqs.push(heads_to_seq(c, &dqh.to_device(dev)?.to_dtype(q.dtype())?)?);
+            dks.push(reduce_replicated_kv_grad(&heads_to_seq(c, &dkh.to_dtype(k.dtype())?)?, rep)?);
+            dvs.push(reduce_replicated_kv_grad(&heads_to_seq(c, &dvh.to_dtype(v.dtype())?)?, rep)?);
+        }
+        Ok((Tensor::cat(&dqs, 1)?, Tensor::cat(&dks, 1)?, Tensor::cat(&dvs, 1)?))
+    }
+}
