@@ -1,10 +1,401 @@
-//! CPU block kernel. (Being written; delegates to the naive reference for now.)
-use crate::kernel::Mask;
-use candle_core::{Result, Tensor};
-pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> Result<(Tensor, Tensor)> {
-    crate::naive::fwd(q, k, v, mask, scale)
+//! CPU block kernel: tiled flash-style attention over raw f32 slices with rayon.
+//!
+//! Shapes: `q [b,s,hq,d]`, `k`/`v [b,t,hkv,d]`, `o [b,s,hq,d]` (dtype of q), `lse [b,hq,s]` f32.
+//! All inputs are converted once to contiguous f32 in that token-major layout, so every
+//! token row of one head is a contiguous `[d]` slice; inner loops run over `d` in chunks
+//! of 8 lanes (the compiler vectorises them). Only tile-sized buffers are allocated: the
+//! full `s×t` score matrix never exists.
+//!
+//! Forward: one task per (batch, query head, query tile of `BQ` rows); per row an online
+//! softmax (running max `m`, running sum `l`, f32 accumulator) over key tiles of `BK`.
+//! Causal (diagonal block, `s == t`): query `i` sees keys `0..=i`; tiles above the
+//! diagonal are never visited.
+//!
+//! Backward with the global `o`/`lse`: `P = exp(scale·q·k - lse)` is recomputed per tile,
+//! `D = rowsum(dO∘O)`, `dS = P∘(dO·v - D)`. Two passes, each writing disjoint outputs:
+//! - pass kv: one task per (batch, kv head, key tile) accumulates `dK = scale·Σ dS q` and
+//!   `dV = Σ P dO` over all query rows of the whole GQA group;
+//! - pass q: one task per (batch, query head, query tile) accumulates `dQ = scale·Σ dS k`.
+//!
+//! Rows whose `lse` is `-inf` (no key anywhere) get `P = 0` and are skipped.
+
+use crate::kernel::{check_shapes, Mask};
+use candle_core::{DType, Device, Result, Tensor};
+use rayon::prelude::*;
+
+/// Query rows per forward / dQ task.
+const BQ: usize = 64;
+/// Keys per tile (forward and dQ pass); keys per task in the dK/dV pass.
+const BK: usize = 64;
+
+/// Contiguous f32 copy of a tensor (converted once, any input dtype).
+fn host_f32(x: &Tensor) -> Result<Vec<f32>> {
+    x.to_dtype(DType::F32)?.contiguous()?.flatten_all()?.to_vec1::<f32>()
 }
+
+/// Dot product over contiguous `d`, 8 independent lanes so it vectorises.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0f32; 8];
+    let mut ca = a.chunks_exact(8);
+    let mut cb = b.chunks_exact(8);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        sum += x * y;
+    }
+    sum
+}
+
+/// `y += alpha * x` over contiguous `d`.
+#[inline(always)]
+fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
+    for (a, &b) in y.iter_mut().zip(x) {
+        *a += alpha * b;
+    }
+}
+
+/// Branch-free `exp` for f32 (Cephes-style: `2^n · p(r)`, about 1 ulp), vectorisable.
+/// Arguments below -87 flush to exactly 0; the kernel only passes arguments ≤ ~0.
+#[inline(always)]
+fn exp_f32(x: f32) -> f32 {
+    const LO: f32 = -87.0;
+    const HI: f32 = 88.0;
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 * 2^23: adding it rounds to the nearest integer, kept in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    let xc = x.max(LO).min(HI);
+    let t = xc * LOG2E + ROUND;
+    let n = t - ROUND;
+    let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    let r = xc - n * LN2_HI - n * LN2_LO;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_5e-1)
+        * r
+        + 5.000_000_1e-1;
+    let e = p * r * r + r + 1.0;
+    let pow2 = f32::from_bits(((ni + 127) as u32) << 23);
+    if x < LO {
+        0.0
+    } else {
+        e * pow2
+    }
+}
+
+/// In place `x[i] = exp(x[i] - shift)`.
+#[inline(always)]
+fn exp_shifted(x: &mut [f32], shift: f32) {
+    for v in x.iter_mut() {
+        *v = exp_f32(*v - shift);
+    }
+}
+
+/// Sizes of one block call.
+#[derive(Clone, Copy)]
+struct Dims {
+    s: usize,
+    t: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    causal: bool,
+}
+
+impl Dims {
+    /// Query-head row `[d]` of token `i`: offset into `[b,s,hq,d]`.
+    #[inline(always)]
+    fn q_at(&self, bi: usize, i: usize, h: usize) -> usize {
+        ((bi * self.s + i) * self.hq + h) * self.d
+    }
+    /// Kv-head row `[d]` of key `j`: offset into `[b,t,hkv,d]`.
+    #[inline(always)]
+    fn k_at(&self, bi: usize, j: usize, kh: usize) -> usize {
+        ((bi * self.t + j) * self.hkv + kh) * self.d
+    }
+    /// Index into `[b,hq,s]`.
+    #[inline(always)]
+    fn lse_at(&self, bi: usize, h: usize, i: usize) -> usize {
+        (bi * self.hq + h) * self.s + i
+    }
+    /// End (exclusive) of the keys query `i` sees inside the key range ending at `j1`.
+    #[inline(always)]
+    fn key_end(&self, i: usize, j1: usize) -> usize {
+        if self.causal {
+            j1.min(i + 1)
+        } else {
+            j1
+        }
+    }
+    fn group(&self) -> usize {
+        self.hq / self.hkv
+    }
+}
+
+/// Forward: `(o [b,s,hq,d] dtype of q, lse [b,hq,s] f32)`.
+pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> Result<(Tensor, Tensor)> {
+    let (b, s, t, hq, hkv, d) = check_shapes(q, k, v, mask)?;
+    let dm = Dims { s, t, hq, hkv, d, causal: mask == Mask::Causal };
+    let (qf, kf, vf) = (host_f32(q)?, host_f32(k)?, host_f32(v)?);
+    let scale = scale as f32;
+    let n_qt = s.div_ceil(BQ);
+    let tiles: Vec<(Vec<f32>, Vec<f32>)> = (0..b * hq * n_qt)
+        .into_par_iter()
+        .map(|task| fwd_tile(&dm, &qf, &kf, &vf, scale, task / (hq * n_qt), (task / n_qt) % hq, task % n_qt))
+        .collect();
+    let mut o = vec![0f32; b * s * hq * d];
+    let mut lse = vec![f32::NEG_INFINITY; b * hq * s];
+    for (task, (o_t, lse_t)) in tiles.iter().enumerate() {
+        let (bi, h, i0) = (task / (hq * n_qt), (task / n_qt) % hq, (task % n_qt) * BQ);
+        for (r, l) in lse_t.iter().enumerate() {
+            let i = i0 + r;
+            o[dm.q_at(bi, i, h)..dm.q_at(bi, i, h) + d].copy_from_slice(&o_t[r * d..(r + 1) * d]);
+            lse[dm.lse_at(bi, h, i)] = *l;
+        }
+    }
+    let dev = q.device();
+    let o = to_device(o, (b, s, hq, d), dev)?.to_dtype(q.dtype())?;
+    Ok((o, to_device(lse, (b, hq, s), dev)?))
+}
+
+fn to_device<S: Into<candle_core::Shape>>(x: Vec<f32>, shape: S, dev: &Device) -> Result<Tensor> {
+    Tensor::from_vec(x, shape, &Device::Cpu)?.to_device(dev)
+}
+
+/// One forward task: rows `i0..i1` of query head `h` in batch `bi`.
+/// Returns (`o` tile `[rows,d]`, `lse` tile `[rows]`).
 #[allow(clippy::too_many_arguments)]
-pub fn bwd(d_o: &Tensor, q: &Tensor, k: &Tensor, v: &Tensor, o: &Tensor, lse: &Tensor, mask: Mask, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
-    crate::naive::bwd(d_o, q, k, v, o, lse, mask, scale)
+fn fwd_tile(dm: &Dims, qf: &[f32], kf: &[f32], vf: &[f32], scale: f32, bi: usize, h: usize, qt: usize) -> (Vec<f32>, Vec<f32>) {
+    let d = dm.d;
+    let kh = h / dm.group();
+    let i0 = qt * BQ;
+    let i1 = (i0 + BQ).min(dm.s);
+    let rows = i1 - i0;
+    // Scaled query rows, so scores are plain dots.
+    let mut qs = vec![0f32; rows * d];
+    for r in 0..rows {
+        let src = &qf[dm.q_at(bi, i0 + r, h)..][..d];
+        for (x, &y) in qs[r * d..(r + 1) * d].iter_mut().zip(src) {
+            *x = y * scale;
+        }
+    }
+    let mut m = vec![f32::NEG_INFINITY; rows];
+    let mut l = vec![0f32; rows];
+    let mut acc = vec![0f32; rows * d];
+    let mut sc = [0f32; BK];
+    let k_end = if dm.causal { i1.min(dm.t) } else { dm.t };
+    for j0 in (0..k_end).step_by(BK) {
+        let j1 = (j0 + BK).min(k_end);
+        for r in 0..rows {
+            let je = dm.key_end(i0 + r, j1);
+            if je <= j0 {
+                continue;
+            }
+            let n = je - j0;
+            let qi = &qs[r * d..(r + 1) * d];
+            for (jj, x) in sc[..n].iter_mut().enumerate() {
+                *x = dot(qi, &kf[dm.k_at(bi, j0 + jj, kh)..][..d]);
+            }
+            let m_tile = sc[..n].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+            let m_new = m[r].max(m_tile);
+            // First tile of this row: nothing to rescale (and no -inf - -inf).
+            let alpha = if m[r] == f32::NEG_INFINITY { 0.0 } else { exp_f32(m[r] - m_new) };
+            exp_shifted(&mut sc[..n], m_new);
+            let acc_r = &mut acc[r * d..(r + 1) * d];
+            if alpha != 1.0 {
+                acc_r.iter_mut().for_each(|x| *x *= alpha);
+            }
+            let mut psum = 0f32;
+            for (jj, &p) in sc[..n].iter().enumerate() {
+                psum += p;
+                axpy(acc_r, p, &vf[dm.k_at(bi, j0 + jj, kh)..][..d]);
+            }
+            l[r] = l[r] * alpha + psum;
+            m[r] = m_new;
+        }
+    }
+    let mut lse = vec![f32::NEG_INFINITY; rows];
+    for r in 0..rows {
+        if l[r] > 0.0 {
+            let inv = 1.0 / l[r];
+            acc[r * d..(r + 1) * d].iter_mut().for_each(|x| *x *= inv);
+            lse[r] = m[r] + l[r].ln();
+        }
+    }
+    (acc, lse)
+}
+
+/// Inputs of the backward, as f32 host slices.
+struct BwdIn {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    d_o: Vec<f32>,
+    /// `[b,hq,s]`
+    lse: Vec<f32>,
+    /// `D = rowsum(dO∘O)`, `[b,hq,s]`
+    dd: Vec<f32>,
+}
+
+/// Backward with the global `o`/`lse`: `(dq, dk, dv)` in the dtype of q.
+#[allow(clippy::too_many_arguments)]
+pub fn bwd(
+    d_o: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    mask: Mask,
+    scale: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, s, t, hq, hkv, d) = check_shapes(q, k, v, mask)?;
+    if d_o.dims() != q.dims() || o.dims() != q.dims() {
+        return crate::shape_err!("cpu::bwd: do {:?} and o {:?} must match q {:?}", d_o.dims(), o.dims(), q.dims());
+    }
+    if lse.dims() != [b, hq, s] {
+        return crate::shape_err!("cpu::bwd: lse {:?} must be [b,hq,s] = {:?}", lse.dims(), [b, hq, s]);
+    }
+    let dm = Dims { s, t, hq, hkv, d, causal: mask == Mask::Causal };
+    let d_of = host_f32(d_o)?;
+    let of = host_f32(o)?;
+    // D[b,hq,s] from the token-major rows of dO and O.
+    let mut dd = vec![0f32; b * hq * s];
+    for bi in 0..b {
+        for i in 0..s {
+            for h in 0..hq {
+                let at = dm.q_at(bi, i, h);
+                dd[dm.lse_at(bi, h, i)] = dot(&d_of[at..at + d], &of[at..at + d]);
+            }
+        }
+    }
+    drop(of);
+    let inp = BwdIn { q: host_f32(q)?, k: host_f32(k)?, v: host_f32(v)?, d_o: d_of, lse: host_f32(lse)?, dd };
+    let scale = scale as f32;
+
+    // Pass kv: dK, dV per (batch, kv head, key tile).
+    let n_kt = t.div_ceil(BK);
+    let kv_tiles: Vec<(Vec<f32>, Vec<f32>)> = (0..b * hkv * n_kt)
+        .into_par_iter()
+        .map(|task| bwd_kv_tile(&dm, &inp, scale, task / (hkv * n_kt), (task / n_kt) % hkv, task % n_kt))
+        .collect();
+    let mut dk = vec![0f32; b * t * hkv * d];
+    let mut dv = vec![0f32; b * t * hkv * d];
+    for (task, (dk_t, dv_t)) in kv_tiles.iter().enumerate() {
+        let (bi, kh, j0) = (task / (hkv * n_kt), (task / n_kt) % hkv, (task % n_kt) * BK);
+        for jj in 0..dk_t.len() / d.max(1) {
+            let at = dm.k_at(bi, j0 + jj, kh);
+            dk[at..at + d].copy_from_slice(&dk_t[jj * d..(jj + 1) * d]);
+            dv[at..at + d].copy_from_slice(&dv_t[jj * d..(jj + 1) * d]);
+        }
+    }
+    drop(kv_tiles);
+
+    // Pass q: dQ per (batch, query head, query tile).
+    let n_qt = s.div_ceil(BQ);
+    let q_tiles: Vec<Vec<f32>> = (0..b * hq * n_qt)
+        .into_par_iter()
+        .map(|task| bwd_q_tile(&dm, &inp, scale, task / (hq * n_qt), (task / n_qt) % hq, task % n_qt))
+        .collect();
+    let mut dq = vec![0f32; b * s * hq * d];
+    for (task, dq_t) in q_tiles.iter().enumerate() {
+        let (bi, h, i0) = (task / (hq * n_qt), (task / n_qt) % hq, (task % n_qt) * BQ);
+        for r in 0..dq_t.len() / d.max(1) {
+            let at = dm.q_at(bi, i0 + r, h);
+            dq[at..at + d].copy_from_slice(&dq_t[r * d..(r + 1) * d]);
+        }
+    }
+    let (dev, dt) = (q.device(), q.dtype());
+    Ok((
+        to_device(dq, (b, s, hq, d), dev)?.to_dtype(dt)?,
+        to_device(dk, (b, t, hkv, d), dev)?.to_dtype(dt)?,
+        to_device(dv, (b, t, hkv, d), dev)?.to_dtype(dt)?,
+    ))
+}
+
+/// Probabilities `P[jj] = exp(scale·q_i·k_j - lse_i)` of row `i` against keys `j0..j0+n`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn probs(dm: &Dims, inp: &BwdIn, scale: f32, bi: usize, kh: usize, qi: &[f32], lse_i: f32, j0: usize, p: &mut [f32]) {
+    let d = dm.d;
+    for (jj, x) in p.iter_mut().enumerate() {
+        *x = dot(qi, &inp.k[dm.k_at(bi, j0 + jj, kh)..][..d]) * scale;
+    }
+    exp_shifted(p, lse_i);
+}
+
+/// dK/dV task: keys `j0..j1` of kv head `kh`, summed over every query row of its GQA group.
+/// Returns (`dk` tile `[keys,d]`, `dv` tile `[keys,d]`).
+fn bwd_kv_tile(dm: &Dims, inp: &BwdIn, scale: f32, bi: usize, kh: usize, kt: usize) -> (Vec<f32>, Vec<f32>) {
+    let d = dm.d;
+    let j0 = kt * BK;
+    let j1 = (j0 + BK).min(dm.t);
+    let keys = j1 - j0;
+    let mut dk = vec![0f32; keys * d];
+    let mut dv = vec![0f32; keys * d];
+    let mut p = [0f32; BK];
+    let g = dm.group();
+    // Causal: queries before j0 see none of these keys.
+    let i_start = if dm.causal { j0 } else { 0 };
+    for h in kh * g..(kh + 1) * g {
+        for i in i_start..dm.s {
+            let lse_i = inp.lse[dm.lse_at(bi, h, i)];
+            if lse_i == f32::NEG_INFINITY {
+                continue;
+            }
+            let n = dm.key_end(i, j1) - j0;
+            let at = dm.q_at(bi, i, h);
+            let (qi, doi) = (&inp.q[at..at + d], &inp.d_o[at..at + d]);
+            let d_i = inp.dd[dm.lse_at(bi, h, i)];
+            probs(dm, inp, scale, bi, kh, qi, lse_i, j0, &mut p[..n]);
+            for (jj, &pj) in p[..n].iter().enumerate() {
+                axpy(&mut dv[jj * d..(jj + 1) * d], pj, doi);
+                let dp = dot(doi, &inp.v[dm.k_at(bi, j0 + jj, kh)..][..d]);
+                axpy(&mut dk[jj * d..(jj + 1) * d], pj * (dp - d_i) * scale, qi);
+            }
+        }
+    }
+    (dk, dv)
+}
+
+/// dQ task: rows `i0..i1` of query head `h` against every key they see. Returns `[rows,d]`.
+fn bwd_q_tile(dm: &Dims, inp: &BwdIn, scale: f32, bi: usize, h: usize, qt: usize) -> Vec<f32> {
+    let d = dm.d;
+    let kh = h / dm.group();
+    let i0 = qt * BQ;
+    let i1 = (i0 + BQ).min(dm.s);
+    let rows = i1 - i0;
+    let mut dq = vec![0f32; rows * d];
+    let mut p = [0f32; BK];
+    let k_end = if dm.causal { i1.min(dm.t) } else { dm.t };
+    for j0 in (0..k_end).step_by(BK) {
+        let j1 = (j0 + BK).min(k_end);
+        for r in 0..rows {
+            let i = i0 + r;
+            let je = dm.key_end(i, j1);
+            let lse_i = inp.lse[dm.lse_at(bi, h, i)];
+            if je <= j0 || lse_i == f32::NEG_INFINITY {
+                continue;
+            }
+            let n = je - j0;
+            let at = dm.q_at(bi, i, h);
+            let (qi, doi) = (&inp.q[at..at + d], &inp.d_o[at..at + d]);
+            let d_i = inp.dd[dm.lse_at(bi, h, i)];
+            probs(dm, inp, scale, bi, kh, qi, lse_i, j0, &mut p[..n]);
+            let dq_r = &mut dq[r * d..(r + 1) * d];
+            for (jj, &pj) in p[..n].iter().enumerate() {
+                let kv_at = dm.k_at(bi, j0 + jj, kh);
+                let dp = dot(doi, &inp.v[kv_at..kv_at + d]);
+                axpy(dq_r, pj * (dp - d_i) * scale, &inp.k[kv_at..kv_at + d]);
+            }
+        }
+    }
+    dq
 }
