@@ -1,0 +1,194 @@
+//! Documents: what every file reader yields, the chain over a dataset's files, and
+//! the turn from a document into token ids (tokenizer, BOS/EOS, vocabulary check).
+//!
+//! Readers are lazy: a file is opened when the previous one is exhausted, and each
+//! reader holds at most one document (or one parquet record batch) in memory.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tokenizers::Tokenizer;
+
+use super::source::{Format, TokenWidth};
+use super::{jsonl, parquet, text, tokens};
+use crate::{Error, Result};
+
+/// What a document holds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Content {
+    /// Text to tokenize.
+    Text(String),
+    /// Pre-tokenized ids of one document.
+    Ids(Vec<u32>),
+    /// A piece of a raw token stream (no document boundary: no BOS/EOS is added).
+    Stream(Vec<u32>),
+}
+
+/// Where in its file a document came from, for error messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loc {
+    /// 1-based line of a JSON lines file.
+    Line(u64),
+    /// 0-based row of a parquet file.
+    Row(u64),
+    /// 1-based blank-line-separated paragraph of a text file.
+    Paragraph(u64),
+    /// The whole file.
+    File,
+    /// 0-based token offset in a raw token file.
+    Token(u64),
+}
+
+impl fmt::Display for Loc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Loc::Line(n) => write!(f, "line {n}"),
+            Loc::Row(n) => write!(f, "row {n}"),
+            Loc::Paragraph(n) => write!(f, "paragraph {n}"),
+            Loc::File => write!(f, "whole file"),
+            Loc::Token(n) => write!(f, "token offset {n}"),
+        }
+    }
+}
+
+/// One document and where it came from.
+#[derive(Debug, Clone)]
+pub struct Doc {
+    pub content: Content,
+    pub file: Arc<Path>,
+    pub loc: Loc,
+}
+
+/// How plain text files are cut into documents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TextSplit {
+    /// One document per file (books, articles).
+    #[default]
+    File,
+    /// One document per paragraph: runs of non-blank lines separated by blank lines.
+    Paragraph,
+}
+
+/// How to read documents out of files.
+#[derive(Debug, Clone)]
+pub struct ReadOptions {
+    pub format: Format,
+    /// JSON field / parquet column; `None` = `input_ids` if present, else `text`.
+    pub column: Option<String>,
+    pub text_split: TextSplit,
+    pub token_width: TokenWidth,
+}
+
+/// A reader over one file.
+pub type FileDocs = Box<dyn Iterator<Item = Result<Doc>>>;
+
+fn open_file(path: &Path, opts: &ReadOptions) -> Result<FileDocs> {
+    let file: Arc<Path> = Arc::from(path);
+    Ok(match opts.format {
+        Format::Jsonl => Box::new(jsonl::JsonlDocs::open(file, opts.column.clone())?),
+        Format::Text => Box::new(text::TextDocs::open(file, opts.text_split)?),
+        Format::Parquet => Box::new(parquet::ParquetDocs::open(file, opts.column.clone())?),
+        Format::Tokens => Box::new(tokens::TokenFileDocs::open(file, opts.token_width)?),
+    })
+}
+
+/// The documents of several files, one after the other.
+pub struct MultiFileDocs {
+    files: Vec<PathBuf>,
+    next_file: usize,
+    current: Option<FileDocs>,
+    opts: ReadOptions,
+}
+
+impl MultiFileDocs {
+    pub fn new(files: Vec<PathBuf>, opts: ReadOptions) -> Self {
+        Self { files, next_file: 0, current: None, opts }
+    }
+}
+
+impl Iterator for MultiFileDocs {
+    type Item = Result<Doc>;
+    fn next(&mut self) -> Option<Result<Doc>> {
+        loop {
+            if let Some(cur) = self.current.as_mut() {
+                match cur.next() {
+                    Some(item) => return Some(item),
+                    None => self.current = None,
+                }
+            }
+            let path = self.files.get(self.next_file)?;
+            self.next_file += 1;
+            match open_file(path, &self.opts) {
+                Ok(docs) => self.current = Some(docs),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+    }
+}
+
+/// Turns documents into token ids.
+#[derive(Clone, Default)]
+pub struct Tokenize {
+    pub tokenizer: Option<Arc<Tokenizer>>,
+    /// Prepended to every document (not to raw stream pieces).
+    pub bos: Option<u32>,
+    /// Appended to every document (not to raw stream pieces).
+    pub eos: Option<u32>,
+    /// When set, every id must be below it.
+    pub vocab_size: Option<usize>,
+}
+
+/// Token ids of one document; `is_stream` marks a raw stream piece (no boundaries).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenDoc {
+    pub ids: Vec<u32>,
+    pub is_stream: bool,
+}
+
+impl Tokenize {
+    pub fn apply(&self, doc: Doc) -> Result<TokenDoc> {
+        let where_ = |doc_loc: Loc| doc_loc.to_string();
+        let (body, is_stream) = match doc.content {
+            Content::Stream(ids) => (ids, true),
+            Content::Ids(ids) => (ids, false),
+            Content::Text(text) => {
+                let Some(tok) = &self.tokenizer else {
+                    return Err(Error::data(
+                        &*doc.file,
+                        format!("{}: the dataset holds text but no tokenizer was given", where_(doc.loc)),
+                    ));
+                };
+                let enc = tok
+                    .encode(text.as_str(), false)
+                    .map_err(|e| Error::data(&*doc.file, format!("{}: tokenizer failed: {e}", where_(doc.loc))))?;
+                (enc.get_ids().to_vec(), false)
+            }
+        };
+        if let Some(v) = self.vocab_size {
+            if let Some((i, &bad)) = body.iter().enumerate().find(|(_, &t)| t as usize >= v) {
+                let at = match doc.loc {
+                    Loc::Token(off) => format!("token offset {}", off + i as u64),
+                    loc => format!("{loc}, token {i}"),
+                };
+                return Err(Error::data(&*doc.file, format!("{at}: token id {bad} is not below the vocabulary size {v}")));
+            }
+        }
+        if is_stream {
+            return Ok(TokenDoc { ids: body, is_stream });
+        }
+        let mut ids = Vec::with_capacity(body.len() + 2);
+        ids.extend(self.bos);
+        ids.extend_from_slice(&body);
+        ids.extend(self.eos);
+        Ok(TokenDoc { ids, is_stream })
+    }
+}
+
+/// Checks a JSON/parquet integer as a token id.
+pub(crate) fn token_id(v: i64, file: &Path, loc: Loc, field: &str) -> Result<u32> {
+    u32::try_from(v).map_err(|_| {
+        Error::data(file, format!("{loc}: `{field}` holds {v}, which is not a token id (expected 0..=4294967295)"))
+    })
+}

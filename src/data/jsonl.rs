@@ -1,0 +1,103 @@
+//! JSON lines: one JSON object per line, the document in a field that is either a
+//! string (text, tokenized later) or an array of integers (token ids).
+//! The field is configurable; by default `input_ids` if the line has it, else `text`.
+//! Blank lines are skipped. Lines are read one at a time (streaming).
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use super::docs::{token_id, Content, Doc, Loc};
+use crate::{Error, Result};
+
+pub struct JsonlDocs {
+    file: Arc<Path>,
+    reader: BufReader<File>,
+    column: Option<String>,
+    line_no: u64,
+    buf: Vec<u8>,
+    done: bool,
+}
+
+impl JsonlDocs {
+    pub fn open(file: Arc<Path>, column: Option<String>) -> Result<Self> {
+        let f = File::open(&file).map_err(|e| Error::io(&*file, e))?;
+        Ok(Self { file, reader: BufReader::new(f), column, line_no: 0, buf: Vec::new(), done: false })
+    }
+
+    fn err(&self, msg: String) -> Error {
+        Error::data(&*self.file, format!("line {}: {msg}", self.line_no))
+    }
+
+    /// The document of one non-blank line.
+    fn parse(&self, line: &str) -> Result<Doc> {
+        let value: Value = serde_json::from_str(line).map_err(|e| self.err(format!("not valid JSON ({e})")))?;
+        let Value::Object(obj) = value else {
+            return Err(self.err("expected a JSON object".into()));
+        };
+        let field = match &self.column {
+            Some(c) => c.as_str(),
+            None if obj.contains_key("input_ids") => "input_ids",
+            None => "text",
+        };
+        let Some(v) = obj.get(field) else {
+            let keys: Vec<&str> = obj.keys().map(String::as_str).collect();
+            let wanted = if self.column.is_some() { format!("`{field}`") } else { "`input_ids` or `text`".into() };
+            return Err(self.err(format!("no field {wanted}; the fields are {keys:?}")));
+        };
+        let loc = Loc::Line(self.line_no);
+        let content = match v {
+            Value::String(s) => Content::Text(s.clone()),
+            Value::Array(items) => {
+                let mut ids = Vec::with_capacity(items.len());
+                for item in items {
+                    let Some(n) = item.as_i64() else {
+                        return Err(self.err(format!("`{field}` must hold integers, found {item}")));
+                    };
+                    ids.push(token_id(n, &self.file, loc, field)?);
+                }
+                Content::Ids(ids)
+            }
+            other => {
+                return Err(self.err(format!("`{field}` must be a string or an array of token ids, found {other}")))
+            }
+        };
+        Ok(Doc { content, file: self.file.clone(), loc })
+    }
+}
+
+impl Iterator for JsonlDocs {
+    type Item = Result<Doc>;
+    fn next(&mut self) -> Option<Result<Doc>> {
+        while !self.done {
+            self.buf.clear();
+            match self.reader.read_until(b'\n', &mut self.buf) {
+                Ok(0) => self.done = true,
+                Ok(_) => {
+                    self.line_no += 1;
+                    let line = match std::str::from_utf8(&self.buf) {
+                        Ok(s) => s.trim(),
+                        Err(e) => {
+                            self.done = true;
+                            return Some(Err(self.err(format!("not valid UTF-8 ({e})"))));
+                        }
+                    };
+                    if line.is_empty() {
+                        continue;
+                    }
+                    let doc = self.parse(line);
+                    self.done = doc.is_err();
+                    return Some(doc);
+                }
+                Err(e) => {
+                    self.done = true;
+                    return Some(Err(Error::io(&*self.file, e)));
+                }
+            }
+        }
+        None
+    }
+}

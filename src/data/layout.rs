@@ -1,0 +1,82 @@
+//! Sequence-parallel layout of a batch: which of the global tokens this rank holds.
+//!
+//! Shapes: global `ids [b, S]`, `targets [b, S]`; `indices [L]` = the global token
+//! indices this rank holds, in local order (from `longctx_attention::layout`:
+//! `zigzag_indices`, `contiguous_indices`, `fpdt_indices`, `usp_indices`); local
+//! `ids [b, L]`, `targets [b, L]`, `positions [L]` (shared by every row).
+//!
+//! Ids, targets and position ids are permuted identically: local token `j` of row `r` is
+//! global token `indices[j]`, its target is the global target at `indices[j]` (targets
+//! were shifted globally, before the split), and its RoPE position is `indices[j]`.
+
+use candle_core::Tensor;
+
+use crate::{Error, Result};
+
+/// One rank's share of a batch: `ids [b, L]`, `targets [b, L]`, `positions [L]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalBatch {
+    pub ids: Vec<u32>,
+    pub targets: Vec<i64>,
+    pub positions: Vec<u32>,
+    pub batch: usize,
+    pub local_len: usize,
+}
+
+fn check_indices(indices: &[usize], seq_len: usize) -> Result<()> {
+    if let Some(&bad) = indices.iter().find(|&&i| i >= seq_len) {
+        return Err(Error::Setting(format!(
+            "layout index {bad} is outside the sequence of length {seq_len} (wrong seq_len for the layout?)"
+        )));
+    }
+    if seq_len > u32::MAX as usize {
+        return Err(Error::Setting(format!("sequence length {seq_len} does not fit u32 position ids")));
+    }
+    Ok(())
+}
+
+/// Gathers `indices` out of every row of `ids`/`targets` (`[b, S]` row-major).
+pub fn apply_layout(ids: &[u32], targets: &[i64], seq_len: usize, indices: &[usize]) -> Result<LocalBatch> {
+    if seq_len == 0 || ids.len() % seq_len != 0 || targets.len() != ids.len() {
+        return Err(Error::Setting(format!(
+            "layout: ids ({}) and targets ({}) must both hold whole rows of seq_len {seq_len}",
+            ids.len(),
+            targets.len()
+        )));
+    }
+    check_indices(indices, seq_len)?;
+    let b = ids.len() / seq_len;
+    let mut local_ids = Vec::with_capacity(b * indices.len());
+    let mut local_targets = Vec::with_capacity(b * indices.len());
+    for r in 0..b {
+        let row = r * seq_len;
+        local_ids.extend(indices.iter().map(|&i| ids[row + i]));
+        local_targets.extend(indices.iter().map(|&i| targets[row + i]));
+    }
+    Ok(LocalBatch {
+        ids: local_ids,
+        targets: local_targets,
+        positions: indices.iter().map(|&i| i as u32).collect(),
+        batch: b,
+        local_len: indices.len(),
+    })
+}
+
+/// Tensor form: `ids [b, S]`, `targets [b, S]` (any dtype, any device) ->
+/// `(ids [b, L], targets [b, L], positions [L] u32)` on the same device.
+pub fn apply_layout_tensors(ids: &Tensor, targets: &Tensor, indices: &[usize]) -> Result<(Tensor, Tensor, Tensor)> {
+    let (_, s) = ids.dims2()?;
+    if targets.dims() != ids.dims() {
+        return Err(Error::Setting(format!(
+            "layout: targets shape {:?} differs from ids shape {:?}",
+            targets.dims(),
+            ids.dims()
+        )));
+    }
+    check_indices(indices, s)?;
+    let pos: Vec<u32> = indices.iter().map(|&i| i as u32).collect();
+    let positions = Tensor::new(pos.as_slice(), ids.device())?;
+    let local_ids = ids.index_select(&positions, 1)?;
+    let local_targets = targets.index_select(&positions, 1)?;
+    Ok((local_ids, local_targets, positions))
+}

@@ -1,0 +1,257 @@
+//! Parquet files with either a token-id column (`list<int32|int64>`, e.g. `input_ids`)
+//! or a text column (`string`), like the packed HF datasets used for long-context
+//! training. The column is configurable; by default `input_ids` if present, else `text`.
+//!
+//! Streaming: row groups are read one at a time, and inside a row group the column is
+//! decoded [`BATCH`] records at a time with the low-level column reader (definition and
+//! repetition levels), so memory holds one batch of documents, never the file.
+//! Empty lists, empty strings and null rows yield no document; a null token inside a
+//! list is an error. Codecs: uncompressed and snappy (the crate is built without others).
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::path::Path;
+use std::sync::Arc;
+
+use parquet::basic::{Repetition, Type as PhysicalType};
+use parquet::column::reader::{ColumnReader, ColumnReaderImpl};
+use parquet::data_type::{ByteArrayType, DataType, Int32Type, Int64Type};
+use parquet::file::reader::{FileReader, SerializedFileReader};
+
+use super::docs::{token_id, Content, Doc, Loc};
+use crate::{Error, Result};
+
+/// Records decoded per read call.
+pub const BATCH: usize = 64;
+
+/// The typed column reader of the current row group.
+enum Col {
+    Text(ColumnReaderImpl<ByteArrayType>),
+    I32(ColumnReaderImpl<Int32Type>),
+    I64(ColumnReaderImpl<Int64Type>),
+}
+
+pub struct ParquetDocs {
+    file: Arc<Path>,
+    reader: SerializedFileReader<File>,
+    field: String,
+    /// Leaf column index in the file schema.
+    leaf: usize,
+    max_def: i16,
+    max_rep: i16,
+    leaf_optional: bool,
+    next_row_group: usize,
+    col: Option<Col>,
+    /// Rows seen so far (0-based index of the next record).
+    row: u64,
+    queue: VecDeque<Doc>,
+    done: bool,
+}
+
+impl ParquetDocs {
+    pub fn open(file: Arc<Path>, column: Option<String>) -> Result<Self> {
+        let f = File::open(&file).map_err(|e| Error::io(&*file, e))?;
+        let reader = SerializedFileReader::new(f)
+            .map_err(|e| Error::data(&*file, format!("not a readable parquet file ({e})")))?;
+        let schema = reader.metadata().file_metadata().schema_descr_ptr();
+        let top: Vec<String> = schema.root_schema().get_fields().iter().map(|f| f.name().to_string()).collect();
+        let field = match column {
+            Some(c) => c,
+            None if top.iter().any(|n| n == "input_ids") => "input_ids".to_string(),
+            None => "text".to_string(),
+        };
+        let leaves: Vec<usize> = (0..schema.num_columns())
+            .filter(|&i| schema.column(i).path().parts().first().map(String::as_str) == Some(field.as_str()))
+            .collect();
+        let leaf = match leaves.as_slice() {
+            [one] => *one,
+            [] => {
+                return Err(Error::data(&*file, format!("no column `{field}`; the columns are {top:?}")));
+            }
+            _ => {
+                return Err(Error::data(
+                    &*file,
+                    format!("column `{field}` is a struct with several leaves; expected a string or a list of integers"),
+                ))
+            }
+        };
+        let desc = schema.column(leaf);
+        let (max_def, max_rep) = (desc.max_def_level(), desc.max_rep_level());
+        match (desc.physical_type(), max_rep) {
+            (PhysicalType::BYTE_ARRAY, 0) | (PhysicalType::INT32 | PhysicalType::INT64, 1) => {}
+            (t, r) => {
+                return Err(Error::data(
+                    &*file,
+                    format!(
+                        "column `{field}` has physical type {t} with {r} level(s) of repetition; \
+                         expected a string column (text) or a list<int32|int64> column (token ids)"
+                    ),
+                ))
+            }
+        }
+        let leaf_optional = desc.self_type().get_basic_info().repetition() == Repetition::OPTIONAL;
+        Ok(Self {
+            file,
+            reader,
+            field,
+            leaf,
+            max_def,
+            max_rep,
+            leaf_optional,
+            next_row_group: 0,
+            col: None,
+            row: 0,
+            queue: VecDeque::new(),
+            done: false,
+        })
+    }
+
+    fn err(&self, msg: String) -> Error {
+        Error::data(&*self.file, format!("column `{}`: {msg}", self.field))
+    }
+
+    /// Opens the column reader of the next row group; false when there is none.
+    fn open_row_group(&mut self) -> Result<bool> {
+        let i = self.next_row_group;
+        if i >= self.reader.num_row_groups() {
+            return Ok(false);
+        }
+        self.next_row_group += 1;
+        let rg = self.reader.get_row_group(i).map_err(|e| self.err(format!("row group {i}: {e}")))?;
+        let col = rg.get_column_reader(self.leaf).map_err(|e| self.err(format!("row group {i}: {e}")))?;
+        self.col = Some(match col {
+            ColumnReader::ByteArrayColumnReader(r) => Col::Text(r),
+            ColumnReader::Int32ColumnReader(r) => Col::I32(r),
+            ColumnReader::Int64ColumnReader(r) => Col::I64(r),
+            _ => return Err(self.err(format!("row group {i}: unexpected physical type"))),
+        });
+        Ok(true)
+    }
+
+    /// Decodes up to [`BATCH`] records of the current row group into the queue;
+    /// returns the number of levels read (0 = row group exhausted).
+    fn fill(&mut self) -> Result<usize> {
+        let (mut def, mut rep) = (Vec::new(), Vec::new());
+        let Some(col) = self.col.as_mut() else { return Ok(0) };
+        let res = match col {
+            Col::Text(r) => {
+                let mut vals = Vec::new();
+                read(r, &mut def, &mut rep, &mut vals).map(|levels| (levels, Vals::Text(vals)))
+            }
+            Col::I32(r) => {
+                let mut vals = Vec::new();
+                read(r, &mut def, &mut rep, &mut vals)
+                    .map(|levels| (levels, Vals::Ints(vals.into_iter().map(i64::from).collect())))
+            }
+            Col::I64(r) => {
+                let mut vals = Vec::new();
+                read(r, &mut def, &mut rep, &mut vals).map(|levels| (levels, Vals::Ints(vals)))
+            }
+        };
+        let (levels, vals) = res.map_err(|e| self.err(format!("near row {}: {e}", self.row)))?;
+        match vals {
+            Vals::Text(v) => self.push_texts(levels, &def, &v)?,
+            Vals::Ints(v) => self.push_lists(levels, &def, &rep, &v)?,
+        }
+        Ok(levels)
+    }
+
+    fn push_texts(&mut self, levels: usize, def: &[i16], vals: &[parquet::data_type::ByteArray]) -> Result<()> {
+        let mut vi = 0;
+        for k in 0..levels {
+            let row = self.row;
+            self.row += 1;
+            let present = self.max_def == 0 || def[k] == self.max_def;
+            if !present {
+                continue;
+            }
+            let bytes = vals[vi].data();
+            vi += 1;
+            let text = std::str::from_utf8(bytes)
+                .map_err(|e| self.err(format!("row {row}: not valid UTF-8 ({e})")))?;
+            if !text.is_empty() {
+                self.queue.push_back(Doc {
+                    content: Content::Text(text.to_string()),
+                    file: self.file.clone(),
+                    loc: Loc::Row(row),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn push_lists(&mut self, levels: usize, def: &[i16], rep: &[i16], vals: &[i64]) -> Result<()> {
+        let mut vi = 0;
+        let mut cur: Option<(u64, Vec<u32>)> = None;
+        for k in 0..levels {
+            if self.max_rep == 0 || rep[k] == 0 {
+                self.flush(cur.take());
+                cur = Some((self.row, Vec::new()));
+                self.row += 1;
+            }
+            let Some((row, ids)) = cur.as_mut() else {
+                return Err(self.err(format!("near row {}: repeated value without a record start", self.row)));
+            };
+            let d = if self.max_def == 0 { 0 } else { def[k] };
+            if d == self.max_def {
+                ids.push(token_id(vals[vi], &self.file, Loc::Row(*row), &self.field)?);
+                vi += 1;
+            } else if self.leaf_optional && d == self.max_def - 1 {
+                return Err(self.err(format!("row {row}: null token id inside the list")));
+            }
+        }
+        self.flush(cur);
+        Ok(())
+    }
+
+    fn flush(&mut self, doc: Option<(u64, Vec<u32>)>) {
+        if let Some((row, ids)) = doc.filter(|(_, ids)| !ids.is_empty()) {
+            self.queue.push_back(Doc { content: Content::Ids(ids), file: self.file.clone(), loc: Loc::Row(row) });
+        }
+    }
+
+    fn advance(&mut self) -> Result<Option<Doc>> {
+        loop {
+            if let Some(doc) = self.queue.pop_front() {
+                return Ok(Some(doc));
+            }
+            if self.col.is_none() && !self.open_row_group()? {
+                return Ok(None);
+            }
+            if self.fill()? == 0 {
+                self.col = None;
+            }
+        }
+    }
+}
+
+enum Vals {
+    Text(Vec<parquet::data_type::ByteArray>),
+    Ints(Vec<i64>),
+}
+
+/// One `read_records` call of [`BATCH`] records; returns the number of levels read.
+fn read<T: DataType>(
+    r: &mut ColumnReaderImpl<T>,
+    def: &mut Vec<i16>,
+    rep: &mut Vec<i16>,
+    vals: &mut Vec<T::T>,
+) -> parquet::errors::Result<usize> {
+    let (records, values, levels) = r.read_records(BATCH, Some(def), Some(rep), vals)?;
+    // Non-nullable, non-repeated columns decode no levels: one level per record.
+    Ok(if levels == 0 { records.max(values) } else { levels })
+}
+
+impl Iterator for ParquetDocs {
+    type Item = Result<Doc>;
+    fn next(&mut self) -> Option<Result<Doc>> {
+        if self.done {
+            return None;
+        }
+        let out = self.advance();
+        if !matches!(out, Ok(Some(_))) {
+            self.done = true;
+        }
+        out.transpose()
+    }
+}

@@ -1,0 +1,581 @@
+//! Data layer: readers, packing, shuffle, DP sharding, resume, SP layout, passkey.
+//! Every expectation is computed by an independent naive reference in this file
+//! (plain concatenation / slicing / index arithmetic); comparisons are exact (integers).
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use longctx::data::docs::{Content, MultiFileDocs, ReadOptions};
+use longctx::data::{
+    apply_layout, apply_layout_tensors, synthetic, DataState, FilesConfig, Format, Loader, LossOn, Packing, Passkey,
+    PasskeyConfig, Sample, Shard, TextSplit, TokenWidth, IGNORE,
+};
+use longctx::hub::HubOptions;
+
+use parquet::basic::Compression;
+use parquet::data_type::{ByteArray, ByteArrayType, Int32Type, Int64Type};
+use parquet::file::properties::WriterProperties;
+use parquet::file::writer::SerializedFileWriter;
+use parquet::schema::parser::parse_message_type;
+
+fn hub() -> HubOptions {
+    HubOptions::offline_in("/nonexistent-hf-cache")
+}
+
+/// `n` documents of pseudo-random lengths 1..=40 with distinct token values.
+fn make_docs(n: usize) -> Vec<Vec<u32>> {
+    let mut next = 10u32;
+    (0..n)
+        .map(|i| {
+            let len = 1 + (i * 7 + 3) % 40;
+            (0..len)
+                .map(|_| {
+                    next += 1;
+                    next % 5000 + 3
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn write_jsonl_ids(path: &Path, docs: &[Vec<u32>]) {
+    let mut f = fs::File::create(path).unwrap();
+    for d in docs {
+        writeln!(f, "{}", serde_json::json!({ "input_ids": d, "meta": "x" })).unwrap();
+    }
+}
+
+/// Reference: concatenate with BOS/EOS, cut disjoint windows of S+1.
+fn reference_concat(docs: &[Vec<u32>], s: usize, bos: Option<u32>, eos: Option<u32>) -> Vec<Sample> {
+    let mut stream = Vec::new();
+    for d in docs {
+        stream.extend(bos);
+        stream.extend_from_slice(d);
+        stream.extend(eos);
+    }
+    stream
+        .chunks_exact(s + 1)
+        .map(|w| Sample { ids: w[..s].to_vec(), targets: w[1..].iter().map(|&t| t as i64).collect() })
+        .collect()
+}
+
+fn drain(loader: &mut Loader) -> Vec<Sample> {
+    let mut out = Vec::new();
+    while let Some(s) = loader.next_sample().unwrap() {
+        out.push(s);
+    }
+    out
+}
+
+fn one_epoch(cfg: &FilesConfig) -> FilesConfig {
+    FilesConfig { max_epochs: Some(1), ..cfg.clone() }
+}
+
+#[test]
+fn concat_packing_boundaries_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("d.jsonl");
+    let docs = make_docs(50);
+    write_jsonl_ids(&path, &docs);
+    for (s, bos, eos) in [(7, None, None), (16, Some(1), Some(2)), (33, None, Some(2)), (1, Some(1), None)] {
+        let mut cfg = FilesConfig::new(path.to_str().unwrap(), s);
+        cfg.bos = bos;
+        cfg.eos = eos;
+        cfg.shuffle_buffer = 0;
+        let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard::SINGLE).unwrap());
+        let want = reference_concat(&docs, s, bos, eos);
+        assert!(!want.is_empty());
+        assert_eq!(got, want, "seq_len {s} bos {bos:?} eos {eos:?}");
+    }
+}
+
+#[test]
+fn truncate_packing_pads_with_ignore() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("d.jsonl");
+    let docs = vec![vec![5u32; 1], (10..30).collect(), vec![7, 8], (40..45).collect()];
+    write_jsonl_ids(&path, &docs);
+    let s = 8;
+    let mut cfg = FilesConfig::new(path.to_str().unwrap(), s);
+    cfg.packing = Packing::Truncate { pad_id: 0 };
+    cfg.eos = Some(2);
+    cfg.shuffle_buffer = 0;
+    let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard::SINGLE).unwrap());
+    // doc [5]+eos has 2 tokens: 1 target. Doc 10..30 is truncated to 9 tokens.
+    let want = vec![
+        Sample { ids: vec![5, 2, 0, 0, 0, 0, 0, 0], targets: vec![2, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE] },
+        Sample { ids: (10..18).collect(), targets: (11..19).collect() },
+        Sample { ids: vec![7, 8, 2, 0, 0, 0, 0, 0], targets: vec![8, 2, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE] },
+        Sample { ids: vec![40, 41, 42, 43, 44, 2, 0, 0], targets: vec![41, 42, 43, 44, 2, IGNORE, IGNORE, IGNORE] },
+    ];
+    assert_eq!(got, want);
+    // Without EOS the one-token document has nothing to predict and is skipped.
+    cfg.eos = None;
+    let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard::SINGLE).unwrap());
+    assert_eq!(got.len(), 3);
+    assert_eq!(got[0].ids[..8], (10..18).collect::<Vec<u32>>()[..]);
+}
+
+fn shuffled(path: &Path, seed: u64, buffer: usize) -> Vec<Sample> {
+    let mut cfg = FilesConfig::new(path.to_str().unwrap(), 5);
+    cfg.seed = seed;
+    cfg.shuffle_buffer = buffer;
+    drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard::SINGLE).unwrap())
+}
+
+#[test]
+fn shuffle_is_deterministic_per_seed_and_a_permutation() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("d.jsonl");
+    let docs = make_docs(60);
+    write_jsonl_ids(&path, &docs);
+    let plain = shuffled(&path, 0, 0);
+    assert!(plain.len() > 100, "{} samples", plain.len());
+    let a = shuffled(&path, 7, 16);
+    let b = shuffled(&path, 7, 16);
+    let c = shuffled(&path, 8, 16);
+    assert_eq!(a, b, "same seed must give the same order");
+    assert_ne!(a, c, "different seeds must give different orders");
+    assert_ne!(a, plain, "a shuffle buffer of 16 must move samples");
+    let key = |v: &[Sample]| {
+        let mut k: Vec<Vec<u32>> = v.iter().map(|s| s.ids.clone()).collect();
+        k.sort();
+        k
+    };
+    assert_eq!(key(&a), key(&plain), "shuffle must be a permutation of the packed samples");
+    assert_eq!(key(&c), key(&plain));
+}
+
+#[test]
+fn dp_sharding_partitions_samples() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("d.jsonl");
+    write_jsonl_ids(&path, &make_docs(40));
+    let mut cfg = FilesConfig::new(path.to_str().unwrap(), 6);
+    cfg.seed = 3;
+    cfg.shuffle_buffer = 8;
+    let global = drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard::SINGLE).unwrap());
+    for world in [2usize, 3, 4] {
+        let per_rank: Vec<Vec<Sample>> = (0..world)
+            .map(|rank| drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard { rank, world }).unwrap()))
+            .collect();
+        let groups = global.len() / world;
+        for (rank, samples) in per_rank.iter().enumerate() {
+            assert_eq!(samples.len(), groups, "world {world} rank {rank}: equal counts, last partial group dropped");
+            for (k, s) in samples.iter().enumerate() {
+                assert_eq!(s, &global[k * world + rank], "world {world} rank {rank} sample {k}");
+            }
+        }
+        // No overlap and full coverage of the complete groups (samples are all distinct here).
+        let mut all: Vec<Vec<u32>> = per_rank.iter().flatten().map(|s| s.ids.clone()).collect();
+        all.sort();
+        let n = all.len();
+        all.dedup();
+        assert_eq!(all.len(), n, "world {world}: a sample was given to two ranks");
+        assert_eq!(n, groups * world);
+    }
+}
+
+#[test]
+fn state_restore_continues_exactly_across_epochs() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("d.jsonl");
+    write_jsonl_ids(&path, &make_docs(30));
+    let mut cfg = FilesConfig::new(path.to_str().unwrap(), 9);
+    cfg.seed = 11;
+    cfg.shuffle_buffer = 5;
+    cfg.max_epochs = Some(3);
+    let shard = Shard { rank: 1, world: 2 };
+    let mut full = Loader::files(&cfg, None, &hub(), shard).unwrap();
+    let reference = drain(&mut full);
+    let per_epoch = reference.len() / 3;
+    assert!(per_epoch >= 4);
+    // Epochs are reshuffled: epoch 1 is not a replay of epoch 0.
+    assert_ne!(reference[..per_epoch], reference[per_epoch..2 * per_epoch]);
+    for cut in [0, 1, per_epoch - 1, per_epoch, per_epoch + 2, 2 * per_epoch + 1] {
+        let mut a = Loader::files(&cfg, None, &hub(), shard).unwrap();
+        for _ in 0..cut {
+            a.next_sample().unwrap().unwrap();
+        }
+        let json = serde_json::to_string(&a.state()).unwrap();
+        let state: DataState = serde_json::from_str(&json).unwrap();
+        let mut b = Loader::files(&cfg, None, &hub(), shard).unwrap();
+        b.restore(&state).unwrap();
+        let rest = drain(&mut b);
+        assert_eq!(rest, reference[cut..], "resumed after {cut} samples");
+    }
+    // A state for another seed is refused.
+    let mut other = Loader::files(&FilesConfig { seed: 12, ..cfg.clone() }, None, &hub(), shard).unwrap();
+    let err = other.restore(&full.state()).unwrap_err().to_string();
+    assert!(err.contains("seed 11"), "{err}");
+}
+
+fn tiny_tokenizer() -> tokenizers::Tokenizer {
+    let words = ["[UNK]", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "cat", "sat"];
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        words.iter().enumerate().map(|(i, w)| (w.to_string(), serde_json::json!(i + 3))).collect();
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": { "type": "WhitespaceSplit" }, "post_processor": null,
+        "decoder": null, "model": { "type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]" }
+    });
+    json.to_string().parse().unwrap()
+}
+
+/// Word ids of the tiny tokenizer (reference tokenization).
+fn word_ids(text: &str) -> Vec<u32> {
+    let words = ["[UNK]", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "cat", "sat"];
+    text.split_whitespace().map(|w| words.iter().position(|x| *x == w).map_or(3, |i| i as u32 + 3)).collect()
+}
+
+const TEXTS: [&str; 5] = [
+    "the quick brown fox jumps over the lazy dog",
+    "a cat sat",
+    "the dog sat over a cat",
+    "zebra the",
+    "fox fox fox fox",
+];
+
+fn write_parquet_ids(path: &Path, docs: &[Vec<u32>], rows_per_group: usize, int32: bool) {
+    let ty = if int32 { "int32" } else { "int64" };
+    let schema = Arc::new(
+        parse_message_type(&format!(
+            "message m {{ optional group input_ids (LIST) {{ repeated group list {{ optional {ty} element; }} }} \
+             required int32 other; }}"
+        ))
+        .unwrap(),
+    );
+    let props = Arc::new(
+        WriterProperties::builder().set_compression(Compression::SNAPPY).set_data_page_row_count_limit(3).build(),
+    );
+    let mut w = SerializedFileWriter::new(fs::File::create(path).unwrap(), schema, props).unwrap();
+    for group in docs.chunks(rows_per_group) {
+        let mut rg = w.next_row_group().unwrap();
+        let (mut vals, mut def, mut rep) = (Vec::new(), Vec::new(), Vec::new());
+        for d in group {
+            if d.is_empty() {
+                def.push(1);
+                rep.push(0);
+            }
+            for (j, &t) in d.iter().enumerate() {
+                vals.push(t as i64);
+                def.push(3);
+                rep.push(if j == 0 { 0 } else { 1 });
+            }
+        }
+        let mut col = rg.next_column().unwrap().unwrap();
+        if int32 {
+            let v: Vec<i32> = vals.iter().map(|&x| x as i32).collect();
+            col.typed::<Int32Type>().write_batch(&v, Some(&def), Some(&rep)).unwrap();
+        } else {
+            col.typed::<Int64Type>().write_batch(&vals, Some(&def), Some(&rep)).unwrap();
+        }
+        col.close().unwrap();
+        let mut col = rg.next_column().unwrap().unwrap();
+        let other: Vec<i32> = (0..group.len() as i32).collect();
+        col.typed::<Int32Type>().write_batch(&other, None, None).unwrap();
+        col.close().unwrap();
+        rg.close().unwrap();
+    }
+    w.close().unwrap();
+}
+
+fn write_parquet_text(path: &Path, texts: &[Option<&str>], rows_per_group: usize) {
+    let schema = Arc::new(parse_message_type("message m { optional binary text (UTF8); }").unwrap());
+    let props = Arc::new(WriterProperties::builder().set_compression(Compression::SNAPPY).build());
+    let mut w = SerializedFileWriter::new(fs::File::create(path).unwrap(), schema, props).unwrap();
+    for group in texts.chunks(rows_per_group) {
+        let mut rg = w.next_row_group().unwrap();
+        let vals: Vec<ByteArray> = group.iter().flatten().map(|t| ByteArray::from(*t)).collect();
+        let def: Vec<i16> = group.iter().map(|t| t.is_some() as i16).collect();
+        let mut col = rg.next_column().unwrap().unwrap();
+        col.typed::<ByteArrayType>().write_batch(&vals, Some(&def), None).unwrap();
+        col.close().unwrap();
+        rg.close().unwrap();
+    }
+    w.close().unwrap();
+}
+
+fn read_docs(files: Vec<PathBuf>, format: Format, column: Option<&str>) -> Vec<(Content, String)> {
+    let opts = ReadOptions {
+        format,
+        column: column.map(str::to_string),
+        text_split: TextSplit::Paragraph,
+        token_width: TokenWidth::U16,
+    };
+    MultiFileDocs::new(files, opts).map(|d| d.unwrap()).map(|d| (d.content, d.loc.to_string())).collect()
+}
+
+#[test]
+fn parquet_input_ids_column_over_row_groups_and_pages() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut docs = make_docs(23);
+    docs[4] = vec![]; // an empty list yields no document
+    for int32 in [false, true] {
+        let path = dir.path().join(format!("ids{int32}.parquet"));
+        write_parquet_ids(&path, &docs, 5, int32);
+        let got = read_docs(vec![path.clone()], Format::Parquet, None);
+        let want: Vec<(Content, String)> = docs
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| !d.is_empty())
+            .map(|(i, d)| (Content::Ids(d.clone()), format!("row {i}")))
+            .collect();
+        assert_eq!(got, want, "int32 = {int32}");
+        // Through the loader: the same samples as the reference concatenation.
+        let mut cfg = FilesConfig::new(path.to_str().unwrap(), 12);
+        cfg.shuffle_buffer = 0;
+        cfg.eos = Some(2);
+        let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard::SINGLE).unwrap());
+        let nonempty: Vec<Vec<u32>> = docs.iter().filter(|d| !d.is_empty()).cloned().collect();
+        assert_eq!(got, reference_concat(&nonempty, 12, None, Some(2)));
+    }
+}
+
+#[test]
+fn parquet_text_column_is_tokenized() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.parquet");
+    let rows: Vec<Option<&str>> = vec![Some(TEXTS[0]), None, Some(TEXTS[1]), Some(TEXTS[2]), Some(TEXTS[3]), Some(TEXTS[4])];
+    write_parquet_text(&path, &rows, 4);
+    let got = read_docs(vec![path.clone()], Format::Parquet, None);
+    let want: Vec<(Content, String)> = rows
+        .iter()
+        .enumerate()
+        .filter_map(|(i, t)| t.map(|t| (Content::Text(t.to_string()), format!("row {i}"))))
+        .collect();
+    assert_eq!(got, want);
+    let tok = tiny_tokenizer();
+    let mut cfg = FilesConfig::new(path.to_str().unwrap(), 4);
+    cfg.shuffle_buffer = 0;
+    cfg.bos = Some(1);
+    let got = drain(&mut Loader::files(&one_epoch(&cfg), Some(&tok), &hub(), Shard::SINGLE).unwrap());
+    let ref_docs: Vec<Vec<u32>> = TEXTS.iter().map(|t| word_ids(t)).collect();
+    assert_eq!(got, reference_concat(&ref_docs, 4, Some(1), None));
+}
+
+#[test]
+fn jsonl_text_field_and_named_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.jsonl");
+    let mut f = fs::File::create(&path).unwrap();
+    for (i, t) in TEXTS.iter().enumerate() {
+        writeln!(f, "{}", serde_json::json!({ "text": "ignored", "body": t, "id": i })).unwrap();
+        writeln!(f).unwrap(); // blank lines are skipped
+    }
+    drop(f);
+    let tok = tiny_tokenizer();
+    let mut cfg = FilesConfig::new(path.to_str().unwrap(), 3);
+    cfg.column = Some("body".into());
+    cfg.eos = Some(2);
+    cfg.shuffle_buffer = 0;
+    let got = drain(&mut Loader::files(&one_epoch(&cfg), Some(&tok), &hub(), Shard::SINGLE).unwrap());
+    let ref_docs: Vec<Vec<u32>> = TEXTS.iter().map(|t| word_ids(t)).collect();
+    assert_eq!(got, reference_concat(&ref_docs, 3, None, Some(2)));
+}
+
+#[test]
+fn plain_text_paragraphs_and_whole_files() {
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join("b.txt"), format!("{}\n{}\n\n\n{}\r\n", TEXTS[0], TEXTS[1], TEXTS[2])).unwrap();
+    fs::write(dir.path().join("a.txt"), format!("\n{}\n", TEXTS[3])).unwrap();
+    fs::write(dir.path().join("skip.md"), "not read").unwrap();
+    // Paragraph mode, files in sorted order: a.txt then b.txt.
+    let files = vec![dir.path().join("a.txt"), dir.path().join("b.txt")];
+    let got = read_docs(files, Format::Text, None);
+    let want = vec![
+        (Content::Text(TEXTS[3].into()), "paragraph 1".to_string()),
+        (Content::Text(format!("{}\n{}", TEXTS[0], TEXTS[1])), "paragraph 1".to_string()),
+        (Content::Text(TEXTS[2].into()), "paragraph 2".to_string()),
+    ];
+    assert_eq!(got, want);
+    // Whole-file mode through the loader on the directory.
+    let tok = tiny_tokenizer();
+    let mut cfg = FilesConfig::new(dir.path().to_str().unwrap(), 2);
+    cfg.text_split = TextSplit::File;
+    cfg.eos = Some(2);
+    cfg.shuffle_buffer = 0;
+    let got = drain(&mut Loader::files(&one_epoch(&cfg), Some(&tok), &hub(), Shard::SINGLE).unwrap());
+    let ref_docs = vec![word_ids(TEXTS[3]), word_ids(&format!("{} {} {}", TEXTS[0], TEXTS[1], TEXTS[2]))];
+    assert_eq!(got, reference_concat(&ref_docs, 2, None, Some(2)));
+}
+
+#[test]
+fn raw_u16_and_u32_token_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens: Vec<u32> = (0..1000u32).map(|i| (i * 7919) % 65536).collect();
+    let mut b16 = Vec::new();
+    let mut b32 = Vec::new();
+    for &t in &tokens {
+        b16.extend_from_slice(&(t as u16).to_le_bytes());
+        b32.extend_from_slice(&(t * 3 + 70000).to_le_bytes());
+    }
+    // Two u16 files read as one stream: the second half continues the first.
+    let d16 = dir.path().join("u16");
+    fs::create_dir(&d16).unwrap();
+    fs::write(d16.join("train_000.bin"), &b16[..1000]).unwrap();
+    fs::write(d16.join("train_001.bin"), &b16[1000..]).unwrap();
+    let f32_ = dir.path().join("x.bin");
+    fs::write(&f32_, &b32).unwrap();
+    let s = 31;
+    let mut cfg = FilesConfig::new(d16.to_str().unwrap(), s);
+    cfg.shuffle_buffer = 0;
+    cfg.eos = Some(2); // not applied to raw streams
+    let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard::SINGLE).unwrap());
+    assert_eq!(got, reference_concat(&[tokens.clone()], s, None, None));
+    let mut cfg = FilesConfig::new(f32_.to_str().unwrap(), s);
+    cfg.token_width = TokenWidth::U32;
+    cfg.shuffle_buffer = 0;
+    let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard::SINGLE).unwrap());
+    let want: Vec<u32> = tokens.iter().map(|t| t * 3 + 70000).collect();
+    assert_eq!(got, reference_concat(&[want], s, None, None));
+}
+
+#[test]
+fn hub_dataset_id_resolves_from_cache_offline() {
+    let cache = tempfile::tempdir().unwrap();
+    let commit = "0123456789abcdef0123456789abcdef01234567";
+    let repo = cache.path().join("datasets--someorg--tiny-set");
+    fs::create_dir_all(repo.join("refs")).unwrap();
+    fs::write(repo.join("refs/main"), commit).unwrap();
+    let data = repo.join("snapshots").join(commit).join("data");
+    fs::create_dir_all(&data).unwrap();
+    let docs = make_docs(20);
+    write_jsonl_ids(&data.join("train-00001.jsonl"), &docs[10..]);
+    write_jsonl_ids(&data.join("train-00000.jsonl"), &docs[..10]);
+    fs::write(repo.join("snapshots").join(commit).join("README.md"), "card").unwrap();
+    let mut cfg = FilesConfig::new("someorg/tiny-set", 8);
+    cfg.shuffle_buffer = 0;
+    let opts = HubOptions::offline_in(cache.path());
+    let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &opts, Shard::SINGLE).unwrap());
+    assert_eq!(got, reference_concat(&docs, 8, None, None));
+    // Missing repo: the error names the cache folder and says how to fetch it.
+    let cfg = FilesConfig::new("someorg/absent", 8);
+    let err = Loader::files(&cfg, None, &opts, Shard::SINGLE).err().unwrap().to_string();
+    assert!(err.contains("datasets--someorg--absent") && err.contains("not in the Hugging Face cache"), "{err}");
+}
+
+#[test]
+fn layout_permutes_ids_targets_positions_identically() {
+    use longctx::attention::layout::{fpdt_indices, usp_indices, zigzag_indices};
+    let (b, s) = (2usize, 16usize);
+    // Row r: ids[i] = 100r + i, targets[i] = 100r + i + 1 (so every entry encodes its global index).
+    let ids: Vec<u32> = (0..b).flat_map(|r| (0..s).map(move |i| (100 * r + i) as u32)).collect();
+    let targets: Vec<i64> = (0..b).flat_map(|r| (0..s).map(move |i| (100 * r + i + 1) as i64)).collect();
+    let layouts: Vec<(String, Vec<Vec<usize>>)> = vec![
+        ("zigzag W=4".into(), (0..4).map(|r| zigzag_indices(s, 4, r).unwrap()).collect()),
+        ("fpdt P=2 C=8".into(), (0..2).map(|r| fpdt_indices(s, 2, 8, r).unwrap()).collect()),
+        ("usp U=2 R=2".into(), (0..4).map(|r| usp_indices(s, 2, 2, r).unwrap()).collect()),
+    ];
+    for (name, per_rank) in layouts {
+        let mut seen = vec![0usize; s];
+        for idx in &per_rank {
+            let local = apply_layout(&ids, &targets, s, idx).unwrap();
+            let l = idx.len();
+            assert_eq!(local.positions, idx.iter().map(|&i| i as u32).collect::<Vec<_>>(), "{name}");
+            for r in 0..b {
+                for j in 0..l {
+                    let g = local.positions[j] as usize;
+                    assert_eq!(local.ids[r * l + j] as usize, 100 * r + g, "{name} ids");
+                    assert_eq!(local.targets[r * l + j] as usize, 100 * r + g + 1, "{name} targets");
+                }
+            }
+            for &i in idx {
+                seen[i] += 1;
+            }
+            // The tensor form agrees with the Vec form.
+            let dev = candle_core::Device::Cpu;
+            let t_ids = candle_core::Tensor::from_slice(&ids, (b, s), &dev).unwrap();
+            let t_tg = candle_core::Tensor::from_slice(&targets, (b, s), &dev).unwrap();
+            let (li, lt, lp) = apply_layout_tensors(&t_ids, &t_tg, idx).unwrap();
+            assert_eq!(li.flatten_all().unwrap().to_vec1::<u32>().unwrap(), local.ids);
+            assert_eq!(lt.flatten_all().unwrap().to_vec1::<i64>().unwrap(), local.targets);
+            assert_eq!(lp.to_vec1::<u32>().unwrap(), local.positions);
+        }
+        assert!(seen.iter().all(|&c| c == 1), "{name}: every global token on exactly one rank: {seen:?}");
+    }
+    // Zigzag by hand for W=2, S=8: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+    let z0 = apply_layout(&ids[..8], &targets[..8], 8, &zigzag_indices(8, 2, 0).unwrap()).unwrap();
+    assert_eq!(z0.positions, vec![0, 1, 6, 7]);
+    assert_eq!(z0.ids, vec![0, 1, 6, 7]);
+    assert_eq!(z0.targets, vec![1, 2, 7, 8]);
+    assert!(apply_layout(&ids, &targets, s, &[s]).is_err(), "index out of range must be refused");
+}
+
+#[test]
+fn passkey_samples_are_well_formed_and_deterministic() {
+    for (s, k) in [(14usize, 5usize), (64, 5), (1000, 3), (257, 1)] {
+        let cfg = PasskeyConfig { vocab: 256, seq_len: s, digits: k, seed: 9, loss_on: LossOn::Answer };
+        let p = Passkey::new(cfg.clone()).unwrap();
+        let mut depths = Vec::new();
+        for i in 0..20u64 {
+            let item = p.sample(i);
+            let (ids, tg) = (&item.sample.ids, &item.sample.targets);
+            assert_eq!((ids.len(), tg.len()), (s, s));
+            assert_eq!(ids[0], synthetic::BOS);
+            assert!(ids.iter().all(|&t| (t as usize) < 256));
+            let n = item.needle_pos;
+            assert_eq!(ids[n], synthetic::KEY);
+            let digits: Vec<u32> = item.passkey.iter().map(|&d| synthetic::DIGIT0 + d as u32).collect();
+            assert_eq!(ids[n + 1..n + 1 + k], digits[..], "needle holds the passkey");
+            assert_eq!(ids[n + 1 + k], synthetic::KEY_END);
+            // The answer: targets[S-k..] are the digits, everything before is ignored.
+            assert_eq!(item.answer_start, s - k);
+            assert_eq!(ids[s - k - 1], synthetic::QUESTION);
+            assert_eq!(ids[s - k], synthetic::ANSWER);
+            let want: Vec<i64> = digits.iter().map(|&d| d as i64).collect();
+            assert_eq!(tg[s - k..], want[..]);
+            assert!(tg[..s - k].iter().all(|&t| t == IGNORE));
+            assert_eq!(item.sample.counted(), k);
+            // Filler follows the cycle 17, 18, ..., 32, 17, ...
+            let filler: Vec<u32> = ids[1..s - k - 1].iter().copied().filter(|&t| t >= synthetic::FILLER0).collect();
+            for w in filler.windows(2) {
+                assert_eq!(w[1], synthetic::FILLER0 + (w[0] - synthetic::FILLER0 + 1) % synthetic::FILLER_PERIOD);
+            }
+            assert_eq!(item, p.sample(i), "sample {i} must be reproducible");
+            depths.push(n);
+        }
+        if s >= 64 {
+            depths.sort();
+            depths.dedup();
+            assert!(depths.len() > 5, "needle depths should vary: {depths:?}");
+        }
+        // All-token loss keeps the same ids and counts every target.
+        let all = Passkey::new(PasskeyConfig { loss_on: LossOn::All, ..cfg }).unwrap().sample(3);
+        assert_eq!(all.sample.ids, p.sample(3).sample.ids);
+        assert_eq!(all.sample.counted(), s);
+        assert_eq!(all.sample.targets[..s - 1], all.sample.ids[1..].iter().map(|&t| t as i64).collect::<Vec<_>>()[..]);
+    }
+    let a = Passkey::new(PasskeyConfig { seed: 1, ..PasskeyConfig::new(64) }).unwrap().sample(0);
+    let b = Passkey::new(PasskeyConfig { seed: 2, ..PasskeyConfig::new(64) }).unwrap().sample(0);
+    assert_ne!(a, b, "different seeds must give different samples");
+    let d0 = Passkey::new(PasskeyConfig::new(64)).unwrap().generate(0, Some(0.0));
+    let d1 = Passkey::new(PasskeyConfig::new(64)).unwrap().generate(0, Some(1.0));
+    assert_eq!(d0.needle_pos, 1);
+    // Depth 1: after BOS and all the filler, fill = S+1 - (2k+5) = 65 - 15 = 50 tokens.
+    assert_eq!(d1.needle_pos, 1 + 50);
+}
+
+#[test]
+fn passkey_loader_shards_and_resumes() {
+    let cfg = PasskeyConfig::new(32);
+    let p = Passkey::new(cfg.clone()).unwrap();
+    let shard = Shard { rank: 2, world: 3 };
+    let mut a = Loader::passkey(&cfg, shard).unwrap();
+    for k in 0..4u64 {
+        assert_eq!(a.next_sample().unwrap().unwrap(), p.sample(3 * k + 2).sample);
+    }
+    let state = a.state();
+    assert_eq!(state.position, 12);
+    let mut b = Loader::passkey(&cfg, shard).unwrap();
+    b.restore(&state).unwrap();
+    let batch = b.next_batch(2).unwrap().unwrap();
+    let want = [a.next_sample().unwrap().unwrap(), a.next_sample().unwrap().unwrap()];
+    assert_eq!(batch.ids, [want[0].ids.clone(), want[1].ids.clone()].concat());
+    assert_eq!(batch.targets, [want[0].targets.clone(), want[1].targets.clone()].concat());
+    let (ti, tt) = batch.to_tensors(&candle_core::Device::Cpu).unwrap();
+    assert_eq!((ti.dims(), tt.dims()), (&[2usize, 32][..], &[2usize, 32][..]));
+    assert_eq!(tt.dtype(), candle_core::DType::I64);
+}
