@@ -1,0 +1,266 @@
+//! Export in the Hugging Face layout: round trip through our loader and through the
+//! independent `safetensors` crate reader, sharding like transformers, index contents,
+//! config fields, tokenizer files, and the atomic replace of an existing directory.
+//!
+//! Tolerance: bit-exact (0 ulp) everywhere — export writes the bytes of the requested
+//! dtype and the loader reads them back; f32 -> bf16 is compared against candle's own
+//! `to_dtype(BF16)` of the same values.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use longctx::hub::{self, Checkpoint, ExportOptions};
+
+fn ramp(shape: &[usize], seed: u32) -> Tensor {
+    let n: usize = shape.iter().product();
+    // Arbitrary f32 values (not bf16-representable) so dtype conversion is really exercised.
+    let v: Vec<f32> = (0..n).map(|i| ((i as u32).wrapping_mul(2654435761u32) ^ seed) as f32 * 1.37e-9 - 2.9).collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+}
+
+fn assert_same(a: &Tensor, b: &Tensor, what: &str) {
+    assert_eq!(a.dims(), b.dims(), "{what}: shape");
+    assert_eq!(a.dtype(), b.dtype(), "{what}: dtype");
+    assert_eq!(bits(a), bits(b), "{what}: values differ (bit-exact expected)");
+}
+
+/// Tiny Llama-like state dict: 3 layers, names chosen so lexicographic and natural
+/// order differ (layers.10 vs layers.2).
+fn state_dict() -> Vec<(String, Tensor)> {
+    let mut v = vec![
+        ("model.embed_tokens.weight".to_string(), ramp(&[16, 8], 1)),
+        ("lm_head.weight".to_string(), ramp(&[16, 8], 2)),
+        ("model.norm.weight".to_string(), ramp(&[8], 3)),
+    ];
+    for l in [0, 2, 10] {
+        v.push((format!("model.layers.{l}.self_attn.q_proj.weight"), ramp(&[8, 8], 10 + l)));
+        v.push((format!("model.layers.{l}.input_layernorm.weight"), ramp(&[8], 20 + l)));
+    }
+    v
+}
+
+fn config() -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8,
+        "rope_theta": 10000.0, "max_position_embeddings": 2048, "torch_dtype": "float32",
+        "bos_token_id": 1
+    })
+}
+
+fn read_json(p: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn ls(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn single_file_round_trip_f32_bit_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let sd = state_dict();
+    let rep = hub::export(&out, &sd, &config(), None, &ExportOptions::default()).unwrap();
+    assert_eq!(rep.weight_files, vec!["model.safetensors"]);
+    assert_eq!(ls(&out), vec!["config.json", "model.safetensors"]);
+    let want_total: u64 = sd.iter().map(|(_, t)| t.elem_count() as u64 * 4).sum();
+    assert_eq!(rep.total_size, want_total);
+
+    let loaded = hub::load_weights(&out, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(loaded.len(), sd.len());
+    for (n, t) in &sd {
+        assert_same(&loaded[n], t, n);
+    }
+    // The independent reader agrees, and the metadata is what transformers requires.
+    let bytes = std::fs::read(out.join("model.safetensors")).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    assert_eq!(meta.metadata().as_ref().unwrap().get("format").map(String::as_str), Some("pt"));
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    for (n, t) in &sd {
+        let view = st.tensor(n).unwrap();
+        assert_eq!(view.dtype(), safetensors::Dtype::F32);
+        let got: Vec<u32> = view.data().chunks(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        assert_eq!(got, bits(t), "{n} via safetensors crate");
+    }
+}
+
+#[test]
+fn bf16_export_matches_candle_conversion_and_sets_torch_dtype() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let sd = state_dict();
+    let opts = ExportOptions { dtype: Some(DType::BF16), ..Default::default() };
+    hub::export(&out, &sd, &config(), None, &opts).unwrap();
+    let ckpt = Checkpoint::open(&out).unwrap();
+    assert_eq!(ckpt.info("lm_head.weight").unwrap().0, "BF16");
+    let loaded = ckpt.load_all(DType::BF16, &Device::Cpu).unwrap();
+    for (n, t) in &sd {
+        assert_same(&loaded[n], &t.to_dtype(DType::BF16).unwrap(), n);
+    }
+    assert_eq!(read_json(&out.join("config.json"))["torch_dtype"], "bfloat16");
+}
+
+#[test]
+fn sharding_follows_max_shard_bytes_and_index_is_complete() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let sd = state_dict();
+    // Sizes (f32): embed/lm_head 512 B, q_proj 256 B, norms 32 B; total 2*512 + 32 + 3*(256+32) = 1920 B.
+    let opts = ExportOptions { max_shard_bytes: 600, dtype: None };
+    let rep = hub::export(&out, &sd, &config(), None, &opts).unwrap();
+    // Natural order: lm_head(512) | embed(512) | l0.ln(32) l0.q(256) l2.ln(32) l2.q(256) -> 576 |
+    // l10.ln(32) l10.q(256) norm(32) -> 320.
+    let n = rep.weight_files.len();
+    assert_eq!(n, 4, "{:?}", rep.weight_files);
+    for (i, f) in rep.weight_files.iter().enumerate() {
+        assert_eq!(f, &format!("model-{:05}-of-00004.safetensors", i + 1));
+    }
+    let index = read_json(&out.join("model.safetensors.index.json"));
+    assert_eq!(index["metadata"]["total_size"], 1920);
+    let wm: BTreeMap<String, String> = serde_json::from_value(index["weight_map"].clone()).unwrap();
+    assert_eq!(wm.len(), sd.len());
+    assert_eq!(wm["lm_head.weight"], "model-00001-of-00004.safetensors");
+    assert_eq!(wm["model.embed_tokens.weight"], "model-00002-of-00004.safetensors");
+    assert_eq!(wm["model.layers.2.self_attn.q_proj.weight"], "model-00003-of-00004.safetensors");
+    assert_eq!(wm["model.layers.10.self_attn.q_proj.weight"], "model-00004-of-00004.safetensors");
+    assert_eq!(wm["model.norm.weight"], "model-00004-of-00004.safetensors");
+    // Every shard holds exactly what the index says, within the size limit.
+    for f in &rep.weight_files {
+        let bytes = std::fs::read(out.join(f)).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
+        names.sort();
+        let mut want: Vec<String> = wm.iter().filter(|(_, s)| *s == f).map(|(k, _)| k.clone()).collect();
+        want.sort();
+        assert_eq!(names, want, "{f}");
+        let data: usize = st.tensors().iter().map(|(_, v)| v.data().len()).sum();
+        assert!(data <= 600, "{f} holds {data} bytes > max_shard_bytes");
+    }
+    assert!(!out.join("model.safetensors").exists());
+    let loaded = hub::load_weights(&out, DType::F32, &Device::Cpu).unwrap();
+    for (n, t) in &sd {
+        assert_same(&loaded[n], t, n);
+    }
+}
+
+#[test]
+fn tensor_bigger_than_max_shard_goes_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let sd = vec![
+        ("a.weight".to_string(), ramp(&[4], 1)),   // 16 B
+        ("b.weight".to_string(), ramp(&[64], 2)),  // 256 B > max
+        ("c.weight".to_string(), ramp(&[4], 3)),   // 16 B
+        ("d.weight".to_string(), ramp(&[4], 4)),   // 16 B
+    ];
+    let opts = ExportOptions { max_shard_bytes: 40, dtype: None };
+    let rep = hub::export(&out, &sd, &config(), None, &opts).unwrap();
+    assert_eq!(rep.weight_files.len(), 3);
+    let wm = read_json(&out.join("model.safetensors.index.json"))["weight_map"].clone();
+    assert_eq!(wm["a.weight"], "model-00001-of-00003.safetensors");
+    assert_eq!(wm["b.weight"], "model-00002-of-00003.safetensors");
+    assert_eq!(wm["c.weight"], "model-00003-of-00003.safetensors");
+    assert_eq!(wm["d.weight"], "model-00003-of-00003.safetensors");
+}
+
+#[test]
+fn context_fields_and_other_config_fields() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let mut cfg = config();
+    hub::set_context_fields(&mut cfg, 5_000_000.0, 1 << 20).unwrap();
+    hub::export(&out, &state_dict(), &cfg, None, &ExportOptions::default()).unwrap();
+    let got = read_json(&out.join("config.json"));
+    assert_eq!(got["rope_theta"].as_f64(), Some(5_000_000.0));
+    assert_eq!(got["max_position_embeddings"], 1 << 20);
+    assert_eq!(got["architectures"][0], "LlamaForCausalLM");
+    assert_eq!(got["bos_token_id"], 1);
+    assert_eq!(got["torch_dtype"], "float32");
+}
+
+#[test]
+fn tokenizer_files_are_copied_when_present() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    for (f, body) in [
+        ("tokenizer.json", "{\"tok\": 1}"),
+        ("tokenizer_config.json", "{\"cfg\": 2}"),
+        ("special_tokens_map.json", "{\"sp\": 3}"),
+        ("tokenizer.model", "sentencepiece bytes"),
+        ("unrelated.txt", "not copied"),
+    ] {
+        std::fs::write(src.join(f), body).unwrap();
+    }
+    let out = tmp.path().join("out");
+    hub::export(&out, &state_dict(), &config(), Some(&src), &ExportOptions::default()).unwrap();
+    assert_eq!(
+        ls(&out),
+        vec!["config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
+    );
+    assert_eq!(std::fs::read_to_string(out.join("tokenizer_config.json")).unwrap(), "{\"cfg\": 2}");
+}
+
+#[test]
+fn existing_directory_is_replaced_cleanly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("ckpt");
+    // An old sharded export plus a stray file: none of it may survive.
+    let old = vec![("old.weight".to_string(), ramp(&[64], 9)), ("old2.weight".to_string(), ramp(&[64], 8))];
+    hub::export(&out, &old, &config(), None, &ExportOptions { max_shard_bytes: 300, dtype: None }).unwrap();
+    std::fs::write(out.join("stray.txt"), "x").unwrap();
+    assert!(out.join("model.safetensors.index.json").exists());
+
+    let sd = state_dict();
+    hub::export(&out, &sd, &config(), None, &ExportOptions::default()).unwrap();
+    assert_eq!(ls(&out), vec!["config.json", "model.safetensors"]);
+    assert_eq!(ls(tmp.path()), vec!["ckpt"], "no temporary or old sibling left behind");
+    let loaded = hub::load_weights(&out, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(loaded.len(), sd.len());
+}
+
+#[test]
+fn failing_export_leaves_old_checkpoint_intact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("ckpt");
+    let old = vec![("old.weight".to_string(), ramp(&[8], 9))];
+    hub::export(&out, &old, &config(), None, &ExportOptions::default()).unwrap();
+    let before = std::fs::read(out.join("model.safetensors")).unwrap();
+
+    // The failure happens late: weights are already written when copying tokenizer.json
+    // (a directory here) fails.
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(src.join("tokenizer.json")).unwrap();
+    let err = hub::export(&out, &state_dict(), &config(), Some(&src), &ExportOptions::default());
+    assert!(err.is_err());
+    assert_eq!(ls(tmp.path()), vec!["ckpt", "src"], "temporary directory removed");
+    assert_eq!(ls(&out), vec!["config.json", "model.safetensors"]);
+    assert_eq!(std::fs::read(out.join("model.safetensors")).unwrap(), before);
+
+    // Errors found before writing (duplicate names) create nothing at a new path.
+    let fresh = tmp.path().join("fresh");
+    let dup = vec![("a".to_string(), ramp(&[2], 1)), ("a".to_string(), ramp(&[2], 2))];
+    let err = hub::export(&fresh, &dup, &config(), None, &ExportOptions::default()).unwrap_err().to_string();
+    assert!(err.contains("`a` appears twice"), "{err}");
+    assert!(!fresh.exists());
+}
+
+#[test]
+fn export_map_and_nested_new_path() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("a/b/c");
+    let sd: HashMap<String, Tensor> = state_dict().into_iter().collect();
+    hub::export_map(&out, &sd, &config(), None, &ExportOptions { max_shard_bytes: 1000, dtype: Some(DType::F16) }).unwrap();
+    let loaded = hub::load_weights(&out, DType::F16, &Device::Cpu).unwrap();
+    for (n, t) in &sd {
+        assert_same(&loaded[n], &t.to_dtype(DType::F16).unwrap(), n);
+    }
+    assert_eq!(read_json(&out.join("config.json"))["torch_dtype"], "float16");
+}
