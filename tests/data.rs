@@ -524,16 +524,22 @@ fn passkey_samples_are_well_formed_and_deterministic() {
             // The answer: targets[S-k..] are the digits, everything before is ignored.
             assert_eq!(item.answer_start, s - k);
             assert_eq!(ids[s - k - 1], synthetic::QUESTION);
-            assert_eq!(ids[s - k], synthetic::ANSWER);
+            assert_eq!(ids[s - k], synthetic::KEY, "the answer prefix repeats the needle's KEY");
             let want: Vec<i64> = digits.iter().map(|&d| d as i64).collect();
             assert_eq!(tg[s - k..], want[..]);
             assert!(tg[..s - k].iter().all(|&t| t == IGNORE));
             assert_eq!(item.sample.counted(), k);
-            // Filler follows the cycle 17, 18, ..., 32, 17, ...
+            // Filler: a pattern of P distinct words, repeated (the needle interrupts it).
             let filler: Vec<u32> = ids[1..s - k - 1].iter().copied().filter(|&t| t >= synthetic::FILLER0).collect();
-            for w in filler.windows(2) {
-                assert_eq!(w[1], synthetic::FILLER0 + (w[0] - synthetic::FILLER0 + 1) % synthetic::FILLER_PERIOD);
+            assert_eq!(filler.len(), s + 1 - (2 * k + 5));
+            let p_len = synthetic::FILLER_PERIOD;
+            let mut pattern: Vec<u32> = filler.iter().take(p_len).copied().collect();
+            for (j, &w) in filler.iter().enumerate() {
+                assert_eq!(w, filler[j % p_len], "filler position {j}");
             }
+            pattern.sort();
+            pattern.dedup();
+            assert_eq!(pattern.len(), p_len.min(filler.len()), "pattern words are distinct");
             assert_eq!(item, p.sample(i), "sample {i} must be reproducible");
             depths.push(n);
         }

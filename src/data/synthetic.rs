@@ -5,23 +5,24 @@
 //! ```text
 //! 0 PAD   1 BOS   2 EOS
 //! 3..=12  digits 0..9           (DIGIT0 + d)
-//! 13 KEY       "the passkey is"  (opens the needle)
+//! 13 KEY       "the passkey is"  (opens the needle, and again the answer)
 //! 14 KEY_END   "remember it."    (closes the needle)
 //! 15 QUESTION  "what is the passkey?"
-//! 16 ANSWER    "the passkey is"  (answer prefix)
-//! 17..vocab    filler words; a sample uses a cycle of FILLER_PERIOD of them
+//! 16..vocab    filler words
 //! ```
 //! A sample is S+1 raw tokens `t` (S = seq_len), `ids = t[..S]`, `targets = t[1..]`:
 //! ```text
-//! BOS  filler…  KEY d1..dk KEY_END  filler…  QUESTION ANSWER d1..dk
+//! BOS  filler…  KEY d1..dk KEY_END  filler…  QUESTION KEY d1..dk
 //! ```
-//! The filler is the cycle `17, 18, …, 17+P-1, 17, …` (P = FILLER_PERIOD) starting at a
-//! random phase, interrupted by the needle at a uniformly random depth; the k passkey
-//! digits are uniform. The answer digits end the sample, so with [`LossOn::Answer`] only
-//! the last k targets count (the first of them needs retrieval over the whole context,
-//! the others copying); [`LossOn::All`] counts every target (the filler is trivially
-//! predictable, so the loss still concentrates on the digits).
-//! Sample `i` depends only on `(seed, i)`: random access, and resuming is exact.
+//! The filler is a pattern of P = FILLER_PERIOD distinct filler words, drawn per sample,
+//! repeated (like the "The grass is green. The sky is blue." of the passkey papers),
+//! interrupted by the needle at a uniformly random depth; the k digits are uniform.
+//! Why it is learnable by a tiny model: answering is an induction task (at the second
+//! KEY, find the first KEY and copy what followed it), and with [`LossOn::All`] the
+//! repeated random filler trains exactly that induction mechanism on almost every
+//! position (after the first period the filler is predictable only by copying).
+//! The answer digits end the sample, so with [`LossOn::Answer`] only the last k targets
+//! count. Sample `i` depends only on `(seed, i)`: random access, and resuming is exact.
 
 use serde::{Deserialize, Serialize};
 
@@ -36,10 +37,9 @@ pub const DIGIT0: u32 = 3;
 pub const KEY: u32 = 13;
 pub const KEY_END: u32 = 14;
 pub const QUESTION: u32 = 15;
-pub const ANSWER: u32 = 16;
-pub const FILLER0: u32 = 17;
-/// Length of the filler cycle (or fewer if the vocabulary is smaller).
-pub const FILLER_PERIOD: u32 = 16;
+pub const FILLER0: u32 = 16;
+/// Length of the repeated filler pattern.
+pub const FILLER_PERIOD: usize = 16;
 /// Smallest accepted vocabulary.
 pub const MIN_VOCAB: usize = 32;
 
@@ -56,7 +56,7 @@ pub enum LossOn {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PasskeyConfig {
-    /// Vocabulary size of the model (≥ 32); ids above 16+FILLER_PERIOD are unused.
+    /// Vocabulary size of the model (≥ 32): ids 16..vocab are filler words.
     #[serde(default = "default_vocab")]
     pub vocab: usize,
     pub seq_len: usize,
@@ -98,7 +98,6 @@ pub struct PasskeyItem {
 #[derive(Debug, Clone)]
 pub struct Passkey {
     cfg: PasskeyConfig,
-    period: u32,
     next: u64,
 }
 
@@ -106,7 +105,7 @@ impl Passkey {
     pub fn new(cfg: PasskeyConfig) -> Result<Self> {
         if cfg.vocab < MIN_VOCAB || cfg.vocab > u32::MAX as usize {
             return Err(Error::Setting(format!(
-                "passkey: vocab {} must be at least {MIN_VOCAB} (ids 0..=16 are reserved, 17.. are filler)",
+                "passkey: vocab {} must be at least {MIN_VOCAB} (ids 0..=15 are reserved, 16.. are filler)",
                 cfg.vocab
             )));
         }
@@ -120,8 +119,7 @@ impl Passkey {
                 cfg.seq_len, cfg.digits
             )));
         }
-        let period = FILLER_PERIOD.min(cfg.vocab as u32 - FILLER0);
-        Ok(Self { cfg, period, next: 0 })
+        Ok(Self { cfg, next: 0 })
     }
 
     pub fn config(&self) -> &PasskeyConfig {
@@ -140,8 +138,14 @@ impl Passkey {
         let k = self.cfg.digits;
         let mut rng = SplitMix64::from_parts(&[self.cfg.seed, index]);
         let passkey: Vec<u8> = (0..k).map(|_| rng.below(10) as u8).collect();
-        let phase = rng.below(self.period as usize) as u32;
-        // Raw tokens: BOS + filler(F) with the needle (k+2) inside + QUESTION ANSWER digits (k+2) = S+1.
+        // P distinct filler words (partial Fisher–Yates over the filler ids).
+        let mut words: Vec<u32> = (FILLER0..self.cfg.vocab as u32).collect();
+        for i in 0..FILLER_PERIOD {
+            let j = i + rng.below(words.len() - i);
+            words.swap(i, j);
+        }
+        words.truncate(FILLER_PERIOD);
+        // Raw tokens: BOS + filler(F) with the needle (k+2) inside + QUESTION KEY digits (k+2) = S+1.
         let fill = s + 1 - (2 * k + 5);
         let drawn = rng.below(fill + 1);
         let before = match depth {
@@ -151,7 +155,7 @@ impl Passkey {
         let digit = |d: &u8| DIGIT0 + *d as u32;
         let mut t = Vec::with_capacity(s + 1);
         t.push(BOS);
-        let mut filler = (0..fill).map(|j| FILLER0 + (phase + j as u32) % self.period);
+        let mut filler = (0..fill).map(|j| words[j % FILLER_PERIOD]);
         t.extend(filler.by_ref().take(before));
         let needle_pos = t.len();
         t.push(KEY);
@@ -159,7 +163,7 @@ impl Passkey {
         t.push(KEY_END);
         t.extend(filler);
         t.push(QUESTION);
-        t.push(ANSWER);
+        t.push(KEY);
         t.extend(passkey.iter().map(digit));
         debug_assert_eq!(t.len(), s + 1);
         let mut sample = Sample::from_tokens(&t, s, PAD);
