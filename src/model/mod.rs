@@ -1,1 +1,18 @@
-//! (Being written.)
+//! The Llama family as Hugging Face transformers defines it (llama, mistral, qwen2):
+//! - [`config`]: `config.json` parsing/validation/write-back ([`LlamaConfig`]).
+//! - [`rope`]: rotary embedding per rope type, cos/sin for global position ids.
+//! - [`llama`]: RMSNorm, attention (through a sequence-parallel [`AttentionMode`]), SwiGLU
+//!   MLP, decoder layer, whole model; differentiable with Candle's autograd.
+//! - [`loss`]: masked token cross-entropy (sum), in f32.
+//!
+//! [`AttentionMode`]: longctx_attention::AttentionMode
+
+pub mod config;
+pub mod llama;
+pub mod loss;
+pub mod rope;
+
+pub use config::{Arch, LlamaConfig, RopeScaling};
+pub use llama::{Attention, DecoderLayer, Llama, Mlp, RmsNorm};
+pub use loss::{cross_entropy_sum, per_token_loss, IGNORE_INDEX};
+pub use rope::{Rope, RopeTable};

@@ -1,0 +1,591 @@
+//! `config.json` of a Llama-family checkpoint (llama, mistral, qwen2), as Hugging Face
+//! transformers reads it.
+//!
+//! Parsing goes field by field through `serde_json::Value`, so every error names the file,
+//! the field and what was expected. Fields this crate does not use are kept verbatim in
+//! [`LlamaConfig::extra`] and written back unchanged by [`LlamaConfig::to_json_value`].
+
+use crate::error::{Error, Result};
+use serde::ser::SerializeMap;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use std::path::{Path, PathBuf};
+
+/// The architectures whose blocks this crate implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Mistral,
+    Qwen2,
+}
+
+/// Supported values, for error messages.
+const SUPPORTED: &str = "llama, mistral, qwen2 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)";
+
+impl Arch {
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Mistral => "mistral",
+            Arch::Qwen2 => "qwen2",
+        }
+    }
+    fn from_model_type(s: &str) -> Option<Self> {
+        match s {
+            "llama" => Some(Arch::Llama),
+            "mistral" => Some(Arch::Mistral),
+            "qwen2" => Some(Arch::Qwen2),
+            _ => None,
+        }
+    }
+    fn from_architecture(s: &str) -> Option<Self> {
+        match s {
+            "LlamaForCausalLM" => Some(Arch::Llama),
+            "MistralForCausalLM" => Some(Arch::Mistral),
+            "Qwen2ForCausalLM" => Some(Arch::Qwen2),
+            _ => None,
+        }
+    }
+}
+
+/// `rope_scaling` (key `type` or `rope_type`), the variants transformers implements for Llama.
+/// Optional fields are `None` when absent; transformers' defaults are applied in [`super::rope`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Position interpolation: `inv_freq / factor`.
+    Linear { factor: f64 },
+    /// Dynamic NTK: the base grows with the sequence length past `max_position_embeddings`.
+    Dynamic { factor: f64 },
+    /// YaRN: ramped interpolation between extrapolated and interpolated frequencies,
+    /// cos/sin scaled by `attention_factor`.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: Option<usize>,
+        beta_fast: Option<f64>,
+        beta_slow: Option<f64>,
+        mscale: Option<f64>,
+        mscale_all_dim: Option<f64>,
+        attention_factor: Option<f64>,
+        truncate: Option<bool>,
+    },
+    /// Llama 3.x: low frequencies divided by `factor`, a smooth band in between.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: usize },
+}
+
+impl RopeScaling {
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            RopeScaling::Linear { .. } => "linear",
+            RopeScaling::Dynamic { .. } => "dynamic",
+            RopeScaling::Yarn { .. } => "yarn",
+            RopeScaling::Llama3 { .. } => "llama3",
+        }
+    }
+    pub fn factor(&self) -> f64 {
+        match self {
+            RopeScaling::Linear { factor }
+            | RopeScaling::Dynamic { factor }
+            | RopeScaling::Yarn { factor, .. }
+            | RopeScaling::Llama3 { factor, .. } => *factor,
+        }
+    }
+}
+
+/// The model configuration. Sizes are resolved (defaults applied) at parse time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    pub arch: Arch,
+    /// `architectures` as written (absent stays absent).
+    pub architectures: Option<Vec<String>>,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    /// Defaults to `num_attention_heads` (plain multi-head attention).
+    pub num_key_value_heads: usize,
+    /// Defaults to `hidden_size / num_attention_heads`.
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    pub max_position_embeddings: usize,
+    pub vocab_size: usize,
+    pub tie_word_embeddings: bool,
+    /// Llama/Mistral: bias on q, k, v and o. Qwen2 ignores it (q/k/v bias always, o none).
+    pub attention_bias: bool,
+    pub mlp_bias: bool,
+    pub torch_dtype: Option<String>,
+    /// Every other field of config.json, written back unchanged.
+    pub extra: Map<String, Value>,
+    /// Key `torch_dtype` came from (`torch_dtype`, or `dtype` as transformers v5 writes).
+    dtype_key: &'static str,
+    /// Whether `rope_theta` was a top-level field.
+    theta_on_top: bool,
+    /// The RoPE dict as read (to keep its unknown keys on write-back) and its key,
+    /// `rope_scaling` (transformers v4) or `rope_parameters` (v5).
+    rope_raw: Option<Map<String, Value>>,
+    rope_key: &'static str,
+    /// Where the config came from (for error messages); `config.json` when parsed from memory.
+    source: PathBuf,
+}
+
+/// Field-checking helpers over one JSON object, each error naming file and field.
+struct Fields<'a> {
+    file: &'a Path,
+    map: Map<String, Value>,
+}
+
+fn show(v: &Value) -> String {
+    let s = v.to_string();
+    if s.len() > 60 {
+        format!("{}...", &s[..s.char_indices().nth(57).map_or(s.len(), |(i, _)| i)])
+    } else {
+        s
+    }
+}
+
+fn positive_int(file: &Path, field: &str, v: &Value) -> Result<usize> {
+    match v.as_u64() {
+        Some(n) if n > 0 => Ok(n as usize),
+        _ => Err(Error::config(file, field, format!("expected a positive integer, got {}", show(v)))),
+    }
+}
+
+fn positive_float(file: &Path, field: &str, v: &Value) -> Result<f64> {
+    match v.as_f64() {
+        Some(x) if x > 0.0 && x.is_finite() => Ok(x),
+        _ => Err(Error::config(file, field, format!("expected a positive number, got {}", show(v)))),
+    }
+}
+
+impl<'a> Fields<'a> {
+    /// Removes `key` (null counts as absent).
+    fn take(&mut self, key: &str) -> Option<Value> {
+        match self.map.remove(key) {
+            Some(Value::Null) | None => None,
+            Some(v) => Some(v),
+        }
+    }
+    /// Like `take` but leaves the field in place (for fields kept in `extra`).
+    fn peek(&self, key: &str) -> Option<&Value> {
+        self.map.get(key).filter(|v| !v.is_null())
+    }
+    fn req_int(&mut self, key: &str) -> Result<usize> {
+        match self.take(key) {
+            Some(v) => positive_int(self.file, key, &v),
+            None => Err(Error::config(self.file, key, "missing; expected a positive integer")),
+        }
+    }
+    fn opt_int(&mut self, key: &str) -> Result<Option<usize>> {
+        self.take(key).map(|v| positive_int(self.file, key, &v)).transpose()
+    }
+    fn opt_float(&mut self, key: &str) -> Result<Option<f64>> {
+        self.take(key).map(|v| positive_float(self.file, key, &v)).transpose()
+    }
+    fn opt_bool(&mut self, key: &str) -> Result<Option<bool>> {
+        match self.take(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(b)),
+            Some(v) => Err(Error::config(self.file, key, format!("expected true or false, got {}", show(&v)))),
+        }
+    }
+    fn opt_string(&mut self, key: &str) -> Result<Option<String>> {
+        match self.take(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(Error::config(self.file, key, format!("expected a string, got {}", show(&v)))),
+        }
+    }
+}
+
+/// Parses the RoPE dictionary (`rope_scaling` of transformers v4, `rope_parameters` of v5,
+/// named by `key`): `None` for the default (unscaled) RoPE.
+fn parse_rope_scaling(file: &Path, key: &str, obj: &Map<String, Value>, max_pos: usize) -> Result<Option<RopeScaling>> {
+    let ty = match (obj.get("rope_type"), obj.get("type")) {
+        (Some(Value::String(s)), _) | (None, Some(Value::String(s))) => s.as_str(),
+        (Some(other), _) | (None, Some(other)) => {
+            return Err(Error::config(file, format!("{key}.rope_type"), format!("expected a string, got {}", show(other))))
+        }
+        (None, None) if key == "rope_parameters" => "default",
+        (None, None) => return Err(Error::config(file, format!("{key}.rope_type"), "missing (neither `rope_type` nor `type` is set)")),
+    };
+    let num = |k: &str| -> Result<Option<f64>> {
+        obj.get(k).filter(|v| !v.is_null()).map(|v| positive_float(file, &format!("{key}.{k}"), v)).transpose()
+    };
+    let int = |k: &str| -> Result<Option<usize>> {
+        obj.get(k).filter(|v| !v.is_null()).map(|v| positive_int(file, &format!("{key}.{k}"), v)).transpose()
+    };
+    let need = |k: &str, x: Option<f64>| -> Result<f64> {
+        x.ok_or_else(|| Error::config(file, format!("{key}.{k}"), format!("missing; required by rope type \"{ty}\"")))
+    };
+    let factor = || need("factor", num("factor")?);
+    Ok(Some(match ty {
+        "default" => return Ok(None),
+        "linear" => RopeScaling::Linear { factor: factor()? },
+        "dynamic" => RopeScaling::Dynamic { factor: factor()? },
+        "yarn" => RopeScaling::Yarn {
+            factor: factor()?,
+            original_max_position_embeddings: int("original_max_position_embeddings")?,
+            beta_fast: num("beta_fast")?,
+            beta_slow: num("beta_slow")?,
+            mscale: num("mscale")?,
+            mscale_all_dim: num("mscale_all_dim")?,
+            attention_factor: num("attention_factor")?,
+            truncate: match obj.get("truncate") {
+                None | Some(Value::Null) => None,
+                Some(Value::Bool(b)) => Some(*b),
+                Some(o) => return Err(Error::config(file, format!("{key}.truncate"), format!("expected true or false, got {}", show(o)))),
+            },
+        },
+        "llama3" => RopeScaling::Llama3 {
+            factor: factor()?,
+            low_freq_factor: need("low_freq_factor", num("low_freq_factor")?)?,
+            high_freq_factor: need("high_freq_factor", num("high_freq_factor")?)?,
+            // transformers fills it in from max_position_embeddings when absent.
+            original_max_position_embeddings: int("original_max_position_embeddings")?.unwrap_or(max_pos),
+        },
+        other => {
+            return Err(Error::config(
+                file,
+                format!("{key}.rope_type"),
+                format!("unsupported rope scaling type \"{other}\"; supported: default, linear, dynamic, yarn, llama3"),
+            ))
+        }
+    }))
+}
+
+impl LlamaConfig {
+    /// Reads and validates `config.json`.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let value: Value = serde_json::from_str(&text)
+            .map_err(|e| Error::checkpoint(path, format!("not valid JSON: {e}")))?;
+        Self::from_value(path, value)
+    }
+
+    /// Parses a config already read as JSON; `file` is only used in error messages.
+    pub fn from_value(file: impl AsRef<Path>, value: Value) -> Result<Self> {
+        let file = file.as_ref();
+        let map = match value {
+            Value::Object(m) => m,
+            other => return Err(Error::config(file, "<root>", format!("expected a JSON object, got {}", show(&other)))),
+        };
+        let mut f = Fields { file, map };
+
+        // Architecture: `model_type` decides; `architectures` must agree when present.
+        let architectures = match f.take("architectures") {
+            None => None,
+            Some(Value::Array(a)) => {
+                let mut names = Vec::with_capacity(a.len());
+                for x in a {
+                    match x {
+                        Value::String(s) => names.push(s),
+                        o => return Err(Error::config(file, "architectures", format!("expected a list of strings, got {}", show(&o)))),
+                    }
+                }
+                Some(names)
+            }
+            Some(o) => return Err(Error::config(file, "architectures", format!("expected a list of strings, got {}", show(&o)))),
+        };
+        let from_archs = match &architectures {
+            Some(names) => {
+                let mut found = None;
+                for n in names {
+                    match Arch::from_architecture(n) {
+                        Some(a) => found = Some(a),
+                        None => {
+                            return Err(Error::config(file, "architectures", format!("unsupported architecture \"{n}\"; supported: {SUPPORTED}")))
+                        }
+                    }
+                }
+                found
+            }
+            None => None,
+        };
+        let arch = match f.take("model_type") {
+            Some(Value::String(s)) => match Arch::from_model_type(&s) {
+                Some(a) => a,
+                None => return Err(Error::config(file, "model_type", format!("unsupported model type \"{s}\"; supported: {SUPPORTED}"))),
+            },
+            Some(o) => return Err(Error::config(file, "model_type", format!("expected a string, got {}", show(&o)))),
+            None => from_archs.ok_or_else(|| Error::config(file, "model_type", format!("missing (and no `architectures`); supported: {SUPPORTED}")))?,
+        };
+        if let Some(a) = from_archs {
+            if a != arch {
+                return Err(Error::config(
+                    file,
+                    "architectures",
+                    format!("says {} but `model_type` is \"{}\"", a.model_type(), arch.model_type()),
+                ));
+            }
+        }
+
+        let hidden_size = f.req_int("hidden_size")?;
+        let intermediate_size = f.req_int("intermediate_size")?;
+        let num_hidden_layers = f.req_int("num_hidden_layers")?;
+        let num_attention_heads = f.req_int("num_attention_heads")?;
+        let vocab_size = f.req_int("vocab_size")?;
+        let num_key_value_heads = f.opt_int("num_key_value_heads")?.unwrap_or(num_attention_heads);
+        let head_dim = match f.opt_int("head_dim")? {
+            Some(d) => d,
+            None => {
+                if hidden_size % num_attention_heads != 0 {
+                    return Err(Error::config(
+                        file,
+                        "head_dim",
+                        format!("missing, and hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}"),
+                    ));
+                }
+                hidden_size / num_attention_heads
+            }
+        };
+        if num_attention_heads % num_key_value_heads != 0 {
+            return Err(Error::config(
+                file,
+                "num_key_value_heads",
+                format!("num_attention_heads {num_attention_heads} is not divisible by num_key_value_heads {num_key_value_heads}"),
+            ));
+        }
+        if head_dim % 2 != 0 {
+            return Err(Error::config(file, "head_dim", format!("expected an even number (RoPE rotates pairs), got {head_dim}")));
+        }
+        // transformers' defaults for the optional fields.
+        let rms_norm_eps = f.opt_float("rms_norm_eps")?.unwrap_or(1e-6);
+        let rope_theta = f.opt_float("rope_theta")?.unwrap_or(10000.0);
+        let max_position_embeddings = f.opt_int("max_position_embeddings")?.unwrap_or(2048);
+        let tie_word_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(false);
+        let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
+        let mlp_bias = f.opt_bool("mlp_bias")?.unwrap_or(false);
+        let (torch_dtype, dtype_key) = match f.opt_string("torch_dtype")? {
+            Some(d) => (Some(d), "torch_dtype"),
+            None => (f.opt_string("dtype")?, "dtype"),
+        };
+        // RoPE: transformers v4 writes `rope_theta` + `rope_scaling`, v5 one `rope_parameters`
+        // dict holding `rope_theta` and the scaling keys. As in transformers, a non-null
+        // `rope_scaling` wins over `rope_parameters`.
+        let top_theta = f.opt_float("rope_theta")?;
+        let theta_on_top = top_theta.is_some();
+        let mut rope_raw = None;
+        let mut rope_key = "rope_scaling";
+        for key in ["rope_scaling", "rope_parameters"] {
+            match f.take(key) {
+                None => {}
+                Some(Value::Object(o)) if rope_raw.is_none() && !o.is_empty() => {
+                    rope_raw = Some(o);
+                    rope_key = key;
+                }
+                Some(Value::Object(o)) => {
+                    // The losing (or empty) dict is kept as it was.
+                    f.map.insert(key.into(), Value::Object(o));
+                }
+                Some(o) => return Err(Error::config(file, key, format!("expected an object or null, got {}", show(&o)))),
+            }
+        }
+        let (rope_scaling, rope_theta) = match &rope_raw {
+            Some(o) => {
+                if o.values().any(Value::is_object) {
+                    return Err(Error::config(file, rope_key, "per-layer-type RoPE parameters are not supported"));
+                }
+                let theta = match o.get("rope_theta").filter(|v| !v.is_null()) {
+                    Some(v) => positive_float(file, &format!("{rope_key}.rope_theta"), v)?,
+                    None => top_theta.unwrap_or(10000.0),
+                };
+                (parse_rope_scaling(file, rope_key, o, max_position_embeddings)?, theta)
+            }
+            None => (None, top_theta.unwrap_or(10000.0)),
+        };
+        if let Some(v) = f.peek("hidden_act") {
+            if v.as_str() != Some("silu") {
+                return Err(Error::config(file, "hidden_act", format!("only \"silu\" is supported, got {}", show(v))));
+            }
+        }
+        Ok(LlamaConfig {
+            arch,
+            architectures,
+            hidden_size,
+            intermediate_size,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps,
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings,
+            vocab_size,
+            tie_word_embeddings,
+            attention_bias,
+            mlp_bias,
+            torch_dtype,
+            extra: f.map,
+            dtype_key,
+            theta_on_top,
+            rope_raw,
+            rope_key,
+            source: file.to_path_buf(),
+        })
+    }
+
+    /// The file this config was read from (or the name given to [`Self::from_value`]).
+    pub fn source(&self) -> &Path {
+        &self.source
+    }
+
+    /// Whether q/k/v projections carry a bias: Qwen2 always, Llama when `attention_bias`,
+    /// Mistral never (as transformers builds them).
+    pub fn qkv_bias(&self) -> bool {
+        match self.arch {
+            Arch::Llama => self.attention_bias,
+            Arch::Mistral => false,
+            Arch::Qwen2 => true,
+        }
+    }
+
+    /// Whether o_proj carries a bias (Llama with `attention_bias` only).
+    pub fn o_bias(&self) -> bool {
+        self.arch == Arch::Llama && self.attention_bias
+    }
+
+    /// Whether the MLP projections carry a bias (Llama with `mlp_bias` only).
+    pub fn has_mlp_bias(&self) -> bool {
+        self.arch == Arch::Llama && self.mlp_bias
+    }
+
+    /// A sliding attention window the checkpoint asks for (Mistral `sliding_window`,
+    /// Qwen2 with `use_sliding_window`). This crate always attends causally over the
+    /// whole sequence; callers may warn when this is `Some`.
+    pub fn sliding_window(&self) -> Option<u64> {
+        let w = self.extra.get("sliding_window").and_then(Value::as_u64);
+        match self.arch {
+            Arch::Qwen2 => w.filter(|_| self.extra.get("use_sliding_window").and_then(Value::as_bool) == Some(true)),
+            _ => w,
+        }
+    }
+
+    /// A copy with another RoPE base (context extension raises it stage by stage).
+    pub fn with_rope_theta(&self, theta: f64) -> Self {
+        LlamaConfig { rope_theta: theta, ..self.clone() }
+    }
+
+    pub fn set_max_position_embeddings(&mut self, n: usize) {
+        self.max_position_embeddings = n;
+    }
+
+    /// The config as config.json: known fields with their current values, every other
+    /// field as it was read.
+    pub fn to_json_value(&self) -> Value {
+        let mut m = self.extra.clone();
+        m.insert("model_type".into(), Value::from(self.arch.model_type()));
+        if let Some(a) = &self.architectures {
+            m.insert("architectures".into(), Value::from(a.clone()));
+        }
+        for (k, v) in [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.max_position_embeddings),
+            ("vocab_size", self.vocab_size),
+        ] {
+            m.insert(k.into(), Value::from(v));
+        }
+        m.insert("rms_norm_eps".into(), Value::from(self.rms_norm_eps));
+        m.insert("tie_word_embeddings".into(), Value::from(self.tie_word_embeddings));
+        if self.arch != Arch::Qwen2 {
+            m.insert("attention_bias".into(), Value::from(self.attention_bias));
+        }
+        if self.arch == Arch::Llama {
+            m.insert("mlp_bias".into(), Value::from(self.mlp_bias));
+        }
+        if let Some(d) = &self.torch_dtype {
+            m.insert(self.dtype_key.into(), Value::from(d.clone()));
+        }
+        let rope = self.rope_dict();
+        if self.rope_key == "rope_parameters" {
+            if self.theta_on_top {
+                m.insert("rope_theta".into(), Value::from(self.rope_theta));
+            }
+            m.insert("rope_parameters".into(), rope);
+        } else {
+            m.insert("rope_theta".into(), Value::from(self.rope_theta));
+            m.insert("rope_scaling".into(), if self.rope_scaling.is_some() { rope } else { Value::Null });
+        }
+        Value::Object(m)
+    }
+
+    /// The RoPE dict to write: the one read, with the current type, factors and (for the
+    /// v5 `rope_parameters` form) `rope_theta`.
+    fn rope_dict(&self) -> Value {
+        let mut o = self.rope_raw.clone().unwrap_or_default();
+        if self.rope_key == "rope_parameters" {
+            o.insert("rope_theta".into(), Value::from(self.rope_theta));
+        }
+        let type_key = if o.contains_key("type") && !o.contains_key("rope_type") { "type" } else { "rope_type" };
+        let Some(rs) = &self.rope_scaling else {
+            o.insert(type_key.into(), Value::from("default"));
+            return Value::Object(o);
+        };
+        o.insert(type_key.into(), Value::from(rs.type_name()));
+        o.insert("factor".into(), Value::from(rs.factor()));
+        let put_f = |o: &mut Map<String, Value>, k: &str, v: Option<f64>| {
+            if let Some(x) = v {
+                o.insert(k.into(), Value::from(x));
+            }
+        };
+        match rs {
+            RopeScaling::Linear { .. } | RopeScaling::Dynamic { .. } => {}
+            RopeScaling::Yarn { original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate, .. } => {
+                if let Some(n) = original_max_position_embeddings {
+                    o.insert("original_max_position_embeddings".into(), Value::from(*n));
+                }
+                put_f(&mut o, "beta_fast", *beta_fast);
+                put_f(&mut o, "beta_slow", *beta_slow);
+                put_f(&mut o, "mscale", *mscale);
+                put_f(&mut o, "mscale_all_dim", *mscale_all_dim);
+                put_f(&mut o, "attention_factor", *attention_factor);
+                if let Some(t) = truncate {
+                    o.insert("truncate".into(), Value::from(*t));
+                }
+            }
+            RopeScaling::Llama3 { low_freq_factor, high_freq_factor, original_max_position_embeddings, .. } => {
+                put_f(&mut o, "low_freq_factor", Some(*low_freq_factor));
+                put_f(&mut o, "high_freq_factor", Some(*high_freq_factor));
+                o.insert("original_max_position_embeddings".into(), Value::from(*original_max_position_embeddings));
+            }
+        }
+        Value::Object(o)
+    }
+
+    /// Writes the config as pretty JSON.
+    pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let text = serde_json::to_string_pretty(&self.to_json_value())
+            .map_err(|e| Error::checkpoint(path, format!("cannot serialise config: {e}")))?;
+        std::fs::write(path, text + "\n").map_err(|e| Error::io(path, e))
+    }
+}
+
+impl Serialize for LlamaConfig {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let m = match self.to_json_value() {
+            Value::Object(m) => m,
+            other => return other.serialize(s),
+        };
+        let mut out = s.serialize_map(Some(m.len()))?;
+        for (k, v) in &m {
+            out.serialize_entry(k, v)?;
+        }
+        out.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for LlamaConfig {
+    /// Same checks as [`LlamaConfig::from_value`]; errors name the file as `config.json`.
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let v = Value::deserialize(d)?;
+        LlamaConfig::from_value("config.json", v).map_err(serde::de::Error::custom)
+    }
+}

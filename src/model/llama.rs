@@ -1,0 +1,298 @@
+//! The Llama block and model (also Mistral and Qwen2, which differ only in biases),
+//! written as the math of transformers' `LlamaForCausalLM`, with differentiable ops only.
+//!
+//! Shapes: `b` batch, `s` tokens (this rank's), `h` hidden, `hq`/`hkv` query/kv heads,
+//! `d` head dim, `i` intermediate, `V` vocabulary.
+//!
+//! Module paths mirror the safetensors names:
+//! `model.embed_tokens.weight`, `model.layers.N.self_attn.{q,k,v,o}_proj.{weight,bias}`,
+//! `model.layers.N.mlp.{gate,up,down}_proj.weight`,
+//! `model.layers.N.{input_layernorm,post_attention_layernorm}.weight`, `model.norm.weight`,
+//! `lm_head.weight` (absent when `tie_word_embeddings`).
+//!
+//! The model knows nothing of ranks: attention goes through an [`AttentionMode`]
+//! (`LocalAttention` on one device) and RoPE takes global position ids.
+
+use super::config::LlamaConfig;
+use super::loss;
+use super::rope::{Rope, RopeTable};
+use crate::error::{Error, Result};
+use candle_core::{DType, Module, Tensor, D};
+use candle_nn::{Embedding, Linear, VarBuilder};
+use longctx_attention::AttentionMode;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Where a tensor problem is reported: the checkpoint folder of the config.
+fn ckpt_path(cfg: &LlamaConfig) -> PathBuf {
+    match cfg.source().parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("checkpoint"),
+    }
+}
+
+/// The shape a backend reported in a shape-mismatch error, if that is what `e` is.
+fn mismatch_shape(e: &candle_core::Error) -> Option<Vec<usize>> {
+    use candle_core::Error as E;
+    match e {
+        E::UnexpectedShape { got, .. } => Some(got.dims().to_vec()),
+        E::WithBacktrace { inner, .. } | E::WithPath { inner, .. } | E::Context { inner, .. } => mismatch_shape(inner),
+        _ => None,
+    }
+}
+
+/// Fetches `name` under `vb`, checking presence and shape; errors name the tensor.
+/// (Presence is checked first: a `VarMap` backend would otherwise create a fresh variable.)
+fn get(vb: &VarBuilder, cfg: &LlamaConfig, name: &str, shape: &[usize]) -> Result<Tensor> {
+    let full = if vb.prefix().is_empty() { name.to_string() } else { format!("{}.{name}", vb.prefix()) };
+    if !vb.contains_tensor(name) {
+        return Err(Error::checkpoint(ckpt_path(cfg), format!("missing tensor `{full}` (expected shape {shape:?})")));
+    }
+    let mismatch = |got: &[usize]| {
+        Error::checkpoint(ckpt_path(cfg), format!("tensor `{full}`: expected shape {shape:?}, got {got:?}"))
+    };
+    match vb.get(shape, name) {
+        // Backends that check the shape themselves report a mismatch as an error...
+        Err(e) => Err(match mismatch_shape(&e) {
+            Some(got) => mismatch(&got),
+            None => Error::checkpoint(ckpt_path(cfg), format!("tensor `{full}`: {e}")),
+        }),
+        // ...and one that does not is checked here.
+        Ok(t) if t.dims() != shape => Err(mismatch(t.dims())),
+        Ok(t) => Ok(t),
+    }
+}
+
+fn linear(vb: &VarBuilder, cfg: &LlamaConfig, out_dim: usize, in_dim: usize, bias: bool) -> Result<Linear> {
+    let w = get(vb, cfg, "weight", &[out_dim, in_dim])?;
+    let b = if bias { Some(get(vb, cfg, "bias", &[out_dim])?) } else { None };
+    Ok(Linear::new(w, b))
+}
+
+/// RMSNorm as transformers computes it: in f32, `x · rsqrt(mean(x²) + eps)`, cast back
+/// to the input dtype, times the weight.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    pub weight: Tensor, // [h]
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let dtype = x.dtype();
+        let x32 = x.to_dtype(DType::F32)?;
+        let var = x32.sqr()?.mean_keepdim(D::Minus1)?; // [.., 1]
+        let inv = (var + self.eps)?.sqrt()?.recip()?;
+        x32.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(&self.weight)
+    }
+}
+
+/// Self-attention: projections, RoPE on q and k, causal attention through the mode, o_proj.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    pub q_proj: Linear, // [hq·d, h]
+    pub k_proj: Linear, // [hkv·d, h]
+    pub v_proj: Linear, // [hkv·d, h]
+    pub o_proj: Linear, // [h, hq·d]
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl Attention {
+    fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+        let (h, d, hq, hkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads);
+        Ok(Attention {
+            q_proj: linear(&vb.pp("q_proj"), cfg, hq * d, h, cfg.qkv_bias())?,
+            k_proj: linear(&vb.pp("k_proj"), cfg, hkv * d, h, cfg.qkv_bias())?,
+            v_proj: linear(&vb.pp("v_proj"), cfg, hkv * d, h, cfg.qkv_bias())?,
+            o_proj: linear(&vb.pp("o_proj"), cfg, h, hq * d, cfg.o_bias())?,
+            num_heads: hq,
+            num_kv_heads: hkv,
+            head_dim: d,
+        })
+    }
+
+    /// `x [b, s, h]` (already normed) -> `[b, s, h]`.
+    pub fn forward(&self, x: &Tensor, rope: &RopeTable, attn: &Arc<dyn AttentionMode>) -> candle_core::Result<Tensor> {
+        let (b, s, _) = x.dims3()?;
+        let d = self.head_dim;
+        let q = self.q_proj.forward(x)?.reshape((b, s, self.num_heads, d))?; // [b, s, hq, d]
+        let k = self.k_proj.forward(x)?.reshape((b, s, self.num_kv_heads, d))?; // [b, s, hkv, d]
+        let v = self.v_proj.forward(x)?.reshape((b, s, self.num_kv_heads, d))?; // [b, s, hkv, d]
+        let q = rope.apply(&q)?;
+        let k = rope.apply(&k)?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let o = longctx_attention::op::attention(attn, &q, &k, &v, scale)?; // [b, s, hq, d]
+        self.o_proj.forward(&o.reshape((b, s, self.num_heads * d))?)
+    }
+}
+
+/// SwiGLU MLP: `down(silu(gate(x)) · up(x))` (Candle's `silu` has a backward).
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    pub gate_proj: Linear, // [i, h]
+    pub up_proj: Linear,   // [i, h]
+    pub down_proj: Linear, // [h, i]
+}
+
+impl Mlp {
+    fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+        let (h, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.has_mlp_bias());
+        Ok(Mlp {
+            gate_proj: linear(&vb.pp("gate_proj"), cfg, i, h, bias)?,
+            up_proj: linear(&vb.pp("up_proj"), cfg, i, h, bias)?,
+            down_proj: linear(&vb.pp("down_proj"), cfg, h, i, bias)?,
+        })
+    }
+
+    /// `[.., h] -> [.., h]`; token-wise, so it may be run on any chunk of tokens.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let g = self.gate_proj.forward(x)?.silu()?;
+        self.down_proj.forward(&g.mul(&self.up_proj.forward(x)?)?)
+    }
+}
+
+/// One pre-norm decoder block: `x + attn(norm(x))`, then `+ mlp(norm(·))`.
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    pub self_attn: Attention,
+    pub mlp: Mlp,
+    pub input_layernorm: RmsNorm,
+    pub post_attention_layernorm: RmsNorm,
+}
+
+impl DecoderLayer {
+    fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let norm = |name: &str| -> Result<RmsNorm> {
+            Ok(RmsNorm { weight: get(&vb.pp(name), cfg, "weight", &[h])?, eps: cfg.rms_norm_eps })
+        };
+        Ok(DecoderLayer {
+            self_attn: Attention::load(vb.pp("self_attn"), cfg)?,
+            mlp: Mlp::load(vb.pp("mlp"), cfg)?,
+            input_layernorm: norm("input_layernorm")?,
+            post_attention_layernorm: norm("post_attention_layernorm")?,
+        })
+    }
+
+    /// `x [b, s, h]` -> `[b, s, h]`; `rope` holds cos/sin for exactly these tokens.
+    pub fn forward(&self, x: &Tensor, rope: &RopeTable, attn: &Arc<dyn AttentionMode>) -> Result<Tensor> {
+        let a = self.self_attn.forward(&self.input_layernorm.forward(x)?, rope, attn)?;
+        let x = x.add(&a)?;
+        let m = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
+        Ok(x.add(&m)?)
+    }
+
+    /// The layer's parameters with their names relative to `model.layers.N.`.
+    pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        let mut lin = |name: &str, l: &Linear| {
+            out.push((format!("{name}.weight"), l.weight().clone()));
+            if let Some(b) = l.bias() {
+                out.push((format!("{name}.bias"), b.clone()));
+            }
+        };
+        let a = &self.self_attn;
+        lin("self_attn.q_proj", &a.q_proj);
+        lin("self_attn.k_proj", &a.k_proj);
+        lin("self_attn.v_proj", &a.v_proj);
+        lin("self_attn.o_proj", &a.o_proj);
+        lin("mlp.gate_proj", &self.mlp.gate_proj);
+        lin("mlp.up_proj", &self.mlp.up_proj);
+        lin("mlp.down_proj", &self.mlp.down_proj);
+        out.push(("input_layernorm.weight".into(), self.input_layernorm.weight.clone()));
+        out.push(("post_attention_layernorm.weight".into(), self.post_attention_layernorm.weight.clone()));
+        out
+    }
+}
+
+/// The causal language model.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    pub cfg: LlamaConfig,
+    pub rope: Rope,
+    pub embed_tokens: Embedding, // [V, h]
+    pub layers: Vec<DecoderLayer>,
+    pub norm: RmsNorm,
+    /// `[V, h]`; shares the embedding tensor when `tie_word_embeddings`.
+    pub lm_head: Linear,
+}
+
+impl Llama {
+    /// Builds the model from `vb` (rooted at the checkpoint's top level, so that names
+    /// read `model.…` and `lm_head.weight`). The dtype and device are `vb`'s.
+    pub fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let m = vb.pp("model");
+        let emb = get(&m.pp("embed_tokens"), cfg, "weight", &[v, h])?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            layers.push(DecoderLayer::load(m.pp(format!("layers.{i}")), cfg)?);
+        }
+        let norm = RmsNorm { weight: get(&m.pp("norm"), cfg, "weight", &[h])?, eps: cfg.rms_norm_eps };
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::new(emb.clone(), None)
+        } else {
+            Linear::new(get(&vb.pp("lm_head"), cfg, "weight", &[v, h])?, None)
+        };
+        Ok(Llama { cfg: cfg.clone(), rope: Rope::new(cfg), embed_tokens: Embedding::new(emb, h), layers, norm, lm_head })
+    }
+
+    /// Dtype of the weights (and of hidden states).
+    pub fn dtype(&self) -> DType {
+        self.embed_tokens.embeddings().dtype()
+    }
+
+    /// cos/sin for `positions [b, s]` (u32 global ids) in the model dtype; `seq_len` is the
+    /// global sequence length (only dynamic NTK uses it; `None`: max position + 1).
+    pub fn rope_table(&self, positions: &Tensor, seq_len: Option<usize>) -> Result<RopeTable> {
+        Ok(self.rope.table(positions, seq_len, self.dtype())?)
+    }
+
+    /// `ids [b, s]` u32 -> `[b, s, h]`.
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        Ok(self.embed_tokens.forward(ids)?)
+    }
+
+    /// Final hidden states `[b, s, h]`, after the last norm (input of `lm_head`).
+    pub fn forward_hidden(&self, ids: &Tensor, positions: &Tensor, attn: &Arc<dyn AttentionMode>) -> Result<Tensor> {
+        let rope = self.rope_table(positions, None)?;
+        let mut x = self.embed(ids)?;
+        for layer in &self.layers {
+            x = layer.forward(&x, &rope, attn)?;
+        }
+        Ok(self.norm.forward(&x)?)
+    }
+
+    /// `hidden [b, s, h]` -> logits `[b, s, V]` (model dtype).
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(self.lm_head.forward(hidden)?)
+    }
+
+    /// Per-token loss `[b, s]` f32 (0 where ignored) and the count of counted tokens.
+    /// Targets: see [`loss`] (i64, negative = ignore).
+    pub fn per_token_loss(&self, ids: &Tensor, targets: &Tensor, positions: &Tensor, attn: &Arc<dyn AttentionMode>) -> Result<(Tensor, usize)> {
+        let logits = self.logits(&self.forward_hidden(ids, positions, attn)?)?;
+        loss::per_token_loss(&logits, targets)
+    }
+
+    /// `(Σ token losses (scalar f32), counted tokens)`: a SUM; divide by the global count.
+    pub fn loss(&self, ids: &Tensor, targets: &Tensor, positions: &Tensor, attn: &Arc<dyn AttentionMode>) -> Result<(Tensor, usize)> {
+        let (l, n) = self.per_token_loss(ids, targets, positions, attn)?;
+        Ok((l.sum_all()?, n))
+    }
+
+    /// Every parameter with its safetensors name (`lm_head.weight` omitted when tied).
+    pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![("model.embed_tokens.weight".to_string(), self.embed_tokens.embeddings().clone())];
+        for (i, l) in self.layers.iter().enumerate() {
+            out.extend(l.named_parameters().into_iter().map(|(n, t)| (format!("model.layers.{i}.{n}"), t)));
+        }
+        out.push(("model.norm.weight".into(), self.norm.weight.clone()));
+        if !self.cfg.tie_word_embeddings {
+            out.push(("lm_head.weight".into(), self.lm_head.weight().clone()));
+        }
+        out
+    }
+}
