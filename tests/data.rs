@@ -474,10 +474,11 @@ fn layout_permutes_ids_targets_positions_identically() {
         for idx in &per_rank {
             let local = apply_layout(&ids, &targets, s, idx).unwrap();
             let l = idx.len();
-            assert_eq!(local.positions, idx.iter().map(|&i| i as u32).collect::<Vec<_>>(), "{name}");
+            let want_pos: Vec<u32> = (0..b).flat_map(|_| idx.iter().map(|&i| i as u32)).collect();
+            assert_eq!(local.positions, want_pos, "{name}: positions [b, L] are the global indices");
             for r in 0..b {
                 for j in 0..l {
-                    let g = local.positions[j] as usize;
+                    let g = local.positions[r * l + j] as usize;
                     assert_eq!(local.ids[r * l + j] as usize, 100 * r + g, "{name} ids");
                     assert_eq!(local.targets[r * l + j] as usize, 100 * r + g + 1, "{name} targets");
                 }
@@ -492,7 +493,8 @@ fn layout_permutes_ids_targets_positions_identically() {
             let (li, lt, lp) = apply_layout_tensors(&t_ids, &t_tg, idx).unwrap();
             assert_eq!(li.flatten_all().unwrap().to_vec1::<u32>().unwrap(), local.ids);
             assert_eq!(lt.flatten_all().unwrap().to_vec1::<i64>().unwrap(), local.targets);
-            assert_eq!(lp.to_vec1::<u32>().unwrap(), local.positions);
+            assert_eq!(lp.dims(), &[b, l]);
+            assert_eq!(lp.flatten_all().unwrap().to_vec1::<u32>().unwrap(), local.positions);
         }
         assert!(seen.iter().all(|&c| c == 1), "{name}: every global token on exactly one rank: {seen:?}");
     }

@@ -3,7 +3,8 @@
 //! Shapes: global `ids [b, S]`, `targets [b, S]`; `indices [L]` = the global token
 //! indices this rank holds, in local order (from `longctx_attention::layout`:
 //! `zigzag_indices`, `contiguous_indices`, `fpdt_indices`, `usp_indices`); local
-//! `ids [b, L]`, `targets [b, L]`, `positions [L]` (shared by every row).
+//! `ids [b, L]`, `targets [b, L]`, `positions [b, L]` (the same in every row, laid
+//! out like HF's `position_ids`).
 //!
 //! Ids, targets and position ids are permuted identically: local token `j` of row `r` is
 //! global token `indices[j]`, its target is the global target at `indices[j]` (targets
@@ -13,7 +14,7 @@ use candle_core::Tensor;
 
 use crate::{Error, Result};
 
-/// One rank's share of a batch: `ids [b, L]`, `targets [b, L]`, `positions [L]`.
+/// One rank's share of a batch: `ids [b, L]`, `targets [b, L]`, `positions [b, L]` (row-major).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalBatch {
     pub ids: Vec<u32>,
@@ -48,24 +49,26 @@ pub fn apply_layout(ids: &[u32], targets: &[i64], seq_len: usize, indices: &[usi
     let b = ids.len() / seq_len;
     let mut local_ids = Vec::with_capacity(b * indices.len());
     let mut local_targets = Vec::with_capacity(b * indices.len());
+    let mut positions = Vec::with_capacity(b * indices.len());
     for r in 0..b {
         let row = r * seq_len;
         local_ids.extend(indices.iter().map(|&i| ids[row + i]));
         local_targets.extend(indices.iter().map(|&i| targets[row + i]));
+        positions.extend(indices.iter().map(|&i| i as u32));
     }
     Ok(LocalBatch {
         ids: local_ids,
         targets: local_targets,
-        positions: indices.iter().map(|&i| i as u32).collect(),
+        positions,
         batch: b,
         local_len: indices.len(),
     })
 }
 
 /// Tensor form: `ids [b, S]`, `targets [b, S]` (any dtype, any device) ->
-/// `(ids [b, L], targets [b, L], positions [L] u32)` on the same device.
+/// `(ids [b, L], targets [b, L], positions [b, L] u32)` on the same device.
 pub fn apply_layout_tensors(ids: &Tensor, targets: &Tensor, indices: &[usize]) -> Result<(Tensor, Tensor, Tensor)> {
-    let (_, s) = ids.dims2()?;
+    let (b, s) = ids.dims2()?;
     if targets.dims() != ids.dims() {
         return Err(Error::Setting(format!(
             "layout: targets shape {:?} differs from ids shape {:?}",
@@ -75,8 +78,9 @@ pub fn apply_layout_tensors(ids: &Tensor, targets: &Tensor, indices: &[usize]) -
     }
     check_indices(indices, s)?;
     let pos: Vec<u32> = indices.iter().map(|&i| i as u32).collect();
-    let positions = Tensor::new(pos.as_slice(), ids.device())?;
-    let local_ids = ids.index_select(&positions, 1)?;
-    let local_targets = targets.index_select(&positions, 1)?;
+    let index = Tensor::new(pos.as_slice(), ids.device())?;
+    let local_ids = ids.index_select(&index, 1)?;
+    let local_targets = targets.index_select(&index, 1)?;
+    let positions = index.unsqueeze(0)?.repeat((b, 1))?;
     Ok((local_ids, local_targets, positions))
 }
