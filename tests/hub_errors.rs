@@ -169,3 +169,15 @@ fn weights_shape_mismatch_with_model_is_named() {
     let err = vb.get((3, 2), "w").unwrap_err().to_string();
     assert_mentions(&err, &[path.to_str().unwrap(), "`w`", "[2, 3]", "[3, 2]", "config.json"]);
 }
+
+#[test]
+fn hub_unreachable_when_online() {
+    // A port on loopback with nothing listening: connection refused at once.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let cache = tempfile::tempdir().unwrap();
+    let mut opts = HubOptions::offline_in(cache.path());
+    opts.offline = false;
+    opts.endpoint = Some(format!("http://127.0.0.1:{port}"));
+    let err = hub::resolve_model("org/tiny", &opts).unwrap_err().to_string();
+    assert_mentions(&err, &["config.json", "org/tiny", "models--org--tiny", "HF_HUB_OFFLINE=1"]);
+}

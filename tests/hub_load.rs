@@ -297,3 +297,122 @@ fn env_vars_select_cache_and_offline_mode() {
     let err = missing.unwrap_err().to_string();
     assert!(err.contains("org/absent") && err.contains(cache.path().to_str().unwrap()), "{err}");
 }
+
+/// A minimal stand-in for the hub's `resolve` endpoint on 127.0.0.1, speaking the part of
+/// the protocol hf-hub uses: `GET /{repo}/resolve/{rev}/{file}` with `Range: bytes=N-`,
+/// answered 206 with `x-repo-commit`, `etag`, `content-range`; 404 for unknown files.
+/// It serves until `stop` is set or 60 s pass, one request per connection.
+struct FakeHub {
+    addr: std::net::SocketAddr,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    requests: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl FakeHub {
+    fn start(files: HashMap<String, Vec<u8>>) -> Self {
+        use std::io::{Read, Write};
+        use std::sync::atomic::Ordering;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let requests = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (stop2, req2) = (stop.clone(), requests.clone());
+        let thread = std::thread::spawn(move || {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            while !stop2.load(Ordering::Relaxed) && std::time::Instant::now() < deadline {
+                let Ok((mut conn, _)) = listener.accept() else {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                    continue;
+                };
+                conn.set_nonblocking(false).unwrap();
+                conn.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let head = String::from_utf8_lossy(&head).to_string();
+                let path = head.split_whitespace().nth(1).unwrap_or("").to_string();
+                let start: usize = head
+                    .lines()
+                    .find_map(|l| l.to_ascii_lowercase().strip_prefix("range: bytes=").map(|r| r.to_string()))
+                    .and_then(|r| r.split('-').next().and_then(|s| s.trim().parse().ok()))
+                    .unwrap_or(0);
+                req2.lock().unwrap().push(path.clone());
+                let file = path.strip_prefix("/org/tiny/resolve/main/").and_then(|f| files.get(f));
+                let resp = match file {
+                    Some(body) => {
+                        let one = head.to_ascii_lowercase().contains("range: bytes=0-0");
+                        let end = if one { 1 } else { body.len() };
+                        let part = &body[start.min(body.len())..end];
+                        let mut r = format!(
+                            "HTTP/1.1 206 Partial Content\r\nx-repo-commit: {HASH}\r\netag: \"e{}\"\r\ncontent-range: bytes {start}-{}/{}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                            path.len() * 31 + body.len(),
+                            end.saturating_sub(1),
+                            body.len(),
+                            part.len()
+                        )
+                        .into_bytes();
+                        r.extend_from_slice(part);
+                        r
+                    }
+                    None => b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".to_vec(),
+                };
+                let _ = conn.write_all(&resp);
+            }
+        });
+        Self { addr, stop, requests, thread: Some(thread) }
+    }
+}
+
+impl Drop for FakeHub {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[test]
+fn online_download_through_hf_hub_fills_the_cache() {
+    // A sharded model with a tokenizer.json but no other tokenizer files on the "hub".
+    let src = tempfile::tempdir().unwrap();
+    write_sharded(src.path(), &originals(), DType::BF16);
+    let mut files = HashMap::new();
+    for f in ["model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"] {
+        files.insert(f.to_string(), std::fs::read(src.path().join(f)).unwrap());
+    }
+    files.insert("config.json".to_string(), config_json().to_string().into_bytes());
+    files.insert("tokenizer.json".to_string(), b"{}".to_vec());
+    let server = FakeHub::start(files);
+
+    let cache = tempfile::tempdir().unwrap();
+    let mut opts = HubOptions::offline_in(cache.path());
+    opts.offline = false;
+    opts.endpoint = Some(format!("http://{}", server.addr));
+    let r = hub::resolve_model("org/tiny", &opts).unwrap();
+    let snap = cache.path().join("models--org--tiny/snapshots").join(HASH);
+    assert_eq!(r.dir, snap);
+    let w = hub::load_weights(&r.dir, DType::F32, &Device::Cpu).unwrap();
+    for (name, t) in &originals() {
+        assert_same(&w[*name], t, name);
+    }
+    assert!(snap.join("tokenizer.json").is_file());
+    // Files the hub lacks are remembered under .no_exist, like huggingface_hub does.
+    assert!(cache.path().join("models--org--tiny/.no_exist").join(HASH).join("tokenizer.model").exists());
+    assert!(cache.path().join("models--org--tiny/.no_exist").join(HASH).join("model.safetensors").exists());
+
+    // Second resolution is served from the cache: no request at all.
+    let before = server.requests.lock().unwrap().len();
+    let again = hub::resolve_model("org/tiny", &opts).unwrap();
+    assert_eq!(again.dir, snap);
+    assert_eq!(server.requests.lock().unwrap().len(), before, "cached model must not hit the network");
+    // And the same cache now works offline.
+    assert_eq!(hub::resolve_model("org/tiny", &HubOptions::offline_in(cache.path())).unwrap().dir, snap);
+}

@@ -267,23 +267,32 @@ fn download(repo_id: &str, revision: &str, opts: &HubOptions) -> Result<Resolved
         .parent()
         .map(Path::to_path_buf)
         .ok_or_else(|| Error::checkpoint(&config, "downloaded file has no parent directory"))?;
-    match repo.get(SINGLE_FILE) {
-        Ok(_) => {}
-        Err(e) if not_found(&e) => {
-            let index = repo.get(INDEX_FILE).map_err(|e| fail(INDEX_FILE, e))?;
-            for shard in index_shards(&index)? {
-                repo.get(&shard).map_err(|e| fail(&shard, e))?;
-            }
+    let commit = dir.file_name().and_then(|s| s.to_str()).unwrap_or_default().to_string();
+    // Files the hub said do not exist are remembered, as huggingface_hub does, in
+    // `.no_exist/<commit>/<file>`, so a cached model needs no request for them again.
+    let no_exist = repo_folder(&opts.cache_dir, repo_id).join(".no_exist").join(&commit);
+    let optional = |file: &str| -> Result<bool> {
+        if no_exist.join(file).exists() {
+            return Ok(false);
         }
-        Err(e) => return Err(fail(SINGLE_FILE, e)),
+        match repo.get(file) {
+            Ok(_) => Ok(true),
+            Err(e) if not_found(&e) => {
+                // Best effort: a missing marker only costs one more request next time.
+                let _ = std::fs::create_dir_all(&no_exist).and_then(|_| std::fs::write(no_exist.join(file), b""));
+                Ok(false)
+            }
+            Err(e) => Err(fail(file, e)),
+        }
+    };
+    if !optional(SINGLE_FILE)? {
+        let index = repo.get(INDEX_FILE).map_err(|e| fail(INDEX_FILE, e))?;
+        for shard in index_shards(&index)? {
+            repo.get(&shard).map_err(|e| fail(&shard, e))?;
+        }
     }
     for f in TOKENIZER_FILES {
-        match repo.get(f) {
-            Ok(_) => {}
-            Err(e) if not_found(&e) => {}
-            Err(e) => return Err(fail(f, e)),
-        }
+        optional(f)?;
     }
-    let commit = dir.file_name().and_then(|s| s.to_str()).unwrap_or_default().to_string();
     Ok(ResolvedModel { dir, hub: Some((repo_id.to_string(), commit)) })
 }
