@@ -127,12 +127,33 @@ pub struct LlamaConfig {
     rope_key: &'static str,
     /// Where the config came from (for error messages); `config.json` when parsed from memory.
     source: PathBuf,
+    /// The JSON object as read (to write unchanged values back with their original spelling).
+    original: Map<String, Value>,
 }
 
 /// Field-checking helpers over one JSON object, each error naming file and field.
 struct Fields<'a> {
     file: &'a Path,
     map: Map<String, Value>,
+}
+
+/// Whether two JSON values mean the same (numbers compared by value: 10000 == 10000.0).
+fn same(a: &Value, b: &Value) -> bool {
+    a == b || (a.is_number() && b.is_number() && a.as_f64() == b.as_f64())
+}
+
+/// Writes `key: new` into `m` for write-back: the original value when it means the same,
+/// nothing when the key was absent and `new` is the default, else `new`.
+fn put(m: &mut Map<String, Value>, orig: &Map<String, Value>, key: &str, new: Value, default: Option<Value>) {
+    match orig.get(key) {
+        Some(o) if same(o, &new) => {
+            m.insert(key.into(), o.clone());
+        }
+        None if default.as_ref().is_some_and(|d| same(d, &new)) => {}
+        _ => {
+            m.insert(key.into(), new);
+        }
+    }
 }
 
 fn show(v: &Value) -> String {
@@ -271,6 +292,7 @@ impl LlamaConfig {
             Value::Object(m) => m,
             other => return Err(Error::config(file, "<root>", format!("expected a JSON object, got {}", show(&other)))),
         };
+        let original = map.clone();
         let mut f = Fields { file, map };
 
         // Architecture: `model_type` decides; `architectures` must agree when present.
@@ -352,7 +374,6 @@ impl LlamaConfig {
         }
         // transformers' defaults for the optional fields.
         let rms_norm_eps = f.opt_float("rms_norm_eps")?.unwrap_or(1e-6);
-        let rope_theta = f.opt_float("rope_theta")?.unwrap_or(10000.0);
         let max_position_embeddings = f.opt_int("max_position_embeddings")?.unwrap_or(2048);
         let tie_word_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(false);
         let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
@@ -424,6 +445,7 @@ impl LlamaConfig {
             rope_raw,
             rope_key,
             source: file.to_path_buf(),
+            original,
         })
     }
 
@@ -472,46 +494,47 @@ impl LlamaConfig {
         self.max_position_embeddings = n;
     }
 
-    /// The config as config.json: known fields with their current values, every other
-    /// field as it was read.
+    /// The config as config.json: every field as it was read, known fields updated to
+    /// their current values (a value that did not change keeps its original spelling,
+    /// e.g. `10000` stays `10000`; an optional field left at its default is not added).
     pub fn to_json_value(&self) -> Value {
+        let orig = &self.original;
         let mut m = self.extra.clone();
-        m.insert("model_type".into(), Value::from(self.arch.model_type()));
+        let mut put = |key: &str, new: Value, default: Option<Value>| put(&mut m, orig, key, new, default);
+        put("model_type", Value::from(self.arch.model_type()), None);
         if let Some(a) = &self.architectures {
-            m.insert("architectures".into(), Value::from(a.clone()));
+            put("architectures", Value::from(a.clone()), None);
         }
         for (k, v) in [
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
             ("num_hidden_layers", self.num_hidden_layers),
             ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("head_dim", self.head_dim),
-            ("max_position_embeddings", self.max_position_embeddings),
             ("vocab_size", self.vocab_size),
         ] {
-            m.insert(k.into(), Value::from(v));
+            put(k, Value::from(v), None);
         }
-        m.insert("rms_norm_eps".into(), Value::from(self.rms_norm_eps));
-        m.insert("tie_word_embeddings".into(), Value::from(self.tie_word_embeddings));
-        if self.arch != Arch::Qwen2 {
-            m.insert("attention_bias".into(), Value::from(self.attention_bias));
-        }
-        if self.arch == Arch::Llama {
-            m.insert("mlp_bias".into(), Value::from(self.mlp_bias));
-        }
+        put("num_key_value_heads", Value::from(self.num_key_value_heads), Some(Value::from(self.num_attention_heads)));
+        let derived_head_dim = self.hidden_size / self.num_attention_heads;
+        put("head_dim", Value::from(self.head_dim), Some(Value::from(derived_head_dim)));
+        put("max_position_embeddings", Value::from(self.max_position_embeddings), Some(Value::from(2048)));
+        put("rms_norm_eps", Value::from(self.rms_norm_eps), Some(Value::from(1e-6)));
+        put("tie_word_embeddings", Value::from(self.tie_word_embeddings), Some(Value::from(false)));
+        put("attention_bias", Value::from(self.attention_bias), Some(Value::from(false)));
+        put("mlp_bias", Value::from(self.mlp_bias), Some(Value::from(false)));
         if let Some(d) = &self.torch_dtype {
-            m.insert(self.dtype_key.into(), Value::from(d.clone()));
+            put(self.dtype_key, Value::from(d.clone()), None);
         }
-        let rope = self.rope_dict();
+        let theta = Value::from(self.rope_theta);
         if self.rope_key == "rope_parameters" {
             if self.theta_on_top {
-                m.insert("rope_theta".into(), Value::from(self.rope_theta));
+                put("rope_theta", theta, None);
             }
-            m.insert("rope_parameters".into(), rope);
+            put("rope_parameters", self.rope_dict(), None);
         } else {
-            m.insert("rope_theta".into(), Value::from(self.rope_theta));
-            m.insert("rope_scaling".into(), if self.rope_scaling.is_some() { rope } else { Value::Null });
+            put("rope_theta", theta, Some(Value::from(10000.0)));
+            let rope = if self.rope_scaling.is_some() { self.rope_dict() } else { Value::Null };
+            put("rope_scaling", rope, Some(Value::Null));
         }
         Value::Object(m)
     }
@@ -519,41 +542,41 @@ impl LlamaConfig {
     /// The RoPE dict to write: the one read, with the current type, factors and (for the
     /// v5 `rope_parameters` form) `rope_theta`.
     fn rope_dict(&self) -> Value {
-        let mut o = self.rope_raw.clone().unwrap_or_default();
+        let raw = self.rope_raw.clone().unwrap_or_default();
+        let mut o = raw.clone();
+        let mut put = |k: &str, v: Value| put(&mut o, &raw, k, v, None);
         if self.rope_key == "rope_parameters" {
-            o.insert("rope_theta".into(), Value::from(self.rope_theta));
+            put("rope_theta", Value::from(self.rope_theta));
         }
-        let type_key = if o.contains_key("type") && !o.contains_key("rope_type") { "type" } else { "rope_type" };
+        let type_key = if raw.contains_key("type") && !raw.contains_key("rope_type") { "type" } else { "rope_type" };
         let Some(rs) = &self.rope_scaling else {
-            o.insert(type_key.into(), Value::from("default"));
+            put(type_key, Value::from("default"));
             return Value::Object(o);
         };
-        o.insert(type_key.into(), Value::from(rs.type_name()));
-        o.insert("factor".into(), Value::from(rs.factor()));
-        let put_f = |o: &mut Map<String, Value>, k: &str, v: Option<f64>| {
+        put(type_key, Value::from(rs.type_name()));
+        put("factor", Value::from(rs.factor()));
+        let mut put_f = |k: &str, v: Option<f64>| {
             if let Some(x) = v {
-                o.insert(k.into(), Value::from(x));
+                put(k, Value::from(x));
             }
         };
         match rs {
             RopeScaling::Linear { .. } | RopeScaling::Dynamic { .. } => {}
             RopeScaling::Yarn { original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate, .. } => {
-                if let Some(n) = original_max_position_embeddings {
-                    o.insert("original_max_position_embeddings".into(), Value::from(*n));
-                }
-                put_f(&mut o, "beta_fast", *beta_fast);
-                put_f(&mut o, "beta_slow", *beta_slow);
-                put_f(&mut o, "mscale", *mscale);
-                put_f(&mut o, "mscale_all_dim", *mscale_all_dim);
-                put_f(&mut o, "attention_factor", *attention_factor);
+                put_f("original_max_position_embeddings", original_max_position_embeddings.map(|n| n as f64));
+                put_f("beta_fast", *beta_fast);
+                put_f("beta_slow", *beta_slow);
+                put_f("mscale", *mscale);
+                put_f("mscale_all_dim", *mscale_all_dim);
+                put_f("attention_factor", *attention_factor);
                 if let Some(t) = truncate {
                     o.insert("truncate".into(), Value::from(*t));
                 }
             }
             RopeScaling::Llama3 { low_freq_factor, high_freq_factor, original_max_position_embeddings, .. } => {
-                put_f(&mut o, "low_freq_factor", Some(*low_freq_factor));
-                put_f(&mut o, "high_freq_factor", Some(*high_freq_factor));
-                o.insert("original_max_position_embeddings".into(), Value::from(*original_max_position_embeddings));
+                put_f("low_freq_factor", Some(*low_freq_factor));
+                put_f("high_freq_factor", Some(*high_freq_factor));
+                put_f("original_max_position_embeddings", Some(*original_max_position_embeddings as f64));
             }
         }
         Value::Object(o)
