@@ -35,7 +35,7 @@ fn check_rank(what: &str, rank: usize, world: usize) -> Result<()> {
 /// Global token indices held by rank `r` of `w` in the zigzag layout, in local order.
 pub fn zigzag_indices(s: usize, w: usize, r: usize) -> Result<Vec<usize>> {
     check_rank("zigzag layout", r, w)?;
-    if s == 0 || s % (2 * w) != 0 {
+    if s == 0 || !s.is_multiple_of(2 * w) {
         return crate::config_err!(
             "sequence length {s} is not divisible by 2·world = {}; use a multiple of {}",
             2 * w,
@@ -56,7 +56,7 @@ pub fn zigzag_positions(s: usize, w: usize, r: usize) -> Result<Vec<u32>> {
 /// Global token indices of rank `r` of `p` when the sequence is split contiguously.
 pub fn contiguous_indices(s: usize, p: usize, r: usize) -> Result<Vec<usize>> {
     check_rank("contiguous layout", r, p)?;
-    if s == 0 || s % p != 0 {
+    if s == 0 || !s.is_multiple_of(p) {
         return crate::config_err!("sequence length {s} is not divisible by the world size {p}; use a multiple of {p}");
     }
     let n = s / p;
@@ -67,10 +67,10 @@ pub fn contiguous_indices(s: usize, p: usize, r: usize) -> Result<Vec<usize>> {
 /// size `c` global tokens.
 pub fn fpdt_indices(s: usize, p: usize, c: usize, r: usize) -> Result<Vec<usize>> {
     check_rank("FPDT layout", r, p)?;
-    if c == 0 || c % p != 0 {
+    if c == 0 || !c.is_multiple_of(p) {
         return crate::config_err!("FPDT chunk size {c} is not divisible by the world size {p}; use a multiple of {p}");
     }
-    if s == 0 || s % c != 0 {
+    if s == 0 || !s.is_multiple_of(c) {
         return crate::config_err!("sequence length {s} is not a multiple of the FPDT chunk size {c}");
     }
     let part = c / p;
@@ -88,7 +88,7 @@ pub fn usp_indices(s: usize, u: usize, r: usize, rank: usize) -> Result<Vec<usiz
         return crate::config_err!("USP layout: ulysses size {u} and ring size {r} must be at least 1");
     }
     check_rank("USP layout", rank, u * r)?;
-    if s == 0 || s % (2 * r) != 0 || (s / r) % u != 0 {
+    if s == 0 || !s.is_multiple_of(2 * r) || !(s / r).is_multiple_of(u) {
         let m = lcm(2 * r, r * u);
         return crate::config_err!(
             "sequence length {s} does not fit USP with ring {r} × ulysses {u}: it must be divisible by 2·ring = {} \

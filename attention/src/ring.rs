@@ -62,7 +62,8 @@ impl ZigzagRing {
 /// Unpacks a received `[k, v]` (or `[dk_lo, dk_hi, dv_lo, dv_hi]`) message.
 fn expect<const N: usize>(ts: Vec<Tensor>, what: &str) -> Result<[Tensor; N]> {
     let n = ts.len();
-    ts.try_into().or_else(|_| crate::comm_err!("zigzag ring: expected {N} tensors ({what}), received {n}"))
+    ts.try_into()
+        .map_err(|_| crate::error::AttnError::Comm(format!("zigzag ring: expected {N} tensors ({what}), received {n}")).into())
 }
 
 fn add_f32(acc: &Tensor, x: &Tensor) -> Result<Tensor> {

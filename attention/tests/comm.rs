@@ -183,7 +183,7 @@ fn sub_rejects_bad_member_lists() {
         let bad = if c.rank() == 0 { vec![1, 0] } else { vec![1, 2] };
         c.sub(&bad).map(|_| ())
     });
-    let msg = format!("{}", res.err().map(|e| e.to_string()).unwrap_or_default());
+    let msg = res.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(msg.contains("ascending") || msg.contains("below"), "unexpected error: {msg}");
 }
 

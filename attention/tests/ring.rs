@@ -21,6 +21,7 @@ fn ring(comm: Arc<dyn Comm>) -> Result<Arc<dyn AttentionMode>> {
 }
 
 /// Errors of the zigzag ring at world `w` on a fresh random problem.
+#[allow(clippy::too_many_arguments)]
 fn ring_errors(drive: Drive, w: usize, b: usize, s: usize, hq: usize, hkv: usize, d: usize, seed: u64) -> Result<Errors> {
     let inp = random_inputs(b, s, hq, hkv, d, seed, &Device::Cpu)?;
     let lists = layout_of(w, |r| zigzag_indices(s, w, r))?;
