@@ -206,3 +206,54 @@ fn shape_mismatch_names_the_tensor() {
     let msg = Llama::load(vb, &cfg).unwrap_err().to_string();
     assert!(msg.contains("model.layers.1.self_attn.k_proj.weight") || msg.contains("model.norm.weight"), "{msg}");
 }
+
+/// The masked cross-entropy on its own, against a host f64 computation: value, count,
+/// gradient (softmax − one-hot on counted rows, 0 on ignored rows), and bad targets.
+/// Tolerance 1e-6 absolute (values of order 1, f32).
+#[test]
+fn masked_cross_entropy_matches_a_naive_reference() {
+    let v = 5usize;
+    let raw: Vec<f32> = (0..3 * v).map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.7).collect();
+    let logits = Var::from_vec(raw.clone(), (1, 3, v), &Device::Cpu).unwrap();
+    let targets = Tensor::new(&[[-100i64, 2, 4]], &Device::Cpu).unwrap();
+    let (per_tok, n) = longctx::model::per_token_loss(logits.as_tensor(), &targets).unwrap();
+    assert_eq!(n, 2);
+    let got: Vec<f32> = per_tok.flatten_all().unwrap().to_vec1().unwrap();
+    let grads = per_tok.sum_all().unwrap().backward().unwrap();
+    let g: Vec<f32> = grads.get(logits.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    for (row, t) in [(0usize, None), (1, Some(2usize)), (2, Some(4))] {
+        let x: Vec<f64> = raw[row * v..(row + 1) * v].iter().map(|&a| a as f64).collect();
+        let lse = x.iter().map(|a| a.exp()).sum::<f64>().ln();
+        let want = t.map_or(0.0, |t| lse - x[t]);
+        assert!((got[row] as f64 - want).abs() <= 1e-6, "row {row}: {} vs {want}", got[row]);
+        for j in 0..v {
+            let want_g = t.map_or(0.0, |t| (x[j] - lse).exp() - if j == t { 1.0 } else { 0.0 });
+            assert!((g[row * v + j] as f64 - want_g).abs() <= 1e-6, "grad row {row} col {j}: {} vs {want_g}", g[row * v + j]);
+        }
+    }
+    let bad = Tensor::new(&[[0i64, 5, 1]], &Device::Cpu).unwrap();
+    let msg = longctx::model::per_token_loss(logits.as_tensor(), &bad).unwrap_err().to_string();
+    assert!(msg.contains('5') && msg.contains("vocab_size"), "{msg}");
+    let none = Tensor::new(&[[-100i64, -100, -100]], &Device::Cpu).unwrap();
+    let (s, n) = longctx::model::cross_entropy_sum(logits.as_tensor(), &none).unwrap();
+    assert_eq!((s.to_scalar::<f32>().unwrap(), n), (0.0, 0));
+}
+
+/// Dynamic NTK leaves RoPE untouched while max(position) + 1 <= max_position_embeddings,
+/// and rescales it past that (the fixture covers the rescaled values against HF);
+/// an explicit global length overrides the one inferred from the positions (shards).
+#[test]
+fn dynamic_rope_depends_on_the_global_length() {
+    let cfg = LlamaConfig::from_file(dir("llama_dynamic").join("config.json")).unwrap();
+    let mut plain = cfg.clone();
+    plain.rope_scaling = None;
+    let (dynamic, plain) = (longctx::model::Rope::new(&cfg), longctx::model::Rope::new(&plain));
+    let pos = Tensor::new(&[[0u32, 1, 100, 255]], &Device::Cpu).unwrap();
+    let a = dynamic.table(&pos, None, DType::F32).unwrap();
+    let b = plain.table(&pos, None, DType::F32).unwrap();
+    assert_eq!(abs_err(&a.cos, &b.cos), 0.0);
+    let c = dynamic.table(&pos, Some(4096), DType::F32).unwrap();
+    assert!(abs_err(&c.cos, &b.cos) > 1e-2, "a 4096-token sequence must rescale the base");
+    assert_eq!(dynamic.inv_freq(256), plain.inv_freq(256));
+    assert_ne!(dynamic.inv_freq(257), plain.inv_freq(257));
+}
