@@ -264,3 +264,38 @@ fn export_map_and_nested_new_path() {
     }
     assert_eq!(read_json(&out.join("config.json"))["torch_dtype"], "float16");
 }
+
+#[test]
+fn context_fields_in_transformers5_rope_parameters_and_v4_rope_scaling() {
+    use serde_json::json;
+    // transformers >= 5: rope_theta lives in rope_parameters (which wins over the top level);
+    // llama3 without original_max_position_embeddings gets the old length pinned.
+    let mut v5 = json!({"max_position_embeddings": 8192, "dtype": "float32",
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}});
+    hub::set_context_fields(&mut v5, 2e7, 65536).unwrap();
+    hub::set_torch_dtype(&mut v5, DType::BF16).unwrap();
+    assert_eq!(
+        v5,
+        json!({"max_position_embeddings": 65536, "dtype": "bfloat16",
+            "rope_parameters": {"rope_type": "llama3", "rope_theta": 2e7, "factor": 8.0, "original_max_position_embeddings": 8192}})
+    );
+    // Per-layer-type rope_parameters: every dict is updated; an explicit original is kept.
+    let mut nested = json!({"max_position_embeddings": 4096, "rope_parameters": {
+        "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}});
+    hub::set_context_fields(&mut nested, 5e6, 16384).unwrap();
+    assert_eq!(nested["rope_parameters"]["full_attention"]["rope_theta"].as_f64(), Some(5e6));
+    assert_eq!(nested["rope_parameters"]["full_attention"]["original_max_position_embeddings"], 1024);
+    assert_eq!(nested["rope_parameters"]["sliding_attention"]["rope_theta"].as_f64(), Some(5e6));
+    assert!(nested.get("rope_theta").is_none());
+    // transformers 4: top-level rope_theta, rope_scaling without a rope_theta of its own.
+    let mut v4 = json!({"max_position_embeddings": 4096, "rope_theta": 10000.0, "torch_dtype": "float16",
+        "rope_scaling": {"type": "yarn", "factor": 2.0}});
+    hub::set_context_fields(&mut v4, 1e6, 32768).unwrap();
+    hub::set_torch_dtype(&mut v4, DType::F32).unwrap();
+    assert_eq!(
+        v4,
+        json!({"max_position_embeddings": 32768, "rope_theta": 1e6, "torch_dtype": "float32",
+            "rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096}})
+    );
+}

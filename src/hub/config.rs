@@ -38,13 +38,56 @@ pub fn read_config(dir: impl AsRef<Path>) -> Result<Value> {
     Ok(v)
 }
 
-/// Sets the two fields a context extension changes: `rope_theta` (the RoPE base) and
-/// `max_position_embeddings` (the trained context length).
+/// RoPE types whose frequencies depend on `original_max_position_embeddings`; transformers
+/// falls back to `max_position_embeddings` when that key is absent.
+const ROPE_TYPES_WITH_ORIGINAL_MAX: [&str; 3] = ["llama3", "yarn", "longrope"];
+
+/// Sets the two fields a context extension changes: the RoPE base `rope_theta` and the
+/// trained context length `max_position_embeddings`, in every place transformers reads them:
+/// - transformers < 5: top-level `rope_theta` (next to an optional `rope_scaling` dict);
+/// - transformers >= 5: `rope_parameters.rope_theta`, which takes priority over the top
+///   level (or one dict per layer type, e.g. `rope_parameters.full_attention`).
+///
+/// For llama3 / yarn / longrope scaling without an explicit
+/// `original_max_position_embeddings`, the old `max_position_embeddings` is pinned there
+/// first, so raising the context length does not silently change the RoPE frequencies.
 pub fn set_context_fields(config: &mut Value, rope_theta: f64, max_position_embeddings: usize) -> Result<()> {
     let obj = config
         .as_object_mut()
         .ok_or_else(|| Error::Setting("model config must be a JSON object".into()))?;
-    obj.insert("rope_theta".into(), Value::from(rope_theta));
+    let old_max = obj.get("max_position_embeddings").and_then(Value::as_u64);
+    let top_level_original = obj.contains_key("original_max_position_embeddings");
+
+    let fix_rope_dict = |d: &mut serde_json::Map<String, Value>, set_theta: bool| {
+        if set_theta || d.contains_key("rope_theta") {
+            d.insert("rope_theta".into(), Value::from(rope_theta));
+        }
+        let kind = d.get("rope_type").or_else(|| d.get("type")).and_then(Value::as_str).unwrap_or("default");
+        if ROPE_TYPES_WITH_ORIGINAL_MAX.contains(&kind) && !d.contains_key("original_max_position_embeddings") && !top_level_original {
+            if let Some(old) = old_max {
+                d.insert("original_max_position_embeddings".into(), Value::from(old));
+            }
+        }
+    };
+    let has_rope_parameters = matches!(obj.get("rope_parameters"), Some(Value::Object(_)));
+    if let Some(Value::Object(rp)) = obj.get_mut("rope_parameters") {
+        let flat = rp.contains_key("rope_type") || rp.contains_key("rope_theta") || rp.contains_key("type");
+        if flat {
+            fix_rope_dict(rp, true);
+        } else {
+            for nested in rp.values_mut() {
+                if let Value::Object(d) = nested {
+                    fix_rope_dict(d, true);
+                }
+            }
+        }
+    }
+    if let Some(Value::Object(rs)) = obj.get_mut("rope_scaling") {
+        fix_rope_dict(rs, false);
+    }
+    if obj.contains_key("rope_theta") || !has_rope_parameters {
+        obj.insert("rope_theta".into(), Value::from(rope_theta));
+    }
     obj.insert("max_position_embeddings".into(), Value::from(max_position_embeddings));
     Ok(())
 }
@@ -60,16 +103,20 @@ pub fn torch_dtype_name(dtype: DType) -> Option<&'static str> {
     })
 }
 
-/// Sets `torch_dtype` to the dtype the weights are stored in (and `dtype`, the name
-/// transformers >= 4.56 writes, when the config already has it).
+/// Records the dtype the weights are stored in: `dtype` (transformers >= 5) and/or
+/// `torch_dtype` (older), updating whichever the config has, `torch_dtype` if neither
+/// (transformers 5 still reads it).
 pub fn set_torch_dtype(config: &mut Value, dtype: DType) -> Result<()> {
     let name = torch_dtype_name(dtype)
         .ok_or_else(|| Error::Setting(format!("dtype {dtype:?} is not a weight dtype (use f32, f16 or bf16)")))?;
     let obj = config
         .as_object_mut()
         .ok_or_else(|| Error::Setting("model config must be a JSON object".into()))?;
-    obj.insert("torch_dtype".into(), Value::from(name));
-    if obj.contains_key("dtype") {
+    let has_new = obj.contains_key("dtype");
+    if obj.contains_key("torch_dtype") || !has_new {
+        obj.insert("torch_dtype".into(), Value::from(name));
+    }
+    if has_new {
         obj.insert("dtype".into(), Value::from(name));
     }
     Ok(())
