@@ -140,7 +140,8 @@ impl Rope {
                         let scaled = if wl > low_wl { f / fac } else { f };
                         let smooth = (old as f32 / wl - *low_freq_factor as f32) / (high_freq_factor - low_freq_factor) as f32;
                         let smoothed = (1.0f32 - smooth) * scaled / fac + smooth * scaled;
-                        let medium = !(wl < high_wl) && !(wl > low_wl);
+                        // transformers: ~(wl < high) * ~(wl > low); wl is finite, so:
+                        let medium = wl >= high_wl && wl <= low_wl;
                         if medium {
                             smoothed
                         } else {
