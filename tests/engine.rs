@@ -1,0 +1,180 @@
+//! The layer-wise engine against one autograd graph over the whole model.
+//!
+//! `Engine::step` (graph-free forward keeping layer inputs, chunked head/loss, per-layer
+//! recomputation, chunked MLP and embedding backward) must give the gradients of
+//! `scale · Σ token losses` that Candle's autograd gives through one graph
+//! (`Engine::full_graph_step`, i.e. `Llama::loss` + `backward`), for every parameter.
+//!
+//! Shapes: `b` batch, `s` tokens, `V` vocabulary. Tiny f32 models on the CPU.
+//! Tolerance (f32): per parameter, `max|got − want| / max|want| ≤ 1e-5`; the loss sum
+//! relative error ≤ 1e-6. Both paths do the same math in a different order (chunked
+//! matmuls, split residual branches), so only rounding separates them.
+
+use candle_core::{DType, Device, Tensor};
+use longctx::model::{LlamaConfig, IGNORE_INDEX};
+use longctx::train::engine::{Engine, EngineOptions, StepResult};
+use longctx::train::init::{random_init, to_vars};
+use longctx_attention::local::LocalAttention;
+use longctx_attention::AttentionMode;
+use std::path::Path;
+use std::sync::Arc;
+
+/// Per-parameter relative gradient tolerance (f32).
+const GRAD_TOL: f64 = 1e-5;
+/// Relative tolerance of the loss sum (f32 sums of ~50 terms).
+const LOSS_TOL: f64 = 1e-6;
+
+/// A tiny Llama: hidden 32, head_dim 8, `hq` query and `hkv` kv heads.
+fn config(hq: usize, hkv: usize, tied: bool, bias: bool, layers: usize) -> LlamaConfig {
+    let json = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": layers,
+        "num_attention_heads": hq,
+        "num_key_value_heads": hkv,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 128,
+        "vocab_size": 61,
+        "tie_word_embeddings": tied,
+        "attention_bias": bias,
+        // larger than HF's 0.02 so that every layer contributes visibly to the loss
+        "initializer_range": 0.2,
+    });
+    match LlamaConfig::from_value(Path::new("test/config.json"), json) {
+        Ok(c) => c,
+        Err(e) => panic!("test config: {e}"),
+    }
+}
+
+fn engine(cfg: &LlamaConfig, token_chunk: usize, offload: bool) -> longctx::Result<Engine> {
+    let vars = to_vars(random_init(cfg, 7, DType::F32, &Device::Cpu)?)?;
+    Engine::from_vars(cfg, &vars, EngineOptions { token_chunk, offload_activations: offload })
+}
+
+/// Deterministic ids `[b, s]` u32, targets `[b, s]` i64 (the next id; `masked(row, t)`
+/// gives IGNORE_INDEX), positions `[b, s]` u32 = 0..s.
+fn batch(b: usize, s: usize, vocab: usize, masked: impl Fn(usize, usize) -> bool) -> longctx::Result<(Tensor, Tensor, Tensor)> {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut ids = Vec::with_capacity(b * (s + 1));
+    for _ in 0..b * (s + 1) {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        ids.push((state % vocab as u64) as u32);
+    }
+    let mut x = Vec::with_capacity(b * s);
+    let mut y = Vec::with_capacity(b * s);
+    for r in 0..b {
+        for t in 0..s {
+            x.push(ids[r * (s + 1) + t]);
+            y.push(if masked(r, t) { IGNORE_INDEX } else { ids[r * (s + 1) + t + 1] as i64 });
+        }
+    }
+    let pos: Vec<u32> = (0..b).flat_map(|_| 0..s as u32).collect();
+    let dev = Device::Cpu;
+    Ok((Tensor::from_vec(x, (b, s), &dev)?, Tensor::from_vec(y, (b, s), &dev)?, Tensor::from_vec(pos, (b, s), &dev)?))
+}
+
+/// `max|got − want| / max|want|`.
+fn rel_err(got: &Tensor, want: &Tensor) -> longctx::Result<f64> {
+    assert_eq!(got.dims(), want.dims());
+    let diff = (got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+    let norm = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+    Ok(if norm == 0.0 { diff } else { diff / norm })
+}
+
+/// Runs both paths and asserts they agree; returns the worst gradient error.
+fn check(case: &str, cfg: &LlamaConfig, b: usize, s: usize, chunk: usize, offload: bool, masked: impl Fn(usize, usize) -> bool) -> longctx::Result<f64> {
+    let eng = engine(cfg, chunk, offload)?;
+    let (ids, targets, pos) = batch(b, s, cfg.vocab_size, masked)?;
+    let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
+    let want: StepResult = eng.full_graph_step(&ids, &targets, &pos, &attn, 1.0)?;
+    let scale = 1.0 / want.n_tokens.max(1) as f64;
+    let want = eng.full_graph_step(&ids, &targets, &pos, &attn, scale)?;
+    let got = eng.step(&ids, &targets, &pos, s, &attn, scale)?;
+    assert_eq!(got.n_tokens, want.n_tokens, "{case}: counted tokens");
+    let loss_err = (got.loss_sum - want.loss_sum).abs() / want.loss_sum.abs();
+    assert!(loss_err <= LOSS_TOL, "{case}: loss sum {} vs {} (rel {loss_err:.2e})", got.loss_sum, want.loss_sum);
+    assert_eq!(got.grads.len(), eng.params.len(), "{case}: one gradient per parameter");
+    let mut worst = 0f64;
+    for ((name, var), (g, w)) in eng.params.iter().zip(got.grads.iter().zip(&want.grads)) {
+        assert_eq!(g.dims(), var.as_tensor().dims(), "{case}: {name} gradient shape");
+        assert_eq!(g.dtype(), DType::F32, "{case}: {name} gradient dtype");
+        let wmax = w.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        assert!(wmax > 0.0, "{case}: reference gradient of {name} is zero; the test would be vacuous");
+        let e = rel_err(g, w)?;
+        assert!(e <= GRAD_TOL, "{case}: {name}: rel err {e:.2e} > {GRAD_TOL:.0e}");
+        worst = worst.max(e);
+    }
+    eprintln!("{case}: loss rel {loss_err:.1e}, worst grad rel {worst:.2e}");
+    Ok(worst)
+}
+
+#[test]
+fn three_chunks_on_device() -> longctx::Result<()> {
+    check("mha s=12 chunk=4", &config(4, 4, false, false, 2), 2, 12, 4, false, |_, _| false)?;
+    Ok(())
+}
+
+#[test]
+fn uneven_chunk_offloaded() -> longctx::Result<()> {
+    // 12 = 5 + 5 + 2
+    check("mha s=12 chunk=5 offload", &config(4, 4, false, false, 2), 2, 12, 5, true, |_, _| false)?;
+    Ok(())
+}
+
+#[test]
+fn one_chunk_equals_whole() -> longctx::Result<()> {
+    check("mha s=12 chunk=64", &config(4, 4, false, false, 2), 2, 12, 64, false, |_, _| false)?;
+    check("mha s=7 chunk=1", &config(4, 4, false, false, 1), 1, 7, 1, true, |_, _| false)?;
+    Ok(())
+}
+
+#[test]
+fn ignored_targets() -> longctx::Result<()> {
+    // Chunk 1 (tokens 4..8) is fully ignored in both rows, row 1 also ignores odd tokens,
+    // and the last token of row 0: head chunks with and without counted tokens.
+    let masked = |r: usize, t: usize| (4..8).contains(&t) || (r == 1 && t % 2 == 1) || (r == 0 && t == 11);
+    check("ignored chunk=4", &config(4, 4, false, false, 2), 2, 12, 4, false, masked)?;
+    check("ignored chunk=5 offload", &config(4, 4, false, false, 2), 2, 12, 5, true, masked)?;
+    Ok(())
+}
+
+#[test]
+fn gqa_and_tied_embeddings() -> longctx::Result<()> {
+    check("gqa 4/2 chunk=5", &config(4, 2, false, false, 2), 2, 13, 5, false, |_, _| false)?;
+    check("gqa 4/1 tied chunk=3 offload", &config(4, 1, true, false, 2), 2, 10, 3, true, |r, t| r == 0 && t < 3)?;
+    check("mha tied chunk=4", &config(2, 2, true, false, 3), 1, 12, 4, false, |_, _| false)?;
+    Ok(())
+}
+
+#[test]
+fn attention_biases() -> longctx::Result<()> {
+    check("gqa bias chunk=5", &config(4, 2, false, true, 2), 2, 12, 5, true, |_, _| false)?;
+    Ok(())
+}
+
+/// The gradient is linear in `scale`; a zero scale gives zero gradients but the same loss.
+#[test]
+fn scale_is_linear() -> longctx::Result<()> {
+    let cfg = config(4, 2, false, false, 2);
+    let eng = engine(&cfg, 5, false)?;
+    let (ids, targets, pos) = batch(2, 12, cfg.vocab_size, |_, _| false)?;
+    let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
+    let one = eng.step(&ids, &targets, &pos, 12, &attn, 1.0)?;
+    let quarter = eng.step(&ids, &targets, &pos, 12, &attn, 0.25)?;
+    let zero = eng.step(&ids, &targets, &pos, 12, &attn, 0.0)?;
+    assert_eq!(one.loss_sum, quarter.loss_sum);
+    assert_eq!(one.loss_sum, zero.loss_sum);
+    for ((name, _), ((a, q), z)) in eng.params.iter().zip(one.grads.iter().zip(&quarter.grads).zip(&zero.grads)) {
+        let e = rel_err(&(q * 4.0)?, a)?;
+        assert!(e <= GRAD_TOL, "{name}: 4·g(1/4) vs g(1): {e:.2e}");
+        let zmax = z.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        assert_eq!(zmax, 0.0, "{name}: gradient with scale 0");
+    }
+    Ok(())
+}
