@@ -299,3 +299,63 @@ fn context_fields_in_transformers5_rope_parameters_and_v4_rope_scaling() {
             "rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096}})
     );
 }
+
+/// Export golden fixtures (made by transformers) through our loader + exporter, sharded,
+/// once unchanged and with a new rope_theta / max_position_embeddings, and let
+/// scripts/check_export_transformers.py load them with `AutoModelForCausalLM` and compare
+/// logits (max abs difference <= 1e-5) with the fixture's reference / the same override
+/// applied in Python. Skipped where python3 cannot import transformers and torch.
+#[test]
+fn transformers_loads_our_export_and_matches_reference_logits() {
+    let has_python = std::process::Command::new("python3")
+        .args(["-c", "import transformers, torch"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !has_python {
+        println!("skipped: python transformers not available");
+        return;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let fixture = |name: &str| root.join("tests/fixtures").join(name);
+    // (fixture, new rope_theta and max_position_embeddings, or None for unchanged)
+    let cases: [(&str, Option<(f64, usize)>); 3] =
+        [("llama_mha", None), ("llama_mha", Some((123_456.0, 4096))), ("llama3_rope", Some((250_000.0, 8192)))];
+    for (name, _) in &cases {
+        if !fixture(name).join("reference.safetensors").is_file() {
+            println!("skipped: tests/fixtures/{name} not present");
+            return;
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = vec![root.join("scripts/check_export_transformers.py").display().to_string()];
+    for (i, (name, change)) in cases.iter().enumerate() {
+        let src = fixture(name);
+        let weights = hub::load_weights(&src, DType::F32, &Device::Cpu).unwrap();
+        let mut cfg = hub::read_config(&src).unwrap();
+        if let Some((theta, max_pos)) = change {
+            hub::set_context_fields(&mut cfg, *theta, *max_pos).unwrap();
+        }
+        let out = tmp.path().join(format!("{i}_{name}"));
+        // Shards of a third of the weights: forces a sharded checkpoint with an index.
+        let total: usize = weights.values().map(|t| t.elem_count() * 4).sum();
+        let opts = ExportOptions { max_shard_bytes: (total / 3) as u64, dtype: Some(DType::F32) };
+        let rep = hub::export_map(&out, &weights, &cfg, Some(&src), &opts).unwrap();
+        assert!(rep.weight_files.len() >= 3, "expected a sharded export, got {:?} ({} tensors, {} bytes)", rep.weight_files, weights.len(), rep.total_size);
+        let (theta, max_pos) = match change {
+            Some((t, m)) => (t.to_string(), m.to_string()),
+            None => ("same".to_string(), "same".to_string()),
+        };
+        args.extend(["--case".into(), out.display().to_string(), src.display().to_string(), theta, max_pos]);
+    }
+    let started = std::time::Instant::now();
+    let run = std::process::Command::new("python3")
+        .args(&args)
+        .env("HF_HUB_OFFLINE", "1")
+        .env("TRANSFORMERS_VERBOSITY", "error")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    println!("{stdout}(python: {:.1} s)", started.elapsed().as_secs_f64());
+    assert!(run.status.success(), "transformers check failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+}
