@@ -1,0 +1,273 @@
+//! Masked-token loss averaging across ranks: the step's loss is Σ token losses / Σ counted
+//! tokens over every rank (never a mean of per-rank means), and its gradient is the
+//! single-device gradient of that mean.
+//!
+//! 1. Sequence parallel (W = 4, ulysses and zigzag ring) with very uneven counts: one rank
+//!    has no counted token at all, one only a few.
+//! 2. Data parallel (W = 2), a different sample per rank with different masks, against
+//!    the single-device run on the concatenated batch.
+//! 3. The trainer: data parallel 2 × batch 1, batch 2 on one rank and gradient
+//!    accumulation 2 × batch 1 see the same samples and must log the same losses and
+//!    gradient norms.
+//!
+//! Tolerances (f32): mean loss relative error ≤ 1e-5, per parameter gradient
+//! `max|got − want| / max|want| ≤ 2e-5`; trainer logs ≤ 1e-4 relative (three AdamW steps
+//! of rounding-level differences).
+
+use candle_core::{DType, Device, Tensor};
+use longctx::data::layout::apply_layout_tensors;
+use longctx::dist::dims::ParallelMode;
+use longctx::model::{LlamaConfig, IGNORE_INDEX};
+use longctx::train::config::{RunConfig, Stage};
+use longctx::train::engine::{Engine, EngineOptions};
+use longctx::train::init::{random_init, to_vars};
+use longctx_attention::comm::thread::run_ranks;
+use longctx_attention::comm::Comm;
+use longctx_attention::layout;
+use longctx_attention::local::LocalAttention;
+use longctx_attention::ring::ZigzagRing;
+use longctx_attention::ulysses::Ulysses;
+use longctx_attention::AttentionMode;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+const LOSS_TOL: f64 = 1e-5;
+const GRAD_TOL: f64 = 2e-5;
+const TRAINER_TOL: f64 = 1e-4;
+
+fn config() -> LlamaConfig {
+    let json = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 64,
+        "vocab_size": 61,
+        "tie_word_embeddings": false,
+        "initializer_range": 0.2,
+    });
+    match LlamaConfig::from_value(Path::new("test/config.json"), json) {
+        Ok(c) => c,
+        Err(e) => panic!("test config: {e}"),
+    }
+}
+
+/// `ids [b, s]` u32 and shifted targets `[b, s]` i64, `masked(row, t)` → ignored.
+fn batch(b: usize, s: usize, vocab: usize, seed: u64, masked: impl Fn(usize, usize) -> bool) -> longctx::Result<(Tensor, Tensor)> {
+    let mut state = seed | 1;
+    let mut raw = Vec::new();
+    for _ in 0..b * (s + 1) {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        raw.push((state % vocab as u64) as u32);
+    }
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    for r in 0..b {
+        for t in 0..s {
+            x.push(raw[r * (s + 1) + t]);
+            y.push(if masked(r, t) { IGNORE_INDEX } else { raw[r * (s + 1) + t + 1] as i64 });
+        }
+    }
+    Ok((Tensor::from_vec(x, (b, s), &Device::Cpu)?, Tensor::from_vec(y, (b, s), &Device::Cpu)?))
+}
+
+fn positions(b: usize, s: usize) -> longctx::Result<Tensor> {
+    Ok(Tensor::arange(0u32, s as u32, &Device::Cpu)?.unsqueeze(0)?.repeat((b, 1))?)
+}
+
+fn count(targets: &Tensor) -> longctx::Result<usize> {
+    Ok(targets.flatten_all()?.to_vec1::<i64>()?.iter().filter(|&&t| t >= 0).count())
+}
+
+fn rel_err(got: &Tensor, want: &Tensor) -> longctx::Result<f64> {
+    let diff = (got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+    let norm = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+    Ok(if norm == 0.0 { diff } else { diff / norm })
+}
+
+/// Mean loss and gradients of the single-device run.
+fn single(cfg: &LlamaConfig, w: &HashMap<String, Tensor>, ids: &Tensor, targets: &Tensor) -> longctx::Result<(f64, Vec<Tensor>)> {
+    let (b, s) = ids.dims2()?;
+    let eng = Engine::from_vars(cfg, &to_vars(w.clone())?, EngineOptions { token_chunk: 8, offload_activations: false })?;
+    let n = count(targets)?;
+    let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
+    let r = eng.step(ids, targets, &positions(b, s)?, s, &attn, 1.0 / n as f64)?;
+    assert_eq!(r.n_tokens, n);
+    Ok((r.loss_sum / n as f64, r.grads))
+}
+
+/// What one rank of a distributed run reports: its loss sum and count, and the mean loss
+/// and the gradients summed over ranks.
+struct RankOut {
+    local_loss: f64,
+    local_count: usize,
+    mean: f64,
+    grads: Vec<Tensor>,
+}
+
+/// Every rank: count locally, all-reduce the count, step with `1/global`, all-reduce.
+fn rank_step(comm: &Arc<dyn Comm>, eng: &Engine, ids: &Tensor, targets: &Tensor, pos: &Tensor, global_len: usize, attn: &Arc<dyn AttentionMode>) -> longctx::Result<RankOut> {
+    let local = count(targets)?;
+    let global = comm.all_reduce_sum(&Tensor::new(&[local as f64], &Device::Cpu)?)?.to_vec1::<f64>()?[0];
+    let r = eng.step(ids, targets, pos, global_len, attn, 1.0 / global)?;
+    assert_eq!(r.n_tokens, local);
+    let loss = comm.all_reduce_sum(&Tensor::new(&[r.loss_sum], &Device::Cpu)?)?.to_vec1::<f64>()?[0];
+    let grads = r.grads.iter().map(|g| comm.all_reduce_sum(g)).collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(RankOut { local_loss: r.loss_sum, local_count: local, mean: loss / global, grads })
+}
+
+fn compare(what: &str, got_mean: f64, got: &[Tensor], want_mean: f64, want: &[Tensor]) -> longctx::Result<()> {
+    let le = (got_mean - want_mean).abs() / want_mean.abs();
+    assert!(le <= LOSS_TOL, "{what}: mean loss {got_mean} vs {want_mean} ({le:.2e})");
+    assert_eq!(got.len(), want.len());
+    let mut worst = 0f64;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let e = rel_err(g, w)?;
+        assert!(e <= GRAD_TOL, "{what}: parameter {i}: rel err {e:.2e}");
+        worst = worst.max(e);
+    }
+    eprintln!("{what}: mean loss rel {le:.1e}, worst grad rel {worst:.2e}");
+    Ok(())
+}
+
+/// Sequence parallel with uneven counts; `indices(r)` is rank r's layout, `mode(comm)` the mode.
+fn sp_uneven(what: &str, indices: impl Fn(usize) -> candle_core::Result<Vec<usize>> + Sync, make: impl Fn(Arc<dyn Comm>) -> Arc<dyn AttentionMode> + Sync, masked: impl Fn(usize, usize) -> bool) -> longctx::Result<()> {
+    const W: usize = 4;
+    const S: usize = 32;
+    let cfg = config();
+    let w = random_init(&cfg, 5, DType::F32, &Device::Cpu)?;
+    let (ids, targets) = batch(2, S, cfg.vocab_size, 77, masked)?;
+    let (want_mean, want) = single(&cfg, &w, &ids, &targets)?;
+    let err = |e: longctx::Error| candle_core::Error::Msg(e.to_string());
+    let outs = run_ranks(W, |comm| {
+        let idx = indices(comm.rank())?;
+        let (lids, lt, lpos) = apply_layout_tensors(&ids, &targets, &idx).map_err(err)?;
+        let eng = Engine::from_vars(&cfg, &to_vars(w.clone()).map_err(err)?, EngineOptions { token_chunk: 3, offload_activations: false })
+            .map_err(err)?;
+        rank_step(&comm, &eng, &lids, &lt, &lpos, S, &make(comm.clone())).map_err(err)
+    })?;
+    let counts: Vec<usize> = outs.iter().map(|o| o.local_count).collect();
+    eprintln!("{what}: counted tokens per rank {counts:?}");
+    assert_eq!(counts[0], 0, "{what}: the test wants rank 0 fully masked");
+    assert!(counts[1] * 4 < counts[2], "{what}: the test wants rank 1 to count far fewer tokens than rank 2");
+    // The naive mean of the per-rank means (ranks with tokens) is measurably different,
+    // so agreement below is not an accident of equal counts.
+    let means: Vec<f64> = outs.iter().filter(|o| o.local_count > 0).map(|o| o.local_loss / o.local_count as f64).collect();
+    let naive = means.iter().sum::<f64>() / means.len() as f64;
+    assert!((naive - want_mean).abs() / want_mean > 1e-3, "{what}: mean of means {naive} ≈ {want_mean}; pick other masks");
+    for o in &outs {
+        compare(what, o.mean, &o.grads, want_mean, &want)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn ulysses_uneven_counts() -> longctx::Result<()> {
+    // contiguous layout over 4 ranks of 8 tokens: rank 0 = tokens 0..8 (all ignored),
+    // rank 1 = 8..16 (only token 15 of row 1 counted), ranks 2, 3 fully counted
+    sp_uneven(
+        "ulysses",
+        |r| layout::contiguous_indices(32, 4, r),
+        |c| Arc::new(Ulysses::new(c)),
+        |row, t| t < 8 || ((8..16).contains(&t) && !(row == 1 && t == 15)),
+    )
+}
+
+#[test]
+fn zigzag_uneven_counts() -> longctx::Result<()> {
+    // zigzag over 4 ranks, chunks of 4: rank 0 = chunks 0 and 7 (all ignored),
+    // rank 1 = chunks 1 and 6 (only tokens 4 and 27 of row 0 counted)
+    sp_uneven(
+        "zigzag ring",
+        |r| layout::zigzag_indices(32, 4, r),
+        |c| Arc::new(ZigzagRing::new(c)),
+        |row, t| t < 4 || t >= 28 || (((4..8).contains(&t) || (24..28).contains(&t)) && !(row == 0 && (t == 4 || t == 27))),
+    )
+}
+
+/// Data parallel: rank r holds sample r only; grads summed over ranks equal the
+/// single-device gradient on the batch of both samples.
+#[test]
+fn data_parallel_matches_concatenated_batch() -> longctx::Result<()> {
+    const S: usize = 20;
+    let cfg = config();
+    let w = random_init(&cfg, 9, DType::F32, &Device::Cpu)?;
+    // row 0 counts 5 tokens, row 1 counts 20
+    let (ids, targets) = batch(2, S, cfg.vocab_size, 1234, |row, t| row == 0 && t % 4 != 0)?;
+    let (want_mean, want) = single(&cfg, &w, &ids, &targets)?;
+    let err = |e: longctx::Error| candle_core::Error::Msg(e.to_string());
+    let outs = run_ranks(2, |comm| {
+        let r = comm.rank();
+        let (lids, lt) = (ids.narrow(0, r, 1)?, targets.narrow(0, r, 1)?);
+        let eng = Engine::from_vars(&cfg, &to_vars(w.clone()).map_err(err)?, EngineOptions { token_chunk: 7, offload_activations: r == 1 })
+            .map_err(err)?;
+        let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
+        rank_step(&comm, &eng, &lids, &lt, &positions(1, S).map_err(err)?, S, &attn).map_err(err)
+    })?;
+    assert_eq!(outs.iter().map(|o| o.local_count).collect::<Vec<_>>(), vec![5, 20]);
+    let naive = outs.iter().map(|o| o.local_loss / o.local_count as f64).sum::<f64>() / 2.0;
+    assert!((naive - want_mean).abs() / want_mean > 1e-3, "mean of means {naive} ≈ {want_mean}");
+    for o in &outs {
+        compare("data parallel W=2", o.mean, &o.grads, want_mean, &want)?;
+    }
+    Ok(())
+}
+
+/// Per-step `(loss, grad_norm)` from `metrics.jsonl`.
+fn logged(dir: &Path) -> Vec<(f64, f64)> {
+    let text = match std::fs::read_to_string(dir.join("metrics.jsonl")) {
+        Ok(t) => t,
+        Err(e) => panic!("metrics.jsonl in {}: {e}", dir.display()),
+    };
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v.get("loss").is_some())
+        .map(|v| (v["loss"].as_f64().unwrap_or(f64::NAN), v["grad_norm"].as_f64().unwrap_or(f64::NAN)))
+        .collect()
+}
+
+fn trainer_run(dir: &Path, world: usize, batch: usize, accum: usize, mode: ParallelMode) -> longctx::Result<Vec<(f64, f64)>> {
+    let mut c = RunConfig::default();
+    c.output_dir = dir.to_path_buf();
+    c.train.batch_size = batch;
+    c.train.gradient_accumulate_every = accum;
+    c.train.learning_rate = 3e-3;
+    c.train.warmup_steps = 0;
+    c.parallel.world_size = world;
+    c.parallel.mode = mode;
+    c.parallel.token_chunk = 24;
+    c.stages = vec![Stage { seq_length: 64, rope_theta: 10_000.0, steps: 3, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None }];
+    c.validate(Path::new("<test>"))?;
+    longctx::train::trainer::run(&c, false)?;
+    Ok(logged(dir))
+}
+
+/// The trainer sees samples 0 and 1 of the passkey stream in every variant.
+#[test]
+fn trainer_dp_batch_and_accumulation_agree() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let want = trainer_run(&tmp.path().join("b2"), 1, 2, 1, ParallelMode::DataParallel)?;
+    assert_eq!(want.len(), 3);
+    for (name, world, batch, accum, mode) in [
+        ("dp 2 × batch 1", 2, 1, 1, ParallelMode::DataParallel),
+        ("batch 1 × accumulate 2", 1, 1, 2, ParallelMode::DataParallel),
+        ("zigzag sp 2 × batch 2", 2, 2, 1, ParallelMode::ZigzagRingAttn),
+    ] {
+        let got = trainer_run(&tmp.path().join(name.replace(' ', "_")), world, batch, accum, mode)?;
+        assert_eq!(got.len(), want.len(), "{name}: logged steps");
+        for (i, ((gl, gn), (wl, wn))) in got.iter().zip(&want).enumerate() {
+            let (el, en) = ((gl - wl).abs() / wl.abs(), (gn - wn).abs() / wn.abs());
+            assert!(el <= TRAINER_TOL && en <= TRAINER_TOL, "{name}: step {i}: loss {gl} vs {wl} ({el:.1e}), grad norm {gn} vs {wn} ({en:.1e})");
+        }
+        eprintln!("{name}: {got:?}");
+    }
+    Ok(())
+}
