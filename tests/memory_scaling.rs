@@ -1,0 +1,121 @@
+//! The engine's memory report scales as the layer-wise design says.
+//!
+//! - saved layer inputs: exactly `layers × b × s × hidden × 4` bytes (f32), so they double
+//!   with the tokens and with the layers and do not depend on the token chunk;
+//! - with `offload_activations` all of them are counted in host memory, else none;
+//! - the largest token-wise transient (a logits chunk or an MLP chunk) grows with the
+//!   token chunk (doubling it doubles the transient) and not with the sequence when the
+//!   chunk is smaller than the sequence; it stays below the whole `[b, s, V]` logits.
+//!
+//! Shapes: `b` batch, `s` tokens, `V` vocabulary. Tiny f32 models on the CPU; the counts
+//! are exact integers, so the asserts are equalities except the "about doubles" ratio
+//! (asserted within 10%).
+
+use candle_core::{DType, Device, Tensor};
+use longctx::model::LlamaConfig;
+use longctx::train::engine::{Engine, EngineOptions, MemoryReport};
+use longctx::train::init::{random_init, to_vars};
+use longctx_attention::local::LocalAttention;
+use longctx_attention::AttentionMode;
+use std::path::Path;
+use std::sync::Arc;
+
+const HIDDEN: usize = 32;
+const VOCAB: usize = 61;
+
+fn config(layers: usize) -> LlamaConfig {
+    let json = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": 48,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": false,
+    });
+    match LlamaConfig::from_value(Path::new("test/config.json"), json) {
+        Ok(c) => c,
+        Err(e) => panic!("test config: {e}"),
+    }
+}
+
+/// The memory report of one `Engine::step` on `b × s` tokens.
+fn report(layers: usize, b: usize, s: usize, chunk: usize, offload: bool) -> longctx::Result<MemoryReport> {
+    let cfg = config(layers);
+    let vars = to_vars(random_init(&cfg, 3, DType::F32, &Device::Cpu)?)?;
+    let eng = Engine::from_vars(&cfg, &vars, EngineOptions { token_chunk: chunk, offload_activations: offload })?;
+    let ids: Vec<u32> = (0..b * s).map(|i| (i * 7 % VOCAB) as u32).collect();
+    let targets: Vec<i64> = (0..b * s).map(|i| (i * 11 % VOCAB) as i64).collect();
+    let pos: Vec<u32> = (0..b).flat_map(|_| 0..s as u32).collect();
+    let dev = Device::Cpu;
+    let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
+    let r = eng.step(
+        &Tensor::from_vec(ids, (b, s), &dev)?,
+        &Tensor::from_vec(targets, (b, s), &dev)?,
+        &Tensor::from_vec(pos, (b, s), &dev)?,
+        s,
+        &attn,
+        1.0,
+    )?;
+    Ok(r.memory)
+}
+
+fn saved_expected(layers: usize, b: usize, s: usize) -> usize {
+    layers * b * s * HIDDEN * 4
+}
+
+#[test]
+fn saved_inputs_are_layers_times_tokens_times_hidden() -> longctx::Result<()> {
+    for (layers, b, s, chunk) in [(2, 2, 16, 4), (2, 2, 32, 4), (4, 2, 16, 4), (2, 1, 16, 4), (2, 2, 16, 16), (3, 1, 20, 7)] {
+        let m = report(layers, b, s, chunk, false)?;
+        assert_eq!(m.saved_bytes, saved_expected(layers, b, s), "layers {layers} b {b} s {s} chunk {chunk}");
+        assert_eq!(m.saved_host_bytes, 0, "nothing on the host without offloading");
+    }
+    let base = report(2, 2, 16, 4, false)?.saved_bytes;
+    assert_eq!(report(2, 2, 32, 4, false)?.saved_bytes, 2 * base, "doubling the tokens");
+    assert_eq!(report(4, 2, 16, 4, false)?.saved_bytes, 2 * base, "doubling the layers");
+    assert_eq!(report(2, 2, 16, 8, false)?.saved_bytes, base, "the chunk does not change saved inputs");
+    Ok(())
+}
+
+#[test]
+fn offloaded_inputs_are_all_on_the_host() -> longctx::Result<()> {
+    for (layers, b, s, chunk) in [(2, 2, 16, 4), (3, 1, 20, 7)] {
+        let on = report(layers, b, s, chunk, false)?;
+        let off = report(layers, b, s, chunk, true)?;
+        assert_eq!(off.saved_bytes, saved_expected(layers, b, s));
+        assert_eq!(off.saved_host_bytes, off.saved_bytes);
+        assert_eq!(off.transient_bytes, on.transient_bytes, "offloading does not change the chunk transient");
+    }
+    Ok(())
+}
+
+#[test]
+fn transient_follows_the_chunk_not_the_sequence() -> longctx::Result<()> {
+    let (b, s) = (2, 32);
+    let t4 = report(2, b, s, 4, false)?.transient_bytes;
+    let t8 = report(2, b, s, 8, false)?.transient_bytes;
+    let t16 = report(2, b, s, 16, false)?.transient_bytes;
+    for (small, big, what) in [(t4, t8, "chunk 4 -> 8"), (t8, t16, "chunk 8 -> 16")] {
+        let ratio = big as f64 / small as f64;
+        assert!((ratio - 2.0).abs() <= 0.2, "{what}: transient {small} -> {big} (ratio {ratio:.2}), expected about 2");
+    }
+    // chunk 4 < s: the same transient for 32, 64 and 128 tokens
+    for s2 in [64, 128] {
+        assert_eq!(report(2, b, s2, 4, false)?.transient_bytes, t4, "s {s} -> {s2} with chunk 4");
+    }
+    // the head holds at least one f32 logits chunk, and never the whole [b, s, V] logits
+    let logits_chunk = b * 4 * VOCAB * 4;
+    let logits_all = b * s * VOCAB * 4;
+    assert!(t4 >= logits_chunk, "transient {t4} below one logits chunk {logits_chunk}");
+    assert!(t4 < logits_all, "transient {t4} not below the whole logits {logits_all}");
+    // a chunk larger than the sequence is capped at the sequence
+    assert_eq!(report(2, b, s, 1000, false)?.transient_bytes, report(2, b, s, s, false)?.transient_bytes);
+    Ok(())
+}
