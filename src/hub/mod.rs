@@ -1,14 +1,14 @@
 //! Hugging Face checkpoints in and out.
 //!
-//! - [`cache`]: `--model org/name[@rev]` or a local directory -> a model directory
+//! - [`cache`] — `--model org/name[@rev]` or a local directory -> a model directory
 //!   (HF cache layout, `HF_HUB_CACHE`/`HF_HOME`, `HF_HUB_OFFLINE`, download via hf-hub).
-//! - [`load`]: weights from `model.safetensors` or sharded `model.safetensors.index.json`,
+//! - [`load`] — weights from `model.safetensors` or sharded `model.safetensors.index.json`,
 //!   memory-mapped, converted to the run dtype: [`load_weights`], [`Checkpoint`]
 //!   (streaming, `var_builder`), [`load_into_varmap`] for training.
-//! - [`st_file`]: one safetensors file with its header validated (truncation, corruption).
-//! - [`config`]: `config.json` as JSON; update `rope_theta` / `max_position_embeddings`.
-//! - [`tokenizer`]: `tokenizer.json`.
-//! - [`export`]: atomic export in the HF layout (sharded like transformers).
+//! - [`st_file`] — one safetensors file with its header validated (truncation, corruption).
+//! - [`config`] — `config.json` as JSON; update `rope_theta` / `max_position_embeddings`.
+//! - [`tokenizer`] — `tokenizer.json`.
+//! - [`export`] — atomic export in the HF layout (sharded like transformers).
 
 pub mod cache;
 pub mod config;
