@@ -39,6 +39,8 @@ pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> Result
     check_shapes(q, k, v, mask)?;
     match q.device() {
         candle_core::Device::Cpu => crate::cpu::fwd(q, k, v, mask, scale),
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(_) => crate::cuda::fwd(q, k, v, mask, scale),
         _ => crate::naive::fwd(q, k, v, mask, scale),
     }
 }
@@ -58,6 +60,8 @@ pub fn bwd(
     check_shapes(q, k, v, mask)?;
     match q.device() {
         candle_core::Device::Cpu => crate::cpu::bwd(d_o, q, k, v, o, lse, mask, scale),
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(_) => crate::cuda::bwd(d_o, q, k, v, o, lse, mask, scale),
         _ => crate::naive::bwd(d_o, q, k, v, o, lse, mask, scale),
     }
 }

@@ -18,6 +18,8 @@
 
 pub mod comm;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod fpdt;
 pub mod kernel;
