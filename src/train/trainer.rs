@@ -38,6 +38,18 @@ pub struct RunSummary {
     pub export_dir: PathBuf,
     /// Largest memory report seen (rank 0).
     pub memory: MemoryReport,
+    /// False when [`RunLimits`] stopped the run before its last step: a checkpoint was
+    /// written at the stop, no export.
+    pub completed: bool,
+}
+
+/// Where one invocation of a run stops early (the config describes the whole run).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RunLimits {
+    /// Stop once the run has done this many optimizer steps in total (the global step,
+    /// counted across resumes), writing a checkpoint there and no export; `run(cfg, true)`
+    /// then continues exactly as if the run had not stopped (a preemption, on purpose).
+    pub stop_at_global_step: Option<u64>,
 }
 
 /// The model a run starts from, resolved once (shared by all in-process ranks).
@@ -156,17 +168,23 @@ struct Shared<'a> {
     device: Device,
     dtype: DType,
     resume: Option<&'a checkpoint::Loaded>,
+    limits: RunLimits,
 }
 
 /// Run the whole config in this process (in-process ranks; or the world of a launched
 /// process when `world` is given).
 pub fn run(cfg: &RunConfig, resume: bool) -> Result<RunSummary> {
+    run_with_limits(cfg, resume, RunLimits::default())
+}
+
+/// [`run`] that may stop early (see [`RunLimits`]).
+pub fn run_with_limits(cfg: &RunConfig, resume: bool, limits: RunLimits) -> Result<RunSummary> {
     let src = Path::new("<run config>");
     let device = parse_device(&cfg.model.device, src)?;
     let dtype = if device.is_cpu() { DType::F32 } else { parse_dtype(&cfg.model.dtype, src)? };
     let model = load_start_model(cfg)?;
     let loaded = if resume { Some(checkpoint::load(&cfg.output_dir)?) } else { None };
-    let shared = Shared { cfg, model: &model, device, dtype, resume: loaded.as_ref() };
+    let shared = Shared { cfg, model: &model, device, dtype, resume: loaded.as_ref(), limits };
     let w = cfg.parallel.world_size;
     let outs = longctx_attention::comm::thread::run_ranks(w, |comm| rank_main(&shared, comm).map_err(|e| candle_core::Error::Msg(e.to_string())))
         .map_err(|e| Error::Setting(e.to_string()))?;
@@ -215,6 +233,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
         opt_state = Some((l.state.adam_step, Vec::new(), Vec::new(), Vec::new()));
     }
 
+    let mut stopped = false;
     let mut layout_cache: Option<(ParallelMode, usize)> = None;
     let mut groups: Option<(ParallelDims, Groups)> = None;
     let mut optim: Option<(AdamW, usize, usize, usize)> = None; // (state, dp rank, dp size, shard len)
@@ -288,6 +307,11 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
             m.stage_start(si, stage, mode, world.world(), dims.sp, dp)?;
         }
         for step in first_step..stage.steps {
+            if sh.limits.stop_at_global_step.is_some_and(|n| global_step >= n) {
+                // resumed at or past the stop: nothing to do, the checkpoint stands
+                stopped = true;
+                break;
+            }
             let ts = Instant::now();
             // Micro-batches of this step, localized.
             let mut micro = Vec::new();
@@ -376,14 +400,35 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
             }
             let every = cfg.train.checkpoint_every;
             let stage_end = step + 1 == stage.steps;
-            if (every > 0 && global_step % every == 0) || stage_end {
+            let stop = sh.limits.stop_at_global_step.is_some_and(|n| global_step >= n);
+            if (every > 0 && global_step % every == 0) || stage_end || stop {
                 let (ns, nst) = if stage_end { (si + 1, 0) } else { (si, step + 1) };
                 let data = if stage_end { None } else { Some(loader.state()) };
                 save_checkpoint(sh, &world, g, &engine, adam, *shard_len, ns, nst, global_step, data)?;
             }
+            if stop {
+                stopped = true;
+                break;
+            }
         }
         stage_losses.push((first_loss, last_loss));
         data_state = None;
+        if stopped {
+            break;
+        }
+    }
+
+    if stopped {
+        world.barrier()?;
+        if is_main {
+            eprintln!(
+                "stopped after step {global_step} as asked; checkpoint in {} (continue with --resume)",
+                checkpoint::checkpoint_dir(&cfg.output_dir).display()
+            );
+        }
+        let export_dir = cfg.output_dir.join("export");
+        let summary = RunSummary { stage_losses, steps: global_step, tokens: total_tokens, seconds: t0.elapsed().as_secs_f64(), export_dir, memory, completed: false };
+        return Ok(if is_main { Some(summary) } else { None });
     }
 
     // Export (rank 0), from the final weights.
@@ -406,7 +451,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
         crate::hub::export(&export_dir, &tensors, &json, sh.model.source_dir.as_deref(), &opts)?;
     }
     world.barrier()?;
-    let summary = RunSummary { stage_losses, steps: global_step, tokens: total_tokens, seconds: t0.elapsed().as_secs_f64(), export_dir, memory };
+    let summary = RunSummary { stage_losses, steps: global_step, tokens: total_tokens, seconds: t0.elapsed().as_secs_f64(), export_dir, memory, completed: true };
     if let Some(m) = metrics.as_mut() {
         m.finish(&summary)?;
     }

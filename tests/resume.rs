@@ -1,0 +1,215 @@
+//! Resume equivalence of the trainer: a run stopped after k optimizer steps
+//! (`RunLimits::stop_at_global_step`, which writes a checkpoint there) and continued with
+//! `run(cfg, resume = true)` in the same output directory ends bit for bit where the
+//! uninterrupted run ends: the same exported weights, the same final checkpoint
+//! (weights, AdamW master/moments, state) and the same per-step log (loss, lr, grad norm
+//! compared as f64 bits).
+//!
+//! Runs: built-in tiny Llama, passkey data, two stages (64 tokens θ 1e4 × 3 steps, then
+//! 128 tokens θ 1e5 × 2 steps), cosine schedule with warmup, clipping. Stop points inside
+//! stage 0, at the stage boundary, and a chain of several stops; in-process world 1,
+//! data parallel 2 (ZeRO-1 shards) and sequence parallel 2 (zigzag ring, then Ulysses).
+//! One more run stops under data parallel 2 and resumes on one rank (the optimizer shards
+//! are re-cut): not bitwise then, its losses must agree within 1e-4 relative.
+
+use candle_core::{DType, Device, Tensor};
+use longctx::dist::dims::ParallelMode;
+use longctx::train::config::{RunConfig, Stage};
+use longctx::train::optim::Schedule;
+use longctx::train::trainer::{run, run_with_limits, RunLimits};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// Relative tolerance of the re-sharded (dp 2 → dp 1) resume, per logged step.
+const RESHARD_TOL: f64 = 1e-4;
+
+fn stage(seq_length: usize, rope_theta: f64, steps: u64, mode: Option<ParallelMode>) -> Stage {
+    Stage { seq_length, rope_theta, steps, learning_rate: None, parallel_mode: mode, fpdt_chunk_size: None }
+}
+
+/// The run of a variant: `world` in-process ranks, `modes` per stage.
+fn config(dir: &Path, world: usize, batch: usize, modes: [ParallelMode; 2], checkpoint_every: u64) -> RunConfig {
+    let mut c = RunConfig::default();
+    c.seed = 3;
+    c.output_dir = dir.to_path_buf();
+    c.train.batch_size = batch;
+    c.train.learning_rate = 3e-3;
+    c.train.lr_schedule = Schedule::Cosine;
+    c.train.warmup_steps = 2;
+    c.train.clip_grad = 1.0;
+    c.train.checkpoint_every = checkpoint_every;
+    c.parallel.world_size = world;
+    c.parallel.mode = modes[0];
+    c.parallel.token_chunk = 24;
+    c.stages = vec![stage(64, 1e4, 3, Some(modes[0])), stage(128, 1e5, 2, Some(modes[1]))];
+    if let Err(e) = c.validate(Path::new("<resume test>")) {
+        panic!("test config: {e}");
+    }
+    c
+}
+
+/// The run in `dir`: stopped at each of `stops` in turn (resuming after the first), then
+/// resumed to the end.
+fn run_in(dir: &Path, cfg: &RunConfig, stops: &[u64]) -> longctx::Result<()> {
+    let mut c = cfg.clone();
+    c.output_dir = dir.to_path_buf();
+    for (i, &k) in stops.iter().enumerate() {
+        let s = run_with_limits(&c, i > 0, RunLimits { stop_at_global_step: Some(k) })?;
+        assert!(!s.completed, "stopped at {k}");
+        assert_eq!(s.steps, k, "global step at the stop");
+        assert!(!dir.join("export").exists(), "a stopped run exports nothing");
+    }
+    let s = run(&c, !stops.is_empty())?;
+    assert!(s.completed);
+    assert_eq!(s.steps, 5);
+    Ok(())
+}
+
+/// Logged steps: (stage, step, global_step, tokens) and the f64 bits of loss, lr, grad_norm.
+fn log_of(dir: &Path) -> Vec<(u64, u64, u64, u64, [u64; 3])> {
+    let path = dir.join("metrics.jsonl");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap_or_else(|e| panic!("{}: bad line {l}: {e}", path.display())))
+        .filter(|v| v.get("loss").is_some())
+        .map(|v| {
+            let u = |k: &str| v[k].as_u64().unwrap_or(u64::MAX);
+            let f = |k: &str| v[k].as_f64().unwrap_or(f64::NAN).to_bits();
+            (u("stage"), u("step"), u("global_step"), u("tokens"), [f("loss"), f("lr"), f("grad_norm")])
+        })
+        .collect()
+}
+
+fn load_st(path: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(path, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Every tensor of two safetensors files has the same name, shape and bits.
+fn assert_same_tensors(a: &Path, b: &Path) -> longctx::Result<()> {
+    let (ta, tb) = (load_st(a), load_st(b));
+    let mut names: Vec<_> = ta.keys().collect();
+    names.sort();
+    let mut names_b: Vec<_> = tb.keys().collect();
+    names_b.sort();
+    assert_eq!(names, names_b, "{} vs {}: tensor names", a.display(), b.display());
+    assert!(!names.is_empty());
+    for n in names {
+        let (x, y) = (&ta[n], &tb[n]);
+        assert_eq!(x.dims(), y.dims(), "{n}: shape");
+        let bits = |t: &Tensor| -> longctx::Result<Vec<u32>> {
+            Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect())
+        };
+        assert!(bits(x)? == bits(y)?, "{n}: {} and {} differ", a.display(), b.display());
+    }
+    Ok(())
+}
+
+fn state_without_paths(dir: &Path) -> serde_json::Value {
+    let p = dir.join("checkpoint/state.json");
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    if let Some(c) = v.get_mut("config").and_then(|c| c.as_object_mut()) {
+        c.remove("output_dir");
+    }
+    v
+}
+
+/// `b` ended exactly where `a` ended.
+fn assert_same_run(what: &str, a: &Path, b: &Path) -> longctx::Result<()> {
+    let (la, lb) = (log_of(a), log_of(b));
+    assert_eq!(la.len(), 5, "{what}: logged steps of the straight run");
+    assert_eq!(la, lb, "{what}: per-step log (stage, step, global step, tokens, loss/lr/grad-norm bits)");
+    assert_same_tensors(&a.join("export/model.safetensors"), &b.join("export/model.safetensors"))?;
+    assert_same_tensors(&a.join("checkpoint/model.safetensors"), &b.join("checkpoint/model.safetensors"))?;
+    let st = state_without_paths(a);
+    assert_eq!(st, state_without_paths(b), "{what}: checkpoint state");
+    let shards = st["dp_shards"].as_u64().unwrap_or(0);
+    assert!(shards >= 1);
+    for d in 0..shards {
+        let f = format!("checkpoint/optimizer-dp{d}.safetensors");
+        assert_same_tensors(&a.join(&f), &b.join(&f))?;
+    }
+    let cfg = |d: &Path| std::fs::read_to_string(d.join("export/config.json")).unwrap_or_default();
+    assert_eq!(cfg(a), cfg(b), "{what}: exported config.json");
+    Ok(())
+}
+
+/// Straight run once, then each chain of stops in its own directory.
+fn check_variant(what: &str, cfg: &RunConfig, chains: &[&[u64]]) -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let straight: PathBuf = tmp.path().join("straight");
+    run_in(&straight, cfg, &[])?;
+    for stops in chains {
+        let dir = tmp.path().join(format!("stops{stops:?}").replace([' ', ',', '[', ']'], "_"));
+        run_in(&dir, cfg, stops)?;
+        assert_same_run(&format!("{what}, stops {stops:?}"), &straight, &dir)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn single_rank_resume_is_bit_exact() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let m = ParallelMode::DataParallel;
+    // step 2: inside stage 0; step 3: the end of stage 0; then a chain of three stops
+    check_variant("world 1", &config(tmp.path(), 1, 2, [m, m], 1), &[&[2], &[3], &[1, 3, 4]])
+}
+
+#[test]
+fn data_parallel_resume_is_bit_exact() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let m = ParallelMode::DataParallel;
+    // no periodic checkpoints: the stop writes its own
+    check_variant("data parallel 2", &config(tmp.path(), 2, 1, [m, m], 0), &[&[2], &[3]])
+}
+
+#[test]
+fn sequence_parallel_resume_is_bit_exact() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let modes = [ParallelMode::ZigzagRingAttn, ParallelMode::UlyssesAttn];
+    check_variant("sequence parallel 2", &config(tmp.path(), 2, 2, modes, 1), &[&[2], &[3]])
+}
+
+/// Stop under dp 2 × batch 1, continue on one rank with batch 2 (the same samples per
+/// step): the optimizer state is re-cut from two shards into one.
+#[test]
+fn resume_on_fewer_ranks_continues_the_run() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let m = ParallelMode::DataParallel;
+    let dp2 = config(&tmp.path().join("straight"), 2, 1, [m, m], 1);
+    run_in(&tmp.path().join("straight"), &dp2, &[])?;
+    let dir = tmp.path().join("resharded");
+    let mut first = dp2.clone();
+    first.output_dir = dir.clone();
+    run_with_limits(&first, false, RunLimits { stop_at_global_step: Some(2) })?;
+    let mut rest = config(&dir, 1, 2, [m, m], 1);
+    rest.output_dir = dir.clone();
+    let s = run(&rest, true)?;
+    assert_eq!(s.steps, 5);
+    let (want, got) = (log_of(&tmp.path().join("straight")), log_of(&dir));
+    assert_eq!(want.len(), got.len());
+    for (w, g) in want.iter().zip(&got) {
+        assert_eq!((w.0, w.1, w.2, w.3), (g.0, g.1, g.2, g.3), "step identity");
+        for (i, name) in ["loss", "lr", "grad_norm"].iter().enumerate() {
+            let (x, y) = (f64::from_bits(w.4[i]), f64::from_bits(g.4[i]));
+            let e = (x - y).abs() / x.abs().max(1e-12);
+            assert!(e <= RESHARD_TOL, "step {}: {name} {y} vs {x} ({e:.1e})", w.2);
+        }
+    }
+    // after the stop the run is on one shard
+    assert_eq!(state_without_paths(&dir)["dp_shards"].as_u64(), Some(1));
+    Ok(())
+}
+
+#[test]
+fn resume_without_checkpoint_is_an_error() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let m = ParallelMode::DataParallel;
+    let cfg = config(&tmp.path().join("empty"), 1, 1, [m, m], 1);
+    let e = match run(&cfg, true) {
+        Ok(_) => panic!("resume from an empty directory succeeded"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("state.json") && e.contains("--resume"), "{e}");
+    Ok(())
+}
