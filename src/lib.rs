@@ -5,6 +5,7 @@
 //! - [`train`]: the training loop / engine, optimizer, schedules.
 //! - [`data`]: datasets, packing, synthetic long-context data.
 //! - [`dist`]: parallel dims, process groups, launch.
+//! - [`plan`]: per-GPU memory model, fit check and layout suggestion (`longctx plan`).
 //! Attention and the sequence-parallel modes live in the `longctx-attention` crate.
 
 pub mod data;
@@ -12,6 +13,7 @@ pub mod dist;
 pub mod error;
 pub mod hub;
 pub mod model;
+pub mod plan;
 pub mod train;
 
 pub use error::{Error, Result};
