@@ -8,7 +8,8 @@
 //!    the single-device run on the concatenated batch.
 //! 3. The trainer: data parallel 2 × batch 1, batch 2 on one rank and gradient
 //!    accumulation 2 × batch 1 see the same samples and must log the same losses and
-//!    gradient norms.
+//!    gradient norms; so must every sequence-parallel mode at W = 4 (zigzag ring,
+//!    Ulysses, FPDT with and without offload, USP 2×2).
 //!
 //! Tolerances (f32): mean loss relative error ≤ 1e-5, per parameter gradient
 //! `max|got − want| / max|want| ≤ 2e-5`; trainer logs ≤ 1e-4 relative (three AdamW steps
@@ -235,6 +236,10 @@ fn logged(dir: &Path) -> Vec<(f64, f64)> {
 }
 
 fn trainer_run(dir: &Path, world: usize, batch: usize, accum: usize, mode: ParallelMode) -> longctx::Result<Vec<(f64, f64)>> {
+    trainer_run_with(dir, world, batch, accum, mode, |_| {})
+}
+
+fn trainer_run_with(dir: &Path, world: usize, batch: usize, accum: usize, mode: ParallelMode, tweak: impl Fn(&mut RunConfig)) -> longctx::Result<Vec<(f64, f64)>> {
     let mut c = RunConfig::default();
     c.output_dir = dir.to_path_buf();
     c.train.batch_size = batch;
@@ -245,6 +250,7 @@ fn trainer_run(dir: &Path, world: usize, batch: usize, accum: usize, mode: Paral
     c.parallel.mode = mode;
     c.parallel.token_chunk = 24;
     c.stages = vec![Stage { seq_length: 64, rope_theta: 10_000.0, steps: 3, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None }];
+    tweak(&mut c);
     c.validate(Path::new("<test>"))?;
     longctx::train::trainer::run(&c, false)?;
     Ok(logged(dir))
@@ -262,12 +268,42 @@ fn trainer_dp_batch_and_accumulation_agree() -> longctx::Result<()> {
         ("zigzag sp 2 × batch 2", 2, 2, 1, ParallelMode::ZigzagRingAttn),
     ] {
         let got = trainer_run(&tmp.path().join(name.replace(' ', "_")), world, batch, accum, mode)?;
-        assert_eq!(got.len(), want.len(), "{name}: logged steps");
-        for (i, ((gl, gn), (wl, wn))) in got.iter().zip(&want).enumerate() {
-            let (el, en) = ((gl - wl).abs() / wl.abs(), (gn - wn).abs() / wn.abs());
-            assert!(el <= TRAINER_TOL && en <= TRAINER_TOL, "{name}: step {i}: loss {gl} vs {wl} ({el:.1e}), grad norm {gn} vs {wn} ({en:.1e})");
+        assert_logs_agree(name, &got, &want);
+    }
+    Ok(())
+}
+
+fn assert_logs_agree(name: &str, got: &[(f64, f64)], want: &[(f64, f64)]) {
+    assert_eq!(got.len(), want.len(), "{name}: logged steps");
+    for (i, ((gl, gn), (wl, wn))) in got.iter().zip(want).enumerate() {
+        let (el, en) = ((gl - wl).abs() / wl.abs(), (gn - wn).abs() / wn.abs());
+        assert!(el <= TRAINER_TOL && en <= TRAINER_TOL, "{name}: step {i}: loss {gl} vs {wl} ({el:.1e}), grad norm {gn} vs {wn} ({en:.1e})");
+    }
+}
+
+/// The trainer's sequence-parallel modes at W = 4 (dp 1) log what one rank logs.
+#[test]
+fn trainer_sequence_parallel_modes_agree() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let want = trainer_run(&tmp.path().join("one"), 1, 2, 1, ParallelMode::DataParallel)?;
+    assert_eq!(want.len(), 3);
+    let fpdt = |offload: bool| {
+        move |c: &mut RunConfig| {
+            c.parallel.fpdt_chunk_size = 16;
+            c.parallel.fpdt_offload = offload;
+            c.parallel.offload_activations = offload;
         }
-        eprintln!("{name}: {got:?}");
+    };
+    let cases: Vec<(&str, ParallelMode, Box<dyn Fn(&mut RunConfig)>)> = vec![
+        ("zigzag ring 4", ParallelMode::ZigzagRingAttn, Box::new(|_: &mut RunConfig| {})),
+        ("ulysses 4", ParallelMode::UlyssesAttn, Box::new(|_: &mut RunConfig| {})),
+        ("fpdt 4", ParallelMode::Fpdt, Box::new(fpdt(false))),
+        ("fpdt 4 offload", ParallelMode::Fpdt, Box::new(fpdt(true))),
+        ("usp 2x2", ParallelMode::Usp, Box::new(|c: &mut RunConfig| c.parallel.ulysses_size = 2)),
+    ];
+    for (name, mode, tweak) in cases {
+        let got = trainer_run_with(&tmp.path().join(name.replace(' ', "_")), 4, 2, 1, mode, tweak)?;
+        assert_logs_agree(name, &got, &want);
     }
     Ok(())
 }
