@@ -29,9 +29,7 @@ fn stage(seq_length: usize, rope_theta: f64, steps: u64, mode: Option<ParallelMo
 
 /// The run of a variant: `world` in-process ranks, `modes` per stage.
 fn config(dir: &Path, world: usize, batch: usize, modes: [ParallelMode; 2], checkpoint_every: u64) -> RunConfig {
-    let mut c = RunConfig::default();
-    c.seed = 3;
-    c.output_dir = dir.to_path_buf();
+    let mut c = RunConfig { seed: 3, output_dir: dir.to_path_buf(), ..Default::default() };
     c.train.batch_size = batch;
     c.train.learning_rate = 3e-3;
     c.train.lr_schedule = Schedule::Cosine;
