@@ -65,11 +65,17 @@ enum BenchCmd {
 fn main() {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
-        Err(e) => {
-            // --help / --version print to stdout and succeed; usage errors fail with 1.
-            let code = if e.use_stderr() { 1 } else { 0 };
+        Err(e) if !e.use_stderr() => {
+            // --help / --version: print to stdout and succeed.
             let _ = e.print();
-            std::process::exit(code);
+            std::process::exit(0);
+        }
+        Err(e) => {
+            // Usage errors: clap's first line (it names the flag and the problem), status 1.
+            let text = e.render().to_string();
+            let first = text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("invalid arguments");
+            eprintln!("{} (see --help)", first.trim_end_matches('.'));
+            std::process::exit(1);
         }
     };
     let res = match cli.cmd {
@@ -555,9 +561,9 @@ fn export(a: ExportArgs) -> Result<()> {
     let rep = longctx::hub::export(&a.output_dir, &tensors, &json, source_dir.as_deref(), &opts).context("writing the export")?;
     let after = LlamaConfig::from_value("config.json", json).ok();
     println!(
-        "exported {} tensors ({} GB) in {} file(s) to {} from {note}; rope_theta {}, max_position_embeddings {}",
+        "exported {} tensors ({}) in {} file(s) to {} from {note}; rope_theta {}, max_position_embeddings {}",
         tensors.len(),
-        plan::gb(rep.total_size),
+        human_bytes(rep.total_size),
         rep.weight_files.len(),
         rep.dir.display(),
         after.as_ref().map_or("?".into(), |c| c.rope_theta.to_string()),
@@ -692,7 +698,7 @@ fn inspect(a: InspectArgs) -> Result<()> {
     match &stored {
         Some(w) => {
             let dts: Vec<String> = w.dtypes.iter().map(|(k, n)| format!("{k} ({} params)", group(*n))).collect();
-            println!("parameters               {} ({} tensors in {} file(s), {} GB on disk)", group(w.parameters), w.tensors, w.files, plan::gb(w.bytes));
+            println!("parameters               {} ({} tensors in {} file(s), {} on disk)", group(w.parameters), w.tensors, w.files, human_bytes(w.bytes));
             println!("dtype on disk            {}", dts.join(", "));
             if w.parameters != shape.params {
                 println!("parameters (config)      {} — differs from the weight files", group(shape.params));
@@ -722,6 +728,15 @@ fn inspect(a: InspectArgs) -> Result<()> {
     );
     print_suggestion(&p);
     Ok(())
+}
+
+/// Bytes in GB, MB or kB (powers of 1000).
+fn human_bytes(b: u64) -> String {
+    match b {
+        b if b >= 1_000_000_000 => format!("{:.2} GB", b as f64 / 1e9),
+        b if b >= 1_000_000 => format!("{:.2} MB", b as f64 / 1e6),
+        b => format!("{:.1} kB", b as f64 / 1e3),
+    }
 }
 
 /// 6738415616 → 6,738,415,616.

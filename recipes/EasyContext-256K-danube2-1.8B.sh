@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# EasyContext-256K-danube2-1.8B: H2O Danube2 1.8B from 8K to 256K tokens in three
+# (length, rope_theta) stages, zigzag ring attention over 8 GPUs of one node.
+# Stages, data and optimizer: recipes/EasyContext-256K-danube2-1.8B.toml.
+#
+# Needs a CUDA+NCCL build on PATH (cargo build --release --features nccl) or LONGCTX=path.
+# Extra arguments go to `train` and override the TOML.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+LONGCTX="${LONGCTX:-longctx}"
+NPROC="${NPROC:-8}"
+
+# Memory per GPU of every stage:
+#   "$LONGCTX" plan --config recipes/EasyContext-256K-danube2-1.8B.toml
+
+"$LONGCTX" launch --nproc-per-node "$NPROC" -- \
+    train --config recipes/EasyContext-256K-danube2-1.8B.toml "$@"

@@ -1,0 +1,283 @@
+//! The memory planner (`longctx::plan`) against numbers worked out by hand for a
+//! Llama-2-7B-shaped model, its monotonicity in the sequence length, the validity of its
+//! suggestions, its input validation, and the parameter count against weight files.
+//!
+//! All comparisons are exact (integer bytes): the formulas are integer arithmetic.
+
+use longctx::dist::ParallelMode;
+use longctx::model::LlamaConfig;
+use longctx::plan::{self, ModelShape, PlanRequest};
+use std::path::Path;
+
+/// Llama-2-7B's config.json (the fields that matter).
+fn llama2_7b() -> LlamaConfig {
+    let json = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
+        "vocab_size": 32000, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false
+    });
+    LlamaConfig::from_value("llama-2-7b/config.json", json).unwrap()
+}
+
+fn shape() -> ModelShape {
+    ModelShape::from_config(&llama2_7b())
+}
+
+const H200: u64 = 141_000_000_000;
+const K: usize = 1024;
+
+fn req(seq: usize, mode: ParallelMode) -> PlanRequest {
+    PlanRequest::new(seq, 8, H200, mode)
+}
+
+#[test]
+fn llama2_7b_parameter_count() {
+    // embed 32000·4096 = 131,072,000; per layer q,k,v,o 4·4096² = 67,108,864, MLP 3·4096·11008
+    // = 135,266,304, norms 8192 → 202,383,360 × 32 = 6,476,267,520; final norm 4096; head
+    // 131,072,000. Total 6,738,415,616 (the count transformers reports for Llama-2-7b-hf).
+    assert_eq!(shape().params, 6_738_415_616);
+}
+
+#[test]
+fn zigzag_512k_on_8_gpus_by_hand() {
+    let e = plan::estimate(&shape(), &req(512 * K, ParallelMode::ZigzagRingAttn)).unwrap();
+    let d = &e.device;
+    assert_eq!((e.layout.sp, e.layout.dp, e.layout.local_tokens), (8, 1, 65536));
+    // P = 6,738,415,616; s = 65536 local tokens; e = s·32·128 = 268,435,456 elements.
+    assert_eq!(d.weights, 13_476_831_232); // 2P
+    assert_eq!(d.gradients, 26_953_662_464); // 4P
+    assert_eq!(d.optimizer, 0); // on the host by default
+    assert_eq!(d.saved_activations, 17_179_869_184); // 32 · 65536 · 4096 · 2
+    assert_eq!(d.layer_io, 7_516_192_768); // 65536 · 4096 · (8·2 + 12)
+    assert_eq!(d.attention_local, 4_294_967_296); // 2 · (2e + 2e) · 2
+    assert_eq!(d.lse, 8_388_608); // 4 · 32 · 65536
+    assert_eq!(d.attention_mode, 7_516_192_768); // 4e·2 + 16e + 4e = 28e
+    assert_eq!(d.mlp_chunk, 1_124_073_472); // 4096 · (4·(4·11008 + 2·4096) + 16·4096)
+    assert_eq!(d.head, 2_646_605_824); // 2·4096·32000·6 + 2·65536·4096·2
+    assert_eq!(d.layer_transient, 20_459_814_912);
+    assert_eq!(d.transient, 20_459_814_912);
+    assert_eq!(d.peak_compute, 81_070_177_792); // 2P + 4P + saved + transient + 3e9
+    assert_eq!(d.peak_step, 70_384_156_160); // 2P + 4P + 4P + 3e9
+    assert_eq!(d.peak, 81_070_177_792);
+    assert!(e.fits);
+    // Host per rank: optimizer 12P (dp = 1) + trainer copies 8P; 8 ranks on the node.
+    assert_eq!(e.host.optimizer, 80_860_987_392);
+    assert_eq!(e.host.per_rank, 80_860_987_392 + 53_907_324_928);
+    assert_eq!(e.host.per_node, 8 * (80_860_987_392 + 53_907_324_928));
+    assert_eq!(e.fits_host, None);
+}
+
+#[test]
+fn other_modes_512k_by_hand() {
+    let m = shape();
+    // Ulysses: head-sharded q, o (2e) and k, v for the full sequence with 32/8 = 4 kv heads
+    // (524288·4·128 = e each), with grads: 2·(2e + 2e)·2 = 16e.
+    let u = plan::estimate(&m, &req(512 * K, ParallelMode::UlyssesAttn)).unwrap();
+    assert_eq!(u.device.attention_mode, 4_294_967_296);
+    assert_eq!(u.device.peak, 81_070_177_792 - 7_516_192_768 + 4_294_967_296);
+
+    // USP 4 × 2: e_h = 524288/2 · (32/4) · 128 = e; heads 2·(2e + 2e)·2 = 16e,
+    // ring 4·e·2 + 16e + 4e = 28e → 44e.
+    let mut r = req(512 * K, ParallelMode::Usp);
+    r.ulysses = Some(4);
+    let p = plan::estimate(&m, &r).unwrap();
+    assert_eq!((p.layout.ulysses, p.layout.ring), (4, 2));
+    assert_eq!(p.device.attention_mode, 44 * 268_435_456);
+
+    // FPDT, chunk 65536, offload: resident 873,463,808 on the GPU; parked on the host:
+    // k, v 2·524288·4·128·2 + q, do, o 3e·2 + f32 dq 4e + lse 4·32·65536 = 3,766,484,992.
+    let mut f = req(512 * K, ParallelMode::Fpdt);
+    f.fpdt_offload = true;
+    let e = plan::estimate(&m, &f).unwrap();
+    assert_eq!(e.device.attention_mode, 873_463_808);
+    assert_eq!(e.host.fpdt_parked, 3_766_484_992);
+    f.fpdt_offload = false;
+    let e = plan::estimate(&m, &f).unwrap();
+    assert_eq!(e.device.attention_mode, 873_463_808 + 3_766_484_992);
+    assert_eq!(e.host.fpdt_parked, 0);
+
+    // Data parallel at 512K: every GPU holds the whole sequence, 8× the activation terms.
+    let dp = plan::estimate(&m, &req(512 * K, ParallelMode::DataParallel)).unwrap();
+    assert_eq!(dp.layout.dp, 8);
+    assert_eq!(dp.device.saved_activations, 8 * 17_179_869_184);
+    assert_eq!(dp.device.attention_mode, 0);
+    assert_eq!(dp.host.optimizer, 12 * 6_738_415_616 / 8); // ZeRO-1 over 8 replicas
+    assert!(!dp.fits);
+
+    // Optimizer on the GPU: 12P / dp on the device, nothing on the host.
+    let mut od = req(64 * K, ParallelMode::ZigzagRingAttn);
+    od.optimizer_on_host = false;
+    let e = plan::estimate(&m, &od).unwrap();
+    assert_eq!(e.device.optimizer, 80_860_987_392);
+    assert_eq!(e.host.optimizer, 0);
+
+    // Activation offload moves the saved inputs to the host.
+    let mut oa = req(512 * K, ParallelMode::ZigzagRingAttn);
+    oa.offload_activations = true;
+    let e = plan::estimate(&m, &oa).unwrap();
+    assert_eq!(e.device.saved_activations, 0);
+    assert_eq!(e.host.saved_activations, 17_179_869_184);
+    assert_eq!(e.device.peak_compute, 81_070_177_792 - 17_179_869_184);
+    assert_eq!(e.device.peak, 70_384_156_160); // now the optimizer step is the peak
+}
+
+#[test]
+fn fits_is_monotone_in_sequence_length() {
+    let m = shape();
+    for mode in [ParallelMode::ZigzagRingAttn, ParallelMode::UlyssesAttn, ParallelMode::DataParallel] {
+        let mut prev_peak = 0;
+        let mut fits = Vec::new();
+        for k in 10..=24 {
+            let e = plan::estimate(&m, &req(1 << k, mode)).unwrap();
+            assert!(e.device.peak >= prev_peak, "{mode}: peak decreased at 2^{k}");
+            prev_peak = e.device.peak;
+            fits.push(e.fits);
+        }
+        // A prefix of `true` then only `false`, with both present.
+        let first_no = fits.iter().position(|f| !f).expect("something must not fit at 16M tokens");
+        assert!(first_no > 0, "{mode}: 1K tokens must fit");
+        assert!(fits[first_no..].iter().all(|f| !f), "{mode}: fits again after not fitting: {fits:?}");
+    }
+}
+
+#[test]
+fn suggestions_are_valid_and_fit() {
+    let m = shape();
+    for (seq, mode) in [
+        (512 * K, ParallelMode::DataParallel),
+        (2048 * K, ParallelMode::ZigzagRingAttn),
+        (1536 * K, ParallelMode::UlyssesAttn),
+        (1024 * K, ParallelMode::Fpdt),
+    ] {
+        let r = req(seq, mode);
+        let p = plan::plan(&m, &r).unwrap();
+        let s = p.suggestion.unwrap_or_else(|| panic!("{mode} at {seq}: no suggestion"));
+        let mut sr = PlanRequest { mode: s.mode, sp: Some(s.sp), offload_activations: s.offload_activations, fpdt_offload: s.fpdt_offload, ..r.clone() };
+        if s.mode == ParallelMode::Usp {
+            sr.ulysses = Some(s.ulysses);
+        }
+        if let Some(c) = s.fpdt_chunk {
+            sr.fpdt_chunk = c;
+            assert!(c.is_power_of_two() && seq % c == 0 && c % s.sp == 0, "chunk {c}");
+        }
+        let e = plan::estimate(&m, &sr).expect("the suggested layout validates");
+        assert!(e.fits, "suggested layout does not fit: {s:?}");
+        assert_eq!(e.device.peak, s.peak);
+        if p.estimate.fits {
+            assert!(s.as_requested);
+        } else {
+            assert!(!s.as_requested);
+            assert!(s.peak as f64 <= H200 as f64 * (1.0 - plan::SUGGESTION_HEADROOM));
+        }
+    }
+    // 512K data parallel does not fit; the suggestion is the smallest sp that does,
+    // without offload: Ulysses over 4 ranks (2 replicas).
+    let s = plan::suggest(&m, &req(512 * K, ParallelMode::DataParallel)).unwrap();
+    assert_eq!((s.mode, s.sp, s.offload_activations), (ParallelMode::UlyssesAttn, 4, false));
+    // A fitting request is its own suggestion.
+    let s = plan::suggest(&m, &req(64 * K, ParallelMode::ZigzagRingAttn)).unwrap();
+    assert!(s.as_requested && s.mode == ParallelMode::ZigzagRingAttn);
+    // Nothing fits 64M tokens on 8 GPUs.
+    assert!(plan::suggest(&m, &req(64 * 1024 * K, ParallelMode::ZigzagRingAttn)).is_none());
+}
+
+#[test]
+fn fpdt_chunk_candidates() {
+    assert_eq!(plan::fpdt_chunk_candidates(3 << 16, 8), vec![65536, 32768, 16384, 8192, 4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8]);
+    assert_eq!(plan::fpdt_chunk_candidates(1 << 20, 4)[0], 1 << 20);
+    assert!(plan::fpdt_chunk_candidates(12, 8).is_empty());
+}
+
+fn err(r: &PlanRequest) -> String {
+    plan::estimate(&shape(), r).unwrap_err().to_string()
+}
+
+#[test]
+fn invalid_requests_are_named() {
+    let e = err(&req(100, ParallelMode::ZigzagRingAttn));
+    assert!(e.contains("`seq_length`") && e.contains("2·8 = 16"), "{e}");
+
+    let mut f = req(100_000, ParallelMode::Fpdt);
+    f.fpdt_chunk = 65536;
+    let e = err(&f);
+    assert!(e.contains("`seq_length`") && e.contains("multiple of the chunk size 65536"), "{e}");
+    f.seq_len = 65536 * 2;
+    f.fpdt_chunk = 65532; // not a multiple of 8
+    let e = err(&f);
+    assert!(e.contains("fpdt_chunk_size") && e.contains("multiple of sp_size 8"), "{e}");
+
+    let mut w = req(65536, ParallelMode::ZigzagRingAttn);
+    w.world = 16;
+    let e = err(&w);
+    assert!(e.contains("`world_size`") && e.contains("16 ranks") && e.contains("8 GPU"), "{e}");
+
+    // 32 heads do not split over 24 Ulysses ranks.
+    let mut u = PlanRequest::new(24 * 4096, 24, H200, ParallelMode::UlyssesAttn);
+    u.world = 24;
+    let e = err(&u);
+    assert!(e.contains("`parallel_mode`") && e.contains("32 query heads") && e.contains("ulysses = 24"), "{e}");
+
+    let mut z = req(65536, ParallelMode::ZigzagRingAttn);
+    z.dtype_bytes = 3;
+    assert!(err(&z).contains("`dtype`"));
+}
+
+#[test]
+fn check_run_catches_heads_and_dp_changes() {
+    use longctx::train::config::{RunConfig, Stage};
+    let tiny = longctx::train::init::builtin_config("tiny").unwrap(); // 4 query / 2 kv heads
+    let src = Path::new("run.toml");
+    let mut c = RunConfig::default();
+    c.parallel.world_size = 8;
+    c.parallel.mode = ParallelMode::UlyssesAttn;
+    let e = plan::check_run(&c, &tiny, src).unwrap_err().to_string();
+    assert!(e.contains("run.toml") && e.contains("parallel.mode") && e.contains("4 query heads"), "{e}");
+    c.parallel.mode = ParallelMode::ZigzagRingAttn;
+    plan::check_run(&c, &tiny, src).unwrap();
+    // data_parallel (dp 8) then a ring stage (dp 1): the optimizer layout would change.
+    c.parallel.mode = ParallelMode::DataParallel;
+    c.stages.push(Stage { seq_length: 1024, rope_theta: 1e6, steps: 1, learning_rate: None, parallel_mode: Some(ParallelMode::ZigzagRingAttn), fpdt_chunk_size: None });
+    let e = plan::check_run(&c, &tiny, src).unwrap_err().to_string();
+    assert!(e.contains("stage[2].parallel_mode") && e.contains("data-parallel"), "{e}");
+}
+
+/// The config-derived count equals the sum of the shapes stored in every fixture
+/// checkpoint (biases, GQA, tied heads).
+#[test]
+fn param_count_matches_weight_files() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&root).unwrap() {
+        let dir = entry.unwrap().path();
+        if !dir.join("config.json").is_file() || !dir.join("model.safetensors").is_file() {
+            continue;
+        }
+        let cfg = LlamaConfig::from_file(dir.join("config.json")).unwrap();
+        let ck = longctx::hub::Checkpoint::open(&dir).unwrap();
+        let stored: u64 = ck.names().iter().map(|n| ck.info(n).unwrap().1.iter().product::<usize>() as u64).sum();
+        assert_eq!(plan::param_count(&cfg), stored, "{}", dir.display());
+        seen += 1;
+    }
+    assert!(seen >= 3, "expected the committed fixtures, found {seen}");
+}
+
+#[test]
+fn sizes_and_token_counts() {
+    assert_eq!(plan::parse_size("5GB"), Ok(5_000_000_000));
+    assert_eq!(plan::parse_size("500MB"), Ok(500_000_000));
+    assert_eq!(plan::parse_size("2GiB"), Ok(2 << 30));
+    assert_eq!(plan::parse_size("1.5gb"), Ok(1_500_000_000));
+    assert_eq!(plan::parse_size("12345"), Ok(12345));
+    assert_eq!(plan::parse_size("10K"), Ok(10_000));
+    assert!(plan::parse_size("5XB").unwrap_err().contains("unknown unit"));
+    assert!(plan::parse_size("0").is_err());
+    assert!(plan::parse_size("GB").is_err());
+    assert_eq!(plan::parse_tokens("512K"), Ok(524288));
+    assert_eq!(plan::parse_tokens("1M"), Ok(1 << 20));
+    assert_eq!(plan::parse_tokens("65536"), Ok(65536));
+    assert!(plan::parse_tokens("0").is_err() && plan::parse_tokens("12x").is_err());
+    assert_eq!(plan::tokens_label(524288), "512K");
+    assert_eq!(plan::tokens_label(1 << 20), "1M");
+    assert_eq!(plan::tokens_label(1000), "1000");
+}
