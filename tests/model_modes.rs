@@ -36,8 +36,10 @@ const FPDT_CHUNK: usize = 8;
 /// Token chunk of the engine: local sequences of 8 run as 3 + 3 + 2.
 const TOKEN_CHUNK: usize = 3;
 
-fn config() -> LlamaConfig {
-    let json = serde_json::json!({
+/// The test model; `dynamic_rope`: dynamic NTK RoPE with max_position_embeddings 16 < S,
+/// so the rotary base depends on the global length (a shard must not use its own).
+fn config(dynamic_rope: bool) -> LlamaConfig {
+    let mut json = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": 32,
@@ -53,6 +55,10 @@ fn config() -> LlamaConfig {
         "tie_word_embeddings": false,
         "initializer_range": 0.2,
     });
+    if dynamic_rope {
+        json["max_position_embeddings"] = 16.into();
+        json["rope_scaling"] = serde_json::json!({"rope_type": "dynamic", "factor": 2.0});
+    }
     match LlamaConfig::from_value(Path::new("test/config.json"), json) {
         Ok(c) => c,
         Err(e) => panic!("test config: {e}"),
@@ -110,6 +116,7 @@ struct Case {
     fpdt_offload: bool,
     /// Engine::full_graph_step per rank instead of Engine::step.
     full_graph: bool,
+    dynamic_rope: bool,
 }
 
 /// The attention crate's own index list for a case (independent of the trainer's).
@@ -149,7 +156,7 @@ fn distributed(case: Case, cfg: &LlamaConfig, weights: &HashMap<String, Tensor>,
         let global = comm.all_reduce_sum(&Tensor::new(&[local], &Device::Cpu)?)?.to_vec1::<f64>()?[0];
         let scale = 1.0 / global;
         let r = if case.full_graph {
-            eng.full_graph_step(&lids, &ltargets, &lpos, &attn, scale).map_err(err)?
+            eng.full_graph_step(&lids, &ltargets, &lpos, S, &attn, scale).map_err(err)?
         } else {
             eng.step(&lids, &ltargets, &lpos, S, &attn, scale).map_err(err)?
         };
@@ -162,7 +169,8 @@ fn distributed(case: Case, cfg: &LlamaConfig, weights: &HashMap<String, Tensor>,
 }
 
 fn check(case: Case) -> longctx::Result<()> {
-    let cfg = config();
+    let cfg = config(case.dynamic_rope);
+    assert_eq!(cfg.rope_scaling.is_some(), case.dynamic_rope);
     let weights = random_init(&cfg, 11, DType::F32, &Device::Cpu)?;
     let (ids, targets) = global_batch(cfg.vocab_size)?;
     let n = targets.ge(0i64)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()? as usize;
@@ -188,7 +196,7 @@ fn check(case: Case) -> longctx::Result<()> {
 }
 
 fn case(name: &'static str, mode: ParallelMode, ulysses: Option<usize>, fpdt_offload: bool) -> Case {
-    Case { name, mode, ulysses, fpdt_offload, full_graph: false }
+    Case { name, mode, ulysses, fpdt_offload, full_graph: false, dynamic_rope: false }
 }
 
 #[test]
@@ -225,6 +233,23 @@ fn full_graph_per_rank() -> longctx::Result<()> {
         case("usp 2x2 (full graph)", ParallelMode::Usp, Some(2), false),
     ] {
         c.full_graph = true;
+        check(c)?;
+    }
+    Ok(())
+}
+
+/// Dynamic NTK RoPE: every shard must rotate with the base of the global length 32,
+/// not of its own largest position (rank 0 of the contiguous layout ends at 7 < 16).
+#[test]
+fn dynamic_ntk_rope_uses_the_global_length() -> longctx::Result<()> {
+    for (name, mode, full_graph) in [
+        ("ulysses, dynamic rope", ParallelMode::UlyssesAttn, false),
+        ("ulysses, dynamic rope (full graph)", ParallelMode::UlyssesAttn, true),
+        ("zigzag ring, dynamic rope", ParallelMode::ZigzagRingAttn, false),
+    ] {
+        let mut c = case(name, mode, None, false);
+        c.full_graph = full_graph;
+        c.dynamic_rope = true;
         check(c)?;
     }
     Ok(())

@@ -242,16 +242,26 @@ impl Engine {
         3 * tokens * self.tracked.cfg.intermediate_size * hc.dtype().size_in_bytes()
     }
 
-    /// Reference: the same gradients through one full graph (small inputs only).
+    /// Reference: the same gradients through one full graph of the model's layers (small
+    /// inputs only). Same arguments as [`Engine::step`]: `global_len` matters on a shard
+    /// (dynamic NTK RoPE needs the global length, not this rank's largest position + 1).
     pub fn full_graph_step(
         &self,
         ids: &Tensor,
         targets: &Tensor,
         positions: &Tensor,
+        global_len: usize,
         attn: &Arc<dyn AttentionMode>,
         scale: f64,
     ) -> Result<StepResult> {
-        let (l, n) = self.tracked.loss(ids, targets, positions, attn)?;
+        let m = &self.tracked;
+        let rope = m.rope_table(positions, Some(global_len))?;
+        let mut x = m.embed(ids)?; // [b, s, h]
+        for layer in &m.layers {
+            x = layer.forward(&x, &rope, attn)?;
+        }
+        let logits = m.logits(&m.norm.forward(&x)?)?; // [b, s, V]
+        let (l, n) = crate::model::cross_entropy_sum(&logits, targets)?;
         let loss_sum = l.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let grads = (l * scale)?.backward()?;
         let mut acc = vec![None; self.params.len()];
