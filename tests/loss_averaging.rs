@@ -10,6 +10,12 @@
 //!    accumulation 2 × batch 1 see the same samples and must log the same losses and
 //!    gradient norms; so must every sequence-parallel mode at W = 4 (zigzag ring,
 //!    Ulysses, FPDT with and without offload, USP 2×2).
+//! 4. One trainer step (dp 2, ZeRO-1 shards) equals the step written out by hand: engine
+//!    gradients of Σloss/Σcount on both samples, global-norm clipping, AdamW with weight
+//!    decay on matrices only. Exported weights within `1e-6 + lr·δ/(|g| + ε)` absolute
+//!    (updates are ~1e-2): δ = 1e-5·max|g| of the tensor is the gradient rounding the
+//!    dp-2 sum may differ by, and AdamW's first step `g/(|g| + ε)` amplifies it for the
+//!    few elements whose gradient is near ε.
 //!
 //! Tolerances (f32): mean loss relative error ≤ 1e-5, per parameter gradient
 //! `max|got − want| / max|want| ≤ 2e-5`; trainer logs ≤ 1e-4 relative (three AdamW steps
@@ -305,5 +311,84 @@ fn trainer_sequence_parallel_modes_agree() -> longctx::Result<()> {
         let got = trainer_run_with(&tmp.path().join(name.replace(' ', "_")), 4, 2, 1, mode, tweak)?;
         assert_logs_agree(name, &got, &want);
     }
+    Ok(())
+}
+
+/// One trainer step against the same step computed by hand from `Engine::step` and the
+/// AdamW formula in f64.
+#[test]
+fn trainer_step_is_clip_then_adamw_of_the_mean_gradient() -> longctx::Result<()> {
+    use longctx::data::{Batch, LossOn, Passkey, PasskeyConfig};
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let dir = tmp.path().join("one_step");
+    let (lr, clip, seq) = (1e-2, 0.5, 64);
+    let mut c = RunConfig { seed: 17, output_dir: dir.clone(), ..Default::default() };
+    c.train.batch_size = 1;
+    c.train.learning_rate = lr;
+    c.train.warmup_steps = 0;
+    c.train.clip_grad = clip;
+    c.parallel.world_size = 2;
+    c.parallel.token_chunk = 24;
+    c.stages = vec![Stage { seq_length: seq, rope_theta: 10_000.0, steps: 1, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None }];
+    c.validate(Path::new("<test>"))?;
+    longctx::train::trainer::run(&c, false)?;
+    let logged = logged(&dir);
+    let trained = candle_core::safetensors::load(dir.join("export/model.safetensors"), &Device::Cpu)?;
+
+    // By hand: the same initial weights and the two samples the two ranks drew.
+    let mcfg = longctx::train::init::builtin_config("tiny")?;
+    let w0 = random_init(&mcfg, c.seed, DType::F32, &Device::Cpu)?;
+    let mut pk = PasskeyConfig::new(seq);
+    pk.vocab = mcfg.vocab_size;
+    pk.seed = c.seed;
+    pk.loss_on = LossOn::All;
+    let gen = Passkey::new(pk)?;
+    let batch = Batch::from_samples(&[gen.sample(0).sample, gen.sample(1).sample], seq);
+    let (ids, targets) = batch.to_tensors(&Device::Cpu)?;
+    let n = count(&targets)?;
+    let eng = Engine::from_vars(&mcfg, &to_vars(w0.clone())?, EngineOptions { token_chunk: 24, offload_activations: false })?;
+    let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
+    let r = eng.step(&ids, &targets, &positions(2, seq)?, seq, &attn, 1.0 / n as f64)?;
+    let loss = r.loss_sum / n as f64;
+    let mut sq = 0f64;
+    let grads: Vec<Vec<f32>> = r.grads.iter().map(|g| g.flatten_all()?.to_vec1::<f32>()).collect::<candle_core::Result<_>>()?;
+    for g in &grads {
+        sq += g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+    }
+    let norm = sq.sqrt();
+    assert_eq!(logged.len(), 1);
+    let (ll, ln) = logged[0];
+    assert!((ll - loss).abs() / loss <= 1e-5, "logged loss {ll} vs Σloss/Σcount {loss}");
+    assert!((ln - norm).abs() / norm <= 1e-5, "logged grad norm {ln} vs {norm}");
+    assert!(norm > clip, "the test wants clipping active (norm {norm})");
+    let coef = clip / (norm + 1e-6);
+    let a = longctx::train::optim::AdamWConfig::default();
+    let (bc1, bc2) = (1.0 - a.beta1, 1.0 - a.beta2);
+    let mut worst = 0f64;
+    let mut moved = 0usize;
+    for ((name, _), g) in eng.params.iter().zip(&grads) {
+        let before = w0[name].flatten_all()?.to_vec1::<f32>()?;
+        let after = trained.get(name).unwrap_or_else(|| panic!("{name} missing from the export")).flatten_all()?.to_vec1::<f32>()?;
+        let decay = w0[name].rank() >= 2;
+        let delta = 1e-5 * g.iter().fold(0f64, |m, &x| m.max((x as f64 * coef).abs()));
+        for ((&w, &gi), &got) in before.iter().zip(g).zip(&after) {
+            let gi = gi as f64 * coef;
+            let tol = 1e-6 + lr * delta / (gi.abs() + a.eps);
+            let (m, v) = ((1.0 - a.beta1) * gi, (1.0 - a.beta2) * gi * gi);
+            let mut want = w as f64;
+            if decay {
+                want -= lr * a.weight_decay * want;
+            }
+            want -= lr * (m / bc1) / ((v / bc2).sqrt() + a.eps);
+            let e = (got as f64 - want).abs();
+            assert!(e <= tol, "{name}: {got} vs by hand {want} (w0 {w}, g {gi:e}, tolerance {tol:.1e})");
+            worst = worst.max(e);
+            moved += usize::from((got - w).abs() > 1e-3);
+        }
+    }
+    // most weights move by about lr: the comparison is not of two unchanged copies
+    let total: usize = eng.params.iter().map(|(_, v)| v.as_tensor().elem_count()).sum();
+    assert!(moved * 20 > total, "only {moved} of {total} weights moved");
+    eprintln!("one trainer step vs by hand: worst weight diff {worst:.1e}, {moved} weights moved by > 1e-3");
     Ok(())
 }
