@@ -49,6 +49,7 @@ pub struct RunLimits {
     /// Stop once the run has done this many optimizer steps in total (the global step,
     /// counted across resumes), writing a checkpoint there and no export; `run(cfg, true)`
     /// then continues exactly as if the run had not stopped (a preemption, on purpose).
+    /// A run resumed at or past the stop does nothing and writes nothing.
     pub stop_at_global_step: Option<u64>,
 }
 
