@@ -33,6 +33,7 @@ struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
+#[allow(clippy::large_enum_variant)] // parsed once; boxing would only obscure the match
 enum Cmd {
     /// Train (continued pre-training over one or more rope_theta stages). With no
     /// argument: the embedded demo (tiny built-in Llama, synthetic passkey data, CPU).
@@ -497,6 +498,78 @@ fn load_stored(dir: &Path) -> Result<Vec<(String, candle_core::Tensor)>> {
     Ok(out)
 }
 
+/// What an export starts from: the weights, config.json and the defaults the source implies.
+struct ExportSource {
+    tensors: Vec<(String, candle_core::Tensor)>,
+    config: Value,
+    /// Directories the export must not replace (the source, the model it came from).
+    dirs: Vec<PathBuf>,
+    /// Where tokenizer files are copied from.
+    tokenizer_dir: Option<PathBuf>,
+    theta: Option<f64>,
+    max_pos: Option<usize>,
+    max_shard: Option<u64>,
+    dtype: Option<String>,
+    /// For the summary line.
+    what: String,
+}
+
+/// A training checkpoint: weights from `model.safetensors`, the model config from the run
+/// config saved in `state.json`, defaults as the trainer's own export would use.
+fn training_source(dir: &Path) -> Result<ExportSource> {
+    let sp = dir.join("state.json");
+    let text = std::fs::read_to_string(&sp).map_err(|e| longctx::Error::io(&sp, e))?;
+    let state: TrainState = serde_json::from_str(&text).map_err(|e| longctx::Error::checkpoint(&sp, format!("corrupt state: {e}")))?;
+    let run: RunConfig = serde_json::from_value(state.config.clone())
+        .map_err(|e| longctx::Error::checkpoint(&sp, format!("field `config` is not a run config: {e}")))?;
+    let (mcfg, config, model_dir) = run_model_config(&run).with_context(|| format!("the model of the run saved in {}", sp.display()))?;
+    let n = run.stages.len();
+    let finished = state.stage >= n;
+    // The last stage that trained: the one in progress, or the one before when it has not started.
+    let trained = if state.stage_step > 0 { state.stage } else { state.stage.saturating_sub(1) };
+    let st = run.stages.get(trained.min(n.saturating_sub(1))).ok_or_else(|| longctx::Error::checkpoint(&sp, "the run config has no stage"))?;
+    let theta = if finished { run.export.final_rope_theta.unwrap_or(st.rope_theta) } else { st.rope_theta };
+    let max_pos = match (finished, run.export.max_position_embeddings) {
+        (true, Some(m)) => m,
+        _ => st.seq_length.max(mcfg.max_position_embeddings),
+    };
+    let what = if finished {
+        format!("finished run ({n} stage(s), {} steps)", state.global_step)
+    } else {
+        format!("mid-run checkpoint (stage {} step {} of {n} stage(s))", state.stage, state.stage_step)
+    };
+    let mut dirs = vec![dir.to_path_buf()];
+    dirs.extend(model_dir.clone());
+    Ok(ExportSource {
+        tensors: load_stored(dir)?,
+        config,
+        dirs,
+        tokenizer_dir: model_dir,
+        theta: Some(theta),
+        max_pos: Some(max_pos),
+        max_shard: run.export.max_shard_bytes,
+        dtype: run.export.dtype.clone(),
+        what,
+    })
+}
+
+/// A Hugging Face model directory or hub id: everything as stored unless flags say otherwise.
+fn hf_source(spec: &str) -> Result<ExportSource> {
+    let resolved = longctx::hub::resolve_model(spec, &longctx::hub::HubOptions::from_env())?;
+    let dir = resolved.dir;
+    Ok(ExportSource {
+        tensors: load_stored(&dir)?,
+        config: longctx::hub::read_config(&dir)?,
+        dirs: vec![dir.clone()],
+        tokenizer_dir: Some(dir.clone()),
+        theta: None,
+        max_pos: None,
+        max_shard: None,
+        dtype: None,
+        what: format!("Hugging Face model {}", dir.display()),
+    })
+}
+
 fn export(a: ExportArgs) -> Result<()> {
     if let Some(t) = a.rope_theta {
         positive_theta(t, "--rope-theta")?;
@@ -504,79 +577,60 @@ fn export(a: ExportArgs) -> Result<()> {
     if a.max_position_embeddings == Some(0) {
         return Err(longctx::Error::config("<flags>", "--max-position-embeddings", "must be at least 1").into());
     }
-    let dtype = a.dtype.as_deref().map(|d| parse_dtype(d, "--dtype")).transpose()?;
-    let (tensors, mut json, source_dir, theta, max_pos, shard, run_dtype, note) = match training_checkpoint_dir(&a.source) {
+    let flag_dtype = a.dtype.as_deref().map(|d| parse_dtype(d, "--dtype")).transpose()?;
+    let mut src = match training_checkpoint_dir(&a.source) {
         Some(dir) => {
-            let sp = dir.join("state.json");
-            let text = std::fs::read_to_string(&sp).map_err(|e| longctx::Error::io(&sp, e))?;
-            let state: TrainState = serde_json::from_str(&text).map_err(|e| longctx::Error::checkpoint(&sp, format!("corrupt state: {e}")))?;
-            let run: RunConfig = serde_json::from_value(state.config.clone())
-                .map_err(|e| longctx::Error::checkpoint(&sp, format!("field `config` is not a run config: {e}")))?;
-            let (mcfg, json, src_dir) = run_model_config(&run).with_context(|| format!("the model of the run saved in {}", sp.display()))?;
-            let n = run.stages.len();
-            let finished = state.stage >= n;
-            let trained = if state.stage_step > 0 { state.stage } else { state.stage.saturating_sub(1) };
-            let st = run.stages.get(trained.min(n.saturating_sub(1))).ok_or_else(|| longctx::Error::checkpoint(&sp, "the run config has no stage"))?;
-            let theta = if finished { run.export.final_rope_theta.unwrap_or(st.rope_theta) } else { st.rope_theta };
-            let max_pos = match (finished, run.export.max_position_embeddings) {
-                (true, Some(m)) => m,
-                _ => st.seq_length.max(mcfg.max_position_embeddings),
-            };
-            let note = if finished {
-                format!("finished run, {} stage(s), {} steps", n, state.global_step)
-            } else {
-                format!("mid-run checkpoint: stage {} step {} of {} stage(s)", state.stage, state.stage_step, n)
-            };
-            let tensors = load_stored(&dir)?;
-            (tensors, json, src_dir, Some(theta), Some(max_pos), run.export.max_shard_bytes, run.export.dtype.clone(), note)
+            // `-o <run dir>` would replace the run (checkpoint included) by the export.
+            if let Some(run_dir) = dir.parent() {
+                refuse_overwrite(&[run_dir.to_path_buf()], &a.output_dir)?;
+            }
+            training_source(&dir)?
         }
-        None => {
-            let resolved = longctx::hub::resolve_model(&a.source, &longctx::hub::HubOptions::from_env())?;
-            let json = longctx::hub::read_config(&resolved.dir)?;
-            let tensors = load_stored(&resolved.dir)?;
-            (tensors, json, Some(resolved.dir.clone()), None, None, None, None, format!("Hugging Face model {}", resolved.dir.display()))
-        }
+        None => hf_source(&a.source)?,
     };
-    let cur = LlamaConfig::from_value("config.json", json.clone()).ok();
-    let theta = a.rope_theta.or(theta);
-    let max_pos = a.max_position_embeddings.or(max_pos);
+    refuse_overwrite(&src.dirs, &a.output_dir)?;
+    let cur = LlamaConfig::from_value("config.json", src.config.clone()).ok();
+    let theta = a.rope_theta.or(src.theta);
+    let max_pos = a.max_position_embeddings.or(src.max_pos);
     if theta.is_some() || max_pos.is_some() {
         let t = theta.or(cur.as_ref().map(|c| c.rope_theta)).ok_or_else(|| anyhow!("config.json has no readable rope_theta; pass --rope-theta"))?;
         let m = max_pos
             .or(cur.as_ref().map(|c| c.max_position_embeddings))
             .ok_or_else(|| anyhow!("config.json has no readable max_position_embeddings; pass --max-position-embeddings"))?;
-        longctx::hub::set_context_fields(&mut json, t, m)?;
+        longctx::hub::set_context_fields(&mut src.config, t, m)?;
     }
-    let dtype = match (dtype, run_dtype) {
+    let dtype = match (flag_dtype, &src.dtype) {
         (Some(d), _) => Some(d),
-        (None, Some(d)) => Some(parse_dtype(&d, "export.dtype")?),
+        (None, Some(d)) => Some(parse_dtype(d, "export.dtype")?),
         (None, None) => None,
     };
-    if let Some(src) = source_dir.as_deref() {
-        if same_dir(src, &a.output_dir) {
-            bail!("--output-dir {} is the source model directory; export to another directory", a.output_dir.display());
-        }
-    }
-    let opts = longctx::hub::ExportOptions { max_shard_bytes: a.max_shard_size.or(shard).unwrap_or(5_000_000_000), dtype };
-    let rep = longctx::hub::export(&a.output_dir, &tensors, &json, source_dir.as_deref(), &opts).context("writing the export")?;
-    let after = LlamaConfig::from_value("config.json", json).ok();
+    let opts = longctx::hub::ExportOptions { max_shard_bytes: a.max_shard_size.or(src.max_shard).unwrap_or(5_000_000_000), dtype };
+    let rep = longctx::hub::export(&a.output_dir, &src.tensors, &src.config, src.tokenizer_dir.as_deref(), &opts).context("writing the export")?;
+    let after = LlamaConfig::from_value("config.json", src.config).ok();
     println!(
-        "exported {} tensors ({}) in {} file(s) to {} from {note}; rope_theta {}, max_position_embeddings {}",
-        tensors.len(),
+        "exported {} tensors ({}) in {} file(s) to {} from {}; rope_theta {}, max_position_embeddings {}",
+        src.tensors.len(),
         human_bytes(rep.total_size),
         rep.weight_files.len(),
         rep.dir.display(),
+        src.what,
         after.as_ref().map_or("?".into(), |c| c.rope_theta.to_string()),
         after.as_ref().map_or("?".into(), |c| c.max_position_embeddings.to_string()),
     );
     Ok(())
 }
 
-fn same_dir(a: &Path, b: &Path) -> bool {
-    match (a.canonicalize(), b.canonicalize()) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => false,
+/// Error when writing `out` would replace one of `dirs` or a directory holding one.
+fn refuse_overwrite(dirs: &[PathBuf], out: &Path) -> Result<()> {
+    let Ok(o) = out.canonicalize() else { return Ok(()) }; // does not exist yet
+    for d in dirs {
+        if let Ok(d) = d.canonicalize() {
+            if d.starts_with(&o) {
+                bail!("--output-dir {} would replace the source {}; export to another directory", out.display(), d.display());
+            }
+        }
     }
+    Ok(())
 }
 
 /// The model config of a run (builtin or its source's config.json) and the source
@@ -744,7 +798,7 @@ fn group(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, ch) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(ch);

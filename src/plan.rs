@@ -321,10 +321,10 @@ pub fn validate(model: &ModelShape, req: &PlanRequest) -> Result<Layout> {
     if req.gpus == 0 {
         return bad("gpus", "must be at least 1".into());
     }
-    if req.nnodes == 0 || req.gpus % req.nnodes != 0 {
+    if req.nnodes == 0 || !req.gpus.is_multiple_of(req.nnodes) {
         return bad("nnodes", format!("{} GPUs cannot be spread equally over {} node(s)", req.gpus, req.nnodes));
     }
-    if req.world == 0 || req.world % req.nnodes != 0 {
+    if req.world == 0 || !req.world.is_multiple_of(req.nnodes) {
         return bad("world_size", format!("{} ranks cannot be spread equally over {} node(s)", req.world, req.nnodes));
     }
     if req.batch_size == 0 {
@@ -371,7 +371,7 @@ pub fn validate(model: &ModelShape, req: &PlanRequest) -> Result<Layout> {
 
 /// kv heads per rank after splitting `hkv` over `u` Ulysses ranks (replicated when `u > hkv`).
 fn kv_heads_per_rank(hkv: usize, u: usize) -> u64 {
-    if hkv % u == 0 {
+    if hkv.is_multiple_of(u) {
         (hkv / u) as u64
     } else {
         1
@@ -478,7 +478,7 @@ pub fn estimate(model: &ModelShape, req: &PlanRequest) -> Result<Estimate> {
 
 /// Divisors of `n`, ascending.
 fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|k| n % k == 0).collect()
+    (1..=n).filter(|&k| n.is_multiple_of(k)).collect()
 }
 
 /// FPDT chunk sizes to try: powers of two dividing `seq`, multiples of `sp`, largest first.
@@ -486,7 +486,7 @@ pub fn fpdt_chunk_candidates(seq: usize, sp: usize) -> Vec<usize> {
     let mut out: Vec<usize> = (0..usize::BITS)
         .map(|k| 1usize << k)
         .take_while(|&c| c <= seq)
-        .filter(|&c| seq % c == 0 && c % sp == 0)
+        .filter(|&c| seq.is_multiple_of(c) && c.is_multiple_of(sp))
         .collect();
     out.reverse();
     out
@@ -617,7 +617,7 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     };
     let x: f64 = num.parse().map_err(|_| format!("`{s}`: expected a size such as 5GB, 500MB, 80GiB or a byte count"))?;
     let bytes = x * mult;
-    if !(bytes >= 1.0) || !bytes.is_finite() || bytes > u64::MAX as f64 {
+    if bytes.is_nan() || bytes < 1.0 || !bytes.is_finite() || bytes > u64::MAX as f64 {
         return Err(format!("`{s}`: must be at least 1 byte"));
     }
     Ok(bytes.round() as u64)
@@ -645,9 +645,9 @@ pub fn gb(bytes: u64) -> String {
 
 /// A token count as recipes write it (`524288` → `512K`, `1048576` → `1M`).
 pub fn tokens_label(n: usize) -> String {
-    if n >= 1 << 20 && n % (1 << 20) == 0 {
+    if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
         format!("{}M", n >> 20)
-    } else if n >= 1024 && n % 1024 == 0 {
+    } else if n >= 1024 && n.is_multiple_of(1024) {
         format!("{}K", n >> 10)
     } else {
         n.to_string()

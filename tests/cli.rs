@@ -378,7 +378,10 @@ fn tiny_recipe_trains_exports_and_reexports() {
     assert_eq!(v["stored"]["dtypes"]["BF16"], v["parameters"]);
     assert_eq!(v["rope_theta"].as_f64(), Some(final_theta));
     // Exporting onto the source is refused.
-    fails(&run(&["export", bf.to_str().unwrap(), "-o", bf.to_str().unwrap()]), &["source model directory"], true);
+    fails(&run(&["export", bf.to_str().unwrap(), "-o", bf.to_str().unwrap()]), &["would replace the source"], true);
+    fails(&run(&["export", out.to_str().unwrap(), "-o", out.to_str().unwrap()]), &["would replace the source"], true);
+    fails(&run(&["export", out.to_str().unwrap(), "-o", out.join("checkpoint").to_str().unwrap()]), &["would replace the source"], true);
+    assert!(out.join("checkpoint/state.json").is_file());
 }
 
 #[test]
