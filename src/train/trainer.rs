@@ -263,7 +263,17 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
         // Optimizer (built once; the dp layout of later stages must match).
         if optim.is_none() {
             let shard_len = n_params.div_ceil(dp);
-            let flat = flatten(&param_tensors, shard_len * dp)?.to_device(&Device::Cpu)?;
+            // Masters start from the f32 host copy of the start weights (not from weights
+            // already rounded to the run dtype); after a resume they are replaced below.
+            let host: Vec<Tensor> = engine
+                .params
+                .iter()
+                .map(|(n, v)| match sh.model.weights.get(n) {
+                    Some(t) => Ok(t.to_dtype(DType::F32)?),
+                    None => Ok(v.as_tensor().to_dtype(DType::F32)?.to_device(&Device::Cpu)?),
+                })
+                .collect::<Result<_>>()?;
+            let flat = flatten(&host, shard_len * dp)?;
             let master: Vec<f32> = flat.narrow(0, dp_rank * shard_len, shard_len)?.to_vec1()?;
             let mut decay = Vec::with_capacity(shard_len * dp);
             for ((_, v), &n) in engine.params.iter().zip(&sizes) {
@@ -330,7 +340,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
                 micro.push((ids, targets, pos, counted));
             }
             let local_count: usize = micro.iter().map(|m| m.3).sum();
-            let global_count = all_reduce_scalar(&world, local_count as f64)?;
+            let global_count = all_reduce_scalar(&world, local_count as f64, &sh.device)?;
             let scale = if global_count > 0.0 { 1.0 / global_count } else { 0.0 };
             let mut grads: Option<Vec<Tensor>> = None;
             let mut loss_sum = 0f64;
@@ -345,7 +355,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
                     Some(acc) => acc.iter().zip(&r.grads).map(|(a, b)| a.add(b)).collect::<candle_core::Result<_>>()?,
                 });
             }
-            let loss = all_reduce_scalar(&world, loss_sum)? / global_count.max(1.0);
+            let loss = all_reduce_scalar(&world, loss_sum, &sh.device)? / global_count.max(1.0);
             let grads = grads.ok_or_else(|| Error::Setting("no micro-batch".into()))?;
             // Sum over all ranks (sp ranks hold partial grads of their tokens, dp ranks of their samples).
             let flat = flatten(&grads, *shard_len * dp)?;
@@ -469,12 +479,13 @@ fn concat_shards(shards: &[(Vec<f32>, Vec<f32>, Vec<f32>)]) -> (Vec<f32>, Vec<f3
     (m, v, w)
 }
 
-fn all_reduce_scalar(world: &Arc<dyn Comm>, x: f64) -> Result<f64> {
+/// Sum of a scalar over ranks, as an f64 tensor on the run device (NCCL needs device memory).
+fn all_reduce_scalar(world: &Arc<dyn Comm>, x: f64, device: &Device) -> Result<f64> {
     if world.world() == 1 {
         return Ok(x);
     }
-    let t = Tensor::new(&[x], &Device::Cpu)?;
-    Ok(world.all_reduce_sum(&t)?.to_vec1::<f64>()?[0])
+    let t = Tensor::new(&[x], device)?;
+    Ok(world.all_reduce_sum(&t)?.to_device(&Device::Cpu)?.to_vec1::<f64>()?[0])
 }
 
 #[allow(clippy::too_many_arguments)]
