@@ -531,3 +531,43 @@ fn save_checkpoint(
     world.barrier()?;
     Ok(())
 }
+
+/// Run as one process of a launched world (`longctx launch`, torchrun, Slurm): device
+/// `cuda:LOCAL_RANK`, NCCL communicator from an id that rank 0 shares through the TCP
+/// rendezvous on MASTER_ADDR:MASTER_PORT. A failing rank reports through the rendezvous
+/// monitor, which aborts NCCL on the others (bounded exit, no hang).
+#[cfg(feature = "nccl")]
+pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistEnv) -> Result<Option<RunSummary>> {
+    use crate::dist::rendezvous::{rendezvous, RendezvousOptions};
+    use longctx_attention::comm::nccl::NcclComm;
+    let src = Path::new("<run config>");
+    if env.world != cfg.parallel.world_size {
+        return Err(Error::Setting(format!(
+            "WORLD_SIZE is {} but parallel.world_size is {}; leave --world-size unset under a launcher",
+            env.world, cfg.parallel.world_size
+        )));
+    }
+    let device = Device::new_cuda(env.local_rank)
+        .map_err(|e| Error::Setting(format!("rank {}: cannot open cuda:{} ({e}); one process per GPU", env.rank, env.local_rank)))?;
+    let dtype = parse_dtype(&cfg.model.dtype, src)?;
+    let opts = RendezvousOptions::from_env()?;
+    let rdv = rendezvous(env, || NcclComm::unique_id().map_err(Error::from), &opts)?;
+    let comm = NcclComm::new(&device, env.rank, env.world, &rdv.blob)?;
+    {
+        let c = comm.clone();
+        rdv.monitor.on_failure(move |reason| c.abort_from_peer(reason));
+        let m = rdv.monitor.clone();
+        comm.set_abort_hook(move |reason| m.report_failure(reason));
+    }
+    let result = (|| {
+        let model = load_start_model(cfg)?;
+        let loaded = if resume { Some(checkpoint::load(&cfg.output_dir)?) } else { None };
+        let shared = Shared { cfg, model: &model, device: device.clone(), dtype, resume: loaded.as_ref(), limits: RunLimits::default() };
+        rank_main(&shared, comm.clone() as Arc<dyn Comm>)
+    })();
+    match &result {
+        Ok(_) => rdv.monitor.finish(),
+        Err(e) => rdv.monitor.report_failure(&format!("rank {}: {e}", env.rank)),
+    }
+    result
+}
