@@ -10,6 +10,8 @@ use candle_core::{Result, Tensor};
 use std::sync::Arc;
 
 pub mod thread;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 
 /// A receive that was posted and may still be in flight.
 pub struct Pending {

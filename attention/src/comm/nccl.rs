@@ -1,0 +1,695 @@
+//! NCCL backend (feature `nccl`): one process per GPU, tensors on that GPU.
+//!
+//! Creation: rank 0 calls [`NcclComm::unique_id`], the id reaches every rank out of
+//! band (`longctx::dist::rendezvous`), then every rank calls [`NcclComm::new`] with its
+//! rank, the world size and the id (`ncclCommInitRank`, blocks until all ranks joined).
+//!
+//! Operations:
+//! - `sendrecv_start`: one NCCL group of sends and receives (`ncclGroupStart/End`), so
+//!   neighbours that send to each other never deadlock; `all_to_all` likewise with one
+//!   send and one receive per peer (NCCL has no all-to-all of its own).
+//! - `all_reduce_sum`, `all_gather`, `reduce_scatter_sum`: NCCL's collectives
+//!   (all-reduce gives the same bits on every rank). `barrier`: a 1-element all-reduce,
+//!   then the host waits for it.
+//! - `sub`: `ncclCommSplit` with colour = smallest member, key = position. Unlike the
+//!   thread backend, a split is collective over *all* ranks of the parent: every rank
+//!   calls `sub` at the same point with its own group, and the groups of one call
+//!   partition the parent (what `longctx::dist::build_groups` does).
+//!
+//! Receive sizes: NCCL cannot learn the size of an incoming message, so receives are
+//! posted with the shapes and dtypes of what this rank sends (to `to` in
+//! `sendrecv_start`, to rank `j` for `ys[j]` in `all_to_all`). Every sequence-parallel
+//! mode exchanges equal shapes. With `check_shapes` (or `LONGCTX_NCCL_CHECK=1`) the
+//! ranks first exchange a signature of their messages and a mismatch is an error on
+//! both sides, at the cost of a host round trip per call.
+//!
+//! Streams: by default the NCCL work runs on a dedicated stream of the device. Ordering
+//! against Candle's compute stream comes from cudarc's event tracking (on by default):
+//! taking a buffer's pointer on a stream makes that stream wait for the buffer's last
+//! write (reads: also its last reads), and records this use when the guard drops, which
+//! here is after `ncclGroupEnd` has queued the work. So calls return at once; results
+//! are fresh Candle tensors whose first use on the compute stream waits for NCCL, and
+//! compute overlaps communication. Creating the stream switches cudarc to multi-stream
+//! mode (a synchronisation, then event waits on every kernel launch). With
+//! `dedicated_stream: false` everything runs on Candle's stream instead (no overlap).
+//!
+//! Failure: an NCCL error, a local `abort`, or (with `watchdog`) an asynchronous
+//! NCCL error seen by a polling thread aborts every communicator of the family (the
+//! world and its splits, `ncclCommAbort`, which also ends kernels stuck on a dead peer);
+//! every later call errors with the reason. The abort hook (see
+//! [`NcclComm::set_abort_hook`]) tells the other processes, e.g. through the rendezvous
+//! monitor, whose own failure callback should call `abort` here. As in PyTorch, an
+//! abort from another thread may race with a call in flight on this one; the process
+//! is expected to exit soon after.
+//!
+//! Calls are serialised per process (NCCL group state is per thread and communicator
+//! use must be ordered the same on every rank).
+
+use super::{Comm, Pending};
+use candle_core::cuda::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
+use candle_core::cuda::cudarc::nccl::sys;
+use candle_core::cuda::{CudaStorageSlice, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Result, Shape, Storage, Tensor};
+use std::ffi::{c_void, CStr};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+/// Size of an NCCL unique id.
+pub const ID_BYTES: usize = 128;
+
+/// One NCCL operation sequence at a time in this process.
+static CALLS: Mutex<()> = Mutex::new(());
+
+#[derive(Debug, Clone)]
+pub struct NcclOptions {
+    /// Run NCCL on its own stream (overlap with compute); else on Candle's stream.
+    pub dedicated_stream: bool,
+    /// Exchange message signatures before p2p calls and error on a mismatch.
+    pub check_shapes: bool,
+    /// Poll `ncclCommGetAsyncError` at this interval and abort on an error.
+    pub watchdog: Option<Duration>,
+}
+
+impl Default for NcclOptions {
+    fn default() -> Self {
+        let check = matches!(std::env::var("LONGCTX_NCCL_CHECK").as_deref(), Ok("1") | Ok("true") | Ok("yes"));
+        Self { dedicated_stream: true, check_shapes: check, watchdog: Some(Duration::from_secs(1)) }
+    }
+}
+
+fn err_text(r: sys::ncclResult_t, comm: sys::ncclComm_t) -> String {
+    // SAFETY: NCCL returns static strings (or a per-communicator buffer) for these.
+    let text = unsafe {
+        let s = sys::ncclGetErrorString(r);
+        if s.is_null() { String::new() } else { CStr::from_ptr(s).to_string_lossy().into_owned() }
+    };
+    let last = if comm.is_null() {
+        String::new()
+    } else {
+        // SAFETY: as above; `comm` is a live communicator.
+        unsafe {
+            let s = sys::ncclGetLastError(comm);
+            if s.is_null() { String::new() } else { CStr::from_ptr(s).to_string_lossy().into_owned() }
+        }
+    };
+    if last.is_empty() { format!("{r:?}: {text}") } else { format!("{r:?}: {text} ({last})") }
+}
+
+fn ok(r: sys::ncclResult_t, what: &str, comm: sys::ncclComm_t) -> std::result::Result<(), String> {
+    if r == sys::ncclResult_t::ncclSuccess {
+        Ok(())
+    } else {
+        Err(format!("NCCL {what} failed: {}", err_text(r, comm)))
+    }
+}
+
+fn nccl_dtype(dt: DType) -> Result<sys::ncclDataType_t> {
+    use sys::ncclDataType_t as N;
+    Ok(match dt {
+        DType::U8 => N::ncclUint8,
+        DType::U32 => N::ncclUint32,
+        DType::I32 => N::ncclInt32,
+        DType::I64 => N::ncclInt64,
+        DType::F16 => N::ncclFloat16,
+        DType::BF16 => N::ncclBfloat16,
+        DType::F32 => N::ncclFloat32,
+        DType::F64 => N::ncclFloat64,
+        _ => return crate::config_err!("NCCL cannot reduce dtype {dt:?}"),
+    })
+}
+
+// ---------------------------------------------------------------- communicator handles
+
+/// A raw communicator; freed by abort (never blocks on a dead peer) or destroy.
+struct Handle {
+    comm: sys::ncclComm_t,
+    stream: Arc<CudaStream>,
+    /// Guards the handle's lifetime (abort / destroy / async-error polling), never a call.
+    alive: Mutex<bool>,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread; calls on it are serialised
+// by `CALLS`, and its lifetime by `alive`.
+unsafe impl Send for Handle {}
+unsafe impl Sync for Handle {}
+
+impl Handle {
+    fn abort(&self) {
+        let mut alive = self.alive.lock().unwrap_or_else(|p| p.into_inner());
+        if *alive {
+            *alive = false;
+            // SAFETY: `comm` is live (alive was true) and is not used after this.
+            unsafe {
+                sys::ncclCommAbort(self.comm);
+            }
+        }
+    }
+
+    /// The pending asynchronous error, if any.
+    fn async_error(&self) -> Option<String> {
+        let alive = self.alive.lock().unwrap_or_else(|p| p.into_inner());
+        if !*alive {
+            return None;
+        }
+        let mut r = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: `comm` is live while `alive` is held.
+        let q = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut r) };
+        match (q, r) {
+            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) => None,
+            (sys::ncclResult_t::ncclSuccess, r) => Some(err_text(r, self.comm)),
+            (q, _) => Some(err_text(q, self.comm)),
+        }
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        let mut alive = self.alive.lock().unwrap_or_else(|p| p.into_inner());
+        if *alive {
+            *alive = false;
+            // Let our queued work finish so that peers get their data, then free.
+            let _ = self.stream.synchronize();
+            // SAFETY: live communicator, no other user left (we are its last owner).
+            unsafe {
+                sys::ncclCommDestroy(self.comm);
+            }
+        }
+    }
+}
+
+type Hook = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// The world communicator and all its splits: they fail together.
+struct Family {
+    handles: Mutex<Vec<Weak<Handle>>>,
+    reason: Mutex<Option<String>>,
+    hook: Mutex<Option<Hook>>,
+}
+
+impl Family {
+    fn reason(&self) -> Option<String> {
+        self.reason.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Abort every communicator of the family (first reason wins); `tell` runs the hook.
+    fn abort(&self, reason: &str, tell: bool) {
+        {
+            let mut r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
+            if r.is_some() {
+                return;
+            }
+            *r = Some(reason.to_string());
+        }
+        let handles: Vec<_> = self.handles.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for h in handles.iter().filter_map(Weak::upgrade) {
+            h.abort();
+        }
+        let hook = self.hook.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let (true, Some(hook)) = (tell, hook) {
+            hook(reason);
+        }
+    }
+}
+
+/// NCCL communicator over the CUDA device of this process. See the module doc.
+pub struct NcclComm {
+    handle: Arc<Handle>,
+    family: Arc<Family>,
+    rank: usize,
+    world: usize,
+    device: CudaDevice,
+    /// The stream NCCL work is queued on.
+    stream: Arc<CudaStream>,
+    check_shapes: bool,
+}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NcclComm(rank {} of {}, {:?})", self.rank, self.world, self.device)
+    }
+}
+
+impl NcclComm {
+    /// A fresh NCCL unique id (rank 0), to hand to every rank.
+    pub fn unique_id() -> Result<Vec<u8>> {
+        let mut id = std::mem::MaybeUninit::<sys::ncclUniqueId>::uninit();
+        // SAFETY: ncclGetUniqueId fills the whole id on success.
+        let id = unsafe {
+            if let Err(e) = ok(sys::ncclGetUniqueId(id.as_mut_ptr()), "ncclGetUniqueId", std::ptr::null_mut()) {
+                return crate::comm_err!("{e}");
+            }
+            id.assume_init()
+        };
+        Ok(id.internal.iter().map(|&c| c as u8).collect())
+    }
+
+    /// Join the world `id` names as `rank` of `world` on `device` (default options).
+    pub fn new(device: &Device, rank: usize, world: usize, id: &[u8]) -> Result<Arc<Self>> {
+        Self::with_options(device, rank, world, id, NcclOptions::default())
+    }
+
+    pub fn with_options(device: &Device, rank: usize, world: usize, id: &[u8], opts: NcclOptions) -> Result<Arc<Self>> {
+        let Device::Cuda(dev) = device else {
+            return crate::config_err!("NCCL needs a CUDA device, got {device:?}");
+        };
+        if rank >= world {
+            return crate::config_err!("NCCL: rank {rank} is not below the world size {world}");
+        }
+        if id.len() != ID_BYTES {
+            return crate::config_err!("NCCL: the unique id has {} bytes, expected {ID_BYTES}", id.len());
+        }
+        let (Ok(nranks), Ok(me)) = (i32::try_from(world), i32::try_from(rank)) else {
+            return crate::config_err!("NCCL: world size {world} does not fit an i32");
+        };
+        let ctx = dev.cuda_stream().context().clone();
+        ctx.bind_to_thread().w()?;
+        let stream = if opts.dedicated_stream { ctx.new_stream().w()? } else { dev.cuda_stream() };
+        let mut raw = sys::ncclUniqueId { internal: [0; ID_BYTES] };
+        for (d, &s) in raw.internal.iter_mut().zip(id) {
+            *d = s as _;
+        }
+        let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+        {
+            let _g = CALLS.lock().unwrap_or_else(|p| p.into_inner());
+            // SAFETY: `comm` receives a new communicator; the id is a full ncclUniqueId.
+            let r = unsafe { sys::ncclCommInitRank(&mut comm, nranks, raw, me) };
+            if let Err(e) = ok(r, "ncclCommInitRank", std::ptr::null_mut()) {
+                return crate::comm_err!("rank {rank} of {world}: {e}");
+            }
+        }
+        let handle = Arc::new(Handle { comm, stream: stream.clone(), alive: Mutex::new(true) });
+        let family = Arc::new(Family {
+            handles: Mutex::new(vec![Arc::downgrade(&handle)]),
+            reason: Mutex::new(None),
+            hook: Mutex::new(None),
+        });
+        if let Some(every) = opts.watchdog {
+            let fam = Arc::downgrade(&family);
+            std::thread::spawn(move || watchdog(fam, every, rank));
+        }
+        Ok(Arc::new(Self {
+            handle,
+            family,
+            rank,
+            world,
+            device: dev.clone(),
+            stream,
+            check_shapes: opts.check_shapes,
+        }))
+    }
+
+    /// Called once with the reason when this process aborts the family on its own
+    /// (an NCCL error, `abort`, the watchdog): tell the other processes here, e.g.
+    /// `monitor.report_failure(reason)`.
+    pub fn set_abort_hook(&self, f: impl Fn(&str) + Send + Sync + 'static) {
+        *self.family.hook.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(f));
+    }
+
+    /// Abort because another process failed (no hook: they already know).
+    pub fn abort_from_peer(&self, reason: &str) {
+        self.family.abort(reason, false);
+    }
+
+    /// The reason the family was aborted, if it was.
+    pub fn aborted(&self) -> Option<String> {
+        self.family.reason()
+    }
+
+    /// The stream NCCL work is queued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn alive(&self) -> Result<()> {
+        match self.family.reason() {
+            Some(r) => crate::comm_err!("NCCL communicator aborted: {r}"),
+            None => Ok(()),
+        }
+    }
+
+    /// An NCCL error on this rank: abort the family (and tell the others), then error.
+    fn failed<T>(&self, msg: String) -> Result<T> {
+        let reason = format!("rank {} of {}: {msg}", self.rank, self.world);
+        self.family.abort(&reason, true);
+        crate::comm_err!("{reason}")
+    }
+
+    /// Contiguous, on this communicator's GPU.
+    fn prepare(&self, ts: Vec<Tensor>, what: &str) -> Result<Vec<Tensor>> {
+        let here = Device::Cuda(self.device.clone());
+        ts.into_iter()
+            .map(|t| {
+                if t.device().same_device(&here) {
+                    t.contiguous()
+                } else {
+                    crate::config_err!("NCCL {what}: tensor on {:?}, expected {here:?}", t.device())
+                }
+            })
+            .collect()
+    }
+
+    /// Uninitialised buffer for `n` elements of `dt` on the NCCL stream (at least one
+    /// element: zero-size allocations are not portable).
+    fn alloc(&self, dt: DType, n: usize) -> Result<CudaStorageSlice> {
+        let n = n.max(1);
+        let s = &self.stream;
+        // SAFETY: every buffer is entirely written by NCCL before anything reads it.
+        unsafe {
+            Ok(match dt {
+                DType::U8 => CudaStorageSlice::U8(s.alloc::<u8>(n).w()?),
+                DType::U32 => CudaStorageSlice::U32(s.alloc::<u32>(n).w()?),
+                DType::I16 => CudaStorageSlice::I16(s.alloc::<i16>(n).w()?),
+                DType::I32 => CudaStorageSlice::I32(s.alloc::<i32>(n).w()?),
+                DType::I64 => CudaStorageSlice::I64(s.alloc::<i64>(n).w()?),
+                DType::BF16 => CudaStorageSlice::BF16(s.alloc::<half::bf16>(n).w()?),
+                DType::F16 => CudaStorageSlice::F16(s.alloc::<half::f16>(n).w()?),
+                DType::F32 => CudaStorageSlice::F32(s.alloc::<f32>(n).w()?),
+                DType::F64 => CudaStorageSlice::F64(s.alloc::<f64>(n).w()?),
+                _ => return crate::config_err!("NCCL: dtype {dt:?} is not supported"),
+            })
+        }
+    }
+
+    fn tensor(&self, slice: CudaStorageSlice, shape: impl Into<Shape>) -> Tensor {
+        let storage = Storage::Cuda(CudaStorage { slice, device: self.device.clone() });
+        Tensor::from_storage(storage, shape, BackpropOp::none(), false)
+    }
+
+    /// Queue a group of sends and receives (raw byte buffers).
+    fn p2p(&self, ops: &[P2p]) -> Result<()> {
+        let comm = self.handle.comm;
+        let st = self.stream.cu_stream() as sys::cudaStream_t;
+        let u8t = sys::ncclDataType_t::ncclUint8;
+        // SAFETY: pointers address live device buffers of `bytes` bytes on this GPU (the
+        // callers hold their storage and pointer guards until after group end).
+        let res = unsafe {
+            ok(sys::ncclGroupStart(), "ncclGroupStart", comm).and_then(|_| {
+                let mut first = Ok(());
+                for op in ops {
+                    let r = match *op {
+                        P2p::Send { ptr, bytes, peer } => {
+                            sys::ncclSend(ptr as *const c_void, bytes, u8t, peer as i32, comm, st)
+                        }
+                        P2p::Recv { ptr, bytes, peer } => {
+                            sys::ncclRecv(ptr as *mut c_void, bytes, u8t, peer as i32, comm, st)
+                        }
+                    };
+                    if first.is_ok() {
+                        first = ok(r, "ncclSend/ncclRecv", comm);
+                    }
+                }
+                let end = ok(sys::ncclGroupEnd(), "ncclGroupEnd", comm);
+                first.and(end)
+            })
+        };
+        res.or_else(|e| self.failed(e))
+    }
+
+    /// Grouped point-to-point exchange: `sends[i] = (peer, tensors)`, receives posted
+    /// from `recv_from[i]` with the shapes of `sends[i].1` (see the module doc).
+    fn exchange(&self, sends: &[(usize, Vec<Tensor>)], recv_from: &[usize], what: &str) -> Result<Vec<Vec<Tensor>>> {
+        self.alive()?;
+        if self.check_shapes {
+            self.check_signatures(sends, recv_from, what)?;
+        }
+        let _g = CALLS.lock().unwrap_or_else(|p| p.into_inner());
+        self.stream.context().bind_to_thread().w()?;
+        let mut outs: Vec<Vec<CudaStorageSlice>> = sends
+            .iter()
+            .map(|(_, ts)| ts.iter().map(|t| self.alloc(t.dtype(), t.elem_count())).collect())
+            .collect::<Result<_>>()?;
+        {
+            let inputs: Vec<Vec<_>> =
+                sends.iter().map(|(_, ts)| ts.iter().map(|t| t.storage_and_layout()).collect()).collect();
+            let mut ops = Vec::new();
+            let mut guards: Vec<SyncOnDrop<'_>> = Vec::new();
+            for ((peer, ts), ins) in sends.iter().zip(&inputs) {
+                for (t, (st, l)) in ts.iter().zip(ins) {
+                    let (ptr, guard) = src_ptr(st, l, &self.stream)?;
+                    ops.push(P2p::Send { ptr, bytes: t.elem_count() * t.dtype().size_in_bytes(), peer: *peer });
+                    guards.push(guard);
+                }
+            }
+            for (((_, ts), outs), from) in sends.iter().zip(outs.iter_mut()).zip(recv_from) {
+                for (t, o) in ts.iter().zip(outs.iter_mut()) {
+                    let (ptr, guard) = dst_ptr(o, &self.stream)?;
+                    ops.push(P2p::Recv { ptr, bytes: t.elem_count() * t.dtype().size_in_bytes(), peer: *from });
+                    guards.push(guard);
+                }
+            }
+            self.p2p(&ops)?;
+            drop(guards); // records the uses on the NCCL stream, after the group end queued them
+        }
+        Ok(outs
+            .into_iter()
+            .zip(sends)
+            .map(|(os, (_, ts))| os.into_iter().zip(ts).map(|(o, t)| self.tensor(o, t.shape().clone())).collect())
+            .collect())
+    }
+
+    /// Send each peer the signature of what we send it; what we receive from
+    /// `recv_from[i]` must have the signature of `sends[i]`.
+    fn check_signatures(&self, sends: &[(usize, Vec<Tensor>)], recv_from: &[usize], what: &str) -> Result<()> {
+        let sig = |ts: &[Tensor]| -> i64 {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            for t in ts {
+                (t.dims(), t.dtype().as_str()).hash(&mut h);
+            }
+            (h.finish() >> 1) as i64
+        };
+        let mine: Vec<i64> = sends.iter().map(|(_, ts)| sig(ts)).collect();
+        let probes: Vec<(usize, Vec<Tensor>)> = sends
+            .iter()
+            .zip(&mine)
+            .map(|((peer, _), s)| Ok((*peer, vec![Tensor::new(&[*s], &Device::Cuda(self.device.clone()))?])))
+            .collect::<Result<_>>()?;
+        let check = NcclComm { check_shapes: false, ..self.shallow() };
+        let got = check.exchange(&probes, recv_from, what)?;
+        for ((g, expect), from) in got.iter().zip(&mine).zip(recv_from) {
+            let g = g[0].to_vec1::<i64>()?[0];
+            if g != *expect {
+                return self.failed(format!(
+                    "{what}: rank {from} sends a message whose shapes/dtypes differ from what this rank sends back (NCCL needs them equal)"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn shallow(&self) -> NcclComm {
+        NcclComm {
+            handle: self.handle.clone(),
+            family: self.family.clone(),
+            rank: self.rank,
+            world: self.world,
+            device: self.device.clone(),
+            stream: self.stream.clone(),
+            check_shapes: self.check_shapes,
+        }
+    }
+
+    /// One collective with a single input and a single fresh output of `out_elems`
+    /// elements of the input's dtype.
+    fn collective(
+        &self,
+        x: &Tensor,
+        out_elems: usize,
+        what: &str,
+        call: impl FnOnce(*const c_void, *mut c_void, sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t,
+    ) -> Result<CudaStorageSlice> {
+        self.alive()?;
+        let _g = CALLS.lock().unwrap_or_else(|p| p.into_inner());
+        self.stream.context().bind_to_thread().w()?;
+        let mut out = self.alloc(x.dtype(), out_elems)?;
+        {
+            let (st, l) = x.storage_and_layout();
+            let (src, _rs) = src_ptr(&st, l, &self.stream)?;
+            let (dst, _rd) = dst_ptr(&mut out, &self.stream)?;
+            let r = call(src as *const c_void, dst as *mut c_void, self.handle.comm, self.stream.cu_stream() as _);
+            ok(r, what, self.handle.comm).or_else(|e| self.failed(e))?;
+        }
+        Ok(out)
+    }
+}
+
+enum P2p {
+    Send { ptr: u64, bytes: usize, peer: usize },
+    Recv { ptr: u64, bytes: usize, peer: usize },
+}
+
+/// Device address of a contiguous tensor's first element, with the read guard.
+fn src_ptr<'a>(st: &'a Storage, l: &Layout, stream: &'a CudaStream) -> Result<(u64, SyncOnDrop<'a>)> {
+    let Storage::Cuda(c) = st else {
+        return crate::config_err!("NCCL: not a CUDA tensor");
+    };
+    let ((ptr, guard), es) = match &c.slice {
+        CudaStorageSlice::U8(s) => (s.device_ptr(stream), 1),
+        CudaStorageSlice::U32(s) => (s.device_ptr(stream), 4),
+        CudaStorageSlice::I16(s) => (s.device_ptr(stream), 2),
+        CudaStorageSlice::I32(s) => (s.device_ptr(stream), 4),
+        CudaStorageSlice::I64(s) => (s.device_ptr(stream), 8),
+        CudaStorageSlice::BF16(s) => (s.device_ptr(stream), 2),
+        CudaStorageSlice::F16(s) => (s.device_ptr(stream), 2),
+        CudaStorageSlice::F32(s) => (s.device_ptr(stream), 4),
+        CudaStorageSlice::F64(s) => (s.device_ptr(stream), 8),
+        _ => return crate::config_err!("NCCL: this tensor's dtype is not supported"),
+    };
+    Ok((ptr + (l.start_offset() * es) as u64, guard))
+}
+
+/// Device address of a fresh output buffer, with the write guard.
+fn dst_ptr<'a>(s: &'a mut CudaStorageSlice, stream: &'a CudaStream) -> Result<(u64, SyncOnDrop<'a>)> {
+    Ok(match s {
+        CudaStorageSlice::U8(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::U32(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::I16(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::I32(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::I64(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::BF16(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::F16(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::F32(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::F64(s) => s.device_ptr_mut(stream),
+        _ => return crate::config_err!("NCCL: output dtype not supported"),
+    })
+}
+
+/// Poll every communicator of the family for asynchronous errors until it is gone.
+fn watchdog(family: Weak<Family>, every: Duration, rank: usize) {
+    loop {
+        std::thread::sleep(every);
+        let Some(fam) = family.upgrade() else { return };
+        if fam.reason().is_some() {
+            return;
+        }
+        let handles: Vec<_> = fam.handles.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for h in handles.iter().filter_map(Weak::upgrade) {
+            if let Some(e) = h.async_error() {
+                fam.abort(&format!("rank {rank}: NCCL asynchronous error: {e}"), true);
+                return;
+            }
+        }
+    }
+}
+
+impl Comm for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn sendrecv_start(&self, send: Vec<Tensor>, to: usize, from: usize) -> Result<Pending> {
+        if to >= self.world || from >= self.world {
+            return crate::config_err!("sendrecv: peers {to}/{from} out of range for world {}", self.world);
+        }
+        let send = self.prepare(send, "sendrecv")?;
+        let mut got = self.exchange(&[(to, send)], &[from], "sendrecv")?;
+        Ok(Pending::ready(got.pop().unwrap_or_default()))
+    }
+
+    fn all_to_all(&self, xs: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        if xs.len() != self.world {
+            return crate::config_err!("all_to_all: {} tensors for a world of {}", xs.len(), self.world);
+        }
+        let xs = self.prepare(xs, "all_to_all")?;
+        let sends: Vec<(usize, Vec<Tensor>)> = xs.into_iter().enumerate().map(|(j, x)| (j, vec![x])).collect();
+        let from: Vec<usize> = (0..self.world).collect();
+        let got = self.exchange(&sends, &from, "all_to_all")?;
+        Ok(got.into_iter().flatten().collect())
+    }
+
+    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
+        let x = self.prepare(vec![x.clone()], "all_reduce_sum")?.remove(0);
+        let dt = nccl_dtype(x.dtype())?;
+        let n = x.elem_count();
+        let out = self.collective(&x, n, "ncclAllReduce", |s, d, c, st| {
+            // SAFETY: s and d address n elements of dt on this GPU.
+            unsafe { sys::ncclAllReduce(s, d, n, dt, sys::ncclRedOp_t::ncclSum, c, st) }
+        })?;
+        Ok(self.tensor(out, x.shape().clone()))
+    }
+
+    fn all_gather(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let x = self.prepare(vec![x.clone()], "all_gather")?.remove(0);
+        let n = x.elem_count();
+        let bytes = n * x.dtype().size_in_bytes();
+        let out = self.collective(&x, n * self.world, "ncclAllGather", |s, d, c, st| {
+            // SAFETY: s has `bytes` bytes, d has world × bytes.
+            unsafe { sys::ncclAllGather(s, d, bytes, sys::ncclDataType_t::ncclUint8, c, st) }
+        })?;
+        let all = self.tensor(out, (self.world * n.max(1),));
+        (0..self.world).map(|j| all.narrow(0, j * n, n)?.reshape(x.shape())).collect()
+    }
+
+    fn reduce_scatter_sum(&self, xs: Vec<Tensor>) -> Result<Tensor> {
+        if xs.len() != self.world {
+            return crate::config_err!("reduce_scatter: {} tensors for a world of {}", xs.len(), self.world);
+        }
+        let xs = self.prepare(xs, "reduce_scatter")?;
+        let shape = xs[0].shape().clone();
+        if xs.iter().any(|x| x.shape() != &shape || x.dtype() != xs[0].dtype()) {
+            return crate::shape_err!("reduce_scatter: all parts must have one shape and dtype (NCCL), got {:?}",
+                xs.iter().map(|x| x.dims().to_vec()).collect::<Vec<_>>());
+        }
+        let n = shape.elem_count();
+        let dt = nccl_dtype(xs[0].dtype())?;
+        let flat: Vec<Tensor> = xs.iter().map(|x| x.flatten_all()).collect::<Result<_>>()?;
+        let stacked = Tensor::cat(&flat, 0)?;
+        let out = self.collective(&stacked, n, "ncclReduceScatter", |s, d, c, st| {
+            // SAFETY: s has world × n elements, d has n.
+            unsafe { sys::ncclReduceScatter(s, d, n, dt, sys::ncclRedOp_t::ncclSum, c, st) }
+        })?;
+        Ok(self.tensor(out, shape))
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let one = Tensor::zeros(1, DType::F32, &Device::Cuda(self.device.clone()))?;
+        let _ = self.all_reduce_sum(&one)?;
+        self.stream.synchronize().w()?;
+        self.alive()
+    }
+
+    fn sub(&self, ranks: &[usize]) -> Result<Arc<dyn Comm>> {
+        self.alive()?;
+        if ranks.is_empty() || ranks.windows(2).any(|w| w[0] >= w[1]) || ranks.iter().any(|&r| r >= self.world) {
+            return crate::config_err!("sub: ranks {ranks:?} must be ascending, distinct and below {}", self.world);
+        }
+        let Some(pos) = ranks.iter().position(|&r| r == self.rank) else {
+            return crate::config_err!("sub: ranks {ranks:?} do not contain this rank {}", self.rank);
+        };
+        let mut child: sys::ncclComm_t = std::ptr::null_mut();
+        {
+            let _g = CALLS.lock().unwrap_or_else(|p| p.into_inner());
+            self.stream.context().bind_to_thread().w()?;
+            // SAFETY: collective over all parent ranks (see the module doc); a null
+            // config inherits the parent's.
+            let r = unsafe {
+                sys::ncclCommSplit(self.handle.comm, ranks[0] as i32, pos as i32, &mut child, std::ptr::null_mut())
+            };
+            ok(r, "ncclCommSplit", self.handle.comm).or_else(|e| self.failed(e))?;
+        }
+        if child.is_null() {
+            return self.failed(format!("ncclCommSplit gave no communicator for group {ranks:?}"));
+        }
+        let handle = Arc::new(Handle { comm: child, stream: self.stream.clone(), alive: Mutex::new(true) });
+        self.family.handles.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::downgrade(&handle));
+        Ok(Arc::new(NcclComm {
+            handle,
+            family: self.family.clone(),
+            rank: pos,
+            world: ranks.len(),
+            device: self.device.clone(),
+            stream: self.stream.clone(),
+            check_shapes: self.check_shapes,
+        }))
+    }
+
+    fn abort(&self, reason: &str) {
+        self.family.abort(reason, true);
+    }
+}
+
