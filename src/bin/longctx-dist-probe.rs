@@ -42,6 +42,14 @@ struct RunArgs {
     /// This rank never joins the rendezvous (sleeps until killed).
     #[arg(long)]
     absent_rank: Option<usize>,
+    /// GPU builds (`--features nccl`): after the rendezvous, create an NCCL world on
+    /// GPU `LOCAL_RANK` and check every collective against host-computed values.
+    #[arg(long)]
+    nccl_selftest: bool,
+    /// With `--nccl-selftest`: this rank exits (code 3) while the others are inside
+    /// an all-reduce; they must be unblocked by the monitor's abort.
+    #[arg(long)]
+    nccl_fail_rank: Option<usize>,
     /// After the rendezvous, wait until the monitor reports a failure, then exit with
     /// `dist::launch::PEER_FAILED_EXIT_CODE`.
     #[arg(long)]
@@ -67,9 +75,13 @@ fn run(a: RunArgs) -> anyhow::Result<i32> {
         return Ok(a.exit_code);
     }
     let opts = RendezvousOptions::from_env()?;
+    let nccl = a.nccl_selftest;
     let rdzv = dist::rendezvous(
         &env,
         || {
+            if nccl {
+                return nccl_id();
+            }
             let mut id = vec![0u8; 128];
             rand::rng().fill(&mut id[..]);
             Ok(id)
@@ -91,12 +103,147 @@ fn run(a: RunArgs) -> anyhow::Result<i32> {
         }
         return Ok(a.exit_code);
     }
+    if nccl {
+        let code = nccl_selftest(&env, &rdzv, a.nccl_fail_rank)?;
+        if code == 0 {
+            rdzv.monitor.finish();
+        }
+        return Ok(code);
+    }
     if a.sleep {
         let reason = rdzv.monitor.wait_failure(None).unwrap_or_default();
         eprintln!("rank {me}: stopping: {reason}");
         return Ok(dist::launch::PEER_FAILED_EXIT_CODE);
     }
     rdzv.monitor.finish();
+    Ok(0)
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_id() -> longctx::Result<Vec<u8>> {
+    Err(longctx::Error::Setting("--nccl-selftest needs a build with --features nccl".into()))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_selftest(_: &DistEnv, _: &dist::Rendezvous, _: Option<usize>) -> anyhow::Result<i32> {
+    anyhow::bail!("--nccl-selftest needs a build with --features nccl")
+}
+
+#[cfg(feature = "nccl")]
+fn nccl_id() -> longctx::Result<Vec<u8>> {
+    Ok(longctx::attention::comm::nccl::NcclComm::unique_id()?)
+}
+
+/// Every collective of the NCCL backend against values computed on the host (small
+/// integers: sums are exact in f32 and bf16, so the checks are equalities), the
+/// groups of `build_groups`, bus bandwidths, and optionally the failure path.
+#[cfg(feature = "nccl")]
+fn nccl_selftest(env: &DistEnv, rdzv: &dist::Rendezvous, fail_rank: Option<usize>) -> anyhow::Result<i32> {
+    use anyhow::ensure;
+    use candle_core::{DType, Device, Tensor};
+    use longctx::attention::comm::{nccl::NcclComm, Comm};
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    let (r, w) = (env.rank, env.world);
+    let dev = Device::new_cuda(env.local_rank)?;
+    let t0 = Instant::now();
+    let nc = NcclComm::new(&dev, r, w, &rdzv.blob)?;
+    println!("rank {r}: NCCL world of {w} up in {:.2} s", t0.elapsed().as_secs_f64());
+    {
+        let c = nc.clone();
+        rdzv.monitor.on_failure(move |why| c.abort_from_peer(why));
+        let m = rdzv.monitor.clone();
+        nc.set_abort_hook(move |why| m.report_failure(why));
+        rdzv.monitor.exit_after_failure(Duration::from_secs(15));
+    }
+    let comm: Arc<dyn Comm> = nc.clone();
+    let full = |v: f64, shape: &[usize], dt: DType| -> candle_core::Result<Tensor> {
+        Tensor::full(v as f32, shape, &dev)?.to_dtype(dt)
+    };
+    let vals = |t: &Tensor| -> candle_core::Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>() };
+
+    // all_reduce_sum: rank k contributes (k+1)·i.
+    for dt in [DType::F32, DType::BF16] {
+        let i = Tensor::arange(0f32, 64., &dev)?;
+        let x = (i.clone() * (r + 1) as f64)?.to_dtype(dt)?;
+        let got = vals(&comm.all_reduce_sum(&x)?)?;
+        let total = (w * (w + 1) / 2) as f32;
+        let want: Vec<f32> = (0..64).map(|i| i as f32 * total).collect();
+        ensure!(got == want, "all_reduce_sum {dt:?}: got {:?}.. want {:?}..", &got[..4], &want[..4]);
+    }
+    // all_gather: ys[j] = j.
+    let ys = comm.all_gather(&full(r as f64, &[3, 5], DType::F32)?)?;
+    for (j, y) in ys.iter().enumerate() {
+        ensure!(y.dims() == [3, 5] && vals(y)?.iter().all(|&v| v == j as f32), "all_gather part {j}");
+    }
+    // reduce_scatter_sum: xs[i] = 10k + i on rank k; rank i gets Σ_k (10k + i).
+    let xs = (0..w).map(|i| full((10 * r + i) as f64, &[4], DType::F32)).collect::<candle_core::Result<Vec<_>>>()?;
+    let got = vals(&comm.reduce_scatter_sum(xs)?)?;
+    let want = (0..w).map(|k| (10 * k + r) as f32).sum::<f32>();
+    ensure!(got.iter().all(|&v| v == want), "reduce_scatter_sum: {got:?} want {want}");
+    // all_to_all: xs[j] = 100k + j on rank k; ys[j] = 100j + r.
+    let xs = (0..w).map(|j| full((100 * r + j) as f64, &[2, 3], DType::BF16)).collect::<candle_core::Result<Vec<_>>>()?;
+    for (j, y) in comm.all_to_all(xs)?.iter().enumerate() {
+        ensure!(vals(y)?.iter().all(|&v| v == (100 * j + r) as f32), "all_to_all part {j}: {:?}", vals(y)?);
+    }
+    // sendrecv_start on the ring, two tensors of different dtypes.
+    let (next, prev) = (comm.next(), comm.prev());
+    let got = comm.sendrecv_start(vec![full(r as f64, &[7], DType::F32)?, full(r as f64, &[2, 2], DType::BF16)?], next, prev)?.wait()?;
+    ensure!(got.len() == 2 && got[1].dims() == [2, 2], "sendrecv shapes");
+    ensure!(vals(&got[0])?.iter().chain(vals(&got[1])?.iter()).all(|&v| v == prev as f32), "sendrecv values");
+    comm.barrier()?;
+    // Groups: data parallel (sp groups are single ranks: split), and a split of the whole world.
+    let dims = dist::ParallelDims::new(&dist::DimsRequest {
+        mode: dist::ParallelMode::DataParallel, world: w, sp: None, ulysses: None, hq: 8, hkv: 8,
+    })?;
+    let g = dist::build_groups(&comm, &dims)?;
+    ensure!(g.sp.world() == 1 && g.dp.world() == w && g.dp.rank() == r, "group sizes");
+    let one = full(1.0, &[1], DType::F32)?;
+    ensure!(vals(&g.sp.all_reduce_sum(&one)?)? == [1.0], "sp group sum");
+    let all: Vec<usize> = (0..w).collect();
+    let split = comm.sub(&all)?;
+    ensure!(vals(&split.all_reduce_sum(&one)?)? == [w as f32], "split world sum");
+    println!("rank {r}: all NCCL checks passed");
+
+    // Bandwidth: 256 MiB bf16 all-reduce and ring exchange.
+    let n = 128 << 20;
+    let big = Tensor::ones(n, DType::BF16, &dev)?;
+    for _ in 0..3 {
+        comm.all_reduce_sum(&big)?;
+    }
+    comm.barrier()?;
+    let reps = 10;
+    let t = Instant::now();
+    for _ in 0..reps {
+        comm.all_reduce_sum(&big)?;
+    }
+    comm.barrier()?;
+    let s = t.elapsed().as_secs_f64() / reps as f64;
+    let bytes = (2 * n) as f64;
+    println!("rank {r}: all_reduce 256 MiB bf16: {:.2} ms, bus bandwidth {:.0} GB/s", s * 1e3, bytes / s * 2.0 * (w - 1) as f64 / w as f64 / 1e9);
+    let t = Instant::now();
+    for _ in 0..reps {
+        comm.sendrecv_start(vec![big.clone()], next, prev)?.wait()?;
+    }
+    comm.barrier()?;
+    let s = t.elapsed().as_secs_f64() / reps as f64;
+    println!("rank {r}: ring sendrecv 256 MiB: {:.2} ms, {:.0} GB/s per direction", s * 1e3, bytes / s / 1e9);
+
+    if let Some(f) = fail_rank {
+        comm.barrier()?;
+        if r == f {
+            println!("rank {r}: exiting in the middle of the run on purpose");
+            std::process::exit(3);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let t = Instant::now();
+        let res = comm.all_reduce_sum(&big).and_then(|y| y.narrow(0, 0, 4)?.to_dtype(DType::F32)?.to_vec1::<f32>());
+        println!("rank {r}: all_reduce with a dead peer returned after {:.1} s: {:?}; monitor: {:?}", t.elapsed().as_secs_f64(), res.as_ref().map(|_| "Ok"), rdzv.monitor.failure());
+        let again = comm.all_reduce_sum(&one).map(|_| ());
+        println!("rank {r}: next call: {again:?}");
+        return Ok(dist::launch::PEER_FAILED_EXIT_CODE);
+    }
     Ok(0)
 }
 
