@@ -1,28 +1,39 @@
 //! Synthetic passkey retrieval: long-context data that needs no download and no
 //! tokenizer, for the demo job, CI and quick checks that long-range attention works.
 //!
-//! Built-in vocabulary (ids; `vocab` ≥ 32, the model's vocab must be at least this):
+//! Built-in vocabulary (ids; `vocab` ≥ MIN_VOCAB = 128; the model's vocab must be ≥ it):
 //! ```text
 //! 0 PAD   1 BOS   2 EOS
-//! 3..=12  digits 0..9           (DIGIT0 + d)
-//! 13 KEY       "the passkey is"  (opens the needle, and again the answer)
-//! 14 KEY_END   "remember it."    (closes the needle)
-//! 15 QUESTION  "what is the passkey?"
-//! 16..vocab    filler words
+//! 3 KEY       "the passkey is"  (opens the needle, and again the answer)
+//! 4 KEY_END   "remember it."    (closes the needle)
+//! 5 QUESTION  "what is the passkey?"
+//! 6, 7        reserved
+//! 8..88       digits with their place: digit d at place i (0-based) is 8 + 10·i + d (i < 8)
+//! 88..109     filler words: one fixed block of 21 words (think five short sentences)
+//! 109..vocab  unused
 //! ```
 //! A sample is S+1 raw tokens `t` (S = seq_len), `ids = t[..S]`, `targets = t[1..]`:
 //! ```text
-//! BOS  filler…  KEY d1..dk KEY_END  filler…  QUESTION KEY d1..dk
+//! BOS  filler…  KEY p1..pk KEY_END  filler…  QUESTION KEY p1..pk
 //! ```
-//! The filler is a pattern of P = FILLER_PERIOD distinct filler words, drawn per sample,
-//! repeated (like the "The grass is green. The sky is blue." of the passkey papers),
-//! interrupted by the needle at a uniformly random depth; the k digits are uniform.
-//! Why it is learnable by a tiny model: answering is an induction task (at the second
-//! KEY, find the first KEY and copy what followed it), and with [`LossOn::All`] the
-//! repeated random filler trains exactly that induction mechanism on almost every
-//! position (after the first period the filler is predictable only by copying).
-//! The answer digits end the sample, so with [`LossOn::Answer`] only the last k targets
-//! count. Sample `i` depends only on `(seed, i)`: random access, and resuming is exact.
+//! The filler repeats the fixed 21-word block, like the "The grass is green. The sky is
+//! blue. ..." of the passkey papers; the needle sits at a uniformly random depth; the k
+//! digits are uniform. The answer ends the sample, so with [`LossOn::Answer`] only the
+//! last k targets count, with [`LossOn::All`] every target.
+//!
+//! Learnability: each answer digit needs ONE attention hop over the whole context: the
+//! token before answer place i (KEY, or the answer digit of place i-1) looks up the only
+//! earlier token of place i, the needle's, and copies its digit; place-tagged digit ids
+//! make this a plain content lookup. Measured with the built-in tiny Llama (2 layers,
+//! hidden 64), AdamW lr 3e-3, batch 8, `LossOn::Answer`, k = 5 (held-out digit accuracy,
+//! chance 0.1): seq_len 24 reaches 1.00 within 125 steps (test `passkey_is_learnable` in
+//! tests/data.rs); seq_len 32 reaches 0.95 in 200 steps, after which 25 steps at 256 give
+//! 0.97; trained from scratch at 64 it is ~0.4 after 400 steps and at 128 still chance
+//! after 300 (the needle's share of attention at init shrinks like 1/S), so start with
+//! a short stage and extend, which is the point of the demo. With `LossOn::All` the
+//! filler and the unpredictable needle digits dilute the signal: chance after 200 steps
+//! at 32. Use `Answer` to show retrieval, `All` only to show the loss going down.
+//! Sample `i` depends only on `(seed, i)`: random access, and resuming is exact.
 
 use serde::{Deserialize, Serialize};
 
@@ -33,15 +44,23 @@ use crate::{Error, Result};
 pub const PAD: u32 = 0;
 pub const BOS: u32 = 1;
 pub const EOS: u32 = 2;
-pub const DIGIT0: u32 = 3;
-pub const KEY: u32 = 13;
-pub const KEY_END: u32 = 14;
-pub const QUESTION: u32 = 15;
-pub const FILLER0: u32 = 16;
-/// Length of the repeated filler pattern.
-pub const FILLER_PERIOD: usize = 16;
+pub const KEY: u32 = 3;
+pub const KEY_END: u32 = 4;
+pub const QUESTION: u32 = 5;
+/// Digit `d` at place `i`: `DIGIT0 + 10·i + d`.
+pub const DIGIT0: u32 = 8;
+/// Longest passkey (places with their own digit ids).
+pub const MAX_DIGITS: usize = 8;
+pub const FILLER0: u32 = DIGIT0 + 10 * MAX_DIGITS as u32;
+/// Length of the filler block (ids FILLER0.., in order, repeated).
+pub const FILLER_BLOCK: usize = 21;
 /// Smallest accepted vocabulary.
-pub const MIN_VOCAB: usize = 32;
+pub const MIN_VOCAB: usize = 128;
+
+/// Token id of digit `d` (0..=9) at place `i` (< MAX_DIGITS).
+pub fn digit_token(i: usize, d: u8) -> u32 {
+    DIGIT0 + 10 * i as u32 + d as u32
+}
 
 /// Which targets the loss counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -56,11 +75,11 @@ pub enum LossOn {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PasskeyConfig {
-    /// Vocabulary size of the model (≥ 32): ids 16..vocab are filler words.
+    /// Vocabulary size of the model (≥ MIN_VOCAB = 128).
     #[serde(default = "default_vocab")]
     pub vocab: usize,
     pub seq_len: usize,
-    /// Passkey length k (1..=16).
+    /// Passkey length k (1..=MAX_DIGITS).
     #[serde(default = "default_digits")]
     pub digits: usize,
     #[serde(default)]
@@ -105,12 +124,13 @@ impl Passkey {
     pub fn new(cfg: PasskeyConfig) -> Result<Self> {
         if cfg.vocab < MIN_VOCAB || cfg.vocab > u32::MAX as usize {
             return Err(Error::Setting(format!(
-                "passkey: vocab {} must be at least {MIN_VOCAB} (ids 0..=15 are reserved, 16.. are filler)",
-                cfg.vocab
+                "passkey: vocab {} must be at least {MIN_VOCAB} (the built-in vocabulary uses ids 0..{})",
+                cfg.vocab,
+                FILLER0 as usize + FILLER_BLOCK
             )));
         }
-        if !(1..=16).contains(&cfg.digits) {
-            return Err(Error::Setting(format!("passkey: digits {} must be in 1..=16", cfg.digits)));
+        if !(1..=MAX_DIGITS).contains(&cfg.digits) {
+            return Err(Error::Setting(format!("passkey: digits {} must be in 1..={MAX_DIGITS}", cfg.digits)));
         }
         let min = 2 * cfg.digits + 4;
         if cfg.seq_len < min {
@@ -138,13 +158,6 @@ impl Passkey {
         let k = self.cfg.digits;
         let mut rng = SplitMix64::from_parts(&[self.cfg.seed, index]);
         let passkey: Vec<u8> = (0..k).map(|_| rng.below(10) as u8).collect();
-        // P distinct filler words (partial Fisher–Yates over the filler ids).
-        let mut words: Vec<u32> = (FILLER0..self.cfg.vocab as u32).collect();
-        for i in 0..FILLER_PERIOD {
-            let j = i + rng.below(words.len() - i);
-            words.swap(i, j);
-        }
-        words.truncate(FILLER_PERIOD);
         // Raw tokens: BOS + filler(F) with the needle (k+2) inside + QUESTION KEY digits (k+2) = S+1.
         let fill = s + 1 - (2 * k + 5);
         let drawn = rng.below(fill + 1);
@@ -152,19 +165,19 @@ impl Passkey {
             Some(d) => ((d.clamp(0.0, 1.0) * fill as f64).round() as usize).min(fill),
             None => drawn,
         };
-        let digit = |d: &u8| DIGIT0 + *d as u32;
+        let digits: Vec<u32> = passkey.iter().enumerate().map(|(i, &d)| digit_token(i, d)).collect();
         let mut t = Vec::with_capacity(s + 1);
         t.push(BOS);
-        let mut filler = (0..fill).map(|j| words[j % FILLER_PERIOD]);
+        let mut filler = (0..fill).map(|j| FILLER0 + (j % FILLER_BLOCK) as u32);
         t.extend(filler.by_ref().take(before));
         let needle_pos = t.len();
         t.push(KEY);
-        t.extend(passkey.iter().map(digit));
+        t.extend_from_slice(&digits);
         t.push(KEY_END);
         t.extend(filler);
         t.push(QUESTION);
         t.push(KEY);
-        t.extend(passkey.iter().map(digit));
+        t.extend_from_slice(&digits);
         debug_assert_eq!(t.len(), s + 1);
         let mut sample = Sample::from_tokens(&t, s, PAD);
         let answer_start = s - k;
