@@ -38,7 +38,7 @@ fn check_indices(indices: &[usize], seq_len: usize) -> Result<()> {
 
 /// Gathers `indices` out of every row of `ids`/`targets` (`[b, S]` row-major).
 pub fn apply_layout(ids: &[u32], targets: &[i64], seq_len: usize, indices: &[usize]) -> Result<LocalBatch> {
-    if seq_len == 0 || ids.len() % seq_len != 0 || targets.len() != ids.len() {
+    if seq_len == 0 || !ids.len().is_multiple_of(seq_len) || targets.len() != ids.len() {
         return Err(Error::Setting(format!(
             "layout: ids ({}) and targets ({}) must both hold whole rows of seq_len {seq_len}",
             ids.len(),

@@ -40,11 +40,10 @@ impl Sample {
         let mut ids = vec![pad_id; seq_len];
         let mut targets = vec![IGNORE; seq_len];
         let n = tokens.len().min(seq_len + 1);
-        for i in 0..n.min(seq_len) {
-            ids[i] = tokens[i];
-        }
-        for i in 0..n.saturating_sub(1) {
-            targets[i] = tokens[i + 1] as i64;
+        let m = n.min(seq_len);
+        ids[..m].copy_from_slice(&tokens[..m]);
+        for (t, &next) in targets.iter_mut().zip(tokens.get(1..n).unwrap_or(&[])) {
+            *t = next as i64;
         }
         Sample { ids, targets }
     }
