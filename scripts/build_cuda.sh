@@ -159,4 +159,8 @@ cd "$ROOT"
 start=$(date +%s)
 cargo build --release --features cuda,nccl --target-dir target-cuda "$@"
 bin=target-cuda/release/longctx
-log "built $bin in $(( $(date +%s) - start )) s, $(du -h "$bin" | cut -f1)"
+if [[ -f $bin ]]; then
+    log "built $bin in $(( $(date +%s) - start )) s, $(du -h "$bin" | cut -f1)"
+else
+    log "build finished in $(( $(date +%s) - start )) s"
+fi

@@ -1,7 +1,9 @@
 //! `longctx bench attention`: throughput of the block kernel and correctness checks.
 //!
 //! Throughput: causal attention, `q`/`k`/`v [b, s, h, d]`, timed one call at a time
-//! (synchronising the device after each), median of `--iters` after `--warmup` calls.
+//! (CUDA events around each call, waiting for each), median of `--iters` after `--warmup`
+//! calls. By default the device's memory pool keeps freed buffers (see
+//! `longctx_attention::cuda::retain_pool_memory`; `--release-pool` turns that off).
 //! FLOP counts (the convention of FlashAttention and PyTorch benchmarks):
 //! causal forward = 4·b·h·s²·d / 2 (two matmuls of 2·s²·d each, half of them masked),
 //! backward = 2.5 × forward (five matmuls), forward+backward = 3.5 × forward.
@@ -57,6 +59,10 @@ pub struct BenchAttentionArgs {
     /// Run the checks and then the benchmark.
     #[arg(long, conflicts_with = "check")]
     pub all: bool,
+    /// Leave the CUDA memory pool's release threshold at the driver default (0), so freed
+    /// buffers go back to the driver at every synchronisation (default: retain them).
+    #[arg(long)]
+    pub release_pool: bool,
 }
 
 /// Entry point of `longctx bench attention`.
@@ -69,6 +75,9 @@ pub fn attention(args: &BenchAttentionArgs) -> anyhow::Result<()> {
     let dev = Device::new_cuda_with_stream(args.gpu)
         .with_context(|| format!("opening CUDA device {} (is this binary built with --features cuda?)", args.gpu))?;
     report_cudnn();
+    if !args.release_pool {
+        retain_pool(&dev)?;
+    }
     if args.check || args.all {
         check(&dev, dtype)?;
     }
@@ -89,6 +98,16 @@ fn report_cudnn() {
 #[cfg(not(feature = "cuda"))]
 fn report_cudnn() {}
 
+#[cfg(feature = "cuda")]
+fn retain_pool(dev: &Device) -> anyhow::Result<()> {
+    Ok(longctx_attention::cuda::retain_pool_memory(dev.as_cuda_device()?)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn retain_pool(_dev: &Device) -> anyhow::Result<()> {
+    Ok(())
+}
+
 // ---------------------------------------------------------------- throughput
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -101,7 +120,8 @@ fn median(mut xs: Vec<f64>) -> f64 {
     }
 }
 
-/// Median seconds of one call of `f`, the device synchronised around each call.
+/// Median seconds of one call of `f`: CUDA events recorded on the device's stream around
+/// each call (as PyTorch benchmarks time), waiting for the end event after each call.
 fn time(dev: &Device, warmup: usize, iters: usize, mut f: impl FnMut() -> candle_core::Result<()>) -> anyhow::Result<f64> {
     for _ in 0..warmup {
         f()?;
@@ -109,12 +129,46 @@ fn time(dev: &Device, warmup: usize, iters: usize, mut f: impl FnMut() -> candle
     dev.synchronize()?;
     let mut ts = Vec::with_capacity(iters);
     for _ in 0..iters.max(1) {
-        let t0 = Instant::now();
+        let mark = Mark::start(dev)?;
         f()?;
-        dev.synchronize()?;
-        ts.push(t0.elapsed().as_secs_f64());
+        ts.push(mark.stop(dev)?);
     }
     Ok(median(ts))
+}
+
+/// A started timing: a recorded CUDA event, or the wall clock on other devices.
+enum Mark {
+    #[cfg(feature = "cuda")]
+    Event(candle_core::cuda::cudarc::driver::CudaEvent),
+    Wall(Instant),
+}
+
+impl Mark {
+    fn start(dev: &Device) -> anyhow::Result<Self> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cd) = dev {
+            use candle_core::cuda::cudarc::driver::sys::CUevent_flags;
+            return Ok(Mark::Event(cd.cuda_stream().record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?));
+        }
+        dev.synchronize()?;
+        Ok(Mark::Wall(Instant::now()))
+    }
+
+    /// Seconds since `start`, once the work queued since then has finished.
+    fn stop(self, dev: &Device) -> anyhow::Result<f64> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Mark::Event(start) => {
+                use candle_core::cuda::cudarc::driver::sys::CUevent_flags;
+                let end = dev.as_cuda_device()?.cuda_stream().record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+                Ok(start.elapsed_ms(&end)? as f64 / 1e3)
+            }
+            Mark::Wall(t0) => {
+                dev.synchronize()?;
+                Ok(t0.elapsed().as_secs_f64())
+            }
+        }
+    }
 }
 
 fn randn(shape: &[usize], dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
@@ -125,7 +179,11 @@ fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs) -> anyhow::Res
     let (b, h, d) = (a.batch, a.heads, a.head_dim);
     let hkv = a.kv_heads.unwrap_or(h);
     let scale = 1.0 / (d as f64).sqrt();
-    println!("\ncausal attention, {dtype:?}, b={b}, heads {h} (kv {hkv}) × {d}; median of {} after {} warmup", a.iters, a.warmup);
+    let pool = if a.release_pool { "released at each sync" } else { "retained" };
+    println!(
+        "\ncausal attention, {dtype:?}, b={b}, heads {h} (kv {hkv}) × {d}; median of {} after {} warmup; pool memory {pool}",
+        a.iters, a.warmup
+    );
     println!("FLOP: fwd = 4·b·h·s²·d/2, bwd = 2.5·fwd, fwd+bwd = 3.5·fwd\n");
     println!("| seq | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |");
     println!("| --- | --- | --- | --- | --- | --- | --- |");

@@ -62,6 +62,32 @@ pub fn cudnn_version() -> Result<i64> {
     Ok(v)
 }
 
+/// Keep memory freed by stream-ordered allocations in the device's default memory pool
+/// instead of handing it back to the driver at every synchronisation (the behaviour of
+/// PyTorch's caching allocator). Candle's tensors and this kernel's workspace come from
+/// that pool; with the default release threshold (0) a loop that synchronises every
+/// step maps its buffers afresh every step. Call once per device (training engine,
+/// benchmarks); the memory stays reserved for this process.
+pub fn retain_pool_memory(dev: &CudaDevice) -> Result<()> {
+    use candle_core::cuda::cudarc::driver::sys;
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.bind_to_thread().w()?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: plain driver calls on the bound context's device with valid out-pointers.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().w()?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut c_void,
+        )
+        .result()
+        .w()?;
+    }
+    Ok(())
+}
+
 /// Why the fused kernel did not run.
 enum Refusal {
     /// cuDNN cannot do this call here (dtype, head dim, GPU, library missing): the naive
