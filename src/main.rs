@@ -341,8 +341,18 @@ fn train(a: TrainArgs) -> Result<()> {
 
 /// One rank of a multi-process run (started by `longctx launch`, torchrun or Slurm).
 #[cfg(not(feature = "nccl"))]
+fn train_launched(env: &DistEnv, _cfg: &RunConfig, _resume: bool) -> Result<()> {
+    bail!(
+        "rank {} of {} was started by a launcher (RANK/WORLD_SIZE are set), but multi-process training needs a CUDA+NCCL build; for in-process ranks on one device use --world-size N",
+        env.rank,
+        env.world
+    )
+}
+
+/// One rank of a multi-process run (started by `longctx launch`, torchrun or Slurm):
+/// rendezvous → NCCL world communicator → the same rank loop as in-process runs.
+#[cfg(feature = "nccl")]
 fn train_launched(env: &DistEnv, cfg: &RunConfig, resume: bool) -> Result<()> {
-    // rendezvous → NCCL world communicator → the same rank loop as in-process runs.
     let summary = longctx::train::trainer::run_launched(cfg, resume, env)
         .with_context(|| format!("rank {} of {}", env.rank, env.world))?;
     if let Some(s) = summary {
