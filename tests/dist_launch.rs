@@ -390,3 +390,55 @@ fn slurm_host_lists_and_task_counts() {
     assert!(tasks_on_node("4(x2),3", 3).is_err());
     assert!(tasks_on_node("4(2)", 0).is_err());
 }
+
+// ---------------------------------------------------------------- monitor, in process
+
+/// Three ranks as threads: a reported failure reaches everyone with its reason, each
+/// failure callback runs exactly once, and reports made after a failure is known
+/// change nothing (no echo of the first failure as a new one).
+#[test]
+fn monitor_callbacks_run_once_and_late_reports_are_silent() {
+    use longctx::dist::{rendezvous, RendezvousOptions};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let port = free_port();
+    let opts = RendezvousOptions { timeout: Duration::from_secs(10), ..Default::default() };
+    let rdzvs: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|r| {
+                let env = DistEnv { rank: r, local_rank: r, world: 3, local_world: 3, master_addr: "127.0.0.1".into(), master_port: port };
+                let opts = opts.clone();
+                s.spawn(move || rendezvous(&env, || Ok(vec![7u8; 16]), &opts).unwrap())
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(rdzvs.iter().all(|r| r.blob == vec![7u8; 16]));
+    let calls: Vec<Arc<AtomicUsize>> = (0..3).map(|_| Arc::new(AtomicUsize::new(0))).collect();
+    for (r, c) in rdzvs.iter().zip(&calls) {
+        let c = c.clone();
+        r.monitor.on_failure(move |_| {
+            c.fetch_add(1, Ordering::SeqCst);
+        });
+    }
+    rdzvs[2].monitor.report_failure("disk full");
+    for (r, rd) in rdzvs.iter().enumerate() {
+        let got = rd.monitor.wait_failure(Some(Duration::from_secs(5)));
+        assert_eq!(got.as_deref(), Some("rank 2 failed: disk full"), "rank {r}");
+    }
+    // Late reports (the errors the failure causes) are not news.
+    rdzvs[1].monitor.report_failure("NCCL aborted");
+    rdzvs[0].monitor.report_failure("NCCL aborted");
+    std::thread::sleep(Duration::from_millis(300));
+    for (r, rd) in rdzvs.iter().enumerate() {
+        assert_eq!(rd.monitor.failure().as_deref(), Some("rank 2 failed: disk full"), "rank {r}");
+        assert_eq!(calls[r].load(Ordering::SeqCst), 1, "rank {r}: callback runs once");
+    }
+    // A callback registered after the failure runs at once.
+    let late = Arc::new(AtomicUsize::new(0));
+    let l = late.clone();
+    rdzvs[0].monitor.on_failure(move |_| {
+        l.fetch_add(1, Ordering::SeqCst);
+    });
+    assert_eq!(late.load(Ordering::SeqCst), 1);
+}

@@ -524,7 +524,12 @@ impl Monitor {
     }
 
     /// This rank failed: tell every rank (through rank 0) and record it locally.
+    /// A no-op once a failure is known here (it came from elsewhere, or was reported):
+    /// the errors it causes on this rank are not news.
     pub fn report_failure(&self, reason: &str) {
+        if self.shared.claimed.load(Ordering::SeqCst) {
+            return;
+        }
         let msg = format!("rank {} failed: {reason}", self.shared.rank);
         if self.shared.rank != 0 {
             let mut ws = self.shared.writers.lock().unwrap_or_else(|p| p.into_inner());
