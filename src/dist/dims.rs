@@ -142,7 +142,7 @@ impl ParallelDims {
             (_, Some(0)) => return Err(setting(format!("mode {mode}: sp must be at least 1"))),
             (_, Some(n)) => n,
         };
-        if world % sp != 0 {
+        if !world.is_multiple_of(sp) {
             return Err(setting(format!(
                 "mode {mode}: world size {world} is not divisible by sp = {sp} (need world = dp × sp)"
             )));
@@ -168,7 +168,7 @@ impl ParallelDims {
             (ParallelMode::Usp, Some(0)) => return Err(setting("mode usp: ulysses must be at least 1".into())),
             (ParallelMode::Usp, Some(u)) => u,
         };
-        if sp % ulysses != 0 {
+        if !sp.is_multiple_of(ulysses) {
             return Err(setting(format!(
                 "mode {mode}: sp = {sp} is not divisible by ulysses = {ulysses} (need sp = ulysses × ring)"
             )));
@@ -240,17 +240,17 @@ impl ParallelDims {
 }
 
 fn check_heads(mode: ParallelMode, ulysses: usize, hq: usize, hkv: usize) -> Result<()> {
-    if hq == 0 || hkv == 0 || hq % hkv != 0 {
+    if hq == 0 || hkv == 0 || !hq.is_multiple_of(hkv) {
         return Err(setting(format!(
             "mode {mode}: head counts hq = {hq}, hkv = {hkv} are invalid (need hkv ≥ 1 dividing hq)"
         )));
     }
-    if hq % ulysses != 0 {
+    if !hq.is_multiple_of(ulysses) {
         return Err(setting(format!(
             "mode {mode}: {hq} query heads cannot be split over ulysses = {ulysses} ranks (need hq % ulysses == 0)"
         )));
     }
-    if hkv % ulysses != 0 && ulysses % hkv != 0 {
+    if !hkv.is_multiple_of(ulysses) && !ulysses.is_multiple_of(hkv) {
         return Err(setting(format!(
             "mode {mode}: {hkv} kv heads cannot be split over ulysses = {ulysses} ranks (need hkv % ulysses == 0, or ulysses % hkv == 0 to replicate kv heads)"
         )));
