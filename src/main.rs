@@ -199,6 +199,10 @@ struct TrainArgs {
 fn resolve_config(a: &TrainArgs, launched_world: Option<usize>) -> Result<(RunConfig, PathBuf)> {
     let (mut c, src) = match &a.config {
         Some(p) => (RunConfig::from_file(p)?, p.clone()),
+        // No config file: the embedded demo, unless the user names their own model or
+        // data, in which case the demo's hyper-parameters (lr 3e-3, batch 8, warmup)
+        // would be wrong: start from the plain defaults (EasyContext-like: batch 1, lr 2e-5).
+        None if a.model.is_some() || a.dataset.is_some() => (RunConfig::plain(), PathBuf::from("<flags>")),
         None => (RunConfig::default(), PathBuf::from("<flags>")),
     };
     let flags = Path::new("<flags>");

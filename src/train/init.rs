@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 /// The names `builtin:<name>` accepts.
-pub const BUILTINS: &str = "tiny";
+pub const BUILTINS: &str = "tiny, tinyllama-1.1b-shape, llama2-7b-shape";
 
 /// `config.json` of a built-in model.
 pub fn builtin_config_json(name: &str) -> Result<serde_json::Value> {
@@ -35,6 +35,24 @@ pub fn builtin_config_json(name: &str) -> Result<serde_json::Value> {
             "bos_token_id": 1,
             "eos_token_id": 2,
             "torch_dtype": "float32"
+        })),
+        // Shapes of TinyLlama-1.1B and Llama-2-7B with random weights: for benchmarks and
+        // memory planning without downloading the real checkpoints.
+        "tinyllama-1.1b-shape" => Ok(serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+            "num_attention_heads": 32, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "max_position_embeddings": 2048, "vocab_size": 32000,
+            "tie_word_embeddings": false, "initializer_range": 0.02,
+            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"
+        })),
+        "llama2-7b-shape" => Ok(serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "max_position_embeddings": 4096, "vocab_size": 32000,
+            "tie_word_embeddings": false, "initializer_range": 0.02,
+            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16"
         })),
         _ => Err(Error::config("--model", "model.source", format!("unknown built-in model `builtin:{name}`; available: {BUILTINS}"))),
     }
@@ -76,27 +94,38 @@ pub fn parameter_shapes(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
     out
 }
 
-/// Seeded random weights (same seed → same bits on every rank and run).
+/// Seeded random weights (same seed → same bits on every rank and run). Each tensor has
+/// its own generator, seeded from `seed` and the tensor's index, so tensors are filled in
+/// parallel.
 pub fn random_init(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
+    use rayon::prelude::*;
     let std = cfg.extra.get("initializer_range").and_then(serde_json::Value::as_f64).unwrap_or(0.02);
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let shapes = parameter_shapes(cfg);
+    let filled: Vec<(String, Vec<usize>, Vec<f32>)> = shapes
+        .into_par_iter()
+        .enumerate()
+        .map(|(i, (name, shape))| {
+            let n: usize = shape.iter().product();
+            let data: Vec<f32> = if name.ends_with("norm.weight") {
+                vec![1.0; n]
+            } else if name.ends_with(".bias") {
+                vec![0.0; n]
+            } else {
+                let mut rng = rand::rngs::StdRng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(i as u64));
+                (0..n)
+                    .map(|_| {
+                        // Box–Muller.
+                        let u1: f64 = rng.random::<f64>().max(1e-300);
+                        let u2: f64 = rng.random::<f64>();
+                        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos() * std) as f32
+                    })
+                    .collect()
+            };
+            (name, shape, data)
+        })
+        .collect();
     let mut out = HashMap::new();
-    for (name, shape) in parameter_shapes(cfg) {
-        let n: usize = shape.iter().product();
-        let data: Vec<f32> = if name.ends_with("norm.weight") {
-            vec![1.0; n]
-        } else if name.ends_with(".bias") {
-            vec![0.0; n]
-        } else {
-            (0..n)
-                .map(|_| {
-                    // Box–Muller.
-                    let u1: f64 = rng.random::<f64>().max(1e-300);
-                    let u2: f64 = rng.random::<f64>();
-                    ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos() * std) as f32
-                })
-                .collect()
-        };
+    for (name, shape, data) in filled {
         out.insert(name, Tensor::from_vec(data, shape, &Device::Cpu)?.to_dtype(dtype)?.to_device(device)?);
     }
     Ok(out)

@@ -24,6 +24,8 @@ pub struct StepLine {
     pub grad_norm: f64,
     pub tokens: u64,
     pub seconds: f64,
+    /// Of which forward+backward (the rest: data, gradient reduction, optimizer, write-back).
+    pub engine_seconds: f64,
     pub seq_len: usize,
     pub memory: MemoryReport,
 }
@@ -93,7 +95,7 @@ impl Metrics {
         let mfu = tok_s * self.flops_per_token(l.seq_len) / (PEAK_FLOPS * self.ranks as f64);
         let line = serde_json::json!({
             "stage": l.stage, "step": l.step, "global_step": l.global_step, "loss": l.loss, "lr": l.lr,
-            "grad_norm": l.grad_norm, "tokens": l.tokens, "seconds": l.seconds, "tokens_per_s": tok_s,
+            "grad_norm": l.grad_norm, "tokens": l.tokens, "seconds": l.seconds, "engine_seconds": l.engine_seconds, "tokens_per_s": tok_s,
             "mfu": if self.gpu { Some(mfu) } else { None }, "seq_len": l.seq_len,
             "saved_activation_bytes": l.memory.saved_bytes, "transient_bytes": l.memory.transient_bytes,
         });
