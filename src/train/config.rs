@@ -149,7 +149,7 @@ pub struct RunConfig {
 impl Default for RunConfig {
     /// The embedded default: the demo main job. A tiny built-in Llama learns passkey
     /// retrieval (loss on the answer digits) at 32 tokens / θ 1e4, then the context is
-    /// extended to 256 tokens with θ raised to 1e5 (the same two-step shape as the
+    /// extended to 1024 tokens with θ raised to 1e5 (the same two-step shape as the
     /// EasyContext recipes, scaled down to a laptop CPU).
     fn default() -> Self {
         let stage = |seq_length, rope_theta, steps| Stage { seq_length, rope_theta, steps, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None };
@@ -160,7 +160,7 @@ impl Default for RunConfig {
             data: DataSection { dataset: "synthetic:passkey-answer".into(), ..Default::default() },
             train: TrainSection { learning_rate: 3e-3, warmup_steps: 10, batch_size: 8, ..Default::default() },
             parallel: ParallelSection { token_chunk: 256, ..Default::default() },
-            stages: vec![stage(32, 10_000.0, 200), stage(256, 100_000.0, 40)],
+            stages: vec![stage(32, 10_000.0, 200), stage(1024, 100_000.0, 60)],
             export: ExportSection::default(),
         }
     }
