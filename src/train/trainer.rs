@@ -581,7 +581,11 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistE
     })();
     match &result {
         Ok(_) => rdv.monitor.finish(),
-        Err(e) => rdv.monitor.report_failure(&format!("rank {}: {e}", env.rank)),
+        Err(e) => {
+            rdv.monitor.report_failure(&e.to_string());
+            // Backstop: if an NCCL abort does not unblock a peer, the monitor ends it.
+            rdv.monitor.exit_after_failure(std::time::Duration::from_secs(15));
+        }
     }
     result
 }
