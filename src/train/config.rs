@@ -54,6 +54,9 @@ pub struct TrainSection {
     pub adamw: AdamWConfig,
     /// Write a resumable checkpoint every N optimizer steps (0 = only at stage ends).
     pub checkpoint_every: u64,
+    /// On a GPU, keep the optimizer state and its update in host memory (rayon AdamW,
+    /// like DeepSpeed's offload_optimizer) instead of on the device. CPU runs: always host.
+    pub optimizer_on_host: bool,
 }
 impl Default for TrainSection {
     fn default() -> Self {
@@ -67,6 +70,7 @@ impl Default for TrainSection {
             clip_grad: 1.0,
             adamw: AdamWConfig::default(),
             checkpoint_every: 0,
+            optimizer_on_host: false,
         }
     }
 }

@@ -103,6 +103,48 @@ impl AdamW {
     }
 }
 
+/// The same AdamW on the device, with Candle tensor ops over flat f32 tensors (used on
+/// GPUs unless `train.optimizer_on_host`): no host round trip of gradients and weights.
+/// Its state is copied to/from [`AdamW`] for checkpoints.
+pub struct DeviceAdamW {
+    pub master: candle_core::Tensor, // [shard] f32
+    pub m: candle_core::Tensor,      // [shard] f32
+    pub v: candle_core::Tensor,      // [shard] f32
+    decay: candle_core::Tensor,      // [shard] f32, 1.0 where weight decay applies
+}
+
+impl DeviceAdamW {
+    /// Upload a host optimizer's state to `device`.
+    pub fn from_host(h: &AdamW, device: &candle_core::Device) -> candle_core::Result<Self> {
+        use candle_core::Tensor;
+        let up = |x: &[f32]| Tensor::from_slice(x, x.len(), device);
+        let decay: Vec<f32> = h.decay.iter().map(|&d| if d { 1.0 } else { 0.0 }).collect();
+        Ok(Self { master: up(&h.master)?, m: up(&h.m)?, v: up(&h.v)?, decay: up(&decay)? })
+    }
+
+    /// Copy the state back into `h` (for a checkpoint).
+    pub fn to_host(&self, h: &mut AdamW) -> candle_core::Result<()> {
+        h.master = self.master.to_vec1()?;
+        h.m = self.m.to_vec1()?;
+        h.v = self.v.to_vec1()?;
+        Ok(())
+    }
+
+    /// One update; `h.step` is the shared step counter (incremented here).
+    pub fn update(&mut self, h: &mut AdamW, grad: &candle_core::Tensor, lr: f64) -> candle_core::Result<()> {
+        h.step += 1;
+        let c = &h.cfg;
+        let bc1 = 1.0 - c.beta1.powi(h.step as i32);
+        let bc2 = 1.0 - c.beta2.powi(h.step as i32);
+        self.m = ((&self.m * c.beta1)? + (grad * (1.0 - c.beta1))?)?;
+        self.v = ((&self.v * c.beta2)? + (grad.sqr()? * (1.0 - c.beta2))?)?;
+        let denom = ((self.v.sqrt()? / bc2.sqrt())? + c.eps)?;
+        let decayed = (&self.master - (self.master.mul(&self.decay)? * (lr * c.weight_decay))?)?;
+        self.master = (decayed - (self.m.div(&denom)? * (lr / bc1))?)?;
+        Ok(())
+    }
+}
+
 /// Learning-rate schedule.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "snake_case")]
@@ -176,6 +218,30 @@ mod tests {
         }
         for i in 0..3 {
             assert!((opt.master[i] as f64 - w[i]).abs() < 1e-6, "{i}: {} vs {}", opt.master[i], w[i]);
+        }
+    }
+
+    /// The device (tensor-op) AdamW equals the host one (CPU tensors, f32 rounding only).
+    #[test]
+    fn device_adamw_matches_host() {
+        let dev = candle_core::Device::Cpu;
+        let n = 1000;
+        let w0: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0).collect();
+        let decay: Vec<bool> = (0..n).map(|i| i % 3 != 0).collect();
+        let mut host = AdamW::new(AdamWConfig::default(), w0.clone(), decay.clone());
+        let mut dh = AdamW::new(AdamWConfig::default(), w0, decay);
+        let mut d = DeviceAdamW::from_host(&dh, &dev).unwrap();
+        for t in 0..4 {
+            let g: Vec<f32> = (0..n).map(|i| (((i + 7 * t) * 13 % 29) as f32 - 14.0) / 50.0).collect();
+            host.update(&g, 1e-2);
+            let gt = candle_core::Tensor::from_slice(&g, n, &dev).unwrap();
+            d.update(&mut dh, &gt, 1e-2).unwrap();
+        }
+        d.to_host(&mut dh).unwrap();
+        assert_eq!(dh.step, host.step);
+        for i in 0..n {
+            assert!((dh.master[i] - host.master[i]).abs() <= 1e-6, "{i}: {} vs {}", dh.master[i], host.master[i]);
+            assert!((dh.v[i] - host.v[i]).abs() <= 1e-6 * host.v[i].abs().max(1e-6));
         }
     }
 

@@ -17,7 +17,7 @@ use crate::train::checkpoint::{self, OptimShard, TrainState};
 use crate::train::config::RunConfig;
 use crate::train::engine::{Engine, EngineOptions, MemoryReport};
 use crate::train::metrics::{Metrics, StepLine};
-use crate::train::optim::{lr_at, AdamW};
+use crate::train::optim::{lr_at, AdamW, DeviceAdamW};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use longctx_attention::comm::Comm;
@@ -248,6 +248,10 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
     let mut layout_cache: Option<(ParallelMode, usize)> = None;
     let mut groups: Option<(ParallelDims, Groups)> = None;
     let mut optim: Option<(AdamW, usize, usize, usize)> = None; // (state, dp rank, dp size, shard len)
+    // On a GPU (unless `optimizer_on_host`), the state lives and updates on the device;
+    // `optim`'s host vectors are then refreshed only for checkpoints.
+    let use_device_optim = !sh.device.is_cpu() && !cfg.train.optimizer_on_host;
+    let mut dev_opt: Option<DeviceAdamW> = None;
     for (si, stage) in cfg.stages.iter().enumerate().skip(start_stage) {
         let mode = stage.parallel_mode.unwrap_or(cfg.parallel.mode);
         let chunk = stage.fpdt_chunk_size.unwrap_or(cfg.parallel.fpdt_chunk_size);
@@ -304,6 +308,9 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
                 st.m = pick(&m_all);
                 st.v = pick(&v_all);
                 st.step = *astep;
+            }
+            if use_device_optim {
+                dev_opt = Some(DeviceAdamW::from_host(&st, &sh.device)?);
             }
             optim = Some((st, dp_rank, dp, shard_len));
         }
@@ -373,24 +380,31 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
             // Sum over all ranks (sp ranks hold partial grads of their tokens, dp ranks of their samples).
             let flat = flatten(&grads, *shard_len * dp)?;
             let flat = if world.world() > 1 { world.all_reduce_sum(&flat)? } else { flat };
-            let flat = flat.to_device(&Device::Cpu)?;
-            let norm = flat.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?.sqrt();
+            let norm = flat.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_device(&Device::Cpu)?.to_scalar::<f64>()?.sqrt();
             let clip = cfg.train.clip_grad;
             let coef = if clip > 0.0 && norm > clip { clip / (norm + 1e-6) } else { 1.0 };
-            let mut gshard: Vec<f32> = flat.narrow(0, dp_rank * *shard_len, *shard_len)?.to_vec1()?;
-            if coef != 1.0 {
-                gshard.iter_mut().for_each(|x| *x *= coef as f32);
-            }
             let lr = lr_at(cfg.train.lr_schedule, lr_base, step, stage.steps, cfg.train.warmup_steps, cfg.train.min_lr_ratio);
-            adam.update(&gshard, lr);
-            // Gather the updated shards and write back into the Vars.
-            let shard = Tensor::from_slice(&adam.master, adam.master.len(), &Device::Cpu)?;
-            let full = if dp > 1 {
-                let parts = g.dp.all_gather(&shard.to_device(&sh.device)?)?;
-                Tensor::cat(&parts, 0)?.to_device(&Device::Cpu)?
-            } else {
-                shard
+            let shard = match dev_opt.as_mut() {
+                Some(d) => {
+                    let mut gshard = flat.narrow(0, dp_rank * *shard_len, *shard_len)?;
+                    if coef != 1.0 {
+                        gshard = (gshard * coef)?;
+                    }
+                    d.update(adam, &gshard, lr)?;
+                    d.master.clone()
+                }
+                None => {
+                    let flat = flat.to_device(&Device::Cpu)?;
+                    let mut gshard: Vec<f32> = flat.narrow(0, dp_rank * *shard_len, *shard_len)?.to_vec1()?;
+                    if coef != 1.0 {
+                        gshard.iter_mut().for_each(|x| *x *= coef as f32);
+                    }
+                    adam.update(&gshard, lr);
+                    Tensor::from_slice(&adam.master, adam.master.len(), &Device::Cpu)?
+                }
             };
+            // Gather the updated shards and write back into the Vars.
+            let full = if dp > 1 { Tensor::cat(&g.dp.all_gather(&shard.to_device(&sh.device)?)?, 0)? } else { shard };
             let mut off = 0;
             for ((_, v), &n) in engine.params.iter().zip(&sizes) {
                 let t = full.narrow(0, off, n)?.reshape(v.as_tensor().shape())?.to_dtype(sh.dtype)?.to_device(&sh.device)?;
@@ -429,6 +443,9 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
             if (every > 0 && global_step % every == 0) || stage_end || stop {
                 let (ns, nst) = if stage_end { (si + 1, 0) } else { (si, step + 1) };
                 let data = if stage_end { None } else { Some(loader.state()) };
+                if let Some(d) = dev_opt.as_ref() {
+                    d.to_host(adam)?;
+                }
                 save_checkpoint(sh, &world, g, &engine, adam, *shard_len, ns, nst, global_step, data)?;
             }
             if stop {
