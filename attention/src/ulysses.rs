@@ -18,7 +18,7 @@
 //! exactly the one its query heads use; the copies' gradients sum back.
 
 use crate::comm::Comm;
-use crate::kernel::{self, Mask};
+use crate::local::LocalAttention;
 use crate::mode::AttentionMode;
 use candle_core::{DType, Result, Tensor};
 use std::sync::Arc;
@@ -127,6 +127,51 @@ pub fn check_heads(q: &Tensor, k: &Tensor, v: &Tensor, p: usize) -> Result<usize
     kv_replication(hq, hkv, p)
 }
 
+/// Ulysses around any inner mode (the one mechanism shared by [`Ulysses`] and
+/// [`crate::usp::Usp`]): all-to-all q, k, v to head-sharded form over `comm` (kv heads
+/// replicated when the group outnumbers them), run `inner` on the group's sequence,
+/// all-to-all o and lse back.
+pub fn head_sharded_forward(comm: &dyn Comm, inner: &dyn AttentionMode, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+    let r = check_heads(q, k, v, comm.world())?;
+    let (qh, kh, vh) = to_heads(comm, q, k, v, r)?;
+    let (oh, lseh) = inner.forward(&qh, &kh, &vh, scale)?; // [b,S,hq/P,d], [b,hq/P,S]
+    Ok((heads_to_seq(comm, &oh)?, lse_heads_to_seq(comm, &lseh)?))
+}
+
+/// Backward of [`head_sharded_forward`]: `do`, `o`, `lse` go to head-sharded form, the
+/// inner backward runs there, and `dq`, `dk`, `dv` come back by the inverse all-to-all
+/// (gradients of replicated kv heads summed).
+#[allow(clippy::too_many_arguments)]
+pub fn head_sharded_backward(
+    comm: &dyn Comm,
+    inner: &dyn AttentionMode,
+    d_o: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    scale: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let r = check_heads(q, k, v, comm.world())?;
+    let (qh, kh, vh) = to_heads(comm, q, k, v, r)?;
+    let (doh, oh, lseh) = (seq_to_heads(comm, d_o)?, seq_to_heads(comm, o)?, lse_seq_to_heads(comm, lse)?);
+    let (dqh, dkh, dvh) = inner.backward(&doh, &qh, &kh, &vh, &oh, &lseh, scale)?;
+    let dq = heads_to_seq(comm, &dqh)?;
+    let dk = reduce_replicated_kv_grad(&heads_to_seq(comm, &dkh)?, r)?;
+    let dv = reduce_replicated_kv_grad(&heads_to_seq(comm, &dvh)?, r)?;
+    Ok((dq, dk, dv))
+}
+
+/// q, k, v to head-sharded full sequence (kv replicated `r` times first).
+fn to_heads(comm: &dyn Comm, q: &Tensor, k: &Tensor, v: &Tensor, r: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    Ok((
+        seq_to_heads(comm, q)?,
+        seq_to_heads(comm, &replicate_kv_heads(k, r)?)?,
+        seq_to_heads(comm, &replicate_kv_heads(v, r)?)?,
+    ))
+}
+
 /// Ulysses attention; local tokens are the contiguous slice `[r·s, (r+1)·s)`.
 #[derive(Debug, Clone)]
 pub struct Ulysses {
@@ -137,15 +182,6 @@ impl Ulysses {
     pub fn new(comm: Arc<dyn Comm>) -> Self {
         Self { comm }
     }
-
-    /// q, k, v to head-sharded full sequence (kv replicated as needed).
-    fn to_heads(&self, q: &Tensor, k: &Tensor, v: &Tensor, r: usize) -> Result<(Tensor, Tensor, Tensor)> {
-        let c = self.comm.as_ref();
-        let qh = seq_to_heads(c, q)?;
-        let kh = seq_to_heads(c, &replicate_kv_heads(k, r)?)?;
-        let vh = seq_to_heads(c, &replicate_kv_heads(v, r)?)?;
-        Ok((qh, kh, vh))
-    }
 }
 
 impl AttentionMode for Ulysses {
@@ -154,11 +190,7 @@ impl AttentionMode for Ulysses {
     }
 
     fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
-        let r = check_heads(q, k, v, self.comm.world())?;
-        let (qh, kh, vh) = self.to_heads(q, k, v, r)?;
-        let (oh, lseh) = kernel::fwd(&qh, &kh, &vh, Mask::Causal, scale)?; // [b,S,hq/P,d], [b,hq/P,S]
-        let c = self.comm.as_ref();
-        Ok((heads_to_seq(c, &oh)?, lse_heads_to_seq(c, &lseh)?))
+        head_sharded_forward(self.comm.as_ref(), &LocalAttention, q, k, v, scale)
     }
 
     fn backward(
@@ -171,16 +203,6 @@ impl AttentionMode for Ulysses {
         lse: &Tensor,
         scale: f64,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let r = check_heads(q, k, v, self.comm.world())?;
-        let c = self.comm.as_ref();
-        let (qh, kh, vh) = self.to_heads(q, k, v, r)?;
-        let doh = seq_to_heads(c, d_o)?;
-        let oh = seq_to_heads(c, o)?;
-        let lseh = lse_seq_to_heads(c, lse)?;
-        let (dqh, dkh, dvh) = kernel::bwd(&doh, &qh, &kh, &vh, &oh, &lseh, Mask::Causal, scale)?;
-        let dq = heads_to_seq(c, &dqh)?;
-        let dk = reduce_replicated_kv_grad(&heads_to_seq(c, &dkh)?, r)?;
-        let dv = reduce_replicated_kv_grad(&heads_to_seq(c, &dvh)?, r)?;
-        Ok((dq, dk, dv))
+        head_sharded_backward(self.comm.as_ref(), &LocalAttention, d_o, q, k, v, o, lse, scale)
     }
 }

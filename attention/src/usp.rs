@@ -19,7 +19,7 @@
 use crate::comm::Comm;
 use crate::mode::AttentionMode;
 use crate::ring::ZigzagRing;
-use crate::ulysses::{check_heads, heads_to_seq, lse_heads_to_seq, lse_seq_to_heads, reduce_replicated_kv_grad, replicate_kv_heads, seq_to_heads};
+use crate::ulysses::{head_sharded_backward, head_sharded_forward};
 use candle_core::{Result, Tensor};
 use std::sync::Arc;
 
@@ -56,16 +56,6 @@ impl Usp {
     fn ring_mode(&self) -> ZigzagRing {
         ZigzagRing::new(self.ring.clone())
     }
-
-    /// q, k, v to head-sharded group tokens (kv heads replicated `rep` times first).
-    fn to_heads(&self, q: &Tensor, k: &Tensor, v: &Tensor, rep: usize) -> Result<(Tensor, Tensor, Tensor)> {
-        let c = self.ulysses.as_ref();
-        Ok((
-            seq_to_heads(c, q)?,
-            seq_to_heads(c, &replicate_kv_heads(k, rep)?)?,
-            seq_to_heads(c, &replicate_kv_heads(v, rep)?)?,
-        ))
-    }
 }
 
 impl AttentionMode for Usp {
@@ -74,11 +64,7 @@ impl AttentionMode for Usp {
     }
 
     fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
-        let rep = check_heads(q, k, v, self.ulysses.world())?;
-        let (qh, kh, vh) = self.to_heads(q, k, v, rep)?;
-        let (oh, lseh) = self.ring_mode().forward(&qh, &kh, &vh, scale)?; // [b, s·U, hq/U, d], [b, hq/U, s·U]
-        let c = self.ulysses.as_ref();
-        Ok((heads_to_seq(c, &oh)?, lse_heads_to_seq(c, &lseh)?))
+        head_sharded_forward(self.ulysses.as_ref(), &self.ring_mode(), q, k, v, scale)
     }
 
     fn backward(
@@ -91,14 +77,6 @@ impl AttentionMode for Usp {
         lse: &Tensor,
         scale: f64,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let rep = check_heads(q, k, v, self.ulysses.world())?;
-        let c = self.ulysses.as_ref();
-        let (qh, kh, vh) = self.to_heads(q, k, v, rep)?;
-        let (doh, oh, lseh) = (seq_to_heads(c, d_o)?, seq_to_heads(c, o)?, lse_seq_to_heads(c, lse)?);
-        let (dqh, dkh, dvh) = self.ring_mode().backward(&doh, &qh, &kh, &vh, &oh, &lseh, scale)?;
-        let dq = heads_to_seq(c, &dqh)?;
-        let dk = reduce_replicated_kv_grad(&heads_to_seq(c, &dkh)?, rep)?;
-        let dv = reduce_replicated_kv_grad(&heads_to_seq(c, &dvh)?, rep)?;
-        Ok((dq, dk, dv))
+        head_sharded_backward(self.ulysses.as_ref(), &self.ring_mode(), d_o, q, k, v, o, lse, scale)
     }
 }
