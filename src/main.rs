@@ -100,6 +100,29 @@ fn one_line(s: &str) -> String {
 
 // ------------------------------------------------------------------------ train
 
+/// Sequence-parallel layout and memory flags, shared by `train` and `plan`.
+#[derive(Args, Debug, Default, Clone)]
+struct SpFlags {
+    /// Sequence-parallel degree [default: all ranks for sequence-parallel modes].
+    #[arg(long)]
+    sp_size: Option<usize>,
+    /// USP: Ulysses degree within a ring group.
+    #[arg(long)]
+    ulysses_size: Option<usize>,
+    /// FPDT chunk size in global tokens [default: 65536].
+    #[arg(long)]
+    fpdt_chunk_size: Option<usize>,
+    /// FPDT: park kv chunks (and saved q/o/lse, dq partials) in host memory.
+    #[arg(long)]
+    fpdt_offload: bool,
+    /// Keep saved layer inputs in host memory between forward and backward.
+    #[arg(long)]
+    offload_activations: bool,
+    /// Tokens per chunk for the token-wise parts (MLP, norms, head, loss) [default: 4096].
+    #[arg(long)]
+    token_chunk: Option<usize>,
+}
+
 /// Flags follow EasyContext's train.py where it has them; every flag overrides the
 /// TOML config file given with --config.
 #[derive(Args, Debug, Default)]
@@ -153,24 +176,8 @@ struct TrainArgs {
     /// Ranks in this process (threads sharing the device) when not started by `launch`.
     #[arg(long)]
     world_size: Option<usize>,
-    /// Sequence-parallel degree (default: all ranks for sequence-parallel modes).
-    #[arg(long)]
-    sp_size: Option<usize>,
-    /// USP: Ulysses degree within a ring group.
-    #[arg(long)]
-    ulysses_size: Option<usize>,
-    /// FPDT chunk size in global tokens.
-    #[arg(long)]
-    fpdt_chunk_size: Option<usize>,
-    /// FPDT: keep kv chunks in host memory.
-    #[arg(long)]
-    fpdt_offload: bool,
-    /// Keep saved layer inputs in host memory between forward and backward.
-    #[arg(long)]
-    offload_activations: bool,
-    /// Tokens per chunk for the token-wise parts (MLP, norms, head, loss).
-    #[arg(long)]
-    token_chunk: Option<usize>,
+    #[command(flatten)]
+    sp: SpFlags,
     /// Model dtype on the device: f32, bf16, f16.
     #[arg(long)]
     dtype: Option<String>,
@@ -256,22 +263,19 @@ fn resolve_config(a: &TrainArgs, launched_world: Option<usize>) -> Result<(RunCo
         }
         c.parallel.world_size = w;
     }
-    if let Some(v) = a.sp_size {
+    let sp = &a.sp;
+    if let Some(v) = sp.sp_size {
         c.parallel.sp_size = v;
     }
-    if let Some(v) = a.ulysses_size {
+    if let Some(v) = sp.ulysses_size {
         c.parallel.ulysses_size = v;
     }
-    if let Some(v) = a.fpdt_chunk_size {
+    if let Some(v) = sp.fpdt_chunk_size {
         c.parallel.fpdt_chunk_size = v;
     }
-    if a.fpdt_offload {
-        c.parallel.fpdt_offload = true;
-    }
-    if a.offload_activations {
-        c.parallel.offload_activations = true;
-    }
-    if let Some(v) = a.token_chunk {
+    c.parallel.fpdt_offload |= sp.fpdt_offload;
+    c.parallel.offload_activations |= sp.offload_activations;
+    if let Some(v) = sp.token_chunk {
         c.parallel.token_chunk = v;
     }
     if let Some(v) = &a.dtype {
@@ -843,24 +847,8 @@ struct PlanArgs {
     /// [default: the config's; data_parallel on 1 GPU, else zigzag_ring_attn].
     #[arg(long)]
     parallel_mode: Option<String>,
-    /// Sequence-parallel degree [default: all ranks for sequence-parallel modes].
-    #[arg(long)]
-    sp_size: Option<usize>,
-    /// USP: Ulysses degree within a ring group.
-    #[arg(long)]
-    ulysses_size: Option<usize>,
-    /// FPDT chunk size in global tokens [default: 65536].
-    #[arg(long)]
-    fpdt_chunk_size: Option<usize>,
-    /// FPDT: park kv chunks (and saved q/o/lse, dq partials) in host memory.
-    #[arg(long)]
-    fpdt_offload: bool,
-    /// Keep saved layer inputs in host memory.
-    #[arg(long)]
-    offload_activations: bool,
-    /// Tokens per chunk for the MLP, head and loss [default: 4096].
-    #[arg(long)]
-    token_chunk: Option<usize>,
+    #[command(flatten)]
+    sp: SpFlags,
     /// Sequences per micro-batch per data-parallel rank [default: 1].
     #[arg(long)]
     batch_size: Option<usize>,
@@ -923,12 +911,12 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             r.token_chunk = c.parallel.token_chunk;
             r.batch_size = c.train.batch_size;
         }
-        r.sp = a.sp_size.or(r.sp);
-        r.ulysses = a.ulysses_size.or(r.ulysses);
-        r.fpdt_chunk = a.fpdt_chunk_size.unwrap_or(r.fpdt_chunk);
-        r.fpdt_offload |= a.fpdt_offload;
-        r.offload_activations |= a.offload_activations;
-        r.token_chunk = a.token_chunk.unwrap_or(r.token_chunk);
+        r.sp = a.sp.sp_size.or(r.sp);
+        r.ulysses = a.sp.ulysses_size.or(r.ulysses);
+        r.fpdt_chunk = a.sp.fpdt_chunk_size.unwrap_or(r.fpdt_chunk);
+        r.fpdt_offload |= a.sp.fpdt_offload;
+        r.offload_activations |= a.sp.offload_activations;
+        r.token_chunk = a.sp.token_chunk.unwrap_or(r.token_chunk);
         r.batch_size = a.batch_size.unwrap_or(r.batch_size);
         Ok(r)
     };
@@ -939,7 +927,7 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             for (i, st) in c.stages.iter().enumerate() {
                 let mode = flag_mode.or(st.parallel_mode).unwrap_or(c.parallel.mode);
                 let mut r = base(mode, st.seq_length)?;
-                if a.fpdt_chunk_size.is_none() {
+                if a.sp.fpdt_chunk_size.is_none() {
                     r.fpdt_chunk = st.fpdt_chunk_size.unwrap_or(r.fpdt_chunk);
                 }
                 reqs.push((format!("stage {i} (rope_theta {})", st.rope_theta), r));
