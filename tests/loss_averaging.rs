@@ -24,7 +24,7 @@
 use candle_core::{DType, Device, Tensor};
 use longctx::data::layout::apply_layout_tensors;
 use longctx::dist::dims::ParallelMode;
-use longctx::model::{LlamaConfig, IGNORE_INDEX};
+use longctx::model::LlamaConfig;
 use longctx::train::config::{RunConfig, Stage};
 use longctx::train::engine::{Engine, EngineOptions};
 use longctx::train::init::{random_init, to_vars};
@@ -39,51 +39,18 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
+mod common;
+
 const LOSS_TOL: f64 = 1e-5;
 const GRAD_TOL: f64 = 2e-5;
 const TRAINER_TOL: f64 = 1e-4;
 
 fn config() -> LlamaConfig {
-    let json = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 64,
-        "vocab_size": 61,
-        "tie_word_embeddings": false,
-        "initializer_range": 0.2,
-    });
-    match LlamaConfig::from_value(Path::new("test/config.json"), json) {
-        Ok(c) => c,
-        Err(e) => panic!("test config: {e}"),
-    }
+    common::small_config(false)
 }
 
-/// `ids [b, s]` u32 and shifted targets `[b, s]` i64, `masked(row, t)` → ignored.
 fn batch(b: usize, s: usize, vocab: usize, seed: u64, masked: impl Fn(usize, usize) -> bool) -> longctx::Result<(Tensor, Tensor)> {
-    let mut state = seed | 1;
-    let mut raw = Vec::new();
-    for _ in 0..b * (s + 1) {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        raw.push((state % vocab as u64) as u32);
-    }
-    let (mut x, mut y) = (Vec::new(), Vec::new());
-    for r in 0..b {
-        for t in 0..s {
-            x.push(raw[r * (s + 1) + t]);
-            y.push(if masked(r, t) { IGNORE_INDEX } else { raw[r * (s + 1) + t + 1] as i64 });
-        }
-    }
-    Ok((Tensor::from_vec(x, (b, s), &Device::Cpu)?, Tensor::from_vec(y, (b, s), &Device::Cpu)?))
+    common::token_batch(b, s, vocab, seed, masked)
 }
 
 fn positions(b: usize, s: usize) -> longctx::Result<Tensor> {
@@ -94,11 +61,7 @@ fn count(targets: &Tensor) -> longctx::Result<usize> {
     Ok(targets.flatten_all()?.to_vec1::<i64>()?.iter().filter(|&&t| t >= 0).count())
 }
 
-fn rel_err(got: &Tensor, want: &Tensor) -> longctx::Result<f64> {
-    let diff = (got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-    let norm = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-    Ok(if norm == 0.0 { diff } else { diff / norm })
-}
+use common::rel_err;
 
 /// Mean loss and gradients of the single-device run.
 fn single(cfg: &LlamaConfig, w: &HashMap<String, Tensor>, ids: &Tensor, targets: &Tensor) -> longctx::Result<(f64, Vec<Tensor>)> {

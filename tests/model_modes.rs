@@ -14,7 +14,7 @@
 use candle_core::{DType, Device, Tensor};
 use longctx::data::layout::apply_layout_tensors;
 use longctx::dist::dims::{build_groups, DimsRequest, ParallelDims, ParallelMode};
-use longctx::model::{LlamaConfig, IGNORE_INDEX};
+use longctx::model::LlamaConfig;
 use longctx::train::engine::{Engine, EngineOptions};
 use longctx::train::init::{random_init, to_vars};
 use longctx::train::trainer::{build_mode, local_indices};
@@ -23,8 +23,9 @@ use longctx_attention::layout;
 use longctx_attention::local::LocalAttention;
 use longctx_attention::AttentionMode;
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::Arc;
+
+mod common;
 
 const LOSS_TOL: f64 = 1e-5;
 const GRAD_TOL: f64 = 2e-5;
@@ -39,59 +40,15 @@ const TOKEN_CHUNK: usize = 3;
 /// The test model; `dynamic_rope`: dynamic NTK RoPE with max_position_embeddings 16 < S,
 /// so the rotary base depends on the global length (a shard must not use its own).
 fn config(dynamic_rope: bool) -> LlamaConfig {
-    let mut json = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 64,
-        "vocab_size": 61,
-        "tie_word_embeddings": false,
-        "initializer_range": 0.2,
-    });
-    if dynamic_rope {
-        json["max_position_embeddings"] = 16.into();
-        json["rope_scaling"] = serde_json::json!({"rope_type": "dynamic", "factor": 2.0});
-    }
-    match LlamaConfig::from_value(Path::new("test/config.json"), json) {
-        Ok(c) => c,
-        Err(e) => panic!("test config: {e}"),
-    }
+    common::small_config(dynamic_rope)
 }
 
 /// `ids [B, S]` u32 and shifted `targets [B, S]` i64 with a few ignored tokens.
 fn global_batch(vocab: usize) -> longctx::Result<(Tensor, Tensor)> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut raw = Vec::new();
-    for _ in 0..B * (S + 1) {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        raw.push((state % vocab as u64) as u32);
-    }
-    let (mut x, mut y) = (Vec::new(), Vec::new());
-    for r in 0..B {
-        for t in 0..S {
-            x.push(raw[r * (S + 1) + t]);
-            let ignored = (r == 0 && (5..9).contains(&t)) || (r == 1 && t % 7 == 3);
-            y.push(if ignored { IGNORE_INDEX } else { raw[r * (S + 1) + t + 1] as i64 });
-        }
-    }
-    Ok((Tensor::from_vec(x, (B, S), &Device::Cpu)?, Tensor::from_vec(y, (B, S), &Device::Cpu)?))
+    common::token_batch(B, S, vocab, 0x9e37_79b9_7f4a_7c15, |r, t| (r == 0 && (5..9).contains(&t)) || (r == 1 && t % 7 == 3))
 }
 
-fn rel_err(got: &Tensor, want: &Tensor) -> longctx::Result<f64> {
-    assert_eq!(got.dims(), want.dims());
-    let diff = (got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-    let norm = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-    Ok(if norm == 0.0 { diff } else { diff / norm })
-}
+use common::rel_err;
 
 /// Loss sum, counted tokens and gradients (summed over ranks when distributed).
 struct Outcome {
