@@ -297,7 +297,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
             let decay = decay[dp_rank * shard_len..(dp_rank + 1) * shard_len].to_vec();
             let mut st = AdamW::new(cfg.train.adamw.clone(), master, decay);
             if let (Some((astep, _, _, _)), Some(l)) = (&opt_state, sh.resume) {
-                let (m_all, v_all, w_all) = concat_shards(&l.shards);
+                let (w_all, m_all, v_all) = concat_shards(&l.shards);
                 let (lo, hi) = (dp_rank * shard_len, (dp_rank + 1) * shard_len);
                 let pick = |x: &Vec<f32>| -> Vec<f32> {
                     let mut y: Vec<f32> = x.get(lo.min(x.len())..hi.min(x.len())).unwrap_or(&[]).to_vec();
@@ -446,7 +446,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
                 if let Some(d) = dev_opt.as_ref() {
                     d.to_host(adam)?;
                 }
-                save_checkpoint(sh, &world, g, &engine, adam, *shard_len, ns, nst, global_step, data)?;
+                save_checkpoint(sh, &world, g, &engine, adam, ns, nst, global_step, data)?;
             }
             if stop {
                 stopped = true;
@@ -500,6 +500,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
     Ok(if is_main { Some(summary) } else { None })
 }
 
+/// The per-shard `(master, m, v)` of a checkpoint, concatenated in shard order.
 fn concat_shards(shards: &[(Vec<f32>, Vec<f32>, Vec<f32>)]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let (mut w, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
     for (a, b, c) in shards {
@@ -507,7 +508,7 @@ fn concat_shards(shards: &[(Vec<f32>, Vec<f32>, Vec<f32>)]) -> (Vec<f32>, Vec<f3
         m.extend_from_slice(b);
         v.extend_from_slice(c);
     }
-    (m, v, w)
+    (w, m, v)
 }
 
 /// Sum of a scalar over ranks, as an f64 tensor on the run device (NCCL needs device memory).
@@ -526,7 +527,6 @@ fn save_checkpoint(
     g: &Groups,
     engine: &Engine,
     adam: &AdamW,
-    shard_len: usize,
     stage: usize,
     stage_step: u64,
     global_step: u64,
@@ -546,7 +546,6 @@ fn save_checkpoint(
     if world.rank() == 0 {
         let weights: HashMap<String, Tensor> = engine.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().detach())).collect();
         let shards: Vec<OptimShard<'_>> = (0..dp).map(|d| OptimShard { master: &ws[d], m: &ms[d], v: &vs[d] }).collect();
-        let _ = shard_len;
         let state = TrainState {
             stage,
             stage_step,
