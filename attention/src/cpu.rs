@@ -22,7 +22,7 @@
 //!
 //! Rows whose `lse` is `-inf` (no key anywhere) get `P = 0` and are skipped.
 
-use crate::kernel::{check_shapes, Mask};
+use crate::kernel::{check_bwd_shapes, check_shapes, Mask};
 use candle_core::{DType, Device, Result, Tensor};
 use rayon::prelude::*;
 
@@ -330,13 +330,7 @@ pub fn bwd(
     mask: Mask,
     scale: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let (b, s, t, hq, hkv, d) = check_shapes(q, k, v, mask)?;
-    if d_o.dims() != q.dims() || o.dims() != q.dims() {
-        return crate::shape_err!("cpu::bwd: do {:?} and o {:?} must match q {:?}", d_o.dims(), o.dims(), q.dims());
-    }
-    if lse.dims() != [b, hq, s] {
-        return crate::shape_err!("cpu::bwd: lse {:?} must be [b,hq,s] = {:?}", lse.dims(), [b, hq, s]);
-    }
+    let (b, s, t, hq, hkv, d) = check_bwd_shapes(d_o, q, k, v, o, lse, mask)?;
     let dm = Dims { s, t, hq, hkv, d, causal: mask == Mask::Causal };
     let d_of = host_f32(d_o)?;
     let of = host_f32(o)?;

@@ -34,6 +34,29 @@ pub fn check_shapes(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask) -> Result<(u
     Ok((b, s, t, hq, hkv, d))
 }
 
+/// [`check_shapes`] plus the backward's extra inputs: `do` and `o` shaped like `q`,
+/// `lse [b, hq, s]`. Returns (b, s, t, hq, hkv, d).
+#[allow(clippy::too_many_arguments)]
+pub fn check_bwd_shapes(
+    d_o: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    mask: Mask,
+) -> Result<(usize, usize, usize, usize, usize, usize)> {
+    let dims = check_shapes(q, k, v, mask)?;
+    let (b, s, _, hq, _, _) = dims;
+    if d_o.dims() != q.dims() || o.dims() != q.dims() {
+        return crate::shape_err!("attention backward: do {:?} and o {:?} must match q {:?}", d_o.dims(), o.dims(), q.dims());
+    }
+    if lse.dims() != [b, hq, s] {
+        return crate::shape_err!("attention backward: lse {:?} must be [b, hq, s] = {:?}", lse.dims(), [b, hq, s]);
+    }
+    Ok(dims)
+}
+
 /// Block forward on whatever device the inputs live on.
 pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> Result<(Tensor, Tensor)> {
     check_shapes(q, k, v, mask)?;
@@ -57,7 +80,7 @@ pub fn bwd(
     mask: Mask,
     scale: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    check_shapes(q, k, v, mask)?;
+    check_bwd_shapes(d_o, q, k, v, o, lse, mask)?;
     match q.device() {
         candle_core::Device::Cpu => crate::cpu::bwd(d_o, q, k, v, o, lse, mask, scale),
         #[cfg(feature = "cuda")]

@@ -10,7 +10,7 @@
 //! Masked scores are `-inf` and become probability exactly 0: no arithmetic ever
 //! subtracts two infinities.
 
-use crate::kernel::{check_shapes, Mask};
+use crate::kernel::{check_bwd_shapes, check_shapes, Mask};
 use candle_core::{DType, Device, Result, Tensor, D};
 
 /// `[b,n,h,d]` token-major -> `[b,h,n,d]` head-major, contiguous, in `dtype`.
@@ -93,13 +93,7 @@ pub fn bwd(
     mask: Mask,
     scale: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let (b, s, _t, hq, hkv, _d) = check_shapes(q, k, v, mask)?;
-    if d_o.dims() != q.dims() || o.dims() != q.dims() {
-        return crate::shape_err!("naive::bwd: do {:?} and o {:?} must match q {:?}", d_o.dims(), o.dims(), q.dims());
-    }
-    if lse.dims() != [b, hq, s] {
-        return crate::shape_err!("naive::bwd: lse {:?} must be [b,hq,s] = {:?}", lse.dims(), [b, hq, s]);
-    }
+    let (_b, _s, _t, hq, hkv, _d) = check_bwd_shapes(d_o, q, k, v, o, lse, mask)?;
     let dt = q.dtype();
     let g = hq / hkv;
     let qh = heads_first(q, dt)?;

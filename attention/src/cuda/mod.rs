@@ -212,15 +212,7 @@ fn try_bwd(
     scale: f64,
 ) -> std::result::Result<(Tensor, Tensor, Tensor), Refusal> {
     let (desc, dev) = describe(q, k, v, mask, scale)?;
-    let (b, s, hq) = (desc.b as usize, desc.s as usize, desc.hq as usize);
-    for (name, x) in [("do", d_o), ("o", o)] {
-        if x.dims() != q.dims() {
-            return Err(AttnError::Shape(format!("{name} {:?} differs from q {:?}", x.dims(), q.dims())).into());
-        }
-    }
-    if lse.dims() != [b, hq, s] {
-        return Err(AttnError::Shape(format!("lse {:?}, expected [{b}, {hq}, {s}]", lse.dims())).into());
-    }
+    crate::kernel::check_bwd_shapes(d_o, q, k, v, o, lse, mask)?;
     let dt = q.dtype();
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let o = o.to_dtype(dt)?.contiguous()?;
