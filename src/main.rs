@@ -435,9 +435,7 @@ fn download_hub_config(opts: &longctx::hub::HubOptions, repo_id: &str, revision:
 }
 
 fn parse_dtype(s: &str, field: &str) -> Result<candle_core::DType> {
-    Ok(longctx::train::trainer::parse_dtype(s, Path::new("<flags>")).map_err(|_| {
-        longctx::Error::config("<flags>", field, format!("expected f32, bf16 or f16, got `{s}`"))
-    })?)
+    Ok(longctx::train::trainer::parse_dtype(s, Path::new("<flags>"), field)?)
 }
 
 fn size_arg(s: &str) -> std::result::Result<u64, String> {

@@ -64,12 +64,14 @@ pub struct StartModel {
     pub tokenizer: Option<tokenizers::Tokenizer>,
 }
 
-pub fn parse_dtype(s: &str, field_src: &Path) -> Result<DType> {
+/// A dtype name (`f32`/`float32`, `bf16`/`bfloat16`, `f16`/`float16`); errors name
+/// `file` and `field`.
+pub fn parse_dtype(s: &str, file: &Path, field: &str) -> Result<DType> {
     match s {
         "f32" | "float32" => Ok(DType::F32),
         "bf16" | "bfloat16" => Ok(DType::BF16),
         "f16" | "float16" => Ok(DType::F16),
-        _ => Err(Error::config(field_src, "model.dtype", format!("expected f32, bf16 or f16, got `{s}`"))),
+        _ => Err(Error::config(file, field, format!("expected f32, bf16 or f16, got `{s}`"))),
     }
 }
 
@@ -192,7 +194,7 @@ pub fn run(cfg: &RunConfig, resume: bool) -> Result<RunSummary> {
 pub fn run_with_limits(cfg: &RunConfig, resume: bool, limits: RunLimits) -> Result<RunSummary> {
     let src = Path::new("<run config>");
     let device = parse_device(&cfg.model.device, src)?;
-    let dtype = if device.is_cpu() { DType::F32 } else { parse_dtype(&cfg.model.dtype, src)? };
+    let dtype = if device.is_cpu() { DType::F32 } else { parse_dtype(&cfg.model.dtype, src, "model.dtype")? };
     let model = load_start_model(cfg)?;
     let loaded = if resume { Some(checkpoint::load(&cfg.output_dir)?) } else { None };
     let shared = Shared { cfg, model: &model, device, dtype, resume: loaded.as_ref(), limits };
@@ -482,7 +484,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
         let mut json = sh.model.config_json.clone();
         crate::hub::set_context_fields(&mut json, theta, max_pos)?;
         let dtype = match &cfg.export.dtype {
-            Some(d) => Some(parse_dtype(d, Path::new("<run config>"))?),
+            Some(d) => Some(parse_dtype(d, Path::new("<run config>"), "export.dtype")?),
             None => None,
         };
         if let Some(d) = dtype {
@@ -579,7 +581,7 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistE
     }
     let device = Device::new_cuda(env.local_rank)
         .map_err(|e| Error::Setting(format!("rank {}: cannot open cuda:{} ({e}); one process per GPU", env.rank, env.local_rank)))?;
-    let dtype = parse_dtype(&cfg.model.dtype, src)?;
+    let dtype = parse_dtype(&cfg.model.dtype, src, "model.dtype")?;
     let opts = RendezvousOptions::from_env()?;
     let rdv = rendezvous(env, || NcclComm::unique_id().map_err(Error::from), &opts)?;
     let comm = NcclComm::new(&device, env.rank, env.world, &rdv.blob)?;
