@@ -110,7 +110,7 @@ fn retain_pool(_dev: &Device) -> anyhow::Result<()> {
 
 // ---------------------------------------------------------------- throughput
 
-fn median(mut xs: Vec<f64>) -> f64 {
+pub(crate) fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(|a, b| a.total_cmp(b));
     let n = xs.len();
     if n % 2 == 1 {

@@ -9,10 +9,12 @@
 //! - `plan`: per-GPU memory of a layout, whether it fits, and a layout that does;
 //! - `launch`: one process per GPU (`longctx launch --nproc-per-node 8 -- train ...`);
 //! - `bench attention`: throughput and correctness of the attention kernel (CUDA).
+//! - `bench engine`: step time and memory of the training engine, activation offload on/off.
 //!
 //! Every failure prints one `error: ...` line (with context) and exits with status 1.
 
 mod bench;
+mod bench_engine;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -61,6 +63,9 @@ enum Cmd {
 enum BenchCmd {
     /// Attention kernel throughput (TFLOP/s) and correctness checks of every mode (CUDA build).
     Attention(bench::BenchAttentionArgs),
+    /// One forward+backward of the layer-wise engine: step time, tokens/s, device memory
+    /// peak, with layer inputs on the device and/or offloaded (gradients compared).
+    Engine(bench_engine::BenchEngineArgs),
 }
 
 fn main() {
@@ -86,6 +91,7 @@ fn main() {
         Cmd::Plan(a) => plan_cmd(a),
         Cmd::Launch(a) => launch(a),
         Cmd::Bench { what: BenchCmd::Attention(a) } => bench::attention(&a),
+        Cmd::Bench { what: BenchCmd::Engine(a) } => bench_engine::engine(&a),
     };
     if let Err(e) = res {
         eprintln!("error: {}", one_line(&format!("{e:#}")));

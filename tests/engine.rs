@@ -203,3 +203,67 @@ fn scale_is_linear() -> longctx::Result<()> {
     }
     Ok(())
 }
+
+/// Address of a CPU f32 tensor's buffer.
+fn data_ptr(t: &Tensor) -> usize {
+    match &*t.storage_and_layout().0 {
+        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.as_ptr() as usize,
+        _ => panic!("expected a CPU f32 tensor"),
+    }
+}
+
+/// The activation store hands back exactly what was pushed, in the backward's order
+/// (take `l`, prefetch `l − 1`), keeps copies (not aliases) when offloading, counts bytes,
+/// and refuses a second take or a missing slot with an error.
+#[test]
+fn activation_store_protocol() -> longctx::Result<()> {
+    use longctx::train::offload::ActivationStore;
+    let dev = Device::Cpu;
+    let xs: Vec<Tensor> = (0..3).map(|i| Tensor::arange(0f32, 24.0, &dev)?.affine(1.0, i as f64)?.reshape((2, 3, 4))).collect::<candle_core::Result<_>>()?;
+    for offload in [false, true] {
+        let mut st = ActivationStore::new(offload);
+        for step in 0..2 {
+            st.begin()?;
+            for x in &xs {
+                st.push(x)?;
+            }
+            st.end_forward()?;
+            assert_eq!(st.len(), 3);
+            assert_eq!(st.bytes(), (3 * 24 * 4, if offload { 3 * 24 * 4 } else { 0 }), "offload {offload} step {step}");
+            for l in (0..3).rev() {
+                let t = st.take(l, &dev)?;
+                if l > 0 {
+                    st.prefetch(l - 1, &dev)?;
+                }
+                assert_eq!(t.dims(), &[2, 3, 4]);
+                assert_eq!(t.flatten_all()?.to_vec1::<f32>()?, xs[l].flatten_all()?.to_vec1::<f32>()?, "slot {l}");
+                let same_storage = data_ptr(&t) == data_ptr(&xs[l]);
+                assert_eq!(same_storage, !offload, "offload {offload}: slot {l} must be a copy exactly when offloading");
+                let again = st.take(l, &dev);
+                assert!(again.is_err_and(|e| e.to_string().contains("taken twice")), "slot {l} taken twice");
+            }
+            assert!(st.take(3, &dev).is_err_and(|e| e.to_string().contains("no saved layer input 3")));
+        }
+    }
+    Ok(())
+}
+
+/// An engine reused across steps (its store begins afresh each step) gives the same
+/// gradients as a fresh one, with and without offload.
+#[test]
+fn engine_reused_across_steps() -> longctx::Result<()> {
+    let cfg = config(4, 2, false, false, 3);
+    let (ids, targets, pos) = batch(2, 11, cfg.vocab_size, |_, _| false)?;
+    let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
+    for offload in [false, true] {
+        let eng = engine(&cfg, 4, offload)?;
+        let first = eng.step(&ids, &targets, &pos, 11, &attn, 0.1)?;
+        let second = eng.step(&ids, &targets, &pos, 11, &attn, 0.1)?;
+        assert_eq!(first.loss_sum, second.loss_sum);
+        assert_eq!(first.memory, second.memory);
+        for ((name, _), (a, b)) in eng.params.iter().zip(first.grads.iter().zip(&second.grads)) {
+            assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?, "offload {offload}: {name}");
+        }
+    }
+    Ok(())
+}

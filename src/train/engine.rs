@@ -3,8 +3,9 @@
 //! Candle keeps every intermediate of a graph alive until `backward()` returns, so a long
 //! sequence cannot be trained through one graph. Instead:
 //! 1. forward: embed, then each decoder layer on *untracked* weights (detached views of the
-//!    same storage), keeping only each layer's input `x_l [b, s, h]` (on the device, or
-//!    copied to host memory when offloading);
+//!    same storage), keeping only each layer's input `x_l [b, s, h]` in an
+//!    [`ActivationStore`] (on the device, or in pinned host memory with copies that overlap
+//!    compute when offloading);
 //! 2. head: the final norm, `lm_head` and the cross-entropy run chunk by chunk over tokens
 //!    (`token_chunk` tokens at a time), so the `[tokens, vocab]` logits never exist whole;
 //!    each chunk's backward gives the grads of norm/head and a slice of `dL/dx_L`;
@@ -19,12 +20,13 @@
 //! Shapes: `b` batch, `s` local tokens, `h` hidden, `V` vocabulary, `c` tokens per chunk.
 
 use crate::model::{Llama, RopeTable};
+use crate::train::offload::ActivationStore;
 use crate::Result;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use candle_nn::VarBuilder;
 use longctx_attention::AttentionMode;
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Knobs of the engine.
 #[derive(Clone, Debug)]
@@ -71,6 +73,8 @@ pub struct Engine {
     /// `(name, var)` for every parameter, in the model's order.
     pub params: Vec<(String, Var)>,
     pub opts: EngineOptions,
+    /// Saved layer inputs; kept across steps so pinned host buffers are reused.
+    store: Mutex<ActivationStore>,
 }
 
 fn bytes(t: &Tensor) -> usize {
@@ -92,7 +96,8 @@ impl Engine {
         let vb = VarBuilder::from_tensors(plain_map, tracked.dtype(), &dev);
         let mut plain = Llama::load(vb, &tracked.cfg)?;
         plain.rope = tracked.rope.clone();
-        Ok(Self { tracked, plain, params, opts })
+        let store = Mutex::new(ActivationStore::new(opts.offload_activations));
+        Ok(Self { tracked, plain, params, opts, store })
     }
 
     /// Build both views from Vars (one per parameter name, dtype and device of the run).
@@ -102,6 +107,11 @@ impl Engine {
         let map: HashMap<String, Tensor> = vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
         let tracked = Llama::load(VarBuilder::from_tensors(map, dtype, &dev), cfg)?;
         Self::new(tracked, vars, opts)
+    }
+
+    /// Pinned host memory held for offloaded layer inputs (bytes; CUDA only).
+    pub fn pinned_bytes(&self) -> usize {
+        self.store.lock().map(|s| s.pinned_bytes()).unwrap_or(0)
     }
 
     /// Use `rope_theta` from now on (a new stage); both views.
@@ -149,16 +159,13 @@ impl Engine {
         let mut acc: Vec<Option<Tensor>> = vec![None; self.params.len()];
         let chunks = self.chunks(s);
 
+        let mut store = self.store.lock().map_err(|_| crate::Error::Setting("activation store poisoned by a failed step".into()))?;
+        store.begin()?;
+
         // 1. forward, graph-free; keep layer inputs.
         let mut x = self.plain.embed(ids)?; // [b, s, h]
-        let mut saved: Vec<Tensor> = Vec::with_capacity(self.plain.layers.len());
         for layer in &self.plain.layers {
-            let keep = if self.opts.offload_activations { x.to_device(&Device::Cpu)? } else { x.clone() };
-            mem.saved_bytes += bytes(&keep);
-            if self.opts.offload_activations {
-                mem.saved_host_bytes += bytes(&keep);
-            }
-            saved.push(keep);
+            store.push(&x)?;
             let a = layer.self_attn.forward(&layer.input_layernorm.forward(&x)?, &rope, attn)?;
             let hmid = x.add(&a)?;
             let mut outs = Vec::with_capacity(chunks.len());
@@ -170,6 +177,8 @@ impl Engine {
             }
             x = Tensor::cat(&outs, 1)?;
         }
+        store.end_forward()?;
+        (mem.saved_bytes, mem.saved_host_bytes) = store.bytes();
 
         // 2. head + loss, chunked; dL/dx_L.
         let mut loss_sum = 0f64;
@@ -193,8 +202,12 @@ impl Engine {
         drop(x);
 
         // 3. layers, top first: recompute one layer with tracked weights.
-        for (layer, x_in) in self.tracked.layers.iter().zip(saved.into_iter()).rev() {
-            let x_in = Var::from_tensor(&x_in.to_device(&dev)?)?;
+        for (l, layer) in self.tracked.layers.iter().enumerate().rev() {
+            let x_in = store.take(l, &dev)?;
+            if l > 0 {
+                store.prefetch(l - 1, &dev)?; // its copy overlaps this layer's backward
+            }
+            let x_in = Var::from_tensor(&x_in)?;
             let a = layer.self_attn.forward(&layer.input_layernorm.forward(x_in.as_tensor())?, &rope, attn)?;
             let hmid = x_in.as_tensor().add(&a)?; // tracked graph of the attention half
             let hplain = hmid.detach();

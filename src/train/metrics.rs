@@ -28,6 +28,19 @@ pub struct StepLine {
     pub engine_seconds: f64,
     pub seq_len: usize,
     pub memory: MemoryReport,
+    /// Most device memory in use during the step (bytes; CUDA only).
+    pub device_peak: Option<u64>,
+}
+
+/// Device memory in use now and at most since the last reset (bytes), on CUDA; resets the
+/// high-water mark when `reset`. `None` on other devices.
+pub fn device_memory(dev: &candle_core::Device, reset: bool) -> Result<Option<(u64, u64)>> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(c) = dev {
+        return Ok(Some(longctx_attention::cuda::pool_memory(c, reset)?));
+    }
+    let _ = (dev, reset);
+    Ok(None)
 }
 
 pub struct Metrics {
@@ -97,12 +110,14 @@ impl Metrics {
             "stage": l.stage, "step": l.step, "global_step": l.global_step, "loss": l.loss, "lr": l.lr,
             "grad_norm": l.grad_norm, "tokens": l.tokens, "seconds": l.seconds, "engine_seconds": l.engine_seconds, "tokens_per_s": tok_s,
             "mfu": if self.gpu { Some(mfu) } else { None }, "seq_len": l.seq_len,
-            "saved_activation_bytes": l.memory.saved_bytes, "transient_bytes": l.memory.transient_bytes,
+            "saved_activation_bytes": l.memory.saved_bytes, "saved_host_bytes": l.memory.saved_host_bytes,
+            "transient_bytes": l.memory.transient_bytes, "device_peak_bytes": l.device_peak,
         });
         writeln!(self.file, "{line}").map_err(|e| Error::io(&self.path, e))?;
         let mfu_s = if self.gpu { format!(" mfu {:.1}%", 100.0 * mfu) } else { String::new() };
+        let peak_s = l.device_peak.map(|b| format!(" peak {:.2} GiB", gib(b as usize))).unwrap_or_default();
         let msg = format!(
-            "loss {:.4} lr {:.2e} {:.0} tok/s{mfu_s} act {:.2} GiB",
+            "loss {:.4} lr {:.2e} {:.0} tok/s{mfu_s} act {:.2} GiB{peak_s}",
             l.loss,
             l.lr,
             tok_s,
@@ -136,6 +151,9 @@ impl Metrics {
             gib(s.memory.saved_host_bytes),
             gib(s.memory.transient_bytes)
         );
+        if let Some(p) = s.device_peak {
+            eprintln!("  device memory: peak {:.2} GiB in use", gib(p as usize));
+        }
         eprintln!("  export: {}", s.export_dir.display());
         eprintln!("  metrics: {}", self.path.display());
         Ok(())

@@ -8,4 +8,5 @@ pub use config::{ParallelMode, RunConfig, Stage};
 pub mod engine;
 pub mod init;
 pub mod metrics;
+pub mod offload;
 pub mod trainer;

@@ -38,6 +38,8 @@ pub struct RunSummary {
     pub export_dir: PathBuf,
     /// Largest memory report seen (rank 0).
     pub memory: MemoryReport,
+    /// Most device memory in use in any step (rank 0, CUDA only).
+    pub device_peak: Option<u64>,
     /// False when [`RunLimits`] stopped the run before its last step: a checkpoint was
     /// written at the stop, no export.
     pub completed: bool,
@@ -82,9 +84,14 @@ pub fn parse_device(s: &str, field_src: &Path) -> Result<Device> {
             let idx = s.strip_prefix("cuda:").map(|i| i.parse::<usize>()).transpose().map_err(|_| {
                 Error::config(field_src, "model.device", format!("expected cpu, cuda or cuda:N, got `{s}`"))
             })?;
-            Device::new_cuda(idx.unwrap_or(0)).map_err(|e| {
+            let dev = Device::new_cuda(idx.unwrap_or(0)).map_err(|e| {
                 Error::config(field_src, "model.device", format!("cannot open `{s}`: {e} (is this a CUDA build? see README, GPU build)"))
-            })
+            })?;
+            // Keep freed memory in the pool: each step synchronises, and with the default
+            // release threshold the pool would hand memory back and map it again every step.
+            #[cfg(feature = "cuda")]
+            longctx_attention::cuda::retain_pool_memory(dev.as_cuda_device()?)?;
+            Ok(dev)
         }
         _ => Err(Error::config(field_src, "model.device", format!("expected cpu, cuda or cuda:N, got `{s}`"))),
     }
@@ -224,6 +231,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
 
     let mut stage_losses = Vec::new();
     let mut memory = MemoryReport::default();
+    let mut device_peak: Option<u64> = None;
     let mut total_tokens = 0u64;
     let mut global_step = 0u64;
     let mut metrics = if is_main { Some(Metrics::new(&cfg.output_dir, cfg, n_params, mcfg)?) } else { None };
@@ -343,6 +351,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
                 break;
             }
             let ts = Instant::now();
+            crate::train::metrics::device_memory(&sh.device, true)?; // reset the high-water mark
             let mut engine_seconds = 0f64;
             // Micro-batches of this step, localized.
             let mut micro = Vec::new();
@@ -423,6 +432,8 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
             if !loss.is_finite() {
                 return Err(Error::Setting(format!("stage {si} step {step}: loss is {loss}; lower the learning rate or check the data")));
             }
+            let step_peak = crate::train::metrics::device_memory(&sh.device, false)?.map(|(_, high)| high);
+            device_peak = device_peak.max(step_peak);
             if let Some(m) = metrics.as_mut() {
                 m.step(&StepLine {
                     stage: si,
@@ -437,6 +448,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
                     engine_seconds,
                     seq_len: stage.seq_length,
                     memory,
+                    device_peak: step_peak,
                 })?;
             }
             let every = cfg.train.checkpoint_every;
@@ -471,7 +483,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
             );
         }
         let export_dir = cfg.output_dir.join("export");
-        let summary = RunSummary { stage_losses, steps: global_step, tokens: total_tokens, seconds: t0.elapsed().as_secs_f64(), export_dir, memory, completed: false };
+        let summary = RunSummary { stage_losses, steps: global_step, tokens: total_tokens, seconds: t0.elapsed().as_secs_f64(), export_dir, memory, device_peak, completed: false };
         return Ok(if is_main { Some(summary) } else { None });
     }
 
@@ -495,7 +507,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
         crate::hub::export(&export_dir, &tensors, &json, sh.model.source_dir.as_deref(), &opts)?;
     }
     world.barrier()?;
-    let summary = RunSummary { stage_losses, steps: global_step, tokens: total_tokens, seconds: t0.elapsed().as_secs_f64(), export_dir, memory, completed: true };
+    let summary = RunSummary { stage_losses, steps: global_step, tokens: total_tokens, seconds: t0.elapsed().as_secs_f64(), export_dir, memory, device_peak, completed: true };
     if let Some(m) = metrics.as_mut() {
         m.finish(&summary)?;
     }

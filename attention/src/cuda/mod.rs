@@ -88,6 +88,30 @@ pub fn retain_pool_memory(dev: &CudaDevice) -> Result<()> {
     Ok(())
 }
 
+/// Bytes of the device's default memory pool (the one Candle allocates from) in use now,
+/// and the most in use since the last reset; resets the high-water mark when `reset`.
+pub fn pool_memory(dev: &CudaDevice, reset: bool) -> Result<(u64, u64)> {
+    use candle_core::cuda::cudarc::driver::sys;
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.bind_to_thread().w()?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let (mut used, mut high): (u64, u64) = (0, 0);
+    // SAFETY: plain driver calls on the bound context's device with valid out-pointers.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().w()?;
+        let get = |attr, out: &mut u64| sys::cuMemPoolGetAttribute(pool, attr, out as *mut u64 as *mut c_void).result().w();
+        get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &mut used)?;
+        get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut high)?;
+        if reset {
+            let mut zero: u64 = 0;
+            sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut zero as *mut u64 as *mut c_void)
+                .result()
+                .w()?;
+        }
+    }
+    Ok((used, high))
+}
+
 /// Why the fused kernel did not run.
 enum Refusal {
     /// cuDNN cannot do this call here (dtype, head dim, GPU, library missing): the naive

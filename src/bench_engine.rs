@@ -1,0 +1,204 @@
+//! `longctx bench engine`: one forward+backward of the layer-wise engine on one device,
+//! with layer inputs kept on the device and/or offloaded to host memory.
+//!
+//! For each sequence length and offload setting: `--warmup` untimed steps, then `--iters`
+//! timed steps (wall clock; each step ends with a device synchronisation because the loss
+//! is read back). Reported per setting: median seconds, tokens/s, the device memory pool's
+//! high-water mark during the timed steps, saved layer-input bytes and pinned host bytes.
+//!
+//! With `--offload both`, the gradients of the offloaded run are compared with those kept
+//! on the device: `max |g_off - g_dev| / max |g_dev|` over every parameter (worst one
+//! reported), beside the same figure for two identical runs without offload (the run-to-run
+//! noise of the kernels). The command fails when the offload difference exceeds the
+//! run-to-run difference by more than `--tolerance` (default 0: offload must change nothing
+//! beyond that noise). One JSON line per setting goes to stdout; the table to stderr.
+
+use crate::bench::median;
+use anyhow::{bail, Context};
+use candle_core::{DType, Tensor, Var};
+use longctx::model::LlamaConfig;
+use longctx::train::engine::{Engine, EngineOptions};
+use longctx::train::metrics::device_memory;
+use longctx::train::trainer::{load_start_model, parse_device};
+use longctx::train::RunConfig;
+use longctx_attention::local::LocalAttention;
+use longctx_attention::AttentionMode;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Arguments of `longctx bench engine`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchEngineArgs {
+    /// Model: `builtin:NAME` (random weights; tiny, tinyllama-1.1b-shape, llama2-7b-shape),
+    /// a directory or a Hugging Face repo id.
+    #[arg(long, default_value = "builtin:tinyllama-1.1b-shape")]
+    pub model: String,
+    /// Sequence lengths (tokens per sequence) to run.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![16384usize, 65536])]
+    pub seq: Vec<usize>,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Tokens per chunk of the token-wise parts (MLP, norms, head, loss).
+    #[arg(long, default_value_t = 8192)]
+    pub token_chunk: usize,
+    /// Weight and activation type on a GPU (bf16, f16, f32); the CPU always uses f32.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cuda")]
+    pub device: String,
+    /// Layer inputs: `off` (kept on the device), `on` (host memory), `both` (compare).
+    #[arg(long, default_value = "both", value_parser = ["off", "on", "both"])]
+    pub offload: String,
+    /// Untimed steps per setting.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Timed steps per setting (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub iters: usize,
+    /// Allowed excess of the offload gradient difference over the run-to-run difference.
+    #[arg(long, default_value_t = 0.0)]
+    pub tolerance: f64,
+    /// Seed of the random weights and tokens.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+struct Outcome {
+    seconds: f64,
+    peak: Option<u64>,
+    saved: usize,
+    host: usize,
+    loss: f64,
+    /// Gradients of the last two timed steps.
+    grads: Vec<Tensor>,
+    prev: Option<Vec<Tensor>>,
+}
+
+/// Worst `max|a-b| / max|b|` over parameters.
+fn grad_diff(a: &[Tensor], b: &[Tensor]) -> anyhow::Result<f64> {
+    let mut worst = 0f64;
+    for (x, r) in a.iter().zip(b) {
+        let d = x.sub(r)?.abs()?.max_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let m = r.abs()?.max_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        worst = worst.max(if m > 0.0 { d / m } else { d });
+    }
+    Ok(worst)
+}
+
+/// Bytes in MiB below 1 GiB, else in GiB.
+fn human(b: u64) -> String {
+    if b < 1 << 30 {
+        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+    } else {
+        format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+    }
+}
+
+pub fn engine(a: &BenchEngineArgs) -> anyhow::Result<()> {
+    if a.iters == 0 {
+        bail!("--iters must be at least 1");
+    }
+    let dev = parse_device(&a.device, Path::new("--device"))?;
+    let dtype = if dev.is_cpu() { DType::F32 } else { longctx::train::trainer::parse_dtype(&a.dtype, Path::new("--dtype"), "dtype")? };
+    let mut rc = RunConfig::plain();
+    rc.model.source = a.model.clone();
+    rc.seed = a.seed;
+    let start = load_start_model(&rc).context("loading the model")?;
+    let cfg: &LlamaConfig = &start.cfg;
+    let mut vars: HashMap<String, Var> = HashMap::new();
+    for (n, t) in &start.weights {
+        vars.insert(n.clone(), Var::from_tensor(&t.to_dtype(dtype)?.to_device(&dev)?)?);
+    }
+    drop(start.weights);
+    let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
+    let settings: Vec<bool> = match a.offload.as_str() {
+        "off" => vec![false],
+        "on" => vec![true],
+        _ => vec![false, true],
+    };
+    eprintln!(
+        "bench engine: {} ({} layers, hidden {}), batch {}, token chunk {}, {:?} on {:?}",
+        a.model, cfg.num_hidden_layers, cfg.hidden_size, a.batch, a.token_chunk, dtype, dev
+    );
+    eprintln!("{:>8} {:>8} {:>9} {:>10} {:>11} {:>11} {:>11}", "seq", "offload", "step s", "tok/s", "dev peak", "saved", "pinned");
+    let mut failed = false;
+    for &s in &a.seq {
+        let n = a.batch * s;
+        let ids: Vec<u32> = (0..n).map(|i| ((i as u64 * 2654435761 + a.seed) % cfg.vocab_size as u64) as u32).collect();
+        let targets: Vec<i64> = (0..n).map(|i| ((i as u64 * 40503 + 7 + a.seed) % cfg.vocab_size as u64) as i64).collect();
+        let pos: Vec<u32> = (0..n).map(|i| (i % s) as u32).collect();
+        let ids = Tensor::from_vec(ids, (a.batch, s), &dev)?;
+        let targets = Tensor::from_vec(targets, (a.batch, s), &dev)?;
+        let pos = Tensor::from_vec(pos, (a.batch, s), &dev)?;
+        let mut outs: Vec<(bool, Outcome)> = Vec::new();
+        for &off in &settings {
+            let eng = Engine::from_vars(cfg, &vars, EngineOptions { token_chunk: a.token_chunk, offload_activations: off })?;
+            let run = |eng: &Engine| eng.step(&ids, &targets, &pos, s, &attn, 1.0 / n as f64);
+            for _ in 0..a.warmup {
+                run(&eng)?;
+            }
+            dev.synchronize()?;
+            device_memory(&dev, true)?;
+            let (mut ts, mut last, mut prev) = (Vec::new(), None, None);
+            for _ in 0..a.iters {
+                let t0 = Instant::now();
+                let r = run(&eng)?;
+                dev.synchronize()?;
+                ts.push(t0.elapsed().as_secs_f64());
+                // Two steps' gradients are kept only to measure run-to-run noise.
+                prev = last.replace(r).filter(|_| settings.len() > 1);
+            }
+            let r = last.context("no timed step")?;
+            let o = Outcome {
+                seconds: median(ts),
+                peak: device_memory(&dev, false)?.map(|(_, h)| h),
+                saved: r.memory.saved_bytes,
+                host: eng.pinned_bytes().max(r.memory.saved_host_bytes),
+                loss: r.loss_sum / r.n_tokens.max(1) as f64,
+                grads: r.grads,
+                prev: prev.map(|p| p.grads),
+            };
+            let tok_s = n as f64 / o.seconds;
+            eprintln!(
+                "{:>8} {:>8} {:>9.3} {:>10.0} {:>11} {:>11} {:>11}",
+                s,
+                if off { "host" } else { "device" },
+                o.seconds,
+                tok_s,
+                o.peak.map(human).unwrap_or_else(|| "-".into()),
+                human(o.saved as u64),
+                human(o.host as u64),
+            );
+            println!(
+                "{}",
+                serde_json::json!({"seq": s, "batch": a.batch, "offload": off, "seconds": o.seconds, "tokens_per_s": tok_s,
+                    "device_peak_bytes": o.peak, "saved_bytes": o.saved, "host_bytes": o.host, "loss": o.loss})
+            );
+            outs.push((off, o));
+        }
+        if let [(false, dev_run), (true, host_run)] = &outs[..] {
+            let noise = match &dev_run.prev {
+                Some(p) => grad_diff(p, &dev_run.grads)?,
+                None => 0.0,
+            };
+            let diff = grad_diff(&host_run.grads, &dev_run.grads)?;
+            let ok = diff <= noise + a.tolerance;
+            failed |= !ok;
+            eprintln!(
+                "  seq {s}: gradients offloaded vs kept {diff:.3e}, two runs kept {noise:.3e}, losses {:.6} / {:.6}: {}",
+                host_run.loss,
+                dev_run.loss,
+                if ok { "ok" } else { "FAILED" }
+            );
+            println!("{}", serde_json::json!({"seq": s, "grad_diff_offload": diff, "grad_diff_runs": noise, "ok": ok}));
+        }
+    }
+    if failed {
+        bail!("offloaded gradients differ from those kept on the device beyond the run-to-run noise");
+    }
+    Ok(())
+}
