@@ -7,13 +7,16 @@
 #     per-step losses must be identical;
 #  3. `train` of the TinyLlama-1.1B shape at 64K, offload off/on, tokens/s and peak; with
 #     OLD_BINARY (a build before pinned offload) the same two runs for the before figure.
-# Usage: scripts/gpu_offload_check.sh BINARY [OLD_BINARY|-] [OUTDIR] [SEQS]  (binaries may be .gz)
+# Usage: scripts/gpu_offload_check.sh BINARY [OLD_BINARY|-] [OUTDIR] [SEQS] [RUNS]
+#   binaries may be .gz; SEQS for part 1 (default 16384,65536); RUNS of part 3 (default
+#   "new-kept new-offload old-kept old-offload"; the old ones only with OLD_BINARY).
 set -uo pipefail
 unz() { if [[ $1 == *.gz ]]; then gunzip -c "$1" > "/tmp/$2" && chmod +x "/tmp/$2" && echo "/tmp/$2"; else echo "$1"; fi; }
 BIN=$(unz "${1:-target-cuda/release/longctx}" longctx)
 OLD=${2:--}; [[ $OLD != - ]] && OLD=$(unz "$OLD" longctx-old)
 OUTDIR=${3:-${OUT:-gpu-out}}
 SEQS=${4:-16384,65536}
+RUNS=${5:-new-kept new-offload old-kept old-offload}
 mkdir -p "$OUTDIR"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 W=/tmp/goc; rm -rf $W; mkdir -p $W
@@ -54,11 +57,13 @@ tps = sum(r["tokens"] for r in last) / sum(r["seconds"] for r in last)
 peak = max((r.get("device_peak_bytes") or 0) for r in rows) / 2**30
 print(f"{sys.argv[2]}: {tps:.0f} tok/s, step s {[round(r['seconds'],2) for r in rows]}, fwd+bwd s {[round(r.get('engine_seconds',0),2) for r in rows]}, device peak {peak:.2f} GiB, losses {[round(r['loss'],5) for r in rows]}")
 PY
+    rm -rf "$W/$label" # checkpoints and exports of the 1.1B model fill the disk
 }
-perf new-kept "$BIN"
-perf new-offload "$BIN" --offload-activations
+want() { [[ " $RUNS " == *" $1 "* ]]; }
+want new-kept && perf new-kept "$BIN"
+want new-offload && perf new-offload "$BIN" --offload-activations
 if [[ $OLD != - ]]; then
-    perf old-kept "$OLD"
-    perf old-offload "$OLD" --offload-activations
+    want old-kept && perf old-kept "$OLD"
+    want old-offload && perf old-offload "$OLD" --offload-activations
 fi
 exit $status

@@ -9,9 +9,11 @@
 //! With `--offload both`, the gradients of the offloaded run are compared with those kept
 //! on the device: `max |g_off - g_dev| / max |g_dev|` over every parameter (worst one
 //! reported), beside the same figure for two identical runs without offload (the run-to-run
-//! noise of the kernels). The command fails when the offload difference exceeds the
-//! run-to-run difference by more than `--tolerance` (default 0: offload must change nothing
-//! beyond that noise). One JSON line per setting goes to stdout; the table to stderr.
+//! noise of the kernels: atomics in gradient kernels make GPU runs differ slightly). The
+//! command fails when the offload difference exceeds twice the run-to-run difference plus
+//! `--tolerance` (default 0; with deterministic kernels, as on the CPU, offload must then
+//! change nothing). A race in the copies would show as a difference of order 1. One JSON
+//! line per setting goes to stdout; the table to stderr.
 
 use crate::bench::median;
 use anyhow::{bail, Context};
@@ -59,7 +61,7 @@ pub struct BenchEngineArgs {
     /// Timed steps per setting (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub iters: usize,
-    /// Allowed excess of the offload gradient difference over the run-to-run difference.
+    /// Allowed excess of the offload gradient difference over twice the run-to-run one.
     #[arg(long, default_value_t = 0.0)]
     pub tolerance: f64,
     /// Seed of the random weights and tokens.
@@ -153,15 +155,19 @@ pub fn engine(a: &BenchEngineArgs) -> anyhow::Result<()> {
                 prev = last.replace(r).filter(|_| settings.len() > 1);
             }
             let r = last.context("no timed step")?;
+            let peak = device_memory(&dev, false)?.map(|(_, h)| h);
+            // Gradients move to host memory so that the next setting's peak is its own.
+            let host = |gs: Vec<Tensor>| gs.iter().map(|g| g.to_device(&candle_core::Device::Cpu)).collect::<candle_core::Result<Vec<_>>>();
             let o = Outcome {
                 seconds: median(ts),
-                peak: device_memory(&dev, false)?.map(|(_, h)| h),
+                peak,
                 saved: r.memory.saved_bytes,
                 host: eng.pinned_bytes().max(r.memory.saved_host_bytes),
                 loss: r.loss_sum / r.n_tokens.max(1) as f64,
-                grads: r.grads,
-                prev: prev.map(|p| p.grads),
+                grads: host(r.grads)?,
+                prev: prev.map(|p| host(p.grads)).transpose()?,
             };
+            drop(eng);
             let tok_s = n as f64 / o.seconds;
             eprintln!(
                 "{:>8} {:>8} {:>9.3} {:>10.0} {:>11} {:>11} {:>11}",
@@ -186,7 +192,7 @@ pub fn engine(a: &BenchEngineArgs) -> anyhow::Result<()> {
                 None => 0.0,
             };
             let diff = grad_diff(&host_run.grads, &dev_run.grads)?;
-            let ok = diff <= noise + a.tolerance;
+            let ok = diff <= 2.0 * noise + a.tolerance;
             failed |= !ok;
             eprintln!(
                 "  seq {s}: gradients offloaded vs kept {diff:.3e}, two runs kept {noise:.3e}, losses {:.6} / {:.6}: {}",

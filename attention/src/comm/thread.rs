@@ -149,8 +149,19 @@ fn sig_of(ts: &[Tensor]) -> Vec<Sig> {
 }
 
 /// Detached private copy of what is sent (the sender may mutate its buffers later).
+/// On a GPU each rank thread queues work on its own stream, so the copy is waited for here:
+/// the receiver's stream must not read it before the sender's stream has written it.
 fn snapshot(ts: &[Tensor]) -> Result<Vec<Tensor>> {
-    ts.iter().map(|t| t.detach().copy()).collect()
+    let out = ts.iter().map(|t| t.detach().copy()).collect::<Result<Vec<_>>>()?;
+    let mut synced: Vec<&candle_core::Device> = Vec::new();
+    for t in &out {
+        let d = t.device();
+        if !d.is_cpu() && !synced.iter().any(|s| s.same_device(d)) {
+            d.synchronize()?;
+            synced.push(d);
+        }
+    }
+    Ok(out)
 }
 
 fn next_seq(counters: &Mutex<Vec<u64>>, peer: usize) -> u64 {
