@@ -997,7 +997,7 @@ fn print_plan(p: &plan::Plan) {
     let rows: [(&str, u64, &str); 13] = [
         ("weights", d.weights, ""),
         ("gradients (f32)", d.gradients, ""),
-        ("optimizer (f32 master, m, v)", d.optimizer, if r.optimizer_on_host { "on the host" } else { "ZeRO-1 over dp" }),
+        ("optimizer (f32 master, m, v)", d.optimizer, if r.optimizer_on_host { "on the host" } else { "ZeRO-1 over all ranks" }),
         ("saved activations", d.saved_activations, if r.offload_activations { "offloaded" } else { "" }),
         ("layer transient", d.layer_transient, "backward of one layer, of which:"),
         ("  [b, s, h] tensors", d.layer_io, ""),

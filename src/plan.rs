@@ -17,7 +17,7 @@
 //! ```text
 //! weights            P·a                          model weights (every rank holds all)
 //! gradients          4·P                          f32 gradient accumulators (engine)
-//! optimizer          12·⌈P/dp⌉                    f32 master + AdamW m, v, ZeRO-1 over dp;
+//! optimizer          12·⌈P/W⌉                     f32 master + AdamW m, v, ZeRO-1 over all W ranks;
 //!                                                 0 when the optimizer lives on the host
 //! grad_reduce        4·P                          flat f32 gradient for the all-reduce
 //!                                                 (optimizer step only)
@@ -66,7 +66,7 @@
 //! peak_step     = weights + gradients + grad_reduce + optimizer + overhead
 //! peak          = max(peak_compute, peak_step)         fits ⇔ peak ≤ GPU memory
 //! ```
-//! Host memory per rank: the optimizer (12·⌈P/dp⌉) when on the host, offloaded saved
+//! Host memory per rank: the optimizer (12·⌈P/W⌉) when on the host, offloaded saved
 //! activations, FPDT's parked tensors with `fpdt_offload`, and the trainer's own f32
 //! copies of the start weights and of the reduced gradient (4·P each). Per node: times
 //! the ranks per node. Host memory is checked only when given.
@@ -418,7 +418,7 @@ pub fn estimate(model: &ModelShape, req: &PlanRequest) -> Result<Estimate> {
     let mut dev = DeviceMemory {
         weights: p * a,
         gradients: 4 * p,
-        optimizer: if req.optimizer_on_host { 0 } else { 12 * p.div_ceil(lay.dp as u64) },
+        optimizer: if req.optimizer_on_host { 0 } else { 12 * p.div_ceil(lay.world as u64) },
         grad_reduce: 4 * p,
         layer_io: b * s * h * (8 * a + 12),
         attention_local: 2 * (2 * e_q + 2 * e_kv) * a,
@@ -430,7 +430,7 @@ pub fn estimate(model: &ModelShape, req: &PlanRequest) -> Result<Estimate> {
     };
     let saved = l * b * s * h * a;
     let mut host = HostMemory {
-        optimizer: if req.optimizer_on_host { 12 * p.div_ceil(lay.dp as u64) } else { 0 },
+        optimizer: if req.optimizer_on_host { 12 * p.div_ceil(lay.world as u64) } else { 0 },
         weights_copy: 4 * p,
         grads_copy: 4 * p,
         ..Default::default()
@@ -549,14 +549,14 @@ pub fn plan(model: &ModelShape, req: &PlanRequest) -> Result<Plan> {
 }
 
 /// Checks a run config against its model: the head split of every stage's mode
-/// ([`ParallelDims::new`], as the trainer will build it) and one data-parallel size for
-/// all stages (the optimizer shards are built once). `source` names the config.
+/// ([`ParallelDims::new`], as the trainer will build it). Stages may differ in their
+/// data-parallel size: the optimizer is sharded over all ranks, not over data-parallel
+/// replicas. `source` names the config.
 pub fn check_run(cfg: &RunConfig, model: &LlamaConfig, source: &Path) -> Result<()> {
-    let mut dp_seen: Option<(usize, usize)> = None;
     for (i, st) in cfg.stages.iter().enumerate() {
         let mode = st.parallel_mode.unwrap_or(cfg.parallel.mode);
         let field = if st.parallel_mode.is_some() { format!("stage[{i}].parallel_mode") } else { "parallel.mode".to_string() };
-        let dims = ParallelDims::new(&DimsRequest {
+        ParallelDims::new(&DimsRequest {
             mode,
             world: cfg.parallel.world_size,
             sp: Some(cfg.sp_size_for(mode)),
@@ -578,20 +578,6 @@ pub fn check_run(cfg: &RunConfig, model: &LlamaConfig, source: &Path) -> Result<
                 ),
             )
         })?;
-        if let Some((j, dp)) = dp_seen {
-            if dp != dims.dp {
-                return Err(Error::config(
-                    source,
-                    &field,
-                    format!(
-                        "stage {i} ({mode}) has {} data-parallel replicas but stage {j} has {dp}; keep the sequence-parallel degree constant across stages (set parallel.sp_size)",
-                        dims.dp
-                    ),
-                ));
-            }
-        } else {
-            dp_seen = Some((i, dims.dp));
-        }
     }
     Ok(())
 }

@@ -2,7 +2,9 @@
 //!
 //! Layout of `<output_dir>/checkpoint/`:
 //! - `model.safetensors`: the model weights in the run dtype (names as in HF checkpoints);
-//! - `optimizer-dp{d}.safetensors`: this data-parallel shard's f32 `master`, `m`, `v`;
+//! - `optimizer-shard{d}.safetensors`: rank `d`'s shard of the f32 `master`, `m`, `v`
+//!   (ZeRO-1 over all ranks; shards concatenate to the flat parameter vector, zero-padded
+//!   at the end; checkpoints of earlier versions named them `optimizer-dp{d}`);
 //! - `state.json`: [`TrainState`] (stage, steps, optimizer step, data cursor, RNG, config).
 
 use crate::{Error, Result};
@@ -26,8 +28,9 @@ pub struct TrainState {
     pub data: serde_json::Value,
     /// RNG state, if the run draws random numbers after start-up.
     pub rng: u64,
-    /// Data-parallel shard count the optimizer files were written for.
-    pub dp_shards: usize,
+    /// Number of optimizer shard files (the world size of the run that wrote them).
+    #[serde(alias = "dp_shards")]
+    pub optimizer_shards: usize,
     /// The run config at the time of writing (to warn about changed settings on resume).
     pub config: serde_json::Value,
 }
@@ -49,9 +52,8 @@ fn st_write(path: &Path, tensors: &HashMap<String, Tensor>) -> Result<()> {
     candle_core::safetensors::save(tensors, path).map_err(|e| Error::checkpoint(path, format!("cannot write: {e}")))
 }
 
-/// Write a checkpoint atomically. `shards` holds one entry per data-parallel rank
-/// (in-process runs write all of them from rank 0; multi-process runs write their own
-/// into the temporary directory before rank 0 renames it — see the trainer).
+/// Write a checkpoint atomically. `shards` holds one entry per rank, in rank order (the
+/// trainer gathers them on rank 0, which writes everything).
 pub fn save(output_dir: &Path, weights: &HashMap<String, Tensor>, shards: &[OptimShard<'_>], state: &TrainState) -> Result<()> {
     std::fs::create_dir_all(output_dir).map_err(|e| Error::io(output_dir, e))?;
     let final_dir = checkpoint_dir(output_dir);
@@ -66,7 +68,7 @@ pub fn save(output_dir: &Path, weights: &HashMap<String, Tensor>, shards: &[Opti
         for (name, data) in [("master", s.master), ("m", s.m), ("v", s.v)] {
             t.insert(name.to_string(), Tensor::from_slice(data, data.len(), &Device::Cpu)?);
         }
-        st_write(&tmp.join(format!("optimizer-dp{d}.safetensors")), &t)?;
+        st_write(&tmp.join(format!("optimizer-shard{d}.safetensors")), &t)?;
     }
     let json = serde_json::to_string_pretty(state).map_err(|e| Error::checkpoint(&tmp, e.to_string()))?;
     let sp = tmp.join("state.json");
@@ -101,8 +103,12 @@ pub fn load(output_dir: &Path) -> Result<Loaded> {
     let mp = dir.join("model.safetensors");
     let weights = candle_core::safetensors::load(&mp, &Device::Cpu).map_err(|e| Error::checkpoint(&mp, format!("cannot read: {e}")))?;
     let mut shards = Vec::new();
-    for d in 0..state.dp_shards {
-        let p = dir.join(format!("optimizer-dp{d}.safetensors"));
+    for d in 0..state.optimizer_shards {
+        let mut p = dir.join(format!("optimizer-shard{d}.safetensors"));
+        let old = dir.join(format!("optimizer-dp{d}.safetensors"));
+        if !p.exists() && old.exists() {
+            p = old;
+        }
         let t = candle_core::safetensors::load(&p, &Device::Cpu).map_err(|e| Error::checkpoint(&p, format!("cannot read: {e}")))?;
         let get = |n: &str| -> Result<Vec<f32>> {
             let x = t.get(n).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{n}` missing")))?;

@@ -257,7 +257,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
     let mut stopped = false;
     let mut layout_cache: Option<(ParallelMode, usize)> = None;
     let mut groups: Option<(ParallelDims, Groups)> = None;
-    let mut optim: Option<(AdamW, usize, usize, usize)> = None; // (state, dp rank, dp size, shard len)
+    let mut optim: Option<(AdamW, usize)> = None; // (this rank's shard of the state, shard length)
     // On a GPU (unless `optimizer_on_host`), the state lives and updates on the device;
     // `optim`'s host vectors are then refreshed only for checkpoints.
     let use_device_optim = !sh.device.is_cpu() && !cfg.train.optimizer_on_host;
@@ -284,9 +284,12 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
         let dp_rank = g.dp.rank();
         let dp = g.dp.world();
         let sp_rank = g.sp.rank();
-        // Optimizer (built once; the dp layout of later stages must match).
+        // Optimizer, built once: ZeRO-1 over every rank of the world (data- and
+        // sequence-parallel alike, as DeepSpeed shards over its sequence-data-parallel
+        // group), so each rank keeps and updates 1/W of the f32 state.
+        let (zrank, zn) = (world.rank(), world.world());
         if optim.is_none() {
-            let shard_len = n_params.div_ceil(dp);
+            let shard_len = n_params.div_ceil(zn);
             // Masters start from the f32 host copy of the start weights (not from weights
             // already rounded to the run dtype); after a resume they are replaced below.
             let host: Vec<Tensor> = engine
@@ -297,18 +300,18 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
                     None => Ok(v.as_tensor().to_dtype(DType::F32)?.to_device(&Device::Cpu)?),
                 })
                 .collect::<Result<_>>()?;
-            let flat = flatten(&host, shard_len * dp)?;
-            let master: Vec<f32> = flat.narrow(0, dp_rank * shard_len, shard_len)?.to_vec1()?;
-            let mut decay = Vec::with_capacity(shard_len * dp);
+            let flat = flatten(&host, shard_len * zn)?;
+            let master: Vec<f32> = flat.narrow(0, zrank * shard_len, shard_len)?.to_vec1()?;
+            let mut decay = Vec::with_capacity(shard_len * zn);
             for ((_, v), &n) in engine.params.iter().zip(&sizes) {
                 decay.extend(std::iter::repeat_n(v.as_tensor().rank() >= 2, n));
             }
-            decay.resize(shard_len * dp, false);
-            let decay = decay[dp_rank * shard_len..(dp_rank + 1) * shard_len].to_vec();
+            decay.resize(shard_len * zn, false);
+            let decay = decay[zrank * shard_len..(zrank + 1) * shard_len].to_vec();
             let mut st = AdamW::new(cfg.train.adamw.clone(), master, decay);
             if let (Some((astep, _, _, _)), Some(l)) = (&opt_state, sh.resume) {
                 let (w_all, m_all, v_all) = concat_shards(&l.shards);
-                let (lo, hi) = (dp_rank * shard_len, (dp_rank + 1) * shard_len);
+                let (lo, hi) = (zrank * shard_len, (zrank + 1) * shard_len);
                 let pick = |x: &Vec<f32>| -> Vec<f32> {
                     let mut y: Vec<f32> = x.get(lo.min(x.len())..hi.min(x.len())).unwrap_or(&[]).to_vec();
                     y.resize(shard_len, 0.0);
@@ -322,12 +325,9 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
             if use_device_optim {
                 dev_opt = Some(DeviceAdamW::from_host(&st, &sh.device)?);
             }
-            optim = Some((st, dp_rank, dp, shard_len));
+            optim = Some((st, shard_len));
         }
-        let (adam, _, dp_n, shard_len) = optim.as_mut().ok_or_else(|| Error::Setting("optimizer".into()))?;
-        if *dp_n != dp {
-            return Err(Error::Setting(format!("stage {si}: data-parallel size changes from {dp_n} to {dp}; keep sp_size constant across stages")));
-        }
+        let (adam, shard_len) = optim.as_mut().ok_or_else(|| Error::Setting("optimizer".into()))?;
 
         engine.set_rope(Rope::new(&mcfg.with_rope_theta(stage.rope_theta)));
         let indices = local_indices(mode, dims, sp_rank, stage.seq_length, chunk)?;
@@ -389,7 +389,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
             let loss = all_reduce_scalar(&world, loss_sum, &sh.device)? / global_count.max(1.0);
             let grads = grads.ok_or_else(|| Error::Setting("no micro-batch".into()))?;
             // Sum over all ranks (sp ranks hold partial grads of their tokens, dp ranks of their samples).
-            let flat = flatten(&grads, *shard_len * dp)?;
+            let flat = flatten(&grads, *shard_len * zn)?;
             let flat = if world.world() > 1 { world.all_reduce_sum(&flat)? } else { flat };
             let norm = flat.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_device(&Device::Cpu)?.to_scalar::<f64>()?.sqrt();
             let clip = cfg.train.clip_grad;
@@ -397,7 +397,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
             let lr = lr_at(cfg.train.lr_schedule, lr_base, step, stage.steps, cfg.train.warmup_steps, cfg.train.min_lr_ratio);
             let shard = match dev_opt.as_mut() {
                 Some(d) => {
-                    let mut gshard = flat.narrow(0, dp_rank * *shard_len, *shard_len)?;
+                    let mut gshard = flat.narrow(0, zrank * *shard_len, *shard_len)?;
                     if coef != 1.0 {
                         gshard = (gshard * coef)?;
                     }
@@ -406,7 +406,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
                 }
                 None => {
                     let flat = flat.to_device(&Device::Cpu)?;
-                    let mut gshard: Vec<f32> = flat.narrow(0, dp_rank * *shard_len, *shard_len)?.to_vec1()?;
+                    let mut gshard: Vec<f32> = flat.narrow(0, zrank * *shard_len, *shard_len)?.to_vec1()?;
                     if coef != 1.0 {
                         gshard.iter_mut().for_each(|x| *x *= coef as f32);
                     }
@@ -414,8 +414,9 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
                     Tensor::from_slice(&adam.master, adam.master.len(), &Device::Cpu)?
                 }
             };
-            // Gather the updated shards and write back into the Vars.
-            let full = if dp > 1 { Tensor::cat(&g.dp.all_gather(&shard.to_device(&sh.device)?)?, 0)? } else { shard };
+            // Gather the updated shards (rounded to the run dtype, as the write-back would
+            // round them) and write back into the Vars.
+            let full = if zn > 1 { Tensor::cat(&world.all_gather(&shard.to_dtype(sh.dtype)?.to_device(&sh.device)?)?, 0)? } else { shard };
             let mut off = 0;
             for ((_, v), &n) in engine.params.iter().zip(&sizes) {
                 let t = full.narrow(0, off, n)?.reshape(v.as_tensor().shape())?.to_dtype(sh.dtype)?.to_device(&sh.device)?;
@@ -460,7 +461,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
                 if let Some(d) = dev_opt.as_ref() {
                     d.to_host(adam)?;
                 }
-                save_checkpoint(sh, &world, g, &engine, adam, ns, nst, global_step, data)?;
+                save_checkpoint(sh, &world, &engine, adam, ns, nst, global_step, data)?;
             }
             if stop {
                 stopped = true;
@@ -538,7 +539,6 @@ fn all_reduce_scalar(world: &Arc<dyn Comm>, x: f64, device: &Device) -> Result<f
 fn save_checkpoint(
     sh: &Shared<'_>,
     world: &Arc<dyn Comm>,
-    g: &Groups,
     engine: &Engine,
     adam: &AdamW,
     stage: usize,
@@ -546,20 +546,20 @@ fn save_checkpoint(
     global_step: u64,
     data: Option<DataState>,
 ) -> Result<()> {
-    // Gather every dp shard's optimizer state on rank 0 (only sp rank 0 of each dp group holds distinct state).
-    let dp = g.dp.world();
+    // Gather every rank's shard of the optimizer state on rank 0.
+    let n = world.world();
     let to_t = |x: &[f32]| Tensor::from_slice(x, x.len(), &Device::Cpu);
     let gather = |x: &[f32]| -> Result<Vec<Vec<f32>>> {
-        if dp == 1 {
+        if n == 1 {
             return Ok(vec![x.to_vec()]);
         }
-        let parts = g.dp.all_gather(&to_t(x)?.to_device(&sh.device)?)?;
+        let parts = world.all_gather(&to_t(x)?.to_device(&sh.device)?)?;
         parts.iter().map(|p| Ok(p.to_device(&Device::Cpu)?.to_vec1::<f32>()?)).collect()
     };
     let (ws, ms, vs) = (gather(&adam.master)?, gather(&adam.m)?, gather(&adam.v)?);
     if world.rank() == 0 {
         let weights: HashMap<String, Tensor> = engine.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().detach())).collect();
-        let shards: Vec<OptimShard<'_>> = (0..dp).map(|d| OptimShard { master: &ws[d], m: &ms[d], v: &vs[d] }).collect();
+        let shards: Vec<OptimShard<'_>> = (0..n).map(|d| OptimShard { master: &ws[d], m: &ms[d], v: &vs[d] }).collect();
         let state = TrainState {
             stage,
             stage_step,
@@ -567,7 +567,7 @@ fn save_checkpoint(
             adam_step: adam.step,
             data: serde_json::to_value(&data).map_err(|e| Error::Setting(e.to_string()))?,
             rng: 0,
-            dp_shards: dp,
+            optimizer_shards: n,
             config: serde_json::to_value(sh.cfg).map_err(|e| Error::Setting(e.to_string()))?,
         };
         checkpoint::save(&sh.cfg.output_dir, &weights, &shards, &state)?;
