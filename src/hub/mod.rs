@@ -18,7 +18,7 @@ pub mod st_file;
 pub mod tokenizer;
 
 pub use cache::{resolve_model, HubOptions, ModelSpec, ResolvedModel};
-pub use config::{config_path, read_config, set_context_fields, set_torch_dtype};
+pub use config::{config_path, disable_sliding_window, read_config, set_context_fields, set_torch_dtype};
 pub use export::{export, export_map, ExportOptions, ExportReport};
 pub use load::{load_into_varmap, load_weights, Checkpoint};
 pub use tokenizer::load_tokenizer;

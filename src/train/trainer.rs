@@ -235,6 +235,13 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
     let mut total_tokens = 0u64;
     let mut global_step = 0u64;
     let mut metrics = if is_main { Some(Metrics::new(&cfg.output_dir, cfg, n_params, mcfg)?) } else { None };
+    if let (true, Some(w)) = (is_main, mcfg.sliding_window()) {
+        eprintln!(
+            "note: the model's config asks for a sliding attention window of {w} tokens; longctx trains full causal \
+             attention over each sequence and exports with the window turned off (sliding_window: null), so \
+             transformers runs the attention that was trained"
+        );
+    }
     let t0 = Instant::now();
 
     // Resume.
@@ -496,6 +503,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
         let max_pos = cfg.export.max_position_embeddings.unwrap_or(last.seq_length.max(mcfg.max_position_embeddings));
         let mut json = sh.model.config_json.clone();
         crate::hub::set_context_fields(&mut json, theta, max_pos)?;
+        crate::hub::disable_sliding_window(&mut json)?; // trained with full causal attention
         let dtype = match &cfg.export.dtype {
             Some(d) => Some(parse_dtype(d, Path::new("<run config>"), "export.dtype")?),
             None => None,
