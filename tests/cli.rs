@@ -212,7 +212,10 @@ fn unknown_parallel_mode() {
     fails(&run(&["train", "--dry-run", "--parallel-mode", "ring"]), &["--parallel-mode", "`ring`", "zigzag_ring_attn"], true);
     let d = tmp();
     let cfg = write(d.path(), "m.toml", "[parallel]\nmode = \"ring\"\n[[stage]]\nseq_length = 256\nrope_theta = 1e4\nsteps = 1\n");
-    fails(&run(&["train", "--config", cfg.to_str().unwrap(), "--dry-run"]), &["m.toml", "ring"], true);
+    fails(&run(&["train", "--config", cfg.to_str().unwrap(), "--dry-run"]), &["m.toml", "field `parallel.mode`", "ring"], true);
+    // A bad value inside the second stage names that stage's key.
+    let cfg = write(d.path(), "s.toml", "[[stage]]\nseq_length = 256\nrope_theta = 1e4\nsteps = 1\n[[stage]]\nseq_length = 512\nrope_theta = 1e5\nsteps = -3\n");
+    fails(&run(&["train", "--config", cfg.to_str().unwrap(), "--dry-run"]), &["s.toml", "field `stage[1].steps`", "-3"], true);
     fails(&run(&["plan", "--model", "builtin:tiny", "--seq-length", "256", "--parallel-mode", "ring"]), &["--parallel-mode", "`ring`"], true);
 }
 
@@ -220,7 +223,7 @@ fn unknown_parallel_mode() {
 fn unknown_config_field() {
     let d = tmp();
     let cfg = write(d.path(), "typo.toml", "[train]\nbatch_sise = 2\n[[stage]]\nseq_length = 256\nrope_theta = 1e4\nsteps = 1\n");
-    fails(&run(&["train", "--config", cfg.to_str().unwrap(), "--dry-run"]), &["typo.toml", "batch_sise"], true);
+    fails(&run(&["train", "--config", cfg.to_str().unwrap(), "--dry-run"]), &["typo.toml", "train.batch_sise"], true);
 }
 
 #[test]

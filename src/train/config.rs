@@ -186,7 +186,7 @@ impl RunConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let mut cfg: RunConfig = toml::from_str(&text).map_err(|e| {
-            let field = e.span().map(|s| text[s].lines().next().unwrap_or("").to_string()).unwrap_or_default();
+            let field = e.span().map(|s| toml_field_at(&text, s)).unwrap_or_default();
             Error::config(path, field, e.message().to_string())
         })?;
         // A file that names no stage gets none (not the demo's): `validate` then asks for one.
@@ -346,5 +346,38 @@ mod tests {
         let c = RunConfig::from_file(&p).unwrap();
         assert_eq!(c.parallel.mode, ParallelMode::ZigzagRingAttn);
         assert_eq!(c.stages.len(), 1);
+    }
+}
+
+/// The dotted key a TOML parse error points at (`parallel.mode`, `stage[1].steps`): the
+/// key of the `key = value` line holding the span, under the nearest table header above;
+/// the span's own text when it is not on such a line (an unknown key names itself).
+fn toml_field_at(text: &str, span: std::ops::Range<usize>) -> String {
+    let start = span.start.min(text.len());
+    let spanned = text.get(span.clone()).and_then(|t| t.lines().next()).unwrap_or("").trim().to_string();
+    let line_start = text[..start].rfind('\n').map_or(0, |i| i + 1);
+    let line = text[line_start..].lines().next().unwrap_or("");
+    let Some((key, _)) = line.split_once('=') else { return spanned };
+    let key = key.trim().trim_matches('"');
+    if key.is_empty() || key.starts_with('[') || key.starts_with('#') {
+        return spanned;
+    }
+    // Nearest table header above; count array-of-tables entries of that name.
+    let mut section = String::new();
+    let mut counts: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for l in text[..line_start].lines() {
+        let l = l.trim();
+        if let Some(name) = l.strip_prefix("[[").and_then(|r| r.split_once("]]")).map(|(n, _)| n.trim().to_string()) {
+            let n = counts.entry(name.clone()).or_insert(0);
+            section = format!("{name}[{n}]");
+            *n += 1;
+        } else if let Some(name) = l.strip_prefix('[').and_then(|r| r.split_once(']')).map(|(n, _)| n.trim().to_string()) {
+            section = name;
+        }
+    }
+    if section.is_empty() {
+        key.to_string()
+    } else {
+        format!("{section}.{key}")
     }
 }
