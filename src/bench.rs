@@ -314,12 +314,62 @@ fn check(dev: &Device, dtype: DType) -> anyhow::Result<()> {
         ok &= compare(label, &got, &reference)?;
     }
     ok &= check_unsupported(dev)?;
+    ok &= check_stash(dev)?;
     ok &= check_modes(dev, dtype)?;
     if !ok {
         bail!("attention check failed (see the rows marked FAIL)");
     }
     println!("\nall attention checks passed");
     Ok(())
+}
+
+/// Host parking ([`longctx_attention::stash`]): tensors of several dtypes, a narrowed view
+/// (offset storage) and a transposed one (non-contiguous) come back bit-identical, with
+/// every fetch started before any is used, kernels queued in between, buffers reused.
+fn check_stash(dev: &Device) -> anyhow::Result<bool> {
+    use longctx_attention::stash::Stash;
+    let base = Tensor::randn(0f32, 1f32, (64, 1000), dev)?;
+    let xs = vec![
+        base.to_dtype(DType::BF16)?,
+        base.to_dtype(DType::F16)?,
+        base.clone(),
+        base.narrow(0, 7, 30)?,
+        base.t()?.to_dtype(DType::BF16)?,
+        Tensor::arange(0u32, 4096, dev)?,
+    ];
+    let bits = |t: &Tensor| -> candle_core::Result<Vec<u8>> {
+        let t = t.to_device(&Device::Cpu)?.flatten_all()?;
+        Ok(match t.dtype() {
+            DType::U32 => t.to_vec1::<u32>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            _ => t.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        })
+    };
+    let mut stash = Stash::new();
+    let mut ok = true;
+    let mut pinned_after = Vec::new();
+    for round in 0..2 {
+        let parked = xs.iter().map(|x| stash.park(x)).collect::<candle_core::Result<Vec<_>>>()?;
+        let _busy = base.matmul(&base.t()?)?; // compute queued while copies run
+        let coming = parked.iter().map(|p| stash.fetch(p, dev)).collect::<candle_core::Result<Vec<_>>>()?;
+        drop(parked); // buffers back to the pool while the copies back may still run
+        for (i, (f, x)) in coming.into_iter().zip(&xs).enumerate() {
+            let y = f.ready()?;
+            let same = y.dims() == x.dims() && y.dtype() == x.dtype() && bits(&y)? == bits(x)?;
+            if !same {
+                println!("stash round {round} tensor {i} ({:?} {:?}): FAIL, differs after the round trip", x.dtype(), x.dims());
+            }
+            ok &= same;
+        }
+        pinned_after.push(stash.pinned_bytes());
+    }
+    if pinned_after[0] != pinned_after[1] {
+        println!("stash: pinned bytes grew from {} to {} in the second round: FAIL (buffers not reused)", pinned_after[0], pinned_after[1]);
+        ok = false;
+    }
+    stash.settle()?;
+    println!("
+host stash round trips (6 tensors × 2 rounds, {} KiB pinned): {}", stash.pinned_bytes() >> 10, if ok { "ok" } else { "FAIL" });
+    Ok(ok)
 }
 
 /// f32 on CUDA is refused with an error naming the dtype unless the fallback is allowed.

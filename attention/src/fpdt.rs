@@ -9,24 +9,30 @@
 //! Forward, chunk i: exchange the chunk, park its k, v (on the host when `offload`), then
 //! attend `qh_i` to kv chunks `0..=i`, merging with log-sum-exp (`Mask::Causal` only on
 //! the diagonal `j == i`, which uses the freshly exchanged chunk before it is dropped),
-//! loading chunk `j+1` before computing chunk `j`: at most two kv chunks live on the
+//! fetching chunk `j+1` before computing chunk `j`: at most two kv chunks live on the
 //! compute device at once (counted, see [`Fpdt::max_resident_kv_chunks`]).
 //!
 //! Backward, kv-outer / q-inner: q, do, o, lse of every chunk are exchanged once and
 //! parked; for kv chunk i (exchanged again, the only resident kv chunk) the q chunks
-//! `i..u` run the kernel backward with the saved global o/lse; `dk_i`, `dv_i` accumulate
-//! in f32 on the device, the dq partials in f32 where parked. `dq_i` is complete after kv
-//! chunk i, so every chunk's grads go back (heads → sequence) at the end of step i.
-//! Accumulators are rebuilt functionally (`a + b`), never written in place.
+//! `i..u` run the kernel backward with the saved global o/lse, the next q chunk (and its
+//! dq partial sum) fetched while the current one computes; `dk_i`, `dv_i` accumulate in
+//! f32 on the device, each dq partial sum in f32 on the device and is parked again between
+//! uses. `dq_i` is complete after kv chunk i, so every chunk's grads go back
+//! (heads → sequence) at the end of step i. Accumulators are rebuilt functionally
+//! (`a + b`), never written in place.
+//!
+//! Parking goes through a [`Stash`]: on CUDA, pinned host buffers with the copies on
+//! their own stream, overlapping the kernels (see [`crate::stash`]).
 
 use crate::comm::Comm;
 use crate::kernel::{self, Mask};
 use crate::merge;
 use crate::mode::AttentionMode;
+use crate::stash::{Fetched, Parked, Stash};
 use crate::ulysses::{check_heads, heads_to_seq, lse_heads_to_seq, lse_seq_to_heads, reduce_replicated_kv_grad, replicate_kv_heads, seq_to_heads};
 use candle_core::{DType, Device, Result, Tensor};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Count of kv chunks resident on the compute device, with its high-water mark.
 #[derive(Debug, Default)]
@@ -53,19 +59,62 @@ impl Drop for Slot {
     }
 }
 
+/// A parked tensor: in host memory (offload) or kept on the compute device.
+enum Held {
+    Dev(Tensor),
+    Host(Parked),
+}
+
+/// A parked tensor on its way to the compute device.
+enum Coming {
+    Dev(Tensor),
+    Host(Fetched),
+}
+
+impl Coming {
+    fn ready(self) -> Result<Tensor> {
+        match self {
+            Coming::Dev(t) => Ok(t),
+            Coming::Host(f) => f.ready(),
+        }
+    }
+}
+
 /// A kv chunk `[b, C, hkv', d]`; `slot` is set while it occupies compute-device memory.
-struct KvChunk {
-    k: Tensor,
-    v: Tensor,
+struct KvChunk<T> {
+    k: T,
+    v: T,
     _slot: Option<Slot>,
 }
 
+impl KvChunk<Coming> {
+    fn ready(self) -> Result<KvChunk<Tensor>> {
+        Ok(KvChunk { k: self.k.ready()?, v: self.v.ready()?, _slot: self._slot })
+    }
+}
+
 /// The q-side tensors of one chunk in head-sharded form.
-struct QChunk {
-    q: Tensor,   // [b, C, hq/P, d]
-    d_o: Tensor, // [b, C, hq/P, d]
-    o: Tensor,   // [b, C, hq/P, d]
-    lse: Tensor, // [b, hq/P, C] f32
+struct QChunk<T> {
+    q: T,   // [b, C, hq/P, d]
+    d_o: T, // [b, C, hq/P, d]
+    o: T,   // [b, C, hq/P, d]
+    lse: T, // [b, hq/P, C] f32
+}
+
+impl QChunk<Coming> {
+    fn ready(self) -> Result<QChunk<Tensor>> {
+        Ok(QChunk { q: self.q.ready()?, d_o: self.d_o.ready()?, o: self.o.ready()?, lse: self.lse.ready()? })
+    }
+}
+
+/// The stash of parked tensors, shared by clones of one [`Fpdt`] (one rank's thread).
+#[derive(Default)]
+struct SharedStash(Mutex<Stash>);
+
+impl std::fmt::Debug for SharedStash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Stash")
+    }
 }
 
 /// FPDT attention over the round-robin layout with chunks of `chunk` global tokens.
@@ -77,11 +126,12 @@ pub struct Fpdt {
     /// Park kv chunks, saved o/lse/q/do and dq partials on the host (`Device::Cpu`).
     pub offload: bool,
     residency: Arc<Residency>,
+    stash: Arc<SharedStash>,
 }
 
 impl Fpdt {
     pub fn new(comm: Arc<dyn Comm>, chunk: usize, offload: bool) -> Self {
-        Self { comm, chunk, offload, residency: Arc::default() }
+        Self { comm, chunk, offload, residency: Arc::default(), stash: Arc::default() }
     }
 
     /// Most kv chunks that were resident on the compute device at once, since creation.
@@ -106,17 +156,29 @@ impl Fpdt {
         Ok((total / big_c, big_c / p))
     }
 
-    /// Where parked tensors live: the host when offloading, else where they are.
-    fn park(&self, t: &Tensor) -> Result<Tensor> {
+    fn stash(&self) -> Result<std::sync::MutexGuard<'_, Stash>> {
+        self.stash.0.lock().map_err(|_| candle_core::Error::Msg("FPDT: stash poisoned by a failed call".into()))
+    }
+
+    /// Parks `t`: in host memory when offloading, else kept where it is.
+    fn hold(&self, t: Tensor) -> Result<Held> {
         if self.offload {
-            t.to_device(&Device::Cpu)
+            Ok(Held::Host(self.stash()?.park(&t)?))
         } else {
-            Ok(t.clone())
+            Ok(Held::Dev(t))
+        }
+    }
+
+    /// Starts bringing a parked tensor to `dev`.
+    fn bring(&self, h: &Held, dev: &Device) -> Result<Coming> {
+        match h {
+            Held::Dev(t) => Ok(Coming::Dev(t.clone())),
+            Held::Host(p) => Ok(Coming::Host(self.stash()?.fetch(p, dev)?)),
         }
     }
 
     /// Exchanges local kv chunk `[b, c, hkv, d]` to head-sharded `[b, C, hkv', d]` on the device.
-    fn exchange_kv(&self, k: &Tensor, v: &Tensor, rep: usize) -> Result<KvChunk> {
+    fn exchange_kv(&self, k: &Tensor, v: &Tensor, rep: usize) -> Result<KvChunk<Tensor>> {
         let c = self.comm.as_ref();
         let k = seq_to_heads(c, &replicate_kv_heads(k, rep)?)?;
         let v = seq_to_heads(c, &replicate_kv_heads(v, rep)?)?;
@@ -124,25 +186,19 @@ impl Fpdt {
     }
 
     /// Parks a device kv chunk; without offload the parked chunk keeps its device slot.
-    fn park_kv(&self, kv: KvChunk) -> Result<KvChunk> {
-        if self.offload {
-            Ok(KvChunk { k: self.park(&kv.k)?, v: self.park(&kv.v)?, _slot: None })
-        } else {
-            Ok(kv)
-        }
+    fn park_kv(&self, kv: KvChunk<Tensor>) -> Result<KvChunk<Held>> {
+        let slot = if self.offload { None } else { kv._slot };
+        Ok(KvChunk { k: self.hold(kv.k)?, v: self.hold(kv.v)?, _slot: slot })
     }
 
-    /// Brings a parked kv chunk to `dev` (a new resident slot when it was on the host).
-    fn load_kv(&self, kv: &KvChunk, dev: &Device) -> Result<KvChunk> {
-        if self.offload {
-            Ok(KvChunk { k: kv.k.to_device(dev)?, v: kv.v.to_device(dev)?, _slot: Some(Slot::take(&self.residency)) })
-        } else {
-            Ok(KvChunk { k: kv.k.clone(), v: kv.v.clone(), _slot: None })
-        }
+    /// Starts bringing a parked kv chunk to `dev` (a new resident slot when it was on the host).
+    fn fetch_kv(&self, kv: &KvChunk<Held>, dev: &Device) -> Result<KvChunk<Coming>> {
+        let slot = if self.offload { Some(Slot::take(&self.residency)) } else { None };
+        Ok(KvChunk { k: self.bring(&kv.k, dev)?, v: self.bring(&kv.v, dev)?, _slot: slot })
     }
 
-    fn load_q(&self, qc: &QChunk, dev: &Device) -> Result<QChunk> {
-        Ok(QChunk { q: qc.q.to_device(dev)?, d_o: qc.d_o.to_device(dev)?, o: qc.o.to_device(dev)?, lse: qc.lse.to_device(dev)? })
+    fn fetch_q(&self, qc: &QChunk<Held>, dev: &Device) -> Result<QChunk<Coming>> {
+        Ok(QChunk { q: self.bring(&qc.q, dev)?, d_o: self.bring(&qc.d_o, dev)?, o: self.bring(&qc.o, dev)?, lse: self.bring(&qc.lse, dev)? })
     }
 }
 
@@ -164,22 +220,22 @@ impl AttentionMode for Fpdt {
         let rep = check_heads(q, k, v, self.comm.world())?;
         let (u, cl) = self.plan(q.dim(1)?)?;
         let (c, dev) = (self.comm.as_ref(), q.device());
-        let mut parked: Vec<KvChunk> = Vec::with_capacity(u);
+        let mut parked: Vec<KvChunk<Held>> = Vec::with_capacity(u);
         let (mut os, mut lses) = (Vec::with_capacity(u), Vec::with_capacity(u));
         for i in 0..u {
             let qh = seq_to_heads(c, &q.narrow(1, i * cl, cl)?)?;
             let fresh = self.exchange_kv(&k.narrow(1, i * cl, cl)?, &v.narrow(1, i * cl, cl)?, rep)?;
             // Diagonal block on the fresh chunk, with chunk 0 already on its way.
-            let mut next = if i > 0 { Some(self.load_kv(&parked[0], dev)?) } else { None };
+            let mut next = if i > 0 { Some(self.fetch_kv(&parked[0], dev)?) } else { None };
             let (o_b, lse_b) = kernel::fwd(&qh, &fresh.k, &fresh.v, Mask::Causal, scale)?;
             parked.push(self.park_kv(fresh)?);
             let mut acc = merge::merge(None, &o_b, &lse_b)?;
             for j in 0..i {
                 let cur = match next.take() {
-                    Some(kv) => kv,
-                    None => self.load_kv(&parked[j], dev)?,
+                    Some(kv) => kv.ready()?,
+                    None => self.fetch_kv(&parked[j], dev)?.ready()?,
                 };
-                next = if j + 1 < i { Some(self.load_kv(&parked[j + 1], dev)?) } else { None };
+                next = if j + 1 < i { Some(self.fetch_kv(&parked[j + 1], dev)?) } else { None };
                 let (o_b, lse_b) = kernel::fwd(&qh, &cur.k, &cur.v, Mask::None, scale)?;
                 drop(cur);
                 acc = merge::merge(Some(acc), &o_b, &lse_b)?;
@@ -188,6 +244,8 @@ impl AttentionMode for Fpdt {
             os.push(heads_to_seq(c, &oh)?);
             lses.push(lse_heads_to_seq(c, &lseh)?);
         }
+        drop(parked);
+        self.stash()?.settle()?;
         Ok((Tensor::cat(&os, 1)?, Tensor::cat(&lses, 2)?))
     }
 
@@ -212,39 +270,62 @@ impl AttentionMode for Fpdt {
         for j in 0..u {
             let part = |t: &Tensor| t.narrow(1, j * cl, cl);
             qside.push(QChunk {
-                q: self.park(&seq_to_heads(c, &part(q)?)?)?,
-                d_o: self.park(&seq_to_heads(c, &part(d_o)?)?)?,
-                o: self.park(&seq_to_heads(c, &part(o)?)?)?,
-                lse: self.park(&lse_seq_to_heads(c, &lse.narrow(2, j * cl, cl)?)?)?,
+                q: self.hold(seq_to_heads(c, &part(q)?)?)?,
+                d_o: self.hold(seq_to_heads(c, &part(d_o)?)?)?,
+                o: self.hold(seq_to_heads(c, &part(o)?)?)?,
+                lse: self.hold(lse_seq_to_heads(c, &lse.narrow(2, j * cl, cl)?)?)?,
             });
         }
-        let mut dq_acc: Vec<Option<Tensor>> = vec![None; u]; // f32 [b, C, hq/P, d], parked
+        // f32 [b, C, hq/P, d] partial sums of dq, parked between uses.
+        let mut dq_acc: Vec<Option<Held>> = (0..u).map(|_| None).collect();
         let (mut dqs, mut dks, mut dvs) = (Vec::with_capacity(u), Vec::with_capacity(u), Vec::with_capacity(u));
+        // The q side of chunk j and its dq partial sum, on their way to the device.
+        let fetch = |j: usize, dq_acc: &[Option<Held>]| -> Result<(QChunk<Coming>, Option<Coming>)> {
+            let dq = match &dq_acc[j] {
+                Some(h) => Some(self.bring(h, dev)?),
+                None => None,
+            };
+            Ok((self.fetch_q(&qside[j], dev)?, dq))
+        };
         for i in 0..u {
             let kv = self.exchange_kv(&k.narrow(1, i * cl, cl)?, &v.narrow(1, i * cl, cl)?, rep)?;
             let (mut dk_acc, mut dv_acc) = (None, None); // f32 on the device
-            let mut next = Some(self.load_q(&qside[i], dev)?);
+            let mut dq_done = None; // dq_i, complete after its first (diagonal) block
+            let mut next = Some(fetch(i, &dq_acc)?);
             for j in i..u {
-                let cur = match next.take() {
-                    Some(qc) => qc,
-                    None => self.load_q(&qside[j], dev)?,
+                let (cur, dq_prev) = match next.take() {
+                    Some(n) => n,
+                    None => fetch(j, &dq_acc)?,
                 };
-                next = if j + 1 < u { Some(self.load_q(&qside[j + 1], dev)?) } else { None };
+                dq_acc[j] = None; // its content is in `dq_prev`
+                next = if j + 1 < u { Some(fetch(j + 1, &dq_acc)?) } else { None };
+                let cur = cur.ready()?;
                 let mask = if j == i { Mask::Causal } else { Mask::None };
                 let (dq_p, dk_p, dv_p) = kernel::bwd(&cur.d_o, &cur.q, &kv.k, &kv.v, &cur.o, &cur.lse, mask, scale)?;
                 dk_acc = Some(add_f32(dk_acc, &dk_p)?);
                 dv_acc = Some(add_f32(dv_acc, &dv_p)?);
-                dq_acc[j] = Some(add_f32(dq_acc[j].take(), &self.park(&dq_p)?)?);
+                let dq_prev = match dq_prev {
+                    Some(cm) => Some(cm.ready()?),
+                    None => None,
+                };
+                let dq = add_f32(dq_prev, &dq_p)?;
+                if j == i {
+                    dq_done = Some(dq);
+                } else {
+                    dq_acc[j] = Some(self.hold(dq)?);
+                }
             }
             drop(kv);
-            let (dqh, dkh, dvh) = match (dq_acc[i].take(), dk_acc, dv_acc) {
+            let (dqh, dkh, dvh) = match (dq_done, dk_acc, dv_acc) {
                 (Some(a), Some(b), Some(c)) => (a, b, c),
                 _ => return crate::shape_err!("FPDT backward: chunk {i} got no gradient"),
             };
-            dqs.push(heads_to_seq(c, &dqh.to_device(dev)?.to_dtype(q.dtype())?)?);
+            dqs.push(heads_to_seq(c, &dqh.to_dtype(q.dtype())?)?);
             dks.push(reduce_replicated_kv_grad(&heads_to_seq(c, &dkh.to_dtype(k.dtype())?)?, rep)?);
             dvs.push(reduce_replicated_kv_grad(&heads_to_seq(c, &dvh.to_dtype(v.dtype())?)?, rep)?);
         }
+        drop(qside);
+        self.stash()?.settle()?;
         Ok((Tensor::cat(&dqs, 1)?, Tensor::cat(&dks, 1)?, Tensor::cat(&dvs, 1)?))
     }
 }

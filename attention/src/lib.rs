@@ -15,6 +15,7 @@
 //! - modes, each with the single-device signature ([`mode::AttentionMode`]):
 //!   [`local`], [`ring`] (zigzag), [`ulysses`], [`fpdt`], [`usp`].
 //! - [`op`]: wraps any mode into a differentiable Candle op.
+//! - [`stash`]: parking tensors in (pinned) host memory with copies off the compute stream.
 
 pub mod comm;
 pub mod cpu;
@@ -30,6 +31,7 @@ pub mod mode;
 pub mod naive;
 pub mod op;
 pub mod ring;
+pub mod stash;
 #[doc(hidden)]
 pub mod testing;
 pub mod ulysses;

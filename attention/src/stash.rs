@@ -1,0 +1,357 @@
+//! Parking device tensors in host memory and bringing them back, with the copies off the
+//! compute stream where the device allows it.
+//!
+//! - [`Stash::park`] starts a copy of a device tensor to host memory and returns a
+//!   [`Parked`] handle; [`Stash::fetch`] starts the copy back and returns a [`Fetched`]
+//!   whose [`Fetched::ready`] gives the device tensor once the compute stream may use it.
+//!   Fetch early, call `ready` late: the copy then runs under the work queued in between.
+//! - **CUDA**: copies run on a copy stream of the stash, into and out of page-locked
+//!   (pinned) host buffers kept in a pool by size (page-locking is slow; the same sizes
+//!   recur every layer and step). Ordering is by events only, the host never waits: a park
+//!   waits for the kernels that produced the tensor; the device memory of a parked tensor
+//!   is handed back to the compute stream one park later (the stream is told to wait for
+//!   the copy before it may reuse the memory), so a copy overlaps the next computation; a
+//!   fetched tensor is allocated in compute-stream order and the compute stream waits for
+//!   its copy at `ready`.
+//! - **Other devices**: a synchronous `to_device` each way (a no-op clone on the CPU).
+//!
+//! A stash belongs to one thread (it uses that thread's view of the device's stream).
+
+use candle_core::{Device, Result, Tensor};
+
+/// A tensor parked in host memory (or, off CUDA, a host tensor).
+pub struct Parked {
+    inner: ParkedInner,
+}
+
+enum ParkedInner {
+    Host(Tensor),
+    #[cfg(feature = "cuda")]
+    Pinned(gpu::PinnedTensor),
+}
+
+impl Parked {
+    /// Bytes of the parked tensor.
+    pub fn bytes(&self) -> usize {
+        match &self.inner {
+            ParkedInner::Host(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            #[cfg(feature = "cuda")]
+            ParkedInner::Pinned(p) => p.bytes(),
+        }
+    }
+}
+
+/// A tensor on its way back to the device.
+pub struct Fetched {
+    t: Option<Tensor>,
+    #[cfg(feature = "cuda")]
+    wait: Option<(std::sync::Arc<candle_core::cuda::cudarc::driver::CudaStream>, candle_core::cuda::cudarc::driver::CudaEvent)>,
+}
+
+impl Fetched {
+    /// The tensor, usable by work queued on the compute stream from now on.
+    pub fn ready(mut self) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some((stream, done)) = self.wait.take() {
+            use candle_core::cuda::WrapErr;
+            stream.wait(&done).w()?;
+        }
+        self.t.take().ok_or_else(|| candle_core::Error::Msg("stash: fetched tensor taken twice".into()))
+    }
+}
+
+impl Drop for Fetched {
+    fn drop(&mut self) {
+        // Dropped without `ready`: its memory must not be reused before the copy is done.
+        #[cfg(feature = "cuda")]
+        if let Some((stream, done)) = self.wait.take() {
+            let _ = stream.wait(&done);
+        }
+    }
+}
+
+/// Host parking for one thread's device (see the module doc).
+#[derive(Default)]
+pub struct Stash {
+    #[cfg(feature = "cuda")]
+    gpu: Option<gpu::PinnedStash>,
+}
+
+impl Stash {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Start copying `t` to host memory.
+    pub fn park(&mut self, t: &Tensor) -> Result<Parked> {
+        match t.device() {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(dev) => {
+                if self.gpu.is_none() {
+                    self.gpu = Some(gpu::PinnedStash::new(dev)?);
+                }
+                let g = self.gpu.as_mut().ok_or_else(|| candle_core::Error::Msg("stash: no CUDA state".into()))?;
+                Ok(Parked { inner: ParkedInner::Pinned(g.park(t)?) })
+            }
+            _ => Ok(Parked { inner: ParkedInner::Host(t.to_device(&Device::Cpu)?) }),
+        }
+    }
+
+    /// Start copying `p` back to `dev`.
+    pub fn fetch(&mut self, p: &Parked, dev: &Device) -> Result<Fetched> {
+        match &p.inner {
+            ParkedInner::Host(t) => Ok(Fetched {
+                t: Some(t.to_device(dev)?),
+                #[cfg(feature = "cuda")]
+                wait: None,
+            }),
+            #[cfg(feature = "cuda")]
+            ParkedInner::Pinned(pt) => {
+                let Device::Cuda(cdev) = dev else {
+                    return Err(candle_core::Error::Msg("stash: a tensor parked from CUDA can only come back to CUDA".into()));
+                };
+                let g = self.gpu.as_mut().ok_or_else(|| candle_core::Error::Msg("stash: no CUDA state".into()))?;
+                let (t, stream, done) = g.fetch(pt, cdev)?;
+                Ok(Fetched { t: Some(t), wait: Some((stream, done)) })
+            }
+        }
+    }
+
+    /// Hand every parked tensor's device memory back (the compute stream waits for the
+    /// copies first); call when no more parks follow for a while.
+    pub fn settle(&mut self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.gpu.as_mut() {
+            g.settle()?;
+        }
+        Ok(())
+    }
+
+    /// Block until every copy has finished.
+    pub fn sync(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.gpu.as_ref() {
+            g.sync()?;
+        }
+        Ok(())
+    }
+
+    /// Pinned host bytes held (in use or pooled).
+    pub fn pinned_bytes(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.gpu.as_ref() {
+            return g.pinned_bytes();
+        }
+        0
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use candle_core::cuda::cudarc::driver::{result, sys, CudaEvent, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
+    use candle_core::cuda::{CudaDType, WrapErr};
+    use candle_core::op::BackpropOp;
+    use candle_core::{CudaDevice, CudaStorage, DType, Error, Result, Shape, Storage, Tensor};
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    fn err(e: impl std::fmt::Display) -> Error {
+        Error::Msg(format!("host offload (CUDA): {e}"))
+    }
+
+    /// Free pinned buffers by byte size, and the bytes allocated in all.
+    #[derive(Default)]
+    struct Pool {
+        free: Mutex<HashMap<usize, Vec<PinnedHostSlice<u8>>>>,
+        allocated: AtomicUsize,
+    }
+
+    /// A pinned buffer that returns to its pool when dropped. Reuse is safe without a
+    /// host wait: every copy into or out of a pool buffer runs on the one copy stream.
+    struct PooledBuf {
+        buf: Option<PinnedHostSlice<u8>>,
+        pool: Arc<Pool>,
+    }
+
+    impl Drop for PooledBuf {
+        fn drop(&mut self) {
+            if let Some(b) = self.buf.take() {
+                let mut free = self.pool.free.lock().unwrap_or_else(|p| p.into_inner());
+                free.entry(b.len()).or_default().push(b);
+            }
+        }
+    }
+
+    pub struct PinnedTensor {
+        buf: Arc<PooledBuf>,
+        shape: Shape,
+        dtype: DType,
+    }
+
+    impl PinnedTensor {
+        pub fn bytes(&self) -> usize {
+            self.shape.elem_count() * self.dtype.size_in_bytes()
+        }
+    }
+
+    /// The copy stream's handle, destroyed with the stash.
+    struct RawStream(sys::CUstream);
+    // SAFETY: a CUDA stream handle may be used from any thread of its context.
+    unsafe impl Send for RawStream {}
+    unsafe impl Sync for RawStream {}
+
+    pub struct PinnedStash {
+        compute: Arc<CudaStream>,
+        /// Created here rather than by `CudaContext::new_stream`, which would switch cudarc
+        /// to recording events on every buffer use of every Candle kernel.
+        copy: Arc<CudaStream>,
+        raw: RawStream,
+        pool: Arc<Pool>,
+        /// Device tensors whose copy to the host may still run, with its end event.
+        pending: Vec<(Tensor, CudaEvent)>,
+    }
+
+    impl PinnedStash {
+        pub fn new(dev: &CudaDevice) -> Result<Self> {
+            let compute = dev.cuda_stream();
+            let ctx = compute.context().clone();
+            ctx.bind_to_thread().w()?;
+            let raw = result::stream::create(result::stream::StreamKind::NonBlocking).w()?;
+            // SAFETY: `raw` is a stream of this context, kept alive until `Drop` destroys it
+            // after synchronising; `copy` only borrows it and never leaves this struct.
+            let copy = unsafe { ctx.wrap_borrowed_stream(raw) };
+            Ok(Self { compute, copy, raw: RawStream(raw), pool: Arc::default(), pending: Vec::new() })
+        }
+
+        pub fn pinned_bytes(&self) -> usize {
+            self.pool.allocated.load(Ordering::Relaxed)
+        }
+
+        pub fn settle(&mut self) -> Result<()> {
+            for (t, done) in self.pending.drain(..) {
+                self.compute.wait(&done).w()?;
+                drop(t);
+            }
+            Ok(())
+        }
+
+        pub fn sync(&self) -> Result<()> {
+            self.copy.synchronize().w()
+        }
+
+        fn take_buf(&self, n: usize) -> Result<PooledBuf> {
+            let reuse = self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&n).and_then(|v| v.pop());
+            let buf = match reuse {
+                Some(b) => b,
+                None => {
+                    // SAFETY: written entirely by the copy that follows before any read.
+                    // Flags 0: plain page-locked memory (read back by DMA, not write-combined).
+                    let b = unsafe { self.compute.context().alloc_pinned_with_flags::<u8>(n, 0) }.map_err(|e| {
+                        err(format!(
+                            "cannot page-lock {} MiB of host memory ({e}; {} MiB already held); shorten the sequence or turn the offload off",
+                            n >> 20,
+                            self.pinned_bytes() >> 20
+                        ))
+                    })?;
+                    self.pool.allocated.fetch_add(n, Ordering::Relaxed);
+                    b
+                }
+            };
+            Ok(PooledBuf { buf: Some(buf), pool: self.pool.clone() })
+        }
+
+        pub fn park(&mut self, t: &Tensor) -> Result<PinnedTensor> {
+            // Release device memory of finished copies; beyond the newest two, make the
+            // compute stream wait for the oldest (bounded device memory, some overlap kept).
+            self.pending.retain(|(_, done)| !done.is_complete());
+            while self.pending.len() > 2 {
+                let (t, done) = self.pending.remove(0);
+                self.compute.wait(&done).w()?;
+                drop(t);
+            }
+            let t = t.contiguous()?;
+            let n = t.elem_count() * t.dtype().size_in_bytes();
+            let mut pooled = self.take_buf(n)?;
+            let dst = pooled.buf.as_mut().ok_or_else(|| err("empty buffer"))?;
+            let ready = self.compute.record_event(None).w()?;
+            self.copy.wait(&ready).w()?;
+            {
+                let (st, l) = t.storage_and_layout();
+                let Storage::Cuda(c) = &*st else { return Err(err("not a CUDA tensor")) };
+                let (start, len) = (l.start_offset(), l.shape().elem_count());
+                macro_rules! d2h {
+                    ($ty:ty) => {{
+                        let view = c.as_cuda_slice::<$ty>()?.slice(start..start + len);
+                        // SAFETY: the `len` elements viewed as their `n` bytes.
+                        let bytes = unsafe { view.transmute::<u8>(n) }.ok_or_else(|| err("byte view out of range"))?;
+                        self.copy.memcpy_dtoh(&bytes, dst).w()?;
+                    }};
+                }
+                match t.dtype() {
+                    DType::BF16 => d2h!(half::bf16),
+                    DType::F16 => d2h!(half::f16),
+                    DType::F32 => d2h!(f32),
+                    DType::F64 => d2h!(f64),
+                    DType::U32 => d2h!(u32),
+                    DType::I64 => d2h!(i64),
+                    other => return Err(err(format!("cannot park {other:?} tensors"))),
+                }
+            }
+            let done = self.copy.record_event(None).w()?;
+            let (shape, dtype) = (t.shape().clone(), t.dtype());
+            self.pending.push((t, done));
+            Ok(PinnedTensor { buf: Arc::new(pooled), shape, dtype })
+        }
+
+        pub fn fetch(&mut self, p: &PinnedTensor, dev: &CudaDevice) -> Result<(Tensor, Arc<CudaStream>, CudaEvent)> {
+            let src = p.buf.buf.as_ref().ok_or_else(|| err("empty buffer"))?;
+            let (len, n) = (p.shape.elem_count(), p.bytes());
+            fn fill<T: CudaDType + DeviceRepr>(
+                s: &PinnedStash,
+                src: &PinnedHostSlice<u8>,
+                len: usize,
+                n: usize,
+                dev: &CudaDevice,
+                shape: &Shape,
+            ) -> Result<(Tensor, CudaEvent)> {
+                // SAFETY: allocated in compute-stream order and written entirely by the copy
+                // below, which the compute stream waits for (`Fetched::ready`) before use.
+                let mut dst: CudaSlice<T> = unsafe { s.compute.alloc::<T>(len) }.w()?;
+                let ready = s.compute.record_event(None).w()?;
+                s.copy.wait(&ready).w()?;
+                {
+                    // SAFETY: the `len` elements viewed as their `n` bytes.
+                    let mut bytes = unsafe { dst.transmute_mut::<u8>(n) }.ok_or_else(|| err("byte view out of range"))?;
+                    s.copy.memcpy_htod(src, &mut bytes).w()?;
+                }
+                let done = s.copy.record_event(None).w()?;
+                let t = Tensor::from_storage(Storage::Cuda(CudaStorage::wrap_cuda_slice(dst, dev.clone())), shape.clone(), BackpropOp::none(), false);
+                Ok((t, done))
+            }
+            let (t, done) = match p.dtype {
+                DType::BF16 => fill::<half::bf16>(self, src, len, n, dev, &p.shape)?,
+                DType::F16 => fill::<half::f16>(self, src, len, n, dev, &p.shape)?,
+                DType::F32 => fill::<f32>(self, src, len, n, dev, &p.shape)?,
+                DType::F64 => fill::<f64>(self, src, len, n, dev, &p.shape)?,
+                DType::U32 => fill::<u32>(self, src, len, n, dev, &p.shape)?,
+                DType::I64 => fill::<i64>(self, src, len, n, dev, &p.shape)?,
+                other => return Err(err(format!("cannot fetch {other:?} tensors"))),
+            };
+            Ok((t, self.compute.clone(), done))
+        }
+    }
+
+    impl Drop for PinnedStash {
+        fn drop(&mut self) {
+            // Nothing may be freed while a copy still reads or writes it.
+            let _ = self.copy.synchronize();
+            let _ = self.compute.synchronize();
+            self.pending.clear();
+            let _ = self.compute.context().bind_to_thread();
+            // SAFETY: created in `new`, idle after the synchronisation, and `copy` (which
+            // only borrows it) is not used after this point.
+            let _ = unsafe { result::stream::destroy(self.raw.0) };
+        }
+    }
+}
