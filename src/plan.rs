@@ -66,9 +66,9 @@
 //! peak_step     = weights + gradients + grad_reduce + optimizer + overhead
 //! peak          = max(peak_compute, peak_step)         fits ⇔ peak ≤ GPU memory
 //! ```
-//! Host memory per rank: the optimizer (12·⌈P/W⌉) when on the host, offloaded saved
-//! activations, FPDT's parked tensors with `fpdt_offload`, and the trainer's own f32
-//! copies of the start weights and of the reduced gradient (4·P each). Per node: times
+//! Host memory per rank: the optimizer (12·⌈P/W⌉) and this rank's shard of the reduced
+//! gradient (4·⌈P/W⌉) when on the host, offloaded saved activations, FPDT's parked
+//! tensors with `fpdt_offload`, and the trainer's f32 copy of the start weights (4·P). Per node: times
 //! the ranks per node. Host memory is checked only when given.
 //!
 //! Suggestion: the requested layout when it fits; otherwise the first layout that fits
@@ -270,7 +270,7 @@ pub struct HostMemory {
     pub fpdt_parked: u64,
     /// The trainer's f32 copy of the start weights.
     pub weights_copy: u64,
-    /// The trainer's f32 copy of the reduced gradient.
+    /// This rank's shard of the reduced gradient in f32 (optimizer on the host).
     pub grads_copy: u64,
     pub per_rank: u64,
     pub ranks_per_node: usize,
@@ -432,7 +432,7 @@ pub fn estimate(model: &ModelShape, req: &PlanRequest) -> Result<Estimate> {
     let mut host = HostMemory {
         optimizer: if req.optimizer_on_host { 12 * p.div_ceil(lay.world as u64) } else { 0 },
         weights_copy: 4 * p,
-        grads_copy: 4 * p,
+        grads_copy: if req.optimizer_on_host { 4 * p.div_ceil(lay.world as u64) } else { 0 },
         ..Default::default()
     };
     if req.offload_activations {

@@ -61,11 +61,12 @@ fn zigzag_512k_on_8_gpus_by_hand() {
     assert_eq!(d.peak_step, 70_384_156_160); // 2P + 4P + 4P + 3e9
     assert_eq!(d.peak, 81_070_177_792);
     assert!(e.fits);
-    // Host per rank: optimizer 12P/8 (ZeRO-1 over all 8 ranks, though dp = 1) + trainer
-    // copies 8P; 8 ranks on the node.
+    // Host per rank: optimizer 12P/8 (ZeRO-1 over all 8 ranks, though dp = 1), the
+    // gradient shard 4P/8 and the f32 start weights 4P; 8 ranks on the node.
     assert_eq!(e.host.optimizer, 10_107_623_424);
-    assert_eq!(e.host.per_rank, 10_107_623_424 + 53_907_324_928);
-    assert_eq!(e.host.per_node, 8 * (10_107_623_424 + 53_907_324_928));
+    assert_eq!(e.host.grads_copy, 3_369_207_808);
+    assert_eq!(e.host.per_rank, 10_107_623_424 + 3_369_207_808 + 26_953_662_464);
+    assert_eq!(e.host.per_node, 8 * 40_430_493_696);
     assert_eq!(e.fits_host, None);
 }
 

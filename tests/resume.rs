@@ -210,6 +210,57 @@ fn resume_on_fewer_ranks_continues_the_run() -> longctx::Result<()> {
     Ok(())
 }
 
+/// Stop on one rank with batch 2, continue under dp 2 × batch 1 (the same samples per
+/// step): each rank reads its half of the optimizer state from the one shard file.
+#[test]
+fn resume_on_more_ranks_continues_the_run() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let m = ParallelMode::DataParallel;
+    let dp2 = config(&tmp.path().join("straight"), 2, 1, [m, m], 1);
+    run_in(&tmp.path().join("straight"), &dp2, &[])?;
+    let dir = tmp.path().join("resharded");
+    let mut first = config(&dir, 1, 2, [m, m], 1);
+    first.output_dir = dir.clone();
+    run_with_limits(&first, false, RunLimits { stop_at_global_step: Some(2) })?;
+    let mut rest = dp2.clone();
+    rest.output_dir = dir.clone();
+    let s = run(&rest, true)?;
+    assert_eq!(s.steps, 5);
+    let (want, got) = (log_of(&tmp.path().join("straight")), log_of(&dir));
+    assert_eq!(want.len(), got.len());
+    for (w, g) in want.iter().zip(&got) {
+        assert_eq!((w.0, w.1, w.2, w.3), (g.0, g.1, g.2, g.3), "step identity");
+        for (i, name) in ["loss", "lr", "grad_norm"].iter().enumerate() {
+            let (x, y) = (f64::from_bits(w.4[i]), f64::from_bits(g.4[i]));
+            let e = (x - y).abs() / x.abs().max(1e-12);
+            assert!(e <= RESHARD_TOL, "step {}: {name} {y} vs {x} ({e:.1e})", w.2);
+        }
+    }
+    // after the stop the run is on two shards
+    assert_eq!(state_without_paths(&dir)["optimizer_shards"].as_u64(), Some(2));
+    Ok(())
+}
+
+/// A stop between the two renames of a checkpoint swap leaves only the previous
+/// checkpoint, set aside as `.checkpoint.old`: `--resume` continues from it, bit-exactly.
+#[test]
+fn resume_from_a_checkpoint_left_aside() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let m = ParallelMode::DataParallel;
+    let cfg = config(&tmp.path().join("straight"), 1, 2, [m, m], 1);
+    run_in(&tmp.path().join("straight"), &cfg, &[])?;
+    let dir = tmp.path().join("crashed");
+    let mut c = cfg.clone();
+    c.output_dir = dir.clone();
+    run_with_limits(&c, false, RunLimits { stop_at_global_step: Some(2) })?;
+    std::fs::rename(dir.join("checkpoint"), dir.join(".checkpoint.old")).map_err(|e| longctx::Error::io(&dir, e))?;
+    let s = run(&c, true)?;
+    assert!(s.completed && s.steps == 5);
+    assert_eq!(log_of(&tmp.path().join("straight")), log_of(&dir), "per-step log after resuming from the set-aside checkpoint");
+    assert!(!dir.join(".checkpoint.old").exists(), "the set-aside checkpoint is cleaned up by the next save");
+    Ok(())
+}
+
 #[test]
 fn resume_without_checkpoint_is_an_error() -> longctx::Result<()> {
     let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;

@@ -52,29 +52,58 @@ fn st_write(path: &Path, tensors: &HashMap<String, Tensor>) -> Result<()> {
     candle_core::safetensors::save(tensors, path).map_err(|e| Error::checkpoint(path, format!("cannot write: {e}")))
 }
 
-/// Write a checkpoint atomically. `shards` holds one entry per rank, in rank order (the
-/// trainer gathers them on rank 0, which writes everything).
-pub fn save(output_dir: &Path, weights: &HashMap<String, Tensor>, shards: &[OptimShard<'_>], state: &TrainState) -> Result<()> {
+/// The temporary directory a checkpoint is assembled in (same name on every rank).
+pub fn tmp_dir(output_dir: &Path) -> PathBuf {
+    output_dir.join(format!(".{CHECKPOINT_DIR}.tmp"))
+}
+
+/// Step 1 of a checkpoint (rank 0): an empty temporary directory.
+pub fn begin(output_dir: &Path) -> Result<PathBuf> {
     std::fs::create_dir_all(output_dir).map_err(|e| Error::io(output_dir, e))?;
-    let final_dir = checkpoint_dir(output_dir);
-    let tmp = output_dir.join(format!(".{CHECKPOINT_DIR}.tmp-{}", std::process::id()));
+    let tmp = tmp_dir(output_dir);
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     }
     std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
-    st_write(&tmp.join("model.safetensors"), weights)?;
-    for (d, s) in shards.iter().enumerate() {
-        let mut t = HashMap::new();
-        for (name, data) in [("master", s.master), ("m", s.m), ("v", s.v)] {
-            t.insert(name.to_string(), Tensor::from_slice(data, data.len(), &Device::Cpu)?);
-        }
-        st_write(&tmp.join(format!("optimizer-shard{d}.safetensors")), &t)?;
+    Ok(tmp)
+}
+
+fn shard_name(d: usize) -> String {
+    format!("optimizer-shard{d}.safetensors")
+}
+
+/// Step 2 (every rank, once step 1 is done): this rank's optimizer shard.
+pub fn write_shard(tmp: &Path, index: usize, s: &OptimShard<'_>) -> Result<()> {
+    let mut t = HashMap::new();
+    for (name, data) in [("master", s.master), ("m", s.m), ("v", s.v)] {
+        t.insert(name.to_string(), Tensor::from_slice(data, data.len(), &Device::Cpu)?);
     }
+    st_write(&tmp.join(shard_name(index)), &t)
+}
+
+/// Step 3 (rank 0, once every rank has done step 2): the weights and state, then the
+/// swap into `<output_dir>/checkpoint`. A crash leaves the old or the new checkpoint in
+/// place, or (between the two renames) the old one aside, which [`load`] then uses.
+pub fn finish(output_dir: &Path, weights: &HashMap<String, Tensor>, state: &TrainState) -> Result<()> {
+    let tmp = tmp_dir(output_dir);
+    for d in 0..state.optimizer_shards {
+        let p = tmp.join(shard_name(d));
+        if !p.is_file() {
+            return Err(Error::checkpoint(
+                &p,
+                "missing: every rank writes its optimizer shard here; the output directory must be on a filesystem all nodes share",
+            ));
+        }
+    }
+    st_write(&tmp.join("model.safetensors"), weights)?;
     let json = serde_json::to_string_pretty(state).map_err(|e| Error::checkpoint(&tmp, e.to_string()))?;
     let sp = tmp.join("state.json");
     std::fs::write(&sp, json).map_err(|e| Error::io(&sp, e))?;
-    // Swap in: old aside, new in, old removed. A crash leaves either the old or the new.
-    let old = output_dir.join(format!(".{CHECKPOINT_DIR}.old-{}", std::process::id()));
+    let final_dir = checkpoint_dir(output_dir);
+    let old = old_dir(output_dir);
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+    }
     if final_dir.exists() {
         std::fs::rename(&final_dir, &old).map_err(|e| Error::io(&final_dir, e))?;
     }
@@ -85,16 +114,28 @@ pub fn save(output_dir: &Path, weights: &HashMap<String, Tensor>, shards: &[Opti
     Ok(())
 }
 
-/// A loaded checkpoint.
-pub struct Loaded {
-    pub weights: HashMap<String, Tensor>,
-    /// Per data-parallel shard: (master, m, v).
-    pub shards: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>,
-    pub state: TrainState,
+fn old_dir(output_dir: &Path) -> PathBuf {
+    output_dir.join(format!(".{CHECKPOINT_DIR}.old"))
 }
 
+/// A loaded checkpoint: weights and state; the optimizer is read per rank with
+/// [`Loaded::optimizer_range`].
+pub struct Loaded {
+    pub weights: HashMap<String, Tensor>,
+    pub state: TrainState,
+    /// The directory it was read from.
+    pub dir: PathBuf,
+}
+
+/// Read the weights and state of `<output_dir>/checkpoint` (or, after a crash between
+/// the two renames of [`finish`], of the previous checkpoint set aside).
 pub fn load(output_dir: &Path) -> Result<Loaded> {
-    let dir = checkpoint_dir(output_dir);
+    let mut dir = checkpoint_dir(output_dir);
+    let old = old_dir(output_dir);
+    if !dir.join("state.json").is_file() && old.join("state.json").is_file() {
+        eprintln!("note: resuming from {} (the run stopped while replacing its checkpoint)", old.display());
+        dir = old;
+    }
     let sp = dir.join("state.json");
     let text = std::fs::read_to_string(&sp).map_err(|e| {
         Error::checkpoint(&sp, format!("cannot resume: {e}; run without --resume or point --output-dir at a run that wrote a checkpoint"))
@@ -102,19 +143,40 @@ pub fn load(output_dir: &Path) -> Result<Loaded> {
     let state: TrainState = serde_json::from_str(&text).map_err(|e| Error::checkpoint(&sp, format!("corrupt state: {e}")))?;
     let mp = dir.join("model.safetensors");
     let weights = candle_core::safetensors::load(&mp, &Device::Cpu).map_err(|e| Error::checkpoint(&mp, format!("cannot read: {e}")))?;
-    let mut shards = Vec::new();
-    for d in 0..state.optimizer_shards {
-        let mut p = dir.join(format!("optimizer-shard{d}.safetensors"));
-        let old = dir.join(format!("optimizer-dp{d}.safetensors"));
-        if !p.exists() && old.exists() {
-            p = old;
+    Ok(Loaded { weights, state, dir })
+}
+
+impl Loaded {
+    /// Elements `[lo, hi)` of the flat f32 `(master, m, v)` over `n_params` parameters, read
+    /// from the shard files that hold them (shard `d` holds `[d·L, (d+1)·L)`,
+    /// `L = ⌈n_params / shards⌉`); zero past `n_params` (the padding of the last shard).
+    pub fn optimizer_range(&self, n_params: usize, lo: usize, hi: usize) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let shards = self.state.optimizer_shards.max(1);
+        let len = n_params.div_ceil(shards);
+        let (mut w, mut m, mut v) = (Vec::with_capacity(hi - lo), Vec::with_capacity(hi - lo), Vec::with_capacity(hi - lo));
+        let end = hi.min(n_params);
+        let mut at = lo;
+        while at < end {
+            let d = at / len;
+            let mut p = self.dir.join(shard_name(d));
+            let older = self.dir.join(format!("optimizer-dp{d}.safetensors"));
+            if !p.exists() && older.exists() {
+                p = older;
+            }
+            let t = candle_core::safetensors::load(&p, &Device::Cpu).map_err(|e| Error::checkpoint(&p, format!("cannot read: {e}")))?;
+            let (a, b) = (at - d * len, (end - d * len).min(len));
+            for (name, out) in [("master", &mut w), ("m", &mut m), ("v", &mut v)] {
+                let x = t.get(name).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{name}` missing")))?;
+                if x.elem_count() != len {
+                    return Err(Error::checkpoint(&p, format!("`{name}` has {} elements, expected {len} ({n_params} parameters in {shards} shards)", x.elem_count())));
+                }
+                out.extend(x.narrow(0, a, b - a)?.to_vec1::<f32>()?);
+            }
+            at = d * len + b;
         }
-        let t = candle_core::safetensors::load(&p, &Device::Cpu).map_err(|e| Error::checkpoint(&p, format!("cannot read: {e}")))?;
-        let get = |n: &str| -> Result<Vec<f32>> {
-            let x = t.get(n).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{n}` missing")))?;
-            Ok(x.to_vec1::<f32>()?)
-        };
-        shards.push((get("master")?, get("m")?, get("v")?));
+        for x in [&mut w, &mut m, &mut v] {
+            x.resize(hi - lo, 0.0);
+        }
+        Ok((w, m, v))
     }
-    Ok(Loaded { weights, shards, state })
 }

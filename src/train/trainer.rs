@@ -246,7 +246,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
 
     // Resume.
     let (mut start_stage, mut start_step, mut data_state): (usize, u64, Option<DataState>) = (0, 0, None);
-    let mut opt_state: Option<(u64, Vec<f32>, Vec<f32>, Vec<f32>)> = None;
+    let mut opt_step: Option<u64> = None; // the AdamW step of a resumed run
     if let Some(l) = sh.resume {
         for (n, v) in &vars {
             let t = l.weights.get(n).ok_or_else(|| Error::checkpoint(checkpoint::checkpoint_dir(&cfg.output_dir), format!("tensor `{n}` missing")))?;
@@ -258,7 +258,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
         data_state = serde_json::from_value::<Option<DataState>>(l.state.data.clone())
             .map_err(|e| Error::checkpoint(checkpoint::checkpoint_dir(&cfg.output_dir), format!("corrupt data cursor: {e}")))?;
         // The optimizer state is re-sharded below once the dp size is known.
-        opt_state = Some((l.state.adam_step, Vec::new(), Vec::new(), Vec::new()));
+        opt_step = Some(l.state.adam_step);
     }
 
     let mut stopped = false;
@@ -307,8 +307,9 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
                     None => Ok(v.as_tensor().to_dtype(DType::F32)?.to_device(&Device::Cpu)?),
                 })
                 .collect::<Result<_>>()?;
-            let flat = flatten(&host, shard_len * zn)?;
-            let master: Vec<f32> = flat.narrow(0, zrank * shard_len, shard_len)?.to_vec1()?;
+            let (lo, hi) = (zrank * shard_len, (zrank + 1) * shard_len);
+            let master = flat_range(&host, lo, hi)?;
+            drop(host);
             let mut decay = Vec::with_capacity(shard_len * zn);
             for ((_, v), &n) in engine.params.iter().zip(&sizes) {
                 decay.extend(std::iter::repeat_n(v.as_tensor().rank() >= 2, n));
@@ -316,18 +317,11 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
             decay.resize(shard_len * zn, false);
             let decay = decay[zrank * shard_len..(zrank + 1) * shard_len].to_vec();
             let mut st = AdamW::new(cfg.train.adamw.clone(), master, decay);
-            if let (Some((astep, _, _, _)), Some(l)) = (&opt_state, sh.resume) {
-                let (w_all, m_all, v_all) = concat_shards(&l.shards);
-                let (lo, hi) = (zrank * shard_len, (zrank + 1) * shard_len);
-                let pick = |x: &Vec<f32>| -> Vec<f32> {
-                    let mut y: Vec<f32> = x.get(lo.min(x.len())..hi.min(x.len())).unwrap_or(&[]).to_vec();
-                    y.resize(shard_len, 0.0);
-                    y
-                };
-                st.master = pick(&w_all);
-                st.m = pick(&m_all);
-                st.v = pick(&v_all);
-                st.step = *astep;
+            if let (Some(astep), Some(l)) = (opt_step, sh.resume) {
+                // Only this rank's range, from whichever shard files hold it (the writing
+                // run may have had another world size).
+                (st.master, st.m, st.v) = l.optimizer_range(n_params, lo, hi)?;
+                st.step = astep;
             }
             if use_device_optim {
                 dev_opt = Some(DeviceAdamW::from_host(&st, &sh.device)?);
@@ -412,8 +406,8 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
                     d.master.clone()
                 }
                 None => {
-                    let flat = flat.to_device(&Device::Cpu)?;
-                    let mut gshard: Vec<f32> = flat.narrow(0, zrank * *shard_len, *shard_len)?.to_vec1()?;
+                    // Only this rank's shard goes to the host.
+                    let mut gshard: Vec<f32> = flat.narrow(0, zrank * *shard_len, *shard_len)?.to_device(&Device::Cpu)?.to_vec1()?;
                     if coef != 1.0 {
                         gshard.iter_mut().for_each(|x| *x *= coef as f32);
                     }
@@ -523,15 +517,21 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
     Ok(if is_main { Some(summary) } else { None })
 }
 
-/// The per-shard `(master, m, v)` of a checkpoint, concatenated in shard order.
-fn concat_shards(shards: &[(Vec<f32>, Vec<f32>, Vec<f32>)]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let (mut w, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
-    for (a, b, c) in shards {
-        w.extend_from_slice(a);
-        m.extend_from_slice(b);
-        v.extend_from_slice(c);
+/// Elements `[lo, hi)` of `params` flattened in order, as f32; zero past their end.
+/// Converts only the parameters that overlap the range (no full flat copy).
+fn flat_range(params: &[Tensor], lo: usize, hi: usize) -> Result<Vec<f32>> {
+    let mut out = Vec::with_capacity(hi.saturating_sub(lo));
+    let mut off = 0;
+    for t in params {
+        let n = t.elem_count();
+        let (a, b) = (lo.max(off), hi.min(off + n));
+        if a < b {
+            out.extend(t.flatten_all()?.narrow(0, a - off, b - a)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec1::<f32>()?);
+        }
+        off += n;
     }
-    (w, m, v)
+    out.resize(hi.saturating_sub(lo), 0.0);
+    Ok(out)
 }
 
 /// Sum of a scalar over ranks, as an f64 tensor on the run device (NCCL needs device memory).
@@ -554,20 +554,18 @@ fn save_checkpoint(
     global_step: u64,
     data: Option<DataState>,
 ) -> Result<()> {
-    // Gather every rank's shard of the optimizer state on rank 0.
-    let n = world.world();
-    let to_t = |x: &[f32]| Tensor::from_slice(x, x.len(), &Device::Cpu);
-    let gather = |x: &[f32]| -> Result<Vec<Vec<f32>>> {
-        if n == 1 {
-            return Ok(vec![x.to_vec()]);
-        }
-        let parts = world.all_gather(&to_t(x)?.to_device(&sh.device)?)?;
-        parts.iter().map(|p| Ok(p.to_device(&Device::Cpu)?.to_vec1::<f32>()?)).collect()
-    };
-    let (ws, ms, vs) = (gather(&adam.master)?, gather(&adam.m)?, gather(&adam.v)?);
-    if world.rank() == 0 {
+    // Every rank writes its own optimizer shard into the temporary directory rank 0 made;
+    // rank 0 then adds the weights and state and swaps it into place.
+    let (rank, n) = (world.rank(), world.world());
+    let out = &sh.cfg.output_dir;
+    if rank == 0 {
+        checkpoint::begin(out)?;
+    }
+    world.barrier()?;
+    checkpoint::write_shard(&checkpoint::tmp_dir(out), rank, &OptimShard { master: &adam.master, m: &adam.m, v: &adam.v })?;
+    world.barrier()?;
+    if rank == 0 {
         let weights: HashMap<String, Tensor> = engine.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().detach())).collect();
-        let shards: Vec<OptimShard<'_>> = (0..n).map(|d| OptimShard { master: &ws[d], m: &ms[d], v: &vs[d] }).collect();
         let state = TrainState {
             stage,
             stage_step,
@@ -578,7 +576,7 @@ fn save_checkpoint(
             optimizer_shards: n,
             config: serde_json::to_value(sh.cfg).map_err(|e| Error::Setting(e.to_string()))?,
         };
-        checkpoint::save(&sh.cfg.output_dir, &weights, &shards, &state)?;
+        checkpoint::finish(out, &weights, &state)?;
     }
     world.barrier()?;
     Ok(())
