@@ -179,21 +179,18 @@ fn stages_with_different_dp_resume_is_bit_exact() -> longctx::Result<()> {
     check_variant("dp 2 then ring 2", &cfg, &[&[2], &[3]])
 }
 
-/// Stop under dp 2 × batch 1, continue on one rank with batch 2 (the same samples per
-/// step): the optimizer state is re-cut from two shards into one.
-#[test]
-fn resume_on_fewer_ranks_continues_the_run() -> longctx::Result<()> {
+/// The straight dp 2 × batch 1 run against one stopped at step 2 under `(w1, b1)` ranks ×
+/// batch and resumed under `(w2, b2)` (the same samples per step either way): the
+/// optimizer state is re-cut between shard layouts; losses, lr and gradient norms agree
+/// within [`RESHARD_TOL`] and the final checkpoint has one shard per rank of the resumed run.
+fn resharded_resume(first: (usize, usize), rest: (usize, usize)) -> longctx::Result<()> {
     let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
     let m = ParallelMode::DataParallel;
     let dp2 = config(&tmp.path().join("straight"), 2, 1, [m, m], 1);
     run_in(&tmp.path().join("straight"), &dp2, &[])?;
     let dir = tmp.path().join("resharded");
-    let mut first = dp2.clone();
-    first.output_dir = dir.clone();
-    run_with_limits(&first, false, RunLimits { stop_at_global_step: Some(2) })?;
-    let mut rest = config(&dir, 1, 2, [m, m], 1);
-    rest.output_dir = dir.clone();
-    let s = run(&rest, true)?;
+    run_with_limits(&config(&dir, first.0, first.1, [m, m], 1), false, RunLimits { stop_at_global_step: Some(2) })?;
+    let s = run(&config(&dir, rest.0, rest.1, [m, m], 1), true)?;
     assert_eq!(s.steps, 5);
     let (want, got) = (log_of(&tmp.path().join("straight")), log_of(&dir));
     assert_eq!(want.len(), got.len());
@@ -205,40 +202,21 @@ fn resume_on_fewer_ranks_continues_the_run() -> longctx::Result<()> {
             assert!(e <= RESHARD_TOL, "step {}: {name} {y} vs {x} ({e:.1e})", w.2);
         }
     }
-    // after the stop the run is on one shard
-    assert_eq!(state_without_paths(&dir)["optimizer_shards"].as_u64(), Some(1));
+    assert_eq!(state_without_paths(&dir)["optimizer_shards"].as_u64(), Some(rest.0 as u64));
     Ok(())
 }
 
-/// Stop on one rank with batch 2, continue under dp 2 × batch 1 (the same samples per
-/// step): each rank reads its half of the optimizer state from the one shard file.
+/// Stop under dp 2 × batch 1, continue on one rank with batch 2: two shards into one.
+#[test]
+fn resume_on_fewer_ranks_continues_the_run() -> longctx::Result<()> {
+    resharded_resume((2, 1), (1, 2))
+}
+
+/// Stop on one rank with batch 2, continue under dp 2 × batch 1: each rank reads its
+/// half of the optimizer state from the one shard file.
 #[test]
 fn resume_on_more_ranks_continues_the_run() -> longctx::Result<()> {
-    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
-    let m = ParallelMode::DataParallel;
-    let dp2 = config(&tmp.path().join("straight"), 2, 1, [m, m], 1);
-    run_in(&tmp.path().join("straight"), &dp2, &[])?;
-    let dir = tmp.path().join("resharded");
-    let mut first = config(&dir, 1, 2, [m, m], 1);
-    first.output_dir = dir.clone();
-    run_with_limits(&first, false, RunLimits { stop_at_global_step: Some(2) })?;
-    let mut rest = dp2.clone();
-    rest.output_dir = dir.clone();
-    let s = run(&rest, true)?;
-    assert_eq!(s.steps, 5);
-    let (want, got) = (log_of(&tmp.path().join("straight")), log_of(&dir));
-    assert_eq!(want.len(), got.len());
-    for (w, g) in want.iter().zip(&got) {
-        assert_eq!((w.0, w.1, w.2, w.3), (g.0, g.1, g.2, g.3), "step identity");
-        for (i, name) in ["loss", "lr", "grad_norm"].iter().enumerate() {
-            let (x, y) = (f64::from_bits(w.4[i]), f64::from_bits(g.4[i]));
-            let e = (x - y).abs() / x.abs().max(1e-12);
-            assert!(e <= RESHARD_TOL, "step {}: {name} {y} vs {x} ({e:.1e})", w.2);
-        }
-    }
-    // after the stop the run is on two shards
-    assert_eq!(state_without_paths(&dir)["optimizer_shards"].as_u64(), Some(2));
-    Ok(())
+    resharded_resume((1, 2), (2, 1))
 }
 
 /// A stop between the two renames of a checkpoint swap leaves only the previous
