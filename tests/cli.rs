@@ -89,7 +89,7 @@ fn llama2_7b_dir(dir: &Path) -> PathBuf {
 
 #[test]
 fn help_lists_every_flag() {
-    let cases: [(&[&str], &[&str]); 7] = [
+    let cases: [(&[&str], &[&str]); 8] = [
         (&["--help"], &["train", "export", "inspect", "plan", "launch", "bench"]),
         (
             &["train", "--help"],
@@ -114,6 +114,10 @@ fn help_lists_every_flag() {
         ),
         (&["launch", "--help"], &["--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-timeout"]),
         (&["bench", "attention", "--help"], &["--seq", "--heads", "--head-dim", "--dtype", "--check"]),
+        (
+            &["bench", "engine", "--help"],
+            &["--model", "--seq", "--batch", "--token-chunk", "--dtype", "--device", "--offload", "--warmup", "--iters", "--tolerance", "--seed"],
+        ),
     ];
     for (args, flags) in cases {
         let o = ok(args);
@@ -121,6 +125,24 @@ fn help_lists_every_flag() {
             assert!(o.stdout.contains(f), "`longctx {}` does not mention {f}:\n{}", args.join(" "), o.stdout);
         }
     }
+}
+
+/// `bench engine` on the CPU: both settings run, one JSON line each plus the gradient
+/// comparison, which passes (offload changes nothing on the CPU: difference 0).
+#[test]
+fn bench_engine_on_the_cpu() {
+    let o = ok(&["bench", "engine", "--model", "builtin:tiny", "--device", "cpu", "--seq", "64,96", "--token-chunk", "40", "--iters", "2"]);
+    let lines: Vec<serde_json::Value> = o.stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 6, "{}", o.stdout);
+    for seq in [64, 96] {
+        let cmp = lines.iter().find(|l| l["seq"] == seq && l.get("grad_diff_offload").is_some()).unwrap();
+        assert_eq!(cmp["grad_diff_offload"].as_f64(), Some(0.0), "{cmp}");
+        assert_eq!(cmp["ok"], true);
+        let host = lines.iter().find(|l| l["seq"] == seq && l["offload"] == true).unwrap();
+        assert_eq!(host["host_bytes"], host["saved_bytes"], "{host}");
+        assert!(host["tokens_per_s"].as_f64().unwrap() > 0.0);
+    }
+    fails(&run(&["bench", "engine", "--device", "cpu", "--model", "builtin:tiny", "--iters", "0"]), &["--iters"], true);
 }
 
 #[test]
