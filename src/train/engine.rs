@@ -179,6 +179,9 @@ impl Engine {
         }
         store.end_forward()?;
         (mem.saved_bytes, mem.saved_host_bytes) = store.bytes();
+        if let Some(top) = store.len().checked_sub(1) {
+            store.prefetch(top, &dev)?; // the top layer's input comes back while the head runs
+        }
 
         // 2. head + loss, chunked; dL/dx_L.
         let mut loss_sum = 0f64;
