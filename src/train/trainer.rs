@@ -599,6 +599,7 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistE
     }
     let device = Device::new_cuda(env.local_rank)
         .map_err(|e| Error::Setting(format!("rank {}: cannot open cuda:{} ({e}); one process per GPU", env.rank, env.local_rank)))?;
+    longctx_attention::cuda::retain_pool_memory(device.as_cuda_device()?)?; // as in `parse_device`
     let dtype = parse_dtype(&cfg.model.dtype, src, "model.dtype")?;
     let opts = RendezvousOptions::from_env()?;
     let rdv = rendezvous(env, || NcclComm::unique_id().map_err(Error::from), &opts)?;
