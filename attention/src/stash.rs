@@ -8,11 +8,11 @@
 //! - **CUDA**: copies run on a copy stream of the stash, into and out of page-locked
 //!   (pinned) host buffers kept in a pool by size (page-locking is slow; the same sizes
 //!   recur every layer and step). Ordering is by events only, the host never waits: a park
-//!   waits for the kernels that produced the tensor; the device memory of a parked tensor
-//!   is handed back to the compute stream one park later (the stream is told to wait for
-//!   the copy before it may reuse the memory), so a copy overlaps the next computation; a
-//!   fetched tensor is allocated in compute-stream order and the compute stream waits for
-//!   its copy at `ready`.
+//!   waits for the kernels that produced the tensor; the stash holds the parked device
+//!   tensor until its copy has finished (checked at later parks), and beyond the two newest
+//!   parks tells the compute stream to wait for the copy before the memory may be reused,
+//!   so copies overlap the computation queued after them; a fetched tensor is allocated in
+//!   compute-stream order and the compute stream waits for its copy at `ready`.
 //! - **Other devices**: a synchronous `to_device` each way (a no-op clone on the CPU).
 //!
 //! A stash belongs to one thread (it uses that thread's view of the device's stream).

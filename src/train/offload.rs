@@ -2,7 +2,8 @@
 //!
 //! Protocol, used by [`crate::train::engine::Engine::step`]:
 //! forward: [`ActivationStore::push`] each layer input `x_l [b, s, h]` in layer order, then
-//! [`ActivationStore::end_forward`]; backward, top layer first: [`ActivationStore::take`]
+//! [`ActivationStore::end_forward`] and [`ActivationStore::prefetch`] the top layer (its
+//! copy runs under the head and loss); backward, top layer first: [`ActivationStore::take`]
 //! `l`, then [`ActivationStore::prefetch`] `l - 1` before running layer `l`'s backward.
 //!
 //! Without offload the device tensors are kept as they are. With offload they are parked
