@@ -24,14 +24,7 @@ perf() { # label, binary, args...
     timeout 200 "$bin" train --model builtin:tinyllama-1.1b-shape --dataset synthetic:passkey --seq-length 65536 --rope-theta 1e6 \
         --max-train-steps 3 --batch-size 1 --device cuda --dtype bf16 --token-chunk 8192 --learning-rate 1e-5 \
         --parallel-mode fpdt --world-size 1 --fpdt-chunk-size 16384 --output-dir $W/$label "$@" >>"$OUTDIR/train_log.txt" 2>&1 || { echo "FAILED: $label" | tee -a "$OUTDIR/fpdt.txt"; status=1; return; }
-    python3 - "$W/$label/metrics.jsonl" "$label" <<'PY' | tee -a "$OUTDIR/fpdt.txt"
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-last = rows[1:] or rows
-tps = sum(r["tokens"] for r in last) / sum(r["seconds"] for r in last)
-peak = max((r.get("device_peak_bytes") or 0) for r in rows) / 2**30
-print(f"{sys.argv[2]}: {tps:.0f} tok/s, step s {[round(r['seconds'],2) for r in rows]}, device peak {peak:.2f} GiB, losses {[round(r['loss'],6) for r in rows]}")
-PY
+    python3 "$(dirname "$0")/metrics_summary.py" "$W/$label/metrics.jsonl" "$label" | tee -a "$OUTDIR/fpdt.txt"
     rm -rf "$W/$label"
 }
 perf fpdt-kept "$BIN"

@@ -21,7 +21,7 @@ mkdir -p "$OUTDIR"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 W=/tmp/goc; rm -rf $W; mkdir -p $W
 status=0
-losses() { python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(" ".join("%.7f" % x["loss"] for x in r))' "$1/metrics.jsonl" 2>/dev/null || echo "-"; }
+losses() { python3 "$(dirname "$0")/metrics_summary.py" "$1/metrics.jsonl" --losses 2>/dev/null || echo "-"; }
 
 echo "== 1. bench engine, gradients and step time" | tee "$OUTDIR/offload.txt"
 timeout 420 "$BIN" bench engine --model builtin:tinyllama-1.1b-shape --seq "$SEQS" --offload both --iters 3 \
@@ -49,14 +49,7 @@ perf() { # label, binary, args...
     timeout 200 "$bin" train --model builtin:tinyllama-1.1b-shape --dataset synthetic:passkey --seq-length 65536 --rope-theta 1e6 \
         --max-train-steps 3 --batch-size 1 --device cuda --dtype bf16 --token-chunk 8192 --learning-rate 1e-5 \
         --output-dir $W/$label "$@" >>"$OUTDIR/train_log.txt" 2>&1 || { echo "FAILED: $label" | tee -a "$OUTDIR/offload.txt"; status=1; return; }
-    python3 - "$W/$label/metrics.jsonl" "$label" <<'PY' | tee -a "$OUTDIR/offload.txt"
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-last = rows[1:] or rows
-tps = sum(r["tokens"] for r in last) / sum(r["seconds"] for r in last)
-peak = max((r.get("device_peak_bytes") or 0) for r in rows) / 2**30
-print(f"{sys.argv[2]}: {tps:.0f} tok/s, step s {[round(r['seconds'],2) for r in rows]}, fwd+bwd s {[round(r.get('engine_seconds',0),2) for r in rows]}, device peak {peak:.2f} GiB, losses {[round(r['loss'],5) for r in rows]}")
-PY
+    python3 "$(dirname "$0")/metrics_summary.py" "$W/$label/metrics.jsonl" "$label" | tee -a "$OUTDIR/offload.txt"
     rm -rf "$W/$label" # checkpoints and exports of the 1.1B model fill the disk
 }
 want() { [[ " $RUNS " == *" $1 "* ]]; }

@@ -13,7 +13,7 @@ if [[ $BIN == *.gz ]]; then gunzip -c "$BIN" > /tmp/longctx && chmod +x /tmp/lon
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 W=/tmp/gtc; rm -rf $W; mkdir -p $W
 status=0
-first_loss() { python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(" ".join("%.6f" % x["loss"] for x in r))' "$1/metrics.jsonl" 2>/dev/null || echo "-"; }
+first_loss() { python3 "$(dirname "$0")/metrics_summary.py" "$1/metrics.jsonl" --losses 2>/dev/null || echo "-"; }
 TINY=(train --model builtin:tiny --dataset synthetic:passkey --seq-length 256 --rope-theta 1e5 --max-train-steps 3 --batch-size 2 --device cuda --dtype bf16)
 
 echo "== 1. NCCL world of one" | tee "$OUTDIR/train.txt"
@@ -37,13 +37,7 @@ echo "== 3. TinyLlama-1.1B shape throughput" | tee "$OUTDIR/perf.txt"
 for S in 16384 65536; do
     timeout 240 "$BIN" train --model builtin:tinyllama-1.1b-shape --dataset synthetic:passkey --seq-length $S --rope-theta 1e6 \
         --max-train-steps 4 --batch-size 1 --device cuda --dtype bf16 --token-chunk 8192 --learning-rate 1e-5 --output-dir $W/perf$S >>"$OUTDIR/perf.txt" 2>&1 || status=1
-    python3 - "$W/perf$S/metrics.jsonl" $S <<'PY' | tee -a "$OUTDIR/perf.txt"
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-last = rows[1:] or rows
-tps = sum(r["tokens"] for r in last) / sum(r["seconds"] for r in last)
-print(f"seq {sys.argv[2]}: {tps:.0f} tok/s (steps 2..{len(rows)}), step seconds {[round(r['seconds'],2) for r in rows]}, of which fwd+bwd {[round(r.get('engine_seconds',0),2) for r in rows]}, mfu {last[-1].get('mfu')}, saved act {rows[-1]['saved_activation_bytes']/2**30:.2f} GiB")
-PY
+    python3 "$(dirname "$0")/metrics_summary.py" "$W/perf$S/metrics.jsonl" "seq $S" | tee -a "$OUTDIR/perf.txt"
 done
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$OUTDIR/perf.txt" 2>&1
 exit $status

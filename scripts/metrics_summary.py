@@ -1,0 +1,32 @@
+#!/usr/bin/env python3
+"""One line summarising a training run's metrics.jsonl (used by the GPU check scripts).
+
+    metrics_summary.py METRICS_JSONL LABEL   -> "LABEL: N tok/s (steps 2..), step s [...], ..."
+    metrics_summary.py METRICS_JSONL --losses -> the per-step losses, space separated
+
+tokens/s is over the steps after the first (the first pays for warm-up: kernel
+selection, page-locking of offload buffers).
+"""
+import json
+import sys
+
+
+def main() -> int:
+    path, label = sys.argv[1], sys.argv[2]
+    rows = [json.loads(line) for line in open(path)]
+    if label == "--losses":
+        print(" ".join("%.7f" % r["loss"] for r in rows))
+        return 0
+    last = rows[1:] or rows
+    tps = sum(r["tokens"] for r in last) / sum(r["seconds"] for r in last)
+    peak = max((r.get("device_peak_bytes") or 0) for r in rows) / 2**30
+    print(
+        f"{label}: {tps:.0f} tok/s (steps 2..{len(rows)}), step s {[round(r['seconds'], 2) for r in rows]}, "
+        f"fwd+bwd s {[round(r.get('engine_seconds', 0), 2) for r in rows]}, device peak {peak:.2f} GiB, "
+        f"saved act {rows[-1]['saved_activation_bytes'] / 2**30:.2f} GiB, losses {[round(r['loss'], 6) for r in rows]}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
