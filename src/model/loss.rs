@@ -15,8 +15,9 @@ use candle_core::{DType, Tensor, D};
 pub const IGNORE_INDEX: i64 = -100;
 
 /// Host-side check of the targets: returns the number of counted (non-negative) targets,
-/// or an error if one is not below `vocab`.
-fn count_targets(targets: &Tensor, vocab: usize) -> Result<usize> {
+/// or an error if one is not below `vocab`. (Reads the targets back: callers that loss
+/// a sequence chunk by chunk check once, then use [`cross_entropy_sum_checked`].)
+pub fn count_targets(targets: &Tensor, vocab: usize) -> Result<usize> {
     let t: Vec<i64> = targets.flatten_all()?.to_vec1()?;
     let mut n = 0;
     for &x in &t {
@@ -41,12 +42,17 @@ fn widen(targets: &Tensor) -> Result<Tensor> {
 /// Per-token loss `[b, s]` f32: `logsumexp(logits) − logits[target]`, 0 where ignored.
 /// Also returns the number of counted tokens.
 pub fn per_token_loss(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, usize)> {
-    let (b, s, v) = logits.dims3()?;
+    let n = count_targets(targets, logits.dim(D::Minus1)?)?;
+    Ok((loss_terms(logits, targets)?, n))
+}
+
+/// Per-token loss `[b, s]` f32 of targets already checked by [`count_targets`].
+fn loss_terms(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (b, s, _) = logits.dims3()?;
     let targets = widen(targets)?;
     if targets.dims() != [b, s] {
         return Err(Error::Setting(format!("targets have shape {:?}, logits {:?}", targets.dims(), logits.dims())));
     }
-    let n = count_targets(&targets, v)?;
     let x = logits.to_dtype(DType::F32)?; // [b, s, V]
     // The max only shifts the exponent; it is a constant for the gradient (exactly: the
     // derivative of logsumexp w.r.t. the shift is 1 − Σ softmax = 0), so detach it.
@@ -56,7 +62,7 @@ pub fn per_token_loss(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, usiz
     let safe = valid.where_cond(&targets, &targets.zeros_like()?)?; // ignored -> id 0
     let picked = x.gather(&safe.unsqueeze(D::Minus1)?.contiguous()?, D::Minus1)?; // [b, s, 1]
     let loss = lse.sub(&picked)?.squeeze(D::Minus1)?; // [b, s]
-    Ok((loss.mul(&valid.to_dtype(DType::F32)?)?, n))
+    Ok(loss.mul(&valid.to_dtype(DType::F32)?)?)
 }
 
 /// `(Σ per-token loss over counted tokens (scalar f32), number of counted tokens)`.
@@ -64,4 +70,10 @@ pub fn per_token_loss(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, usiz
 pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, usize)> {
     let (l, n) = per_token_loss(logits, targets)?;
     Ok((l.sum_all()?, n))
+}
+
+/// [`cross_entropy_sum`] of targets already checked by [`count_targets`]: no read-back,
+/// so a chunked loss does not wait for the device at every chunk.
+pub fn cross_entropy_sum_checked(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    Ok(loss_terms(logits, targets)?.sum_all()?)
 }

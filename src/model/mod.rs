@@ -14,5 +14,5 @@ pub mod rope;
 
 pub use config::{Arch, LlamaConfig, RopeScaling};
 pub use llama::{Attention, DecoderLayer, Llama, Mlp, RmsNorm};
-pub use loss::{cross_entropy_sum, per_token_loss, IGNORE_INDEX};
+pub use loss::{count_targets, cross_entropy_sum, cross_entropy_sum_checked, per_token_loss, IGNORE_INDEX};
 pub use rope::{Rope, RopeTable};

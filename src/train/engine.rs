@@ -154,6 +154,8 @@ impl Engine {
     ) -> Result<StepResult> {
         let (_b, s) = ids.dims2()?;
         let dev = ids.device().clone();
+        // Checked and counted once here (a read-back), not per loss chunk.
+        let n_tokens = crate::model::count_targets(targets, self.tracked.cfg.vocab_size)?;
         let rope: RopeTable = self.plain.rope_table(positions, Some(global_len))?;
         let mut mem = MemoryReport::default();
         let mut acc: Vec<Option<Tensor>> = vec![None; self.params.len()];
@@ -184,16 +186,14 @@ impl Engine {
         }
 
         // 2. head + loss, chunked; dL/dx_L.
-        let mut loss_sum = 0f64;
-        let mut n_tokens = 0usize;
+        let mut chunk_losses = Vec::with_capacity(chunks.len()); // f32 scalars, read once below
         let mut gx_chunks = Vec::with_capacity(chunks.len());
         for &(st, len) in &chunks {
             let hc = Var::from_tensor(&x.narrow(1, st, len)?.contiguous()?)?;
             let logits = self.tracked.logits(&self.tracked.norm.forward(hc.as_tensor())?)?; // [b, c, V]
             mem.transient_bytes = mem.transient_bytes.max(bytes(&logits) + logits.elem_count() * 4);
-            let (l, n) = crate::model::cross_entropy_sum(&logits, &targets.narrow(1, st, len)?)?;
-            loss_sum += l.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            n_tokens += n;
+            let l = crate::model::cross_entropy_sum_checked(&logits, &targets.narrow(1, st, len)?)?;
+            chunk_losses.push(l.detach());
             let grads = (l * scale)?.backward()?;
             self.collect(&grads, &mut acc)?;
             gx_chunks.push(match grads.get(hc.as_tensor()) {
@@ -203,6 +203,7 @@ impl Engine {
         }
         let mut gx = Tensor::cat(&gx_chunks, 1)?; // [b, s, h]
         drop(x);
+        let loss_sum: f64 = Tensor::stack(&chunk_losses, 0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?.iter().sum();
 
         // 3. layers, top first: recompute one layer with tracked weights.
         for (l, layer) in self.tracked.layers.iter().enumerate().rev() {
@@ -242,14 +243,18 @@ impl Engine {
             self.collect(&grads, &mut acc)?;
         }
 
-        let mut grads = Vec::with_capacity(acc.len());
-        for (a, (_, var)) in acc.into_iter().zip(&self.params) {
-            grads.push(match a {
-                Some(g) => g,
-                None => var.as_tensor().to_dtype(DType::F32)?.zeros_like()?,
-            });
-        }
-        Ok(StepResult { loss_sum, n_tokens, grads, memory: mem })
+        Ok(StepResult { loss_sum, n_tokens, grads: self.finish(acc)?, memory: mem })
+    }
+
+    /// One f32 gradient per parameter: the accumulated one, or zeros where none arrived.
+    fn finish(&self, acc: Vec<Option<Tensor>>) -> Result<Vec<Tensor>> {
+        acc.into_iter()
+            .zip(&self.params)
+            .map(|(a, (_, v))| match a {
+                Some(g) => Ok(g),
+                None => Ok(Tensor::zeros(v.as_tensor().shape(), DType::F32, v.as_tensor().device())?),
+            })
+            .collect()
     }
 
     /// Bytes of one MLP chunk's intermediates (gate, up, product in the model dtype).
@@ -282,14 +287,6 @@ impl Engine {
         let grads = (l * scale)?.backward()?;
         let mut acc = vec![None; self.params.len()];
         self.collect(&grads, &mut acc)?;
-        let grads = acc
-            .into_iter()
-            .zip(&self.params)
-            .map(|(a, (_, v))| match a {
-                Some(g) => Ok(g),
-                None => Ok(v.as_tensor().to_dtype(DType::F32)?.zeros_like()?),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(StepResult { loss_sum, n_tokens: n, grads, memory: MemoryReport::default() })
+        Ok(StepResult { loss_sum, n_tokens: n, grads: self.finish(acc)?, memory: MemoryReport::default() })
     }
 }

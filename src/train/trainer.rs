@@ -225,8 +225,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
     }
     let opts = EngineOptions { token_chunk: cfg.parallel.token_chunk, offload_activations: cfg.parallel.offload_activations };
     let mut engine = Engine::from_vars(mcfg, &vars, opts)?;
-    let param_tensors: Vec<Tensor> = engine.params.iter().map(|(_, v)| v.as_tensor().clone()).collect();
-    let sizes: Vec<usize> = param_tensors.iter().map(|t| t.elem_count()).collect();
+    let sizes: Vec<usize> = engine.params.iter().map(|(_, v)| v.as_tensor().elem_count()).collect();
     let n_params: usize = sizes.iter().sum();
 
     let mut stage_losses = Vec::new();
@@ -257,13 +256,12 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
         global_step = l.state.global_step;
         data_state = serde_json::from_value::<Option<DataState>>(l.state.data.clone())
             .map_err(|e| Error::checkpoint(checkpoint::checkpoint_dir(&cfg.output_dir), format!("corrupt data cursor: {e}")))?;
-        // The optimizer state is re-sharded below once the dp size is known.
+        // Each rank reads its range of the optimizer state when the optimizer is built.
         opt_step = Some(l.state.adam_step);
     }
 
     let mut stopped = false;
-    let mut layout_cache: Option<(ParallelMode, usize)> = None;
-    let mut groups: Option<(ParallelDims, Groups)> = None;
+    let mut groups: Option<(ParallelMode, ParallelDims, Groups)> = None; // rebuilt when the mode changes
     let mut optim: Option<(AdamW, usize)> = None; // (this rank's shard of the state, shard length)
     // On a GPU (unless `optimizer_on_host`), the state lives and updates on the device;
     // `optim`'s host vectors are then refreshed only for checkpoints.
@@ -272,21 +270,19 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
     for (si, stage) in cfg.stages.iter().enumerate().skip(start_stage) {
         let mode = stage.parallel_mode.unwrap_or(cfg.parallel.mode);
         let chunk = stage.fpdt_chunk_size.unwrap_or(cfg.parallel.fpdt_chunk_size);
-        if layout_cache.map(|(m, _)| m) != Some(mode) {
-            let sp = cfg.sp_size_for(mode);
+        if groups.as_ref().map(|g| g.0) != Some(mode) {
             let dims = ParallelDims::new(&DimsRequest {
                 mode,
                 world: world.world(),
-                sp: Some(sp),
+                sp: Some(cfg.sp_size_for(mode)),
                 ulysses: if mode == ParallelMode::Usp { Some(cfg.parallel.ulysses_size.max(1)) } else { None },
                 hq: mcfg.num_attention_heads,
                 hkv: mcfg.num_key_value_heads,
             })?;
             let g = build_groups(&world, &dims)?;
-            groups = Some((dims, g));
-            layout_cache = Some((mode, sp));
+            groups = Some((mode, dims, g));
         }
-        let (dims, g) = groups.as_ref().ok_or_else(|| Error::Setting("groups".into()))?;
+        let (_, dims, g) = groups.as_ref().ok_or_else(|| Error::Setting("groups".into()))?;
         let attn = build_mode(mode, g, chunk, cfg.parallel.fpdt_offload);
         let dp_rank = g.dp.rank();
         let dp = g.dp.world();
