@@ -1,9 +1,10 @@
 //! AdamW with decoupled weight decay over a flat f32 shard of the parameters (ZeRO-1 ready).
 //!
 //! The parameters of the model, in a fixed order, are viewed as one flat f32 vector of
-//! `n` elements. A data-parallel rank `d` of `D` owns the slice `[lo, hi)` of it
-//! ([`shard_range`]) and keeps, for that slice only, the f32 master weights and the f32
-//! moments `m`, `v` (on the host, updated with rayon). One step:
+//! `n` elements, zero-padded to `W·L` with `L = ⌈n/W⌉`. Rank `r` of the `W` ranks owns the
+//! slice `[r·L, (r+1)·L)` (see the trainer) and keeps, for that slice only, the f32 master
+//! weights and the f32 moments `m`, `v` (on the host, updated with rayon, or on the
+//! device with [`DeviceAdamW`]). One step:
 //! `m ← β1·m + (1−β1)·g`, `v ← β2·v + (1−β2)·g²`,
 //! `w ← w − lr·( m/(1−β1^t) / (√(v/(1−β2^t)) + ε) + wd·w )` (wd only where `decay` is set).
 //! Defaults follow EasyContext: β 0.9/0.95, ε 1e-8, weight decay 0.1.
@@ -39,15 +40,6 @@ impl Default for AdamWConfig {
     fn default() -> Self {
         Self { beta1: d_beta1(), beta2: d_beta2(), eps: d_eps(), weight_decay: d_wd() }
     }
-}
-
-/// The `[lo, hi)` slice of an `n`-element flat vector owned by shard `d` of `shards`.
-pub fn shard_range(n: usize, d: usize, shards: usize) -> (usize, usize) {
-    let base = n / shards;
-    let rem = n % shards;
-    let lo = d * base + d.min(rem);
-    let hi = lo + base + usize::from(d < rem);
-    (lo, hi)
 }
 
 /// Optimizer state of one shard: master weights and moments, all f32, on the host.
@@ -178,21 +170,6 @@ pub fn lr_at(schedule: Schedule, base: f64, step: u64, total: u64, warmup: u64, 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn shards_partition() {
-        for n in [0, 1, 7, 100] {
-            for d in 1..5 {
-                let mut next = 0;
-                for r in 0..d {
-                    let (lo, hi) = shard_range(n, r, d);
-                    assert_eq!(lo, next);
-                    next = hi;
-                }
-                assert_eq!(next, n);
-            }
-        }
-    }
 
     /// Against a scalar f64 transcription of the formula for a few steps.
     #[test]
