@@ -232,9 +232,17 @@ fn resume_from_a_checkpoint_left_aside() -> longctx::Result<()> {
     c.output_dir = dir.clone();
     run_with_limits(&c, false, RunLimits { stop_at_global_step: Some(2) })?;
     std::fs::rename(dir.join("checkpoint"), dir.join(".checkpoint.old")).map_err(|e| longctx::Error::io(&dir, e))?;
+    // A line the crashed run logged after its checkpoint: that step runs again, the line goes.
+    let log = dir.join("metrics.jsonl");
+    let mut text = std::fs::read_to_string(&log).map_err(|e| longctx::Error::io(&log, e))?;
+    text.push_str("{\"stage\": 0, \"step\": 3, \"global_step\": 3, \"tokens\": 1, \"loss\": 9.0, \"lr\": 0.0, \"grad_norm\": 0.0}\n");
+    std::fs::write(&log, text).map_err(|e| longctx::Error::io(&log, e))?;
     let s = run(&c, true)?;
     assert!(s.completed && s.steps == 5);
     assert_eq!(log_of(&tmp.path().join("straight")), log_of(&dir), "per-step log after resuming from the set-aside checkpoint");
+    // A fresh run in the same directory starts a fresh log.
+    run(&c, false)?;
+    assert_eq!(log_of(&tmp.path().join("straight")), log_of(&dir), "a fresh run's log holds only its own steps");
     assert!(!dir.join(".checkpoint.old").exists(), "the set-aside checkpoint is cleaned up by the next save");
     Ok(())
 }

@@ -60,10 +60,27 @@ fn gib(b: usize) -> f64 {
 }
 
 impl Metrics {
-    pub fn new(output_dir: &std::path::Path, cfg: &RunConfig, n_params: usize, mcfg: &LlamaConfig) -> Result<Self> {
+    /// Opens `<output_dir>/metrics.jsonl`: emptied for a fresh run; for a run resumed at
+    /// global step `g`, kept up to step `g` (lines a crashed run wrote after its last
+    /// checkpoint are dropped, since those steps run again) and appended to.
+    pub fn new(output_dir: &std::path::Path, cfg: &RunConfig, n_params: usize, mcfg: &LlamaConfig, resumed_at: Option<u64>) -> Result<Self> {
         std::fs::create_dir_all(output_dir).map_err(|e| Error::io(output_dir, e))?;
         let path = output_dir.join("metrics.jsonl");
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(&path).map_err(|e| Error::io(&path, e))?;
+        let kept: String = match resumed_at {
+            Some(g) if path.is_file() => std::fs::read_to_string(&path)
+                .map_err(|e| Error::io(&path, e))?
+                .lines()
+                .filter(|l| {
+                    serde_json::from_str::<serde_json::Value>(l).ok().and_then(|v| v["global_step"].as_u64()).is_some_and(|s| s <= g)
+                })
+                .map(|l| format!("{l}\n"))
+                .collect(),
+            _ => String::new(),
+        };
+        let tmp = output_dir.join(".metrics.jsonl.tmp");
+        std::fs::write(&tmp, kept).map_err(|e| Error::io(&tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| Error::io(&path, e))?;
+        let file = std::fs::OpenOptions::new().append(true).open(&path).map_err(|e| Error::io(&path, e))?;
         Ok(Self {
             path,
             file,

@@ -233,7 +233,8 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
     let mut device_peak: Option<u64> = None;
     let mut total_tokens = 0u64;
     let mut global_step = 0u64;
-    let mut metrics = if is_main { Some(Metrics::new(&cfg.output_dir, cfg, n_params, mcfg)?) } else { None };
+    let resumed_at = sh.resume.map(|l| l.state.global_step);
+    let mut metrics = if is_main { Some(Metrics::new(&cfg.output_dir, cfg, n_params, mcfg, resumed_at)?) } else { None };
     if let (true, Some(w)) = (is_main, mcfg.sliding_window()) {
         eprintln!(
             "note: the model's config asks for a sliding attention window of {w} tokens; longctx trains full causal \
