@@ -126,20 +126,7 @@ impl ModelShape {
 
 /// Parameters of a config, biases included, a tied head counted once.
 pub fn param_count(cfg: &LlamaConfig) -> u64 {
-    let (h, i, v, d) = (cfg.hidden_size as u64, cfg.intermediate_size as u64, cfg.vocab_size as u64, cfg.head_dim as u64);
-    let (hq, hkv) = (cfg.num_attention_heads as u64, cfg.num_key_value_heads as u64);
-    let mut layer = (hq * d) * h + 2 * (hkv * d) * h + h * (hq * d) + 3 * i * h + 2 * h;
-    if cfg.qkv_bias() {
-        layer += hq * d + 2 * hkv * d;
-    }
-    if cfg.o_bias() {
-        layer += h;
-    }
-    if cfg.has_mlp_bias() {
-        layer += 2 * i + h;
-    }
-    let head = if cfg.tie_word_embeddings { 0 } else { v * h };
-    v * h + cfg.num_hidden_layers as u64 * layer + h + head
+    crate::train::init::parameter_shapes(cfg).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum()
 }
 
 /// What to plan for. [`PlanRequest::new`] fills the defaults of `longctx plan`.

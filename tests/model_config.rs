@@ -195,3 +195,31 @@ fn v4_and_v5_rope_spellings_agree() {
     assert_eq!(c.rope_scaling, Some(RopeScaling::Dynamic { factor: 2.0 }));
     assert_eq!(c.to_json_value()["rope_scaling"], json!({"type": "dynamic", "factor": 2.0}));
 }
+
+/// `init::parameter_shapes` (used by `random_init` and the planner's parameter count)
+/// lists exactly what `Llama::load` needs and `named_parameters` returns, in that order,
+/// for every bias combination (attention biases, MLP biases, tied head).
+#[test]
+fn parameter_shapes_match_the_model() {
+    use candle_core::{DType, Device};
+    let cases = [
+        json!({"attention_bias": false, "mlp_bias": false, "tie_word_embeddings": false}),
+        json!({"attention_bias": true, "mlp_bias": true, "tie_word_embeddings": false}),
+        json!({"attention_bias": false, "mlp_bias": true, "tie_word_embeddings": true}),
+    ];
+    for extra in cases {
+        let mut cfg = v4();
+        for (k, v) in extra.as_object().unwrap() {
+            cfg[k] = v.clone();
+        }
+        let cfg = LlamaConfig::from_value(&PathBuf::from(FILE), cfg).unwrap();
+        let shapes = longctx::train::init::parameter_shapes(&cfg);
+        let weights = longctx::train::init::random_init(&cfg, 1, DType::F32, &Device::Cpu).unwrap();
+        let vb = candle_nn::VarBuilder::from_tensors(weights, DType::F32, &Device::Cpu);
+        let model = longctx::model::Llama::load(vb, &cfg).unwrap();
+        let named: Vec<(String, Vec<usize>)> = model.named_parameters().into_iter().map(|(n, t)| (n, t.dims().to_vec())).collect();
+        assert_eq!(shapes, named, "{extra}");
+        let count: usize = named.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+        assert_eq!(longctx::plan::param_count(&cfg), count as u64, "{extra}");
+    }
+}

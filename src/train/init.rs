@@ -69,21 +69,22 @@ pub fn parameter_shapes(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
     let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
     for l in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{l}");
-        out.push((format!("{p}.self_attn.q_proj.weight"), vec![hq * d, h]));
-        out.push((format!("{p}.self_attn.k_proj.weight"), vec![hkv * d, h]));
-        out.push((format!("{p}.self_attn.v_proj.weight"), vec![hkv * d, h]));
-        if cfg.qkv_bias() {
-            out.push((format!("{p}.self_attn.q_proj.bias"), vec![hq * d]));
-            out.push((format!("{p}.self_attn.k_proj.bias"), vec![hkv * d]));
-            out.push((format!("{p}.self_attn.v_proj.bias"), vec![hkv * d]));
+        // In `Llama::named_parameters` order: each projection's weight, then its bias.
+        let projections = [
+            ("self_attn.q_proj", hq * d, h, cfg.qkv_bias()),
+            ("self_attn.k_proj", hkv * d, h, cfg.qkv_bias()),
+            ("self_attn.v_proj", hkv * d, h, cfg.qkv_bias()),
+            ("self_attn.o_proj", h, hq * d, cfg.o_bias()),
+            ("mlp.gate_proj", i, h, cfg.has_mlp_bias()),
+            ("mlp.up_proj", i, h, cfg.has_mlp_bias()),
+            ("mlp.down_proj", h, i, cfg.has_mlp_bias()),
+        ];
+        for (name, rows, cols, bias) in projections {
+            out.push((format!("{p}.{name}.weight"), vec![rows, cols]));
+            if bias {
+                out.push((format!("{p}.{name}.bias"), vec![rows]));
+            }
         }
-        out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, hq * d]));
-        if cfg.o_bias() {
-            out.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
-        }
-        out.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
-        out.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
-        out.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
         out.push((format!("{p}.input_layernorm.weight"), vec![h]));
         out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
     }
