@@ -21,7 +21,7 @@ use clap::{Args, Parser, Subcommand};
 use longctx::dist::{DistEnv, LaunchArgs};
 use longctx::model::LlamaConfig;
 use longctx::plan::{self, PlanRequest};
-use longctx::train::checkpoint::{self, TrainState};
+use longctx::train::checkpoint;
 use longctx::train::config::{ParallelMode, RunConfig, Stage};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -530,11 +530,11 @@ struct ExportSource {
 /// config saved in `state.json`, defaults as the trainer's own export would use.
 fn training_source(dir: &Path) -> Result<ExportSource> {
     let sp = dir.join("state.json");
-    let text = std::fs::read_to_string(&sp).map_err(|e| longctx::Error::io(&sp, e))?;
-    let state: TrainState = serde_json::from_str(&text).map_err(|e| longctx::Error::checkpoint(&sp, format!("corrupt state: {e}")))?;
+    let state = longctx::train::checkpoint::read_state(dir)?;
     let run: RunConfig = serde_json::from_value(state.config.clone())
         .map_err(|e| longctx::Error::checkpoint(&sp, format!("field `config` is not a run config: {e}")))?;
-    let (mcfg, config, model_dir) = run_model_config(&run).with_context(|| format!("the model of the run saved in {}", sp.display()))?;
+    let (mcfg, mut config, model_dir) = run_model_config(&run).with_context(|| format!("the model of the run saved in {}", sp.display()))?;
+    longctx::hub::disable_sliding_window(&mut config)?; // trained with full causal attention, as the trainer's export says
     let n = run.stages.len();
     let finished = state.stage >= n;
     // The last stage that trained: the one in progress, or the one before when it has not started.

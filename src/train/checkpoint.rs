@@ -136,14 +136,23 @@ pub fn load(output_dir: &Path) -> Result<Loaded> {
         eprintln!("note: resuming from {} (the run stopped while replacing its checkpoint)", old.display());
         dir = old;
     }
-    let sp = dir.join("state.json");
-    let text = std::fs::read_to_string(&sp).map_err(|e| {
-        Error::checkpoint(&sp, format!("cannot resume: {e}; run without --resume or point --output-dir at a run that wrote a checkpoint"))
+    let state = read_state(&dir).map_err(|e| match e {
+        Error::Io { path, source } => Error::checkpoint(
+            path,
+            format!("cannot resume: {source}; run without --resume or point --output-dir at a run that wrote a checkpoint"),
+        ),
+        other => other,
     })?;
-    let state: TrainState = serde_json::from_str(&text).map_err(|e| Error::checkpoint(&sp, format!("corrupt state: {e}")))?;
     let mp = dir.join("model.safetensors");
     let weights = candle_core::safetensors::load(&mp, &Device::Cpu).map_err(|e| Error::checkpoint(&mp, format!("cannot read: {e}")))?;
     Ok(Loaded { weights, state, dir })
+}
+
+/// The `state.json` of a checkpoint directory.
+pub fn read_state(dir: &Path) -> Result<TrainState> {
+    let sp = dir.join("state.json");
+    let text = std::fs::read_to_string(&sp).map_err(|e| Error::io(&sp, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::checkpoint(&sp, format!("corrupt state: {e}")))
 }
 
 impl Loaded {
