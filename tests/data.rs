@@ -213,11 +213,25 @@ fn state_restore_continues_exactly_across_epochs() {
 }
 
 fn tiny_tokenizer() -> tokenizers::Tokenizer {
+    tokenizer_with(serde_json::Value::Null, serde_json::Value::Null)
+}
+
+/// The tiny tokenizer as a `tokenizer.json` that asks for truncation to 3 tokens and
+/// padding to 16 (some published tokenizers carry such settings).
+fn truncating_tokenizer() -> tokenizers::Tokenizer {
+    tokenizer_with(
+        serde_json::json!({"direction": "Right", "max_length": 3, "strategy": "LongestFirst", "stride": 0}),
+        serde_json::json!({"strategy": {"Fixed": 16}, "direction": "Right", "pad_to_multiple_of": null,
+            "pad_id": 0, "pad_type_id": 0, "pad_token": "[UNK]"}),
+    )
+}
+
+fn tokenizer_with(truncation: serde_json::Value, padding: serde_json::Value) -> tokenizers::Tokenizer {
     let words = ["[UNK]", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "cat", "sat"];
     let vocab: serde_json::Map<String, serde_json::Value> =
         words.iter().enumerate().map(|(i, w)| (w.to_string(), serde_json::json!(i + 3))).collect();
     let json = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "version": "1.0", "truncation": truncation, "padding": padding, "added_tokens": [],
         "normalizer": null, "pre_tokenizer": { "type": "WhitespaceSplit" }, "post_processor": null,
         "decoder": null, "model": { "type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]" }
     });
@@ -366,7 +380,9 @@ fn jsonl_text_field_and_named_field() {
         writeln!(f).unwrap(); // blank lines are skipped
     }
     drop(f);
-    let tok = tiny_tokenizer();
+    // Truncation and padding stored in tokenizer.json must not cut or pad documents.
+    let tok = truncating_tokenizer();
+    assert_eq!(tok.encode(TEXTS[0], false).unwrap().get_ids().len(), 16, "the tokenizer itself truncates and pads");
     let mut cfg = FilesConfig::new(path.to_str().unwrap(), 3);
     cfg.column = Some("body".into());
     cfg.eos = Some(2);

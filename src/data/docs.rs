@@ -161,7 +161,7 @@ impl Tokenize {
                     ));
                 };
                 let enc = tok
-                    .encode(text.as_str(), false)
+                    .encode_fast(text.as_str(), false)
                     .map_err(|e| Error::data(&*doc.file, format!("{}: tokenizer failed: {e}", where_(doc.loc))))?;
                 (enc.get_ids().to_vec(), false)
             }

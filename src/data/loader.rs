@@ -297,7 +297,16 @@ impl Loader {
         }
         let resolved = resolve(&cfg.source, cfg.format, hub)?;
         let tokenize = Tokenize {
-            tokenizer: tokenizer.map(|t| Arc::new(t.clone())),
+            // Documents are tokenized whole: truncation or padding that a tokenizer.json
+            // carries (some set max_length 512) would silently cut long documents.
+            tokenizer: tokenizer
+                .map(|t| {
+                    let mut t = t.clone();
+                    t.with_truncation(None).map_err(|e| Error::Setting(format!("tokenizer: cannot turn truncation off: {e}")))?;
+                    t.with_padding(None);
+                    Ok::<_, Error>(Arc::new(t))
+                })
+                .transpose()?,
             bos: cfg.bos,
             eos: cfg.eos,
             vocab_size: cfg.vocab_size,
