@@ -148,11 +148,12 @@ fn sig_of(ts: &[Tensor]) -> Vec<Sig> {
     ts.iter().map(|t| (t.dims().to_vec(), t.dtype())).collect()
 }
 
-/// Detached private copy of what is sent (the sender may mutate its buffers later).
-/// On a GPU each rank thread queues work on its own stream, so the copy is waited for here:
-/// the receiver's stream must not read it before the sender's stream has written it.
+/// Detached private copy of what is sent (the sender may mutate its buffers later): the
+/// elements of the view only (`Tensor::copy` would clone the whole underlying buffer of a
+/// narrowed view). On a GPU each rank thread queues work on its own stream, so the copy is
+/// waited for here: the receiver's stream must not read it before the sender's has written it.
 fn snapshot(ts: &[Tensor]) -> Result<Vec<Tensor>> {
-    let out = ts.iter().map(|t| t.detach().copy()).collect::<Result<Vec<_>>>()?;
+    let out = ts.iter().map(|t| t.detach().force_contiguous()).collect::<Result<Vec<_>>>()?;
     let mut synced: Vec<&candle_core::Device> = Vec::new();
     for t in &out {
         let d = t.device();
@@ -263,23 +264,24 @@ impl ThreadComm {
         }
     }
 
-    /// Sends `xs[i]` (with the signature of all of `xs`) to every member `i` and
-    /// returns, per member `j`, its signature and the tensors it sent here.
-    fn exchange(&self, what: &'static str, xs: Vec<Vec<Tensor>>, sig: Vec<Sig>) -> Result<Vec<(Vec<Sig>, Vec<Tensor>)>> {
+    /// Sends `xs[i]` (already snapshots; with the signature of what this member sends)
+    /// to every member `i`; checks that every member sent tensors of one shape and dtype
+    /// ([`Self::check_uniform`]) and returns, per member `j`, the tensors it sent here, on
+    /// `device`.
+    fn exchange(&self, what: &'static str, xs: Vec<Vec<Tensor>>, sig: Vec<Sig>, device: &Device) -> Result<Vec<Vec<Tensor>>> {
         let n = self.members.len();
         let keys: Vec<Key> = (0..n).map(|j| self.recv_key(j)).collect();
         for (i, x) in xs.into_iter().enumerate() {
-            self.send(i, Msg { what, sig: sig.clone(), payload: Ok(snapshot(&x)?) })?;
+            self.send(i, Msg { what, sig: sig.clone(), payload: Ok(x) })?;
         }
-        let mut out = Vec::with_capacity(n);
+        let (mut sigs, mut out) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for (j, key) in keys.into_iter().enumerate() {
             let msg = self.recv(key, j, what)?;
-            let sig = msg.sig.clone();
-            let ts = match msg.payload {
-                Ok(ts) => ts,
-                Err(reason) => return crate::comm_err!("{}: {reason}", self.me()),
-            };
-            out.push((sig, ts));
+            sigs.push(msg.sig.clone());
+            out.push(self.tensors(msg, device)?);
+        }
+        if let Err(e) = Self::check_uniform(what, &sigs) {
+            return crate::comm_err!("{}: {e}", self.me());
         }
         Ok(out)
     }
@@ -343,16 +345,8 @@ impl Comm for ThreadComm {
         }
         let device = xs[0].device().clone();
         let sig = sig_of(&xs);
-        let got = self.exchange("all_to_all", xs.into_iter().map(|x| vec![x]).collect(), sig)?;
-        let sigs: Vec<Vec<Sig>> = got.iter().map(|(s, _)| s.clone()).collect();
-        if let Err(e) = Self::check_uniform("all_to_all", &sigs) {
-            return crate::comm_err!("{}: {e}", self.me());
-        }
-        let mut ys = Vec::with_capacity(n);
-        for (_, ts) in got {
-            ys.extend(ts.iter().map(|t| t.to_device(&device)).collect::<Result<Vec<_>>>()?);
-        }
-        Ok(ys)
+        let parts = snapshot(&xs)?.into_iter().map(|x| vec![x]).collect();
+        Ok(self.exchange("all_to_all", parts, sig, &device)?.into_iter().flatten().collect())
     }
 
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
@@ -390,12 +384,13 @@ impl Comm for ThreadComm {
                 Ok(acc)
             }
         };
+        // One snapshot for all: receivers only read it.
+        let payload = match &reply {
+            Ok(t) => Ok(snapshot(std::slice::from_ref(t))?),
+            Err(e) => Err(e.clone()),
+        };
         for j in 1..n {
-            let payload = match &reply {
-                Ok(t) => Ok(snapshot(std::slice::from_ref(t))?),
-                Err(e) => Err(e.clone()),
-            };
-            self.send(j, Msg { what, sig: Vec::new(), payload })?;
+            self.send(j, Msg { what, sig: Vec::new(), payload: payload.clone() })?;
         }
         match reply {
             Ok(t) => Ok(t),
@@ -406,16 +401,8 @@ impl Comm for ThreadComm {
     fn all_gather(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         let n = self.members.len();
         let sig = sig_of(std::slice::from_ref(x));
-        let got = self.exchange("all_gather", vec![vec![x.clone()]; n], sig)?;
-        let sigs: Vec<Vec<Sig>> = got.iter().map(|(s, _)| s.clone()).collect();
-        if let Err(e) = Self::check_uniform("all_gather", &sigs) {
-            return crate::comm_err!("{}: {e}", self.me());
-        }
-        let mut ys = Vec::with_capacity(n);
-        for (_, ts) in got {
-            ys.extend(ts.iter().map(|t| t.to_device(x.device())).collect::<Result<Vec<_>>>()?);
-        }
-        Ok(ys)
+        let one = snapshot(std::slice::from_ref(x))?; // one copy for all: receivers only read it
+        Ok(self.exchange("all_gather", vec![one; n], sig, x.device())?.into_iter().flatten().collect())
     }
 
     fn reduce_scatter_sum(&self, xs: Vec<Tensor>) -> Result<Tensor> {
@@ -425,15 +412,10 @@ impl Comm for ThreadComm {
         }
         let device = xs[0].device().clone();
         let sig = sig_of(&xs);
-        let got = self.exchange("reduce_scatter_sum", xs.into_iter().map(|x| vec![x]).collect(), sig)?;
-        let sigs: Vec<Vec<Sig>> = got.iter().map(|(s, _)| s.clone()).collect();
-        if let Err(e) = Self::check_uniform("reduce_scatter_sum", &sigs) {
-            return crate::comm_err!("{}: {e}", self.me());
-        }
+        let parts = snapshot(&xs)?.into_iter().map(|x| vec![x]).collect();
         let mut acc: Option<Tensor> = None;
-        for (_, ts) in got {
+        for ts in self.exchange("reduce_scatter_sum", parts, sig, &device)? {
             for t in ts {
-                let t = t.to_device(&device)?;
                 acc = Some(match acc {
                     None => t,
                     Some(a) => (a + t)?,
@@ -448,7 +430,7 @@ impl Comm for ThreadComm {
 
     fn barrier(&self) -> Result<()> {
         let n = self.members.len();
-        self.exchange("barrier", vec![Vec::new(); n], Vec::new())?;
+        self.exchange("barrier", vec![Vec::new(); n], Vec::new(), &Device::Cpu)?;
         Ok(())
     }
 
