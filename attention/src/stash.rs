@@ -30,17 +30,6 @@ enum ParkedInner {
     Pinned(gpu::PinnedTensor),
 }
 
-impl Parked {
-    /// Bytes of the parked tensor.
-    pub fn bytes(&self) -> usize {
-        match &self.inner {
-            ParkedInner::Host(t) => t.elem_count() * t.dtype().size_in_bytes(),
-            #[cfg(feature = "cuda")]
-            ParkedInner::Pinned(p) => p.bytes(),
-        }
-    }
-}
-
 /// A tensor on its way back to the device.
 pub struct Fetched {
     t: Option<Tensor>,
@@ -127,13 +116,13 @@ impl Stash {
         Ok(())
     }
 
-    /// Block until every copy has finished.
-    pub fn sync(&self) -> Result<()> {
+    /// Free the pooled pinned buffers not in use (call when the tensor sizes change, e.g.
+    /// a new training stage, so buffers of the old sizes are not held on).
+    pub fn trim(&mut self) {
         #[cfg(feature = "cuda")]
-        if let Some(g) = self.gpu.as_ref() {
-            g.sync()?;
+        if let Some(g) = self.gpu.as_mut() {
+            g.trim();
         }
-        Ok(())
     }
 
     /// Pinned host bytes held (in use or pooled).
@@ -184,7 +173,7 @@ mod gpu {
     }
 
     pub struct PinnedTensor {
-        buf: Arc<PooledBuf>,
+        buf: PooledBuf,
         shape: Shape,
         dtype: DType,
     }
@@ -236,8 +225,10 @@ mod gpu {
             Ok(())
         }
 
-        pub fn sync(&self) -> Result<()> {
-            self.copy.synchronize().w()
+        pub fn trim(&mut self) {
+            // Dropping a pinned buffer waits for its last copy (its own event) first.
+            let freed: Vec<PinnedHostSlice<u8>> = self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).drain().flat_map(|(_, v)| v).collect();
+            self.pool.allocated.fetch_sub(freed.iter().map(|b| b.len()).sum(), Ordering::Relaxed);
         }
 
         fn take_buf(&self, n: usize) -> Result<PooledBuf> {
@@ -301,10 +292,13 @@ mod gpu {
             let done = self.copy.record_event(None).w()?;
             let (shape, dtype) = (t.shape().clone(), t.dtype());
             self.pending.push((t, done));
-            Ok(PinnedTensor { buf: Arc::new(pooled), shape, dtype })
+            Ok(PinnedTensor { buf: pooled, shape, dtype })
         }
 
         pub fn fetch(&mut self, p: &PinnedTensor, dev: &CudaDevice) -> Result<(Tensor, Arc<CudaStream>, CudaEvent)> {
+            if !Arc::ptr_eq(&p.buf.pool, &self.pool) {
+                return Err(err("a tensor parked by another stash (its copies are ordered on another stream)"));
+            }
             let src = p.buf.buf.as_ref().ok_or_else(|| err("empty buffer"))?;
             let (len, n) = (p.shape.elem_count(), p.bytes());
             fn fill<T: CudaDType + DeviceRepr>(
@@ -346,7 +340,6 @@ mod gpu {
         fn drop(&mut self) {
             // Nothing may be freed while a copy still reads or writes it.
             let _ = self.copy.synchronize();
-            let _ = self.compute.synchronize();
             self.pending.clear();
             let _ = self.compute.context().bind_to_thread();
             // SAFETY: created in `new`, idle after the synchronisation, and `copy` (which

@@ -77,7 +77,8 @@ pub struct Engine {
     store: Mutex<ActivationStore>,
 }
 
-fn bytes(t: &Tensor) -> usize {
+/// Bytes of a tensor's elements.
+pub(crate) fn bytes(t: &Tensor) -> usize {
     t.elem_count() * t.dtype().size_in_bytes()
 }
 

@@ -38,15 +38,15 @@ pub struct ActivationStore {
     saved_bytes: usize,
     host_bytes: usize,
     stash: Stash,
+    /// Bytes of one layer input in the last step (a change frees the old-size buffers).
+    input_bytes: usize,
 }
 
-fn bytes(t: &Tensor) -> usize {
-    t.elem_count() * t.dtype().size_in_bytes()
-}
+use crate::train::engine::bytes;
 
 impl ActivationStore {
     pub fn new(offload: bool) -> Self {
-        Self { offload, slots: Vec::new(), saved_bytes: 0, host_bytes: 0, stash: Stash::new() }
+        Self { offload, slots: Vec::new(), saved_bytes: 0, host_bytes: 0, stash: Stash::new(), input_bytes: 0 }
     }
 
     /// Start a new step: forget the previous step's slots (buffers are kept).
@@ -80,6 +80,10 @@ impl ActivationStore {
             Slot::Kept(x.clone())
         } else {
             self.host_bytes += n;
+            if self.slots.is_empty() && n != self.input_bytes {
+                self.stash.trim(); // a new length (stage): buffers of the old size go
+                self.input_bytes = n;
+            }
             match x.device() {
                 Device::Cpu => Slot::Kept(x.copy()?),
                 _ => Slot::Parked(self.stash.park(x).map_err(offload_err)?),
