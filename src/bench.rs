@@ -230,11 +230,7 @@ struct Tol {
 const TOL: Tol = Tol { o: 2e-2, lse: 5e-3, grad: 5e-2 };
 
 fn rel_err(x: &Tensor, r: &Tensor) -> anyhow::Result<f64> {
-    let x = x.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
-    let r = r.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
-    let diff = (x - &r)?.abs()?.max_all()?.to_scalar::<f32>()? as f64;
-    let scale = r.abs()?.max_all()?.to_scalar::<f32>()? as f64;
-    Ok(diff / scale.max(1e-30))
+    Ok(longctx_attention::testing::rel_err(x, r)?)
 }
 
 fn abs_err(x: &Tensor, r: &Tensor) -> anyhow::Result<f64> {

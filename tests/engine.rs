@@ -20,6 +20,9 @@ use longctx_attention::AttentionMode;
 use std::path::Path;
 use std::sync::Arc;
 
+mod common;
+use common::rel_err;
+
 /// Per-parameter relative gradient tolerance (f32).
 const GRAD_TOL: f64 = 1e-5;
 /// Relative tolerance of the loss sum (f32 sums of ~50 terms).
@@ -80,13 +83,6 @@ fn batch(b: usize, s: usize, vocab: usize, masked: impl Fn(usize, usize) -> bool
     Ok((Tensor::from_vec(x, (b, s), &dev)?, Tensor::from_vec(y, (b, s), &dev)?, Tensor::from_vec(pos, (b, s), &dev)?))
 }
 
-/// `max|got − want| / max|want|`.
-fn rel_err(got: &Tensor, want: &Tensor) -> longctx::Result<f64> {
-    assert_eq!(got.dims(), want.dims());
-    let diff = (got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-    let norm = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-    Ok(if norm == 0.0 { diff } else { diff / norm })
-}
 
 /// `Llama::loss` on the tracked model, `backward` of `scale · loss`: loss sum, count and
 /// gradients aligned with `Engine::params` (zeros for a parameter without gradient).

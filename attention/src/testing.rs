@@ -45,8 +45,9 @@ pub struct Errors {
 }
 
 impl Errors {
+    /// The largest error; NaN counts as infinite (`f64::max` would skip it).
     pub fn max(&self) -> f64 {
-        [self.o, self.lse, self.dq, self.dk, self.dv].into_iter().fold(0.0, f64::max)
+        [self.o, self.lse, self.dq, self.dk, self.dv].into_iter().fold(0.0, |m, e| if e.is_nan() { f64::INFINITY } else { m.max(e) })
     }
 }
 
@@ -100,14 +101,24 @@ pub fn reference(inp: &Inputs, scale: f64) -> Result<Outputs> {
     Ok(Outputs { o, lse, dq, dk, dv })
 }
 
-/// `max|got - want| / max|want|` (both converted to f32; shapes must agree).
+/// `max|got - want| / max|want|` in f64 on the host (the absolute difference when `want`
+/// is all zeros; shapes must agree). A NaN anywhere in `got` or `want` gives infinity:
+/// Candle's `max` skips NaNs, which would let a NaN output pass any tolerance.
 pub fn rel_err(got: &Tensor, want: &Tensor) -> Result<f64> {
     if got.dims() != want.dims() {
         return crate::shape_err!("rel_err: got {:?}, want {:?}", got.dims(), want.dims());
     }
-    let (g, w) = (got.to_dtype(DType::F32)?, want.to_dtype(DType::F32)?);
-    let diff = (g - &w)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-    let norm = w.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+    let host = |t: &Tensor| -> Result<Vec<f64>> { t.to_device(&candle_core::Device::Cpu)?.to_dtype(DType::F64)?.flatten_all()?.to_vec1() };
+    let (g, w) = (host(got)?, host(want)?);
+    let (mut diff, mut norm) = (0f64, 0f64);
+    for (a, b) in g.iter().zip(&w) {
+        let d = (a - b).abs();
+        if d.is_nan() {
+            return Ok(f64::INFINITY);
+        }
+        diff = diff.max(d);
+        norm = norm.max(b.abs());
+    }
     Ok(if norm == 0.0 { diff } else { diff / norm })
 }
 

@@ -13,14 +13,7 @@ use candle_core::{DType, Device, Result, Tensor, Var, D};
 use longctx_attention::merge::{self, Acc};
 use longctx_attention::{kernel, naive, Mask};
 
-/// Max |a - b| / max |b| over all elements (b is the reference).
-fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let a = a.to_dtype(DType::F64)?;
-    let b = b.to_dtype(DType::F64)?;
-    let diff = (a - &b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
-    let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
-    Ok(diff / scale.max(1e-30))
-}
+use longctx_attention::testing::rel_err;
 
 fn randn(shape: (usize, usize, usize, usize), dtype: DType) -> Result<Tensor> {
     Tensor::randn(0f64, 1.0, shape, &Device::Cpu)?.to_dtype(dtype)
@@ -323,5 +316,18 @@ fn cpu_kernel_timing() -> Result<()> {
             assert!(all_finite_or_neg_inf(x)?);
         }
     }
+    Ok(())
+}
+
+/// A NaN in an output fails every tolerance (Candle's `max` skips NaNs; `rel_err` must not).
+#[test]
+fn rel_err_sees_nan() -> Result<()> {
+    let want = Tensor::new(&[1f32, 2.0, 3.0, 4.0], &Device::Cpu)?;
+    let got = Tensor::new(&[1f32, f32::NAN, 3.0, 4.0], &Device::Cpu)?;
+    assert_eq!(rel_err(&got, &want)?, f64::INFINITY);
+    assert_eq!(rel_err(&want, &got)?, f64::INFINITY);
+    assert_eq!(rel_err(&want, &want)?, 0.0);
+    let e = longctx_attention::testing::Errors { o: 0.0, lse: f64::NAN, dq: 1e-3, dk: 0.0, dv: 0.0 };
+    assert_eq!(e.max(), f64::INFINITY);
     Ok(())
 }
