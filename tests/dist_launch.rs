@@ -408,12 +408,13 @@ fn monitor_callbacks_run_once_and_late_reports_are_silent() {
             .map(|r| {
                 let env = DistEnv { rank: r, local_rank: r, world: 3, local_world: 3, master_addr: "127.0.0.1".into(), master_port: port };
                 let opts = opts.clone();
-                s.spawn(move || rendezvous(&env, || Ok(vec![7u8; 16]), &opts).unwrap())
+                // each rank offers its own blob: only rank 0's may come back
+                s.spawn(move || rendezvous(&env, move || Ok(vec![r as u8 + 7; 16]), &opts).unwrap())
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    assert!(rdzvs.iter().all(|r| r.blob == vec![7u8; 16]));
+    assert!(rdzvs.iter().all(|r| r.blob == vec![7u8; 16]), "every rank gets rank 0's blob");
     let calls: Vec<Arc<AtomicUsize>> = (0..3).map(|_| Arc::new(AtomicUsize::new(0))).collect();
     for (r, c) in rdzvs.iter().zip(&calls) {
         let c = c.clone();

@@ -77,21 +77,13 @@ fn saved_inputs_are_layers_times_tokens_times_hidden() -> longctx::Result<()> {
         assert_eq!(m.saved_bytes, saved_expected(layers, b, s), "layers {layers} b {b} s {s} chunk {chunk}");
         assert_eq!(m.saved_host_bytes, 0, "nothing on the host without offloading");
     }
-    let base = report(2, 2, 16, 4, false)?.saved_bytes;
-    assert_eq!(report(2, 2, 32, 4, false)?.saved_bytes, 2 * base, "doubling the tokens");
-    assert_eq!(report(4, 2, 16, 4, false)?.saved_bytes, 2 * base, "doubling the layers");
-    assert_eq!(report(2, 2, 16, 8, false)?.saved_bytes, base, "the chunk does not change saved inputs");
-    Ok(())
-}
-
-#[test]
-fn offloaded_inputs_are_all_on_the_host() -> longctx::Result<()> {
-    for (layers, b, s, chunk) in [(2, 2, 16, 4), (3, 1, 20, 7)] {
-        let on = report(layers, b, s, chunk, false)?;
-        let off = report(layers, b, s, chunk, true)?;
-        assert_eq!(off.saved_bytes, saved_expected(layers, b, s));
-        assert_eq!(off.saved_host_bytes, off.saved_bytes);
-        assert_eq!(off.transient_bytes, on.transient_bytes, "offloading does not change the chunk transient");
+    for offload in [false, true] {
+        let base = report(2, 2, 16, 4, offload)?.saved_bytes;
+        assert_eq!(base, saved_expected(2, 2, 16), "offload {offload}");
+        assert_eq!(report(2, 2, 32, 4, offload)?.saved_bytes, 2 * base, "doubling the tokens");
+        assert_eq!(report(4, 2, 16, 4, offload)?.saved_bytes, 2 * base, "doubling the layers");
+        assert_eq!(report(2, 2, 16, 8, offload)?.saved_bytes, base, "the chunk does not change saved inputs");
+        assert_eq!(report(3, 1, 20, 7, offload)?.saved_bytes, saved_expected(3, 1, 20), "odd sizes, offload {offload}");
     }
     Ok(())
 }
@@ -102,10 +94,9 @@ fn transient_follows_the_chunk_not_the_sequence() -> longctx::Result<()> {
     let t4 = report(2, b, s, 4, false)?.transient_bytes;
     let t8 = report(2, b, s, 8, false)?.transient_bytes;
     let t16 = report(2, b, s, 16, false)?.transient_bytes;
-    for (small, big, what) in [(t4, t8, "chunk 4 -> 8"), (t8, t16, "chunk 8 -> 16")] {
-        let ratio = big as f64 / small as f64;
-        assert!((ratio - 2.0).abs() <= 0.2, "{what}: transient {small} -> {big} (ratio {ratio:.2}), expected about 2");
-    }
+    // Both transient terms (MLP chunk, logits chunk) are linear in the chunk's tokens.
+    assert_eq!(t8, 2 * t4, "chunk 4 -> 8");
+    assert_eq!(t16, 2 * t8, "chunk 8 -> 16");
     // chunk 4 < s: the same transient for 32, 64 and 128 tokens
     for s2 in [64, 128] {
         assert_eq!(report(2, b, s2, 4, false)?.transient_bytes, t4, "s {s} -> {s2} with chunk 4");
