@@ -145,27 +145,31 @@ pub fn engine(a: &BenchEngineArgs) -> anyhow::Result<()> {
             }
             dev.synchronize()?;
             device_memory(&dev, true)?;
-            let (mut ts, mut last, mut prev) = (Vec::new(), None, None);
+            let mut ts = Vec::new();
+            // Gradients go to host memory right after each timed step, so the device peak
+            // is the engine's own; two steps' are kept only to measure run-to-run noise.
+            let host = |gs: &[Tensor]| gs.iter().map(|g| g.to_device(&candle_core::Device::Cpu)).collect::<candle_core::Result<Vec<_>>>();
+            let (mut last, mut prev, mut peak) = (None, None, None);
             for _ in 0..a.iters {
                 let t0 = Instant::now();
                 let r = run(&eng)?;
                 dev.synchronize()?;
                 ts.push(t0.elapsed().as_secs_f64());
-                // Two steps' gradients are kept only to measure run-to-run noise.
-                prev = last.replace(r).filter(|_| settings.len() > 1);
+                peak = peak.max(device_memory(&dev, true)?.map(|(_, h)| h));
+                let grads = host(&r.grads)?;
+                let stats = (r.memory, r.loss_sum / r.n_tokens.max(1) as f64);
+                drop(r);
+                prev = last.replace((grads, stats)).filter(|_| settings.len() > 1);
             }
-            let r = last.context("no timed step")?;
-            let peak = device_memory(&dev, false)?.map(|(_, h)| h);
-            // Gradients move to host memory so that the next setting's peak is its own.
-            let host = |gs: Vec<Tensor>| gs.iter().map(|g| g.to_device(&candle_core::Device::Cpu)).collect::<candle_core::Result<Vec<_>>>();
+            let (grads, (memory, loss)) = last.context("no timed step")?;
             let o = Outcome {
                 seconds: median(ts),
                 peak,
-                saved: r.memory.saved_bytes,
-                host: eng.pinned_bytes().max(r.memory.saved_host_bytes),
-                loss: r.loss_sum / r.n_tokens.max(1) as f64,
-                grads: host(r.grads)?,
-                prev: prev.map(|p| host(p.grads)).transpose()?,
+                saved: memory.saved_bytes,
+                host: eng.pinned_bytes().max(memory.saved_host_bytes),
+                loss,
+                grads,
+                prev: prev.map(|p| p.0),
             };
             drop(eng);
             let tok_s = n as f64 / o.seconds;
