@@ -173,8 +173,20 @@ fn merge_tensor(acc: Acc, o_b: &Tensor, lse_b: &Tensor, offset: usize) -> Result
     if full {
         return Ok(Acc { o: new_o, lse: new_lse });
     }
-    Ok(Acc {
-        o: acc.o.slice_assign(&[0..acc.o.dim(0)?, offset..offset + s_b, 0..acc.o.dim(2)?, 0..acc.o.dim(3)?], &new_o)?,
-        lse: acc.lse.slice_assign(&[0..acc.lse.dim(0)?, 0..acc.lse.dim(1)?, offset..offset + s_b], &new_lse)?,
-    })
+    Ok(Acc { o: splice(&acc.o, 1, offset, &new_o)?, lse: splice(&acc.lse, 2, offset, &new_lse)? })
+}
+
+/// `x` with `[offset, offset + len)` along `dim` replaced by `part` (one copy, by `cat`;
+/// Candle's `slice_assign` builds full-size zero padding and a mask first).
+fn splice(x: &Tensor, dim: usize, offset: usize, part: &Tensor) -> Result<Tensor> {
+    let (n, len) = (x.dim(dim)?, part.dim(dim)?);
+    let mut pieces = Vec::with_capacity(3);
+    if offset > 0 {
+        pieces.push(x.narrow(dim, 0, offset)?);
+    }
+    pieces.push(part.clone());
+    if offset + len < n {
+        pieces.push(x.narrow(dim, offset + len, n - offset - len)?);
+    }
+    Tensor::cat(&pieces, dim)
 }

@@ -1,19 +1,32 @@
 //! Makes any [`AttentionMode`] a differentiable Candle op.
 //!
 //! The forward runs outside the graph (on detached inputs); the result is attached to
-//! the graph by a `CustomOp3` whose forward hands back the precomputed output and whose
-//! backward calls the mode's backward with the saved global `o` and `lse`.
+//! the graph by a `CustomOp3` whose forward hands back the precomputed output (which then
+//! lives only as the graph's output) and whose backward calls the mode's backward with
+//! that output as the global `o`, and the saved `lse`.
 
 use crate::mode::AttentionMode;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 struct AttnOp {
     mode: Arc<dyn AttentionMode>,
-    o: Tensor,   // [b, s, hq, d], contiguous, offset 0
+    /// `[b, s, hq, d]`, contiguous, offset 0; taken by the forward (which copies it into
+    /// the graph's output), so only one copy stays alive with the graph.
+    o: Mutex<Option<Tensor>>,
     lse: Tensor, // [b, hq, s] f32
     scale: f64,
+}
+
+impl AttnOp {
+    fn take_o(&self) -> Result<Tensor> {
+        self.o
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("attention op: poisoned".into()))?
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("attention op: forward ran twice".into()))
+    }
 }
 
 /// `o` itself when it is a plain contiguous buffer from offset 0 (what `cpu_fwd` /
@@ -35,9 +48,10 @@ impl CustomOp3 for AttnOp {
         "seq-parallel-attention"
     }
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (st, l) = self.o.storage_and_layout();
+        let o = self.take_o()?;
+        let (st, l) = o.storage_and_layout();
         match &*st {
-            Storage::Cpu(c) => Ok((c.try_clone(l)?, self.o.shape().clone())),
+            Storage::Cpu(c) => Ok((c.try_clone(l)?, o.shape().clone())),
             _ => candle_core::bail!("attention output is not on the CPU"),
         }
     }
@@ -51,14 +65,15 @@ impl CustomOp3 for AttnOp {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (st, l) = self.o.storage_and_layout();
+        let o = self.take_o()?;
+        let (st, l) = o.storage_and_layout();
         match &*st {
-            Storage::Cuda(c) => Ok((c.try_clone(l)?, self.o.shape().clone())),
+            Storage::Cuda(c) => Ok((c.try_clone(l)?, o.shape().clone())),
             _ => candle_core::bail!("attention output is not on a CUDA device"),
         }
     }
-    fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dq, dk, dv) = self.mode.backward(&grad.contiguous()?, &q.detach(), &k.detach(), &v.detach(), &self.o, &self.lse, self.scale)?;
+    fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dq, dk, dv) = self.mode.backward(&grad.contiguous()?, &q.detach(), &k.detach(), &v.detach(), &res.detach(), &self.lse, self.scale)?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
@@ -77,7 +92,7 @@ pub fn attention_with_lse(mode: &Arc<dyn AttentionMode>, q: &Tensor, k: &Tensor,
     if !(q.track_op() || k.track_op() || v.track_op()) {
         return Ok((o, lse));
     }
-    let op = AttnOp { mode: mode.clone(), o, lse: lse.clone(), scale };
+    let op = AttnOp { mode: mode.clone(), o: Mutex::new(Some(o)), lse: lse.clone(), scale };
     let tracked = q.apply_op3_arc(&k, &v, Arc::new(Box::new(op)))?;
     Ok((tracked, lse))
 }
