@@ -232,6 +232,8 @@ fn stages_must_not_decrease() {
 #[test]
 fn unknown_parallel_mode() {
     fails(&run(&["train", "--dry-run", "--parallel-mode", "ring"]), &["--parallel-mode", "`ring`", "zigzag_ring_attn"], true);
+    // A bad dtype is caught by the dry run even for a CPU run (which trains in f32).
+    fails(&run(&["train", "--dry-run", "--dtype", "bf17"]), &["model.dtype", "`bf17`"], true);
     let d = tmp();
     let cfg = write(d.path(), "m.toml", "[parallel]\nmode = \"ring\"\n[[stage]]\nseq_length = 256\nrope_theta = 1e4\nsteps = 1\n");
     fails(&run(&["train", "--config", cfg.to_str().unwrap(), "--dry-run"]), &["m.toml", "field `parallel.mode`", "ring"], true);

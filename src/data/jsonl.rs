@@ -35,7 +35,7 @@ impl JsonlDocs {
     /// The document of one non-blank line.
     fn parse(&self, line: &str) -> Result<Doc> {
         let value: Value = serde_json::from_str(line).map_err(|e| self.err(format!("not valid JSON ({e})")))?;
-        let Value::Object(obj) = value else {
+        let Value::Object(mut obj) = value else {
             return Err(self.err("expected a JSON object".into()));
         };
         let field = match &self.column {
@@ -43,14 +43,14 @@ impl JsonlDocs {
             None if obj.contains_key("input_ids") => "input_ids",
             None => "text",
         };
-        let Some(v) = obj.get(field) else {
+        let Some(v) = obj.get_mut(field) else {
             let keys: Vec<&str> = obj.keys().map(String::as_str).collect();
             let wanted = if self.column.is_some() { format!("`{field}`") } else { "`input_ids` or `text`".into() };
             return Err(self.err(format!("no field {wanted}; the fields are {keys:?}")));
         };
         let loc = Loc::Line(self.line_no);
         let content = match v {
-            Value::String(s) => Content::Text(s.clone()),
+            Value::String(s) => Content::Text(std::mem::take(s)),
             Value::Array(items) => {
                 let mut ids = Vec::with_capacity(items.len());
                 for item in items {

@@ -26,8 +26,6 @@ pub struct TrainState {
     pub adam_step: u64,
     /// Data cursor (opaque to the checkpoint: the data layer's own state).
     pub data: serde_json::Value,
-    /// RNG state, if the run draws random numbers after start-up.
-    pub rng: u64,
     /// Number of optimizer shard files (the world size of the run that wrote them).
     #[serde(alias = "dp_shards")]
     pub optimizer_shards: usize,

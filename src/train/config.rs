@@ -213,6 +213,10 @@ impl RunConfig {
         if self.stages.is_empty() {
             return bad("stage", "no stage given; add a [[stage]] with seq_length, rope_theta and steps (or pass --seq-length and --rope-theta)".into());
         }
+        crate::train::trainer::parse_dtype(&self.model.dtype, source, "model.dtype")?; // checked on the CPU too
+        if let Some(d) = &self.export.dtype {
+            crate::train::trainer::parse_dtype(d, source, "export.dtype")?;
+        }
         let p = &self.parallel;
         if p.world_size == 0 {
             return bad("parallel.world_size", "must be at least 1".into());

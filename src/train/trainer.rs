@@ -569,7 +569,6 @@ fn save_checkpoint(
             global_step,
             adam_step: adam.step,
             data: serde_json::to_value(&data).map_err(|e| Error::Setting(e.to_string()))?,
-            rng: 0,
             optimizer_shards: n,
             config: serde_json::to_value(sh.cfg).map_err(|e| Error::Setting(e.to_string()))?,
         };
