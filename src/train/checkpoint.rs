@@ -170,14 +170,16 @@ impl Loaded {
             if !p.exists() && older.exists() {
                 p = older;
             }
-            let t = candle_core::safetensors::load(&p, &Device::Cpu).map_err(|e| Error::checkpoint(&p, format!("cannot read: {e}")))?;
+            // Memory-mapped: only the range's bytes are read, not the whole shard.
+            let f = crate::hub::st_file::SafetensorsFile::open(&p)?;
             let (a, b) = (at - d * len, (end - d * len).min(len));
             for (name, out) in [("master", &mut w), ("m", &mut m), ("v", &mut v)] {
-                let x = t.get(name).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{name}` missing")))?;
-                if x.elem_count() != len {
-                    return Err(Error::checkpoint(&p, format!("`{name}` has {} elements, expected {len} ({n_params} parameters in {shards} shards)", x.elem_count())));
+                let e = f.entry(name).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{name}` missing")))?;
+                if e.dtype != "F32" || e.shape != [len] {
+                    return Err(Error::checkpoint(&p, format!("`{name}` is {} {:?}, expected F32 [{len}] ({n_params} parameters in {shards} shards)", e.dtype, e.shape)));
                 }
-                out.extend(x.narrow(0, a, b - a)?.to_vec1::<f32>()?);
+                let bytes = f.bytes(name).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{name}` missing")))?;
+                out.extend(bytes[a * 4..b * 4].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
             }
             at = d * len + b;
         }
