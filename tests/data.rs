@@ -20,9 +20,9 @@ use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
 use parquet::schema::parser::parse_message_type;
 
-fn hub() -> HubOptions {
-    HubOptions::offline_in("/nonexistent-hf-cache")
-}
+mod common;
+use common::*;
+
 
 /// `n` documents of pseudo-random lengths 1..=40 with distinct token values.
 fn make_docs(n: usize) -> Vec<Vec<u32>> {
@@ -84,7 +84,7 @@ fn concat_packing_boundaries_exact() {
         cfg.bos = bos;
         cfg.eos = eos;
         cfg.shuffle_buffer = 0;
-        let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard::SINGLE).unwrap());
+        let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard::SINGLE).unwrap());
         let want = reference_concat(&docs, s, bos, eos);
         assert!(!want.is_empty());
         assert_eq!(got, want, "seq_len {s} bos {bos:?} eos {eos:?}");
@@ -102,7 +102,7 @@ fn truncate_packing_pads_with_ignore() {
     cfg.packing = Packing::Truncate { pad_id: 0 };
     cfg.eos = Some(2);
     cfg.shuffle_buffer = 0;
-    let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard::SINGLE).unwrap());
+    let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard::SINGLE).unwrap());
     // doc [5]+eos has 2 tokens: 1 target. Doc 10..30 is truncated to 9 tokens.
     let want = vec![
         Sample { ids: vec![5, 2, 0, 0, 0, 0, 0, 0], targets: vec![2, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE] },
@@ -113,7 +113,7 @@ fn truncate_packing_pads_with_ignore() {
     assert_eq!(got, want);
     // Without EOS the one-token document has nothing to predict and is skipped.
     cfg.eos = None;
-    let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard::SINGLE).unwrap());
+    let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard::SINGLE).unwrap());
     assert_eq!(got.len(), 3);
     assert_eq!(got[0].ids[..8], (10..18).collect::<Vec<u32>>()[..]);
 }
@@ -122,7 +122,7 @@ fn shuffled(path: &Path, seed: u64, buffer: usize) -> Vec<Sample> {
     let mut cfg = FilesConfig::new(path.to_str().unwrap(), 5);
     cfg.seed = seed;
     cfg.shuffle_buffer = buffer;
-    drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard::SINGLE).unwrap())
+    drain(&mut Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard::SINGLE).unwrap())
 }
 
 #[test]
@@ -156,10 +156,10 @@ fn dp_sharding_partitions_samples() {
     let mut cfg = FilesConfig::new(path.to_str().unwrap(), 6);
     cfg.seed = 3;
     cfg.shuffle_buffer = 8;
-    let global = drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard::SINGLE).unwrap());
+    let global = drain(&mut Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard::SINGLE).unwrap());
     for world in [2usize, 3, 4] {
         let per_rank: Vec<Vec<Sample>> = (0..world)
-            .map(|rank| drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard { rank, world }).unwrap()))
+            .map(|rank| drain(&mut Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard { rank, world }).unwrap()))
             .collect();
         let groups = global.len() / world;
         for (rank, samples) in per_rank.iter().enumerate() {
@@ -188,26 +188,26 @@ fn state_restore_continues_exactly_across_epochs() {
     cfg.shuffle_buffer = 5;
     cfg.max_epochs = Some(3);
     let shard = Shard { rank: 1, world: 2 };
-    let mut full = Loader::files(&cfg, None, &hub(), shard).unwrap();
+    let mut full = Loader::files(&cfg, None, &offline_hub(), shard).unwrap();
     let reference = drain(&mut full);
     let per_epoch = reference.len() / 3;
     assert!(per_epoch >= 4);
     // Epochs are reshuffled: epoch 1 is not a replay of epoch 0.
     assert_ne!(reference[..per_epoch], reference[per_epoch..2 * per_epoch]);
     for cut in [0, 1, per_epoch - 1, per_epoch, per_epoch + 2, 2 * per_epoch + 1] {
-        let mut a = Loader::files(&cfg, None, &hub(), shard).unwrap();
+        let mut a = Loader::files(&cfg, None, &offline_hub(), shard).unwrap();
         for _ in 0..cut {
             a.next_sample().unwrap().unwrap();
         }
         let json = serde_json::to_string(&a.state()).unwrap();
         let state: DataState = serde_json::from_str(&json).unwrap();
-        let mut b = Loader::files(&cfg, None, &hub(), shard).unwrap();
+        let mut b = Loader::files(&cfg, None, &offline_hub(), shard).unwrap();
         b.restore(&state).unwrap();
         let rest = drain(&mut b);
         assert_eq!(rest, reference[cut..], "resumed after {cut} samples");
     }
     // A state for another seed is refused.
-    let mut other = Loader::files(&FilesConfig { seed: 12, ..cfg.clone() }, None, &hub(), shard).unwrap();
+    let mut other = Loader::files(&FilesConfig { seed: 12, ..cfg.clone() }, None, &offline_hub(), shard).unwrap();
     let err = other.restore(&full.state()).unwrap_err().to_string();
     assert!(err.contains("seed 11"), "{err}");
 }
@@ -342,7 +342,7 @@ fn parquet_input_ids_column_over_row_groups_and_pages() {
         let mut cfg = FilesConfig::new(path.to_str().unwrap(), 12);
         cfg.shuffle_buffer = 0;
         cfg.eos = Some(2);
-        let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard::SINGLE).unwrap());
+        let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard::SINGLE).unwrap());
         let nonempty: Vec<Vec<u32>> = docs.iter().filter(|d| !d.is_empty()).cloned().collect();
         assert_eq!(got, reference_concat(&nonempty, 12, None, Some(2)));
     }
@@ -365,7 +365,7 @@ fn parquet_text_column_is_tokenized() {
     let mut cfg = FilesConfig::new(path.to_str().unwrap(), 4);
     cfg.shuffle_buffer = 0;
     cfg.bos = Some(1);
-    let got = drain(&mut Loader::files(&one_epoch(&cfg), Some(&tok), &hub(), Shard::SINGLE).unwrap());
+    let got = drain(&mut Loader::files(&one_epoch(&cfg), Some(&tok), &offline_hub(), Shard::SINGLE).unwrap());
     let ref_docs: Vec<Vec<u32>> = TEXTS.iter().map(|t| word_ids(t)).collect();
     assert_eq!(got, reference_concat(&ref_docs, 4, Some(1), None));
 }
@@ -387,7 +387,7 @@ fn jsonl_text_field_and_named_field() {
     cfg.column = Some("body".into());
     cfg.eos = Some(2);
     cfg.shuffle_buffer = 0;
-    let got = drain(&mut Loader::files(&one_epoch(&cfg), Some(&tok), &hub(), Shard::SINGLE).unwrap());
+    let got = drain(&mut Loader::files(&one_epoch(&cfg), Some(&tok), &offline_hub(), Shard::SINGLE).unwrap());
     let ref_docs: Vec<Vec<u32>> = TEXTS.iter().map(|t| word_ids(t)).collect();
     assert_eq!(got, reference_concat(&ref_docs, 3, None, Some(2)));
 }
@@ -413,7 +413,7 @@ fn plain_text_paragraphs_and_whole_files() {
     cfg.text_split = TextSplit::File;
     cfg.eos = Some(2);
     cfg.shuffle_buffer = 0;
-    let got = drain(&mut Loader::files(&one_epoch(&cfg), Some(&tok), &hub(), Shard::SINGLE).unwrap());
+    let got = drain(&mut Loader::files(&one_epoch(&cfg), Some(&tok), &offline_hub(), Shard::SINGLE).unwrap());
     let ref_docs = vec![word_ids(TEXTS[3]), word_ids(&format!("{} {} {}", TEXTS[0], TEXTS[1], TEXTS[2]))];
     assert_eq!(got, reference_concat(&ref_docs, 2, None, Some(2)));
 }
@@ -439,12 +439,12 @@ fn raw_u16_and_u32_token_files() {
     let mut cfg = FilesConfig::new(d16.to_str().unwrap(), s);
     cfg.shuffle_buffer = 0;
     cfg.eos = Some(2); // not applied to raw streams
-    let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard::SINGLE).unwrap());
+    let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard::SINGLE).unwrap());
     assert_eq!(got, reference_concat(&[tokens.clone()], s, None, None));
     let mut cfg = FilesConfig::new(f32_.to_str().unwrap(), s);
     cfg.token_width = TokenWidth::U32;
     cfg.shuffle_buffer = 0;
-    let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &hub(), Shard::SINGLE).unwrap());
+    let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard::SINGLE).unwrap());
     let want: Vec<u32> = tokens.iter().map(|t| t * 3 + 70000).collect();
     assert_eq!(got, reference_concat(&[want], s, None, None));
 }

@@ -6,20 +6,19 @@ use std::path::Path;
 use std::sync::Arc;
 
 use longctx::data::{FilesConfig, Loader, Packing, Shard, TokenWidth};
-use longctx::hub::HubOptions;
 
 use parquet::data_type::Int32Type;
 use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
 use parquet::schema::parser::parse_message_type;
 
-fn hub() -> HubOptions {
-    HubOptions::offline_in("/nonexistent-hf-cache")
-}
+mod common;
+use common::*;
+
 
 /// Runs a loader over `cfg` to the first error (at construction or while reading).
 fn first_error(cfg: &FilesConfig) -> String {
-    let mut loader = match Loader::files(cfg, None, &hub(), Shard::SINGLE) {
+    let mut loader = match Loader::files(cfg, None, &offline_hub(), Shard::SINGLE) {
         Ok(l) => l,
         Err(e) => return e.to_string(),
     };
@@ -117,7 +116,7 @@ fn empty_dataset_and_too_few_tokens() {
         &["2 documents", "7 tokens", "seq_len+1 = 9", "fewer than one"],
     );
     // Enough for one sample, but not for one per data-parallel rank.
-    let mut loader = Loader::files(&cfg(&small, 3), None, &hub(), Shard { rank: 0, world: 2 }).unwrap();
+    let mut loader = Loader::files(&cfg(&small, 3), None, &offline_hub(), Shard { rank: 0, world: 2 }).unwrap();
     let err = loader.next_sample().unwrap_err().to_string();
     assert_mentions(&err, &small, &["1 samples", "2 data-parallel ranks"]);
     // An empty directory names the directory.

@@ -1,17 +1,14 @@
 //! Every way a checkpoint can be broken gives an error that names the file at fault and
 //! says what to do. One test per failure; each asserts on the message text.
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use longctx::hub::{self, HubOptions};
 
-fn write_st(path: &Path, tensors: &[(&str, Tensor)]) {
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let items: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
-    safetensors::serialize_to_file(items, Some(meta), path).unwrap();
-}
+mod common;
+use common::*;
+
 
 fn t(n: usize) -> Tensor {
     Tensor::arange(0f32, n as f32, &Device::Cpu).unwrap()

@@ -12,6 +12,9 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use longctx::hub::{self, Checkpoint, ExportOptions};
 
+mod common;
+use common::*;
+
 fn ramp(shape: &[usize], seed: u32) -> Tensor {
     let n: usize = shape.iter().product();
     // Arbitrary f32 values (not bf16-representable) so dtype conversion is really exercised.
@@ -19,15 +22,6 @@ fn ramp(shape: &[usize], seed: u32) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
 
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
-}
-
-fn assert_same(a: &Tensor, b: &Tensor, what: &str) {
-    assert_eq!(a.dims(), b.dims(), "{what}: shape");
-    assert_eq!(a.dtype(), b.dtype(), "{what}: dtype");
-    assert_eq!(bits(a), bits(b), "{what}: values differ (bit-exact expected)");
-}
 
 /// Tiny Llama-like state dict: 3 layers, names chosen so lexicographic and natural
 /// order differ (layers.10 vs layers.2).

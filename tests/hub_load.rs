@@ -11,6 +11,9 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use longctx::hub::{self, Checkpoint, HubOptions, ModelSpec};
 
+mod common;
+use common::*;
+
 /// Values exactly representable in f16 and bf16.
 fn exact(shape: &[usize], seed: usize) -> Tensor {
     let n: usize = shape.iter().product();
@@ -18,22 +21,7 @@ fn exact(shape: &[usize], seed: usize) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
 
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
-}
 
-fn assert_same(a: &Tensor, b: &Tensor, what: &str) {
-    assert_eq!(a.dims(), b.dims(), "{what}: shape");
-    assert_eq!(a.dtype(), b.dtype(), "{what}: dtype");
-    assert_eq!(bits(a), bits(b), "{what}: values differ (bit-exact expected)");
-}
-
-/// Writes a safetensors file with the `safetensors` crate (not our exporter).
-fn write_st(path: &Path, tensors: &[(&str, Tensor)]) {
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let items: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
-    safetensors::serialize_to_file(items, Some(meta), path).unwrap();
-}
 
 fn config_json() -> serde_json::Value {
     serde_json::json!({"architectures": ["LlamaForCausalLM"], "hidden_size": 4, "rope_theta": 10000.0})

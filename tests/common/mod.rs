@@ -1,4 +1,5 @@
-//! Helpers shared by the engine-level tests: a small test model and token batches.
+//! Helpers shared by the integration tests: a small test model, token batches, bit-exact
+//! tensor comparison, a safetensors writer independent of ours, an offline hub.
 #![allow(dead_code)]
 
 use candle_core::{Device, Tensor};
@@ -59,4 +60,28 @@ pub fn token_batch(b: usize, s: usize, vocab: usize, seed: u64, masked: impl Fn(
 /// gives infinity): the attention crate's one definition.
 pub fn rel_err(got: &Tensor, want: &Tensor) -> longctx::Result<f64> {
     Ok(longctx_attention::testing::rel_err(got, want)?)
+}
+
+/// The f32 bit patterns of a tensor's values.
+pub fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+}
+
+/// Same shape, dtype and bits.
+pub fn assert_same(a: &Tensor, b: &Tensor, what: &str) {
+    assert_eq!(a.dims(), b.dims(), "{what}: shape");
+    assert_eq!(a.dtype(), b.dtype(), "{what}: dtype");
+    assert_eq!(bits(a), bits(b), "{what}: values differ (bit-exact expected)");
+}
+
+/// Writes a safetensors file with the `safetensors` crate (not our exporter).
+pub fn write_st(path: &Path, tensors: &[(&str, Tensor)]) {
+    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    let items: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
+    safetensors::serialize_to_file(items, Some(meta), path).unwrap();
+}
+
+/// Hub options that never touch the network or a real cache.
+pub fn offline_hub() -> longctx::hub::HubOptions {
+    longctx::hub::HubOptions::offline_in("/nonexistent-hf-cache")
 }
