@@ -21,7 +21,6 @@ mkdir -p "$OUTDIR"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 W=/tmp/goc; rm -rf $W; mkdir -p $W
 status=0
-losses() { python3 "$(dirname "$0")/metrics_summary.py" "$1/metrics.jsonl" --losses 2>/dev/null || echo "-"; }
 
 echo "== 1. bench engine, gradients and step time" | tee "$OUTDIR/offload.txt"
 timeout 420 "$BIN" bench engine --model builtin:tinyllama-1.1b-shape --seq "$SEQS" --offload both --iters 3 \
@@ -34,8 +33,10 @@ pair() { # name, args...
     local name=$1; shift
     timeout 120 "$BIN" "${TINY[@]}" --output-dir $W/$name-off "$@" >>"$OUTDIR/train_log.txt" 2>&1 || status=1
     timeout 120 "$BIN" "${TINY[@]}" --output-dir $W/$name-on --offload-activations "$@" >>"$OUTDIR/train_log.txt" 2>&1 || status=1
-    local a b; a=$(losses $W/$name-off); b=$(losses $W/$name-on)
-    if [[ "$a" == "$b" && "$a" != "-" ]]; then echo "$name: identical ($a)"; else echo "$name: DIFFER off [$a] on [$b]"; status=1; fi | tee -a "$OUTDIR/offload.txt"
+    # bit-identical losses (status set outside the pipe, which runs in a subshell)
+    python3 "$(dirname "$0")/metrics_summary.py" --compare "$W/$name-on/metrics.jsonl" "$W/$name-off/metrics.jsonl" 0 "$name offload on vs off" \
+        | tee -a "$OUTDIR/offload.txt"
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 }
 pair single
 pair ring2 --parallel-mode zigzag_ring_attn --world-size 2

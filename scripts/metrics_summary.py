@@ -3,6 +3,9 @@
 
     metrics_summary.py METRICS_JSONL LABEL   -> "LABEL: N tok/s (steps 2..), step s [...], ..."
     metrics_summary.py METRICS_JSONL --losses -> the per-step losses, space separated
+    metrics_summary.py --compare A_JSONL B_JSONL RTOL LABEL
+        -> "LABEL: ok/DIFFER ..."; exit status 1 when the runs logged different step counts
+           or any step's loss differs by more than RTOL relative (0: bit-identical)
 
 tokens/s is over the steps after the first (the first pays for warm-up: kernel
 selection, page-locking of offload buffers).
@@ -11,7 +14,25 @@ import json
 import sys
 
 
+def losses(path):
+    return [json.loads(line)["loss"] for line in open(path)]
+
+
+def compare(a_path, b_path, rtol, label) -> int:
+    try:
+        a, b = losses(a_path), losses(b_path)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"{label}: DIFFER (cannot read the logs: {e})")
+        return 1
+    worst = max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=0.0)
+    ok = len(a) == len(b) and len(a) > 0 and worst <= rtol
+    print(f"{label}: {'ok' if ok else 'DIFFER'} ({len(a)} vs {len(b)} steps, worst relative difference {worst:.2e}, allowed {rtol:.0e})")
+    return 0 if ok else 1
+
+
 def main() -> int:
+    if sys.argv[1] == "--compare":
+        return compare(sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5])
     path, label = sys.argv[1], sys.argv[2]
     rows = [json.loads(line) for line in open(path)]
     if label == "--losses":
