@@ -190,3 +190,12 @@ fn splice(x: &Tensor, dim: usize, offset: usize, part: &Tensor) -> Result<Tensor
     }
     Tensor::cat(&pieces, dim)
 }
+
+/// `acc + x` in f32 (a new tensor; `None` starts the sum with `x` itself, no zeros).
+pub(crate) fn add_f32(acc: Option<Tensor>, x: &Tensor) -> Result<Tensor> {
+    let x = x.to_dtype(DType::F32)?;
+    match acc {
+        None => Ok(x),
+        Some(a) => a + x,
+    }
+}

@@ -24,9 +24,9 @@
 
 use crate::comm::{Comm, Pending};
 use crate::kernel::{self, Mask};
-use crate::merge;
+use crate::merge::{self, add_f32};
 use crate::mode::AttentionMode;
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 use std::sync::Arc;
 
 #[derive(Debug, Clone)]
@@ -64,10 +64,6 @@ fn expect<const N: usize>(ts: Vec<Tensor>, what: &str) -> Result<[Tensor; N]> {
     let n = ts.len();
     ts.try_into()
         .map_err(|_| crate::error::AttnError::Comm(format!("zigzag ring: expected {N} tensors ({what}), received {n}")).into())
-}
-
-fn add_f32(acc: &Tensor, x: &Tensor) -> Result<Tensor> {
-    acc + x.to_dtype(DType::F32)?
 }
 
 impl AttentionMode for ZigzagRing {
@@ -123,9 +119,8 @@ impl AttentionMode for ZigzagRing {
         let hi = |x: &Tensor, dim: usize| x.narrow(dim, half, half);
         let lo = |x: &Tensor, dim: usize| x.narrow(dim, 0, half);
         let (do_hi, q_hi, o_hi, lse_hi) = (hi(d_o, 1)?, hi(q, 1)?, hi(o, 1)?, hi(lse, 2)?);
-        // dq halves, f32 [b, B, hq, d]
-        let qz = Tensor::zeros(q_hi.dims(), DType::F32, q.device())?;
-        let (mut dq_lo, mut dq_hi) = (qz.clone(), qz);
+        // dq halves, f32 [b, B, hq, d] (both start at s = 0)
+        let (mut dq_lo, mut dq_hi): (Option<Tensor>, Option<Tensor>) = (None, None);
         // kv block j and, travelling with it, its f32 dk/dv accumulator halves [b, B, hkv, d]
         let (mut k_j, mut v_j) = (k.clone(), v.clone());
         let mut dkv_in: Option<Pending> = None;
@@ -145,24 +140,23 @@ impl AttentionMode for ZigzagRing {
                 ((None, Some(dq)), (Some(lo(&dk, 1)?), Some(hi(&dk, 1)?)), (Some(lo(&dv, 1)?), Some(hi(&dv, 1)?)))
             };
             if let Some(x) = &dq_c.0 {
-                dq_lo = add_f32(&dq_lo, x)?;
+                dq_lo = Some(add_f32(dq_lo.take(), x)?);
             }
             if let Some(x) = &dq_c.1 {
-                dq_hi = add_f32(&dq_hi, x)?;
+                dq_hi = Some(add_f32(dq_hi.take(), x)?);
             }
-            // the accumulator of block j: what ranks j..r-1 added (zero at s = 0)
-            let mut dkv = match dkv_in.take() {
-                Some(p) => expect::<4>(p.wait()?, "dk, dv accumulators")?,
-                None => {
-                    let z = Tensor::zeros(lo(&k_j, 1)?.dims(), DType::F32, k.device())?;
-                    [z.clone(), z.clone(), z.clone(), z]
-                }
+            // the accumulator of block j: what ranks j..r-1 added (started here at s = 0,
+            // where all four halves get a contribution)
+            let mut dkv: [Option<Tensor>; 4] = match dkv_in.take() {
+                Some(p) => expect::<4>(p.wait()?, "dk, dv accumulators")?.map(Some),
+                None => [None, None, None, None],
             };
             for (slot, c) in [dk_c.0, dk_c.1, dv_c.0, dv_c.1].into_iter().enumerate() {
                 if let Some(c) = c {
-                    dkv[slot] = add_f32(&dkv[slot], &c)?;
+                    dkv[slot] = Some(add_f32(dkv[slot].take(), &c)?);
                 }
             }
+            let dkv = dkv.into_iter().map(|x| x.ok_or_else(|| candle_core::Error::Msg("zigzag ring: a dk/dv half got no contribution".into()))).collect::<Result<Vec<_>>>()?;
             dkv_in = Some(self.pass(&dkv)?);
             if let Some(p) = next_kv {
                 [k_j, v_j] = expect::<2>(p.wait()?, "k, v")?;
@@ -172,6 +166,7 @@ impl AttentionMode for ZigzagRing {
             Some(p) => expect::<4>(p.wait()?, "dk, dv accumulators")?,
             None => return crate::config_err!("zigzag ring: world size is 0"),
         };
+        let (Some(dq_lo), Some(dq_hi)) = (dq_lo, dq_hi) else { return crate::config_err!("zigzag ring: world size is 0") };
         let dq = Tensor::cat(&[dq_lo, dq_hi], 1)?.to_dtype(q.dtype())?;
         let dk = Tensor::cat(&[dk_lo, dk_hi], 1)?.to_dtype(k.dtype())?;
         let dv = Tensor::cat(&[dv_lo, dv_hi], 1)?.to_dtype(v.dtype())?;
