@@ -621,7 +621,7 @@ impl Comm for NcclComm {
             // SAFETY: s has `bytes` bytes, d has world × bytes.
             unsafe { sys::ncclAllGather(s, d, bytes, sys::ncclDataType_t::ncclUint8, c, st) }
         })?;
-        let all = self.tensor(out, (self.world * n.max(1),));
+        let all = self.tensor(out, (self.world * n,)); // the buffer has at least 1 element
         (0..self.world).map(|j| all.narrow(0, j * n, n)?.reshape(x.shape())).collect()
     }
 
