@@ -205,6 +205,11 @@ struct TrainArgs {
     /// Print the resolved config and exit.
     #[arg(long)]
     dry_run: bool,
+    /// Stop once this many optimizer steps (counted across resumes) are done: write a
+    /// checkpoint there and exit without exporting; continue with --resume (a planned
+    /// preemption, e.g. before a scheduler's time limit).
+    #[arg(long)]
+    stop_at_step: Option<u64>,
 }
 
 /// The run config from `--config` (or the embedded demo) with the flags applied.
@@ -339,37 +344,31 @@ fn train(a: TrainArgs) -> Result<()> {
     if let Some(m) = model_config(&cfg.model.source, false).context("reading the model config")? {
         plan::check_run(&cfg, &m.cfg, &src).context("checking the parallel layout against the model")?;
     }
+    let limits = longctx::train::trainer::RunLimits { stop_at_global_step: a.stop_at_step };
     if a.dry_run {
         println!("{}", toml::to_string_pretty(&cfg)?);
         return Ok(());
     }
     if let Some(env) = dist {
-        return train_launched(&env, &cfg, a.resume);
+        return train_launched(&env, &cfg, a.resume, limits);
     }
     eprintln!("longctx train — resolved config (from {}):", src.display());
     eprintln!("{}", toml::to_string(&cfg)?.trim_end());
-    let summary = longctx::train::trainer::run(&cfg, a.resume).context("training")?;
+    let summary = longctx::train::trainer::run_with_limits(&cfg, a.resume, limits).context("training")?;
+    if !summary.completed {
+        return Ok(());
+    }
     println!("exported to {}", summary.export_dir.display());
     Ok(())
 }
 
-/// One rank of a multi-process run (started by `longctx launch`, torchrun or Slurm).
-#[cfg(not(feature = "nccl"))]
-fn train_launched(env: &DistEnv, _cfg: &RunConfig, _resume: bool) -> Result<()> {
-    bail!(
-        "rank {} of {} was started by a launcher (RANK/WORLD_SIZE are set), but multi-process training needs a CUDA+NCCL build; for in-process ranks on one device use --world-size N",
-        env.rank,
-        env.world
-    )
-}
-
 /// One rank of a multi-process run (started by `longctx launch`, torchrun or Slurm):
-/// rendezvous → NCCL world communicator → the same rank loop as in-process runs.
-#[cfg(feature = "nccl")]
-fn train_launched(env: &DistEnv, cfg: &RunConfig, resume: bool) -> Result<()> {
-    let summary = longctx::train::trainer::run_launched(cfg, resume, env)
+/// rendezvous → world communicator (NCCL on GPUs, the process transport on the CPU) →
+/// the same rank loop as in-process runs.
+fn train_launched(env: &DistEnv, cfg: &RunConfig, resume: bool, limits: longctx::train::trainer::RunLimits) -> Result<()> {
+    let summary = longctx::train::trainer::run_launched(cfg, resume, env, limits)
         .with_context(|| format!("rank {} of {}", env.rank, env.world))?;
-    if let Some(s) = summary {
+    if let Some(s) = summary.filter(|s| s.completed) {
         println!("exported to {}", s.export_dir.display());
     }
     Ok(())

@@ -204,6 +204,7 @@ fn nccl_selftest(env: &DistEnv, rdzv: &dist::Rendezvous, fail_rank: Option<usize
     let all: Vec<usize> = (0..w).collect();
     let split = comm.sub(&all)?;
     ensure!(vals(&split.all_reduce_sum(&one)?)? == [w as f32], "split world sum");
+    ordering_checks(&comm, &dev, r, w)?;
     println!("rank {r}: all NCCL checks passed");
 
     // Bandwidth: 256 MiB bf16 all-reduce and ring exchange.
@@ -266,4 +267,55 @@ fn main() {
         },
     };
     std::process::exit(code);
+}
+
+/// Stream ordering between Candle's compute stream and the NCCL stream: the inputs are
+/// produced by a slow queue of kernels ending in an elementwise one (whose output Candle
+/// passes to cudarc as read-only, so cudarc records no write event for it) and handed to
+/// NCCL at once; the outputs are consumed at once. Before the fix (NCCL stream made to
+/// wait for the compute stream) NCCL read the inputs before they were written.
+#[cfg(feature = "nccl")]
+fn ordering_checks(comm: &std::sync::Arc<dyn longctx::attention::comm::Comm>, dev: &candle_core::Device, r: usize, w: usize) -> anyhow::Result<()> {
+    use anyhow::ensure;
+    use candle_core::{DType, Tensor};
+    let n = 4096;
+    // eye·eye·…·(c·ones) = c·ones, exact in f32; 24 GEMMs of 4096³ queue ~50 ms of work.
+    let slow = |c: f64| -> candle_core::Result<Tensor> {
+        let eye = Tensor::eye(n, DType::F32, dev)?;
+        let mut x = (Tensor::ones((n, n), DType::F32, dev)? * c)?;
+        for _ in 0..24 {
+            x = eye.matmul(&x)?;
+        }
+        x.affine(1.0, 1.0) // last kernel elementwise: c + 1 everywhere
+    };
+    let check = |t: &Tensor, want: f32, what: &str| -> anyhow::Result<()> {
+        let v = t.flatten_all()?.to_vec1::<f32>()?;
+        let bad = v.iter().filter(|&&x| x != want).count();
+        ensure!(bad == 0, "ordering: {what}: {bad} of {} elements differ from {want} (first {:?})", v.len(), &v[..4]);
+        Ok(())
+    };
+    for round in 0..3 {
+        // all-reduce: Σ_k (k + 1) over ranks.
+        let x = slow(r as f64)?;
+        let y = comm.all_reduce_sum(&x)?;
+        drop(x); // freed while NCCL may still read it: the pool must not hand it out early
+        let z = slow(0.0)?; // same size, allocated right after
+        check(&y, (w * (w + 1) / 2) as f32, &format!("all_reduce round {round}"))?;
+        check(&z, 1.0, &format!("reuse after all_reduce round {round}"))?;
+        // ring exchange of a freshly computed tensor.
+        let x = slow(r as f64)?;
+        let got = comm.sendrecv_start(vec![x], comm.next(), comm.prev())?.wait()?;
+        check(&got[0], (comm.prev() + 1) as f32, &format!("sendrecv round {round}"))?;
+        // all-gather and all-to-all.
+        let ys = comm.all_gather(&slow(r as f64)?)?;
+        for (j, y) in ys.iter().enumerate() {
+            check(y, (j + 1) as f32, &format!("all_gather part {j} round {round}"))?;
+        }
+        let xs = (0..w).map(|j| slow((10 * r + j) as f64)).collect::<candle_core::Result<Vec<_>>>()?;
+        for (j, y) in comm.all_to_all(xs)?.iter().enumerate() {
+            check(y, (10 * j + r + 1) as f32, &format!("all_to_all part {j} round {round}"))?;
+        }
+    }
+    println!("rank {r}: stream ordering checks passed");
+    Ok(())
 }

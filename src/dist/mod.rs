@@ -1,22 +1,26 @@
 //! Distribution: parallel dims and process groups, the rank environment, the TCP
 //! rendezvous with its failure monitor, and the process launcher.
 //!
-//! Start-up of one rank of a multi-GPU run:
+//! Start-up of one rank of a launched run (GPU or CPU):
 //! 1. [`DistEnv::from_env`] (torchrun-style variables set by [`launch`], or Slurm);
-//! 2. [`rendezvous`]: rank 0's NCCL unique id reaches every rank; keep the returned
-//!    [`Monitor`] and register an abort of the communicator with [`Monitor::on_failure`];
-//! 3. the world communicator (NCCL: `longctx_attention::comm::nccl::NcclComm`);
-//! 4. [`ParallelDims::new`] from the config, then [`build_groups`].
+//! 2. [`world::join`]: the [`rendezvous`] (rank 0's NCCL unique id reaches every rank),
+//!    the world communicator (NCCL on GPUs, the process transport on the CPU) and the
+//!    failure wiring between it and the [`Monitor`];
+//! 3. [`ParallelDims::new`] from the config, then [`build_groups`].
+//!
+//! In-process runs (ranks as threads) start at [`world::run_threads`] instead.
 //!
 //! - [`dims`]: `ParallelDims`, the rank layout, group membership, `build_groups`.
 //! - [`env`]: `DistEnv` from torchrun or Slurm variables.
 //! - [`rendezvous`]: TCP rendezvous and the failure monitor.
 //! - [`launch`]: one child per local rank, output prefixed, failures stop everyone.
+//! - [`world`]: the world communicator of a run, threads or processes.
 
 pub mod dims;
 pub mod env;
 pub mod launch;
 pub mod rendezvous;
+pub mod world;
 
 pub use dims::{build_groups, Coords, DimsRequest, Groups, ParallelDims, ParallelMode};
 pub use env::DistEnv;

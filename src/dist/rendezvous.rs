@@ -19,10 +19,16 @@
 //! caller's choice via [`Monitor::on_failure`]: with NCCL, abort the communicator so
 //! blocked collectives return, then [`Monitor::exit_after_failure`] as a backstop.
 //! A rank that ends cleanly calls [`Monitor::finish`] (a goodbye), otherwise its exit
-//! counts as a failure for the others.
+//! counts as a failure for the others. Rank 0 finishes last: it waits (at most
+//! `peer_timeout`) for every peer's goodbye, since it relays their data (below).
+//!
+//! Data: the same star carries the messages of CPU worlds of processes
+//! ([`Monitor::send_data`], [`Monitor::on_data`]): a rank sends every message to rank 0,
+//! which keeps those addressed to it and forwards the others, in order per connection.
+//! Enough for correctness runs and tests; GPUs talk over NCCL.
 //!
 //! Wire format: frames `[kind u8][len u32 BE][payload]`; hello payload =
-//! `b"LONGCTX1" ++ rank u32 BE ++ world u32 BE`.
+//! `b"LONGCTX1" ++ rank u32 BE ++ world u32 BE`; data payload = `to u32 BE ++ bytes`.
 
 use super::comm_error;
 use super::env::DistEnv;
@@ -40,6 +46,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Environment variable (seconds, may be fractional) overriding the default timeout;
 /// `longctx launch` sets it for its children from `--rdzv-timeout`.
 pub const TIMEOUT_ENV: &str = "LONGCTX_RDZV_TIMEOUT_S";
+/// Environment variable (seconds) overriding how long a silent peer is waited for
+/// (default 30 s) before it is declared lost.
+pub const PEER_TIMEOUT_ENV: &str = "LONGCTX_PEER_TIMEOUT_S";
 
 const MAGIC: &[u8; 8] = b"LONGCTX1";
 const HELLO: u8 = 1;
@@ -47,6 +56,8 @@ const WELCOME: u8 = 2;
 const ERROR: u8 = 3;
 const PING: u8 = 4;
 const BYE: u8 = 5;
+const DATA: u8 = 6;
+/// Largest control frame; data frames may use the whole u32 length.
 const MAX_PAYLOAD: usize = 1 << 20;
 
 #[derive(Debug, Clone)]
@@ -66,14 +77,24 @@ impl Default for RendezvousOptions {
 }
 
 impl RendezvousOptions {
-    /// Defaults, with the timeout taken from `LONGCTX_RDZV_TIMEOUT_S` when set.
+    /// Defaults, with the timeout taken from `LONGCTX_RDZV_TIMEOUT_S` and the peer
+    /// timeout from `LONGCTX_PEER_TIMEOUT_S` when set.
     pub fn from_env() -> Result<Self> {
         let mut o = Self::default();
-        if let Ok(v) = std::env::var(TIMEOUT_ENV) {
-            let s: f64 = v.trim().parse().ok().filter(|s: &f64| s.is_finite() && *s > 0.0).ok_or_else(|| {
-                crate::Error::Setting(format!("{TIMEOUT_ENV} = `{v}` is not a positive number of seconds"))
-            })?;
-            o.timeout = Duration::from_secs_f64(s);
+        let secs = |name: &str| -> Result<Option<Duration>> {
+            match std::env::var(name) {
+                Err(_) => Ok(None),
+                Ok(v) => v.trim().parse().ok().filter(|s: &f64| s.is_finite() && *s > 0.0).map(|s| Some(Duration::from_secs_f64(s))).ok_or_else(|| {
+                    crate::Error::Setting(format!("{name} = `{v}` is not a positive number of seconds"))
+                }),
+            }
+        };
+        if let Some(t) = secs(TIMEOUT_ENV)? {
+            o.timeout = t;
+        }
+        if let Some(t) = secs(PEER_TIMEOUT_ENV)? {
+            o.peer_timeout = t;
+            o.heartbeat = o.heartbeat.min(t / 3);
         }
         Ok(o)
     }
@@ -147,15 +168,22 @@ impl FrameReader {
             return None;
         }
         let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
-        if len > MAX_PAYLOAD {
+        if len > MAX_PAYLOAD && self.buf[0] != DATA {
             return Some(Err(format!("protocol error: frame of {len} bytes")));
         }
         if self.buf.len() < 5 + len {
             return None;
         }
         let kind = self.buf[0];
-        let payload = self.buf[5..5 + len].to_vec();
-        self.buf.drain(..5 + len);
+        let payload = if self.buf.len() == 5 + len {
+            let mut all = std::mem::take(&mut self.buf);
+            all.drain(..5);
+            all
+        } else {
+            let p = self.buf[5..5 + len].to_vec();
+            self.buf.drain(..5 + len);
+            p
+        };
         Some(Ok((kind, payload)))
     }
 
@@ -175,10 +203,20 @@ impl FrameReader {
             if let Err(e) = self.stream.set_read_timeout(Some(left.max(Duration::from_millis(1)))) {
                 return ReadOutcome::Closed(e.to_string());
             }
-            let mut chunk = [0u8; 4096];
-            match self.stream.read(&mut chunk) {
+            // Read straight into the buffer, at least the rest of the current frame.
+            let want = if self.buf.len() >= 5 {
+                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+                (5 + len).saturating_sub(self.buf.len()).max(4096)
+            } else {
+                4096
+            };
+            let at = self.buf.len();
+            self.buf.resize(at + want.min(64 << 20), 0);
+            let got = self.stream.read(&mut self.buf[at..]);
+            self.buf.truncate(at + *got.as_ref().unwrap_or(&0));
+            match got {
                 Ok(0) => return ReadOutcome::Closed("connection closed".into()),
-                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Ok(_) => {}
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
                     return ReadOutcome::Idle
                 }
@@ -384,6 +422,46 @@ struct Shared {
     closing: AtomicBool,
     /// Set by the first `fail` (the failure becomes visible only after its relay).
     claimed: AtomicBool,
+    /// How long rank 0's `finish` waits for the peers' goodbyes.
+    peer_timeout: Duration,
+    /// Where data addressed to this rank goes (held back until a sink is set).
+    data: Mutex<DataSink>,
+}
+
+type Sink = Arc<dyn Fn(&[u8]) + Send + Sync>;
+
+enum DataSink {
+    Waiting(Vec<Vec<u8>>),
+    Ready(Sink),
+}
+
+impl Shared {
+    fn take_data(&self, bytes: Vec<u8>) {
+        let sink = {
+            let mut d = self.data.lock().unwrap_or_else(|p| p.into_inner());
+            match &mut *d {
+                DataSink::Waiting(q) => {
+                    q.push(bytes);
+                    return;
+                }
+                DataSink::Ready(f) => f.clone(),
+            }
+        };
+        sink(&bytes);
+    }
+
+    /// Write one data frame for `to` on the connection `via`.
+    fn write_data(&self, via: usize, to: usize, bytes: &[u8]) -> std::result::Result<(), String> {
+        let len = u32::try_from(bytes.len() + 4)
+            .map_err(|_| format!("a message of {} bytes is too large for the CPU transport (limit 4 GiB)", bytes.len()))?;
+        let mut ws = self.writers.lock().unwrap_or_else(|p| p.into_inner());
+        let w = ws.get_mut(&via).ok_or_else(|| format!("no connection to rank {via} (it finished or failed)"))?;
+        let mut head = [0u8; 9];
+        head[0] = DATA;
+        head[1..5].copy_from_slice(&len.to_be_bytes());
+        head[5..9].copy_from_slice(&(to as u32).to_be_bytes());
+        w.write_all(&head).and_then(|_| w.write_all(bytes)).map_err(|e| format!("writing to rank {via}: {e}"))
+    }
 }
 
 impl Shared {
@@ -434,6 +512,8 @@ impl Monitor {
             writers: Mutex::new(BTreeMap::new()),
             closing: AtomicBool::new(false),
             claimed: AtomicBool::new(false),
+            data: Mutex::new(DataSink::Waiting(Vec::new())),
+            peer_timeout: opts.peer_timeout,
         });
         // All write halves first: a watcher may relay a failure as soon as it starts.
         let mut readers = Vec::new();
@@ -540,9 +620,43 @@ impl Monitor {
         self.shared.fail(msg, None);
     }
 
+    /// Send `bytes` to the rank `to` (not this one), whose [`Monitor::on_data`] sink gets
+    /// them; in order per destination. Routed through rank 0 (see the module doc).
+    pub fn send_data(&self, to: usize, bytes: &[u8]) -> std::result::Result<(), String> {
+        let sh = &self.shared;
+        if to == sh.rank || to >= sh.world {
+            return Err(format!("rank {}: cannot send data to rank {to} (world of {})", sh.rank, sh.world));
+        }
+        let via = if sh.rank == 0 { to } else { 0 };
+        sh.write_data(via, to, bytes)
+    }
+
+    /// Where data sent to this rank goes; what arrived before is handed over first, in order.
+    pub fn on_data(&self, f: impl Fn(&[u8]) + Send + Sync + 'static) {
+        let f: Sink = Arc::new(f);
+        let mut d = self.shared.data.lock().unwrap_or_else(|p| p.into_inner());
+        if let DataSink::Waiting(q) = &mut *d {
+            for m in q.drain(..) {
+                f(&m);
+            }
+        }
+        *d = DataSink::Ready(f);
+    }
+
     /// Clean end of this rank: say goodbye so the others do not count our exit as a
-    /// failure, and stop watching.
+    /// failure, and stop watching. Rank 0 first waits (at most `peer_timeout`) until
+    /// every peer has said goodbye or is gone: it may still have their data to relay.
     pub fn finish(&self) {
+        if self.shared.rank == 0 {
+            let until = Instant::now() + self.shared.peer_timeout;
+            loop {
+                let left = self.shared.writers.lock().unwrap_or_else(|p| p.into_inner()).len();
+                if left == 0 || self.failure().is_some() || Instant::now() >= until {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
         self.shared.closing.store(true, Ordering::SeqCst);
         let mut ws = self.shared.writers.lock().unwrap_or_else(|p| p.into_inner());
         for w in ws.values_mut() {
@@ -572,6 +686,18 @@ fn watch(sh: Arc<Shared>, peer: usize, mut reader: FrameReader, opts: Rendezvous
                     ERROR => {
                         // Rank 0 relays messages already naming the failed rank.
                         sh.fail(String::from_utf8_lossy(&payload).into_owned(), Some(peer));
+                    }
+                    DATA if payload.len() >= 4 => {
+                        let to = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]) as usize;
+                        let mut payload = payload;
+                        if to == sh.rank {
+                            payload.drain(..4);
+                            sh.take_data(payload);
+                        } else if sh.rank == 0 {
+                            if let Err(e) = sh.write_data(to, to, &payload[4..]) {
+                                sh.fail(format!("rank 0: relaying data from rank {peer} to rank {to}: {e}"), None);
+                            }
+                        }
                     }
                     _ => {}
                 }

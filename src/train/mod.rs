@@ -10,3 +10,4 @@ pub mod init;
 pub mod metrics;
 pub mod offload;
 pub mod trainer;
+pub mod zero;

@@ -13,11 +13,12 @@ use crate::data::loader::{DataSpec, DataState, FilesConfig, Loader, Shard};
 use crate::data::synthetic::{LossOn, PasskeyConfig};
 use crate::dist::dims::{build_groups, DimsRequest, Groups, ParallelDims, ParallelMode};
 use crate::model::{LlamaConfig, Rope};
-use crate::train::checkpoint::{self, OptimShard, TrainState};
+use crate::train::checkpoint::{self, TrainState};
 use crate::train::config::RunConfig;
 use crate::train::engine::{Engine, EngineOptions, MemoryReport};
 use crate::train::metrics::{Metrics, StepLine};
-use crate::train::optim::{lr_at, AdamW, DeviceAdamW};
+use crate::train::optim::lr_at;
+use crate::train::zero::{all_reduce_scalar, ShardedAdamW};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use longctx_attention::comm::Comm;
@@ -170,17 +171,6 @@ pub fn local_indices(mode: ParallelMode, dims: &ParallelDims, sp_rank: usize, se
     r.map_err(Error::from)
 }
 
-/// Flat f32 copy of all parameters, padded to `shards · shard_len`.
-fn flatten(ts: &[Tensor], padded: usize) -> Result<Tensor> {
-    let flat: Vec<Tensor> = ts.iter().map(|t| t.to_dtype(DType::F32)?.flatten_all()).collect::<candle_core::Result<_>>()?;
-    let mut flat = Tensor::cat(&flat, 0)?;
-    let n = flat.dim(0)?;
-    if padded > n {
-        flat = Tensor::cat(&[&flat, &Tensor::zeros(padded - n, DType::F32, flat.device())?], 0)?;
-    }
-    Ok(flat)
-}
-
 /// Per-rank context shared by the threads.
 struct Shared<'a> {
     cfg: &'a RunConfig,
@@ -205,9 +195,7 @@ pub fn run_with_limits(cfg: &RunConfig, resume: bool, limits: RunLimits) -> Resu
     let model = load_start_model(cfg)?;
     let loaded = if resume { Some(checkpoint::load(&cfg.output_dir)?) } else { None };
     let shared = Shared { cfg, model: &model, device, dtype, resume: loaded.as_ref(), limits };
-    let w = cfg.parallel.world_size;
-    let outs = longctx_attention::comm::thread::run_ranks(w, |comm| rank_main(&shared, comm).map_err(|e| candle_core::Error::Msg(e.to_string())))
-        .map_err(|e| Error::Setting(e.to_string()))?;
+    let outs = crate::dist::world::run_threads(cfg.parallel.world_size, |comm| rank_main(&shared, comm))?;
     outs.into_iter().next().flatten().ok_or_else(|| Error::Setting("rank 0 returned no summary".into()))
 }
 
@@ -225,8 +213,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
     }
     let opts = EngineOptions { token_chunk: cfg.parallel.token_chunk, offload_activations: cfg.parallel.offload_activations };
     let mut engine = Engine::from_vars(mcfg, &vars, opts)?;
-    let sizes: Vec<usize> = engine.params.iter().map(|(_, v)| v.as_tensor().elem_count()).collect();
-    let n_params: usize = sizes.iter().sum();
+    let n_params: usize = engine.params.iter().map(|(_, v)| v.as_tensor().elem_count()).sum();
 
     let mut stage_losses = Vec::new();
     let mut memory = MemoryReport::default();
@@ -263,11 +250,16 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
 
     let mut stopped = false;
     let mut groups: Option<(ParallelMode, ParallelDims, Groups)> = None; // rebuilt when the mode changes
-    let mut optim: Option<(AdamW, usize)> = None; // (this rank's shard of the state, shard length)
-    // On a GPU (unless `optimizer_on_host`), the state lives and updates on the device;
-    // `optim`'s host vectors are then refreshed only for checkpoints.
-    let use_device_optim = !sh.device.is_cpu() && !cfg.train.optimizer_on_host;
-    let mut dev_opt: Option<DeviceAdamW> = None;
+    // ZeRO-1 over every rank of the world. On a GPU (unless `optimizer_on_host`) the
+    // state lives and updates on the device. Masters start from the f32 host copy of the
+    // start weights (not from weights already rounded to the run dtype), or from the
+    // checkpoint's optimizer state when resuming.
+    let on_device = (!sh.device.is_cpu() && !cfg.train.optimizer_on_host).then_some(&sh.device);
+    let resume_opt = match (opt_step, sh.resume) {
+        (Some(step), Some(l)) => Some((step, l)),
+        _ => None,
+    };
+    let mut optim = ShardedAdamW::new(cfg.train.adamw.clone(), &engine.params, &sh.model.weights, (world.rank(), world.world()), on_device, resume_opt)?;
     for (si, stage) in cfg.stages.iter().enumerate().skip(start_stage) {
         let mode = stage.parallel_mode.unwrap_or(cfg.parallel.mode);
         let chunk = stage.fpdt_chunk_size.unwrap_or(cfg.parallel.fpdt_chunk_size);
@@ -288,44 +280,6 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
         let dp_rank = g.dp.rank();
         let dp = g.dp.world();
         let sp_rank = g.sp.rank();
-        // Optimizer, built once: ZeRO-1 over every rank of the world (data- and
-        // sequence-parallel alike, as DeepSpeed shards over its sequence-data-parallel
-        // group), so each rank keeps and updates 1/W of the f32 state.
-        let (zrank, zn) = (world.rank(), world.world());
-        if optim.is_none() {
-            let shard_len = n_params.div_ceil(zn);
-            // Masters start from the f32 host copy of the start weights (not from weights
-            // already rounded to the run dtype); after a resume they are replaced below.
-            let host: Vec<Tensor> = engine
-                .params
-                .iter()
-                .map(|(n, v)| match sh.model.weights.get(n) {
-                    Some(t) => Ok(t.to_dtype(DType::F32)?),
-                    None => Ok(v.as_tensor().to_dtype(DType::F32)?.to_device(&Device::Cpu)?),
-                })
-                .collect::<Result<_>>()?;
-            let (lo, hi) = (zrank * shard_len, (zrank + 1) * shard_len);
-            let master = flat_range(&host, lo, hi)?;
-            drop(host);
-            let mut decay = Vec::with_capacity(shard_len * zn);
-            for ((_, v), &n) in engine.params.iter().zip(&sizes) {
-                decay.extend(std::iter::repeat_n(v.as_tensor().rank() >= 2, n));
-            }
-            decay.resize(shard_len * zn, false);
-            let decay = decay[zrank * shard_len..(zrank + 1) * shard_len].to_vec();
-            let mut st = AdamW::new(cfg.train.adamw.clone(), master, decay);
-            if let (Some(astep), Some(l)) = (opt_step, sh.resume) {
-                // Only this rank's range, from whichever shard files hold it (the writing
-                // run may have had another world size).
-                (st.master, st.m, st.v) = l.optimizer_range(n_params, lo, hi)?;
-                st.step = astep;
-            }
-            if use_device_optim {
-                dev_opt = Some(DeviceAdamW::from_host(&st, &sh.device)?);
-            }
-            optim = Some((st, shard_len));
-        }
-        let (adam, shard_len) = optim.as_mut().ok_or_else(|| Error::Setting("optimizer".into()))?;
 
         engine.set_rope(Rope::new(&mcfg.with_rope_theta(stage.rope_theta)));
         let indices = local_indices(mode, dims, sp_rank, stage.seq_length, chunk)?;
@@ -386,41 +340,17 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
             }
             let loss = all_reduce_scalar(&world, loss_sum, &sh.device)? / global_count.max(1.0);
             let grads = grads.ok_or_else(|| Error::Setting("no micro-batch".into()))?;
-            // Sum over all ranks (sp ranks hold partial grads of their tokens, dp ranks of their samples).
-            let flat = flatten(&grads, *shard_len * zn)?;
-            let flat = if world.world() > 1 { world.all_reduce_sum(&flat)? } else { flat };
-            let norm = flat.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_device(&Device::Cpu)?.to_scalar::<f64>()?.sqrt();
-            let clip = cfg.train.clip_grad;
-            let coef = if clip > 0.0 && norm > clip { clip / (norm + 1e-6) } else { 1.0 };
-            let lr = lr_at(cfg.train.lr_schedule, lr_base, step, stage.steps, cfg.train.warmup_steps, cfg.train.min_lr_ratio);
-            let shard = match dev_opt.as_mut() {
-                Some(d) => {
-                    let mut gshard = flat.narrow(0, zrank * *shard_len, *shard_len)?;
-                    if coef != 1.0 {
-                        gshard = (gshard * coef)?;
-                    }
-                    d.update(adam, &gshard, lr)?;
-                    d.master.clone()
-                }
-                None => {
-                    // Only this rank's shard goes to the host.
-                    let mut gshard: Vec<f32> = flat.narrow(0, zrank * *shard_len, *shard_len)?.to_device(&Device::Cpu)?.to_vec1()?;
-                    if coef != 1.0 {
-                        gshard.iter_mut().for_each(|x| *x *= coef as f32);
-                    }
-                    adam.update(&gshard, lr);
-                    Tensor::from_slice(&adam.master, adam.master.len(), &Device::Cpu)?
-                }
-            };
-            // Gather the updated shards (rounded to the run dtype, as the write-back would
-            // round them) and write back into the Vars.
-            let full = if zn > 1 { Tensor::cat(&world.all_gather(&shard.to_dtype(sh.dtype)?.to_device(&sh.device)?)?, 0)? } else { shard };
-            let mut off = 0;
-            for ((_, v), &n) in engine.params.iter().zip(&sizes) {
-                let t = full.narrow(0, off, n)?.reshape(v.as_tensor().shape())?.to_dtype(sh.dtype)?.to_device(&sh.device)?;
-                v.set(&t)?;
-                off += n;
+            // The loss is all-reduced: every rank sees the same value and stops together,
+            // before a non-finite loss reaches the weights.
+            if !loss.is_finite() {
+                return Err(Error::Setting(format!(
+                    "stage {si} step {}: loss is {loss} (summed over all ranks; the weights were not updated); lower the \
+                     learning rate or check the data",
+                    step + 1
+                )));
             }
+            let lr = lr_at(cfg.train.lr_schedule, lr_base, step, stage.steps, cfg.train.warmup_steps, cfg.train.min_lr_ratio);
+            let norm = optim.step(&world, &grads, &engine.params, lr, cfg.train.clip_grad, (sh.dtype, &sh.device))?.grad_norm;
             global_step += 1;
             let tokens = (cfg.train.batch_size * cfg.train.gradient_accumulate_every * dp * stage.seq_length) as u64;
             total_tokens += tokens;
@@ -428,9 +358,6 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
                 first_loss = loss;
             }
             last_loss = loss;
-            if !loss.is_finite() {
-                return Err(Error::Setting(format!("stage {si} step {step}: loss is {loss}; lower the learning rate or check the data")));
-            }
             let step_peak = crate::train::metrics::device_memory(&sh.device, false)?.map(|(_, high)| high);
             device_peak = device_peak.max(step_peak);
             if let Some(m) = metrics.as_mut() {
@@ -456,10 +383,8 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
             if (every > 0 && global_step % every == 0) || stage_end || stop {
                 let (ns, nst) = if stage_end { (si + 1, 0) } else { (si, step + 1) };
                 let data = if stage_end { None } else { Some(loader.state()) };
-                if let Some(d) = dev_opt.as_ref() {
-                    d.to_host(adam)?;
-                }
-                save_checkpoint(sh, &world, &engine, adam, ns, nst, global_step, data)?;
+                optim.sync_to_host()?;
+                save_checkpoint(sh, &world, &engine, &optim, ns, nst, global_step, data)?;
             }
             if stop {
                 stopped = true;
@@ -514,38 +439,12 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
     Ok(if is_main { Some(summary) } else { None })
 }
 
-/// Elements `[lo, hi)` of `params` flattened in order, as f32; zero past their end.
-/// Converts only the parameters that overlap the range (no full flat copy).
-fn flat_range(params: &[Tensor], lo: usize, hi: usize) -> Result<Vec<f32>> {
-    let mut out = Vec::with_capacity(hi.saturating_sub(lo));
-    let mut off = 0;
-    for t in params {
-        let n = t.elem_count();
-        let (a, b) = (lo.max(off), hi.min(off + n));
-        if a < b {
-            out.extend(t.flatten_all()?.narrow(0, a - off, b - a)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec1::<f32>()?);
-        }
-        off += n;
-    }
-    out.resize(hi.saturating_sub(lo), 0.0);
-    Ok(out)
-}
-
-/// Sum of a scalar over ranks, as an f64 tensor on the run device (NCCL needs device memory).
-fn all_reduce_scalar(world: &Arc<dyn Comm>, x: f64, device: &Device) -> Result<f64> {
-    if world.world() == 1 {
-        return Ok(x);
-    }
-    let t = Tensor::new(&[x], device)?;
-    Ok(world.all_reduce_sum(&t)?.to_device(&Device::Cpu)?.to_vec1::<f64>()?[0])
-}
-
 #[allow(clippy::too_many_arguments)]
 fn save_checkpoint(
     sh: &Shared<'_>,
     world: &Arc<dyn Comm>,
     engine: &Engine,
-    adam: &AdamW,
+    optim: &ShardedAdamW,
     stage: usize,
     stage_step: u64,
     global_step: u64,
@@ -559,7 +458,7 @@ fn save_checkpoint(
         checkpoint::begin(out)?;
     }
     world.barrier()?;
-    checkpoint::write_shard(&checkpoint::tmp_dir(out), rank, &OptimShard { master: &adam.master, m: &adam.m, v: &adam.v })?;
+    checkpoint::write_shard(&checkpoint::tmp_dir(out), rank, &optim.shard())?;
     world.barrier()?;
     if rank == 0 {
         let weights: HashMap<String, Tensor> = engine.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().detach())).collect();
@@ -567,7 +466,7 @@ fn save_checkpoint(
             stage,
             stage_step,
             global_step,
-            adam_step: adam.step,
+            adam_step: optim.steps(),
             data: serde_json::to_value(&data).map_err(|e| Error::Setting(e.to_string()))?,
             optimizer_shards: n,
             config: serde_json::to_value(sh.cfg).map_err(|e| Error::Setting(e.to_string()))?,
@@ -578,47 +477,25 @@ fn save_checkpoint(
     Ok(())
 }
 
-/// Run as one process of a launched world (`longctx launch`, torchrun, Slurm): device
-/// `cuda:LOCAL_RANK`, NCCL communicator from an id that rank 0 shares through the TCP
-/// rendezvous on MASTER_ADDR:MASTER_PORT. A failing rank reports through the rendezvous
-/// monitor, which aborts NCCL on the others (bounded exit, no hang).
-#[cfg(feature = "nccl")]
-pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistEnv) -> Result<Option<RunSummary>> {
-    use crate::dist::rendezvous::{rendezvous, RendezvousOptions};
-    use longctx_attention::comm::nccl::NcclComm;
-    let src = Path::new("<run config>");
+/// Run as one process of a launched world (`longctx launch`, torchrun, Slurm): the
+/// world comes from [`crate::dist::world::join`] (NCCL on `cuda:LOCAL_RANK`, or the CPU
+/// process transport with `model.device = cpu`); then the same rank loop as in-process
+/// runs. A failing rank tells the others, which stop within a bounded time.
+pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistEnv, limits: RunLimits) -> Result<Option<RunSummary>> {
     if env.world != cfg.parallel.world_size {
         return Err(Error::Setting(format!(
             "WORLD_SIZE is {} but parallel.world_size is {}; leave --world-size unset under a launcher",
             env.world, cfg.parallel.world_size
         )));
     }
-    let device = Device::new_cuda(env.local_rank)
-        .map_err(|e| Error::Setting(format!("rank {}: cannot open cuda:{} ({e}); one process per GPU", env.rank, env.local_rank)))?;
-    longctx_attention::cuda::retain_pool_memory(device.as_cuda_device()?)?; // as in `parse_device`
-    let dtype = parse_dtype(&cfg.model.dtype, src, "model.dtype")?;
-    let opts = RendezvousOptions::from_env()?;
-    let rdv = rendezvous(env, || NcclComm::unique_id().map_err(Error::from), &opts)?;
-    let comm = NcclComm::new(&device, env.rank, env.world, &rdv.blob)?;
-    {
-        let c = comm.clone();
-        rdv.monitor.on_failure(move |reason| c.abort_from_peer(reason));
-        let m = rdv.monitor.clone();
-        comm.set_abort_hook(move |reason| m.report_failure(reason));
-    }
+    let joined = crate::dist::world::join(env, &cfg.model.device)?;
     let result = (|| {
+        let dtype = if joined.device.is_cpu() { DType::F32 } else { parse_dtype(&cfg.model.dtype, Path::new("<run config>"), "model.dtype")? };
         let model = load_start_model(cfg)?;
         let loaded = if resume { Some(checkpoint::load(&cfg.output_dir)?) } else { None };
-        let shared = Shared { cfg, model: &model, device: device.clone(), dtype, resume: loaded.as_ref(), limits: RunLimits::default() };
-        rank_main(&shared, comm.clone() as Arc<dyn Comm>)
+        let shared = Shared { cfg, model: &model, device: joined.device.clone(), dtype, resume: loaded.as_ref(), limits };
+        rank_main(&shared, joined.comm.clone())
     })();
-    match &result {
-        Ok(_) => rdv.monitor.finish(),
-        Err(e) => {
-            rdv.monitor.report_failure(&e.to_string());
-            // Backstop: if an NCCL abort does not unblock a peer, the monitor ends it.
-            rdv.monitor.exit_after_failure(std::time::Duration::from_secs(15));
-        }
-    }
+    joined.finish(&result);
     result
 }

@@ -1,7 +1,9 @@
 //! The communicator abstraction every mode talks through.
 //!
 //! Backends: [`thread`] (ranks are threads of one process; tensors may live on any
-//! Candle device), NCCL later (behind the `nccl` feature). Every call is collective
+//! Candle device), [`process`] (one rank per process, CPU tensors, messages carried by
+//! a byte link: the same algorithms as `thread`, for launched CPU runs and their
+//! tests), and [`nccl`] (one process per GPU, behind the `nccl` feature). Every call is collective
 //! over the members of the communicator unless stated otherwise. A failure on one
 //! rank (an error, a mismatched collective, a timeout) must surface as an error on
 //! every rank, never as a hang.
@@ -9,6 +11,7 @@
 use candle_core::{Result, Tensor};
 use std::sync::Arc;
 
+pub mod process;
 pub mod thread;
 #[cfg(feature = "nccl")]
 pub mod nccl;

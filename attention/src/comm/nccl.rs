@@ -23,14 +23,19 @@
 //! ranks first exchange a signature of their messages and a mismatch is an error on
 //! both sides, at the cost of a host round trip per call.
 //!
-//! Streams: by default the NCCL work runs on a dedicated stream of the device. Ordering
-//! against Candle's compute stream comes from cudarc's event tracking (on by default):
-//! taking a buffer's pointer on a stream makes that stream wait for the buffer's last
-//! write (reads: also its last reads), and records this use when the guard drops, which
-//! here is after `ncclGroupEnd` has queued the work. So calls return at once; results
-//! are fresh Candle tensors whose first use on the compute stream waits for NCCL, and
-//! compute overlaps communication. Creating the stream switches cudarc to multi-stream
-//! mode (a synchronisation, then event waits on every kernel launch). With
+//! Streams: by default the NCCL work runs on a dedicated stream of the device. Before
+//! queuing, the NCCL stream waits for everything queued on Candle's compute stream (an
+//! event, no host wait): cudarc's per-buffer events cannot be relied on for inputs,
+//! because Candle hands the outputs of its kernels to cudarc as read-only arguments and
+//! so no write event is ever recorded for them (issue 12: NCCL read gradients and kv
+//! blocks before they were computed). Collectives then make the compute stream wait
+//! for the NCCL stream before returning; `sendrecv_start` does that only in
+//! `Pending::wait`, so the ring overlaps its transfer with compute. Memory: a buffer
+//! freed on one stream while the other still uses it is held back by cudarc's read and
+//! write events (recorded on the NCCL stream for everything NCCL touches, and on the
+//! compute stream for every kernel argument), so the stream-ordered pool cannot hand
+//! it out early. Creating the stream switches cudarc to multi-stream mode (a
+//! synchronisation, then event waits on every kernel launch). With
 //! `dedicated_stream: false` everything runs on Candle's stream instead (no overlap).
 //!
 //! Failure: an NCCL error, a local `abort`, or (with `watchdog`) an asynchronous
@@ -74,7 +79,10 @@ pub struct NcclOptions {
 impl Default for NcclOptions {
     fn default() -> Self {
         let check = matches!(std::env::var("LONGCTX_NCCL_CHECK").as_deref(), Ok("1") | Ok("true") | Ok("yes"));
-        Self { dedicated_stream: true, check_shapes: check, watchdog: Some(Duration::from_secs(1)) }
+        // `LONGCTX_NCCL_STREAM=compute`: NCCL on Candle's stream (no overlap; tells
+        // ordering faults from logic faults).
+        let dedicated = !matches!(std::env::var("LONGCTX_NCCL_STREAM").as_deref(), Ok("compute"));
+        Self { dedicated_stream: dedicated, check_shapes: check, watchdog: Some(Duration::from_secs(1)) }
     }
 }
 
@@ -408,13 +416,14 @@ impl NcclComm {
 
     /// Grouped point-to-point exchange: `sends[i] = (peer, tensors)`, receives posted
     /// from `recv_from[i]` with the shapes of `sends[i].1` (see the module doc).
-    fn exchange(&self, sends: &[(usize, Vec<Tensor>)], recv_from: &[usize], what: &str) -> Result<Vec<Vec<Tensor>>> {
+    fn exchange(&self, sends: &[(usize, Vec<Tensor>)], recv_from: &[usize], what: &str) -> Result<(Vec<Vec<Tensor>>, Done)> {
         self.alive()?;
         if self.check_shapes {
             self.check_signatures(sends, recv_from, what)?;
         }
         let _g = CALLS.lock().unwrap_or_else(|p| p.into_inner());
         self.stream.context().bind_to_thread().w()?;
+        self.after_compute()?;
         let mut outs: Vec<Vec<CudaStorageSlice>> = sends
             .iter()
             .map(|(_, ts)| ts.iter().map(|t| self.alloc(t.dtype(), t.elem_count())).collect())
@@ -441,11 +450,35 @@ impl NcclComm {
             self.p2p(&ops)?;
             drop(guards); // records the uses on the NCCL stream, after the group end queued them
         }
-        Ok(outs
+        let done = self.done()?;
+        let outs = outs
             .into_iter()
             .zip(sends)
             .map(|(os, (_, ts))| os.into_iter().zip(ts).map(|(o, t)| self.tensor(o, t.shape().clone())).collect())
-            .collect())
+            .collect();
+        Ok((outs, done))
+    }
+
+    /// Queue on the NCCL stream a wait for everything queued so far on Candle's compute
+    /// stream. Needed for every input: Candle passes the outputs of its own kernels to
+    /// cudarc as read-only arguments, so cudarc records no write event for them and the
+    /// per-buffer wait in `device_ptr` does not order NCCL after the kernel that wrote
+    /// the buffer (NCCL read inputs before they were computed: issue 12).
+    fn after_compute(&self) -> Result<()> {
+        let compute = self.device.cuda_stream();
+        if compute.cu_stream() != self.stream.cu_stream() {
+            self.stream.join(&compute).w()?;
+        }
+        Ok(())
+    }
+
+    /// The point on the NCCL stream after the work just queued (None on Candle's stream).
+    fn done(&self) -> Result<Done> {
+        let compute = self.device.cuda_stream();
+        if compute.cu_stream() == self.stream.cu_stream() {
+            return Ok(Done(None));
+        }
+        Ok(Done(Some((self.stream.record_event(None).w()?, compute))))
     }
 
     /// Send each peer the signature of what we send it; what we receive from
@@ -466,7 +499,8 @@ impl NcclComm {
             .map(|((peer, _), s)| Ok((*peer, vec![Tensor::new(&[*s], &Device::Cuda(self.device.clone()))?])))
             .collect::<Result<_>>()?;
         let check = NcclComm { check_shapes: false, ..self.shallow() };
-        let got = check.exchange(&probes, recv_from, what)?;
+        let (got, done) = check.exchange(&probes, recv_from, what)?;
+        done.wait()?;
         for ((g, expect), from) in got.iter().zip(&mine).zip(recv_from) {
             let g = g[0].to_vec1::<i64>()?[0];
             if g != *expect {
@@ -502,6 +536,7 @@ impl NcclComm {
         self.alive()?;
         let _g = CALLS.lock().unwrap_or_else(|p| p.into_inner());
         self.stream.context().bind_to_thread().w()?;
+        self.after_compute()?;
         let mut out = self.alloc(x.dtype(), out_elems)?;
         {
             let (st, l) = x.storage_and_layout();
@@ -510,7 +545,23 @@ impl NcclComm {
             let r = call(src as *const c_void, dst as *mut c_void, self.handle.comm, self.stream.cu_stream() as _);
             ok(r, what, self.handle.comm).or_else(|e| self.failed(e))?;
         }
+        // The result is used at once: the compute stream waits for it here (also what
+        // any consumer through raw pointers or another stream orders against).
+        self.done()?.wait()?;
         Ok(out)
+    }
+}
+
+/// Completion of queued NCCL work: `wait` makes Candle's compute stream wait for it (the
+/// host does not block). Like PyTorch's `work.wait()`.
+struct Done(Option<(candle_core::cuda::cudarc::driver::CudaEvent, Arc<CudaStream>)>);
+
+impl Done {
+    fn wait(self) -> Result<()> {
+        if let Some((ev, compute)) = self.0 {
+            compute.wait(&ev).w()?;
+        }
+        Ok(())
     }
 }
 
@@ -587,8 +638,13 @@ impl Comm for NcclComm {
             return crate::config_err!("sendrecv: peers {to}/{from} out of range for world {}", self.world);
         }
         let send = self.prepare(send, "sendrecv")?;
-        let mut got = self.exchange(&[(to, send)], &[from], "sendrecv")?;
-        Ok(Pending::ready(got.pop().unwrap_or_default()))
+        let (mut got, done) = self.exchange(&[(to, send)], &[from], "sendrecv")?;
+        let got = got.pop().unwrap_or_default();
+        // Compute overlaps the transfer until the caller waits.
+        Ok(Pending::new(move || {
+            done.wait()?;
+            Ok(got)
+        }))
     }
 
     fn all_to_all(&self, xs: Vec<Tensor>) -> Result<Vec<Tensor>> {
@@ -598,7 +654,8 @@ impl Comm for NcclComm {
         let xs = self.prepare(xs, "all_to_all")?;
         let sends: Vec<(usize, Vec<Tensor>)> = xs.into_iter().enumerate().map(|(j, x)| (j, vec![x])).collect();
         let from: Vec<usize> = (0..self.world).collect();
-        let got = self.exchange(&sends, &from, "all_to_all")?;
+        let (got, done) = self.exchange(&sends, &from, "all_to_all")?;
+        done.wait()?;
         Ok(got.into_iter().flatten().collect())
     }
 

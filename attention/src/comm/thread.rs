@@ -1,4 +1,5 @@
-//! In-process backend: the ranks of a world are threads of one process.
+//! Mailbox backend: the ranks of a world are threads of one process, or (through
+//! [`super::process`]) processes joined by a byte link, one rank each.
 //!
 //! Messages are `Vec<Tensor>` dropped into mailboxes keyed by
 //! `(group id, source world rank, destination world rank, sequence number)`: the n-th
@@ -19,7 +20,13 @@
 //! failed rank turns into an error on every rank instead of a hang. [`run_ranks`]
 //! runs a closure per rank on scoped threads, aborts the world when one of them errors
 //! or panics, and returns the root-cause error.
+//!
+//! Processes: the same ranks and collectives, with a [`Link`] that carries messages for
+//! world ranks of other processes (serialized by [`super::process`]) and tells them of
+//! an abort. Since the algorithms are the same, a world of processes computes the same
+//! bits as a world of threads.
 
+use super::process::Link;
 use super::{Comm, Pending};
 use candle_core::{DType, Device, Result, Tensor};
 use std::collections::HashMap;
@@ -34,20 +41,23 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 const WORLD_GROUP: u64 = 0;
 
 /// (group id, source world rank, destination world rank, sequence number).
-type Key = (u64, usize, usize, u64);
+pub(super) type Key = (u64, usize, usize, u64);
 
 /// Shape and dtype of one tensor: what the receiver checks before using a message.
-type Sig = (Vec<usize>, DType);
+pub(super) type Sig = (Vec<usize>, DType);
 
 /// One message between two ranks.
-struct Msg {
+pub(super) struct Msg {
     /// The operation that sent it (a mismatch means ranks called different collectives).
-    what: &'static str,
+    pub(super) what: &'static str,
     /// Signature of the sender's whole input to the collective.
-    sig: Vec<Sig>,
+    pub(super) sig: Vec<Sig>,
     /// The tensors, or a failure decided by the sender (e.g. a mismatched all-reduce).
-    payload: std::result::Result<Vec<Tensor>, String>,
+    pub(super) payload: std::result::Result<Vec<Tensor>, String>,
 }
+
+/// Every operation name a [`Msg`] can carry (the wire format sends the index).
+pub(super) const OPS: [&str; 6] = ["sendrecv", "all_to_all", "all_reduce_sum", "all_gather", "reduce_scatter_sum", "barrier"];
 
 #[derive(Default)]
 struct State {
@@ -56,27 +66,58 @@ struct State {
     aborted: Option<(Option<usize>, String)>,
 }
 
-/// What every rank of one world shares.
-struct World {
+/// What every rank of one world shares (in a world of processes: this process's view).
+pub(super) struct World {
     timeout: Duration,
     state: Mutex<State>,
     cv: Condvar,
+    /// The other processes, when ranks are processes.
+    link: Option<Arc<dyn Link>>,
 }
 
 impl World {
+    pub(super) fn new(timeout: Duration, link: Option<Arc<dyn Link>>) -> Self {
+        World { timeout, state: Mutex::new(State::default()), cv: Condvar::new(), link }
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // A thread that panicked while holding the lock cannot have left the map
         // half-updated (insert/remove are single calls), so the poison is ignored.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn post(&self, key: Key, msg: Msg) {
+    /// Hand a message to its destination: this process's mailbox or the link.
+    fn post(&self, key: Key, msg: Msg) -> Result<()> {
+        if let Some(link) = self.link.as_ref().filter(|l| l.local_rank() != key.2) {
+            if let Err(e) = super::process::encode(key, &msg).map_err(|e| e.to_string()).and_then(|b| link.send(key.2, b)) {
+                let reason = format!("rank {}: sending {} to rank {}: {e}", key.1, msg.what, key.2);
+                self.abort(Some(key.1), &reason);
+                return crate::comm_err!("{reason}");
+            }
+            return Ok(());
+        }
+        self.deliver(key, msg);
+        Ok(())
+    }
+
+    /// A message arrived for a rank of this process.
+    pub(super) fn deliver(&self, key: Key, msg: Msg) {
         self.lock().mail.insert(key, msg);
         self.cv.notify_all();
     }
 
-    /// Sets the abort flag unless already set; returns whether this call set it.
+    /// Sets the abort flag unless already set; returns whether this call set it. The
+    /// first abort of a world of processes is told to the others through the link.
     fn abort(&self, origin: Option<usize>, reason: &str) -> bool {
+        let first = self.abort_quietly(origin, reason);
+        if let (true, Some(link)) = (first, &self.link) {
+            link.abort(reason);
+        }
+        first
+    }
+
+    /// [`Self::abort`] without telling the other processes (they told us).
+    pub(super) fn abort_quietly(&self, origin: Option<usize>, reason: &str) -> bool {
         let first = {
             let mut st = self.lock();
             if st.aborted.is_none() {
@@ -109,9 +150,8 @@ impl World {
             let now = Instant::now();
             if now >= deadline {
                 let reason = format!("{me} timed out after {:?} waiting in {what} for {peer}", self.timeout);
-                st.aborted = Some((Some(key.2), reason.clone()));
                 drop(st);
-                self.cv.notify_all();
+                self.abort(Some(key.2), &reason);
                 return crate::comm_err!("{reason}");
             }
             let slice = (deadline - now).min(Duration::from_millis(500));
@@ -184,10 +224,16 @@ impl ThreadComm {
     }
 
     fn handles(n: usize, timeout: Duration) -> Vec<Arc<ThreadComm>> {
-        let world = Arc::new(World { timeout, state: Mutex::new(State::default()), cv: Condvar::new() });
+        let world = Arc::new(World::new(timeout, None));
         (0..n)
             .map(|r| Arc::new(Self::member(world.clone(), WORLD_GROUP, (0..n).collect(), r)))
             .collect()
+    }
+
+    /// Rank `rank` of a world of `n` processes (this process's handle; the world's other
+    /// ranks are reached through the world's link).
+    pub(super) fn process_rank(world: Arc<World>, n: usize, rank: usize) -> Arc<ThreadComm> {
+        Arc::new(Self::member(world, WORLD_GROUP, (0..n).collect(), rank))
     }
 
     fn member(world: Arc<World>, group: u64, members: Vec<usize>, rank: usize) -> Self {
@@ -235,8 +281,7 @@ impl ThreadComm {
             return crate::comm_err!("{} sending {} to {}: world aborted: {reason}", self.me(), msg.what, self.name(to));
         }
         let seq = next_seq(&self.send_seq, to);
-        self.world.post((self.group, self.members[self.rank], self.members[to], seq), msg);
-        Ok(())
+        self.world.post((self.group, self.members[self.rank], self.members[to], seq), msg)
     }
 
     /// Reserves the next receive slot from `from` (in program order) and returns its key.

@@ -1,0 +1,218 @@
+//! The distributed optimizer step, ZeRO-1 over every rank of the world (data- and
+//! sequence-parallel alike, as DeepSpeed shards over its sequence-data-parallel group).
+//!
+//! The parameters, in `Engine::params` order, form one flat f32 vector of `n` elements
+//! padded to `W·L`, `L = ⌈n/W⌉`; rank `r` owns `[r·L, (r+1)·L)` and keeps only that
+//! slice of the f32 master weights and AdamW moments ([`AdamW`], on the host, or
+//! [`DeviceAdamW`] on a GPU). One step, every rank in lockstep:
+//! 1. flatten this rank's gradients (`[W·L]` f32) and reduce-scatter them: rank `r`
+//!    gets the sum over ranks of its slice (sp ranks hold partial gradients of their
+//!    tokens, dp ranks those of their samples);
+//! 2. gradient norm over the world: √(all-reduce Σ slice²), in f64;
+//! 3. clip (scale the slice), AdamW on the slice;
+//! 4. all-gather the new slices in the run dtype and write them into the weights.
+
+use crate::train::checkpoint::{Loaded, OptimShard};
+use crate::train::optim::{AdamW, AdamWConfig, DeviceAdamW};
+use crate::{Error, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use longctx_attention::comm::Comm;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// This rank's part of the optimizer.
+pub struct ShardedAdamW {
+    /// The slice's state on the host (authoritative unless `device` is set; then it is
+    /// refreshed by [`Self::sync_to_host`] for checkpoints).
+    pub host: AdamW,
+    device: Option<DeviceAdamW>,
+    /// Elements of each parameter, in order.
+    sizes: Vec<usize>,
+    /// `L`, the slice length.
+    pub shard_len: usize,
+    rank: usize,
+    world: usize,
+}
+
+/// What one step measured.
+#[derive(Debug, Clone, Copy)]
+pub struct StepStats {
+    /// Global L2 norm of the summed gradient, before clipping.
+    pub grad_norm: f64,
+}
+
+impl ShardedAdamW {
+    /// The slice of rank `rank` of `world`. Masters start from `start` (the f32 host
+    /// copies of the start weights; a parameter missing there is read from its Var),
+    /// or, when `resume` is given, from that checkpoint's optimizer state (whatever its
+    /// world size was). `device`: keep and update the state there instead of the host.
+    pub fn new(
+        cfg: AdamWConfig,
+        params: &[(String, Var)],
+        start: &HashMap<String, Tensor>,
+        (rank, world): (usize, usize),
+        device: Option<&Device>,
+        resume: Option<(u64, &Loaded)>,
+    ) -> Result<Self> {
+        let sizes: Vec<usize> = params.iter().map(|(_, v)| v.as_tensor().elem_count()).collect();
+        let n: usize = sizes.iter().sum();
+        let shard_len = n.div_ceil(world);
+        let (lo, hi) = (rank * shard_len, (rank + 1) * shard_len);
+        let host: Vec<Tensor> = params
+            .iter()
+            .map(|(name, v)| match start.get(name) {
+                Some(t) => Ok(t.to_dtype(DType::F32)?),
+                None => Ok(v.as_tensor().to_dtype(DType::F32)?.to_device(&Device::Cpu)?),
+            })
+            .collect::<Result<_>>()?;
+        let master = flat_range(&host, lo, hi)?;
+        drop(host);
+        let mut decay = Vec::with_capacity(shard_len);
+        let mut off = 0;
+        for ((_, v), &len) in params.iter().zip(&sizes) {
+            let (a, b) = (lo.max(off), hi.min(off + len));
+            if a < b {
+                decay.extend(std::iter::repeat_n(v.as_tensor().rank() >= 2, b - a));
+            }
+            off += len;
+        }
+        decay.resize(shard_len, false);
+        let mut st = AdamW::new(cfg, master, decay);
+        if let Some((step, loaded)) = resume {
+            // Only this rank's range, from whichever shard files hold it.
+            (st.master, st.m, st.v) = loaded.optimizer_range(n, lo, hi)?;
+            st.step = step;
+        }
+        let device = device.map(|d| DeviceAdamW::from_host(&st, d)).transpose()?;
+        Ok(Self { host: st, device, sizes, shard_len, rank, world })
+    }
+
+    /// One optimizer step over `grads` (this rank's, in parameter order) — see the
+    /// module doc. `clip <= 0` disables clipping. Writes the new weights into `params`
+    /// (in `dtype` on `device`).
+    pub fn step(
+        &mut self,
+        comm: &Arc<dyn Comm>,
+        grads: &[Tensor],
+        params: &[(String, Var)],
+        lr: f64,
+        clip: f64,
+        (dtype, device): (DType, &Device),
+    ) -> Result<StepStats> {
+        if comm.world() != self.world || comm.rank() != self.rank {
+            return Err(Error::Setting(format!(
+                "optimizer sharded for rank {} of {} used with rank {} of {}",
+                self.rank,
+                self.world,
+                comm.rank(),
+                comm.world()
+            )));
+        }
+        if grads.len() != self.sizes.len() {
+            return Err(Error::Setting(format!("{} gradients for {} parameters", grads.len(), self.sizes.len())));
+        }
+        let (l, w) = (self.shard_len, self.world);
+        let flat = flatten(grads, l * w)?;
+        // 1. Reduce-scatter: this rank's slice of the summed gradient.
+        let gshard = if w > 1 {
+            let parts = (0..w).map(|i| flat.narrow(0, i * l, l)).collect::<candle_core::Result<Vec<_>>>()?;
+            comm.reduce_scatter_sum(parts)?
+        } else {
+            flat
+        };
+        // 2. Global norm.
+        let local = gshard.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_device(&Device::Cpu)?.to_scalar::<f64>()?;
+        let grad_norm = all_reduce_scalar(comm, local, gshard.device())?.sqrt();
+        if !grad_norm.is_finite() {
+            // The same value on every rank: all stop here, before the update.
+            return Err(Error::Setting(format!(
+                "gradient norm is {grad_norm} over all ranks (a NaN or infinite gradient; the weights were not updated); \
+                 lower the learning rate or check the data"
+            )));
+        }
+        // 3. Clip and update.
+        let coef = if clip > 0.0 && grad_norm > clip { clip / (grad_norm + 1e-6) } else { 1.0 };
+        let shard = match self.device.as_mut() {
+            Some(d) => {
+                let g = if coef != 1.0 { (gshard * coef)? } else { gshard };
+                d.update(&mut self.host, &g, lr)?;
+                d.master.clone()
+            }
+            None => {
+                let mut g: Vec<f32> = gshard.to_device(&Device::Cpu)?.to_vec1()?;
+                if coef != 1.0 {
+                    g.iter_mut().for_each(|x| *x *= coef as f32);
+                }
+                self.host.update(&g, lr);
+                Tensor::from_slice(&self.host.master, self.host.master.len(), &Device::Cpu)?
+            }
+        };
+        // 4. All-gather the new slices, rounded to the run dtype as the write-back would
+        // round them, and write them back.
+        let shard = shard.to_dtype(dtype)?.to_device(device)?;
+        let full = if w > 1 { Tensor::cat(&comm.all_gather(&shard)?, 0)? } else { shard };
+        let mut off = 0;
+        for ((_, v), &n) in params.iter().zip(&self.sizes) {
+            v.set(&full.narrow(0, off, n)?.reshape(v.as_tensor().shape())?)?;
+            off += n;
+        }
+        Ok(StepStats { grad_norm })
+    }
+
+    /// Refresh the host copy of a device-resident state (before a checkpoint).
+    pub fn sync_to_host(&mut self) -> Result<()> {
+        if let Some(d) = &self.device {
+            d.to_host(&mut self.host)?;
+        }
+        Ok(())
+    }
+
+    /// The host state of this rank's slice, as a checkpoint writes it (call
+    /// [`Self::sync_to_host`] first).
+    pub fn shard(&self) -> OptimShard<'_> {
+        OptimShard { master: &self.host.master, m: &self.host.m, v: &self.host.v }
+    }
+
+    /// AdamW steps taken.
+    pub fn steps(&self) -> u64 {
+        self.host.step
+    }
+}
+
+/// Flat f32 copy of all parameters' gradients, zero-padded to `padded` elements.
+fn flatten(ts: &[Tensor], padded: usize) -> Result<Tensor> {
+    let flat: Vec<Tensor> = ts.iter().map(|t| t.to_dtype(DType::F32)?.flatten_all()).collect::<candle_core::Result<_>>()?;
+    let mut flat = Tensor::cat(&flat, 0)?;
+    let n = flat.dim(0)?;
+    if padded > n {
+        flat = Tensor::cat(&[&flat, &Tensor::zeros(padded - n, DType::F32, flat.device())?], 0)?;
+    }
+    Ok(flat)
+}
+
+/// Elements `[lo, hi)` of `params` flattened in order, as f32; zero past their end.
+/// Converts only the parameters that overlap the range (no full flat copy).
+fn flat_range(params: &[Tensor], lo: usize, hi: usize) -> Result<Vec<f32>> {
+    let mut out = Vec::with_capacity(hi.saturating_sub(lo));
+    let mut off = 0;
+    for t in params {
+        let n = t.elem_count();
+        let (a, b) = (lo.max(off), hi.min(off + n));
+        if a < b {
+            out.extend(t.flatten_all()?.narrow(0, a - off, b - a)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec1::<f32>()?);
+        }
+        off += n;
+    }
+    out.resize(hi.saturating_sub(lo), 0.0);
+    Ok(out)
+}
+
+/// Sum of a scalar over ranks, in f64, through a one-element tensor on `device` (NCCL
+/// needs device memory).
+pub fn all_reduce_scalar(comm: &Arc<dyn Comm>, x: f64, device: &Device) -> Result<f64> {
+    if comm.world() == 1 {
+        return Ok(x);
+    }
+    let t = Tensor::new(&[x], device)?;
+    Ok(comm.all_reduce_sum(&t)?.to_device(&Device::Cpu)?.to_vec1::<f64>()?[0])
+}
