@@ -420,16 +420,17 @@ fn bad_sizes_and_export_sources() {
 
 #[cfg(not(feature = "nccl"))]
 #[test]
-fn launched_train_needs_nccl() {
-    let mut c = longctx(&["train", "--max-train-steps", "1"]);
+fn launched_train_on_cuda_needs_nccl() {
+    // On the CPU a launched run works (tests/dist_train.rs); on CUDA it needs NCCL.
+    let mut c = longctx(&["train", "--max-train-steps", "1", "--device", "cuda"]);
     for (k, v) in [("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29599")] {
         c.env(k, v);
     }
-    fails(&run_cmd(c), &["multi-process training needs a CUDA+NCCL build", "--world-size N"], true);
+    fails(&run_cmd(c), &["model.device is CUDA, but this build has no NCCL", "--device cpu"], true);
     // Through `launch`: every rank fails that way and the launcher reports it.
-    let o = run(&["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "train", "--max-train-steps", "1"]);
+    let o = run(&["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "train", "--max-train-steps", "1", "--device", "cuda"]);
     assert_eq!(o.code, 1, "{}", o.stderr);
-    assert!(o.stderr.contains("needs a CUDA+NCCL build") && o.stderr.contains("launch: rank"), "{}", o.stderr);
+    assert!(o.stderr.contains("this build has no NCCL") && o.stderr.contains("launch: rank"), "{}", o.stderr);
 }
 
 #[test]
