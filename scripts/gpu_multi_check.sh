@@ -15,7 +15,10 @@
 #   long     TinyLlama-1.1B shape at 128K, 3 steps per mode over 2 GPUs (ring, Ulysses,
 #            USP, FPDT) and one GPU: tokens/s (steps 2..), device peak;
 #   scale256 the same at 256K (2 steps; layer inputs offloaded on one GPU).
-# Env: NGPU (default 2).
+# Env: NGPU (default 2); for long/scale256: MODES (default "zigzag_ring_attn ulysses_attn usp
+#      fpdt"; MODE@compute runs NCCL on the compute stream, i.e. without overlap), ONE=0 skips
+#      the one-GPU run (then ONE_JSONL names its metrics.jsonl from an earlier visit).
+# Each big run's metrics.jsonl is copied to OUTDIR/<mode>-<seq>.jsonl.
 set -uo pipefail
 BIN=${1:-target-cuda/release/longctx}
 OUTDIR=${2:-${OUT:-gpu-out}}
@@ -40,7 +43,7 @@ cmp() { # run ref rtol label
     return "${PIPESTATUS[0]}"
 }
 has() { [[ ",$PHASES," == *",$1,"* ]]; }
-launch() { "$BIN" launch --nproc-per-node "$NGPU" --master-port 0 -- "$@"; }
+LAUNCH=("$BIN" launch --nproc-per-node "$NGPU" --master-port 0 --)
 
 if has probe; then
     say "== probe: NCCL self-test"
@@ -57,7 +60,7 @@ if has correct; then
         TINY=(train --model builtin:tiny --dataset synthetic:passkey --seq-length 256 --rope-theta 1e5 --max-train-steps 10
               --batch-size 2 --learning-rate 1e-3 --clip-grad 1.0 --device cuda --dtype $DT)
         one() { local n=$1; shift; timeout 300 "$BIN" "${TINY[@]}" --output-dir $W/$n-$DT "$@" >>"$LOG" 2>&1 || { say "FAILED: $n $DT"; status=1; }; }
-        multi() { local n=$1; shift; timeout 300 launch "${TINY[@]}" --output-dir $W/$n-$DT "$@" >>"$LOG" 2>&1 || { say "FAILED: $n $DT"; status=1; }; }
+        multi() { local n=$1; shift; timeout 300 "${LAUNCH[@]}" "${TINY[@]}" --output-dir $W/$n-$DT "$@" >>"$LOG" 2>&1 || { say "FAILED: $n $DT"; status=1; }; }
         one single
         one dp-threads --world-size "$NGPU"
         multi dp-nccl
@@ -92,14 +95,23 @@ big() { # phase seq steps
     say "== $1: TinyLlama-1.1B shape at $S tokens, $STEPS steps"
     local OFF=()
     [[ $S -ge 262144 ]] && OFF=(--offload-activations)
-    timeout 590 "$BIN" "${COMMON[@]}" "${OFF[@]}" --output-dir $W/one-$S >>"$LOG" 2>&1 || { say "FAILED: one GPU $S"; status=1; }
-    summary $W/one-$S "one GPU $S"
-    for m in zigzag_ring_attn ulysses_attn usp fpdt; do
-        local X=()
+    if [[ ${ONE:-1} == 1 ]]; then
+        timeout 590 "$BIN" "${COMMON[@]}" "${OFF[@]}" --output-dir $W/one-$S >>"$LOG" 2>&1 || { say "FAILED: one GPU $S"; status=1; }
+        summary $W/one-$S "one GPU $S"
+        cp $W/one-$S/metrics.jsonl "$OUTDIR/one-$S.jsonl" 2>/dev/null
+    fi
+    # the one-GPU reference: this run's, or ONE_JSONL (a metrics.jsonl from an earlier visit)
+    local REF=$W/one-$S/metrics.jsonl
+    [[ -f $REF ]] || REF=${ONE_JSONL:-$REF}
+    for spec in ${MODES:-zigzag_ring_attn ulysses_attn usp fpdt}; do
+        # MODE@compute: NCCL on the compute stream (nothing overlaps: what overlap hides)
+        local m=${spec%@*} name=${spec/@/-} X=() E=()
         [[ $m == fpdt ]] && X=(--fpdt-chunk-size 65536 --fpdt-offload)
-        timeout 590 launch "${COMMON[@]}" --parallel-mode $m "${X[@]}" --output-dir $W/$m-$S >>"$LOG" 2>&1 || { say "FAILED: $m $S"; status=1; }
-        summary $W/$m-$S "$m on $NGPU GPUs $S"
-        python3 - "$W/one-$S/metrics.jsonl" "$W/$m-$S/metrics.jsonl" "$m" "$NGPU" <<'EOF' | tee -a "$LOG"
+        [[ $spec == *@compute ]] && E=(env LONGCTX_NCCL_STREAM=compute)
+        timeout 590 "${E[@]}" "${LAUNCH[@]}" "${COMMON[@]}" --parallel-mode $m "${X[@]}" --output-dir $W/$name-$S >>"$LOG" 2>&1 || { say "FAILED: $name $S"; status=1; }
+        summary $W/$name-$S "$name on $NGPU GPUs $S"
+        cp $W/$name-$S/metrics.jsonl "$OUTDIR/$name-$S.jsonl" 2>/dev/null
+        python3 - "$REF" "$W/$name-$S/metrics.jsonl" "$name" "$NGPU" <<'EOF' | tee -a "$LOG"
 import json, math, sys
 def rows(p):
     try: return [json.loads(l) for l in open(p)]

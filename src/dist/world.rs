@@ -135,6 +135,8 @@ fn join_nccl(env: &DistEnv, opts: &RendezvousOptions) -> Result<Joined> {
     // others at once (through the monitor) instead of leaving them waiting to join.
     let opened = (|| -> Result<(Device, Arc<NcclComm>)> {
         let device = Device::new_cuda(env.local_rank).map_err(|e| {
+            let e = e.to_string();
+            let e = e.lines().next().unwrap_or_default(); // without a captured backtrace
             let n = candle_core::cuda::cudarc::driver::CudaContext::device_count().unwrap_or(0);
             Error::Setting(format!(
                 "rank {}: cannot open cuda:{} ({e}); this node has {n} GPU(s): start at most {n} processes per node \
