@@ -99,6 +99,7 @@ big() { # phase seq steps
         timeout 590 "$BIN" "${COMMON[@]}" "${OFF[@]}" --output-dir $W/one-$S >>"$LOG" 2>&1 || { say "FAILED: one GPU $S"; status=1; }
         summary $W/one-$S "one GPU $S"
         cp $W/one-$S/metrics.jsonl "$OUTDIR/one-$S.jsonl" 2>/dev/null
+        rm -rf $W/one-$S/checkpoint $W/one-$S/export # ~15 GB each at this size: the disk fills up
     fi
     # the one-GPU reference: this run's, or ONE_JSONL (a metrics.jsonl from an earlier visit)
     local REF=$W/one-$S/metrics.jsonl
@@ -111,6 +112,7 @@ big() { # phase seq steps
         timeout 590 "${E[@]}" "${LAUNCH[@]}" "${COMMON[@]}" --parallel-mode $m "${X[@]}" --output-dir $W/$name-$S >>"$LOG" 2>&1 || { say "FAILED: $name $S"; status=1; }
         summary $W/$name-$S "$name on $NGPU GPUs $S"
         cp $W/$name-$S/metrics.jsonl "$OUTDIR/$name-$S.jsonl" 2>/dev/null
+        rm -rf $W/$name-$S/checkpoint $W/$name-$S/export
         python3 - "$REF" "$W/$name-$S/metrics.jsonl" "$name" "$NGPU" <<'EOF' | tee -a "$LOG"
 import json, math, sys
 def rows(p):
