@@ -225,12 +225,15 @@ fn processes_stop_and_resume_from_their_own_checkpoint() {
 }
 
 /// Ranks started by hand (as torchrun or Slurm would), so that the test can kill or stop one.
-fn spawn_ranks(out: &Path, n: usize, steps: &str, env: &[(&str, &str)]) -> Vec<Child> {
+fn spawn_ranks(out: &Path, n: usize, steps: &str, flags: &[(&str, &str)], env: &[(&str, &str)]) -> Vec<Child> {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     (0..n)
         .map(|r| {
             let mut a = train_args(out, "zigzag_ring_attn", &[]);
             set(&mut a, "--max-train-steps", steps);
+            for (f, v) in flags {
+                set(&mut a, f, v);
+            }
             let mut c = Command::new(exe());
             c.args(&a)
                 .env("RANK", r.to_string())
@@ -270,7 +273,7 @@ fn no_half_written(out: &Path) {
 fn a_killed_rank_stops_every_rank() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");
-    let mut ranks = spawn_ranks(&out, 2, "100000", &[]);
+    let mut ranks = spawn_ranks(&out, 2, "100000", &[], &[]);
     wait_for_steps(&out, 2, Duration::from_secs(120));
     ranks[1].kill().unwrap(); // SIGKILL: no goodbye, the socket closes
     let t = Instant::now();
@@ -287,7 +290,7 @@ fn a_killed_rank_stops_every_rank() {
 fn a_silent_rank_stops_every_rank() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");
-    let mut ranks = spawn_ranks(&out, 2, "100000", &[("LONGCTX_PEER_TIMEOUT_S", "5")]);
+    let mut ranks = spawn_ranks(&out, 2, "100000", &[], &[("LONGCTX_PEER_TIMEOUT_S", "5")]);
     wait_for_steps(&out, 2, Duration::from_secs(120));
     let pid = ranks[1].id().to_string();
     assert!(Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
@@ -306,19 +309,16 @@ fn a_silent_rank_stops_every_rank() {
 fn a_nan_loss_stops_every_rank_before_the_update() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");
-    let mut args: Vec<String> = ["launch", "--nproc-per-node", "2", "--master-port", "0", "--kill-grace", "5", "--"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    let mut a = train_args(&out, "data_parallel", &[]);
-    set(&mut a, "--learning-rate", "1e30");
-    set(&mut a, "--clip-grad", "0");
-    set(&mut a, "--max-train-steps", "20");
-    args.extend(a);
-    let o = output(Command::new(exe()).args(&args), Duration::from_secs(120));
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success(), "a run whose loss became NaN succeeded:\n{err}");
-    assert!(err.contains("loss is ") || err.contains("gradient norm is "), "the cause must be named: {err}");
-    assert!(err.contains("rank 0") && err.contains("rank 1"), "both ranks report: {err}");
+    // Ranks by hand, so that each one's own status and message can be read (a launcher
+    // stops the others as soon as the first one fails).
+    let flags = [("--learning-rate", "1e30"), ("--clip-grad", "0"), ("--parallel-mode", "data_parallel")];
+    let ranks = spawn_ranks(&out, 2, "20", &flags, &[]);
+    for (r, child) in ranks.into_iter().enumerate() {
+        let o = wait_limited(child, Duration::from_secs(120));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "rank {r}: a run whose loss became NaN succeeded:\n{err}");
+        assert!(err.contains(&format!("rank {r} of 2")), "rank {r} must name itself: {err}");
+        assert!(err.contains("loss is ") || err.contains("gradient norm is "), "rank {r} must name the cause: {err}");
+    }
     no_half_written(&out);
 }

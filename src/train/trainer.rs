@@ -14,7 +14,7 @@ use crate::data::synthetic::{LossOn, PasskeyConfig};
 use crate::dist::dims::{build_groups, DimsRequest, Groups, ParallelDims, ParallelMode};
 use crate::model::{LlamaConfig, Rope};
 use crate::train::checkpoint::{self, TrainState};
-use crate::train::config::RunConfig;
+use crate::train::config::{RunConfig, Stage};
 use crate::train::engine::{Engine, EngineOptions, MemoryReport};
 use crate::train::metrics::{Metrics, StepLine};
 use crate::train::optim::lr_at;
@@ -199,224 +199,292 @@ pub fn run_with_limits(cfg: &RunConfig, resume: bool, limits: RunLimits) -> Resu
     outs.into_iter().next().flatten().ok_or_else(|| Error::Setting("rank 0 returned no summary".into()))
 }
 
-/// One rank's whole run. Returns the summary on rank 0.
+/// One rank's whole run: set-up, the stages, the final export. Returns the summary on rank 0.
 fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>> {
     let cfg = sh.cfg;
-    let rank = world.rank();
-    let is_main = rank == 0;
-    let mcfg = &sh.model.cfg;
-
-    // Weights as Vars on the device, identical on every rank.
-    let mut vars: HashMap<String, Var> = HashMap::new();
-    for (n, t) in &sh.model.weights {
-        vars.insert(n.clone(), Var::from_tensor(&t.to_dtype(sh.dtype)?.to_device(&sh.device)?)?);
-    }
-    let opts = EngineOptions { token_chunk: cfg.parallel.token_chunk, offload_activations: cfg.parallel.offload_activations };
-    let mut engine = Engine::from_vars(mcfg, &vars, opts)?;
-    let n_params: usize = engine.params.iter().map(|(_, v)| v.as_tensor().elem_count()).sum();
-
+    let mut run = RankRun::new(sh, world)?;
+    let (start_stage, start_step, mut data_state) = run.resume_point()?;
     let mut stage_losses = Vec::new();
-    let mut memory = MemoryReport::default();
-    let mut device_peak: Option<u64> = None;
-    let mut total_tokens = 0u64;
-    let mut global_step = 0u64;
-    let resumed_at = sh.resume.map(|l| l.state.global_step);
-    let mut metrics = if is_main { Some(Metrics::new(&cfg.output_dir, cfg, n_params, mcfg, resumed_at)?) } else { None };
-    if let (true, Some(w)) = (is_main, mcfg.sliding_window()) {
-        eprintln!(
-            "note: the model's config asks for a sliding attention window of {w} tokens; longctx trains full causal \
-             attention over each sequence and exports with the window turned off (sliding_window: null), so \
-             transformers runs the attention that was trained"
-        );
-    }
-    let t0 = Instant::now();
-
-    // Resume.
-    let (mut start_stage, mut start_step, mut data_state): (usize, u64, Option<DataState>) = (0, 0, None);
-    let mut opt_step: Option<u64> = None; // the AdamW step of a resumed run
-    if let Some(l) = sh.resume {
-        for (n, v) in &vars {
-            let t = l.weights.get(n).ok_or_else(|| Error::checkpoint(checkpoint::checkpoint_dir(&cfg.output_dir), format!("tensor `{n}` missing")))?;
-            v.set(&t.to_dtype(sh.dtype)?.to_device(&sh.device)?)?;
-        }
-        start_stage = l.state.stage;
-        start_step = l.state.stage_step;
-        global_step = l.state.global_step;
-        data_state = serde_json::from_value::<Option<DataState>>(l.state.data.clone())
-            .map_err(|e| Error::checkpoint(checkpoint::checkpoint_dir(&cfg.output_dir), format!("corrupt data cursor: {e}")))?;
-        // Each rank reads its range of the optimizer state when the optimizer is built.
-        opt_step = Some(l.state.adam_step);
-    }
-
     let mut stopped = false;
-    let mut groups: Option<(ParallelMode, ParallelDims, Groups)> = None; // rebuilt when the mode changes
-    // ZeRO-1 over every rank of the world. On a GPU (unless `optimizer_on_host`) the
-    // state lives and updates on the device. Masters start from the f32 host copy of the
-    // start weights (not from weights already rounded to the run dtype), or from the
-    // checkpoint's optimizer state when resuming.
-    let on_device = (!sh.device.is_cpu() && !cfg.train.optimizer_on_host).then_some(&sh.device);
-    let resume_opt = match (opt_step, sh.resume) {
-        (Some(step), Some(l)) => Some((step, l)),
-        _ => None,
-    };
-    let mut optim = ShardedAdamW::new(cfg.train.adamw.clone(), &engine.params, &sh.model.weights, (world.rank(), world.world()), on_device, resume_opt)?;
     for (si, stage) in cfg.stages.iter().enumerate().skip(start_stage) {
+        let first_step = if si == start_stage { start_step } else { 0 };
+        let (losses, stop) = run.stage(si, stage, first_step, data_state.take())?;
+        stage_losses.push(losses);
+        if stop {
+            stopped = true;
+            break;
+        }
+    }
+    let is_main = run.world.rank() == 0;
+    let export_dir = cfg.output_dir.join("export");
+    if stopped {
+        run.world.barrier()?;
+        if is_main {
+            eprintln!(
+                "stopped after step {} as asked; checkpoint in {} (continue with --resume)",
+                run.global_step,
+                checkpoint::checkpoint_dir(&cfg.output_dir).display()
+            );
+        }
+    } else {
+        if is_main {
+            run.export(&export_dir)?;
+        }
+        run.world.barrier()?;
+    }
+    let summary = RunSummary {
+        stage_losses,
+        steps: run.global_step,
+        tokens: run.total_tokens,
+        seconds: run.t0.elapsed().as_secs_f64(),
+        export_dir,
+        memory: run.memory,
+        device_peak: run.device_peak,
+        completed: !stopped,
+    };
+    if let (false, Some(m)) = (stopped, run.metrics.as_mut()) {
+        m.finish(&summary)?;
+    }
+    Ok(if is_main { Some(summary) } else { None })
+}
+
+/// What one rank carries through its run.
+struct RankRun<'a> {
+    sh: &'a Shared<'a>,
+    world: Arc<dyn Comm>,
+    engine: Engine,
+    optim: ShardedAdamW,
+    /// Rank 0 only.
+    metrics: Option<Metrics>,
+    /// Rebuilt when a stage changes the mode.
+    groups: Option<(ParallelMode, ParallelDims, Groups)>,
+    /// Largest memory report seen.
+    memory: MemoryReport,
+    device_peak: Option<u64>,
+    total_tokens: u64,
+    global_step: u64,
+    t0: Instant,
+}
+
+/// One stage's layout and data on this rank.
+struct StageRun {
+    attn: Arc<dyn AttentionMode>,
+    indices: Vec<usize>,
+    loader: Loader,
+    /// Data-parallel size.
+    dp: usize,
+    lr_base: f64,
+}
+
+impl<'a> RankRun<'a> {
+    /// Weights on the device (from the start model, or the checkpoint when resuming), the
+    /// engine, this rank's optimizer slice and, on rank 0, the metrics log.
+    fn new(sh: &'a Shared<'a>, world: Arc<dyn Comm>) -> Result<Self> {
+        let (cfg, mcfg) = (sh.cfg, &sh.model.cfg);
+        let mut vars: HashMap<String, Var> = HashMap::new();
+        for (n, t) in &sh.model.weights {
+            let t = match sh.resume {
+                Some(l) => l.weights.get(n).ok_or_else(|| {
+                    Error::checkpoint(checkpoint::checkpoint_dir(&cfg.output_dir), format!("tensor `{n}` missing"))
+                })?,
+                None => t,
+            };
+            vars.insert(n.clone(), Var::from_tensor(&t.to_dtype(sh.dtype)?.to_device(&sh.device)?)?);
+        }
+        let opts = EngineOptions { token_chunk: cfg.parallel.token_chunk, offload_activations: cfg.parallel.offload_activations };
+        let engine = Engine::from_vars(mcfg, &vars, opts)?;
+        let n_params: usize = engine.params.iter().map(|(_, v)| v.as_tensor().elem_count()).sum();
+        let is_main = world.rank() == 0;
+        let resumed_at = sh.resume.map(|l| l.state.global_step);
+        let metrics = if is_main { Some(Metrics::new(&cfg.output_dir, cfg, n_params, mcfg, resumed_at)?) } else { None };
+        if let (true, Some(w)) = (is_main, mcfg.sliding_window()) {
+            eprintln!(
+                "note: the model's config asks for a sliding attention window of {w} tokens; longctx trains full causal \
+                 attention over each sequence and exports with the window turned off (sliding_window: null), so \
+                 transformers runs the attention that was trained"
+            );
+        }
+        // ZeRO-1 over every rank of the world. On a GPU (unless `optimizer_on_host`) the
+        // state lives and updates on the device. Masters start from the f32 host copy of
+        // the start weights (not from weights already rounded to the run dtype), or from
+        // the checkpoint's optimizer state when resuming.
+        let on_device = (!sh.device.is_cpu() && !cfg.train.optimizer_on_host).then_some(&sh.device);
+        let resume_opt = sh.resume.map(|l| (l.state.adam_step, l));
+        let optim =
+            ShardedAdamW::new(cfg.train.adamw.clone(), &engine.params, &sh.model.weights, (world.rank(), world.world()), on_device, resume_opt)?;
+        let global_step = sh.resume.map_or(0, |l| l.state.global_step);
+        Ok(Self {
+            sh,
+            world,
+            engine,
+            optim,
+            metrics,
+            groups: None,
+            memory: MemoryReport::default(),
+            device_peak: None,
+            total_tokens: 0,
+            global_step,
+            t0: Instant::now(),
+        })
+    }
+
+    /// Where a resumed run starts: stage, step within it, data cursor.
+    fn resume_point(&self) -> Result<(usize, u64, Option<DataState>)> {
+        let Some(l) = self.sh.resume else { return Ok((0, 0, None)) };
+        let data = serde_json::from_value::<Option<DataState>>(l.state.data.clone()).map_err(|e| {
+            Error::checkpoint(checkpoint::checkpoint_dir(&self.sh.cfg.output_dir), format!("corrupt data cursor: {e}"))
+        })?;
+        Ok((l.state.stage, l.state.stage_step, data))
+    }
+
+    /// Groups, attention mode, token layout and data of stage `si`.
+    fn stage_setup(&mut self, si: usize, stage: &Stage, data: Option<DataState>) -> Result<StageRun> {
+        let (cfg, mcfg) = (self.sh.cfg, &self.sh.model.cfg);
         let mode = stage.parallel_mode.unwrap_or(cfg.parallel.mode);
         let chunk = stage.fpdt_chunk_size.unwrap_or(cfg.parallel.fpdt_chunk_size);
-        if groups.as_ref().map(|g| g.0) != Some(mode) {
+        if self.groups.as_ref().map(|g| g.0) != Some(mode) {
             let dims = ParallelDims::new(&DimsRequest {
                 mode,
-                world: world.world(),
+                world: self.world.world(),
                 sp: Some(cfg.sp_size_for(mode)),
                 ulysses: if mode == ParallelMode::Usp { Some(cfg.parallel.ulysses_size.max(1)) } else { None },
                 hq: mcfg.num_attention_heads,
                 hkv: mcfg.num_key_value_heads,
             })?;
-            let g = build_groups(&world, &dims)?;
-            groups = Some((mode, dims, g));
+            let g = build_groups(&self.world, &dims)?;
+            self.groups = Some((mode, dims, g));
         }
-        let (_, dims, g) = groups.as_ref().ok_or_else(|| Error::Setting("groups".into()))?;
+        let (_, dims, g) = self.groups.as_ref().ok_or_else(|| Error::Setting("groups".into()))?;
         let attn = build_mode(mode, g, chunk, cfg.parallel.fpdt_offload);
-        let dp_rank = g.dp.rank();
-        let dp = g.dp.world();
-        let sp_rank = g.sp.rank();
-
-        engine.set_rope(Rope::new(&mcfg.with_rope_theta(stage.rope_theta)));
-        let indices = local_indices(mode, dims, sp_rank, stage.seq_length, chunk)?;
-        let spec = data_spec(cfg, sh.model, stage.seq_length)?;
-        let mut loader = Loader::new(&spec, sh.model.tokenizer.as_ref(), Shard { rank: dp_rank, world: dp })?;
-        let first_step = if si == start_stage { start_step } else { 0 };
-        if si == start_stage {
-            if let Some(ds) = &data_state {
-                loader.restore(ds)?;
-            }
+        let (dp_rank, dp) = (g.dp.rank(), g.dp.world());
+        self.engine.set_rope(Rope::new(&mcfg.with_rope_theta(stage.rope_theta)));
+        let indices = local_indices(mode, dims, g.sp.rank(), stage.seq_length, chunk)?;
+        let spec = data_spec(cfg, self.sh.model, stage.seq_length)?;
+        let mut loader = Loader::new(&spec, self.sh.model.tokenizer.as_ref(), Shard { rank: dp_rank, world: dp })?;
+        if let Some(ds) = &data {
+            loader.restore(ds)?;
+        }
+        if let Some(m) = self.metrics.as_mut() {
+            m.stage_start(si, stage, mode, self.world.world(), dims.sp, dp)?;
         }
         let lr_base = stage.learning_rate.unwrap_or(cfg.train.learning_rate);
+        Ok(StageRun { attn, indices, loader, dp, lr_base })
+    }
+
+    /// Steps `first_step..` of stage `si`: (first and last loss, whether the run stopped).
+    fn stage(&mut self, si: usize, stage: &Stage, first_step: u64, data: Option<DataState>) -> Result<((f64, f64), bool)> {
+        let mut st = self.stage_setup(si, stage, data)?;
         let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);
-        if let Some(m) = metrics.as_mut() {
-            m.stage_start(si, stage, mode, world.world(), dims.sp, dp)?;
-        }
+        let limit = self.sh.limits.stop_at_global_step;
         for step in first_step..stage.steps {
-            if sh.limits.stop_at_global_step.is_some_and(|n| global_step >= n) {
+            if limit.is_some_and(|n| self.global_step >= n) {
                 // resumed at or past the stop: nothing to do, the checkpoint stands
-                stopped = true;
-                break;
+                return Ok(((first_loss, last_loss), true));
             }
-            let ts = Instant::now();
-            crate::train::metrics::device_memory(&sh.device, true)?; // reset the high-water mark
-            let mut engine_seconds = 0f64;
-            // Micro-batches of this step, localized.
-            let mut micro = Vec::new();
-            for _ in 0..cfg.train.gradient_accumulate_every {
-                let batch = loader.next_batch(cfg.train.batch_size)?.ok_or_else(|| {
-                    Error::data(&cfg.data.dataset, format!("dataset exhausted at stage {si} step {step}; use more data or fewer steps"))
-                })?;
-                let local = batch.localize(&indices)?;
-                let b = batch.batch;
-                let s = indices.len();
-                let ids = Tensor::from_slice(&local.ids, (b, s), &sh.device)?;
-                let targets = Tensor::from_slice(&local.targets, (b, s), &sh.device)?;
-                let pos = Tensor::from_slice(&local.positions, (b, s), &sh.device)?;
-                let counted = local.targets.iter().filter(|&&t| t >= 0).count();
-                micro.push((ids, targets, pos, counted));
-            }
-            let local_count: usize = micro.iter().map(|m| m.3).sum();
-            let global_count = all_reduce_scalar(&world, local_count as f64, &sh.device)?;
-            let scale = if global_count > 0.0 { 1.0 / global_count } else { 0.0 };
-            let mut grads: Option<Vec<Tensor>> = None;
-            let mut loss_sum = 0f64;
-            for (ids, targets, pos, _) in &micro {
-                let te = Instant::now();
-                let r = engine.step(ids, targets, pos, stage.seq_length, &attn, scale)?;
-                engine_seconds += te.elapsed().as_secs_f64();
-                loss_sum += r.loss_sum;
-                memory.saved_bytes = memory.saved_bytes.max(r.memory.saved_bytes);
-                memory.saved_host_bytes = memory.saved_host_bytes.max(r.memory.saved_host_bytes);
-                memory.transient_bytes = memory.transient_bytes.max(r.memory.transient_bytes);
-                grads = Some(match grads {
-                    None => r.grads,
-                    Some(acc) => acc.iter().zip(&r.grads).map(|(a, b)| a.add(b)).collect::<candle_core::Result<_>>()?,
-                });
-            }
-            let loss = all_reduce_scalar(&world, loss_sum, &sh.device)? / global_count.max(1.0);
-            let grads = grads.ok_or_else(|| Error::Setting("no micro-batch".into()))?;
-            // The loss is all-reduced: every rank sees the same value and stops together,
-            // before a non-finite loss reaches the weights.
-            if !loss.is_finite() {
-                return Err(Error::Setting(format!(
-                    "stage {si} step {}: loss is {loss} (summed over all ranks; the weights were not updated); lower the \
-                     learning rate or check the data",
-                    step + 1
-                )));
-            }
-            let lr = lr_at(cfg.train.lr_schedule, lr_base, step, stage.steps, cfg.train.warmup_steps, cfg.train.min_lr_ratio);
-            let norm = optim.step(&world, &grads, &engine.params, lr, cfg.train.clip_grad, (sh.dtype, &sh.device))?.grad_norm;
-            global_step += 1;
-            let tokens = (cfg.train.batch_size * cfg.train.gradient_accumulate_every * dp * stage.seq_length) as u64;
-            total_tokens += tokens;
+            let loss = self.step(&mut st, si, stage, step)?;
             if step == first_step {
                 first_loss = loss;
             }
             last_loss = loss;
-            let step_peak = crate::train::metrics::device_memory(&sh.device, false)?.map(|(_, high)| high);
-            device_peak = device_peak.max(step_peak);
-            if let Some(m) = metrics.as_mut() {
-                m.step(&StepLine {
-                    stage: si,
-                    step: step + 1,
-                    steps: stage.steps,
-                    global_step,
-                    loss,
-                    lr,
-                    grad_norm: norm,
-                    tokens,
-                    seconds: ts.elapsed().as_secs_f64(),
-                    engine_seconds,
-                    seq_len: stage.seq_length,
-                    memory,
-                    device_peak: step_peak,
-                })?;
-            }
-            let every = cfg.train.checkpoint_every;
+            let every = self.sh.cfg.train.checkpoint_every;
             let stage_end = step + 1 == stage.steps;
-            let stop = sh.limits.stop_at_global_step.is_some_and(|n| global_step >= n);
-            if (every > 0 && global_step % every == 0) || stage_end || stop {
+            let stop = limit.is_some_and(|n| self.global_step >= n);
+            if (every > 0 && self.global_step % every == 0) || stage_end || stop {
                 let (ns, nst) = if stage_end { (si + 1, 0) } else { (si, step + 1) };
-                let data = if stage_end { None } else { Some(loader.state()) };
-                optim.sync_to_host()?;
-                save_checkpoint(sh, &world, &engine, &optim, ns, nst, global_step, data)?;
+                let data = if stage_end { None } else { Some(st.loader.state()) };
+                self.optim.sync_to_host()?;
+                save_checkpoint(self.sh, &self.world, &self.engine, &self.optim, ns, nst, self.global_step, data)?;
             }
             if stop {
-                stopped = true;
-                break;
+                return Ok(((first_loss, last_loss), true));
             }
         }
-        stage_losses.push((first_loss, last_loss));
-        data_state = None;
-        if stopped {
-            break;
-        }
+        Ok(((first_loss, last_loss), false))
     }
 
-    if stopped {
-        world.barrier()?;
-        if is_main {
-            eprintln!(
-                "stopped after step {global_step} as asked; checkpoint in {} (continue with --resume)",
-                checkpoint::checkpoint_dir(&cfg.output_dir).display()
-            );
+    /// One optimizer step (all micro-batches of it); returns the loss, after logging it.
+    fn step(&mut self, st: &mut StageRun, si: usize, stage: &Stage, step: u64) -> Result<f64> {
+        let (sh, cfg) = (self.sh, self.sh.cfg);
+        let ts = Instant::now();
+        crate::train::metrics::device_memory(&sh.device, true)?; // reset the high-water mark
+        // Micro-batches of this step, localized.
+        let mut micro = Vec::new();
+        for _ in 0..cfg.train.gradient_accumulate_every {
+            let batch = st.loader.next_batch(cfg.train.batch_size)?.ok_or_else(|| {
+                Error::data(&cfg.data.dataset, format!("dataset exhausted at stage {si} step {step}; use more data or fewer steps"))
+            })?;
+            let local = batch.localize(&st.indices)?;
+            let (b, s) = (batch.batch, st.indices.len());
+            let ids = Tensor::from_slice(&local.ids, (b, s), &sh.device)?;
+            let targets = Tensor::from_slice(&local.targets, (b, s), &sh.device)?;
+            let pos = Tensor::from_slice(&local.positions, (b, s), &sh.device)?;
+            let counted = local.targets.iter().filter(|&&t| t >= 0).count();
+            micro.push((ids, targets, pos, counted));
         }
-        let export_dir = cfg.output_dir.join("export");
-        let summary = RunSummary { stage_losses, steps: global_step, tokens: total_tokens, seconds: t0.elapsed().as_secs_f64(), export_dir, memory, device_peak, completed: false };
-        return Ok(if is_main { Some(summary) } else { None });
+        let local_count: usize = micro.iter().map(|m| m.3).sum();
+        let global_count = all_reduce_scalar(&self.world, local_count as f64, &sh.device)?;
+        let scale = if global_count > 0.0 { 1.0 / global_count } else { 0.0 };
+        let mut grads: Option<Vec<Tensor>> = None;
+        let (mut loss_sum, mut engine_seconds) = (0f64, 0f64);
+        for (ids, targets, pos, _) in &micro {
+            let te = Instant::now();
+            let r = self.engine.step(ids, targets, pos, stage.seq_length, &st.attn, scale)?;
+            engine_seconds += te.elapsed().as_secs_f64();
+            loss_sum += r.loss_sum;
+            let m = &mut self.memory;
+            m.saved_bytes = m.saved_bytes.max(r.memory.saved_bytes);
+            m.saved_host_bytes = m.saved_host_bytes.max(r.memory.saved_host_bytes);
+            m.transient_bytes = m.transient_bytes.max(r.memory.transient_bytes);
+            grads = Some(match grads {
+                None => r.grads,
+                Some(acc) => acc.iter().zip(&r.grads).map(|(a, b)| a.add(b)).collect::<candle_core::Result<_>>()?,
+            });
+        }
+        let loss = all_reduce_scalar(&self.world, loss_sum, &sh.device)? / global_count.max(1.0);
+        let grads = grads.ok_or_else(|| Error::Setting("no micro-batch".into()))?;
+        // The loss is all-reduced: every rank sees the same value and stops together,
+        // before a non-finite loss reaches the weights.
+        if !loss.is_finite() {
+            return Err(Error::Setting(format!(
+                "stage {si} step {}: loss is {loss} (summed over all ranks; the weights were not updated); lower the \
+                 learning rate or check the data",
+                step + 1
+            )));
+        }
+        let t = &cfg.train;
+        let lr = lr_at(t.lr_schedule, st.lr_base, step, stage.steps, t.warmup_steps, t.min_lr_ratio);
+        let norm = self.optim.step(&self.world, &grads, &self.engine.params, lr, t.clip_grad, (sh.dtype, &sh.device))?.grad_norm;
+        self.global_step += 1;
+        let tokens = (t.batch_size * t.gradient_accumulate_every * st.dp * stage.seq_length) as u64;
+        self.total_tokens += tokens;
+        let step_peak = crate::train::metrics::device_memory(&sh.device, false)?.map(|(_, high)| high);
+        self.device_peak = self.device_peak.max(step_peak);
+        if let Some(m) = self.metrics.as_mut() {
+            m.step(&StepLine {
+                stage: si,
+                step: step + 1,
+                steps: stage.steps,
+                global_step: self.global_step,
+                loss,
+                lr,
+                grad_norm: norm,
+                tokens,
+                seconds: ts.elapsed().as_secs_f64(),
+                engine_seconds,
+                seq_len: stage.seq_length,
+                memory: self.memory,
+                device_peak: step_peak,
+            })?;
+        }
+        Ok(loss)
     }
 
-    // Export (rank 0), from the final weights.
-    let export_dir = cfg.output_dir.join("export");
-    if is_main {
+    /// The Hugging Face export of the final weights (rank 0).
+    fn export(&self, export_dir: &Path) -> Result<()> {
+        let (sh, cfg) = (self.sh, self.sh.cfg);
         let last = cfg.stages.last().ok_or_else(|| Error::Setting("no stage".into()))?;
         let theta = cfg.export.final_rope_theta.unwrap_or(last.rope_theta);
-        let max_pos = cfg.export.max_position_embeddings.unwrap_or(last.seq_length.max(mcfg.max_position_embeddings));
+        let max_pos = cfg.export.max_position_embeddings.unwrap_or(last.seq_length.max(sh.model.cfg.max_position_embeddings));
         let mut json = sh.model.config_json.clone();
         crate::hub::set_context_fields(&mut json, theta, max_pos)?;
         crate::hub::disable_sliding_window(&mut json)?; // trained with full causal attention
@@ -427,16 +495,11 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
         if let Some(d) = dtype {
             crate::hub::set_torch_dtype(&mut json, d)?;
         }
-        let tensors: Vec<(String, Tensor)> = engine.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().detach())).collect();
+        let tensors: Vec<(String, Tensor)> = self.engine.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().detach())).collect();
         let opts = crate::hub::ExportOptions { max_shard_bytes: cfg.export.max_shard_bytes.unwrap_or(5_000_000_000), dtype };
-        crate::hub::export(&export_dir, &tensors, &json, sh.model.source_dir.as_deref(), &opts)?;
+        crate::hub::export(export_dir, &tensors, &json, sh.model.source_dir.as_deref(), &opts)?;
+        Ok(())
     }
-    world.barrier()?;
-    let summary = RunSummary { stage_losses, steps: global_step, tokens: total_tokens, seconds: t0.elapsed().as_secs_f64(), export_dir, memory, device_peak, completed: true };
-    if let Some(m) = metrics.as_mut() {
-        m.finish(&summary)?;
-    }
-    Ok(if is_main { Some(summary) } else { None })
 }
 
 #[allow(clippy::too_many_arguments)]
