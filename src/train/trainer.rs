@@ -389,7 +389,7 @@ impl<'a> RankRun<'a> {
             let every = self.sh.cfg.train.checkpoint_every;
             let stage_end = step + 1 == stage.steps;
             let stop = limit.is_some_and(|n| self.global_step >= n);
-            if (every > 0 && self.global_step % every == 0) || stage_end || stop {
+            if (every > 0 && self.global_step.is_multiple_of(every)) || stage_end || stop {
                 let (ns, nst) = if stage_end { (si + 1, 0) } else { (si, step + 1) };
                 let data = if stage_end { None } else { Some(st.loader.state()) };
                 self.optim.sync_to_host()?;
