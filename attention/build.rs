@@ -35,10 +35,7 @@ fn main() {
         .filter_map(|v| env_dir(v))
         .chain([prefix.join("py/nvidia/cu13"), PathBuf::from("/usr/local/cuda")])
         .collect();
-    let cuda_incs: Vec<PathBuf> = cuda_roots
-        .iter()
-        .flat_map(|r| [r.join("include"), r.join("targets/x86_64-linux/include")])
-        .collect();
+    let cuda_incs: Vec<PathBuf> = cuda_roots.iter().flat_map(|r| [r.join("include"), r.join("targets/x86_64-linux/include")]).collect();
     let cuda_inc = first_with(&cuda_incs, "cuda_runtime_api.h");
     let nvrtc_inc = first_with(&cuda_incs, "nvrtc.h");
 
@@ -60,7 +57,9 @@ fn main() {
     ]
     .iter()
     .filter(|(_, found, _)| found.is_none())
-    .map(|(what, _, looked)| format!("  {what}; looked in {}", looked.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")))
+    .map(|(what, _, looked)| {
+        format!("  {what}; looked in {}", looked.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "))
+    })
     .collect();
     if !missing.is_empty() {
         panic!(

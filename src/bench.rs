@@ -246,15 +246,7 @@ type Five = [Tensor; 5];
 fn compare(label: &str, x: &Five, r: &Five) -> anyhow::Result<bool> {
     let e = [rel_err(&x[0], &r[0])?, abs_err(&x[1], &r[1])?, rel_err(&x[2], &r[2])?, rel_err(&x[3], &r[3])?, rel_err(&x[4], &r[4])?];
     let ok = e[0] <= TOL.o && e[1] <= TOL.lse && e[2..].iter().all(|&g| g <= TOL.grad);
-    println!(
-        "| {label} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {} |",
-        e[0],
-        e[1],
-        e[2],
-        e[3],
-        e[4],
-        if ok { "ok" } else { "FAIL" }
-    );
+    println!("| {label} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {} |", e[0], e[1], e[2], e[3], e[4], if ok { "ok" } else { "FAIL" });
     Ok(ok)
 }
 
@@ -363,8 +355,12 @@ fn check_stash(dev: &Device) -> anyhow::Result<bool> {
         ok = false;
     }
     stash.settle()?;
-    println!("
-host stash round trips (6 tensors × 2 rounds, {} KiB pinned): {}", stash.pinned_bytes() >> 10, if ok { "ok" } else { "FAIL" });
+    println!(
+        "
+host stash round trips (6 tensors × 2 rounds, {} KiB pinned): {}",
+        stash.pinned_bytes() >> 10,
+        if ok { "ok" } else { "FAIL" }
+    );
     Ok(ok)
 }
 

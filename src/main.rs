@@ -28,7 +28,11 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 #[derive(Parser, Debug)]
-#[command(name = "longctx", version, about = "Long-context continued training of Llama-family models (ring / Ulysses / FPDT sequence parallelism)")]
+#[command(
+    name = "longctx",
+    version,
+    about = "Long-context continued training of Llama-family models (ring / Ulysses / FPDT sequence parallelism)"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -250,7 +254,9 @@ fn resolve_config(a: &TrainArgs, launched_world: Option<usize>) -> Result<(RunCo
             "constant" => longctx::train::optim::Schedule::Constant,
             "linear" => longctx::train::optim::Schedule::Linear,
             "cosine" => longctx::train::optim::Schedule::Cosine,
-            _ => return Err(longctx::Error::config(flags, "--lr-schedule", format!("expected constant, linear or cosine, got `{v}`")).into()),
+            _ => {
+                return Err(longctx::Error::config(flags, "--lr-schedule", format!("expected constant, linear or cosine, got `{v}`")).into())
+            }
         };
     }
     if let Some(v) = a.warmup_steps {
@@ -267,7 +273,10 @@ fn resolve_config(a: &TrainArgs, launched_world: Option<usize>) -> Result<(RunCo
     }
     if let Some(w) = launched_world {
         if a.world_size.is_some_and(|v| v != w) {
-            bail!("--world-size {} conflicts with the launcher's WORLD_SIZE {w}; under `longctx launch` the world is one rank per process", c.parallel.world_size);
+            bail!(
+                "--world-size {} conflicts with the launcher's WORLD_SIZE {w}; under `longctx launch` the world is one rank per process",
+                c.parallel.world_size
+            );
         }
         if c.parallel.world_size != w && c.parallel.world_size != 1 {
             eprintln!("note: {}: world_size {} replaced by the launcher's WORLD_SIZE {w}", src.display(), c.parallel.world_size);
@@ -308,7 +317,8 @@ fn resolve_config(a: &TrainArgs, launched_world: Option<usize>) -> Result<(RunCo
         (Some(len), theta) => {
             let theta = theta.or(c.stages.last().map(|s| s.rope_theta)).unwrap_or(10_000.0);
             let steps = a.max_train_steps.or(c.stages.last().map(|s| s.steps)).unwrap_or(100);
-            c.stages = vec![Stage { seq_length: len, rope_theta: theta, steps, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None }];
+            c.stages =
+                vec![Stage { seq_length: len, rope_theta: theta, steps, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None }];
         }
         (None, Some(theta)) => {
             for s in &mut c.stages {
@@ -366,8 +376,8 @@ fn train(a: TrainArgs) -> Result<()> {
 /// rendezvous → world communicator (NCCL on GPUs, the process transport on the CPU) →
 /// the same rank loop as in-process runs.
 fn train_launched(env: &DistEnv, cfg: &RunConfig, resume: bool, limits: longctx::train::trainer::RunLimits) -> Result<()> {
-    let summary = longctx::train::trainer::run_launched(cfg, resume, env, limits)
-        .with_context(|| format!("rank {} of {}", env.rank, env.world))?;
+    let summary =
+        longctx::train::trainer::run_launched(cfg, resume, env, limits).with_context(|| format!("rank {} of {}", env.rank, env.world))?;
     if let Some(s) = summary.filter(|s| s.completed) {
         println!("exported to {}", s.export_dir.display());
     }
@@ -394,7 +404,11 @@ fn model_config(spec: &str, fetch: bool) -> Result<Option<ModelInfo>> {
         longctx::hub::ModelSpec::Local(p) if p.is_file() => p,
         longctx::hub::ModelSpec::Local(p) if p.is_dir() => longctx::hub::config_path(&p)?,
         longctx::hub::ModelSpec::Local(p) => {
-            return Err(longctx::Error::checkpoint(p, "model not found: neither a directory, a config.json, `builtin:NAME` nor a hub id `org/name[@revision]`").into())
+            return Err(longctx::Error::checkpoint(
+                p,
+                "model not found: neither a directory, a config.json, `builtin:NAME` nor a hub id `org/name[@revision]`",
+            )
+            .into())
         }
         longctx::hub::ModelSpec::Hub { repo_id, revision } => {
             let opts = longctx::hub::HubOptions::from_env();
@@ -429,14 +443,18 @@ fn cached_hub_config(cache: &Path, repo_id: &str, revision: &str) -> Option<Path
 
 /// Downloads config.json only (into the HF cache).
 fn download_hub_config(opts: &longctx::hub::HubOptions, repo_id: &str, revision: &str) -> Result<PathBuf> {
-    let mut b = hf_hub::api::sync::ApiBuilder::new().with_cache_dir(opts.cache_dir.clone()).with_token(opts.token.clone()).with_progress(false);
+    let mut b =
+        hf_hub::api::sync::ApiBuilder::new().with_cache_dir(opts.cache_dir.clone()).with_token(opts.token.clone()).with_progress(false);
     if let Some(ep) = &opts.endpoint {
         b = b.with_endpoint(ep.clone());
     }
     let api = b.build().context("setting up the Hugging Face hub client")?;
     let repo = api.repo(hf_hub::Repo::with_revision(repo_id.to_string(), hf_hub::RepoType::Model, revision.to_string()));
-    repo.get("config.json")
-        .with_context(|| format!("downloading config.json of `{repo_id}@{revision}` (no network? gated model: set HF_TOKEN; offline: pass a local directory)"))
+    repo.get("config.json").with_context(|| {
+        format!(
+            "downloading config.json of `{repo_id}@{revision}` (no network? gated model: set HF_TOKEN; offline: pass a local directory)"
+        )
+    })
 }
 
 fn parse_dtype(s: &str, field: &str) -> Result<candle_core::DType> {
@@ -532,13 +550,15 @@ fn training_source(dir: &Path) -> Result<ExportSource> {
     let state = longctx::train::checkpoint::read_state(dir)?;
     let run: RunConfig = serde_json::from_value(state.config.clone())
         .map_err(|e| longctx::Error::checkpoint(&sp, format!("field `config` is not a run config: {e}")))?;
-    let (mcfg, mut config, model_dir) = run_model_config(&run).with_context(|| format!("the model of the run saved in {}", sp.display()))?;
+    let (mcfg, mut config, model_dir) =
+        run_model_config(&run).with_context(|| format!("the model of the run saved in {}", sp.display()))?;
     longctx::hub::disable_sliding_window(&mut config)?; // trained with full causal attention, as the trainer's export says
     let n = run.stages.len();
     let finished = state.stage >= n;
     // The last stage that trained: the one in progress, or the one before when it has not started.
     let trained = if state.stage_step > 0 { state.stage } else { state.stage.saturating_sub(1) };
-    let st = run.stages.get(trained.min(n.saturating_sub(1))).ok_or_else(|| longctx::Error::checkpoint(&sp, "the run config has no stage"))?;
+    let st =
+        run.stages.get(trained.min(n.saturating_sub(1))).ok_or_else(|| longctx::Error::checkpoint(&sp, "the run config has no stage"))?;
     let theta = if finished { run.export.final_rope_theta.unwrap_or(st.rope_theta) } else { st.rope_theta };
     let max_pos = match (finished, run.export.max_position_embeddings) {
         (true, Some(m)) => m,
@@ -604,7 +624,9 @@ fn export(a: ExportArgs) -> Result<()> {
     let theta = a.rope_theta.or(src.theta);
     let max_pos = a.max_position_embeddings.or(src.max_pos);
     if theta.is_some() || max_pos.is_some() {
-        let t = theta.or(cur.as_ref().map(|c| c.rope_theta)).ok_or_else(|| anyhow!("config.json has no readable rope_theta; pass --rope-theta"))?;
+        let t = theta
+            .or(cur.as_ref().map(|c| c.rope_theta))
+            .ok_or_else(|| anyhow!("config.json has no readable rope_theta; pass --rope-theta"))?;
         let m = max_pos
             .or(cur.as_ref().map(|c| c.max_position_embeddings))
             .ok_or_else(|| anyhow!("config.json has no readable max_position_embeddings; pass --max-position-embeddings"))?;
@@ -616,7 +638,8 @@ fn export(a: ExportArgs) -> Result<()> {
         (None, None) => None,
     };
     let opts = longctx::hub::ExportOptions { max_shard_bytes: a.max_shard_size.or(src.max_shard).unwrap_or(5_000_000_000), dtype };
-    let rep = longctx::hub::export(&a.output_dir, &src.tensors, &src.config, src.tokenizer_dir.as_deref(), &opts).context("writing the export")?;
+    let rep = longctx::hub::export(&a.output_dir, &src.tensors, &src.config, src.tokenizer_dir.as_deref(), &opts)
+        .context("writing the export")?;
     let after = LlamaConfig::from_value("config.json", src.config).ok();
     println!(
         "exported {} tensors ({}) in {} file(s) to {} from {}; rope_theta {}, max_position_embeddings {}",
@@ -763,7 +786,13 @@ fn inspect(a: InspectArgs) -> Result<()> {
     match &stored {
         Some(w) => {
             let dts: Vec<String> = w.dtypes.iter().map(|(k, n)| format!("{k} ({} params)", group(*n))).collect();
-            println!("parameters               {} ({} tensors in {} file(s), {} on disk)", group(w.parameters), w.tensors, w.files, human_bytes(w.bytes));
+            println!(
+                "parameters               {} ({} tensors in {} file(s), {} on disk)",
+                group(w.parameters),
+                w.tensors,
+                w.files,
+                human_bytes(w.bytes)
+            );
             println!("dtype on disk            {}", dts.join(", "));
             if w.parameters != shape.params {
                 println!("parameters (config)      {} — differs from the weight files", group(shape.params));
@@ -942,7 +971,8 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     }
     let mut plans = Vec::new();
     for (label, r) in &reqs {
-        let p = plan::plan(&shape, r).with_context(|| if label.is_empty() { "planning".to_string() } else { format!("planning {label}") })?;
+        let p =
+            plan::plan(&shape, r).with_context(|| if label.is_empty() { "planning".to_string() } else { format!("planning {label}") })?;
         plans.push((label.clone(), p));
     }
     if a.json {
@@ -1018,7 +1048,11 @@ fn print_plan(p: &plan::Plan) {
         "  peak                           {:>8}  of {} GB: {}",
         plan::gb(d.peak),
         plan::gb(r.gpu_memory),
-        if e.fits_gpu { format!("fits ({} GB free)", plan::gb(r.gpu_memory - d.peak)) } else { format!("does NOT fit ({} GB short)", plan::gb(d.peak - r.gpu_memory)) }
+        if e.fits_gpu {
+            format!("fits ({} GB free)", plan::gb(r.gpu_memory - d.peak))
+        } else {
+            format!("does NOT fit ({} GB short)", plan::gb(d.peak - r.gpu_memory))
+        }
     );
     let h = &e.host;
     println!(

@@ -523,9 +523,7 @@ pub fn suggest(model: &ModelShape, req: &PlanRequest) -> Option<Suggestion> {
         }
     }
     let budget = (req.gpu_memory as f64 * (1.0 - SUGGESTION_HEADROOM)) as u64;
-    candidates(req)
-        .iter()
-        .find_map(|r| estimate(model, r).ok().filter(|e| e.fits && e.device.peak <= budget).map(|e| mk(r, &e, false)))
+    candidates(req).iter().find_map(|r| estimate(model, r).ok().filter(|e| e.fits && e.device.peak <= budget).map(|e| mk(r, &e, false)))
 }
 
 /// Estimate and suggestion for a request (errors when the request itself is invalid).

@@ -94,11 +94,33 @@ fn help_lists_every_flag() {
         (
             &["train", "--help"],
             &[
-                "--config", "--batch-size", "--gradient-accumulate-every", "--output-dir", "--max-train-steps",
-                "--learning-rate", "--dataset", "--dataset-column", "--model", "--seq-length", "--rope-theta",
-                "--parallel-mode", "--fpdt-chunk-size", "--fpdt-offload", "--world-size", "--sp-size",
-                "--ulysses-size", "--offload-activations", "--token-chunk", "--dtype", "--device", "--seed",
-                "--checkpoint-every", "--resume", "--final-rope-theta", "--dry-run", "zigzag_ring_attn",
+                "--config",
+                "--batch-size",
+                "--gradient-accumulate-every",
+                "--output-dir",
+                "--max-train-steps",
+                "--learning-rate",
+                "--dataset",
+                "--dataset-column",
+                "--model",
+                "--seq-length",
+                "--rope-theta",
+                "--parallel-mode",
+                "--fpdt-chunk-size",
+                "--fpdt-offload",
+                "--world-size",
+                "--sp-size",
+                "--ulysses-size",
+                "--offload-activations",
+                "--token-chunk",
+                "--dtype",
+                "--device",
+                "--seed",
+                "--checkpoint-every",
+                "--resume",
+                "--final-rope-theta",
+                "--dry-run",
+                "zigzag_ring_attn",
             ],
         ),
         (&["export", "--help"], &["<SOURCE>", "--output-dir", "--rope-theta", "--max-position-embeddings", "--max-shard-size", "--dtype"]),
@@ -106,17 +128,45 @@ fn help_lists_every_flag() {
         (
             &["plan", "--help"],
             &[
-                "--model", "--config", "--seq-length", "--gpus", "--nnodes", "--world-size", "--gpu-memory",
-                "--host-memory", "--parallel-mode", "--sp-size", "--ulysses-size", "--fpdt-chunk-size",
-                "--fpdt-offload", "--offload-activations", "--token-chunk", "--batch-size", "--dtype",
-                "--optimizer-on-device", "--overhead", "--json",
+                "--model",
+                "--config",
+                "--seq-length",
+                "--gpus",
+                "--nnodes",
+                "--world-size",
+                "--gpu-memory",
+                "--host-memory",
+                "--parallel-mode",
+                "--sp-size",
+                "--ulysses-size",
+                "--fpdt-chunk-size",
+                "--fpdt-offload",
+                "--offload-activations",
+                "--token-chunk",
+                "--batch-size",
+                "--dtype",
+                "--optimizer-on-device",
+                "--overhead",
+                "--json",
             ],
         ),
         (&["launch", "--help"], &["--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-timeout"]),
         (&["bench", "attention", "--help"], &["--seq", "--heads", "--head-dim", "--dtype", "--check"]),
         (
             &["bench", "engine", "--help"],
-            &["--model", "--seq", "--batch", "--token-chunk", "--dtype", "--device", "--offload", "--warmup", "--iters", "--tolerance", "--seed"],
+            &[
+                "--model",
+                "--seq",
+                "--batch",
+                "--token-chunk",
+                "--dtype",
+                "--device",
+                "--offload",
+                "--warmup",
+                "--iters",
+                "--tolerance",
+                "--seed",
+            ],
         ),
     ];
     for (args, flags) in cases {
@@ -163,9 +213,26 @@ fn train_flags_override_the_toml() {
     assert_eq!(r.parallel.mode, ParallelMode::ZigzagRingAttn);
     // Flags win; --seq-length/--rope-theta make one stage of --max-train-steps steps.
     let o = ok(&[
-        "train", "--config", c, "--dry-run", "--batch-size", "3", "--learning-rate", "5e-4", "--output-dir", "from-flags",
-        "--parallel-mode", "ulysses_attn", "--seq-length", "512", "--rope-theta", "5e5", "--max-train-steps", "7",
-        "--token-chunk", "64",
+        "train",
+        "--config",
+        c,
+        "--dry-run",
+        "--batch-size",
+        "3",
+        "--learning-rate",
+        "5e-4",
+        "--output-dir",
+        "from-flags",
+        "--parallel-mode",
+        "ulysses_attn",
+        "--seq-length",
+        "512",
+        "--rope-theta",
+        "5e5",
+        "--max-train-steps",
+        "7",
+        "--token-chunk",
+        "64",
     ]);
     let r: RunConfig = toml::from_str(&o.stdout).unwrap();
     assert_eq!(r.train.batch_size, 3);
@@ -185,20 +252,51 @@ fn train_flags_override_the_toml() {
 
 #[test]
 fn zigzag_length_not_divisible_by_2w() {
-    let o = run(&["train", "--dry-run", "--parallel-mode", "zigzag_ring_attn", "--world-size", "4", "--seq-length", "100", "--rope-theta", "1e4"]);
+    let o = run(&[
+        "train",
+        "--dry-run",
+        "--parallel-mode",
+        "zigzag_ring_attn",
+        "--world-size",
+        "4",
+        "--seq-length",
+        "100",
+        "--rope-theta",
+        "1e4",
+    ]);
     fails(&o, &["stage[0].seq_length", "2·4 = 8", "100"], true);
 }
 
 #[test]
 fn fpdt_chunk_layout() {
     let o = run(&[
-        "train", "--dry-run", "--parallel-mode", "fpdt", "--world-size", "2", "--seq-length", "1000", "--rope-theta", "1e4",
-        "--fpdt-chunk-size", "256",
+        "train",
+        "--dry-run",
+        "--parallel-mode",
+        "fpdt",
+        "--world-size",
+        "2",
+        "--seq-length",
+        "1000",
+        "--rope-theta",
+        "1e4",
+        "--fpdt-chunk-size",
+        "256",
     ]);
     fails(&o, &["stage[0].seq_length", "multiple of the chunk size 256"], true);
     let o = run(&[
-        "train", "--dry-run", "--parallel-mode", "fpdt", "--world-size", "4", "--seq-length", "1024", "--rope-theta", "1e4",
-        "--fpdt-chunk-size", "254",
+        "train",
+        "--dry-run",
+        "--parallel-mode",
+        "fpdt",
+        "--world-size",
+        "4",
+        "--seq-length",
+        "1024",
+        "--rope-theta",
+        "1e4",
+        "--fpdt-chunk-size",
+        "254",
     ]);
     fails(&o, &["parallel.fpdt_chunk_size", "multiple of sp_size 4"], true);
 }
@@ -206,7 +304,8 @@ fn fpdt_chunk_layout() {
 #[test]
 fn heads_not_divisible_for_ulysses() {
     // builtin:tiny has 4 query / 2 kv heads: Ulysses over 8 ranks cannot split them.
-    let o = run(&["train", "--dry-run", "--parallel-mode", "ulysses_attn", "--world-size", "8", "--seq-length", "256", "--rope-theta", "1e4"]);
+    let o =
+        run(&["train", "--dry-run", "--parallel-mode", "ulysses_attn", "--world-size", "8", "--seq-length", "256", "--rope-theta", "1e4"]);
     fails(&o, &["parallel.mode", "4 query heads", "ulysses = 8"], true);
     // ...over 4 ranks it can (kv heads replicated).
     ok(&["train", "--dry-run", "--parallel-mode", "ulysses_attn", "--world-size", "4", "--seq-length", "256", "--rope-theta", "1e4"]);
@@ -223,9 +322,21 @@ fn non_positive_theta() {
 #[test]
 fn stages_must_not_decrease() {
     let d = tmp();
-    let cfg = write(d.path(), "dec.toml", "[[stage]]\nseq_length = 512\nrope_theta = 1e5\nsteps = 2\n[[stage]]\nseq_length = 256\nrope_theta = 1e6\nsteps = 2\n");
-    fails(&run(&["train", "--config", cfg.to_str().unwrap(), "--dry-run"]), &["dec.toml", "stage[1].seq_length", "must not decrease"], true);
-    let cfg = write(d.path(), "dec2.toml", "[[stage]]\nseq_length = 256\nrope_theta = 1e6\nsteps = 2\n[[stage]]\nseq_length = 512\nrope_theta = 1e5\nsteps = 2\n");
+    let cfg = write(
+        d.path(),
+        "dec.toml",
+        "[[stage]]\nseq_length = 512\nrope_theta = 1e5\nsteps = 2\n[[stage]]\nseq_length = 256\nrope_theta = 1e6\nsteps = 2\n",
+    );
+    fails(
+        &run(&["train", "--config", cfg.to_str().unwrap(), "--dry-run"]),
+        &["dec.toml", "stage[1].seq_length", "must not decrease"],
+        true,
+    );
+    let cfg = write(
+        d.path(),
+        "dec2.toml",
+        "[[stage]]\nseq_length = 256\nrope_theta = 1e6\nsteps = 2\n[[stage]]\nseq_length = 512\nrope_theta = 1e5\nsteps = 2\n",
+    );
     fails(&run(&["train", "--config", cfg.to_str().unwrap(), "--dry-run"]), &["dec2.toml", "stage[1]", "must not decrease"], true);
 }
 
@@ -238,9 +349,17 @@ fn unknown_parallel_mode() {
     let cfg = write(d.path(), "m.toml", "[parallel]\nmode = \"ring\"\n[[stage]]\nseq_length = 256\nrope_theta = 1e4\nsteps = 1\n");
     fails(&run(&["train", "--config", cfg.to_str().unwrap(), "--dry-run"]), &["m.toml", "field `parallel.mode`", "ring"], true);
     // A bad value inside the second stage names that stage's key.
-    let cfg = write(d.path(), "s.toml", "[[stage]]\nseq_length = 256\nrope_theta = 1e4\nsteps = 1\n[[stage]]\nseq_length = 512\nrope_theta = 1e5\nsteps = -3\n");
+    let cfg = write(
+        d.path(),
+        "s.toml",
+        "[[stage]]\nseq_length = 256\nrope_theta = 1e4\nsteps = 1\n[[stage]]\nseq_length = 512\nrope_theta = 1e5\nsteps = -3\n",
+    );
     fails(&run(&["train", "--config", cfg.to_str().unwrap(), "--dry-run"]), &["s.toml", "field `stage[1].steps`", "-3"], true);
-    fails(&run(&["plan", "--model", "builtin:tiny", "--seq-length", "256", "--parallel-mode", "ring"]), &["--parallel-mode", "`ring`"], true);
+    fails(
+        &run(&["plan", "--model", "builtin:tiny", "--seq-length", "256", "--parallel-mode", "ring"]),
+        &["--parallel-mode", "`ring`"],
+        true,
+    );
 }
 
 #[test]
@@ -270,8 +389,19 @@ fn dataset_without_the_named_column() {
     let data = write(d.path(), "ids.jsonl", &lines);
     let out = d.path().join("run");
     let o = run(&[
-        "train", "--dataset", data.to_str().unwrap(), "--dataset-column", "text", "--seq-length", "64", "--rope-theta", "1e4",
-        "--max-train-steps", "1", "--output-dir", out.to_str().unwrap(),
+        "train",
+        "--dataset",
+        data.to_str().unwrap(),
+        "--dataset-column",
+        "text",
+        "--seq-length",
+        "64",
+        "--rope-theta",
+        "1e4",
+        "--max-train-steps",
+        "1",
+        "--output-dir",
+        out.to_str().unwrap(),
     ]);
     fails(&o, &["ids.jsonl", "`text`", "input_ids"], false);
 }
@@ -306,7 +436,10 @@ fn easycontext_recipe_has_the_issue_stages() {
     assert_eq!(got, want);
     assert_eq!(r.export.final_rope_theta, Some(1e9));
     let f = RunConfig::from_file(&root().join("recipes/FPDT-256K-6.7B.toml")).unwrap();
-    assert_eq!((f.parallel.mode, f.parallel.fpdt_chunk_size, f.parallel.fpdt_offload, f.parallel.world_size), (ParallelMode::Fpdt, 65536, true, 4));
+    assert_eq!(
+        (f.parallel.mode, f.parallel.fpdt_chunk_size, f.parallel.fpdt_offload, f.parallel.world_size),
+        (ParallelMode::Fpdt, 65536, true, 4)
+    );
 }
 
 /// Every stage of the Llama-2-7B recipes fits on H200s (141 GB) by the planner.
@@ -355,7 +488,10 @@ fn inspect_fixture() {
     assert_eq!(v["architecture"], "LlamaForCausalLM");
     assert_eq!(v["rope_theta"], 500000.0);
     assert_eq!(v["max_position_embeddings"], 2048);
-    assert_eq!((v["num_attention_heads"].as_u64(), v["num_key_value_heads"].as_u64(), v["head_dim"].as_u64()), (Some(4), Some(2), Some(16)));
+    assert_eq!(
+        (v["num_attention_heads"].as_u64(), v["num_key_value_heads"].as_u64(), v["head_dim"].as_u64()),
+        (Some(4), Some(2), Some(16))
+    );
     assert_eq!(v["memory"]["request"]["seq_len"], 2048, "defaults to max_position_embeddings");
     assert_eq!(v["memory"]["estimate"]["fits"], true);
     let o = ok(&["inspect", "--model", "tests/fixtures/llama_yarn", "--seq-length", "4K"]);
@@ -423,7 +559,14 @@ fn bad_sizes_and_export_sources() {
 fn launched_train_on_cuda_needs_nccl() {
     // On the CPU a launched run works (tests/dist_train.rs); on CUDA it needs NCCL.
     let mut c = longctx(&["train", "--max-train-steps", "1", "--device", "cuda"]);
-    for (k, v) in [("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29599")] {
+    for (k, v) in [
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("LOCAL_RANK", "0"),
+        ("LOCAL_WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29599"),
+    ] {
         c.env(k, v);
     }
     fails(&run_cmd(c), &["model.device is CUDA, but this build has no NCCL", "--device cpu"], true);

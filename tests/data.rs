@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use longctx::data::docs::{Content, MultiFileDocs, ReadOptions};
 use longctx::data::{
-    apply_layout, apply_layout_tensors, synthetic, DataState, FilesConfig, Format, Loader, LossOn, Packing, Passkey,
-    PasskeyConfig, Sample, Shard, TextSplit, TokenWidth, IGNORE,
+    apply_layout, apply_layout_tensors, synthetic, DataState, FilesConfig, Format, Loader, LossOn, Packing, Passkey, PasskeyConfig, Sample,
+    Shard, TextSplit, TokenWidth, IGNORE,
 };
 use longctx::hub::HubOptions;
 
@@ -22,7 +22,6 @@ use parquet::schema::parser::parse_message_type;
 
 mod common;
 use common::*;
-
 
 /// `n` documents of pseudo-random lengths 1..=40 with distinct token values.
 fn make_docs(n: usize) -> Vec<Vec<u32>> {
@@ -55,10 +54,7 @@ fn reference_concat(docs: &[Vec<u32>], s: usize, bos: Option<u32>, eos: Option<u
         stream.extend_from_slice(d);
         stream.extend(eos);
     }
-    stream
-        .chunks_exact(s + 1)
-        .map(|w| Sample { ids: w[..s].to_vec(), targets: w[1..].iter().map(|&t| t as i64).collect() })
-        .collect()
+    stream.chunks_exact(s + 1).map(|w| Sample { ids: w[..s].to_vec(), targets: w[1..].iter().map(|&t| t as i64).collect() }).collect()
 }
 
 fn drain(loader: &mut Loader) -> Vec<Sample> {
@@ -244,13 +240,8 @@ fn word_ids(text: &str) -> Vec<u32> {
     text.split_whitespace().map(|w| words.iter().position(|x| *x == w).map_or(3, |i| i as u32 + 3)).collect()
 }
 
-const TEXTS: [&str; 5] = [
-    "the quick brown fox jumps over the lazy dog",
-    "a cat sat",
-    "the dog sat over a cat",
-    "zebra the",
-    "fox fox fox fox",
-];
+const TEXTS: [&str; 5] =
+    ["the quick brown fox jumps over the lazy dog", "a cat sat", "the dog sat over a cat", "zebra the", "fox fox fox fox"];
 
 fn write_parquet_ids(path: &Path, docs: &[Vec<u32>], rows_per_group: usize, int32: bool) {
     let ty = if int32 { "int32" } else { "int64" };
@@ -261,9 +252,7 @@ fn write_parquet_ids(path: &Path, docs: &[Vec<u32>], rows_per_group: usize, int3
         ))
         .unwrap(),
     );
-    let props = Arc::new(
-        WriterProperties::builder().set_compression(Compression::SNAPPY).set_data_page_row_count_limit(3).build(),
-    );
+    let props = Arc::new(WriterProperties::builder().set_compression(Compression::SNAPPY).set_data_page_row_count_limit(3).build());
     let mut w = SerializedFileWriter::new(fs::File::create(path).unwrap(), schema, props).unwrap();
     for group in docs.chunks(rows_per_group) {
         let mut rg = w.next_row_group().unwrap();
@@ -313,12 +302,7 @@ fn write_parquet_text(path: &Path, texts: &[Option<&str>], rows_per_group: usize
 }
 
 fn read_docs(files: Vec<PathBuf>, format: Format, column: Option<&str>) -> Vec<(Content, String)> {
-    let opts = ReadOptions {
-        format,
-        column: column.map(str::to_string),
-        text_split: TextSplit::Paragraph,
-        token_width: TokenWidth::U16,
-    };
+    let opts = ReadOptions { format, column: column.map(str::to_string), text_split: TextSplit::Paragraph, token_width: TokenWidth::U16 };
     MultiFileDocs::new(files, opts).map(|d| d.unwrap()).map(|d| (d.content, d.loc.to_string())).collect()
 }
 
@@ -331,12 +315,8 @@ fn parquet_input_ids_column_over_row_groups_and_pages() {
         let path = dir.path().join(format!("ids{int32}.parquet"));
         write_parquet_ids(&path, &docs, 5, int32);
         let got = read_docs(vec![path.clone()], Format::Parquet, None);
-        let want: Vec<(Content, String)> = docs
-            .iter()
-            .enumerate()
-            .filter(|(_, d)| !d.is_empty())
-            .map(|(i, d)| (Content::Ids(d.clone()), format!("row {i}")))
-            .collect();
+        let want: Vec<(Content, String)> =
+            docs.iter().enumerate().filter(|(_, d)| !d.is_empty()).map(|(i, d)| (Content::Ids(d.clone()), format!("row {i}"))).collect();
         assert_eq!(got, want, "int32 = {int32}");
         // Through the loader: the same samples as the reference concatenation.
         let mut cfg = FilesConfig::new(path.to_str().unwrap(), 12);
@@ -355,11 +335,8 @@ fn parquet_text_column_is_tokenized() {
     let rows: Vec<Option<&str>> = vec![Some(TEXTS[0]), None, Some(TEXTS[1]), Some(TEXTS[2]), Some(TEXTS[3]), Some(TEXTS[4])];
     write_parquet_text(&path, &rows, 4);
     let got = read_docs(vec![path.clone()], Format::Parquet, None);
-    let want: Vec<(Content, String)> = rows
-        .iter()
-        .enumerate()
-        .filter_map(|(i, t)| t.map(|t| (Content::Text(t.to_string()), format!("row {i}"))))
-        .collect();
+    let want: Vec<(Content, String)> =
+        rows.iter().enumerate().filter_map(|(i, t)| t.map(|t| (Content::Text(t.to_string()), format!("row {i}")))).collect();
     assert_eq!(got, want);
     let tok = tiny_tokenizer();
     let mut cfg = FilesConfig::new(path.to_str().unwrap(), 4);
@@ -537,8 +514,7 @@ fn passkey_samples_are_well_formed_and_deterministic() {
             let n = item.needle_pos;
             assert_eq!(ids[n], synthetic::KEY);
             // Place-tagged digits: digit d at place i is DIGIT0 + 10 i + d.
-            let digits: Vec<u32> =
-                item.passkey.iter().enumerate().map(|(i, &d)| synthetic::DIGIT0 + 10 * i as u32 + d as u32).collect();
+            let digits: Vec<u32> = item.passkey.iter().enumerate().map(|(i, &d)| synthetic::DIGIT0 + 10 * i as u32 + d as u32).collect();
             assert!(item.passkey.iter().all(|&d| d < 10));
             assert_eq!(ids[n + 1..n + 1 + k], digits[..], "needle holds the passkey");
             assert_eq!(ids[n + 1 + k], synthetic::KEY_END);
@@ -622,8 +598,7 @@ fn passkey_is_learnable() {
     use longctx::model::Llama;
     let (s, b) = (24usize, 8usize);
     let cfg = longctx::train::init::builtin_config("tiny").unwrap();
-    let vars = longctx::train::init::to_vars(longctx::train::init::random_init(&cfg, 42, DType::F32, &Device::Cpu).unwrap())
-        .unwrap();
+    let vars = longctx::train::init::to_vars(longctx::train::init::random_init(&cfg, 42, DType::F32, &Device::Cpu).unwrap()).unwrap();
     let tensors = vars.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect();
     let model = Llama::load(candle_nn::VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu), &cfg).unwrap();
     let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);

@@ -15,7 +15,6 @@ use parquet::schema::parser::parse_message_type;
 mod common;
 use common::*;
 
-
 /// Runs a loader over `cfg` to the first error (at construction or while reading).
 fn first_error(cfg: &FilesConfig) -> String {
     let mut loader = match Loader::files(cfg, None, &offline_hub(), Shard::SINGLE) {
@@ -110,11 +109,7 @@ fn empty_dataset_and_too_few_tokens() {
     assert_mentions(&first_error(&cfg(&empty, 8)), &empty, &["too small", "0 documents", "fewer than one"]);
     let small = dir.path().join("small.jsonl");
     fs::write(&small, "{\"input_ids\": [1, 2, 3, 4]}\n{\"input_ids\": [5, 6, 7]}\n").unwrap();
-    assert_mentions(
-        &first_error(&cfg(&small, 8)),
-        &small,
-        &["2 documents", "7 tokens", "seq_len+1 = 9", "fewer than one"],
-    );
+    assert_mentions(&first_error(&cfg(&small, 8)), &small, &["2 documents", "7 tokens", "seq_len+1 = 9", "fewer than one"]);
     // Enough for one sample, but not for one per data-parallel rank.
     let mut loader = Loader::files(&cfg(&small, 3), None, &offline_hub(), Shard { rank: 0, world: 2 }).unwrap();
     let err = loader.next_sample().unwrap_err().to_string();

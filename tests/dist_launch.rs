@@ -134,8 +134,22 @@ fn failure_before_rendezvous_stops_waiting_ranks() {
     // Rank 2 dies at once; ranks 0 and 1 would wait 60 s in the rendezvous.
     let o = run(
         &[
-            "launch", "--nproc-per-node", "3", "--master-port", "0", "--rdzv-timeout", "60", "--kill-grace", "1", "--",
-            "run", "--fail-rank", "2", "--fail-before-rdzv", "--exit-code", "7",
+            "launch",
+            "--nproc-per-node",
+            "3",
+            "--master-port",
+            "0",
+            "--rdzv-timeout",
+            "60",
+            "--kill-grace",
+            "1",
+            "--",
+            "run",
+            "--fail-rank",
+            "2",
+            "--fail-before-rdzv",
+            "--exit-code",
+            "7",
         ],
         Duration::from_secs(40),
     );
@@ -200,7 +214,21 @@ fn rendezvous_times_out_naming_missing_ranks() {
 #[test]
 fn rendezvous_timeout_under_the_launcher() {
     let o = run(
-        &["launch", "--nproc-per-node", "3", "--master-port", "0", "--rdzv-timeout", "2", "--kill-grace", "1", "--", "run", "--absent-rank", "2"],
+        &[
+            "launch",
+            "--nproc-per-node",
+            "3",
+            "--master-port",
+            "0",
+            "--rdzv-timeout",
+            "2",
+            "--kill-grace",
+            "1",
+            "--",
+            "run",
+            "--absent-rank",
+            "2",
+        ],
         Duration::from_secs(40),
     );
     assert_eq!(o.status.code(), Some(1), "{}", o.stderr);
@@ -307,10 +335,7 @@ fn with(base: &[(&'static str, &'static str)], set: &[(&'static str, &'static st
 #[test]
 fn torchrun_environment() {
     let e = lookup(&TORCHRUN).unwrap().unwrap();
-    assert_eq!(
-        e,
-        DistEnv { rank: 5, local_rank: 1, world: 8, local_world: 4, master_addr: "node0".into(), master_port: 29500 }
-    );
+    assert_eq!(e, DistEnv { rank: 5, local_rank: 1, world: 8, local_world: 4, master_addr: "node0".into(), master_port: 29500 });
     assert_eq!(e.master(), "node0:29500");
     assert_eq!(lookup(&[]).unwrap(), None);
 
@@ -346,10 +371,7 @@ const SLURM: [(&str, &str); 7] = [
 #[test]
 fn slurm_environment() {
     let e = lookup(&SLURM).unwrap().unwrap();
-    assert_eq!(
-        e,
-        DistEnv { rank: 6, local_rank: 2, world: 8, local_world: 4, master_addr: "gpu07".into(), master_port: 29400 }
-    );
+    assert_eq!(e, DistEnv { rank: 6, local_rank: 2, world: 8, local_world: 4, master_addr: "gpu07".into(), master_port: 29400 });
     let e = lookup(&with(&SLURM, &[("MASTER_ADDR", "10.0.0.1")])).unwrap().unwrap();
     assert_eq!(e.master_addr, "10.0.0.1");
     let e = lookup(&with(&SLURM, &[("SLURM_TASKS_PER_NODE", "5,3"), ("SLURM_LOCALID", "1")])).unwrap().unwrap();

@@ -174,12 +174,7 @@ fn groups_over_thread_comm_reduce_over_members_only() {
     })
     .unwrap();
     for (rank, c, got) in out {
-        let lists = [
-            d.sp_group(rank).unwrap(),
-            d.dp_group(rank).unwrap(),
-            d.ulysses_group(rank).unwrap(),
-            d.ring_group(rank).unwrap(),
-        ];
+        let lists = [d.sp_group(rank).unwrap(), d.dp_group(rank).unwrap(), d.ulysses_group(rank).unwrap(), d.ring_group(rank).unwrap()];
         let idx = [c.sp_idx, c.dp_idx, c.ulysses_idx, c.ring_idx];
         for k in 0..4 {
             assert_eq!(got[k].0, idx[k], "rank {rank} group {k}: rank in group");

@@ -27,9 +27,32 @@ fn exe() -> &'static str {
 /// checkpoint every step.
 fn train_args(out: &Path, mode: &str, extra: &[&str]) -> Vec<String> {
     let mut a: Vec<String> = [
-        "train", "--model", "builtin:tiny", "--dataset", "synthetic:passkey", "--seq-length", "64", "--rope-theta", "1e5",
-        "--max-train-steps", "3", "--batch-size", "2", "--learning-rate", "3e-3", "--clip-grad", "1.0", "--device", "cpu",
-        "--checkpoint-every", "1", "--token-chunk", "24", "--parallel-mode", mode, "--output-dir",
+        "train",
+        "--model",
+        "builtin:tiny",
+        "--dataset",
+        "synthetic:passkey",
+        "--seq-length",
+        "64",
+        "--rope-theta",
+        "1e5",
+        "--max-train-steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--learning-rate",
+        "3e-3",
+        "--clip-grad",
+        "1.0",
+        "--device",
+        "cpu",
+        "--checkpoint-every",
+        "1",
+        "--token-chunk",
+        "24",
+        "--parallel-mode",
+        mode,
+        "--output-dir",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -121,9 +144,7 @@ fn rel(a: f64, b: f64) -> f64 {
 
 fn tensors(path: &Path) -> HashMap<String, Vec<f32>> {
     let t = candle_core::safetensors::load(path, &candle_core::Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    t.into_iter()
-        .map(|(k, v)| (k, v.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()))
-        .collect()
+    t.into_iter().map(|(k, v)| (k, v.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect()
 }
 
 /// Every tensor of two safetensors files within TOL (max |a−b| / max |b|, per tensor).
@@ -254,7 +275,8 @@ fn spawn_ranks(out: &Path, n: usize, steps: &str, flags: &[(&str, &str)], env: &
 
 fn wait_for_steps(out: &Path, k: usize, limit: Duration) {
     let start = Instant::now();
-    while std::fs::read_to_string(out.join("metrics.jsonl")).map(|t| t.lines().filter(|l| l.contains("\"loss\"")).count()).unwrap_or(0) < k {
+    while std::fs::read_to_string(out.join("metrics.jsonl")).map(|t| t.lines().filter(|l| l.contains("\"loss\"")).count()).unwrap_or(0) < k
+    {
         assert!(start.elapsed() < limit, "no {k} steps logged within {limit:?}");
         std::thread::sleep(Duration::from_millis(20));
     }

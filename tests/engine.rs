@@ -83,10 +83,16 @@ fn batch(b: usize, s: usize, vocab: usize, masked: impl Fn(usize, usize) -> bool
     Ok((Tensor::from_vec(x, (b, s), &dev)?, Tensor::from_vec(y, (b, s), &dev)?, Tensor::from_vec(pos, (b, s), &dev)?))
 }
 
-
 /// `Llama::loss` on the tracked model, `backward` of `scale · loss`: loss sum, count and
 /// gradients aligned with `Engine::params` (zeros for a parameter without gradient).
-fn autograd_reference(eng: &Engine, ids: &Tensor, targets: &Tensor, pos: &Tensor, attn: &Arc<dyn AttentionMode>, scale: f64) -> longctx::Result<StepResult> {
+fn autograd_reference(
+    eng: &Engine,
+    ids: &Tensor,
+    targets: &Tensor,
+    pos: &Tensor,
+    attn: &Arc<dyn AttentionMode>,
+    scale: f64,
+) -> longctx::Result<StepResult> {
     let (l, n) = eng.tracked.loss(ids, targets, pos, attn)?;
     let loss_sum = l.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     let grads = (l * scale)?.backward()?;
@@ -120,7 +126,15 @@ fn assert_close(case: &str, eng: &Engine, got: &StepResult, want: &StepResult) -
 }
 
 /// Runs the engine and both references and asserts they agree; returns the worst error.
-fn check(case: &str, cfg: &LlamaConfig, b: usize, s: usize, chunk: usize, offload: bool, masked: impl Fn(usize, usize) -> bool) -> longctx::Result<f64> {
+fn check(
+    case: &str,
+    cfg: &LlamaConfig,
+    b: usize,
+    s: usize,
+    chunk: usize,
+    offload: bool,
+    masked: impl Fn(usize, usize) -> bool,
+) -> longctx::Result<f64> {
     let eng = engine(cfg, chunk, offload)?;
     let (ids, targets, pos) = batch(b, s, cfg.vocab_size, masked)?;
     let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
@@ -215,7 +229,8 @@ fn data_ptr(t: &Tensor) -> usize {
 fn activation_store_protocol() -> longctx::Result<()> {
     use longctx::train::offload::ActivationStore;
     let dev = Device::Cpu;
-    let xs: Vec<Tensor> = (0..3).map(|i| Tensor::arange(0f32, 24.0, &dev)?.affine(1.0, i as f64)?.reshape((2, 3, 4))).collect::<candle_core::Result<_>>()?;
+    let xs: Vec<Tensor> =
+        (0..3).map(|i| Tensor::arange(0f32, 24.0, &dev)?.affine(1.0, i as f64)?.reshape((2, 3, 4))).collect::<candle_core::Result<_>>()?;
     for offload in [false, true] {
         let mut st = ActivationStore::new(offload);
         for step in 0..2 {

@@ -9,7 +9,6 @@ use longctx::hub::{self, HubOptions};
 mod common;
 use common::*;
 
-
 fn t(n: usize) -> Tensor {
     Tensor::arange(0f32, n as f32, &Device::Cpu).unwrap()
 }

@@ -22,7 +22,6 @@ fn ramp(shape: &[usize], seed: u32) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
 
-
 /// Tiny Llama-like state dict: 3 layers, names chosen so lexicographic and natural
 /// order differ (layers.10 vs layers.2).
 fn state_dict() -> Vec<(String, Tensor)> {
@@ -149,10 +148,10 @@ fn tensor_bigger_than_max_shard_goes_alone() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
     let sd = vec![
-        ("a.weight".to_string(), ramp(&[4], 1)),   // 16 B
-        ("b.weight".to_string(), ramp(&[64], 2)),  // 256 B > max
-        ("c.weight".to_string(), ramp(&[4], 3)),   // 16 B
-        ("d.weight".to_string(), ramp(&[4], 4)),   // 16 B
+        ("a.weight".to_string(), ramp(&[4], 1)),  // 16 B
+        ("b.weight".to_string(), ramp(&[64], 2)), // 256 B > max
+        ("c.weight".to_string(), ramp(&[4], 3)),  // 16 B
+        ("d.weight".to_string(), ramp(&[4], 4)),  // 16 B
     ];
     let opts = ExportOptions { max_shard_bytes: 40, dtype: None };
     let rep = hub::export(&out, &sd, &config(), None, &opts).unwrap();
@@ -335,7 +334,13 @@ fn transformers_loads_our_export_and_matches_reference_logits() {
         let total: usize = weights.values().map(|t| t.elem_count() * 4).sum();
         let opts = ExportOptions { max_shard_bytes: (total / 3) as u64, dtype: Some(DType::F32) };
         let rep = hub::export_map(&out, &weights, &cfg, Some(&src), &opts).unwrap();
-        assert!(rep.weight_files.len() >= 3, "expected a sharded export, got {:?} ({} tensors, {} bytes)", rep.weight_files, weights.len(), rep.total_size);
+        assert!(
+            rep.weight_files.len() >= 3,
+            "expected a sharded export, got {:?} ({} tensors, {} bytes)",
+            rep.weight_files,
+            weights.len(),
+            rep.total_size
+        );
         let (theta, max_pos) = match change {
             Some((t, m)) => (t.to_string(), m.to_string()),
             None => ("same".to_string(), "same".to_string()),
@@ -365,8 +370,11 @@ fn sliding_window_is_turned_off() {
     let mut qwen = json!({"sliding_window": 131072, "use_sliding_window": true, "max_window_layers": 1,
         "layer_types": ["full_attention", "sliding_attention"]});
     assert!(hub::disable_sliding_window(&mut qwen).unwrap());
-    assert_eq!(qwen, json!({"sliding_window": null, "use_sliding_window": false, "max_window_layers": 1,
-        "layer_types": ["full_attention", "full_attention"]}));
+    assert_eq!(
+        qwen,
+        json!({"sliding_window": null, "use_sliding_window": false, "max_window_layers": 1,
+        "layer_types": ["full_attention", "full_attention"]})
+    );
     let mut llama = json!({"architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0});
     let before = llama.clone();
     assert!(!hub::disable_sliding_window(&mut llama).unwrap());

@@ -21,8 +21,6 @@ fn exact(shape: &[usize], seed: usize) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
 
-
-
 fn config_json() -> serde_json::Value {
     serde_json::json!({"architectures": ["LlamaForCausalLM"], "hidden_size": 4, "rope_theta": 10000.0})
 }
@@ -244,10 +242,7 @@ fn cache_dir_precedence_matches_huggingface_hub() {
     assert_eq!(opts(&[("HF_HOME", "/h"), ("XDG_CACHE_HOME", "/x")]).cache_dir, PathBuf::from("/h/hub"));
     assert_eq!(opts(&[("HF_HOME", "~/hf")]).cache_dir, PathBuf::from("/home/u/hf/hub"));
     assert_eq!(opts(&[("HUGGINGFACE_HUB_CACHE", "/legacy"), ("HF_HOME", "/h")]).cache_dir, PathBuf::from("/legacy"));
-    assert_eq!(
-        opts(&[("HF_HUB_CACHE", "/c"), ("HUGGINGFACE_HUB_CACHE", "/legacy"), ("HF_HOME", "/h")]).cache_dir,
-        PathBuf::from("/c")
-    );
+    assert_eq!(opts(&[("HF_HUB_CACHE", "/c"), ("HUGGINGFACE_HUB_CACHE", "/legacy"), ("HF_HOME", "/h")]).cache_dir, PathBuf::from("/c"));
     // An empty variable counts as unset.
     assert_eq!(opts(&[("HF_HUB_CACHE", "")]).cache_dir, PathBuf::from("/home/u/.cache/huggingface/hub"));
     for (v, want) in [("1", true), ("ON", true), ("yes", true), ("True", true), ("0", false), ("false", false)] {

@@ -84,7 +84,15 @@ struct RankOut {
 }
 
 /// Every rank: count locally, all-reduce the count, step with `1/global`, all-reduce.
-fn rank_step(comm: &Arc<dyn Comm>, eng: &Engine, ids: &Tensor, targets: &Tensor, pos: &Tensor, global_len: usize, attn: &Arc<dyn AttentionMode>) -> longctx::Result<RankOut> {
+fn rank_step(
+    comm: &Arc<dyn Comm>,
+    eng: &Engine,
+    ids: &Tensor,
+    targets: &Tensor,
+    pos: &Tensor,
+    global_len: usize,
+    attn: &Arc<dyn AttentionMode>,
+) -> longctx::Result<RankOut> {
     let local = count(targets)?;
     let global = comm.all_reduce_sum(&Tensor::new(&[local as f64], &Device::Cpu)?)?.to_vec1::<f64>()?[0];
     let r = eng.step(ids, targets, pos, global_len, attn, 1.0 / global)?;
@@ -109,7 +117,12 @@ fn compare(what: &str, got_mean: f64, got: &[Tensor], want_mean: f64, want: &[Te
 }
 
 /// Sequence parallel with uneven counts; `indices(r)` is rank r's layout, `mode(comm)` the mode.
-fn sp_uneven(what: &str, indices: impl Fn(usize) -> candle_core::Result<Vec<usize>> + Sync, make: impl Fn(Arc<dyn Comm>) -> Arc<dyn AttentionMode> + Sync, masked: impl Fn(usize, usize) -> bool) -> longctx::Result<()> {
+fn sp_uneven(
+    what: &str,
+    indices: impl Fn(usize) -> candle_core::Result<Vec<usize>> + Sync,
+    make: impl Fn(Arc<dyn Comm>) -> Arc<dyn AttentionMode> + Sync,
+    masked: impl Fn(usize, usize) -> bool,
+) -> longctx::Result<()> {
     const W: usize = 4;
     const S: usize = 32;
     let cfg = config();
@@ -208,7 +221,14 @@ fn trainer_run(dir: &Path, world: usize, batch: usize, accum: usize, mode: Paral
     trainer_run_with(dir, world, batch, accum, mode, |_| {})
 }
 
-fn trainer_run_with(dir: &Path, world: usize, batch: usize, accum: usize, mode: ParallelMode, tweak: impl Fn(&mut RunConfig)) -> longctx::Result<Vec<(f64, f64)>> {
+fn trainer_run_with(
+    dir: &Path,
+    world: usize,
+    batch: usize,
+    accum: usize,
+    mode: ParallelMode,
+    tweak: impl Fn(&mut RunConfig),
+) -> longctx::Result<Vec<(f64, f64)>> {
     let mut c = RunConfig { output_dir: dir.to_path_buf(), ..Default::default() };
     c.train.batch_size = batch;
     c.train.gradient_accumulate_every = accum;
@@ -217,7 +237,8 @@ fn trainer_run_with(dir: &Path, world: usize, batch: usize, accum: usize, mode: 
     c.parallel.world_size = world;
     c.parallel.mode = mode;
     c.parallel.token_chunk = 24;
-    c.stages = vec![Stage { seq_length: 64, rope_theta: 10_000.0, steps: 3, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None }];
+    c.stages =
+        vec![Stage { seq_length: 64, rope_theta: 10_000.0, steps: 3, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None }];
     tweak(&mut c);
     c.validate(Path::new("<test>"))?;
     longctx::train::trainer::run(&c, false)?;
@@ -245,7 +266,10 @@ fn assert_logs_agree(name: &str, got: &[(f64, f64)], want: &[(f64, f64)]) {
     assert_eq!(got.len(), want.len(), "{name}: logged steps");
     for (i, ((gl, gn), (wl, wn))) in got.iter().zip(want).enumerate() {
         let (el, en) = ((gl - wl).abs() / wl.abs(), (gn - wn).abs() / wn.abs());
-        assert!(el <= TRAINER_TOL && en <= TRAINER_TOL, "{name}: step {i}: loss {gl} vs {wl} ({el:.1e}), grad norm {gn} vs {wn} ({en:.1e})");
+        assert!(
+            el <= TRAINER_TOL && en <= TRAINER_TOL,
+            "{name}: step {i}: loss {gl} vs {wl} ({el:.1e}), grad norm {gn} vs {wn} ({en:.1e})"
+        );
     }
 }
 
@@ -293,7 +317,8 @@ fn trainer_step_is_clip_then_adamw_of_the_mean_gradient() -> longctx::Result<()>
     c.train.clip_grad = clip;
     c.parallel.world_size = 2;
     c.parallel.token_chunk = 24;
-    c.stages = vec![Stage { seq_length: seq, rope_theta: 10_000.0, steps: 1, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None }];
+    c.stages =
+        vec![Stage { seq_length: seq, rope_theta: 10_000.0, steps: 1, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None }];
     c.validate(Path::new("<test>"))?;
     longctx::train::trainer::run(&c, false)?;
     let logged = logged(&dir);

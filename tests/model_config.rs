@@ -144,16 +144,16 @@ fn round_trip_keeps_unknown_fields_and_spelling() {
     assert_eq!(out["rope_theta"], json!(500000.0));
     assert_eq!(out["max_position_embeddings"], json!(32768));
     assert_eq!(out["my_custom_field"], v4()["my_custom_field"]);
-    assert_eq!(without(without(out, "rope_theta"), "max_position_embeddings"), without(without(v4(), "rope_theta"), "max_position_embeddings"));
+    assert_eq!(
+        without(without(out, "rope_theta"), "max_position_embeddings"),
+        without(without(v4(), "rope_theta"), "max_position_embeddings")
+    );
 }
 
 fn fixtures() -> Vec<PathBuf> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap()
-        .map(|e| e.unwrap().path().join("config.json"))
-        .filter(|p| p.exists())
-        .collect();
+    let mut v: Vec<PathBuf> =
+        std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path().join("config.json")).filter(|p| p.exists()).collect();
     v.sort();
     v
 }

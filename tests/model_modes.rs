@@ -57,7 +57,13 @@ struct Outcome {
     grads: Vec<Tensor>,
 }
 
-fn single_device(cfg: &LlamaConfig, weights: &HashMap<String, Tensor>, ids: &Tensor, targets: &Tensor, n: usize) -> longctx::Result<Outcome> {
+fn single_device(
+    cfg: &LlamaConfig,
+    weights: &HashMap<String, Tensor>,
+    ids: &Tensor,
+    targets: &Tensor,
+    n: usize,
+) -> longctx::Result<Outcome> {
     let eng = Engine::from_vars(cfg, &to_vars(weights.clone())?, EngineOptions { token_chunk: 5, offload_activations: false })?;
     let pos = Tensor::arange(0u32, S as u32, &Device::Cpu)?.unsqueeze(0)?.repeat((B, 1))?;
     let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
@@ -87,7 +93,13 @@ fn expected_indices(case: &Case, rank: usize) -> candle_core::Result<Vec<usize>>
     }
 }
 
-fn distributed(case: Case, cfg: &LlamaConfig, weights: &HashMap<String, Tensor>, ids: &Tensor, targets: &Tensor) -> longctx::Result<Outcome> {
+fn distributed(
+    case: Case,
+    cfg: &LlamaConfig,
+    weights: &HashMap<String, Tensor>,
+    ids: &Tensor,
+    targets: &Tensor,
+) -> longctx::Result<Outcome> {
     let err = |e: longctx::Error| candle_core::Error::Msg(e.to_string());
     let outs = run_ranks(W, |comm| {
         let dims = ParallelDims::new(&DimsRequest {

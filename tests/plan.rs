@@ -155,7 +155,13 @@ fn suggestions_are_valid_and_fit() {
         let r = req(seq, mode);
         let p = plan::plan(&m, &r).unwrap();
         let s = p.suggestion.unwrap_or_else(|| panic!("{mode} at {seq}: no suggestion"));
-        let mut sr = PlanRequest { mode: s.mode, sp: Some(s.sp), offload_activations: s.offload_activations, fpdt_offload: s.fpdt_offload, ..r.clone() };
+        let mut sr = PlanRequest {
+            mode: s.mode,
+            sp: Some(s.sp),
+            offload_activations: s.offload_activations,
+            fpdt_offload: s.fpdt_offload,
+            ..r.clone()
+        };
         if s.mode == ParallelMode::Usp {
             sr.ulysses = Some(s.ulysses);
         }
@@ -240,10 +246,24 @@ fn check_run_catches_heads_and_allows_dp_changes() {
     // data_parallel (dp 8) then a ring stage (dp 1): allowed, the optimizer is sharded
     // over all 8 ranks either way.
     c.parallel.mode = ParallelMode::DataParallel;
-    c.stages.push(Stage { seq_length: 1024, rope_theta: 1e6, steps: 1, learning_rate: None, parallel_mode: Some(ParallelMode::ZigzagRingAttn), fpdt_chunk_size: None });
+    c.stages.push(Stage {
+        seq_length: 1024,
+        rope_theta: 1e6,
+        steps: 1,
+        learning_rate: None,
+        parallel_mode: Some(ParallelMode::ZigzagRingAttn),
+        fpdt_chunk_size: None,
+    });
     plan::check_run(&c, &tiny, src).unwrap();
     // ... but not a later Ulysses stage the heads cannot split into.
-    c.stages.push(Stage { seq_length: 2048, rope_theta: 1e6, steps: 1, learning_rate: None, parallel_mode: Some(ParallelMode::UlyssesAttn), fpdt_chunk_size: None });
+    c.stages.push(Stage {
+        seq_length: 2048,
+        rope_theta: 1e6,
+        steps: 1,
+        learning_rate: None,
+        parallel_mode: Some(ParallelMode::UlyssesAttn),
+        fpdt_chunk_size: None,
+    });
     let e = plan::check_run(&c, &tiny, src).unwrap_err().to_string();
     assert!(e.contains("parallel_mode") && e.contains("4 query heads"), "{e}");
 }

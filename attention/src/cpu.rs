@@ -125,10 +125,7 @@ fn exp_f32(x: f32) -> f32 {
     let n = t - ROUND;
     let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
     let r = xc - n * LN2_HI - n * LN2_LO;
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
-        + 1.666_666_5e-1)
-        * r
-        + 0.5;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1) * r + 0.5;
     let e = p * r * r + r + 1.0;
     let pow2 = f32::from_bits(((ni + 127) as u32) << 23);
     if x < LO {

@@ -29,7 +29,9 @@ use crate::kernel::{self, Mask};
 use crate::merge::{self, add_f32};
 use crate::mode::AttentionMode;
 use crate::stash::{Fetched, Parked, Stash};
-use crate::ulysses::{check_heads, heads_to_seq, lse_heads_to_seq, lse_seq_to_heads, reduce_replicated_kv_grad, replicate_kv_heads, seq_to_heads};
+use crate::ulysses::{
+    check_heads, heads_to_seq, lse_heads_to_seq, lse_seq_to_heads, reduce_replicated_kv_grad, replicate_kv_heads, seq_to_heads,
+};
 use candle_core::{Device, Result, Tensor};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -198,7 +200,12 @@ impl Fpdt {
     }
 
     fn fetch_q(&self, qc: &QChunk<Held>, dev: &Device) -> Result<QChunk<Coming>> {
-        Ok(QChunk { q: self.bring(&qc.q, dev)?, d_o: self.bring(&qc.d_o, dev)?, o: self.bring(&qc.o, dev)?, lse: self.bring(&qc.lse, dev)? })
+        Ok(QChunk {
+            q: self.bring(&qc.q, dev)?,
+            d_o: self.bring(&qc.d_o, dev)?,
+            o: self.bring(&qc.o, dev)?,
+            lse: self.bring(&qc.lse, dev)?,
+        })
     }
 }
 

@@ -36,11 +36,7 @@ fn check_rank(what: &str, rank: usize, world: usize) -> Result<()> {
 pub fn zigzag_indices(s: usize, w: usize, r: usize) -> Result<Vec<usize>> {
     check_rank("zigzag layout", r, w)?;
     if s == 0 || !s.is_multiple_of(2 * w) {
-        return crate::config_err!(
-            "sequence length {s} is not divisible by 2·world = {}; use a multiple of {}",
-            2 * w,
-            2 * w
-        );
+        return crate::config_err!("sequence length {s} is not divisible by 2·world = {}; use a multiple of {}", 2 * w, 2 * w);
     }
     let b = s / (2 * w);
     let lo = r * b;
@@ -74,11 +70,12 @@ pub fn fpdt_indices(s: usize, p: usize, c: usize, r: usize) -> Result<Vec<usize>
         return crate::config_err!("sequence length {s} is not a multiple of the FPDT chunk size {c}");
     }
     let part = c / p;
-    Ok((0..s / c).flat_map(|i| {
-        let start = i * c + r * part;
-        start..start + part
-    })
-    .collect())
+    Ok((0..s / c)
+        .flat_map(|i| {
+            let start = i * c + r * part;
+            start..start + part
+        })
+        .collect())
 }
 
 /// Global token indices of world rank `rank = ring_idx·u + ulysses_idx` in the USP

@@ -25,10 +25,7 @@ pub struct Acc {
 impl Acc {
     /// An accumulator that has seen nothing: `o = 0`, `lse = -inf`.
     pub fn empty(b: usize, s: usize, h: usize, d: usize, device: &Device) -> Result<Acc> {
-        Ok(Acc {
-            o: Tensor::zeros((b, s, h, d), DType::F32, device)?,
-            lse: Tensor::full(f32::NEG_INFINITY, (b, h, s), device)?,
-        })
+        Ok(Acc { o: Tensor::zeros((b, s, h, d), DType::F32, device)?, lse: Tensor::full(f32::NEG_INFINITY, (b, h, s), device)? })
     }
 
     /// The final `(o in dtype, lse f32)`.
@@ -69,11 +66,7 @@ fn merge_impl(acc: Option<Acc>, o_b: &Tensor, lse_b: &Tensor, offset: usize, fas
     };
     let (ab, s, ah, ad) = acc.o.dims4()?;
     if (ab, ah, ad) != (b, h, d) || offset + s_b > s {
-        return crate::shape_err!(
-            "merge: block o {:?} at offset {offset} does not fit accumulator o {:?}",
-            o_b.dims(),
-            acc.o.dims()
-        );
+        return crate::shape_err!("merge: block o {:?} at offset {offset} does not fit accumulator o {:?}", o_b.dims(), acc.o.dims());
     }
     if acc.lse.dims() != [b, h, s] {
         return crate::shape_err!("merge: accumulator lse {:?} must be [b,h,s] = {:?}", acc.lse.dims(), [b, h, s]);

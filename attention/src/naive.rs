@@ -118,9 +118,5 @@ pub fn bwd(
     let dk = (ds.t()?.matmul(&qh)? * scale)?;
     let dk = sum_groups(&dk, g)?;
     let dv = sum_groups(&dv, g)?;
-    Ok((
-        dq.transpose(1, 2)?.contiguous()?,
-        dk.transpose(1, 2)?.contiguous()?,
-        dv.transpose(1, 2)?.contiguous()?,
-    ))
+    Ok((dq.transpose(1, 2)?.contiguous()?, dk.transpose(1, 2)?.contiguous()?, dv.transpose(1, 2)?.contiguous()?))
 }

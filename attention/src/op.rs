@@ -72,8 +72,16 @@ impl CustomOp3 for AttnOp {
             _ => candle_core::bail!("attention output is not on a CUDA device"),
         }
     }
-    fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dq, dk, dv) = self.mode.backward(&grad.contiguous()?, &q.detach(), &k.detach(), &v.detach(), &res.detach(), &self.lse, self.scale)?;
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dq, dk, dv) =
+            self.mode.backward(&grad.contiguous()?, &q.detach(), &k.detach(), &v.detach(), &res.detach(), &self.lse, self.scale)?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }

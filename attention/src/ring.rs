@@ -62,8 +62,7 @@ impl ZigzagRing {
 /// Unpacks a received `[k, v]` (or `[dk_lo, dk_hi, dv_lo, dv_hi]`) message.
 fn expect<const N: usize>(ts: Vec<Tensor>, what: &str) -> Result<[Tensor; N]> {
     let n = ts.len();
-    ts.try_into()
-        .map_err(|_| crate::error::AttnError::Comm(format!("zigzag ring: expected {N} tensors ({what}), received {n}")).into())
+    ts.try_into().map_err(|_| crate::error::AttnError::Comm(format!("zigzag ring: expected {N} tensors ({what}), received {n}")).into())
 }
 
 impl AttentionMode for ZigzagRing {
@@ -156,7 +155,10 @@ impl AttentionMode for ZigzagRing {
                     dkv[slot] = Some(add_f32(dkv[slot].take(), &c)?);
                 }
             }
-            let dkv = dkv.into_iter().map(|x| x.ok_or_else(|| candle_core::Error::Msg("zigzag ring: a dk/dv half got no contribution".into()))).collect::<Result<Vec<_>>>()?;
+            let dkv = dkv
+                .into_iter()
+                .map(|x| x.ok_or_else(|| candle_core::Error::Msg("zigzag ring: a dk/dv half got no contribution".into())))
+                .collect::<Result<Vec<_>>>()?;
             dkv_in = Some(self.pass(&dkv)?);
             if let Some(p) = next_kv {
                 [k_j, v_j] = expect::<2>(p.wait()?, "k, v")?;

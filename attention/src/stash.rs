@@ -227,7 +227,8 @@ mod gpu {
 
         pub fn trim(&mut self) {
             // Dropping a pinned buffer waits for its last copy (its own event) first.
-            let freed: Vec<PinnedHostSlice<u8>> = self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).drain().flat_map(|(_, v)| v).collect();
+            let freed: Vec<PinnedHostSlice<u8>> =
+                self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).drain().flat_map(|(_, v)| v).collect();
             self.pool.allocated.fetch_sub(freed.iter().map(|b| b.len()).sum(), Ordering::Relaxed);
         }
 
@@ -320,7 +321,12 @@ mod gpu {
                     s.copy.memcpy_htod(src, &mut bytes).w()?;
                 }
                 let done = s.copy.record_event(None).w()?;
-                let t = Tensor::from_storage(Storage::Cuda(CudaStorage::wrap_cuda_slice(dst, dev.clone())), shape.clone(), BackpropOp::none(), false);
+                let t = Tensor::from_storage(
+                    Storage::Cuda(CudaStorage::wrap_cuda_slice(dst, dev.clone())),
+                    shape.clone(),
+                    BackpropOp::none(),
+                    false,
+                );
                 Ok((t, done))
             }
             let (t, done) = match p.dtype {

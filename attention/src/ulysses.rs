@@ -29,10 +29,7 @@ pub fn exchange(comm: &dyn Comm, x: &Tensor, split_dim: usize, cat_dim: usize) -
     let p = comm.world();
     let n = x.dim(split_dim)?;
     if p == 0 || n % p != 0 {
-        return crate::shape_err!(
-            "all-to-all: dim {split_dim} of {:?} (= {n}) is not divisible by the world size {p}",
-            x.dims()
-        );
+        return crate::shape_err!("all-to-all: dim {split_dim} of {:?} (= {n}) is not divisible by the world size {p}", x.dims());
     }
     let part = n / p;
     let xs = (0..p).map(|i| x.narrow(split_dim, i * part, part)?.contiguous()).collect::<Result<Vec<_>>>()?;
@@ -131,7 +128,14 @@ pub fn check_heads(q: &Tensor, k: &Tensor, v: &Tensor, p: usize) -> Result<usize
 /// [`crate::usp::Usp`]): all-to-all q, k, v to head-sharded form over `comm` (kv heads
 /// replicated when the group outnumbers them), run `inner` on the group's sequence,
 /// all-to-all o and lse back.
-pub fn head_sharded_forward(comm: &dyn Comm, inner: &dyn AttentionMode, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+pub fn head_sharded_forward(
+    comm: &dyn Comm,
+    inner: &dyn AttentionMode,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+) -> Result<(Tensor, Tensor)> {
     let r = check_heads(q, k, v, comm.world())?;
     let (qh, kh, vh) = to_heads(comm, q, k, v, r)?;
     let (oh, lseh) = inner.forward(&qh, &kh, &vh, scale)?; // [b,S,hq/P,d], [b,hq/P,S]
@@ -165,11 +169,7 @@ pub fn head_sharded_backward(
 
 /// q, k, v to head-sharded full sequence (kv replicated `r` times first).
 fn to_heads(comm: &dyn Comm, q: &Tensor, k: &Tensor, v: &Tensor, r: usize) -> Result<(Tensor, Tensor, Tensor)> {
-    Ok((
-        seq_to_heads(comm, q)?,
-        seq_to_heads(comm, &replicate_kv_heads(k, r)?)?,
-        seq_to_heads(comm, &replicate_kv_heads(v, r)?)?,
-    ))
+    Ok((seq_to_heads(comm, q)?, seq_to_heads(comm, &replicate_kv_heads(k, r)?)?, seq_to_heads(comm, &replicate_kv_heads(v, r)?)?))
 }
 
 /// Ulysses attention; local tokens are the contiguous slice `[r·s, (r+1)·s)`.

@@ -9,7 +9,7 @@ use longctx_attention::comm::thread::run_ranks;
 use longctx_attention::fpdt::Fpdt;
 use longctx_attention::layout::fpdt_indices;
 use longctx_attention::mode::AttentionMode;
-use longctx_attention::testing::{check_mode, layout_of, random_inputs, randn, Drive, Errors};
+use longctx_attention::testing::{check_mode, layout_of, randn, random_inputs, Drive, Errors};
 use std::sync::{Arc, Mutex};
 
 const TOL: f64 = 1e-5;
@@ -32,7 +32,12 @@ fn run(drive: Drive, w: usize, b: usize, u: usize, c: usize, hq: usize, hkv: usi
         modes.lock().map_err(|_| candle_core::Error::Msg("mode list poisoned".into()))?.push(m.clone());
         Ok(m as Arc<dyn AttentionMode>)
     })?;
-    let peaks = modes.into_inner().map_err(|_| candle_core::Error::Msg("mode list poisoned".into()))?.iter().map(|m| m.max_resident_kv_chunks()).collect();
+    let peaks = modes
+        .into_inner()
+        .map_err(|_| candle_core::Error::Msg("mode list poisoned".into()))?
+        .iter()
+        .map(|m| m.max_resident_kv_chunks())
+        .collect();
     Ok((e, peaks))
 }
 
@@ -119,7 +124,9 @@ fn invalid_settings_give_clear_errors() -> Result<()> {
 fn backward_rejects_mismatched_do() -> Result<()> {
     let q = randn(&[1, 8, 4, D], 1, &Device::Cpu)?;
     let bad: Tensor = randn(&[1, 8, 2, D], 2, &Device::Cpu)?;
-    let got = run_ranks(1, |comm| Fpdt::new(comm, 4, false).backward(&bad, &q, &q, &q, &q, &q.narrow(3, 0, 1)?.squeeze(3)?.transpose(1, 2)?, scale()));
+    let got = run_ranks(1, |comm| {
+        Fpdt::new(comm, 4, false).backward(&bad, &q, &q, &q, &q, &q.narrow(3, 0, 1)?.squeeze(3)?.transpose(1, 2)?, scale())
+    });
     let e = got.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("FPDT backward: do"), "FPDT's own shape check names do: {e}");
     Ok(())

@@ -88,8 +88,7 @@ fn check_case(mask: Mask, b: usize, s: usize, t: usize, hq: usize, hkv: usize, d
     assert_eq!(lse.dtype(), DType::F32);
     // Both backwards get the same global o (rounded to the input dtype) and lse.
     let o_in = o_ref.to_dtype(dtype)?;
-    let (dq_ref, dk_ref, dv_ref) =
-        naive::bwd(&f64_(&d_o)?, &f64_(&q)?, &f64_(&k)?, &f64_(&v)?, &f64_(&o_in)?, &lse_ref, mask, scale)?;
+    let (dq_ref, dk_ref, dv_ref) = naive::bwd(&f64_(&d_o)?, &f64_(&q)?, &f64_(&k)?, &f64_(&v)?, &f64_(&o_in)?, &lse_ref, mask, scale)?;
     let (dq, dk, dv) = kernel::bwd(&d_o, &q, &k, &v, &o_in, &lse_ref, mask, scale)?;
     let mut worst = 0f64;
     for (name, a, r) in [("o", &o, &o_ref), ("lse", &lse, &lse_ref), ("dq", &dq, &dq_ref), ("dk", &dk, &dk_ref), ("dv", &dv, &dv_ref)] {
@@ -171,8 +170,7 @@ fn split_keys_merge_equals_full() -> Result<()> {
     let mut dq = q.zeros_like()?;
     let (mut dks, mut dvs) = (vec![], vec![]);
     for (start, len) in halves {
-        let (dq_b, dk_b, dv_b) =
-            kernel::bwd(&d_o, &q, &k.narrow(1, start, len)?, &v.narrow(1, start, len)?, &o, &lse, Mask::None, scale)?;
+        let (dq_b, dk_b, dv_b) = kernel::bwd(&d_o, &q, &k.narrow(1, start, len)?, &v.narrow(1, start, len)?, &o, &lse, Mask::None, scale)?;
         dq = (dq + dq_b)?;
         dks.push(dk_b);
         dvs.push(dv_b);
@@ -259,9 +257,8 @@ fn causal_three_block_decomposition() -> Result<()> {
     let v = randn((b, s, hkv, d), DType::F32)?;
     let d_o = randn((b, s, hq, d), DType::F32)?;
     let chunk = |x: &Tensor, c: usize| x.narrow(1, c * n, n);
-    let blocks: Vec<(usize, usize, Mask)> = (0..3)
-        .flat_map(|qc| (0..=qc).map(move |kc| (qc, kc, if kc == qc { Mask::Causal } else { Mask::None })))
-        .collect();
+    let blocks: Vec<(usize, usize, Mask)> =
+        (0..3).flat_map(|qc| (0..=qc).map(move |kc| (qc, kc, if kc == qc { Mask::Causal } else { Mask::None }))).collect();
     let mut acc = Acc::empty(b, s, hq, d, &Device::Cpu)?;
     for &(qc, kc, mask) in &blocks {
         let (o_b, lse_b) = kernel::fwd(&chunk(&q, qc)?, &chunk(&k, kc)?, &chunk(&v, kc)?, mask, scale)?;

@@ -8,7 +8,7 @@ use candle_core::{Device, Result, Tensor};
 use longctx_attention::comm::thread::run_ranks;
 use longctx_attention::layout::contiguous_indices;
 use longctx_attention::mode::AttentionMode;
-use longctx_attention::testing::{check_mode, layout_of, random_inputs, randn, rel_err, Drive, Errors};
+use longctx_attention::testing::{check_mode, layout_of, randn, random_inputs, rel_err, Drive, Errors};
 use longctx_attention::ulysses::{heads_to_seq, kv_replication, reduce_replicated_kv_grad, replicate_kv_heads, seq_to_heads, Ulysses};
 use std::sync::Arc;
 
@@ -33,18 +33,7 @@ fn assert_close(what: &str, e: Errors) {
 #[test]
 fn matches_reference_for_every_world() -> Result<()> {
     // (W, hq, hkv): MHA, GQA without replication, GQA with replication (P > hkv).
-    let cases = [
-        (1, 8, 8),
-        (2, 8, 8),
-        (4, 8, 8),
-        (8, 8, 8),
-        (3, 6, 6),
-        (3, 6, 3),
-        (2, 8, 2),
-        (4, 8, 2),
-        (8, 8, 2),
-        (4, 8, 1),
-    ];
+    let cases = [(1, 8, 8), (2, 8, 8), (4, 8, 8), (8, 8, 8), (3, 6, 6), (3, 6, 3), (2, 8, 2), (4, 8, 2), (8, 8, 2), (4, 8, 1)];
     for (w, hq, hkv) in cases {
         let e = run(Drive::Direct, w, 2, 48, hq, hkv, 7 + w as u64)?;
         assert_close(&format!("W={w} hq={hq} hkv={hkv}"), e);

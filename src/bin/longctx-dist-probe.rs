@@ -88,13 +88,7 @@ fn run(a: RunArgs) -> anyhow::Result<i32> {
         },
         &opts,
     )?;
-    println!(
-        "rank {me}/{} local {}/{} blob {:016x}",
-        env.world,
-        env.local_rank,
-        env.local_world,
-        fnv64(&rdzv.blob)
-    );
+    println!("rank {me}/{} local {}/{} blob {:016x}", env.world, env.local_rank, env.local_world, fnv64(&rdzv.blob));
     if a.fail_rank == Some(me) {
         eprintln!("rank {me}: failing on purpose after the rendezvous");
         if a.report {
@@ -158,9 +152,7 @@ fn nccl_selftest(env: &DistEnv, rdzv: &dist::Rendezvous, fail_rank: Option<usize
         rdzv.monitor.exit_after_failure(Duration::from_secs(15));
     }
     let comm: Arc<dyn Comm> = nc.clone();
-    let full = |v: f64, shape: &[usize], dt: DType| -> candle_core::Result<Tensor> {
-        Tensor::full(v as f32, shape, &dev)?.to_dtype(dt)
-    };
+    let full = |v: f64, shape: &[usize], dt: DType| -> candle_core::Result<Tensor> { Tensor::full(v as f32, shape, &dev)?.to_dtype(dt) };
     let vals = |t: &Tensor| -> candle_core::Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>() };
 
     // all_reduce_sum: rank k contributes (k+1)·i.
@@ -195,7 +187,12 @@ fn nccl_selftest(env: &DistEnv, rdzv: &dist::Rendezvous, fail_rank: Option<usize
     comm.barrier()?;
     // Groups: data parallel (sp groups are single ranks: split), and a split of the whole world.
     let dims = dist::ParallelDims::new(&dist::DimsRequest {
-        mode: dist::ParallelMode::DataParallel, world: w, sp: None, ulysses: None, hq: 8, hkv: 8,
+        mode: dist::ParallelMode::DataParallel,
+        world: w,
+        sp: None,
+        ulysses: None,
+        hq: 8,
+        hkv: 8,
     })?;
     let g = dist::build_groups(&comm, &dims)?;
     ensure!(g.sp.world() == 1 && g.dp.world() == w && g.dp.rank() == r, "group sizes");
@@ -222,7 +219,11 @@ fn nccl_selftest(env: &DistEnv, rdzv: &dist::Rendezvous, fail_rank: Option<usize
     comm.barrier()?;
     let s = t.elapsed().as_secs_f64() / reps as f64;
     let bytes = (2 * n) as f64;
-    println!("rank {r}: all_reduce 256 MiB bf16: {:.2} ms, bus bandwidth {:.0} GB/s", s * 1e3, bytes / s * 2.0 * (w - 1) as f64 / w as f64 / 1e9);
+    println!(
+        "rank {r}: all_reduce 256 MiB bf16: {:.2} ms, bus bandwidth {:.0} GB/s",
+        s * 1e3,
+        bytes / s * 2.0 * (w - 1) as f64 / w as f64 / 1e9
+    );
     let t = Instant::now();
     for _ in 0..reps {
         comm.sendrecv_start(vec![big.clone()], next, prev)?.wait()?;
@@ -240,7 +241,12 @@ fn nccl_selftest(env: &DistEnv, rdzv: &dist::Rendezvous, fail_rank: Option<usize
         std::thread::sleep(Duration::from_millis(500));
         let t = Instant::now();
         let res = comm.all_reduce_sum(&big).and_then(|y| y.narrow(0, 0, 4)?.to_dtype(DType::F32)?.to_vec1::<f32>());
-        println!("rank {r}: all_reduce with a dead peer returned after {:.1} s: {:?}; monitor: {:?}", t.elapsed().as_secs_f64(), res.as_ref().map(|_| "Ok"), rdzv.monitor.failure());
+        println!(
+            "rank {r}: all_reduce with a dead peer returned after {:.1} s: {:?}; monitor: {:?}",
+            t.elapsed().as_secs_f64(),
+            res.as_ref().map(|_| "Ok"),
+            rdzv.monitor.failure()
+        );
         let again = comm.all_reduce_sum(&one).map(|_| ());
         println!("rank {r}: next call: {again:?}");
         return Ok(dist::launch::PEER_FAILED_EXIT_CODE);
@@ -275,7 +281,12 @@ fn main() {
 /// NCCL at once; the outputs are consumed at once. Before the fix (NCCL stream made to
 /// wait for the compute stream) NCCL read the inputs before they were written.
 #[cfg(feature = "nccl")]
-fn ordering_checks(comm: &std::sync::Arc<dyn longctx::attention::comm::Comm>, dev: &candle_core::Device, r: usize, w: usize) -> anyhow::Result<()> {
+fn ordering_checks(
+    comm: &std::sync::Arc<dyn longctx::attention::comm::Comm>,
+    dev: &candle_core::Device,
+    r: usize,
+    w: usize,
+) -> anyhow::Result<()> {
     use anyhow::ensure;
     use candle_core::{DType, Tensor};
     let n = 4096;

@@ -155,10 +155,7 @@ impl Tokenize {
             Content::Ids(ids) => (ids, false),
             Content::Text(text) => {
                 let Some(tok) = &self.tokenizer else {
-                    return Err(Error::data(
-                        &*doc.file,
-                        format!("{}: the dataset holds text but no tokenizer was given", where_(doc.loc)),
-                    ));
+                    return Err(Error::data(&*doc.file, format!("{}: the dataset holds text but no tokenizer was given", where_(doc.loc))));
                 };
                 let enc = tok
                     .encode_fast(text.as_str(), false)
@@ -188,7 +185,6 @@ impl Tokenize {
 
 /// Checks a JSON/parquet integer as a token id.
 pub(crate) fn token_id(v: i64, file: &Path, loc: Loc, field: &str) -> Result<u32> {
-    u32::try_from(v).map_err(|_| {
-        Error::data(file, format!("{loc}: `{field}` holds {v}, which is not a token id (expected 0..=4294967295)"))
-    })
+    u32::try_from(v)
+        .map_err(|_| Error::data(file, format!("{loc}: `{field}` holds {v}, which is not a token id (expected 0..=4294967295)")))
 }

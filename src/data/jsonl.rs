@@ -61,9 +61,7 @@ impl JsonlDocs {
                 }
                 Content::Ids(ids)
             }
-            other => {
-                return Err(self.err(format!("`{field}` must be a string or an array of token ids, found {other}")))
-            }
+            other => return Err(self.err(format!("`{field}` must be a string or an array of token ids, found {other}"))),
         };
         Ok(Doc { content, file: self.file.clone(), loc })
     }

@@ -56,13 +56,7 @@ pub fn apply_layout(ids: &[u32], targets: &[i64], seq_len: usize, indices: &[usi
         local_targets.extend(indices.iter().map(|&i| targets[row + i]));
         positions.extend(indices.iter().map(|&i| i as u32));
     }
-    Ok(LocalBatch {
-        ids: local_ids,
-        targets: local_targets,
-        positions,
-        batch: b,
-        local_len: indices.len(),
-    })
+    Ok(LocalBatch { ids: local_ids, targets: local_targets, positions, batch: b, local_len: indices.len() })
 }
 
 /// Tensor form: `ids [b, S]`, `targets [b, S]` (any dtype, any device) ->
@@ -70,11 +64,7 @@ pub fn apply_layout(ids: &[u32], targets: &[i64], seq_len: usize, indices: &[usi
 pub fn apply_layout_tensors(ids: &Tensor, targets: &Tensor, indices: &[usize]) -> Result<(Tensor, Tensor, Tensor)> {
     let (b, s) = ids.dims2()?;
     if targets.dims() != ids.dims() {
-        return Err(Error::Setting(format!(
-            "layout: targets shape {:?} differs from ids shape {:?}",
-            targets.dims(),
-            ids.dims()
-        )));
+        return Err(Error::Setting(format!("layout: targets shape {:?} differs from ids shape {:?}", targets.dims(), ids.dims())));
     }
     check_indices(indices, s)?;
     let pos: Vec<u32> = indices.iter().map(|&i| i as u32).collect();

@@ -397,13 +397,7 @@ impl Loader {
 
     /// The cursor to save with a checkpoint.
     pub fn state(&self) -> DataState {
-        DataState {
-            seed: self.seed,
-            seq_len: self.seq_len,
-            epoch: self.epoch,
-            position: self.position,
-            consumed: self.consumed,
-        }
+        DataState { seed: self.seed, seq_len: self.seq_len, epoch: self.epoch, position: self.position, consumed: self.consumed }
     }
 
     /// Continues exactly where `state` was taken (same data, seed and seq_len required;

@@ -51,8 +51,7 @@ pub struct ParquetDocs {
 impl ParquetDocs {
     pub fn open(file: Arc<Path>, column: Option<String>) -> Result<Self> {
         let f = File::open(&file).map_err(|e| Error::io(&*file, e))?;
-        let reader = SerializedFileReader::new(f)
-            .map_err(|e| Error::data(&*file, format!("not a readable parquet file ({e})")))?;
+        let reader = SerializedFileReader::new(f).map_err(|e| Error::data(&*file, format!("not a readable parquet file ({e})")))?;
         let schema = reader.metadata().file_metadata().schema_descr_ptr();
         let top: Vec<String> = schema.root_schema().get_fields().iter().map(|f| f.name().to_string()).collect();
         let field = match column {
@@ -140,8 +139,7 @@ impl ParquetDocs {
             }
             Col::I32(r) => {
                 let mut vals = Vec::new();
-                read(r, &mut def, &mut rep, &mut vals)
-                    .map(|levels| (levels, Vals::Ints(vals.into_iter().map(i64::from).collect())))
+                read(r, &mut def, &mut rep, &mut vals).map(|levels| (levels, Vals::Ints(vals.into_iter().map(i64::from).collect())))
             }
             Col::I64(r) => {
                 let mut vals = Vec::new();
@@ -167,14 +165,9 @@ impl ParquetDocs {
             }
             let bytes = vals[vi].data();
             vi += 1;
-            let text = std::str::from_utf8(bytes)
-                .map_err(|e| self.err(format!("row {row}: not valid UTF-8 ({e})")))?;
+            let text = std::str::from_utf8(bytes).map_err(|e| self.err(format!("row {row}: not valid UTF-8 ({e})")))?;
             if !text.is_empty() {
-                self.queue.push_back(Doc {
-                    content: Content::Text(text.to_string()),
-                    file: self.file.clone(),
-                    loc: Loc::Row(row),
-                });
+                self.queue.push_back(Doc { content: Content::Text(text.to_string()), file: self.file.clone(), loc: Loc::Row(row) });
             }
         }
         Ok(())

@@ -62,9 +62,7 @@ impl Format {
     /// The format a file extension stands for, if any.
     pub fn from_extension(path: &Path) -> Option<Format> {
         let ext = path.extension()?.to_str()?.to_ascii_lowercase();
-        [Format::Jsonl, Format::Text, Format::Parquet, Format::Tokens]
-            .into_iter()
-            .find(|f| f.extensions().contains(&ext.as_str()))
+        [Format::Jsonl, Format::Text, Format::Parquet, Format::Tokens].into_iter().find(|f| f.extensions().contains(&ext.as_str()))
     }
 }
 
@@ -97,9 +95,7 @@ impl SourceSpec {
         let id = s.split_once('@').map_or(s, |(id, _)| id);
         let parts: Vec<&str> = id.split('/').collect();
         let part_ok = |p: &str| {
-            !p.is_empty()
-                && !p.starts_with(['.', '-'])
-                && p.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            !p.is_empty() && !p.starts_with(['.', '-']) && p.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
         };
         if parts.len() == 2 && parts.iter().all(|p| part_ok(p)) {
             Self::hub(s)
@@ -110,9 +106,7 @@ impl SourceSpec {
 
     fn hub(s: &str) -> Self {
         match s.split_once('@') {
-            Some((id, rev)) if !rev.is_empty() => {
-                SourceSpec::Hub { repo_id: id.to_string(), revision: rev.to_string() }
-            }
+            Some((id, rev)) if !rev.is_empty() => SourceSpec::Hub { repo_id: id.to_string(), revision: rev.to_string() },
             _ => SourceSpec::Hub { repo_id: s.trim_end_matches('@').to_string(), revision: "main".into() },
         }
     }
@@ -156,14 +150,9 @@ pub fn resolve_local(root: &Path, format: Option<Format>) -> Result<Resolved> {
             found.dedup();
             match found.as_slice() {
                 [one] => *one,
-                [] => {
-                    return Err(Error::data(root, "no dataset files (.jsonl, .txt, .parquet, .bin) in this directory"))
-                }
+                [] => return Err(Error::data(root, "no dataset files (.jsonl, .txt, .parquet, .bin) in this directory")),
                 many => {
-                    return Err(Error::data(
-                        root,
-                        format!("files of several formats ({many:?}) in this directory; set the dataset format"),
-                    ))
+                    return Err(Error::data(root, format!("files of several formats ({many:?}) in this directory; set the dataset format")))
                 }
             }
         }
@@ -238,19 +227,12 @@ fn download(repo_id: &str, revision: &str, format: Option<Format>, hub: &HubOpti
             format!("cannot download dataset `{repo_id}@{revision}`: {what} (no network? set HF_HUB_OFFLINE=1 to use the cache only)"),
         )
     };
-    let mut builder = ApiBuilder::new()
-        .with_cache_dir(hub.cache_dir.clone())
-        .with_token(hub.token.clone())
-        .with_progress(hub.progress);
+    let mut builder = ApiBuilder::new().with_cache_dir(hub.cache_dir.clone()).with_token(hub.token.clone()).with_progress(hub.progress);
     if let Some(ep) = &hub.endpoint {
         builder = builder.with_endpoint(ep.clone());
     }
     let api = builder.build().map_err(|e| fail(e.to_string()))?;
-    let repo = api.repo(hf_hub::Repo::with_revision(
-        repo_id.to_string(),
-        hf_hub::RepoType::Dataset,
-        revision.to_string(),
-    ));
+    let repo = api.repo(hf_hub::Repo::with_revision(repo_id.to_string(), hf_hub::RepoType::Dataset, revision.to_string()));
     let info = repo.info().map_err(|e| fail(e.to_string()))?;
     let wanted = |name: &str| match format {
         Some(f) => Format::from_extension(Path::new(name)) == Some(f),

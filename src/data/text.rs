@@ -33,9 +33,8 @@ impl TextDocs {
     fn whole_file(&mut self) -> Result<Option<Doc>> {
         let mut bytes = Vec::new();
         self.reader.read_to_end(&mut bytes).map_err(|e| Error::io(&*self.file, e))?;
-        let text = String::from_utf8(bytes).map_err(|e| {
-            Error::data(&*self.file, format!("not valid UTF-8 at byte {}", e.utf8_error().valid_up_to()))
-        })?;
+        let text = String::from_utf8(bytes)
+            .map_err(|e| Error::data(&*self.file, format!("not valid UTF-8 at byte {}", e.utf8_error().valid_up_to())))?;
         Ok((!text.trim().is_empty()).then(|| self.doc(text, Loc::File)))
     }
 

@@ -45,13 +45,8 @@ pub enum ParallelMode {
 }
 
 impl ParallelMode {
-    pub const ALL: [ParallelMode; 5] = [
-        ParallelMode::DataParallel,
-        ParallelMode::ZigzagRingAttn,
-        ParallelMode::UlyssesAttn,
-        ParallelMode::Fpdt,
-        ParallelMode::Usp,
-    ];
+    pub const ALL: [ParallelMode; 5] =
+        [ParallelMode::DataParallel, ParallelMode::ZigzagRingAttn, ParallelMode::UlyssesAttn, ParallelMode::Fpdt, ParallelMode::Usp];
 
     /// The config / CLI spelling.
     pub fn as_str(self) -> &'static str {
@@ -143,9 +138,7 @@ impl ParallelDims {
             (_, Some(n)) => n,
         };
         if !world.is_multiple_of(sp) {
-            return Err(setting(format!(
-                "mode {mode}: world size {world} is not divisible by sp = {sp} (need world = dp × sp)"
-            )));
+            return Err(setting(format!("mode {mode}: world size {world} is not divisible by sp = {sp} (need world = dp × sp)")));
         }
         let dp = world / sp;
         let ulysses = match (mode, ulysses) {
@@ -169,9 +162,7 @@ impl ParallelDims {
             (ParallelMode::Usp, Some(u)) => u,
         };
         if !sp.is_multiple_of(ulysses) {
-            return Err(setting(format!(
-                "mode {mode}: sp = {sp} is not divisible by ulysses = {ulysses} (need sp = ulysses × ring)"
-            )));
+            return Err(setting(format!("mode {mode}: sp = {sp} is not divisible by ulysses = {ulysses} (need sp = ulysses × ring)")));
         }
         let ring = sp / ulysses;
         if ulysses > 1 {
@@ -201,12 +192,7 @@ impl ParallelDims {
     pub fn coords(&self, rank: usize) -> Result<Coords> {
         self.check_rank(rank)?;
         let sp_idx = rank % self.sp;
-        Ok(Coords {
-            dp_idx: rank / self.sp,
-            sp_idx,
-            ring_idx: sp_idx / self.ulysses,
-            ulysses_idx: sp_idx % self.ulysses,
-        })
+        Ok(Coords { dp_idx: rank / self.sp, sp_idx, ring_idx: sp_idx / self.ulysses, ulysses_idx: sp_idx % self.ulysses })
     }
 
     /// Global rank of the given coordinates (inverse of [`Self::coords`]).
@@ -241,9 +227,7 @@ impl ParallelDims {
 
 fn check_heads(mode: ParallelMode, ulysses: usize, hq: usize, hkv: usize) -> Result<()> {
     if hq == 0 || hkv == 0 || !hq.is_multiple_of(hkv) {
-        return Err(setting(format!(
-            "mode {mode}: head counts hq = {hq}, hkv = {hkv} are invalid (need hkv ≥ 1 dividing hq)"
-        )));
+        return Err(setting(format!("mode {mode}: head counts hq = {hq}, hkv = {hkv} are invalid (need hkv ≥ 1 dividing hq)")));
     }
     if !hq.is_multiple_of(ulysses) {
         return Err(setting(format!(
@@ -281,11 +265,7 @@ pub struct Groups {
 /// are global).
 pub fn build_groups(world: &Arc<dyn Comm>, dims: &ParallelDims) -> Result<Groups> {
     if world.world() != dims.world {
-        return Err(setting(format!(
-            "the world communicator has {} ranks but the parallel layout expects {}",
-            world.world(),
-            dims.world
-        )));
+        return Err(setting(format!("the world communicator has {} ranks but the parallel layout expects {}", world.world(), dims.world)));
     }
     let rank = world.rank();
     let make = |members: Vec<usize>| -> Result<Arc<dyn Comm>> {

@@ -76,9 +76,7 @@ impl DistEnv {
     }
 
     fn slurm(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Self>> {
-        let need = |k: &str| {
-            get(k).ok_or_else(|| bad(format!("Slurm environment: SLURM_PROCID is set but `{k}` is not")))
-        };
+        let need = |k: &str| get(k).ok_or_else(|| bad(format!("Slurm environment: SLURM_PROCID is set but `{k}` is not")));
         let world = parse_count("SLURM_NTASKS", &need("SLURM_NTASKS")?)?;
         if world == 1 {
             return Ok(None);
@@ -99,7 +97,10 @@ impl DistEnv {
                 let (name, list) = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"]
                     .iter()
                     .find_map(|k| get(k).map(|v| (*k, v)))
-                    .ok_or_else(|| bad("Slurm environment: neither MASTER_ADDR nor a node list (SLURM_STEP_NODELIST, SLURM_JOB_NODELIST) is set".into()))?;
+                    .ok_or_else(|| {
+                        bad("Slurm environment: neither MASTER_ADDR nor a node list (SLURM_STEP_NODELIST, SLURM_JOB_NODELIST) is set"
+                            .into())
+                    })?;
                 first_host(&list).ok_or_else(|| {
                     bad(format!(
                         "Slurm environment: cannot take the master host from {name}=`{list}`; set MASTER_ADDR to the first node's address"
@@ -122,14 +123,10 @@ impl DistEnv {
             return Err(bad(format!("distributed environment: RANK = {rank} is not below WORLD_SIZE = {world}")));
         }
         if local_world == 0 || local_world > world {
-            return Err(bad(format!(
-                "distributed environment: LOCAL_WORLD_SIZE = {local_world} must be in 1..={world} (WORLD_SIZE)"
-            )));
+            return Err(bad(format!("distributed environment: LOCAL_WORLD_SIZE = {local_world} must be in 1..={world} (WORLD_SIZE)")));
         }
         if local_rank >= local_world {
-            return Err(bad(format!(
-                "distributed environment: LOCAL_RANK = {local_rank} is not below LOCAL_WORLD_SIZE = {local_world}"
-            )));
+            return Err(bad(format!("distributed environment: LOCAL_RANK = {local_rank} is not below LOCAL_WORLD_SIZE = {local_world}")));
         }
         if self.master_port == 0 {
             return Err(bad("distributed environment: MASTER_PORT must not be 0".into()));
@@ -148,8 +145,7 @@ impl DistEnv {
 }
 
 fn parse_count(name: &str, v: &str) -> Result<usize> {
-    v.parse::<usize>()
-        .map_err(|_| bad(format!("distributed environment: {name} = `{v}` is not a non-negative integer")))
+    v.parse::<usize>().map_err(|_| bad(format!("distributed environment: {name} = `{v}` is not a non-negative integer")))
 }
 
 fn parse_port(v: &str) -> Result<u16> {
@@ -178,9 +174,7 @@ pub fn tasks_on_node(spec: &str, node: usize) -> Result<usize> {
         }
         first += repeat;
     }
-    Err(bad(format!(
-        "Slurm environment: SLURM_NODEID = {node} but SLURM_TASKS_PER_NODE = `{spec}` describes only {first} node(s)"
-    )))
+    Err(bad(format!("Slurm environment: SLURM_NODEID = {node} but SLURM_TASKS_PER_NODE = `{spec}` describes only {first} node(s)")))
 }
 
 /// First host of a Slurm host list in the simple forms `node07`, `node[07-10,12]`,

@@ -89,8 +89,7 @@ impl LaunchArgs {
     pub fn into_options(self) -> Result<LaunchOptions, LaunchError> {
         let program = match self.program {
             Some(p) => p,
-            None => std::env::current_exe()
-                .map_err(|e| LaunchError::Setting(format!("cannot find the current executable: {e}")))?,
+            None => std::env::current_exe().map_err(|e| LaunchError::Setting(format!("cannot find the current executable: {e}")))?,
         };
         let master_addr = match (self.master_addr, self.nnodes) {
             (Some(a), _) => a,
@@ -363,8 +362,7 @@ fn supervise(opts: &LaunchOptions, port: u16, world: usize) -> Result<i32, Launc
                     Ok(st) if st.success() => continue,
                     Ok(st) => {
                         let (status, code) = describe(st);
-                        let ours = matches!(st.signal(), Some(libc::SIGTERM | libc::SIGKILL))
-                            || code == 128 + libc::SIGTERM;
+                        let ours = matches!(st.signal(), Some(libc::SIGTERM | libc::SIGKILL)) || code == 128 + libc::SIGTERM;
                         let class = if r.signaled && ours {
                             2
                         } else if code == PEER_FAILED_EXIT_CODE {

@@ -84,9 +84,13 @@ impl RendezvousOptions {
         let secs = |name: &str| -> Result<Option<Duration>> {
             match std::env::var(name) {
                 Err(_) => Ok(None),
-                Ok(v) => v.trim().parse().ok().filter(|s: &f64| s.is_finite() && *s > 0.0).map(|s| Some(Duration::from_secs_f64(s))).ok_or_else(|| {
-                    crate::Error::Setting(format!("{name} = `{v}` is not a positive number of seconds"))
-                }),
+                Ok(v) => v
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|s: &f64| s.is_finite() && *s > 0.0)
+                    .map(|s| Some(Duration::from_secs_f64(s)))
+                    .ok_or_else(|| crate::Error::Setting(format!("{name} = `{v}` is not a positive number of seconds"))),
             }
         };
         if let Some(t) = secs(TIMEOUT_ENV)? {
@@ -119,11 +123,7 @@ pub fn fmt_secs(d: Duration) -> String {
 
 /// Join the run described by `env`. Rank 0 calls `make_blob` and sends its result to
 /// everyone; other ranks never call it.
-pub fn rendezvous(
-    env: &DistEnv,
-    make_blob: impl FnOnce() -> Result<Vec<u8>>,
-    opts: &RendezvousOptions,
-) -> Result<Rendezvous> {
+pub fn rendezvous(env: &DistEnv, make_blob: impl FnOnce() -> Result<Vec<u8>>, opts: &RendezvousOptions) -> Result<Rendezvous> {
     if env.world == 1 {
         return Ok(Rendezvous { blob: make_blob()?, monitor: Monitor::new(0, 1, opts, vec![]) });
     }
@@ -217,9 +217,7 @@ impl FrameReader {
             match got {
                 Ok(0) => return ReadOutcome::Closed("connection closed".into()),
                 Ok(_) => {}
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                    return ReadOutcome::Idle
-                }
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => return ReadOutcome::Idle,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => return ReadOutcome::Closed(e.to_string()),
             }
@@ -243,10 +241,7 @@ fn master(env: &DistEnv, blob: Vec<u8>, opts: &RendezvousOptions) -> Result<Rend
     };
     let bind = SocketAddr::new(ip, env.master_port);
     let listener = TcpListener::bind(bind).map_err(|e| {
-        comm_error(format!(
-            "rendezvous: rank 0 cannot listen on {bind}: {e} (is another run using MASTER_PORT = {}?)",
-            env.master_port
-        ))
+        comm_error(format!("rendezvous: rank 0 cannot listen on {bind}: {e} (is another run using MASTER_PORT = {}?)", env.master_port))
     })?;
     listener.set_nonblocking(true).map_err(|e| comm_error(format!("rendezvous: {bind}: {e}")))?;
 
@@ -265,10 +260,7 @@ fn master(env: &DistEnv, blob: Vec<u8>, opts: &RendezvousOptions) -> Result<Rend
     while joined.len() + 1 < env.world {
         if Instant::now() >= deadline {
             let missing: Vec<usize> = (1..env.world).filter(|r| !joined.contains_key(r)).collect();
-            let msg = format!(
-                "rendezvous timed out after {} waiting for ranks {missing:?} on {where_}",
-                fmt_secs(opts.timeout)
-            );
+            let msg = format!("rendezvous timed out after {} waiting for ranks {missing:?} on {where_}", fmt_secs(opts.timeout));
             return Err(abort(&mut joined, None, msg));
         }
         let mut stream = match listener.accept() {
@@ -298,10 +290,7 @@ fn master(env: &DistEnv, blob: Vec<u8>, opts: &RendezvousOptions) -> Result<Rend
         let rank = u32::from_be_bytes([payload[8], payload[9], payload[10], payload[11]]) as usize;
         let world = u32::from_be_bytes([payload[12], payload[13], payload[14], payload[15]]) as usize;
         let problem = if world != env.world {
-            Some(format!(
-                "rendezvous on {where_}: rank {rank} has WORLD_SIZE = {world} but rank 0 has WORLD_SIZE = {}",
-                env.world
-            ))
+            Some(format!("rendezvous on {where_}: rank {rank} has WORLD_SIZE = {world} but rank 0 has WORLD_SIZE = {}", env.world))
         } else if rank == 0 || rank >= env.world {
             Some(format!(
                 "rendezvous on {where_}: a process joined as rank {rank}, which is not in 1..{} (two rank 0s, or a bad RANK?)",
@@ -368,9 +357,7 @@ fn client(env: &DistEnv, opts: &RendezvousOptions) -> Result<Rendezvous> {
     hello.extend_from_slice(&(env.rank as u32).to_be_bytes());
     hello.extend_from_slice(&(env.world as u32).to_be_bytes());
     send(&mut stream, HELLO, &hello).map_err(|e| comm_error(format!("rendezvous: sending to {where_}: {e}")))?;
-    let mut reader = FrameReader::new(
-        stream.try_clone().map_err(|e| comm_error(format!("rendezvous: {where_}: {e}")))?,
-    );
+    let mut reader = FrameReader::new(stream.try_clone().map_err(|e| comm_error(format!("rendezvous: {where_}: {e}")))?);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -388,9 +375,7 @@ fn client(env: &DistEnv, opts: &RendezvousOptions) -> Result<Rendezvous> {
             }
             ReadOutcome::Frame(ERROR, msg) => return Err(comm_error(String::from_utf8_lossy(&msg).into_owned())),
             ReadOutcome::Frame(..) | ReadOutcome::Idle => {}
-            ReadOutcome::Closed(why) => {
-                return Err(comm_error(format!("rendezvous: rank 0 on {where_} dropped the connection ({why})")))
-            }
+            ReadOutcome::Closed(why) => return Err(comm_error(format!("rendezvous: rank 0 on {where_} dropped the connection ({why})"))),
         }
     }
 }

@@ -199,10 +199,7 @@ pub fn resolve_offline(repo_id: &str, revision: &str, cache_dir: &Path) -> Resul
         if dir.join(file).is_file() {
             Ok(())
         } else {
-            Err(Error::checkpoint(
-                dir.join(file),
-                format!("file `{file}` of `{repo_id}` (commit {commit}) is not in the cache; {how}"),
-            ))
+            Err(Error::checkpoint(dir.join(file), format!("file `{file}` of `{repo_id}` (commit {commit}) is not in the cache; {how}")))
         }
     };
     need(CONFIG_FILE)?;
@@ -235,16 +232,11 @@ fn index_shards(index: &Path) -> Result<Vec<String>> {
 /// Downloads (or finds in the cache) config, weights and tokenizer files of `repo_id`.
 fn download(repo_id: &str, revision: &str, opts: &HubOptions) -> Result<ResolvedModel> {
     use hf_hub::api::sync::{ApiBuilder, ApiError};
-    let mut builder = ApiBuilder::new()
-        .with_cache_dir(opts.cache_dir.clone())
-        .with_token(opts.token.clone())
-        .with_progress(opts.progress);
+    let mut builder = ApiBuilder::new().with_cache_dir(opts.cache_dir.clone()).with_token(opts.token.clone()).with_progress(opts.progress);
     if let Some(ep) = &opts.endpoint {
         builder = builder.with_endpoint(ep.clone());
     }
-    let api = builder
-        .build()
-        .map_err(|e| Error::Setting(format!("cannot set up the Hugging Face hub client: {e}")))?;
+    let api = builder.build().map_err(|e| Error::Setting(format!("cannot set up the Hugging Face hub client: {e}")))?;
     let repo = api.repo(hf_hub::Repo::with_revision(repo_id.to_string(), hf_hub::RepoType::Model, revision.to_string()));
     let not_found = |e: &ApiError| matches!(e, ApiError::RequestError(r) if matches!(**r, ureq::Error::Status(404, _)));
     let fail = |file: &str, e: ApiError| {
@@ -252,9 +244,7 @@ fn download(repo_id: &str, revision: &str, opts: &HubOptions) -> Result<Resolved
             ApiError::RequestError(r) if matches!(**r, ureq::Error::Status(401 | 403, _)) => {
                 " (gated or private model: accept its licence on the hub and set HF_TOKEN)"
             }
-            ApiError::RequestError(r) if matches!(**r, ureq::Error::Status(404, _)) => {
-                " (no such repo, revision or file on the hub)"
-            }
+            ApiError::RequestError(r) if matches!(**r, ureq::Error::Status(404, _)) => " (no such repo, revision or file on the hub)",
             _ => " (no network? set HF_HUB_OFFLINE=1 to use the cache only)",
         };
         Error::checkpoint(
@@ -263,10 +253,8 @@ fn download(repo_id: &str, revision: &str, opts: &HubOptions) -> Result<Resolved
         )
     };
     let config = repo.get(CONFIG_FILE).map_err(|e| fail(CONFIG_FILE, e))?;
-    let dir = config
-        .parent()
-        .map(Path::to_path_buf)
-        .ok_or_else(|| Error::checkpoint(&config, "downloaded file has no parent directory"))?;
+    let dir =
+        config.parent().map(Path::to_path_buf).ok_or_else(|| Error::checkpoint(&config, "downloaded file has no parent directory"))?;
     let commit = dir.file_name().and_then(|s| s.to_str()).unwrap_or_default().to_string();
     // Files the hub said do not exist are remembered, as huggingface_hub does, in
     // `.no_exist/<commit>/<file>`, so a cached model needs no request for them again.

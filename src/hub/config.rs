@@ -30,8 +30,8 @@ pub fn config_path(dir: impl AsRef<Path>) -> Result<PathBuf> {
 pub fn read_config(dir: impl AsRef<Path>) -> Result<Value> {
     let path = config_path(dir)?;
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-    let v: Value = serde_json::from_str(&text)
-        .map_err(|e| Error::checkpoint(&path, format!("not valid JSON ({e}); re-download or fix the file")))?;
+    let v: Value =
+        serde_json::from_str(&text).map_err(|e| Error::checkpoint(&path, format!("not valid JSON ({e}); re-download or fix the file")))?;
     if !v.is_object() {
         return Err(Error::checkpoint(&path, "expected a JSON object at the top level"));
     }
@@ -52,9 +52,7 @@ const ROPE_TYPES_WITH_ORIGINAL_MAX: [&str; 3] = ["llama3", "yarn", "longrope"];
 /// `original_max_position_embeddings`, the old `max_position_embeddings` is pinned there
 /// first, so raising the context length does not silently change the RoPE frequencies.
 pub fn set_context_fields(config: &mut Value, rope_theta: f64, max_position_embeddings: usize) -> Result<()> {
-    let obj = config
-        .as_object_mut()
-        .ok_or_else(|| Error::Setting("model config must be a JSON object".into()))?;
+    let obj = config.as_object_mut().ok_or_else(|| Error::Setting("model config must be a JSON object".into()))?;
     let old_max = obj.get("max_position_embeddings").and_then(Value::as_u64);
     let top_level_original = obj.contains_key("original_max_position_embeddings");
 
@@ -108,9 +106,7 @@ pub fn torch_dtype_name(dtype: DType) -> Option<&'static str> {
 /// `full_attention`. The trainer applies it to its exports because it trains full causal
 /// attention, so transformers must run the same. Returns whether anything changed.
 pub fn disable_sliding_window(config: &mut Value) -> Result<bool> {
-    let obj = config
-        .as_object_mut()
-        .ok_or_else(|| Error::Setting("model config must be a JSON object".into()))?;
+    let obj = config.as_object_mut().ok_or_else(|| Error::Setting("model config must be a JSON object".into()))?;
     let mut changed = false;
     if obj.get("sliding_window").is_some_and(|v| !v.is_null()) {
         obj.insert("sliding_window".into(), Value::Null);
@@ -135,11 +131,9 @@ pub fn disable_sliding_window(config: &mut Value) -> Result<bool> {
 /// `torch_dtype` (older), updating whichever the config has, `torch_dtype` if neither
 /// (transformers 5 still reads it).
 pub fn set_torch_dtype(config: &mut Value, dtype: DType) -> Result<()> {
-    let name = torch_dtype_name(dtype)
-        .ok_or_else(|| Error::Setting(format!("dtype {dtype:?} is not a weight dtype (use f32, f16 or bf16)")))?;
-    let obj = config
-        .as_object_mut()
-        .ok_or_else(|| Error::Setting("model config must be a JSON object".into()))?;
+    let name =
+        torch_dtype_name(dtype).ok_or_else(|| Error::Setting(format!("dtype {dtype:?} is not a weight dtype (use f32, f16 or bf16)")))?;
+    let obj = config.as_object_mut().ok_or_else(|| Error::Setting("model config must be a JSON object".into()))?;
     let has_new = obj.contains_key("dtype");
     if obj.contains_key("torch_dtype") || !has_new {
         obj.insert("torch_dtype".into(), Value::from(name));

@@ -29,13 +29,8 @@ use super::st_file::dtype_name;
 use crate::{Error, Result};
 
 /// Files copied from the source model directory when they exist there.
-pub const TOKENIZER_FILES: [&str; 5] = [
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "generation_config.json",
-];
+pub const TOKENIZER_FILES: [&str; 5] =
+    ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "generation_config.json"];
 
 /// How to write the checkpoint.
 #[derive(Debug, Clone)]
@@ -115,11 +110,8 @@ pub fn export(
 
     let shards = plan_shards(&items, opts.max_shard_bytes);
     let n = shards.len();
-    let names: Vec<String> = if n <= 1 {
-        vec![SINGLE_FILE.to_string()]
-    } else {
-        (1..=n).map(|i| format!("model-{i:05}-of-{n:05}.safetensors")).collect()
-    };
+    let names: Vec<String> =
+        if n <= 1 { vec![SINGLE_FILE.to_string()] } else { (1..=n).map(|i| format!("model-{i:05}-of-{n:05}.safetensors")).collect() };
 
     let (parent, base) = split_target(out_dir)?;
     std::fs::create_dir_all(&parent).map_err(|e| Error::io(&parent, e))?;
@@ -293,10 +285,7 @@ fn split_target(out_dir: &Path) -> Result<(PathBuf, String)> {
 
 fn unique_suffix() -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
     format!("{}-{}-{}", std::process::id(), COUNTER.fetch_add(1, AtomicOrdering::Relaxed), nanos)
 }
 

@@ -57,16 +57,16 @@ impl Checkpoint {
         } else {
             ""
         };
-        Err(Error::checkpoint(
-            dir,
-            format!("no weights: the model directory needs {SINGLE_FILE} or {INDEX_FILE} with its shards{hint}"),
-        ))
+        Err(Error::checkpoint(dir, format!("no weights: the model directory needs {SINGLE_FILE} or {INDEX_FILE} with its shards{hint}")))
     }
 
     fn open_sharded(dir: &Path, index: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
         let parsed: IndexJson = serde_json::from_str(&text).map_err(|e| {
-            Error::checkpoint(index, format!("not a valid index ({e}); expected {{\"metadata\": {{..}}, \"weight_map\": {{tensor: shard file}}}}"))
+            Error::checkpoint(
+                index,
+                format!("not a valid index ({e}); expected {{\"metadata\": {{..}}, \"weight_map\": {{tensor: shard file}}}}"),
+            )
         })?;
         if parsed.weight_map.is_empty() {
             return Err(Error::checkpoint(index, "`weight_map` is empty: the index lists no tensors"));
@@ -85,7 +85,10 @@ impl Checkpoint {
             if !path.is_file() {
                 return Err(Error::checkpoint(
                     index,
-                    format!("shard `{shard}` named in the weight_map is missing ({}); re-download the checkpoint with all its shards", path.display()),
+                    format!(
+                        "shard `{shard}` named in the weight_map is missing ({}); re-download the checkpoint with all its shards",
+                        path.display()
+                    ),
                 ));
             }
             files.push(SafetensorsFile::open(&path)?);
@@ -164,14 +167,7 @@ impl Checkpoint {
 }
 
 impl candle_nn::var_builder::SimpleBackend for Checkpoint {
-    fn get(
-        &self,
-        s: Shape,
-        name: &str,
-        _h: candle_nn::Init,
-        dtype: DType,
-        dev: &Device,
-    ) -> candle_core::Result<Tensor> {
+    fn get(&self, s: Shape, name: &str, _h: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
         let t = self.get_unchecked(name, dtype, dev)?;
         if t.shape() != &s {
             let file = self.files[self.routing[name]].path();

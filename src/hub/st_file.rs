@@ -121,29 +121,23 @@ impl SafetensorsFile {
         if 8 + n > file_len {
             return Err(Error::checkpoint(
                 path,
-                format!(
-                    "file is truncated: header says at least {} bytes, file has {file_len}; re-download it",
-                    8 + n
-                ),
+                format!("file is truncated: header says at least {} bytes, file has {file_len}; re-download it", 8 + n),
             ));
         }
         let data_start = 8 + n as usize;
-        let header = std::str::from_utf8(&mmap[8..data_start])
-            .map_err(|e| corrupt(path, format!("header is not UTF-8 ({e})")))?;
-        let raw: serde_json::Map<String, serde_json::Value> = serde_json::from_str(header.trim_end())
-            .map_err(|e| corrupt(path, format!("header is not a JSON object ({e})")))?;
+        let header = std::str::from_utf8(&mmap[8..data_start]).map_err(|e| corrupt(path, format!("header is not UTF-8 ({e})")))?;
+        let raw: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(header.trim_end()).map_err(|e| corrupt(path, format!("header is not a JSON object ({e})")))?;
 
         let mut tensors = HashMap::new();
         let mut metadata = BTreeMap::new();
         let mut data_needed = 0usize;
         for (name, value) in raw {
             if name == "__metadata__" {
-                metadata = serde_json::from_value(value)
-                    .map_err(|e| corrupt(path, format!("`__metadata__` is not a string map ({e})")))?;
+                metadata = serde_json::from_value(value).map_err(|e| corrupt(path, format!("`__metadata__` is not a string map ({e})")))?;
                 continue;
             }
-            let e: RawEntry = serde_json::from_value(value)
-                .map_err(|e| corrupt(path, format!("entry `{name}` ({e})")))?;
+            let e: RawEntry = serde_json::from_value(value).map_err(|e| corrupt(path, format!("entry `{name}` ({e})")))?;
             let Some(size) = dtype_size(&e.dtype) else {
                 return Err(corrupt(path, format!("tensor `{name}` has unknown dtype `{}`", e.dtype)));
             };
@@ -204,9 +198,7 @@ impl SafetensorsFile {
     /// Reads tensor `name` onto `device` converted to `dtype`. Only floating-point tensors
     /// (F32, F16, BF16, F64) are weights; any other dtype is an error naming the tensor.
     pub fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
-        let e = self.tensors.get(name).ok_or_else(|| {
-            Error::checkpoint(&self.path, format!("tensor `{name}` is not in this file"))
-        })?;
+        let e = self.tensors.get(name).ok_or_else(|| Error::checkpoint(&self.path, format!("tensor `{name}` is not in this file")))?;
         let Some(disk) = float_dtype(&e.dtype) else {
             return Err(Error::checkpoint(
                 &self.path,

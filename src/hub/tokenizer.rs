@@ -22,7 +22,6 @@ pub fn load_tokenizer(dir: impl AsRef<Path>) -> Result<tokenizers::Tokenizer> {
             format!("missing: the model directory needs tokenizer.json (the Hugging Face fast tokenizer){hint}"),
         ));
     }
-    tokenizers::Tokenizer::from_file(&path).map_err(|e| {
-        Error::checkpoint(&path, format!("cannot parse the tokenizer ({e}); re-download tokenizer.json"))
-    })
+    tokenizers::Tokenizer::from_file(&path)
+        .map_err(|e| Error::checkpoint(&path, format!("cannot parse the tokenizer ({e}); re-download tokenizer.json")))
 }

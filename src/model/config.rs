@@ -280,8 +280,7 @@ impl LlamaConfig {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let value: Value = serde_json::from_str(&text)
-            .map_err(|e| Error::checkpoint(path, format!("not valid JSON: {e}")))?;
+        let value: Value = serde_json::from_str(&text).map_err(|e| Error::checkpoint(path, format!("not valid JSON: {e}")))?;
         Self::from_value(path, value)
     }
 
@@ -317,7 +316,11 @@ impl LlamaConfig {
                     match Arch::from_architecture(n) {
                         Some(a) => found = Some(a),
                         None => {
-                            return Err(Error::config(file, "architectures", format!("unsupported architecture \"{n}\"; supported: {SUPPORTED}")))
+                            return Err(Error::config(
+                                file,
+                                "architectures",
+                                format!("unsupported architecture \"{n}\"; supported: {SUPPORTED}"),
+                            ))
                         }
                     }
                 }
@@ -331,7 +334,8 @@ impl LlamaConfig {
                 None => return Err(Error::config(file, "model_type", format!("unsupported model type \"{s}\"; supported: {SUPPORTED}"))),
             },
             Some(o) => return Err(Error::config(file, "model_type", format!("expected a string, got {}", show(&o)))),
-            None => from_archs.ok_or_else(|| Error::config(file, "model_type", format!("missing (and no `architectures`); supported: {SUPPORTED}")))?,
+            None => from_archs
+                .ok_or_else(|| Error::config(file, "model_type", format!("missing (and no `architectures`); supported: {SUPPORTED}")))?,
         };
         if let Some(a) = from_archs {
             if a != arch {
@@ -562,7 +566,16 @@ impl LlamaConfig {
         };
         match rs {
             RopeScaling::Linear { .. } | RopeScaling::Dynamic { .. } => {}
-            RopeScaling::Yarn { original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate, .. } => {
+            RopeScaling::Yarn {
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                mscale,
+                mscale_all_dim,
+                attention_factor,
+                truncate,
+                ..
+            } => {
                 put_f("original_max_position_embeddings", original_max_position_embeddings.map(|n| n as f64));
                 put_f("beta_fast", *beta_fast);
                 put_f("beta_slow", *beta_slow);

@@ -48,9 +48,7 @@ fn get(vb: &VarBuilder, cfg: &LlamaConfig, name: &str, shape: &[usize]) -> Resul
     if !vb.contains_tensor(name) {
         return Err(Error::checkpoint(ckpt_path(cfg), format!("missing tensor `{full}` (expected shape {shape:?})")));
     }
-    let mismatch = |got: &[usize]| {
-        Error::checkpoint(ckpt_path(cfg), format!("tensor `{full}`: expected shape {shape:?}, got {got:?}"))
-    };
+    let mismatch = |got: &[usize]| Error::checkpoint(ckpt_path(cfg), format!("tensor `{full}`: expected shape {shape:?}, got {got:?}"));
     match vb.get(shape, name) {
         // Backends that check the shape themselves report a mismatch as an error...
         Err(e) => Err(match mismatch_shape(&e) {
@@ -165,9 +163,8 @@ pub struct DecoderLayer {
 impl DecoderLayer {
     fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
         let h = cfg.hidden_size;
-        let norm = |name: &str| -> Result<RmsNorm> {
-            Ok(RmsNorm { weight: get(&vb.pp(name), cfg, "weight", &[h])?, eps: cfg.rms_norm_eps })
-        };
+        let norm =
+            |name: &str| -> Result<RmsNorm> { Ok(RmsNorm { weight: get(&vb.pp(name), cfg, "weight", &[h])?, eps: cfg.rms_norm_eps }) };
         Ok(DecoderLayer {
             self_attn: Attention::load(vb.pp("self_attn"), cfg)?,
             mlp: Mlp::load(vb.pp("mlp"), cfg)?,
@@ -272,7 +269,13 @@ impl Llama {
 
     /// Per-token loss `[b, s]` f32 (0 where ignored) and the count of counted tokens.
     /// Targets: see [`loss`] (i64, negative = ignore).
-    pub fn per_token_loss(&self, ids: &Tensor, targets: &Tensor, positions: &Tensor, attn: &Arc<dyn AttentionMode>) -> Result<(Tensor, usize)> {
+    pub fn per_token_loss(
+        &self,
+        ids: &Tensor,
+        targets: &Tensor,
+        positions: &Tensor,
+        attn: &Arc<dyn AttentionMode>,
+    ) -> Result<(Tensor, usize)> {
         let logits = self.logits(&self.forward_hidden(ids, positions, attn)?)?;
         loss::per_token_loss(&logits, targets)
     }

@@ -54,8 +54,8 @@ fn loss_terms(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         return Err(Error::Setting(format!("targets have shape {:?}, logits {:?}", targets.dims(), logits.dims())));
     }
     let x = logits.to_dtype(DType::F32)?; // [b, s, V]
-    // The max only shifts the exponent; it is a constant for the gradient (exactly: the
-    // derivative of logsumexp w.r.t. the shift is 1 − Σ softmax = 0), so detach it.
+                                          // The max only shifts the exponent; it is a constant for the gradient (exactly: the
+                                          // derivative of logsumexp w.r.t. the shift is 1 − Σ softmax = 0), so detach it.
     let m = x.max_keepdim(D::Minus1)?.detach(); // [b, s, 1]
     let lse = x.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()?.add(&m)?; // [b, s, 1]
     let valid = targets.ge(0i64)?; // [b, s] u8

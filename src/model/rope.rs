@@ -181,10 +181,7 @@ impl Rope {
             cos = cos.broadcast_mul(&a)?;
             sin = sin.broadcast_mul(&a)?;
         }
-        Ok(RopeTable {
-            cos: cos.to_dtype(dtype)?.unsqueeze(2)?.contiguous()?,
-            sin: sin.to_dtype(dtype)?.unsqueeze(2)?.contiguous()?,
-        })
+        Ok(RopeTable { cos: cos.to_dtype(dtype)?.unsqueeze(2)?.contiguous()?, sin: sin.to_dtype(dtype)?.unsqueeze(2)?.contiguous()? })
     }
 }
 

@@ -176,7 +176,10 @@ impl Loaded {
             for (name, out) in [("master", &mut w), ("m", &mut m), ("v", &mut v)] {
                 let e = f.entry(name).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{name}` missing")))?;
                 if e.dtype != "F32" || e.shape != [len] {
-                    return Err(Error::checkpoint(&p, format!("`{name}` is {} {:?}, expected F32 [{len}] ({n_params} parameters in {shards} shards)", e.dtype, e.shape)));
+                    return Err(Error::checkpoint(
+                        &p,
+                        format!("`{name}` is {} {:?}, expected F32 [{len}] ({n_params} parameters in {shards} shards)", e.dtype, e.shape),
+                    ));
                 }
                 let bytes = f.bytes(name).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{name}` missing")))?;
                 out.extend(bytes[a * 4..b * 4].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));

@@ -156,7 +156,14 @@ impl Default for RunConfig {
     /// extended to 1024 tokens with θ raised to 1e5 (the same two-step shape as the
     /// EasyContext recipes, scaled down to a laptop CPU).
     fn default() -> Self {
-        let stage = |seq_length, rope_theta, steps| Stage { seq_length, rope_theta, steps, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None };
+        let stage = |seq_length, rope_theta, steps| Stage {
+            seq_length,
+            rope_theta,
+            steps,
+            learning_rate: None,
+            parallel_mode: None,
+            fpdt_chunk_size: None,
+        };
         Self {
             seed: 42,
             output_dir: PathBuf::from("runs/demo"),
@@ -211,7 +218,10 @@ impl RunConfig {
     pub fn validate(&self, source: &Path) -> Result<()> {
         let bad = |field: &str, msg: String| Err(Error::config(source, field, msg));
         if self.stages.is_empty() {
-            return bad("stage", "no stage given; add a [[stage]] with seq_length, rope_theta and steps (or pass --seq-length and --rope-theta)".into());
+            return bad(
+                "stage",
+                "no stage given; add a [[stage]] with seq_length, rope_theta and steps (or pass --seq-length and --rope-theta)".into(),
+            );
         }
         crate::train::trainer::parse_dtype(&self.model.dtype, source, "model.dtype")?; // checked on the CPU too
         if let Some(d) = &self.export.dtype {
@@ -264,7 +274,10 @@ impl RunConfig {
                 ParallelMode::DataParallel => {}
                 ParallelMode::ZigzagRingAttn => {
                     if st.seq_length % (2 * sp) != 0 {
-                        return bad(&f("seq_length"), format!("zigzag ring over {sp} ranks needs a multiple of 2·{sp} = {}, got {}", 2 * sp, st.seq_length));
+                        return bad(
+                            &f("seq_length"),
+                            format!("zigzag ring over {sp} ranks needs a multiple of 2·{sp} = {}, got {}", 2 * sp, st.seq_length),
+                        );
                     }
                 }
                 ParallelMode::UlyssesAttn => {
@@ -274,7 +287,10 @@ impl RunConfig {
                 }
                 ParallelMode::Fpdt => {
                     if chunk == 0 || chunk % sp != 0 {
-                        return bad("parallel.fpdt_chunk_size", format!("fpdt chunk size {chunk} must be a positive multiple of sp_size {sp}"));
+                        return bad(
+                            "parallel.fpdt_chunk_size",
+                            format!("fpdt chunk size {chunk} must be a positive multiple of sp_size {sp}"),
+                        );
                     }
                     if st.seq_length % chunk != 0 {
                         return bad(&f("seq_length"), format!("fpdt needs seq_length to be a multiple of the chunk size {chunk}, got {}; use --fpdt-chunk-size dividing it", st.seq_length));
@@ -287,7 +303,10 @@ impl RunConfig {
                     }
                     let ring = sp / u;
                     if st.seq_length % (2 * ring * u) != 0 {
-                        return bad(&f("seq_length"), format!("usp ({u} ulysses × {ring} ring) needs a multiple of {}, got {}", 2 * ring * u, st.seq_length));
+                        return bad(
+                            &f("seq_length"),
+                            format!("usp ({u} ulysses × {ring} ring) needs a multiple of {}, got {}", 2 * ring * u, st.seq_length),
+                        );
                     }
                 }
             }

@@ -63,7 +63,13 @@ impl Metrics {
     /// Opens `<output_dir>/metrics.jsonl`: emptied for a fresh run; for a run resumed at
     /// global step `g`, kept up to step `g` (lines a crashed run wrote after its last
     /// checkpoint are dropped, since those steps run again) and appended to.
-    pub fn new(output_dir: &std::path::Path, cfg: &RunConfig, n_params: usize, mcfg: &LlamaConfig, resumed_at: Option<u64>) -> Result<Self> {
+    pub fn new(
+        output_dir: &std::path::Path,
+        cfg: &RunConfig,
+        n_params: usize,
+        mcfg: &LlamaConfig,
+        resumed_at: Option<u64>,
+    ) -> Result<Self> {
         std::fs::create_dir_all(output_dir).map_err(|e| Error::io(output_dir, e))?;
         let path = output_dir.join("metrics.jsonl");
         let kept: String = match resumed_at {
@@ -133,13 +139,7 @@ impl Metrics {
         writeln!(self.file, "{line}").map_err(|e| Error::io(&self.path, e))?;
         let mfu_s = if self.gpu { format!(" mfu {:.1}%", 100.0 * mfu) } else { String::new() };
         let peak_s = l.device_peak.map(|b| format!(" peak {:.2} GiB", gib(b as usize))).unwrap_or_default();
-        let msg = format!(
-            "loss {:.4} lr {:.2e} {:.0} tok/s{mfu_s} act {:.2} GiB{peak_s}",
-            l.loss,
-            l.lr,
-            tok_s,
-            gib(l.memory.saved_bytes)
-        );
+        let msg = format!("loss {:.4} lr {:.2e} {:.0} tok/s{mfu_s} act {:.2} GiB{peak_s}", l.loss, l.lr, tok_s, gib(l.memory.saved_bytes));
         match &self.bar {
             Some(b) => {
                 b.set_position(l.step);
@@ -158,7 +158,13 @@ impl Metrics {
         if let Some(b) = self.bar.take() {
             b.finish();
         }
-        eprintln!("done: {} steps, {} tokens in {:.1} s ({:.0} tok/s)", s.steps, s.tokens, s.seconds, s.tokens as f64 / s.seconds.max(1e-9));
+        eprintln!(
+            "done: {} steps, {} tokens in {:.1} s ({:.0} tok/s)",
+            s.steps,
+            s.tokens,
+            s.seconds,
+            s.tokens as f64 / s.seconds.max(1e-9)
+        );
         for (i, (a, b)) in s.stage_losses.iter().enumerate() {
             eprintln!("  stage {i}: loss {a:.4} -> {b:.4}");
         }

@@ -82,9 +82,11 @@ pub fn parse_device(s: &str, field_src: &Path) -> Result<Device> {
     match s {
         "cpu" => Ok(Device::Cpu),
         _ if s.starts_with("cuda") => {
-            let idx = s.strip_prefix("cuda:").map(|i| i.parse::<usize>()).transpose().map_err(|_| {
-                Error::config(field_src, "model.device", format!("expected cpu, cuda or cuda:N, got `{s}`"))
-            })?;
+            let idx = s
+                .strip_prefix("cuda:")
+                .map(|i| i.parse::<usize>())
+                .transpose()
+                .map_err(|_| Error::config(field_src, "model.device", format!("expected cpu, cuda or cuda:N, got `{s}`")))?;
             let dev = Device::new_cuda(idx.unwrap_or(0)).map_err(|e| {
                 Error::config(field_src, "model.device", format!("cannot open `{s}`: {e} (is this a CUDA build? see README, GPU build)"))
             })?;
@@ -284,9 +286,10 @@ impl<'a> RankRun<'a> {
         let mut vars: HashMap<String, Var> = HashMap::new();
         for (n, t) in &sh.model.weights {
             let t = match sh.resume {
-                Some(l) => l.weights.get(n).ok_or_else(|| {
-                    Error::checkpoint(checkpoint::checkpoint_dir(&cfg.output_dir), format!("tensor `{n}` missing"))
-                })?,
+                Some(l) => l
+                    .weights
+                    .get(n)
+                    .ok_or_else(|| Error::checkpoint(checkpoint::checkpoint_dir(&cfg.output_dir), format!("tensor `{n}` missing")))?,
                 None => t,
             };
             vars.insert(n.clone(), Var::from_tensor(&t.to_dtype(sh.dtype)?.to_device(&sh.device)?)?);
@@ -310,8 +313,14 @@ impl<'a> RankRun<'a> {
         // the checkpoint's optimizer state when resuming.
         let on_device = (!sh.device.is_cpu() && !cfg.train.optimizer_on_host).then_some(&sh.device);
         let resume_opt = sh.resume.map(|l| (l.state.adam_step, l));
-        let optim =
-            ShardedAdamW::new(cfg.train.adamw.clone(), &engine.params, &sh.model.weights, (world.rank(), world.world()), on_device, resume_opt)?;
+        let optim = ShardedAdamW::new(
+            cfg.train.adamw.clone(),
+            &engine.params,
+            &sh.model.weights,
+            (world.rank(), world.world()),
+            on_device,
+            resume_opt,
+        )?;
         let global_step = sh.resume.map_or(0, |l| l.state.global_step);
         Ok(Self {
             sh,
@@ -331,9 +340,8 @@ impl<'a> RankRun<'a> {
     /// Where a resumed run starts: stage, step within it, data cursor.
     fn resume_point(&self) -> Result<(usize, u64, Option<DataState>)> {
         let Some(l) = self.sh.resume else { return Ok((0, 0, None)) };
-        let data = serde_json::from_value::<Option<DataState>>(l.state.data.clone()).map_err(|e| {
-            Error::checkpoint(checkpoint::checkpoint_dir(&self.sh.cfg.output_dir), format!("corrupt data cursor: {e}"))
-        })?;
+        let data = serde_json::from_value::<Option<DataState>>(l.state.data.clone())
+            .map_err(|e| Error::checkpoint(checkpoint::checkpoint_dir(&self.sh.cfg.output_dir), format!("corrupt data cursor: {e}")))?;
         Ok((l.state.stage, l.state.stage_step, data))
     }
 
@@ -407,7 +415,7 @@ impl<'a> RankRun<'a> {
         let (sh, cfg) = (self.sh, self.sh.cfg);
         let ts = Instant::now();
         crate::train::metrics::device_memory(&sh.device, true)?; // reset the high-water mark
-        // Micro-batches of this step, localized.
+                                                                 // Micro-batches of this step, localized.
         let mut micro = Vec::new();
         for _ in 0..cfg.train.gradient_accumulate_every {
             let batch = st.loader.next_batch(cfg.train.batch_size)?.ok_or_else(|| {
@@ -553,7 +561,8 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistE
     }
     let joined = crate::dist::world::join(env, &cfg.model.device)?;
     let result = (|| {
-        let dtype = if joined.device.is_cpu() { DType::F32 } else { parse_dtype(&cfg.model.dtype, Path::new("<run config>"), "model.dtype")? };
+        let dtype =
+            if joined.device.is_cpu() { DType::F32 } else { parse_dtype(&cfg.model.dtype, Path::new("<run config>"), "model.dtype")? };
         let model = load_start_model(cfg)?;
         let loaded = if resume { Some(checkpoint::load(&cfg.output_dir)?) } else { None };
         let shared = Shared { cfg, model: &model, device: joined.device.clone(), dtype, resume: loaded.as_ref(), limits };

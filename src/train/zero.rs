@@ -258,10 +258,13 @@ mod tests {
                         Tensor::from_vec((0..n).map(|i| g(comm.rank(), p, i, s)).collect::<Vec<_>>(), *sh, &Device::Cpu)
                     })
                     .collect::<candle_core::Result<Vec<_>>>()?;
-                let st = opt.step(&comm, &grads, &params, lr, clip, (DType::F32, &Device::Cpu)).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                let st = opt
+                    .step(&comm, &grads, &params, lr, clip, (DType::F32, &Device::Cpu))
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
                 norms.push(st.grad_norm);
             }
-            let w: Vec<Vec<f32>> = params.iter().map(|(_, v)| v.as_tensor().flatten_all()?.to_vec1::<f32>()).collect::<candle_core::Result<_>>()?;
+            let w: Vec<Vec<f32>> =
+                params.iter().map(|(_, v)| v.as_tensor().flatten_all()?.to_vec1::<f32>()).collect::<candle_core::Result<_>>()?;
             Ok((w, norms))
         })
         .unwrap();

@@ -37,7 +37,13 @@ pub fn small_config(dynamic_rope: bool) -> LlamaConfig {
 
 /// `ids [b, s]` u32 and shifted targets `[b, s]` i64 from a xorshift stream seeded by
 /// `seed`; `masked(row, t)` → ignored target.
-pub fn token_batch(b: usize, s: usize, vocab: usize, seed: u64, masked: impl Fn(usize, usize) -> bool) -> longctx::Result<(Tensor, Tensor)> {
+pub fn token_batch(
+    b: usize,
+    s: usize,
+    vocab: usize,
+    seed: u64,
+    masked: impl Fn(usize, usize) -> bool,
+) -> longctx::Result<(Tensor, Tensor)> {
     let mut state = seed | 1;
     let mut raw = Vec::new();
     for _ in 0..b * (s + 1) {

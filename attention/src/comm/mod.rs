@@ -11,10 +11,10 @@
 use candle_core::{Result, Tensor};
 use std::sync::Arc;
 
-pub mod process;
-pub mod thread;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod process;
+pub mod thread;
 
 /// A receive that was posted and may still be in flight.
 pub struct Pending {

@@ -90,7 +90,11 @@ fn err_text(r: sys::ncclResult_t, comm: sys::ncclComm_t) -> String {
     // SAFETY: NCCL returns static strings (or a per-communicator buffer) for these.
     let text = unsafe {
         let s = sys::ncclGetErrorString(r);
-        if s.is_null() { String::new() } else { CStr::from_ptr(s).to_string_lossy().into_owned() }
+        if s.is_null() {
+            String::new()
+        } else {
+            CStr::from_ptr(s).to_string_lossy().into_owned()
+        }
     };
     let last = if comm.is_null() {
         String::new()
@@ -98,10 +102,18 @@ fn err_text(r: sys::ncclResult_t, comm: sys::ncclComm_t) -> String {
         // SAFETY: as above; `comm` is a live communicator.
         unsafe {
             let s = sys::ncclGetLastError(comm);
-            if s.is_null() { String::new() } else { CStr::from_ptr(s).to_string_lossy().into_owned() }
+            if s.is_null() {
+                String::new()
+            } else {
+                CStr::from_ptr(s).to_string_lossy().into_owned()
+            }
         }
     };
-    if last.is_empty() { format!("{r:?}: {text}") } else { format!("{r:?}: {text} ({last})") }
+    if last.is_empty() {
+        format!("{r:?}: {text}")
+    } else {
+        format!("{r:?}: {text} ({last})")
+    }
 }
 
 fn ok(r: sys::ncclResult_t, what: &str, comm: sys::ncclComm_t) -> std::result::Result<(), String> {
@@ -287,24 +299,13 @@ impl NcclComm {
             }
         }
         let handle = Arc::new(Handle { comm, stream: stream.clone(), alive: Mutex::new(true) });
-        let family = Arc::new(Family {
-            handles: Mutex::new(vec![Arc::downgrade(&handle)]),
-            reason: Mutex::new(None),
-            hook: Mutex::new(None),
-        });
+        let family =
+            Arc::new(Family { handles: Mutex::new(vec![Arc::downgrade(&handle)]), reason: Mutex::new(None), hook: Mutex::new(None) });
         if let Some(every) = opts.watchdog {
             let fam = Arc::downgrade(&family);
             std::thread::spawn(move || watchdog(fam, every, rank));
         }
-        Ok(Arc::new(Self {
-            handle,
-            family,
-            rank,
-            world,
-            device: dev.clone(),
-            stream,
-            check_shapes: opts.check_shapes,
-        }))
+        Ok(Arc::new(Self { handle, family, rank, world, device: dev.clone(), stream, check_shapes: opts.check_shapes }))
     }
 
     /// Called once with the reason when this process aborts the family on its own
@@ -396,12 +397,8 @@ impl NcclComm {
                 let mut first = Ok(());
                 for op in ops {
                     let r = match *op {
-                        P2p::Send { ptr, bytes, peer } => {
-                            sys::ncclSend(ptr as *const c_void, bytes, u8t, peer as i32, comm, st)
-                        }
-                        P2p::Recv { ptr, bytes, peer } => {
-                            sys::ncclRecv(ptr as *mut c_void, bytes, u8t, peer as i32, comm, st)
-                        }
+                        P2p::Send { ptr, bytes, peer } => sys::ncclSend(ptr as *const c_void, bytes, u8t, peer as i32, comm, st),
+                        P2p::Recv { ptr, bytes, peer } => sys::ncclRecv(ptr as *mut c_void, bytes, u8t, peer as i32, comm, st),
                     };
                     if first.is_ok() {
                         first = ok(r, "ncclSend/ncclRecv", comm);
@@ -424,13 +421,10 @@ impl NcclComm {
         let _g = CALLS.lock().unwrap_or_else(|p| p.into_inner());
         self.stream.context().bind_to_thread().w()?;
         self.after_compute()?;
-        let mut outs: Vec<Vec<CudaStorageSlice>> = sends
-            .iter()
-            .map(|(_, ts)| ts.iter().map(|t| self.alloc(t.dtype(), t.elem_count())).collect())
-            .collect::<Result<_>>()?;
+        let mut outs: Vec<Vec<CudaStorageSlice>> =
+            sends.iter().map(|(_, ts)| ts.iter().map(|t| self.alloc(t.dtype(), t.elem_count())).collect()).collect::<Result<_>>()?;
         {
-            let inputs: Vec<Vec<_>> =
-                sends.iter().map(|(_, ts)| ts.iter().map(|t| t.storage_and_layout()).collect()).collect();
+            let inputs: Vec<Vec<_>> = sends.iter().map(|(_, ts)| ts.iter().map(|t| t.storage_and_layout()).collect()).collect();
             let mut ops = Vec::new();
             let mut guards: Vec<SyncOnDrop<'_>> = Vec::new();
             for ((peer, ts), ins) in sends.iter().zip(&inputs) {
@@ -689,8 +683,10 @@ impl Comm for NcclComm {
         let xs = self.prepare(xs, "reduce_scatter")?;
         let shape = xs[0].shape().clone();
         if xs.iter().any(|x| x.shape() != &shape || x.dtype() != xs[0].dtype()) {
-            return crate::shape_err!("reduce_scatter: all parts must have one shape and dtype (NCCL), got {:?}",
-                xs.iter().map(|x| x.dims().to_vec()).collect::<Vec<_>>());
+            return crate::shape_err!(
+                "reduce_scatter: all parts must have one shape and dtype (NCCL), got {:?}",
+                xs.iter().map(|x| x.dims().to_vec()).collect::<Vec<_>>()
+            );
         }
         let n = shape.elem_count();
         let dt = nccl_dtype(xs[0].dtype())?;
@@ -724,9 +720,7 @@ impl Comm for NcclComm {
             self.stream.context().bind_to_thread().w()?;
             // SAFETY: collective over all parent ranks (see the module doc); a null
             // config inherits the parent's.
-            let r = unsafe {
-                sys::ncclCommSplit(self.handle.comm, ranks[0] as i32, pos as i32, &mut child, std::ptr::null_mut())
-            };
+            let r = unsafe { sys::ncclCommSplit(self.handle.comm, ranks[0] as i32, pos as i32, &mut child, std::ptr::null_mut()) };
             ok(r, "ncclCommSplit", self.handle.comm).or_else(|e| self.failed(e))?;
         }
         if child.is_null() {
@@ -749,4 +743,3 @@ impl Comm for NcclComm {
         self.family.abort(reason, true);
     }
 }
-

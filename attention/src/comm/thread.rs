@@ -176,11 +176,7 @@ pub struct ThreadComm {
 
 impl std::fmt::Debug for ThreadComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ThreadComm")
-            .field("group", &self.group)
-            .field("rank", &self.rank)
-            .field("members", &self.members)
-            .finish()
+        f.debug_struct("ThreadComm").field("group", &self.group).field("rank", &self.rank).field("members", &self.members).finish()
     }
 }
 
@@ -225,9 +221,7 @@ impl ThreadComm {
 
     fn handles(n: usize, timeout: Duration) -> Vec<Arc<ThreadComm>> {
         let world = Arc::new(World::new(timeout, None));
-        (0..n)
-            .map(|r| Arc::new(Self::member(world.clone(), WORLD_GROUP, (0..n).collect(), r)))
-            .collect()
+        (0..n).map(|r| Arc::new(Self::member(world.clone(), WORLD_GROUP, (0..n).collect(), r))).collect()
     }
 
     /// Rank `rank` of a world of `n` processes (this process's handle; the world's other
@@ -238,15 +232,7 @@ impl ThreadComm {
 
     fn member(world: Arc<World>, group: u64, members: Vec<usize>, rank: usize) -> Self {
         let n = members.len();
-        Self {
-            world,
-            group,
-            members,
-            rank,
-            send_seq: Mutex::new(vec![0; n]),
-            recv_seq: Mutex::new(vec![0; n]),
-            subs: Mutex::new(0),
-        }
+        Self { world, group, members, rank, send_seq: Mutex::new(vec![0; n]), recv_seq: Mutex::new(vec![0; n]), subs: Mutex::new(0) }
     }
 
     fn me(&self) -> String {

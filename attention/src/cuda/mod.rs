@@ -139,7 +139,9 @@ fn settle<T>(what: &str, r: std::result::Result<T, Refusal>, fallback: impl FnOn
         Err(Refusal::Failed(e)) => Err(e),
         Err(Refusal::Unsupported(why)) if fallback_allowed() => {
             if !WARNED.swap(true, Ordering::Relaxed) {
-                eprintln!("longctx-attention: cuDNN attention {what} unavailable ({why}); using the slow naive kernel (LONGCTX_ATTN_FALLBACK)");
+                eprintln!(
+                    "longctx-attention: cuDNN attention {what} unavailable ({why}); using the slow naive kernel (LONGCTX_ATTN_FALLBACK)"
+                );
             }
             fallback()
         }
@@ -168,9 +170,7 @@ pub fn bwd(
     mask: Mask,
     scale: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    settle("backward", try_bwd(d_o, q, k, v, o, lse, mask, scale), || {
-        crate::naive::bwd(d_o, q, k, v, o, lse, mask, scale)
-    })
+    settle("backward", try_bwd(d_o, q, k, v, o, lse, mask, scale), || crate::naive::bwd(d_o, q, k, v, o, lse, mask, scale))
 }
 
 /// Shape, dtype and device checks shared by both directions.
@@ -353,8 +353,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
 ) -> std::result::Result<(Tensor, Tensor, Tensor), Refusal> {
     let stream = dev.cuda_stream();
     stream.context().bind_to_thread().w()?;
-    let (b, s, t, hq, hkv, d) =
-        (desc.b as usize, desc.s as usize, desc.t as usize, desc.hq as usize, desc.hkv as usize, desc.d as usize);
+    let (b, s, t, hq, hkv, d) = (desc.b as usize, desc.s as usize, desc.t as usize, desc.hq as usize, desc.hkv as usize, desc.d as usize);
     let mut dq = alloc::<T>(&stream, b * s * hq * d)?;
     let mut dk = alloc::<T>(&stream, b * t * hkv * d)?;
     let mut dv = alloc::<T>(&stream, b * t * hkv * d)?;
