@@ -5,6 +5,7 @@
 //!   include dir, /usr/include, /usr/include/x86_64-linux-gnu;
 //! - CUDA runtime + nvrtc.h: `CUDA_ROOT`/`CUDA_HOME`/`CUDA_PATH` + include,
 //!   `<workspace>/.cuda/py/nvidia/cu13/include`, /usr/local/cuda/include.
+//!
 //! `scripts/build_cuda.sh` provides all three on a machine without CUDA.
 //! Without the feature it does nothing, so the CPU build never needs CUDA.
 

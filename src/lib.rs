@@ -6,6 +6,7 @@
 //! - [`data`]: datasets, packing, synthetic long-context data.
 //! - [`dist`]: parallel dims, process groups, launch.
 //! - [`plan`]: per-GPU memory model, fit check and layout suggestion (`longctx plan`).
+//!
 //! Attention and the sequence-parallel modes live in the `longctx-attention` crate.
 
 pub mod data;

@@ -417,7 +417,7 @@ fn raw_u16_and_u32_token_files() {
     cfg.shuffle_buffer = 0;
     cfg.eos = Some(2); // not applied to raw streams
     let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard::SINGLE).unwrap());
-    assert_eq!(got, reference_concat(&[tokens.clone()], s, None, None));
+    assert_eq!(got, reference_concat(std::slice::from_ref(&tokens), s, None, None));
     let mut cfg = FilesConfig::new(f32_.to_str().unwrap(), s);
     cfg.token_width = TokenWidth::U32;
     cfg.shuffle_buffer = 0;
@@ -618,8 +618,8 @@ fn passkey_is_learnable() {
             let logits = model.logits(&model.forward_hidden(&ids, &positions, &attn).unwrap()).unwrap();
             let pred: Vec<Vec<u32>> = logits.argmax(D::Minus1).unwrap().to_vec2().unwrap();
             for (r, it) in items.iter().enumerate() {
-                for j in it.answer_start..s {
-                    right += (pred[r][j] as i64 == it.sample.targets[j]) as usize;
+                for (p, t) in pred[r][it.answer_start..s].iter().zip(&it.sample.targets[it.answer_start..s]) {
+                    right += (*p as i64 == *t) as usize;
                     total += 1;
                 }
             }

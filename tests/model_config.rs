@@ -212,7 +212,7 @@ fn parameter_shapes_match_the_model() {
         for (k, v) in extra.as_object().unwrap() {
             cfg[k] = v.clone();
         }
-        let cfg = LlamaConfig::from_value(&PathBuf::from(FILE), cfg).unwrap();
+        let cfg = LlamaConfig::from_value(PathBuf::from(FILE), cfg).unwrap();
         let shapes = longctx::train::init::parameter_shapes(&cfg);
         let weights = longctx::train::init::random_init(&cfg, 1, DType::F32, &Device::Cpu).unwrap();
         let vb = candle_nn::VarBuilder::from_tensors(weights, DType::F32, &Device::Cpu);

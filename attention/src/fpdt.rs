@@ -150,7 +150,7 @@ impl Fpdt {
             return crate::config_err!("FPDT chunk C={big_c} must be a positive multiple of the world size P={p}");
         }
         let total = s * p;
-        if total == 0 || total % big_c != 0 {
+        if total == 0 || !total.is_multiple_of(big_c) {
             return crate::config_err!(
                 "FPDT: global length S={total} (local {s} × P={p}) is not a positive multiple of the chunk C={big_c}"
             );

@@ -71,15 +71,15 @@ pub fn kv_replication(hq: usize, hkv: usize, p: usize) -> Result<usize> {
     if p == 0 {
         return crate::config_err!("head sharding over a world of 0 ranks");
     }
-    if hkv == 0 || hq % hkv != 0 {
+    if hkv == 0 || !hq.is_multiple_of(hkv) {
         return crate::config_err!("query heads hq={hq} must be a positive multiple of kv heads hkv={hkv}");
     }
-    let works = |p: usize| hq % p == 0 && (hkv % p == 0 || p % hkv == 0);
+    let works = |p: usize| hq.is_multiple_of(p) && (hkv.is_multiple_of(p) || p.is_multiple_of(hkv));
     if works(p) {
-        return Ok(if hkv % p == 0 { 1 } else { p / hkv });
+        return Ok(if hkv.is_multiple_of(p) { 1 } else { p / hkv });
     }
     let ok: Vec<String> = (1..=hq).filter(|&w| works(w)).map(|w| w.to_string()).collect();
-    let why = if hq % p != 0 {
+    let why = if !hq.is_multiple_of(p) {
         format!("query heads hq={hq} are not divisible by the world size P={p}")
     } else {
         format!("kv heads hkv={hkv} neither divisible by nor dividing P={p}")

@@ -156,6 +156,7 @@ impl ParquetDocs {
 
     fn push_texts(&mut self, levels: usize, def: &[i16], vals: &[parquet::data_type::ByteArray]) -> Result<()> {
         let mut vi = 0;
+        #[allow(clippy::needless_range_loop)] // `def` is empty when the column is required
         for k in 0..levels {
             let row = self.row;
             self.row += 1;

@@ -234,7 +234,7 @@ impl RunConfig {
         if self.train.batch_size == 0 || self.train.gradient_accumulate_every == 0 {
             return bad("train.batch_size", "batch_size and gradient_accumulate_every must be at least 1".into());
         }
-        if !(self.train.learning_rate > 0.0) {
+        if self.train.learning_rate.is_nan() || self.train.learning_rate <= 0.0 {
             return bad("train.learning_rate", format!("must be positive, got {}", self.train.learning_rate));
         }
         if p.token_chunk == 0 {
@@ -247,7 +247,7 @@ impl RunConfig {
             if st.seq_length == 0 {
                 return bad(&f("seq_length"), "must be positive".into());
             }
-            if !(st.rope_theta > 0.0) || !st.rope_theta.is_finite() {
+            if !st.rope_theta.is_finite() || st.rope_theta <= 0.0 {
                 return bad(&f("rope_theta"), format!("must be a positive number, got {}", st.rope_theta));
             }
             if st.steps == 0 {
@@ -266,7 +266,7 @@ impl RunConfig {
             prev_theta = st.rope_theta;
             let mode = st.parallel_mode.unwrap_or(p.mode);
             let sp = self.sp_size_for(mode);
-            if sp == 0 || p.world_size % sp != 0 {
+            if sp == 0 || !p.world_size.is_multiple_of(sp) {
                 return bad("parallel.sp_size", format!("world_size {} is not a multiple of sp_size {sp}", p.world_size));
             }
             let chunk = st.fpdt_chunk_size.unwrap_or(p.fpdt_chunk_size);
@@ -298,7 +298,7 @@ impl RunConfig {
                 }
                 ParallelMode::Usp => {
                     let u = p.ulysses_size.max(1);
-                    if sp % u != 0 {
+                    if !sp.is_multiple_of(u) {
                         return bad("parallel.ulysses_size", format!("usp: sp_size {sp} is not a multiple of ulysses_size {u}"));
                     }
                     let ring = sp / u;
@@ -312,11 +312,44 @@ impl RunConfig {
             }
         }
         if let Some(t) = self.export.final_rope_theta {
-            if !(t > 0.0) || !t.is_finite() {
+            if !t.is_finite() || t <= 0.0 {
                 return bad("export.final_rope_theta", format!("must be a positive number, got {t}"));
             }
         }
         Ok(())
+    }
+}
+
+/// The dotted key a TOML parse error points at (`parallel.mode`, `stage[1].steps`): the
+/// key of the `key = value` line holding the span, under the nearest table header above;
+/// the span's own text when it is not on such a line (an unknown key names itself).
+fn toml_field_at(text: &str, span: std::ops::Range<usize>) -> String {
+    let start = span.start.min(text.len());
+    let spanned = text.get(span.clone()).and_then(|t| t.lines().next()).unwrap_or("").trim().to_string();
+    let line_start = text[..start].rfind('\n').map_or(0, |i| i + 1);
+    let line = text[line_start..].lines().next().unwrap_or("");
+    let Some((key, _)) = line.split_once('=') else { return spanned };
+    let key = key.trim().trim_matches('"');
+    if key.is_empty() || key.starts_with('[') || key.starts_with('#') {
+        return spanned;
+    }
+    // Nearest table header above; count array-of-tables entries of that name.
+    let mut section = String::new();
+    let mut counts: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for l in text[..line_start].lines() {
+        let l = l.trim();
+        if let Some(name) = l.strip_prefix("[[").and_then(|r| r.split_once("]]")).map(|(n, _)| n.trim().to_string()) {
+            let n = counts.entry(name.clone()).or_insert(0);
+            section = format!("{name}[{n}]");
+            *n += 1;
+        } else if let Some(name) = l.strip_prefix('[').and_then(|r| r.split_once(']')).map(|(n, _)| n.trim().to_string()) {
+            section = name;
+        }
+    }
+    if section.is_empty() {
+        key.to_string()
+    } else {
+        format!("{section}.{key}")
     }
 }
 
@@ -369,38 +402,5 @@ mod tests {
         let c = RunConfig::from_file(&p).unwrap();
         assert_eq!(c.parallel.mode, ParallelMode::ZigzagRingAttn);
         assert_eq!(c.stages.len(), 1);
-    }
-}
-
-/// The dotted key a TOML parse error points at (`parallel.mode`, `stage[1].steps`): the
-/// key of the `key = value` line holding the span, under the nearest table header above;
-/// the span's own text when it is not on such a line (an unknown key names itself).
-fn toml_field_at(text: &str, span: std::ops::Range<usize>) -> String {
-    let start = span.start.min(text.len());
-    let spanned = text.get(span.clone()).and_then(|t| t.lines().next()).unwrap_or("").trim().to_string();
-    let line_start = text[..start].rfind('\n').map_or(0, |i| i + 1);
-    let line = text[line_start..].lines().next().unwrap_or("");
-    let Some((key, _)) = line.split_once('=') else { return spanned };
-    let key = key.trim().trim_matches('"');
-    if key.is_empty() || key.starts_with('[') || key.starts_with('#') {
-        return spanned;
-    }
-    // Nearest table header above; count array-of-tables entries of that name.
-    let mut section = String::new();
-    let mut counts: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
-    for l in text[..line_start].lines() {
-        let l = l.trim();
-        if let Some(name) = l.strip_prefix("[[").and_then(|r| r.split_once("]]")).map(|(n, _)| n.trim().to_string()) {
-            let n = counts.entry(name.clone()).or_insert(0);
-            section = format!("{name}[{n}]");
-            *n += 1;
-        } else if let Some(name) = l.strip_prefix('[').and_then(|r| r.split_once(']')).map(|(n, _)| n.trim().to_string()) {
-            section = name;
-        }
-    }
-    if section.is_empty() {
-        key.to_string()
-    } else {
-        format!("{section}.{key}")
     }
 }

@@ -14,6 +14,7 @@
 //!    `y = h + mlp(norm2(h))` chunk by chunk seeded with `(y_c · g_c).sum()`, then seed the
 //!    attention graph with `(h · dL/dh).sum()` to get its param grads and `dL/dx_l`;
 //! 4. embedding grads from `dL/dx_0`, chunk by chunk.
+//!
 //! Gradients are of `scale · Σ token losses` (the trainer passes `1 / global token count`),
 //! accumulated in f32, detached.
 //!

@@ -146,7 +146,7 @@ impl Metrics {
                 b.set_message(msg);
             }
             None => {
-                if l.step % 10 == 0 || l.step == 1 || l.step == l.steps {
+                if l.step.is_multiple_of(10) || l.step == 1 || l.step == l.steps {
                     eprintln!("stage {} step {}/{}: {msg}", l.stage, l.step, l.steps);
                 }
             }

@@ -173,6 +173,7 @@ mod tests {
 
     /// Against a scalar f64 transcription of the formula for a few steps.
     #[test]
+    #[allow(clippy::needless_range_loop)] // the reference reads like the formula
     fn adamw_matches_scalar_reference() {
         let cfg = AdamWConfig::default();
         let w0 = [0.5f32, -1.0, 2.0];
