@@ -206,11 +206,6 @@ impl RopeTable {
         x.broadcast_mul(&self.cos)?.add(&rotate_half(x)?.broadcast_mul(&self.sin)?)
     }
 
-    /// The rows for tokens `start..start + len` (a chunk of the sequence).
-    pub fn narrow_tokens(&self, start: usize, len: usize) -> Result<RopeTable> {
-        Ok(RopeTable { cos: self.cos.narrow(1, start, len)?, sin: self.sin.narrow(1, start, len)? })
-    }
-
     pub fn tokens(&self) -> Result<usize> {
         self.cos.dim(1)
     }
