@@ -128,26 +128,9 @@ fn help_lists_every_flag() {
         (
             &["plan", "--help"],
             &[
-                "--model",
-                "--config",
-                "--seq-length",
-                "--gpus",
-                "--nnodes",
-                "--world-size",
-                "--gpu-memory",
-                "--host-memory",
-                "--parallel-mode",
-                "--sp-size",
-                "--ulysses-size",
-                "--fpdt-chunk-size",
-                "--fpdt-offload",
-                "--offload-activations",
-                "--token-chunk",
-                "--batch-size",
-                "--dtype",
-                "--optimizer-on-device",
-                "--overhead",
-                "--json",
+                "--model", "--config", "--seq-length", "--gpus", "--nnodes", "--world-size", "--gpu-memory", "--host-memory",
+                "--parallel-mode", "--sp-size", "--ulysses-size", "--fpdt-chunk-size", "--fpdt-offload", "--offload-activations",
+                "--token-chunk", "--batch-size", "--dtype", "--optimizer-on-device", "--overhead", "--json",
             ],
         ),
         (&["launch", "--help"], &["--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-timeout"]),
@@ -155,16 +138,7 @@ fn help_lists_every_flag() {
         (
             &["bench", "engine", "--help"],
             &[
-                "--model",
-                "--seq",
-                "--batch",
-                "--token-chunk",
-                "--dtype",
-                "--device",
-                "--offload",
-                "--warmup",
-                "--iters",
-                "--tolerance",
+                "--model", "--seq", "--batch", "--token-chunk", "--dtype", "--device", "--offload", "--warmup", "--iters", "--tolerance",
                 "--seed",
             ],
         ),
@@ -213,26 +187,8 @@ fn train_flags_override_the_toml() {
     assert_eq!(r.parallel.mode, ParallelMode::ZigzagRingAttn);
     // Flags win; --seq-length/--rope-theta make one stage of --max-train-steps steps.
     let o = ok(&[
-        "train",
-        "--config",
-        c,
-        "--dry-run",
-        "--batch-size",
-        "3",
-        "--learning-rate",
-        "5e-4",
-        "--output-dir",
-        "from-flags",
-        "--parallel-mode",
-        "ulysses_attn",
-        "--seq-length",
-        "512",
-        "--rope-theta",
-        "5e5",
-        "--max-train-steps",
-        "7",
-        "--token-chunk",
-        "64",
+        "train", "--config", c, "--dry-run", "--batch-size", "3", "--learning-rate", "5e-4", "--output-dir", "from-flags",
+        "--parallel-mode", "ulysses_attn", "--seq-length", "512", "--rope-theta", "5e5", "--max-train-steps", "7", "--token-chunk", "64",
     ]);
     let r: RunConfig = toml::from_str(&o.stdout).unwrap();
     assert_eq!(r.train.batch_size, 3);
@@ -253,16 +209,7 @@ fn train_flags_override_the_toml() {
 #[test]
 fn zigzag_length_not_divisible_by_2w() {
     let o = run(&[
-        "train",
-        "--dry-run",
-        "--parallel-mode",
-        "zigzag_ring_attn",
-        "--world-size",
-        "4",
-        "--seq-length",
-        "100",
-        "--rope-theta",
-        "1e4",
+        "train", "--dry-run", "--parallel-mode", "zigzag_ring_attn", "--world-size", "4", "--seq-length", "100", "--rope-theta", "1e4",
     ]);
     fails(&o, &["stage[0].seq_length", "2·4 = 8", "100"], true);
 }
@@ -270,33 +217,13 @@ fn zigzag_length_not_divisible_by_2w() {
 #[test]
 fn fpdt_chunk_layout() {
     let o = run(&[
-        "train",
-        "--dry-run",
-        "--parallel-mode",
-        "fpdt",
-        "--world-size",
-        "2",
-        "--seq-length",
-        "1000",
-        "--rope-theta",
-        "1e4",
-        "--fpdt-chunk-size",
-        "256",
+        "train", "--dry-run", "--parallel-mode", "fpdt", "--world-size", "2", "--seq-length", "1000", "--rope-theta", "1e4",
+        "--fpdt-chunk-size", "256",
     ]);
     fails(&o, &["stage[0].seq_length", "multiple of the chunk size 256"], true);
     let o = run(&[
-        "train",
-        "--dry-run",
-        "--parallel-mode",
-        "fpdt",
-        "--world-size",
-        "4",
-        "--seq-length",
-        "1024",
-        "--rope-theta",
-        "1e4",
-        "--fpdt-chunk-size",
-        "254",
+        "train", "--dry-run", "--parallel-mode", "fpdt", "--world-size", "4", "--seq-length", "1024", "--rope-theta", "1e4",
+        "--fpdt-chunk-size", "254",
     ]);
     fails(&o, &["parallel.fpdt_chunk_size", "multiple of sp_size 4"], true);
 }

@@ -134,22 +134,8 @@ fn failure_before_rendezvous_stops_waiting_ranks() {
     // Rank 2 dies at once; ranks 0 and 1 would wait 60 s in the rendezvous.
     let o = run(
         &[
-            "launch",
-            "--nproc-per-node",
-            "3",
-            "--master-port",
-            "0",
-            "--rdzv-timeout",
-            "60",
-            "--kill-grace",
-            "1",
-            "--",
-            "run",
-            "--fail-rank",
-            "2",
-            "--fail-before-rdzv",
-            "--exit-code",
-            "7",
+            "launch", "--nproc-per-node", "3", "--master-port", "0", "--rdzv-timeout", "60", "--kill-grace", "1", "--", "run",
+            "--fail-rank", "2", "--fail-before-rdzv", "--exit-code", "7",
         ],
         Duration::from_secs(40),
     );
@@ -215,19 +201,8 @@ fn rendezvous_times_out_naming_missing_ranks() {
 fn rendezvous_timeout_under_the_launcher() {
     let o = run(
         &[
-            "launch",
-            "--nproc-per-node",
-            "3",
-            "--master-port",
-            "0",
-            "--rdzv-timeout",
-            "2",
-            "--kill-grace",
-            "1",
-            "--",
-            "run",
-            "--absent-rank",
-            "2",
+            "launch", "--nproc-per-node", "3", "--master-port", "0", "--rdzv-timeout", "2", "--kill-grace", "1", "--", "run",
+            "--absent-rank", "2",
         ],
         Duration::from_secs(40),
     );

@@ -27,32 +27,9 @@ fn exe() -> &'static str {
 /// checkpoint every step.
 fn train_args(out: &Path, mode: &str, extra: &[&str]) -> Vec<String> {
     let mut a: Vec<String> = [
-        "train",
-        "--model",
-        "builtin:tiny",
-        "--dataset",
-        "synthetic:passkey",
-        "--seq-length",
-        "64",
-        "--rope-theta",
-        "1e5",
-        "--max-train-steps",
-        "3",
-        "--batch-size",
-        "2",
-        "--learning-rate",
-        "3e-3",
-        "--clip-grad",
-        "1.0",
-        "--device",
-        "cpu",
-        "--checkpoint-every",
-        "1",
-        "--token-chunk",
-        "24",
-        "--parallel-mode",
-        mode,
-        "--output-dir",
+        "train", "--model", "builtin:tiny", "--dataset", "synthetic:passkey", "--seq-length", "64", "--rope-theta", "1e5",
+        "--max-train-steps", "3", "--batch-size", "2", "--learning-rate", "3e-3", "--clip-grad", "1.0", "--device", "cpu",
+        "--checkpoint-every", "1", "--token-chunk", "24", "--parallel-mode", mode, "--output-dir",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -291,40 +268,38 @@ fn no_half_written(out: &Path) {
     }
 }
 
-#[test]
-fn a_killed_rank_stops_every_rank() {
+/// Two hand-started ranks; once two steps are logged, `hurt` is done to rank 1. Rank 0
+/// must fail within `bound` with a message containing `expect`, leaving nothing
+/// half-written. `env` goes to both ranks.
+fn rank_0_stops_when_rank_1_is_lost(env: &[(&str, &str)], hurt: &str, bound: Duration, expect: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");
-    let mut ranks = spawn_ranks(&out, 2, "100000", &[], &[]);
+    let mut ranks = spawn_ranks(&out, 2, "100000", &[], env);
     wait_for_steps(&out, 2, Duration::from_secs(120));
-    ranks[1].kill().unwrap(); // SIGKILL: no goodbye, the socket closes
+    let pid = ranks[1].id().to_string();
+    assert!(Command::new("kill").args([hurt, &pid]).status().unwrap().success());
     let t = Instant::now();
-    let o0 = wait_limited(ranks.remove(0), Duration::from_secs(30));
+    let o0 = wait_limited(ranks.remove(0), bound + Duration::from_secs(20));
+    let lost = t.elapsed();
+    let _ = Command::new("kill").args(["-KILL", &pid]).status();
     let _ = wait_limited(ranks.remove(0), Duration::from_secs(5));
     let err = String::from_utf8_lossy(&o0.stderr);
-    assert!(!o0.status.success(), "rank 0 survived its peer's death");
-    assert!(err.contains("rank 1 exited without finishing"), "rank 0 must name the dead rank: {err}");
-    assert!(t.elapsed() < Duration::from_secs(30));
+    assert!(!o0.status.success(), "rank 0 went on without its peer ({hurt}): {err}");
+    assert!(err.contains(expect), "rank 0 must name the lost rank and why (`{expect}`): {err}");
+    assert!(lost < bound, "rank 0 took {lost:?} to stop after `kill {hurt}` of rank 1 (bound {bound:?})");
     no_half_written(&out);
 }
 
 #[test]
+fn a_killed_rank_stops_every_rank() {
+    // SIGKILL: no goodbye, the socket closes at once.
+    rank_0_stops_when_rank_1_is_lost(&[], "-KILL", Duration::from_secs(10), "rank 1 exited without finishing");
+}
+
+#[test]
 fn a_silent_rank_stops_every_rank() {
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("run");
-    let mut ranks = spawn_ranks(&out, 2, "100000", &[], &[("LONGCTX_PEER_TIMEOUT_S", "5")]);
-    wait_for_steps(&out, 2, Duration::from_secs(120));
-    let pid = ranks[1].id().to_string();
-    assert!(Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
-    let t = Instant::now();
-    let o0 = wait_limited(ranks.remove(0), Duration::from_secs(40));
-    let _ = Command::new("kill").args(["-KILL", &pid]).status();
-    let _ = wait_limited(ranks.remove(0), Duration::from_secs(5));
-    let err = String::from_utf8_lossy(&o0.stderr);
-    assert!(!o0.status.success(), "rank 0 went on without its peer");
-    assert!(err.contains("rank 1 silent for 5 s"), "rank 0 must name the silent rank: {err}");
-    assert!(t.elapsed() < Duration::from_secs(40));
-    no_half_written(&out);
+    // SIGSTOP: the connection stays open but nothing arrives for the peer timeout.
+    rank_0_stops_when_rank_1_is_lost(&[("LONGCTX_PEER_TIMEOUT_S", "5")], "-STOP", Duration::from_secs(20), "rank 1 silent for 5 s");
 }
 
 #[test]

@@ -210,8 +210,10 @@ impl FrameReader {
             } else {
                 4096
             };
+            // At most 1 MiB zero-filled per read: a read returns far less than a large
+            // frame, and each call fills its window afresh.
             let at = self.buf.len();
-            self.buf.resize(at + want.min(64 << 20), 0);
+            self.buf.resize(at + want.min(1 << 20), 0);
             let got = self.stream.read(&mut self.buf[at..]);
             self.buf.truncate(at + *got.as_ref().unwrap_or(&0));
             match got {
@@ -421,18 +423,18 @@ enum DataSink {
 }
 
 impl Shared {
-    fn take_data(&self, bytes: Vec<u8>) {
+    fn take_data(&self, bytes: &[u8]) {
         let sink = {
             let mut d = self.data.lock().unwrap_or_else(|p| p.into_inner());
             match &mut *d {
                 DataSink::Waiting(q) => {
-                    q.push(bytes);
+                    q.push(bytes.to_vec());
                     return;
                 }
                 DataSink::Ready(f) => f.clone(),
             }
         };
-        sink(&bytes);
+        sink(bytes);
     }
 
     /// Write one data frame for `to` on the connection `via`.
@@ -674,14 +676,15 @@ fn watch(sh: Arc<Shared>, peer: usize, mut reader: FrameReader, opts: Rendezvous
                     }
                     DATA if payload.len() >= 4 => {
                         let to = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]) as usize;
-                        let mut payload = payload;
                         if to == sh.rank {
-                            payload.drain(..4);
-                            sh.take_data(payload);
+                            sh.take_data(&payload[4..]);
                         } else if sh.rank == 0 {
                             if let Err(e) = sh.write_data(to, to, &payload[4..]) {
                                 sh.fail(format!("rank 0: relaying data from rank {peer} to rank {to}: {e}"), None);
                             }
+                        } else {
+                            // Only rank 0 relays: anything else is a protocol fault.
+                            sh.fail(format!("rank {}: got data addressed to rank {to} from {who}", sh.rank), Some(peer));
                         }
                     }
                     _ => {}

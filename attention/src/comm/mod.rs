@@ -25,10 +25,6 @@ impl Pending {
     pub fn new(wait: impl FnOnce() -> Result<Vec<Tensor>> + Send + 'static) -> Self {
         Self { wait: Box::new(wait) }
     }
-    /// Already-completed receive.
-    pub fn ready(ts: Vec<Tensor>) -> Self {
-        Self::new(move || Ok(ts))
-    }
     /// Block until the tensors have arrived.
     pub fn wait(self) -> Result<Vec<Tensor>> {
         (self.wait)()
