@@ -17,6 +17,7 @@
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
+use longctx::dist::{build_groups, DimsRequest, ParallelDims, ParallelMode};
 use longctx_attention::comm::{thread::run_ranks, Comm};
 use longctx_attention::kernel::{self, Mask};
 use longctx_attention::{layout, AttentionMode};
@@ -387,50 +388,28 @@ fn check_unsupported(_dev: &Device) -> anyhow::Result<bool> {
     Ok(true)
 }
 
-/// A mode for world `w`, with the global token indices of each rank (its layout);
-/// `None` for a mode not written yet.
-type ModeFactory = fn(Arc<dyn Comm>, usize) -> anyhow::Result<Option<Arc<dyn AttentionMode>>>;
-
-struct ModeCase {
-    name: &'static str,
-    make: ModeFactory,
-    indices: fn(usize, usize, usize) -> anyhow::Result<Vec<usize>>,
-}
-
 /// FPDT chunk size used by the checks (global tokens).
 const FPDT_CHUNK: usize = 256;
-/// USP Ulysses size for world `w`.
-fn usp_u(w: usize) -> usize {
-    if w >= 4 {
-        2
-    } else {
-        1
-    }
+
+/// The modes checked, with their Ulysses degree at world `w` (USP: 2 × w/2 from w = 4).
+const CHECKED_MODES: [ParallelMode; 4] = [ParallelMode::ZigzagRingAttn, ParallelMode::UlyssesAttn, ParallelMode::Fpdt, ParallelMode::Usp];
+fn ulysses_for(mode: ParallelMode, w: usize) -> Option<usize> {
+    (mode == ParallelMode::Usp).then_some(if w >= 4 { 2 } else { 1 })
 }
 
-fn mode_cases() -> Vec<ModeCase> {
-    vec![
-        ModeCase {
-            name: "ring (zigzag)",
-            make: |comm, _w| Ok(Some(Arc::new(longctx_attention::ring::ZigzagRing::new(comm)))),
-            indices: |s, w, r| Ok(layout::zigzag_indices(s, w, r)?),
-        },
-        ModeCase {
-            name: "ulysses",
-            make: |comm, _w| Ok(Some(Arc::new(longctx_attention::ulysses::Ulysses::new(comm)))),
-            indices: |s, w, r| Ok(layout::contiguous_indices(s, w, r)?),
-        },
-        ModeCase {
-            name: "fpdt (offload)",
-            make: |comm, _w| Ok(Some(Arc::new(longctx_attention::fpdt::Fpdt::new(comm, FPDT_CHUNK, true)))),
-            indices: |s, w, r| Ok(layout::fpdt_indices(s, w, FPDT_CHUNK, r)?),
-        },
-        ModeCase {
-            name: "usp",
-            make: |comm, w| Ok(Some(Arc::new(longctx_attention::usp::Usp::split(&comm, usp_u(w), w / usp_u(w))?))),
-            indices: |s, w, r| Ok(layout::usp_indices(s, usp_u(w), w / usp_u(w), r)?),
-        },
-    ]
+/// One sp rank's attention and token indices for `mode` over `w` ranks (no data parallelism).
+fn mode_on(
+    comm: &Arc<dyn Comm>,
+    mode: ParallelMode,
+    w: usize,
+    hq: usize,
+    hkv: usize,
+    seq: usize,
+) -> longctx::Result<(Arc<dyn AttentionMode>, Vec<usize>)> {
+    let dims = ParallelDims::new(&DimsRequest { mode, world: w, sp: Some(w), ulysses: ulysses_for(mode, w), hq, hkv })?;
+    let groups = build_groups(comm, &dims)?;
+    let idx = mode.local_indices(&dims, groups.sp.rank(), seq, FPDT_CHUNK)?;
+    Ok((mode.build(&groups, FPDT_CHUNK, true), idx))
 }
 
 /// Every mode at W ∈ {2, 4}, ranks on threads sharing `dev`, vs the local CUDA result.
@@ -444,21 +423,16 @@ fn check_modes(dev: &Device, dtype: DType) -> anyhow::Result<bool> {
     println!("| mode | o | lse | dq | dk | dv | |");
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     let mut ok = true;
-    for case in mode_cases() {
+    for mode in CHECKED_MODES {
         for w in [2usize, 4] {
-            let label = format!("{} W={w}", case.name);
-            let idx: Vec<Vec<usize>> = (0..w).map(|r| (case.indices)(s, w, r)).collect::<anyhow::Result<_>>()?;
+            let label = format!("{mode} W={w}");
             let parts = run_ranks(w, |comm| {
-                let r = comm.rank();
-                let mode = match (case.make)(comm, w).map_err(|e| candle_core::Error::Msg(e.to_string()))? {
-                    Some(m) => m,
-                    None => return Ok(None),
-                };
-                let take = |x: &Tensor| layout::take_seq(x, &idx[r]);
+                let (attn, idx) = mode_on(&comm, mode, w, hq, hkv, s).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                let take = |x: &Tensor| layout::take_seq(x, &idx);
                 let (ql, kl, vl, gl) = (take(&q)?, take(&k)?, take(&v)?, take(&d_o)?);
-                let (o, lse) = mode.forward(&ql, &kl, &vl, scale)?;
-                let (dq, dk, dv) = mode.backward(&gl, &ql, &kl, &vl, &o, &lse, scale)?;
-                Ok(Some([o, lse, dq, dk, dv]))
+                let (o, lse) = attn.forward(&ql, &kl, &vl, scale)?;
+                let (dq, dk, dv) = attn.backward(&gl, &ql, &kl, &vl, &o, &lse, scale)?;
+                Ok(([o, lse, dq, dk, dv], idx))
             });
             let parts = match parts {
                 Ok(p) => p,
@@ -468,11 +442,7 @@ fn check_modes(dev: &Device, dtype: DType) -> anyhow::Result<bool> {
                     continue;
                 }
             };
-            if parts.iter().any(Option::is_none) {
-                println!("| {label} | skipped: mode not implemented yet | | | | | |");
-                continue;
-            }
-            let parts: Vec<Five> = parts.into_iter().flatten().collect();
+            let (parts, idx): (Vec<Five>, Vec<Vec<usize>>) = parts.into_iter().unzip();
             let pick = |i: usize| parts.iter().map(|p| p[i].clone()).collect::<Vec<_>>();
             let got = [
                 layout::gather_seq(&pick(0), &idx)?,

@@ -4,12 +4,14 @@
 //! - [`hub`]: checkpoints in (safetensors, sharded, hub cache) and out (HF layout export).
 //! - [`train`]: the training loop / engine, optimizer, schedules.
 //! - [`data`]: datasets, packing, synthetic long-context data.
+//! - [`device`]: opening the CPU or a GPU from `model.device` or a rank.
 //! - [`dist`]: parallel dims, process groups, launch.
 //! - [`plan`]: per-GPU memory model, fit check and layout suggestion (`longctx plan`).
 //!
 //! Attention and the sequence-parallel modes live in the `longctx-attention` crate.
 
 pub mod data;
+pub mod device;
 pub mod dist;
 pub mod error;
 pub mod hub;

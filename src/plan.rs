@@ -82,7 +82,7 @@
 //! zigzag 2W divisibility, FPDT chunk layout, ...; [`ParallelDims::new`]: head split)
 //! and no more ranks than GPUs ([`ParallelDims::check_devices`]).
 
-use crate::dist::dims::{DimsRequest, ParallelDims, ParallelMode};
+use crate::dist::dims::{ParallelDims, ParallelMode};
 use crate::model::LlamaConfig;
 use crate::train::config::{RunConfig, Stage};
 use crate::{Error, Result};
@@ -332,19 +332,9 @@ pub fn validate(model: &ModelShape, req: &PlanRequest) -> Result<Layout> {
         }
         other => other,
     })?;
-    let dims = ParallelDims::new(&DimsRequest {
-        mode: req.mode,
-        world: req.world,
-        sp: Some(match (req.mode, req.sp) {
-            (ParallelMode::DataParallel, _) => 1,
-            (_, Some(n)) if n > 0 => n,
-            _ => req.world,
-        }),
-        ulysses: (req.mode == ParallelMode::Usp).then_some(req.ulysses.unwrap_or(1).max(1)),
-        hq: model.heads,
-        hkv: model.kv_heads,
-    })
-    .map_err(|e| setting("parallel_mode", e))?;
+    let (sp, ulysses) = (req.sp.unwrap_or(0), req.ulysses.unwrap_or(1));
+    let dims = ParallelDims::new(&req.mode.dims_request(req.world, sp, ulysses, model.heads, model.kv_heads))
+        .map_err(|e| setting("parallel_mode", e))?;
     Ok(Layout {
         mode: dims.mode,
         world: dims.world,
@@ -541,15 +531,9 @@ pub fn check_run(cfg: &RunConfig, model: &LlamaConfig, source: &Path) -> Result<
     for (i, st) in cfg.stages.iter().enumerate() {
         let mode = st.parallel_mode.unwrap_or(cfg.parallel.mode);
         let field = if st.parallel_mode.is_some() { format!("stage[{i}].parallel_mode") } else { "parallel.mode".to_string() };
-        ParallelDims::new(&DimsRequest {
-            mode,
-            world: cfg.parallel.world_size,
-            sp: Some(cfg.sp_size_for(mode)),
-            ulysses: (mode == ParallelMode::Usp).then_some(cfg.parallel.ulysses_size.max(1)),
-            hq: model.num_attention_heads,
-            hkv: model.num_key_value_heads,
-        })
-        .map_err(|e| {
+        let p = &cfg.parallel;
+        let req = mode.dims_request(p.world_size, p.sp_size, p.ulysses_size, model.num_attention_heads, model.num_key_value_heads);
+        ParallelDims::new(&req).map_err(|e| {
             let msg = match e {
                 Error::Setting(m) => m,
                 other => other.to_string(),

@@ -1,7 +1,7 @@
 //! Whole model under each sequence-parallel mode at W = 4 against the single-device run.
 //!
 //! A tiny GQA Llama (hq 4, hkv 2, 2 layers). The global batch `ids/targets [b, S]` is
-//! split with the trainer's layout (`trainer::local_indices`, checked against the
+//! split with the trainer's layout (`ParallelMode::local_indices`, checked against the
 //! attention crate's index functions): ids, targets and position ids permuted
 //! identically. Every rank runs `Engine::step` (and, separately, the full-graph path
 //! `Engine::full_graph_step`) with `scale = 1 / global counted tokens`, the gradients
@@ -17,7 +17,6 @@ use longctx::dist::dims::{build_groups, DimsRequest, ParallelDims, ParallelMode}
 use longctx::model::LlamaConfig;
 use longctx::train::engine::{Engine, EngineOptions};
 use longctx::train::init::{random_init, to_vars};
-use longctx::train::trainer::{build_mode, local_indices};
 use longctx_attention::comm::thread::run_ranks;
 use longctx_attention::layout;
 use longctx_attention::local::LocalAttention;
@@ -112,9 +111,9 @@ fn distributed(
         })
         .map_err(err)?;
         let groups = build_groups(&comm, &dims).map_err(err)?;
-        let attn = build_mode(case.mode, &groups, FPDT_CHUNK, case.fpdt_offload);
+        let attn = case.mode.build(&groups, FPDT_CHUNK, case.fpdt_offload);
         let sp_rank = groups.sp.rank();
-        let idx = local_indices(case.mode, &dims, sp_rank, S, FPDT_CHUNK).map_err(err)?;
+        let idx = case.mode.local_indices(&dims, sp_rank, S, FPDT_CHUNK).map_err(err)?;
         assert_eq!(idx, expected_indices(&case, sp_rank)?, "{}: rank {sp_rank} layout", case.name);
         let (lids, ltargets, lpos) = apply_layout_tensors(ids, targets, &idx).map_err(err)?;
         // every rank builds its own Vars from the same initial weights, like the trainer

@@ -133,14 +133,12 @@ fn nccl_id() -> longctx::Result<Vec<u8>> {
 /// groups of `build_groups`, bus bandwidths, and optionally the failure path.
 #[cfg(feature = "nccl")]
 fn nccl_selftest(env: &DistEnv, rdzv: &dist::Rendezvous, fail_rank: Option<usize>) -> anyhow::Result<i32> {
-    use anyhow::ensure;
-    use candle_core::{DType, Device, Tensor};
     use longctx::attention::comm::{nccl::NcclComm, Comm};
     use std::sync::Arc;
     use std::time::Instant;
 
     let (r, w) = (env.rank, env.world);
-    let dev = Device::new_cuda(env.local_rank)?;
+    let dev = longctx::device::open_cuda(env.local_rank)?;
     let t0 = Instant::now();
     let nc = NcclComm::new(&dev, r, w, &rdzv.blob)?;
     println!("rank {r}: NCCL world of {w} up in {:.2} s", t0.elapsed().as_secs_f64());
@@ -152,12 +150,32 @@ fn nccl_selftest(env: &DistEnv, rdzv: &dist::Rendezvous, fail_rank: Option<usize
         rdzv.monitor.exit_after_failure(Duration::from_secs(15));
     }
     let comm: Arc<dyn Comm> = nc.clone();
-    let full = |v: f64, shape: &[usize], dt: DType| -> candle_core::Result<Tensor> { Tensor::full(v as f32, shape, &dev)?.to_dtype(dt) };
+    collective_checks(&comm, &dev, r, w)?;
+    ordering_checks(&comm, &dev, r, w)?;
+    println!("rank {r}: all NCCL checks passed");
+    bandwidth(&comm, &dev, r, w)?;
+    if let Some(f) = fail_rank {
+        return dead_peer(&comm, &dev, rdzv, r, f);
+    }
+    Ok(0)
+}
+
+/// Every collective against values computed on the host, and the groups.
+#[cfg(feature = "nccl")]
+fn collective_checks(
+    comm: &std::sync::Arc<dyn longctx::attention::comm::Comm>,
+    dev: &candle_core::Device,
+    r: usize,
+    w: usize,
+) -> anyhow::Result<()> {
+    use anyhow::ensure;
+    use candle_core::{DType, Tensor};
+    let full = |v: f64, shape: &[usize], dt: DType| -> candle_core::Result<Tensor> { Tensor::full(v as f32, shape, dev)?.to_dtype(dt) };
     let vals = |t: &Tensor| -> candle_core::Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>() };
 
     // all_reduce_sum: rank k contributes (k+1)·i.
     for dt in [DType::F32, DType::BF16] {
-        let i = Tensor::arange(0f32, 64., &dev)?;
+        let i = Tensor::arange(0f32, 64., dev)?;
         let x = (i.clone() * (r + 1) as f64)?.to_dtype(dt)?;
         let got = vals(&comm.all_reduce_sum(&x)?)?;
         let total = (w * (w + 1) / 2) as f32;
@@ -194,19 +212,29 @@ fn nccl_selftest(env: &DistEnv, rdzv: &dist::Rendezvous, fail_rank: Option<usize
         hq: 8,
         hkv: 8,
     })?;
-    let g = dist::build_groups(&comm, &dims)?;
+    let g = dist::build_groups(comm, &dims)?;
     ensure!(g.sp.world() == 1 && g.dp.world() == w && g.dp.rank() == r, "group sizes");
     let one = full(1.0, &[1], DType::F32)?;
     ensure!(vals(&g.sp.all_reduce_sum(&one)?)? == [1.0], "sp group sum");
     let all: Vec<usize> = (0..w).collect();
     let split = comm.sub(&all)?;
     ensure!(vals(&split.all_reduce_sum(&one)?)? == [w as f32], "split world sum");
-    ordering_checks(&comm, &dev, r, w)?;
-    println!("rank {r}: all NCCL checks passed");
+    Ok(())
+}
 
-    // Bandwidth: 256 MiB bf16 all-reduce and ring exchange.
+/// Bus bandwidth of a 256 MiB bf16 all-reduce and ring exchange.
+#[cfg(feature = "nccl")]
+fn bandwidth(
+    comm: &std::sync::Arc<dyn longctx::attention::comm::Comm>,
+    dev: &candle_core::Device,
+    r: usize,
+    w: usize,
+) -> anyhow::Result<()> {
+    use candle_core::{DType, Tensor};
+    use std::time::Instant;
+    let (next, prev) = (comm.next(), comm.prev());
     let n = 128 << 20;
-    let big = Tensor::ones(n, DType::BF16, &dev)?;
+    let big = Tensor::ones(n, DType::BF16, dev)?;
     for _ in 0..3 {
         comm.all_reduce_sum(&big)?;
     }
@@ -232,26 +260,39 @@ fn nccl_selftest(env: &DistEnv, rdzv: &dist::Rendezvous, fail_rank: Option<usize
     let s = t.elapsed().as_secs_f64() / reps as f64;
     println!("rank {r}: ring sendrecv 256 MiB: {:.2} ms, {:.0} GB/s per direction", s * 1e3, bytes / s / 1e9);
 
-    if let Some(f) = fail_rank {
-        comm.barrier()?;
-        if r == f {
-            println!("rank {r}: exiting in the middle of the run on purpose");
-            std::process::exit(3);
-        }
-        std::thread::sleep(Duration::from_millis(500));
-        let t = Instant::now();
-        let res = comm.all_reduce_sum(&big).and_then(|y| y.narrow(0, 0, 4)?.to_dtype(DType::F32)?.to_vec1::<f32>());
-        println!(
-            "rank {r}: all_reduce with a dead peer returned after {:.1} s: {:?}; monitor: {:?}",
-            t.elapsed().as_secs_f64(),
-            res.as_ref().map(|_| "Ok"),
-            rdzv.monitor.failure()
-        );
-        let again = comm.all_reduce_sum(&one).map(|_| ());
-        println!("rank {r}: next call: {again:?}");
-        return Ok(dist::launch::PEER_FAILED_EXIT_CODE);
+    Ok(())
+}
+
+/// The failure path: rank `f` exits mid-run; the others report how the next collectives end.
+#[cfg(feature = "nccl")]
+fn dead_peer(
+    comm: &std::sync::Arc<dyn longctx::attention::comm::Comm>,
+    dev: &candle_core::Device,
+    rdzv: &dist::Rendezvous,
+    r: usize,
+    f: usize,
+) -> anyhow::Result<i32> {
+    use candle_core::{DType, Tensor};
+    use std::time::Instant;
+    let big = Tensor::ones(128 << 20, DType::BF16, dev)?;
+    let one = Tensor::ones(1, DType::F32, dev)?;
+    comm.barrier()?;
+    if r == f {
+        println!("rank {r}: exiting in the middle of the run on purpose");
+        std::process::exit(3);
     }
-    Ok(0)
+    std::thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    let res = comm.all_reduce_sum(&big).and_then(|y| y.narrow(0, 0, 4)?.to_dtype(DType::F32)?.to_vec1::<f32>());
+    println!(
+        "rank {r}: all_reduce with a dead peer returned after {:.1} s: {:?}; monitor: {:?}",
+        t.elapsed().as_secs_f64(),
+        res.as_ref().map(|_| "Ok"),
+        rdzv.monitor.failure()
+    );
+    let again = comm.all_reduce_sum(&one).map(|_| ());
+    println!("rank {r}: next call: {again:?}");
+    Ok(dist::launch::PEER_FAILED_EXIT_CODE)
 }
 
 fn main() {

@@ -24,57 +24,9 @@
 
 use crate::{Error, Result};
 use longctx_attention::comm::Comm;
-use std::fmt;
-use std::str::FromStr;
 use std::sync::Arc;
 
-/// How attention (and the sequence) is distributed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ParallelMode {
-    /// Every rank holds whole sequences; sp = 1.
-    DataParallel,
-    /// Zigzag ring attention over sp ranks (ulysses = 1, ring = sp).
-    ZigzagRingAttn,
-    /// Ulysses all-to-all over sp ranks (ulysses = sp, ring = 1).
-    UlyssesAttn,
-    /// FPDT (Ulysses-Offload): Ulysses layout with chunked, offloaded attention.
-    Fpdt,
-    /// Ulysses inside groups of `ulysses` ranks, zigzag ring across `sp / ulysses` groups.
-    Usp,
-}
-
-impl ParallelMode {
-    pub const ALL: [ParallelMode; 5] =
-        [ParallelMode::DataParallel, ParallelMode::ZigzagRingAttn, ParallelMode::UlyssesAttn, ParallelMode::Fpdt, ParallelMode::Usp];
-
-    /// The config / CLI spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ParallelMode::DataParallel => "data_parallel",
-            ParallelMode::ZigzagRingAttn => "zigzag_ring_attn",
-            ParallelMode::UlyssesAttn => "ulysses_attn",
-            ParallelMode::Fpdt => "fpdt",
-            ParallelMode::Usp => "usp",
-        }
-    }
-}
-
-impl fmt::Display for ParallelMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for ParallelMode {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        Self::ALL.into_iter().find(|m| m.as_str() == s).ok_or_else(|| {
-            let names: Vec<_> = Self::ALL.iter().map(|m| m.as_str()).collect();
-            Error::Setting(format!("unknown parallel mode `{s}`, expected one of {}", names.join(", ")))
-        })
-    }
-}
+pub use super::mode::ParallelMode;
 
 /// What the user asked for; [`ParallelDims::new`] fills the defaults and checks it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,26 +93,7 @@ impl ParallelDims {
             return Err(setting(format!("mode {mode}: world size {world} is not divisible by sp = {sp} (need world = dp × sp)")));
         }
         let dp = world / sp;
-        let ulysses = match (mode, ulysses) {
-            (ParallelMode::DataParallel | ParallelMode::ZigzagRingAttn, None | Some(1)) => 1,
-            (ParallelMode::DataParallel | ParallelMode::ZigzagRingAttn, Some(u)) => {
-                return Err(setting(format!("mode {mode} does not use Ulysses, but ulysses = {u} was given (use usp)")))
-            }
-            (ParallelMode::UlyssesAttn | ParallelMode::Fpdt, None) => sp,
-            (ParallelMode::UlyssesAttn | ParallelMode::Fpdt, Some(u)) if u == sp => sp,
-            (ParallelMode::UlyssesAttn | ParallelMode::Fpdt, Some(u)) => {
-                return Err(setting(format!(
-                    "mode {mode} runs Ulysses over the whole sp group (ulysses = sp = {sp}), but ulysses = {u} was given (use usp to mix with a ring)"
-                )))
-            }
-            (ParallelMode::Usp, None) => {
-                return Err(setting(format!(
-                    "mode usp needs the ulysses degree (a divisor of sp = {sp}, typically the GPUs per node)"
-                )))
-            }
-            (ParallelMode::Usp, Some(0)) => return Err(setting("mode usp: ulysses must be at least 1".into())),
-            (ParallelMode::Usp, Some(u)) => u,
-        };
+        let ulysses = mode.ulysses_degree(sp, ulysses)?;
         if !sp.is_multiple_of(ulysses) {
             return Err(setting(format!("mode {mode}: sp = {sp} is not divisible by ulysses = {ulysses} (need sp = ulysses × ring)")));
         }

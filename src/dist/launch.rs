@@ -294,6 +294,8 @@ pub fn launch(opts: LaunchOptions) -> Result<i32, LaunchError> {
     result
 }
 
+type Exits = std::sync::mpsc::Receiver<(usize, std::io::Result<ExitStatus>)>;
+
 fn supervise(opts: &LaunchOptions, port: u16, world: usize) -> Result<i32, LaunchError> {
     let mut ranks: Vec<Rank> = Vec::new();
     let mut pumps = Vec::new();
@@ -301,29 +303,7 @@ fn supervise(opts: &LaunchOptions, port: u16, world: usize) -> Result<i32, Launc
     let (exited_tx, exited) = std::sync::mpsc::channel::<(usize, std::io::Result<ExitStatus>)>();
     for local_rank in 0..opts.nproc_per_node {
         let rank = opts.node_rank * opts.nproc_per_node + local_rank;
-        let mut cmd = Command::new(&opts.program);
-        cmd.args(&opts.args)
-            .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", local_rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_WORLD_SIZE", opts.nproc_per_node.to_string())
-            .env("GROUP_RANK", opts.node_rank.to_string())
-            .env("NODE_RANK", opts.node_rank.to_string())
-            .env("MASTER_ADDR", &opts.master_addr)
-            .env("MASTER_PORT", port.to_string())
-            .env(super::rendezvous::TIMEOUT_ENV, opts.rdzv_timeout.as_secs_f64().to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
-        // SAFETY: prctl is async-signal-safe; it only sets the parent-death signal.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let mut child = match cmd.spawn() {
+        let mut child = match rank_command(opts, port, world, rank, local_rank).spawn() {
             Ok(c) => c,
             Err(source) => {
                 stop_all(&mut ranks, &exited, opts.kill_grace);
@@ -346,9 +326,74 @@ fn supervise(opts: &LaunchOptions, port: u16, world: usize) -> Result<i32, Launc
             let _ = tx.send((idx, st));
         });
     }
+    let outcome = watch(opts, &mut ranks, &exited);
+    // Let the output threads drain; do not wait on pipes held open by escaped grandchildren.
+    let until = Instant::now() + Duration::from_secs(2);
+    for p in pumps {
+        while !p.is_finished() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if p.is_finished() {
+            let _ = p.join();
+        }
+    }
+    outcome
+}
 
-    // Failures seen, with their class: 0 = cause, 1 = stopped because a peer failed,
-    // 2 = killed by the signal we sent it. The error names the first of the lowest class.
+/// The command of one local rank: torchrun's variables, piped output, its own process
+/// group (so a stop reaches its children), killed if the launcher dies.
+fn rank_command(opts: &LaunchOptions, port: u16, world: usize, rank: usize, local_rank: usize) -> Command {
+    let mut cmd = Command::new(&opts.program);
+    cmd.args(&opts.args)
+        .env("RANK", rank.to_string())
+        .env("LOCAL_RANK", local_rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_WORLD_SIZE", opts.nproc_per_node.to_string())
+        .env("GROUP_RANK", opts.node_rank.to_string())
+        .env("NODE_RANK", opts.node_rank.to_string())
+        .env("MASTER_ADDR", &opts.master_addr)
+        .env("MASTER_PORT", port.to_string())
+        .env(super::rendezvous::TIMEOUT_ENV, opts.rdzv_timeout.as_secs_f64().to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    // SAFETY: prctl is async-signal-safe; it only sets the parent-death signal.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    cmd
+}
+
+/// How a rank's exit counts: `None` for success, else its class (0 = cause, 1 = stopped
+/// because a peer failed, 2 = killed by the signal we sent it) and the error.
+fn exit_failure(r: &Rank, st: std::io::Result<ExitStatus>) -> Option<(u8, LaunchError)> {
+    let (status, code, class) = match st {
+        Ok(st) if st.success() => return None,
+        Ok(st) => {
+            let (status, code) = describe(st);
+            let ours = matches!(st.signal(), Some(libc::SIGTERM | libc::SIGKILL)) || code == 128 + libc::SIGTERM;
+            let class = if r.signaled && ours {
+                2
+            } else if code == PEER_FAILED_EXIT_CODE {
+                1
+            } else {
+                0
+            };
+            (status, code, class)
+        }
+        Err(e) => (format!("could not be waited for ({e})"), 1, 0),
+    };
+    Some((class, LaunchError::RankFailed { rank: r.rank, local_rank: r.local_rank, pid: r.pid, status, code }))
+}
+
+/// Waits for every rank; on a failure or a signal stops the others (SIGTERM, SIGKILL
+/// after the grace; a second signal kills at once). The error names the first failure
+/// of the lowest class (see [`exit_failure`]), or the interruption.
+fn watch(opts: &LaunchOptions, ranks: &mut [Rank], exited: &Exits) -> Result<i32, LaunchError> {
     let mut failures: Vec<(u8, LaunchError)> = Vec::new();
     let mut interrupted: Option<LaunchError> = None;
     let mut stop_deadline: Option<Instant> = None;
@@ -356,26 +401,8 @@ fn supervise(opts: &LaunchOptions, port: u16, world: usize) -> Result<i32, Launc
     while ranks.iter().any(|r| !r.done) {
         match exited.recv_timeout(Duration::from_millis(20)) {
             Ok((idx, st)) => {
-                let r = &mut ranks[idx];
-                r.done = true;
-                let (status, code, class) = match st {
-                    Ok(st) if st.success() => continue,
-                    Ok(st) => {
-                        let (status, code) = describe(st);
-                        let ours = matches!(st.signal(), Some(libc::SIGTERM | libc::SIGKILL)) || code == 128 + libc::SIGTERM;
-                        let class = if r.signaled && ours {
-                            2
-                        } else if code == PEER_FAILED_EXIT_CODE {
-                            1
-                        } else {
-                            0
-                        };
-                        (status, code, class)
-                    }
-                    Err(e) => (format!("could not be waited for ({e})"), 1, 0),
-                };
-                let e = LaunchError::RankFailed { rank: r.rank, local_rank: r.local_rank, pid: r.pid, status, code };
-                failures.push((class, e));
+                ranks[idx].done = true;
+                failures.extend(exit_failure(&ranks[idx], st));
             }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
@@ -403,16 +430,6 @@ fn supervise(opts: &LaunchOptions, port: u16, world: usize) -> Result<i32, Launc
             }
         }
     }
-    // Let the output threads drain; do not wait on pipes held open by escaped grandchildren.
-    let until = Instant::now() + Duration::from_secs(2);
-    for p in pumps {
-        while !p.is_finished() && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        if p.is_finished() {
-            let _ = p.join();
-        }
-    }
     if let Some(e) = interrupted {
         return Err(e);
     }
@@ -423,7 +440,7 @@ fn supervise(opts: &LaunchOptions, port: u16, world: usize) -> Result<i32, Launc
 }
 
 /// Stop already-started ranks (spawn failure path): SIGTERM, SIGKILL after `grace`.
-fn stop_all(ranks: &mut [Rank], exited: &std::sync::mpsc::Receiver<(usize, std::io::Result<ExitStatus>)>, grace: Duration) {
+fn stop_all(ranks: &mut [Rank], exited: &Exits, grace: Duration) {
     for r in ranks.iter() {
         kill_group(r.pid, libc::SIGTERM);
     }

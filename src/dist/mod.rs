@@ -10,6 +10,8 @@
 //!
 //! In-process runs (ranks as threads) start at [`world::run_threads`] instead.
 //!
+//! - [`mode`]: `ParallelMode`, everything that differs per mode (degrees, length rules,
+//!   the attention it builds, the token layout).
 //! - [`dims`]: `ParallelDims`, the rank layout, group membership, `build_groups`.
 //! - [`env`]: `DistEnv` from torchrun or Slurm variables.
 //! - [`rendezvous`]: TCP rendezvous and the failure monitor.
@@ -19,12 +21,14 @@
 pub mod dims;
 pub mod env;
 pub mod launch;
+pub mod mode;
 pub mod rendezvous;
 pub mod world;
 
-pub use dims::{build_groups, Coords, DimsRequest, Groups, ParallelDims, ParallelMode};
+pub use dims::{build_groups, Coords, DimsRequest, Groups, ParallelDims};
 pub use env::DistEnv;
 pub use launch::{launch, LaunchArgs, LaunchError, LaunchOptions};
+pub use mode::{LengthField, ParallelMode};
 pub use rendezvous::{rendezvous, Monitor, Rendezvous, RendezvousOptions};
 
 /// A communication failure (rendezvous, lost peer), as the attention crate reports them.

@@ -134,18 +134,9 @@ fn join_nccl(env: &DistEnv, opts: &RendezvousOptions) -> Result<Joined> {
     // Open the device after the rendezvous, so that a rank without a GPU tells the
     // others at once (through the monitor) instead of leaving them waiting to join.
     let opened = (|| -> Result<(Device, Arc<NcclComm>)> {
-        let device = Device::new_cuda(env.local_rank).map_err(|e| {
-            let e = e.to_string();
-            let e = e.lines().next().unwrap_or_default(); // without a captured backtrace
-            let n = candle_core::cuda::cudarc::driver::CudaContext::device_count().unwrap_or(0);
-            Error::Setting(format!(
-                "rank {}: cannot open cuda:{} ({e}); this node has {n} GPU(s): start at most {n} processes per node \
-                 (one per GPU, --nproc-per-node)",
-                env.rank, env.local_rank
-            ))
+        let device = crate::device::open_cuda(env.local_rank).map_err(|e| {
+            Error::Setting(format!("rank {}: {e}: start at most one process per GPU on each node (--nproc-per-node)", env.rank))
         })?;
-        // Keep freed memory in the pool, as `trainer::parse_device` does.
-        longctx_attention::cuda::retain_pool_memory(device.as_cuda_device()?)?;
         let comm = NcclComm::new(&device, env.rank, env.world, &rdv.blob)?;
         Ok((device, comm))
     })();

@@ -1,23 +1,22 @@
-//! One safetensors file, memory-mapped, with its header checked before any tensor is read.
+//! One safetensors file, memory-mapped, its header parsed and checked by the
+//! `safetensors` crate before any tensor is read.
 //!
 //! Layout of a safetensors file:
 //! `[u64 little-endian n][n bytes of JSON header][data]`, the header maps each tensor name
 //! to `{"dtype": "F32", "shape": [..], "data_offsets": [start, end]}` (offsets relative to
 //! the data section) plus an optional `"__metadata__"` string map.
 //!
-//! We parse the header ourselves (instead of `safetensors::SafeTensors::deserialize`) so
-//! that a truncated download, a corrupt header or a wrong byte count is reported with
-//! the file name, the numbers, and what to do about it.
+//! The crate's errors say what is wrong but not with which file or what to do; [`explain`]
+//! turns each into a message with the file, the byte counts (a truncated download is the
+//! usual cause) and the fix.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
+use safetensors::tensor::{Metadata, SafeTensorError, SafeTensors};
 
 use crate::{Error, Result};
-
-/// The safetensors format caps the JSON header at 100 MB; anything larger is garbage.
-const MAX_HEADER_BYTES: u64 = 100_000_000;
 
 /// Where one tensor lives inside the data section of its file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,13 +37,6 @@ pub struct SafetensorsFile {
     data_start: usize,
     tensors: HashMap<String, TensorEntry>,
     metadata: BTreeMap<String, String>,
-}
-
-#[derive(serde::Deserialize)]
-struct RawEntry {
-    dtype: String,
-    shape: Vec<usize>,
-    data_offsets: (usize, usize),
 }
 
 /// Bytes per element of a safetensors dtype string, `None` for sub-byte or unknown dtypes.
@@ -95,6 +87,37 @@ fn corrupt(path: &Path, what: impl std::fmt::Display) -> Error {
     )
 }
 
+fn truncated(path: &Path, what: String) -> Error {
+    Error::checkpoint(path, format!("file is truncated: {what}; re-download it"))
+}
+
+/// A file-naming, fix-saying error for what `SafeTensors::read_metadata` refused in `buf`.
+fn explain(path: &Path, buf: &[u8], e: SafeTensorError) -> Error {
+    let len = buf.len();
+    let n = buf.get(..8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])));
+    match (e, n) {
+        (SafeTensorError::HeaderTooSmall, _) | (_, None) => {
+            truncated(path, format!("it has {len} bytes, a safetensors file starts with an 8-byte header length"))
+        }
+        (SafeTensorError::HeaderTooLarge, Some(n)) => corrupt(path, format!("header length field is {n} bytes (limit 100 MB)")),
+        (SafeTensorError::InvalidHeaderLength, Some(n)) => {
+            truncated(path, format!("header says at least {} bytes, file has {len}", n.saturating_add(8)))
+        }
+        (SafeTensorError::MetadataIncompleteBuffer, Some(n)) => {
+            // The header parsed: compare the size it describes with the file's.
+            let header = &buf[8..8 + n as usize];
+            let data = serde_json::from_slice::<Metadata>(header).map(|m| m.data_len()).unwrap_or(0);
+            let expected = 8 + n as usize + data;
+            if expected > len {
+                truncated(path, format!("header says {expected} bytes, file has {len}"))
+            } else {
+                corrupt(path, format!("the file has {} bytes after the last tensor the header lists", len - expected))
+            }
+        }
+        (e, _) => corrupt(path, e),
+    }
+}
+
 impl SafetensorsFile {
     /// Maps `path` and validates its header: size fields, dtypes, byte counts, offsets.
     pub fn open(path: &Path) -> Result<Self> {
@@ -102,71 +125,17 @@ impl SafetensorsFile {
         // SAFETY: the map is read-only; a checkpoint file modified while we read it is a
         // user error that at worst yields wrong numbers, as with any reader.
         let mmap = unsafe { memmap2::MmapOptions::new().map(&file) }.map_err(|e| Error::io(path, e))?;
-        let file_len = mmap.len() as u64;
-        if file_len < 8 {
-            return Err(Error::checkpoint(
-                path,
-                format!(
-                    "file is truncated: it has {file_len} bytes, a safetensors file starts with an \
-                     8-byte header length; re-download it"
-                ),
-            ));
-        }
-        let mut n_bytes = [0u8; 8];
-        n_bytes.copy_from_slice(&mmap[..8]);
-        let n = u64::from_le_bytes(n_bytes);
-        if n > MAX_HEADER_BYTES {
-            return Err(corrupt(path, format!("header length field is {n} bytes (limit {MAX_HEADER_BYTES})")));
-        }
-        if 8 + n > file_len {
-            return Err(Error::checkpoint(
-                path,
-                format!("file is truncated: header says at least {} bytes, file has {file_len}; re-download it", 8 + n),
-            ));
-        }
-        let data_start = 8 + n as usize;
-        let header = std::str::from_utf8(&mmap[8..data_start]).map_err(|e| corrupt(path, format!("header is not UTF-8 ({e})")))?;
-        let raw: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_str(header.trim_end()).map_err(|e| corrupt(path, format!("header is not a JSON object ({e})")))?;
-
+        let (n, header) = SafeTensors::read_metadata(&mmap).map_err(|e| explain(path, &mmap, e))?;
         let mut tensors = HashMap::new();
-        let mut metadata = BTreeMap::new();
-        let mut data_needed = 0usize;
-        for (name, value) in raw {
-            if name == "__metadata__" {
-                metadata = serde_json::from_value(value).map_err(|e| corrupt(path, format!("`__metadata__` is not a string map ({e})")))?;
-                continue;
-            }
-            let e: RawEntry = serde_json::from_value(value).map_err(|e| corrupt(path, format!("entry `{name}` ({e})")))?;
-            let Some(size) = dtype_size(&e.dtype) else {
-                return Err(corrupt(path, format!("tensor `{name}` has unknown dtype `{}`", e.dtype)));
+        for (name, info) in header.tensors() {
+            let Some(_) = dtype_size(&format!("{:?}", info.dtype)) else {
+                return Err(corrupt(path, format!("tensor `{name}` has dtype {:?}, which longctx does not read", info.dtype)));
             };
-            let numel = e.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-            let nbytes = numel.and_then(|n| n.checked_mul(size));
-            let (start, end) = e.data_offsets;
-            if end < start || nbytes != Some(end - start) {
-                return Err(corrupt(
-                    path,
-                    format!(
-                        "tensor `{name}`: dtype {} shape {:?} needs {} bytes but data_offsets [{start}, {end}] span {}",
-                        e.dtype,
-                        e.shape,
-                        nbytes.map_or("too many".to_string(), |b| b.to_string()),
-                        end.wrapping_sub(start) as isize
-                    ),
-                ));
-            }
-            data_needed = data_needed.max(end);
-            tensors.insert(name, TensorEntry { dtype: e.dtype, shape: e.shape, start, end });
+            let (start, end) = info.data_offsets;
+            tensors.insert(name, TensorEntry { dtype: format!("{:?}", info.dtype), shape: info.shape.clone(), start, end });
         }
-        let expected = data_start as u64 + data_needed as u64;
-        if expected > file_len {
-            return Err(Error::checkpoint(
-                path,
-                format!("file is truncated: header says {expected} bytes, file has {file_len}; re-download it"),
-            ));
-        }
-        Ok(Self { path: path.to_path_buf(), mmap, data_start, tensors, metadata })
+        let metadata = header.metadata().clone().unwrap_or_default().into_iter().collect();
+        Ok(Self { path: path.to_path_buf(), mmap, data_start: 8 + n, tensors, metadata })
     }
 
     pub fn path(&self) -> &Path {

@@ -131,6 +131,26 @@ pub struct LlamaConfig {
     original: Map<String, Value>,
 }
 
+/// The sizes read by [`Fields::shape`].
+struct Shape {
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: usize,
+    head_dim: usize,
+    vocab_size: usize,
+}
+
+/// What [`Fields::rope`] read: θ, the parsed scaling, and what write-back needs.
+struct RopeFields {
+    theta: f64,
+    scaling: Option<RopeScaling>,
+    theta_on_top: bool,
+    raw: Option<Map<String, Value>>,
+    key: &'static str,
+}
+
 /// Field-checking helpers over one JSON object, each error naming file and field.
 struct Fields<'a> {
     file: &'a Path,
@@ -180,6 +200,139 @@ fn positive_float(file: &Path, field: &str, v: &Value) -> Result<f64> {
 }
 
 impl<'a> Fields<'a> {
+    /// Architecture: `model_type` decides; `architectures` must agree when present.
+    fn architecture(&mut self) -> Result<(Arch, Option<Vec<String>>)> {
+        let (file, f) = (self.file, self);
+        let architectures = match f.take("architectures") {
+            None => None,
+            Some(Value::Array(a)) => {
+                let mut names = Vec::with_capacity(a.len());
+                for x in a {
+                    match x {
+                        Value::String(s) => names.push(s),
+                        o => return Err(Error::config(file, "architectures", format!("expected a list of strings, got {}", show(&o)))),
+                    }
+                }
+                Some(names)
+            }
+            Some(o) => return Err(Error::config(file, "architectures", format!("expected a list of strings, got {}", show(&o)))),
+        };
+        let from_archs = match &architectures {
+            Some(names) => {
+                let mut found = None;
+                for n in names {
+                    match Arch::from_architecture(n) {
+                        Some(a) => found = Some(a),
+                        None => {
+                            return Err(Error::config(
+                                file,
+                                "architectures",
+                                format!("unsupported architecture \"{n}\"; supported: {SUPPORTED}"),
+                            ))
+                        }
+                    }
+                }
+                found
+            }
+            None => None,
+        };
+        let arch = match f.take("model_type") {
+            Some(Value::String(s)) => match Arch::from_model_type(&s) {
+                Some(a) => a,
+                None => return Err(Error::config(file, "model_type", format!("unsupported model type \"{s}\"; supported: {SUPPORTED}"))),
+            },
+            Some(o) => return Err(Error::config(file, "model_type", format!("expected a string, got {}", show(&o)))),
+            None => from_archs
+                .ok_or_else(|| Error::config(file, "model_type", format!("missing (and no `architectures`); supported: {SUPPORTED}")))?,
+        };
+        if let Some(a) = from_archs {
+            if a != arch {
+                return Err(Error::config(
+                    file,
+                    "architectures",
+                    format!("says {} but `model_type` is \"{}\"", a.model_type(), arch.model_type()),
+                ));
+            }
+        }
+
+        Ok((arch, architectures))
+    }
+
+    /// The sizes, with transformers' defaults (`num_key_value_heads`, `head_dim`) and checks.
+    fn shape(&mut self) -> Result<Shape> {
+        let (file, f) = (self.file, self);
+        let hidden_size = f.req_int("hidden_size")?;
+        let intermediate_size = f.req_int("intermediate_size")?;
+        let num_hidden_layers = f.req_int("num_hidden_layers")?;
+        let num_attention_heads = f.req_int("num_attention_heads")?;
+        let vocab_size = f.req_int("vocab_size")?;
+        let num_key_value_heads = f.opt_int("num_key_value_heads")?.unwrap_or(num_attention_heads);
+        let head_dim = match f.opt_int("head_dim")? {
+            Some(d) => d,
+            None => {
+                if hidden_size % num_attention_heads != 0 {
+                    return Err(Error::config(
+                        file,
+                        "head_dim",
+                        format!("missing, and hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}"),
+                    ));
+                }
+                hidden_size / num_attention_heads
+            }
+        };
+        if num_attention_heads % num_key_value_heads != 0 {
+            return Err(Error::config(
+                file,
+                "num_key_value_heads",
+                format!("num_attention_heads {num_attention_heads} is not divisible by num_key_value_heads {num_key_value_heads}"),
+            ));
+        }
+        if head_dim % 2 != 0 {
+            return Err(Error::config(file, "head_dim", format!("expected an even number (RoPE rotates pairs), got {head_dim}")));
+        }
+        Ok(Shape { hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, vocab_size })
+    }
+
+    /// RoPE: θ and scaling from `rope_theta` + `rope_scaling` or `rope_parameters`.
+    fn rope(&mut self, max_position_embeddings: usize) -> Result<RopeFields> {
+        let (file, f) = (self.file, self);
+        // RoPE: transformers v4 writes `rope_theta` + `rope_scaling`, v5 one `rope_parameters`
+        // dict holding `rope_theta` and the scaling keys. As in transformers, a non-null
+        // `rope_scaling` wins over `rope_parameters`.
+        let top_theta = f.opt_float("rope_theta")?;
+        let theta_on_top = top_theta.is_some();
+        let mut rope_raw = None;
+        let mut rope_key = "rope_scaling";
+        for key in ["rope_scaling", "rope_parameters"] {
+            match f.take(key) {
+                None => {}
+                Some(Value::Object(o)) if rope_raw.is_none() && !o.is_empty() => {
+                    rope_raw = Some(o);
+                    rope_key = key;
+                }
+                Some(Value::Object(o)) => {
+                    // The losing (or empty) dict is kept as it was.
+                    f.map.insert(key.into(), Value::Object(o));
+                }
+                Some(o) => return Err(Error::config(file, key, format!("expected an object or null, got {}", show(&o)))),
+            }
+        }
+        let (rope_scaling, rope_theta) = match &rope_raw {
+            Some(o) => {
+                if o.values().any(Value::is_object) {
+                    return Err(Error::config(file, rope_key, "per-layer-type RoPE parameters are not supported"));
+                }
+                let theta = match o.get("rope_theta").filter(|v| !v.is_null()) {
+                    Some(v) => positive_float(file, &format!("{rope_key}.rope_theta"), v)?,
+                    None => top_theta.unwrap_or(10000.0),
+                };
+                (parse_rope_scaling(file, rope_key, o, max_position_embeddings)?, theta)
+            }
+            None => (None, top_theta.unwrap_or(10000.0)),
+        };
+        Ok(RopeFields { theta: rope_theta, scaling: rope_scaling, theta_on_top, raw: rope_raw, key: rope_key })
+    }
+
     /// Removes `key` (null counts as absent).
     fn take(&mut self, key: &str) -> Option<Value> {
         match self.map.remove(key) {
@@ -294,88 +447,9 @@ impl LlamaConfig {
         let original = map.clone();
         let mut f = Fields { file, map };
 
-        // Architecture: `model_type` decides; `architectures` must agree when present.
-        let architectures = match f.take("architectures") {
-            None => None,
-            Some(Value::Array(a)) => {
-                let mut names = Vec::with_capacity(a.len());
-                for x in a {
-                    match x {
-                        Value::String(s) => names.push(s),
-                        o => return Err(Error::config(file, "architectures", format!("expected a list of strings, got {}", show(&o)))),
-                    }
-                }
-                Some(names)
-            }
-            Some(o) => return Err(Error::config(file, "architectures", format!("expected a list of strings, got {}", show(&o)))),
-        };
-        let from_archs = match &architectures {
-            Some(names) => {
-                let mut found = None;
-                for n in names {
-                    match Arch::from_architecture(n) {
-                        Some(a) => found = Some(a),
-                        None => {
-                            return Err(Error::config(
-                                file,
-                                "architectures",
-                                format!("unsupported architecture \"{n}\"; supported: {SUPPORTED}"),
-                            ))
-                        }
-                    }
-                }
-                found
-            }
-            None => None,
-        };
-        let arch = match f.take("model_type") {
-            Some(Value::String(s)) => match Arch::from_model_type(&s) {
-                Some(a) => a,
-                None => return Err(Error::config(file, "model_type", format!("unsupported model type \"{s}\"; supported: {SUPPORTED}"))),
-            },
-            Some(o) => return Err(Error::config(file, "model_type", format!("expected a string, got {}", show(&o)))),
-            None => from_archs
-                .ok_or_else(|| Error::config(file, "model_type", format!("missing (and no `architectures`); supported: {SUPPORTED}")))?,
-        };
-        if let Some(a) = from_archs {
-            if a != arch {
-                return Err(Error::config(
-                    file,
-                    "architectures",
-                    format!("says {} but `model_type` is \"{}\"", a.model_type(), arch.model_type()),
-                ));
-            }
-        }
-
-        let hidden_size = f.req_int("hidden_size")?;
-        let intermediate_size = f.req_int("intermediate_size")?;
-        let num_hidden_layers = f.req_int("num_hidden_layers")?;
-        let num_attention_heads = f.req_int("num_attention_heads")?;
-        let vocab_size = f.req_int("vocab_size")?;
-        let num_key_value_heads = f.opt_int("num_key_value_heads")?.unwrap_or(num_attention_heads);
-        let head_dim = match f.opt_int("head_dim")? {
-            Some(d) => d,
-            None => {
-                if hidden_size % num_attention_heads != 0 {
-                    return Err(Error::config(
-                        file,
-                        "head_dim",
-                        format!("missing, and hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}"),
-                    ));
-                }
-                hidden_size / num_attention_heads
-            }
-        };
-        if num_attention_heads % num_key_value_heads != 0 {
-            return Err(Error::config(
-                file,
-                "num_key_value_heads",
-                format!("num_attention_heads {num_attention_heads} is not divisible by num_key_value_heads {num_key_value_heads}"),
-            ));
-        }
-        if head_dim % 2 != 0 {
-            return Err(Error::config(file, "head_dim", format!("expected an even number (RoPE rotates pairs), got {head_dim}")));
-        }
+        let (arch, architectures) = f.architecture()?;
+        let Shape { hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, vocab_size } =
+            f.shape()?;
         // transformers' defaults for the optional fields.
         let rms_norm_eps = f.opt_float("rms_norm_eps")?.unwrap_or(1e-6);
         let max_position_embeddings = f.opt_int("max_position_embeddings")?.unwrap_or(2048);
@@ -386,40 +460,7 @@ impl LlamaConfig {
             Some(d) => (Some(d), "torch_dtype"),
             None => (f.opt_string("dtype")?, "dtype"),
         };
-        // RoPE: transformers v4 writes `rope_theta` + `rope_scaling`, v5 one `rope_parameters`
-        // dict holding `rope_theta` and the scaling keys. As in transformers, a non-null
-        // `rope_scaling` wins over `rope_parameters`.
-        let top_theta = f.opt_float("rope_theta")?;
-        let theta_on_top = top_theta.is_some();
-        let mut rope_raw = None;
-        let mut rope_key = "rope_scaling";
-        for key in ["rope_scaling", "rope_parameters"] {
-            match f.take(key) {
-                None => {}
-                Some(Value::Object(o)) if rope_raw.is_none() && !o.is_empty() => {
-                    rope_raw = Some(o);
-                    rope_key = key;
-                }
-                Some(Value::Object(o)) => {
-                    // The losing (or empty) dict is kept as it was.
-                    f.map.insert(key.into(), Value::Object(o));
-                }
-                Some(o) => return Err(Error::config(file, key, format!("expected an object or null, got {}", show(&o)))),
-            }
-        }
-        let (rope_scaling, rope_theta) = match &rope_raw {
-            Some(o) => {
-                if o.values().any(Value::is_object) {
-                    return Err(Error::config(file, rope_key, "per-layer-type RoPE parameters are not supported"));
-                }
-                let theta = match o.get("rope_theta").filter(|v| !v.is_null()) {
-                    Some(v) => positive_float(file, &format!("{rope_key}.rope_theta"), v)?,
-                    None => top_theta.unwrap_or(10000.0),
-                };
-                (parse_rope_scaling(file, rope_key, o, max_position_embeddings)?, theta)
-            }
-            None => (None, top_theta.unwrap_or(10000.0)),
-        };
+        let rope = f.rope(max_position_embeddings)?;
         if let Some(v) = f.peek("hidden_act") {
             if v.as_str() != Some("silu") {
                 return Err(Error::config(file, "hidden_act", format!("only \"silu\" is supported, got {}", show(v))));
@@ -435,8 +476,8 @@ impl LlamaConfig {
             num_key_value_heads,
             head_dim,
             rms_norm_eps,
-            rope_theta,
-            rope_scaling,
+            rope_theta: rope.theta,
+            rope_scaling: rope.scaling,
             max_position_embeddings,
             vocab_size,
             tie_word_embeddings,
@@ -445,9 +486,9 @@ impl LlamaConfig {
             torch_dtype,
             extra: f.map,
             dtype_key,
-            theta_on_top,
-            rope_raw,
-            rope_key,
+            theta_on_top: rope.theta_on_top,
+            rope_raw: rope.raw,
+            rope_key: rope.key,
             source: file.to_path_buf(),
             original,
         })

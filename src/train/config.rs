@@ -6,7 +6,8 @@ use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-pub use crate::dist::dims::ParallelMode;
+use crate::dist::LengthField;
+pub use crate::dist::ParallelMode;
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -204,13 +205,9 @@ impl RunConfig {
         Ok(cfg)
     }
 
-    /// The sequence-parallel degree for a mode and world size.
+    /// The sequence-parallel degree of a stage run under `mode` (see [`ParallelMode::sp_degree`]).
     pub fn sp_size_for(&self, mode: ParallelMode) -> usize {
-        match mode {
-            ParallelMode::DataParallel => 1,
-            _ if self.parallel.sp_size == 0 => self.parallel.world_size,
-            _ => self.parallel.sp_size,
-        }
+        mode.sp_degree(self.parallel.world_size, self.parallel.sp_size)
     }
 
     /// Check everything that can be checked without the model; `source` names where the
@@ -240,8 +237,21 @@ impl RunConfig {
         if p.token_chunk == 0 {
             return bad("parallel.token_chunk", "must be at least 1".into());
         }
-        let mut prev_len = 0usize;
-        let mut prev_theta = 0f64;
+        self.validate_stages(source)?;
+        if let Some(t) = self.export.final_rope_theta {
+            if !t.is_finite() || t <= 0.0 {
+                return bad("export.final_rope_theta", format!("must be a positive number, got {t}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The stages: positive values, non-decreasing length and θ, and each length split
+    /// by its mode ([`ParallelMode::check_seq_len`]).
+    fn validate_stages(&self, source: &Path) -> Result<()> {
+        let bad = |field: &str, msg: String| Err(Error::config(source, field, msg));
+        let p = &self.parallel;
+        let (mut prev_len, mut prev_theta) = (0usize, 0f64);
         for (i, st) in self.stages.iter().enumerate() {
             let f = |name: &str| format!("stage[{i}].{name}");
             if st.seq_length == 0 {
@@ -262,58 +272,21 @@ impl RunConfig {
                     ),
                 );
             }
-            prev_len = st.seq_length;
-            prev_theta = st.rope_theta;
+            (prev_len, prev_theta) = (st.seq_length, st.rope_theta);
             let mode = st.parallel_mode.unwrap_or(p.mode);
             let sp = self.sp_size_for(mode);
             if sp == 0 || !p.world_size.is_multiple_of(sp) {
                 return bad("parallel.sp_size", format!("world_size {} is not a multiple of sp_size {sp}", p.world_size));
             }
             let chunk = st.fpdt_chunk_size.unwrap_or(p.fpdt_chunk_size);
-            match mode {
-                ParallelMode::DataParallel => {}
-                ParallelMode::ZigzagRingAttn => {
-                    if st.seq_length % (2 * sp) != 0 {
-                        return bad(
-                            &f("seq_length"),
-                            format!("zigzag ring over {sp} ranks needs a multiple of 2·{sp} = {}, got {}", 2 * sp, st.seq_length),
-                        );
-                    }
-                }
-                ParallelMode::UlyssesAttn => {
-                    if st.seq_length % sp != 0 {
-                        return bad(&f("seq_length"), format!("ulysses over {sp} ranks needs a multiple of {sp}, got {}", st.seq_length));
-                    }
-                }
-                ParallelMode::Fpdt => {
-                    if chunk == 0 || chunk % sp != 0 {
-                        return bad(
-                            "parallel.fpdt_chunk_size",
-                            format!("fpdt chunk size {chunk} must be a positive multiple of sp_size {sp}"),
-                        );
-                    }
-                    if st.seq_length % chunk != 0 {
-                        return bad(&f("seq_length"), format!("fpdt needs seq_length to be a multiple of the chunk size {chunk}, got {}; use --fpdt-chunk-size dividing it", st.seq_length));
-                    }
-                }
-                ParallelMode::Usp => {
-                    let u = p.ulysses_size.max(1);
-                    if !sp.is_multiple_of(u) {
-                        return bad("parallel.ulysses_size", format!("usp: sp_size {sp} is not a multiple of ulysses_size {u}"));
-                    }
-                    let ring = sp / u;
-                    if st.seq_length % (2 * ring * u) != 0 {
-                        return bad(
-                            &f("seq_length"),
-                            format!("usp ({u} ulysses × {ring} ring) needs a multiple of {}, got {}", 2 * ring * u, st.seq_length),
-                        );
-                    }
-                }
-            }
-        }
-        if let Some(t) = self.export.final_rope_theta {
-            if !t.is_finite() || t <= 0.0 {
-                return bad("export.final_rope_theta", format!("must be a positive number, got {t}"));
+            let ulysses = mode.ulysses_degree(sp, mode.ulysses_setting(p.ulysses_size)).unwrap_or(1);
+            if let Err((field, msg)) = mode.check_seq_len(st.seq_length, sp, ulysses, chunk) {
+                let field = match field {
+                    LengthField::SeqLength => f("seq_length"),
+                    LengthField::FpdtChunkSize => "parallel.fpdt_chunk_size".into(),
+                    LengthField::UlyssesSize => "parallel.ulysses_size".into(),
+                };
+                return bad(&field, msg);
             }
         }
         Ok(())

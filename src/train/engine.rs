@@ -188,24 +188,8 @@ impl Engine {
         }
 
         // 2. head + loss, chunked; dL/dx_L.
-        let mut chunk_losses = Vec::with_capacity(chunks.len()); // f32 scalars, read once below
-        let mut gx_chunks = Vec::with_capacity(chunks.len());
-        for &(st, len) in &chunks {
-            let hc = Var::from_tensor(&x.narrow(1, st, len)?.contiguous()?)?;
-            let logits = self.tracked.logits(&self.tracked.norm.forward(hc.as_tensor())?)?; // [b, c, V]
-            mem.transient_bytes = mem.transient_bytes.max(bytes(&logits) + logits.elem_count() * 4);
-            let l = crate::model::cross_entropy_sum_checked(&logits, &targets.narrow(1, st, len)?)?;
-            chunk_losses.push(l.detach());
-            let grads = (l * scale)?.backward()?;
-            self.collect(&grads, &mut acc)?;
-            gx_chunks.push(match grads.get(hc.as_tensor()) {
-                Some(g) => g.detach(),
-                None => hc.as_tensor().zeros_like()?,
-            });
-        }
-        let mut gx = Tensor::cat(&gx_chunks, 1)?; // [b, s, h]
+        let (mut gx, loss_sum) = self.head_backward(&x, targets, &chunks, scale, &mut acc, &mut mem)?;
         drop(x);
-        let loss_sum: f64 = Tensor::stack(&chunk_losses, 0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?.iter().sum();
 
         // 3. layers, top first: recompute one layer with tracked weights.
         for (l, layer) in self.tracked.layers.iter().enumerate().rev() {
@@ -246,6 +230,37 @@ impl Engine {
         }
 
         Ok(StepResult { loss_sum, n_tokens, grads: self.finish(acc)?, memory: mem })
+    }
+
+    /// Final norm, head and loss over token chunks of the top hidden `x [b, s, h]`,
+    /// differentiated at once (weight gradients into `acc`). Returns `dL/dx [b, s, h]`
+    /// (times `scale`) and the loss sum.
+    fn head_backward(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        chunks: &[(usize, usize)],
+        scale: f64,
+        acc: &mut [Option<Tensor>],
+        mem: &mut MemoryReport,
+    ) -> Result<(Tensor, f64)> {
+        let mut chunk_losses = Vec::with_capacity(chunks.len()); // f32 scalars, read once below
+        let mut gx_chunks = Vec::with_capacity(chunks.len());
+        for &(st, len) in chunks {
+            let hc = Var::from_tensor(&x.narrow(1, st, len)?.contiguous()?)?;
+            let logits = self.tracked.logits(&self.tracked.norm.forward(hc.as_tensor())?)?; // [b, c, V]
+            mem.transient_bytes = mem.transient_bytes.max(bytes(&logits) + logits.elem_count() * 4);
+            let l = crate::model::cross_entropy_sum_checked(&logits, &targets.narrow(1, st, len)?)?;
+            chunk_losses.push(l.detach());
+            let grads = (l * scale)?.backward()?;
+            self.collect(&grads, acc)?;
+            gx_chunks.push(match grads.get(hc.as_tensor()) {
+                Some(g) => g.detach(),
+                None => hc.as_tensor().zeros_like()?,
+            });
+        }
+        let loss_sum: f64 = Tensor::stack(&chunk_losses, 0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?.iter().sum();
+        Ok((Tensor::cat(&gx_chunks, 1)?, loss_sum))
     }
 
     /// One f32 gradient per parameter: the accumulated one, or zeros where none arrived.

@@ -11,7 +11,7 @@
 
 use crate::data::loader::{DataSpec, DataState, FilesConfig, Loader, Shard};
 use crate::data::synthetic::{LossOn, PasskeyConfig};
-use crate::dist::dims::{build_groups, DimsRequest, Groups, ParallelDims, ParallelMode};
+use crate::dist::dims::{build_groups, Groups, ParallelDims, ParallelMode};
 use crate::model::{LlamaConfig, Rope};
 use crate::train::checkpoint::{self, TrainState};
 use crate::train::config::{RunConfig, Stage};
@@ -22,7 +22,7 @@ use crate::train::zero::{all_reduce_scalar, ShardedAdamW};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use longctx_attention::comm::Comm;
-use longctx_attention::{fpdt::Fpdt, layout, local::LocalAttention, ring::ZigzagRing, ulysses::Ulysses, usp::Usp, AttentionMode};
+use longctx_attention::AttentionMode;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -78,27 +78,7 @@ pub fn parse_dtype(s: &str, file: &Path, field: &str) -> Result<DType> {
     }
 }
 
-pub fn parse_device(s: &str, field_src: &Path) -> Result<Device> {
-    match s {
-        "cpu" => Ok(Device::Cpu),
-        _ if s.starts_with("cuda") => {
-            let idx = s
-                .strip_prefix("cuda:")
-                .map(|i| i.parse::<usize>())
-                .transpose()
-                .map_err(|_| Error::config(field_src, "model.device", format!("expected cpu, cuda or cuda:N, got `{s}`")))?;
-            let dev = Device::new_cuda(idx.unwrap_or(0)).map_err(|e| {
-                Error::config(field_src, "model.device", format!("cannot open `{s}`: {e} (is this a CUDA build? see README, GPU build)"))
-            })?;
-            // Keep freed memory in the pool: each step synchronises, and with the default
-            // release threshold the pool would hand memory back and map it again every step.
-            #[cfg(feature = "cuda")]
-            longctx_attention::cuda::retain_pool_memory(dev.as_cuda_device()?)?;
-            Ok(dev)
-        }
-        _ => Err(Error::config(field_src, "model.device", format!("expected cpu, cuda or cuda:N, got `{s}`"))),
-    }
-}
+pub use crate::device::parse_device;
 
 /// Resolve `model.source` into a config and initial weights.
 pub fn load_start_model(cfg: &RunConfig) -> Result<StartModel> {
@@ -147,30 +127,6 @@ fn data_spec(cfg: &RunConfig, model: &StartModel, seq_len: usize) -> Result<Data
     f.seed = cfg.seed;
     f.eos = model.cfg.extra.get("eos_token_id").and_then(|v| v.as_u64()).map(|v| v as u32);
     Ok(DataSpec::Files(f))
-}
-
-/// The attention mode of a stage over this rank's groups.
-pub fn build_mode(mode: ParallelMode, groups: &Groups, chunk: usize, offload: bool) -> Arc<dyn AttentionMode> {
-    match mode {
-        ParallelMode::DataParallel => Arc::new(LocalAttention),
-        ParallelMode::ZigzagRingAttn => Arc::new(ZigzagRing::new(groups.sp.clone())),
-        ParallelMode::UlyssesAttn => Arc::new(Ulysses::new(groups.sp.clone())),
-        ParallelMode::Fpdt => Arc::new(Fpdt::new(groups.sp.clone(), chunk, offload)),
-        ParallelMode::Usp => Arc::new(Usp::new(groups.ulysses.clone(), groups.ring.clone())),
-    }
-}
-
-/// Global token indices this rank holds under a mode (in local order).
-pub fn local_indices(mode: ParallelMode, dims: &ParallelDims, sp_rank: usize, seq: usize, chunk: usize) -> Result<Vec<usize>> {
-    let sp = dims.sp;
-    let r = match mode {
-        ParallelMode::DataParallel => Ok((0..seq).collect()),
-        ParallelMode::ZigzagRingAttn => layout::zigzag_indices(seq, sp, sp_rank),
-        ParallelMode::UlyssesAttn => layout::contiguous_indices(seq, sp, sp_rank),
-        ParallelMode::Fpdt => layout::fpdt_indices(seq, sp, chunk, sp_rank),
-        ParallelMode::Usp => layout::usp_indices(seq, dims.ulysses, dims.ring, sp_rank),
-    };
-    r.map_err(Error::from)
 }
 
 /// Per-rank context shared by the threads.
@@ -351,22 +307,17 @@ impl<'a> RankRun<'a> {
         let mode = stage.parallel_mode.unwrap_or(cfg.parallel.mode);
         let chunk = stage.fpdt_chunk_size.unwrap_or(cfg.parallel.fpdt_chunk_size);
         if self.groups.as_ref().map(|g| g.0) != Some(mode) {
-            let dims = ParallelDims::new(&DimsRequest {
-                mode,
-                world: self.world.world(),
-                sp: Some(cfg.sp_size_for(mode)),
-                ulysses: if mode == ParallelMode::Usp { Some(cfg.parallel.ulysses_size.max(1)) } else { None },
-                hq: mcfg.num_attention_heads,
-                hkv: mcfg.num_key_value_heads,
-            })?;
+            let p = &cfg.parallel;
+            let req = mode.dims_request(self.world.world(), p.sp_size, p.ulysses_size, mcfg.num_attention_heads, mcfg.num_key_value_heads);
+            let dims = ParallelDims::new(&req)?;
             let g = build_groups(&self.world, &dims)?;
             self.groups = Some((mode, dims, g));
         }
         let (_, dims, g) = self.groups.as_ref().ok_or_else(|| Error::Setting("groups".into()))?;
-        let attn = build_mode(mode, g, chunk, cfg.parallel.fpdt_offload);
+        let attn = mode.build(g, chunk, cfg.parallel.fpdt_offload);
         let (dp_rank, dp) = (g.dp.rank(), g.dp.world());
         self.engine.set_rope(Rope::new(&mcfg.with_rope_theta(stage.rope_theta)));
-        let indices = local_indices(mode, dims, g.sp.rank(), stage.seq_length, chunk)?;
+        let indices = mode.local_indices(dims, g.sp.rank(), stage.seq_length, chunk)?;
         let spec = data_spec(cfg, self.sh.model, stage.seq_length)?;
         let mut loader = Loader::new(&spec, self.sh.model.tokenizer.as_ref(), Shard { rank: dp_rank, world: dp })?;
         if let Some(ds) = &data {

@@ -1,0 +1,67 @@
+//! Opening the device a run computes on: the one place that turns `model.device`
+//! (`cpu`, `cuda`, `cuda:N`) or a launcher's local rank into a Candle device.
+
+use std::path::Path;
+
+use candle_core::Device;
+
+use crate::{Error, Result};
+
+/// Opens `model.device` as written in `file` (`cpu`, `cuda`, `cuda:N`).
+pub fn parse_device(s: &str, file: &Path) -> Result<Device> {
+    let bad = || Error::config(file, "model.device", format!("expected cpu, cuda or cuda:N, got `{s}`"));
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => open_cuda(0).map_err(|e| Error::config(file, "model.device", format!("cannot open `{s}`: {e}"))),
+        _ => {
+            let idx = s.strip_prefix("cuda:").ok_or_else(bad)?.parse::<usize>().map_err(|_| bad())?;
+            open_cuda(idx).map_err(|e| Error::config(file, "model.device", format!("cannot open `{s}`: {e}")))
+        }
+    }
+}
+
+/// Opens GPU `index` on Candle's per-thread stream and keeps freed memory in the pool:
+/// each step synchronises, and with the default release threshold the pool would hand
+/// memory back and map it again every step. The error (first line only, no backtrace)
+/// says how many GPUs there are, or that this build has no CUDA.
+pub fn open_cuda(index: usize) -> Result<Device> {
+    let dev = Device::new_cuda(index).map_err(|e| {
+        let e = e.to_string();
+        let first = e.lines().next().unwrap_or_default();
+        Error::Setting(format!("cannot open cuda:{index} ({first}); {}", gpu_hint()))
+    })?;
+    #[cfg(feature = "cuda")]
+    longctx_attention::cuda::retain_pool_memory(dev.as_cuda_device()?)?;
+    Ok(dev)
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_hint() -> String {
+    let n = candle_core::cuda::cudarc::driver::CudaContext::device_count().unwrap_or(0);
+    format!("this node has {n} GPU(s)")
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_hint() -> String {
+    "this build has no CUDA: build with scripts/build_cuda.sh (see README, GPU build)".into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_settings() {
+        let f = Path::new("run.toml");
+        assert!(parse_device("cpu", f).unwrap().is_cpu());
+        for bad in ["gpu", "cuda:x", "cuda1", ""] {
+            let e = parse_device(bad, f).unwrap_err().to_string();
+            assert!(e.contains("model.device") && e.contains("expected cpu, cuda or cuda:N"), "{bad}: {e}");
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let e = parse_device("cuda:0", f).unwrap_err().to_string();
+            assert!(e.contains("scripts/build_cuda.sh"), "{e}");
+        }
+    }
+}
