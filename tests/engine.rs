@@ -1,7 +1,8 @@
 //! The layer-wise engine against one autograd graph over the whole model.
 //!
 //! `Engine::step` (graph-free forward keeping layer inputs, chunked head/loss, per-layer
-//! recomputation, chunked MLP and embedding backward) must give the gradients of
+//! recomputation with the explicit layer backward — and with Candle autograd per layer —,
+//! chunked MLP and embedding backward) must give the gradients of
 //! `scale · Σ token losses` that Candle's autograd gives through one graph of the model
 //! API (`Llama::loss` + `backward`, the path checked against transformers), for every
 //! parameter; so must `Engine::full_graph_step` (the multi-rank tests' second reference).
@@ -13,7 +14,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use longctx::model::{LlamaConfig, IGNORE_INDEX};
-use longctx::train::engine::{Engine, EngineOptions, StepResult};
+use longctx::train::engine::{Engine, EngineOptions, LayerBackward, StepResult};
 use longctx::train::init::{random_init, to_vars};
 use longctx_attention::local::LocalAttention;
 use longctx_attention::AttentionMode;
@@ -55,8 +56,12 @@ fn config(hq: usize, hkv: usize, tied: bool, bias: bool, layers: usize) -> Llama
 }
 
 fn engine(cfg: &LlamaConfig, token_chunk: usize, offload: bool) -> longctx::Result<Engine> {
+    engine_with(cfg, token_chunk, offload, LayerBackward::Explicit)
+}
+
+fn engine_with(cfg: &LlamaConfig, token_chunk: usize, offload: bool, layer_backward: LayerBackward) -> longctx::Result<Engine> {
     let vars = to_vars(random_init(cfg, 7, DType::F32, &Device::Cpu)?)?;
-    Engine::from_vars(cfg, &vars, EngineOptions { token_chunk, offload_activations: offload })
+    Engine::from_vars(cfg, &vars, EngineOptions { token_chunk, offload_activations: offload, layer_backward })
 }
 
 /// Deterministic ids `[b, s]` u32, targets `[b, s]` i64 (the next id; `masked(row, t)`
@@ -145,7 +150,10 @@ fn check(
     let worst = assert_close(case, &eng, &got, &want)?;
     let full = eng.full_graph_step(&ids, &targets, &pos, s, &attn, scale)?;
     let worst_full = assert_close(&format!("{case} (full_graph_step)"), &eng, &full, &want)?;
-    eprintln!("{case}: worst grad rel {worst:.2e} (full_graph_step {worst_full:.2e})");
+    let auto = engine_with(cfg, chunk, offload, LayerBackward::Autograd)?;
+    let got_auto = auto.step(&ids, &targets, &pos, s, &attn, scale)?;
+    let worst_auto = assert_close(&format!("{case} (autograd layer backward)"), &auto, &got_auto, &want)?;
+    eprintln!("{case}: worst grad rel {worst:.2e} (full_graph_step {worst_full:.2e}, autograd layers {worst_auto:.2e})");
     Ok(worst)
 }
 

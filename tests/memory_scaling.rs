@@ -49,7 +49,7 @@ fn config(layers: usize) -> LlamaConfig {
 fn report(layers: usize, b: usize, s: usize, chunk: usize, offload: bool) -> longctx::Result<MemoryReport> {
     let cfg = config(layers);
     let vars = to_vars(random_init(&cfg, 3, DType::F32, &Device::Cpu)?)?;
-    let eng = Engine::from_vars(&cfg, &vars, EngineOptions { token_chunk: chunk, offload_activations: offload })?;
+    let eng = Engine::from_vars(&cfg, &vars, EngineOptions { token_chunk: chunk, offload_activations: offload, ..Default::default() })?;
     let ids: Vec<u32> = (0..b * s).map(|i| (i * 7 % VOCAB) as u32).collect();
     let targets: Vec<i64> = (0..b * s).map(|i| (i * 11 % VOCAB) as i64).collect();
     let pos: Vec<u32> = (0..b).flat_map(|_| 0..s as u32).collect();

@@ -21,6 +21,7 @@
 //! Shapes: `b` batch, `s` local tokens, `h` hidden, `V` vocabulary, `c` tokens per chunk.
 
 use crate::model::{Llama, RopeTable};
+use crate::train::layer_grad::{layer_backward, LayerSlots};
 use crate::train::offload::ActivationStore;
 use crate::Result;
 use candle_core::{DType, Tensor, Var};
@@ -36,12 +37,23 @@ pub struct EngineOptions {
     pub token_chunk: usize,
     /// Keep saved layer inputs in host memory between forward and backward.
     pub offload_activations: bool,
+    /// How a decoder layer's backward is computed.
+    pub layer_backward: LayerBackward,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        Self { token_chunk: 4096, offload_activations: false }
+        Self { token_chunk: 4096, offload_activations: false, layer_backward: LayerBackward::Explicit }
     }
+}
+
+/// How the engine differentiates one decoder layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerBackward {
+    /// Every gradient written out ([`super::layer_grad`]): the hot path.
+    Explicit,
+    /// Candle autograd over the recomputed layer: the reference the tests compare with.
+    Autograd,
 }
 
 /// Memory the engine held, measured from the tensors it kept (bytes).
@@ -76,6 +88,8 @@ pub struct Engine {
     pub opts: EngineOptions,
     /// Saved layer inputs; kept across steps so pinned host buffers are reused.
     store: Mutex<ActivationStore>,
+    /// Gradient slots of each layer's parameters (explicit backward).
+    slots: Vec<LayerSlots>,
 }
 
 /// Bytes of a tensor's elements.
@@ -99,7 +113,9 @@ impl Engine {
         let mut plain = Llama::load(vb, &tracked.cfg)?;
         plain.rope = tracked.rope.clone();
         let store = Mutex::new(ActivationStore::new(opts.offload_activations));
-        Ok(Self { tracked, plain, params, opts, store })
+        let names: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
+        let slots = (0..tracked.layers.len()).map(|l| LayerSlots::find(&names, l)).collect::<Result<Vec<_>>>()?;
+        Ok(Self { tracked, plain, params, opts, store, slots })
     }
 
     /// Build both views from Vars (one per parameter name, dtype and device of the run).
@@ -191,34 +207,17 @@ impl Engine {
         let (mut gx, loss_sum) = self.head_backward(&x, targets, &chunks, scale, &mut acc, &mut mem)?;
         drop(x);
 
-        // 3. layers, top first: recompute one layer with tracked weights.
-        for (l, layer) in self.tracked.layers.iter().enumerate().rev() {
+        // 3. layers, top first, each recomputed from its saved input.
+        for l in (0..self.plain.layers.len()).rev() {
             let x_in = store.take(l, &dev)?;
             if l > 0 {
                 store.prefetch(l - 1, &dev)?; // its copy overlaps this layer's backward
             }
-            let x_in = Var::from_tensor(&x_in)?;
-            let a = layer.self_attn.forward(&layer.input_layernorm.forward(x_in.as_tensor())?, &rope, attn)?;
-            let hmid = x_in.as_tensor().add(&a)?; // tracked graph of the attention half
-            let hplain = hmid.detach();
-            let mut gh_chunks = Vec::with_capacity(chunks.len());
-            for &(st, len) in &chunks {
-                let hc = Var::from_tensor(&hplain.narrow(1, st, len)?.contiguous()?)?;
-                let y = hc.as_tensor().add(&layer.mlp.forward(&layer.post_attention_layernorm.forward(hc.as_tensor())?)?)?;
-                let seed = y.mul(&gx.narrow(1, st, len)?)?.sum_all()?;
-                let grads = seed.backward()?;
-                self.collect(&grads, &mut acc)?;
-                gh_chunks.push(match grads.get(hc.as_tensor()) {
-                    Some(g) => g.detach(),
-                    None => hc.as_tensor().zeros_like()?,
-                });
-            }
-            let gh = Tensor::cat(&gh_chunks, 1)?;
-            let grads = hmid.mul(&gh)?.sum_all()?.backward()?;
-            self.collect(&grads, &mut acc)?;
-            gx = match grads.get(x_in.as_tensor()) {
-                Some(g) => g.detach(),
-                None => x_in.as_tensor().zeros_like()?,
+            gx = match self.opts.layer_backward {
+                LayerBackward::Explicit => {
+                    layer_backward(&self.plain.layers[l], &self.slots[l], &x_in, &gx, &rope, attn, &chunks, &mut acc)?
+                }
+                LayerBackward::Autograd => self.autograd_layer_backward(l, &x_in, &gx, &rope, attn, &chunks, &mut acc)?,
             };
         }
 
@@ -230,6 +229,45 @@ impl Engine {
         }
 
         Ok(StepResult { loss_sum, n_tokens, grads: self.finish(acc)?, memory: mem })
+    }
+
+    /// Layer `l`'s backward by Candle autograd over the recomputed layer (tracked
+    /// weights): the attention half as one graph, the MLP half chunk by chunk.
+    #[allow(clippy::too_many_arguments)]
+    fn autograd_layer_backward(
+        &self,
+        l: usize,
+        x_in: &Tensor,
+        gx: &Tensor,
+        rope: &RopeTable,
+        attn: &Arc<dyn AttentionMode>,
+        chunks: &[(usize, usize)],
+        acc: &mut [Option<Tensor>],
+    ) -> Result<Tensor> {
+        let layer = &self.tracked.layers[l];
+        let x_in = Var::from_tensor(x_in)?;
+        let a = layer.self_attn.forward(&layer.input_layernorm.forward(x_in.as_tensor())?, rope, attn)?;
+        let hmid = x_in.as_tensor().add(&a)?; // tracked graph of the attention half
+        let hplain = hmid.detach();
+        let mut gh_chunks = Vec::with_capacity(chunks.len());
+        for &(st, len) in chunks {
+            let hc = Var::from_tensor(&hplain.narrow(1, st, len)?.contiguous()?)?;
+            let y = hc.as_tensor().add(&layer.mlp.forward(&layer.post_attention_layernorm.forward(hc.as_tensor())?)?)?;
+            let seed = y.mul(&gx.narrow(1, st, len)?)?.sum_all()?;
+            let grads = seed.backward()?;
+            self.collect(&grads, acc)?;
+            gh_chunks.push(match grads.get(hc.as_tensor()) {
+                Some(g) => g.detach(),
+                None => hc.as_tensor().zeros_like()?,
+            });
+        }
+        let gh = Tensor::cat(&gh_chunks, 1)?;
+        let grads = hmid.mul(&gh)?.sum_all()?.backward()?;
+        self.collect(&grads, acc)?;
+        Ok(match grads.get(x_in.as_tensor()) {
+            Some(g) => g.detach(),
+            None => x_in.as_tensor().zeros_like()?,
+        })
     }
 
     /// Final norm, head and loss over token chunks of the top hidden `x [b, s, h]`,

@@ -7,6 +7,7 @@ pub mod optim;
 pub use config::{ParallelMode, RunConfig, Stage};
 pub mod engine;
 pub mod init;
+pub mod layer_grad;
 pub mod metrics;
 pub mod offload;
 pub mod trainer;
