@@ -138,7 +138,11 @@ pub fn engine(a: &BenchEngineArgs) -> anyhow::Result<()> {
         let pos = Tensor::from_vec(pos, (a.batch, s), &dev)?;
         let mut outs: Vec<(bool, Outcome)> = Vec::new();
         for &off in &settings {
-            let eng = Engine::from_vars(cfg, &vars, EngineOptions { token_chunk: a.token_chunk, offload_activations: off, ..Default::default() })?;
+            let eng = Engine::from_vars(
+                cfg,
+                &vars,
+                EngineOptions { token_chunk: a.token_chunk, offload_activations: off, ..Default::default() },
+            )?;
             let run = |eng: &Engine| eng.step(&ids, &targets, &pos, s, &attn, 1.0 / n as f64);
             for _ in 0..a.warmup {
                 run(&eng)?;

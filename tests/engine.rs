@@ -16,6 +16,7 @@ use candle_core::{DType, Device, Tensor};
 use longctx::model::{LlamaConfig, IGNORE_INDEX};
 use longctx::train::engine::{Engine, EngineOptions, LayerBackward, StepResult};
 use longctx::train::init::{random_init, to_vars};
+use longctx::train::profile::Phase;
 use longctx_attention::local::LocalAttention;
 use longctx_attention::AttentionMode;
 use std::path::Path;
@@ -61,7 +62,7 @@ fn engine(cfg: &LlamaConfig, token_chunk: usize, offload: bool) -> longctx::Resu
 
 fn engine_with(cfg: &LlamaConfig, token_chunk: usize, offload: bool, layer_backward: LayerBackward) -> longctx::Result<Engine> {
     let vars = to_vars(random_init(cfg, 7, DType::F32, &Device::Cpu)?)?;
-    Engine::from_vars(cfg, &vars, EngineOptions { token_chunk, offload_activations: offload, layer_backward })
+    Engine::from_vars(cfg, &vars, EngineOptions { token_chunk, offload_activations: offload, layer_backward, profile: true })
 }
 
 /// Deterministic ids `[b, s]` u32, targets `[b, s]` i64 (the next id; `masked(row, t)`
@@ -148,6 +149,11 @@ fn check(
     let want = autograd_reference(&eng, &ids, &targets, &pos, &attn, scale)?;
     let got = eng.step(&ids, &targets, &pos, s, &attn, scale)?;
     let worst = assert_close(case, &eng, &got, &want)?;
+    // The profile saw every phase of the engine (wall clock on the CPU).
+    let prof = eng.take_profile()?;
+    for p in [Phase::Attention, Phase::Gemm, Phase::NormRopeAct, Phase::Loss, Phase::GradAccum, Phase::Copies] {
+        assert!(prof.get(p) > 0.0, "{case}: no time in phase {}: {prof:?}", p.name());
+    }
     let full = eng.full_graph_step(&ids, &targets, &pos, s, &attn, scale)?;
     let worst_full = assert_close(&format!("{case} (full_graph_step)"), &eng, &full, &want)?;
     let auto = engine_with(cfg, chunk, offload, LayerBackward::Autograd)?;

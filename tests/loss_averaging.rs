@@ -66,7 +66,8 @@ use common::rel_err;
 /// Mean loss and gradients of the single-device run.
 fn single(cfg: &LlamaConfig, w: &HashMap<String, Tensor>, ids: &Tensor, targets: &Tensor) -> longctx::Result<(f64, Vec<Tensor>)> {
     let (b, s) = ids.dims2()?;
-    let eng = Engine::from_vars(cfg, &to_vars(w.clone())?, EngineOptions { token_chunk: 8, offload_activations: false, ..Default::default() })?;
+    let eng =
+        Engine::from_vars(cfg, &to_vars(w.clone())?, EngineOptions { token_chunk: 8, offload_activations: false, ..Default::default() })?;
     let n = count(targets)?;
     let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
     let r = eng.step(ids, targets, &positions(b, s)?, s, &attn, 1.0 / n as f64)?;
@@ -133,8 +134,12 @@ fn sp_uneven(
     let outs = run_ranks(W, |comm| {
         let idx = indices(comm.rank())?;
         let (lids, lt, lpos) = apply_layout_tensors(&ids, &targets, &idx).map_err(err)?;
-        let eng = Engine::from_vars(&cfg, &to_vars(w.clone()).map_err(err)?, EngineOptions { token_chunk: 3, offload_activations: false, ..Default::default() })
-            .map_err(err)?;
+        let eng = Engine::from_vars(
+            &cfg,
+            &to_vars(w.clone()).map_err(err)?,
+            EngineOptions { token_chunk: 3, offload_activations: false, ..Default::default() },
+        )
+        .map_err(err)?;
         rank_step(&comm, &eng, &lids, &lt, &lpos, S, &make(comm.clone())).map_err(err)
     })?;
     let counts: Vec<usize> = outs.iter().map(|o| o.local_count).collect();
@@ -190,8 +195,12 @@ fn data_parallel_matches_concatenated_batch() -> longctx::Result<()> {
     let outs = run_ranks(2, |comm| {
         let r = comm.rank();
         let (lids, lt) = (ids.narrow(0, r, 1)?, targets.narrow(0, r, 1)?);
-        let eng = Engine::from_vars(&cfg, &to_vars(w.clone()).map_err(err)?, EngineOptions { token_chunk: 7, offload_activations: r == 1, ..Default::default() })
-            .map_err(err)?;
+        let eng = Engine::from_vars(
+            &cfg,
+            &to_vars(w.clone()).map_err(err)?,
+            EngineOptions { token_chunk: 7, offload_activations: r == 1, ..Default::default() },
+        )
+        .map_err(err)?;
         let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
         rank_step(&comm, &eng, &lids, &lt, &positions(1, S).map_err(err)?, S, &attn).map_err(err)
     })?;
@@ -335,7 +344,11 @@ fn trainer_step_is_clip_then_adamw_of_the_mean_gradient() -> longctx::Result<()>
     let batch = Batch::from_samples(&[gen.sample(0).sample, gen.sample(1).sample], seq);
     let (ids, targets) = batch.to_tensors(&Device::Cpu)?;
     let n = count(&targets)?;
-    let eng = Engine::from_vars(&mcfg, &to_vars(w0.clone())?, EngineOptions { token_chunk: 24, offload_activations: false, ..Default::default() })?;
+    let eng = Engine::from_vars(
+        &mcfg,
+        &to_vars(w0.clone())?,
+        EngineOptions { token_chunk: 24, offload_activations: false, ..Default::default() },
+    )?;
     let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
     let r = eng.step(&ids, &targets, &positions(2, seq)?, seq, &attn, 1.0 / n as f64)?;
     let loss = r.loss_sum / n as f64;

@@ -63,7 +63,11 @@ fn single_device(
     targets: &Tensor,
     n: usize,
 ) -> longctx::Result<Outcome> {
-    let eng = Engine::from_vars(cfg, &to_vars(weights.clone())?, EngineOptions { token_chunk: 5, offload_activations: false, ..Default::default() })?;
+    let eng = Engine::from_vars(
+        cfg,
+        &to_vars(weights.clone())?,
+        EngineOptions { token_chunk: 5, offload_activations: false, ..Default::default() },
+    )?;
     let pos = Tensor::arange(0u32, S as u32, &Device::Cpu)?.unsqueeze(0)?.repeat((B, 1))?;
     let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
     let r = eng.step(ids, targets, &pos, S, &attn, 1.0 / n as f64)?;
@@ -118,8 +122,12 @@ fn distributed(
         let (lids, ltargets, lpos) = apply_layout_tensors(ids, targets, &idx).map_err(err)?;
         // every rank builds its own Vars from the same initial weights, like the trainer
         let vars = to_vars(weights.clone()).map_err(err)?;
-        let eng = Engine::from_vars(cfg, &vars, EngineOptions { token_chunk: TOKEN_CHUNK, offload_activations: sp_rank % 2 == 1, ..Default::default() })
-            .map_err(err)?;
+        let eng = Engine::from_vars(
+            cfg,
+            &vars,
+            EngineOptions { token_chunk: TOKEN_CHUNK, offload_activations: sp_rank % 2 == 1, ..Default::default() },
+        )
+        .map_err(err)?;
         let local = ltargets.ge(0i64)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()? as f64;
         let global = comm.all_reduce_sum(&Tensor::new(&[local], &Device::Cpu)?)?.to_vec1::<f64>()?[0];
         let scale = 1.0 / global;

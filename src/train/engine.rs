@@ -21,8 +21,9 @@
 //! Shapes: `b` batch, `s` local tokens, `h` hidden, `V` vocabulary, `c` tokens per chunk.
 
 use crate::model::{Llama, RopeTable};
-use crate::train::layer_grad::{layer_backward, LayerSlots};
+use crate::train::layer_grad::{LayerPass, LayerSlots};
 use crate::train::offload::ActivationStore;
+use crate::train::profile::{Phase, PhaseTimes, Profiler};
 use crate::Result;
 use candle_core::{DType, Tensor, Var};
 use candle_nn::VarBuilder;
@@ -39,11 +40,13 @@ pub struct EngineOptions {
     pub offload_activations: bool,
     /// How a decoder layer's backward is computed.
     pub layer_backward: LayerBackward,
+    /// Time each phase of the step ([`Engine::take_profile`]).
+    pub profile: bool,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        Self { token_chunk: 4096, offload_activations: false, layer_backward: LayerBackward::Explicit }
+        Self { token_chunk: 4096, offload_activations: false, layer_backward: LayerBackward::Explicit, profile: false }
     }
 }
 
@@ -90,6 +93,10 @@ pub struct Engine {
     store: Mutex<ActivationStore>,
     /// Gradient slots of each layer's parameters (explicit backward).
     slots: Vec<LayerSlots>,
+    /// Phase timings of the steps since the last [`Engine::take_profile`].
+    prof: Profiler,
+    /// Gradient slot of `model.embed_tokens.weight`.
+    embed_slot: usize,
 }
 
 /// Bytes of a tensor's elements.
@@ -115,7 +122,12 @@ impl Engine {
         let store = Mutex::new(ActivationStore::new(opts.offload_activations));
         let names: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
         let slots = (0..tracked.layers.len()).map(|l| LayerSlots::find(&names, l)).collect::<Result<Vec<_>>>()?;
-        Ok(Self { tracked, plain, params, opts, store, slots })
+        let prof = Profiler::new(opts.profile);
+        let embed_slot = names
+            .iter()
+            .position(|n| *n == "model.embed_tokens.weight")
+            .ok_or_else(|| crate::Error::Setting("engine: parameter `model.embed_tokens.weight` not found".into()))?;
+        Ok(Self { tracked, plain, params, opts, store, slots, prof, embed_slot })
     }
 
     /// Build both views from Vars (one per parameter name, dtype and device of the run).
@@ -130,6 +142,17 @@ impl Engine {
     /// Pinned host memory held for offloaded layer inputs (bytes; CUDA only).
     pub fn pinned_bytes(&self) -> usize {
         self.store.lock().map(|s| s.pinned_bytes()).unwrap_or(0)
+    }
+
+    /// Seconds per phase of the steps since the last call (all zero unless
+    /// `EngineOptions::profile`); waits for the GPU.
+    pub fn take_profile(&self) -> Result<PhaseTimes> {
+        self.prof.take()
+    }
+
+    /// The engine's profiler, for the trainer's own phases (optimizer, communication).
+    pub fn profiler(&self) -> &Profiler {
+        &self.prof
     }
 
     /// Use `rope_theta` from now on (a new stage); both views.
@@ -183,20 +206,13 @@ impl Engine {
         store.begin()?;
 
         // 1. forward, graph-free; keep layer inputs.
-        let mut x = self.plain.embed(ids)?; // [b, s, h]
+        let pass = LayerPass { rope: &rope, attn, chunks: &chunks, prof: &self.prof, dev: &dev };
+        let mut x = self.prof.time(Phase::Copies, &dev, || self.plain.embed(ids))?; // [b, s, h]
         for layer in &self.plain.layers {
-            store.push(&x)?;
-            let a = layer.self_attn.forward(&layer.input_layernorm.forward(&x)?, &rope, attn)?;
-            let hmid = x.add(&a)?;
-            let mut outs = Vec::with_capacity(chunks.len());
-            for &(st, len) in &chunks {
-                let hc = hmid.narrow(1, st, len)?;
-                let m = layer.mlp.forward(&layer.post_attention_layernorm.forward(&hc)?)?;
-                mem.transient_bytes = mem.transient_bytes.max(self.mlp_chunk_bytes(&hc));
-                outs.push(hc.add(&m)?);
-            }
-            x = Tensor::cat(&outs, 1)?;
+            self.prof.time(Phase::Copies, &dev, || store.push(&x))?;
+            x = pass.forward(layer, &x)?;
         }
+        mem.transient_bytes = self.mlp_chunk_bytes(&x.narrow(1, 0, chunks.first().map_or(0, |c| c.1))?);
         store.end_forward()?;
         (mem.saved_bytes, mem.saved_host_bytes) = store.bytes();
         if let Some(top) = store.len().checked_sub(1) {
@@ -204,29 +220,27 @@ impl Engine {
         }
 
         // 2. head + loss, chunked; dL/dx_L.
-        let (mut gx, loss_sum) = self.head_backward(&x, targets, &chunks, scale, &mut acc, &mut mem)?;
+        let (mut gx, loss_sum) =
+            self.prof.time(Phase::Loss, &dev, || self.head_backward(&x, targets, &chunks, scale, &mut acc, &mut mem))?;
         drop(x);
 
         // 3. layers, top first, each recomputed from its saved input.
         for l in (0..self.plain.layers.len()).rev() {
-            let x_in = store.take(l, &dev)?;
-            if l > 0 {
-                store.prefetch(l - 1, &dev)?; // its copy overlaps this layer's backward
-            }
-            gx = match self.opts.layer_backward {
-                LayerBackward::Explicit => {
-                    layer_backward(&self.plain.layers[l], &self.slots[l], &x_in, &gx, &rope, attn, &chunks, &mut acc)?
+            let x_in = self.prof.time(Phase::Copies, &dev, || {
+                let x_in = store.take(l, &dev)?;
+                if l > 0 {
+                    store.prefetch(l - 1, &dev)?; // its copy overlaps this layer's backward
                 }
+                Ok(x_in)
+            })?;
+            gx = match self.opts.layer_backward {
+                LayerBackward::Explicit => pass.backward(&self.plain.layers[l], &self.slots[l], &x_in, &gx, &mut acc)?,
                 LayerBackward::Autograd => self.autograd_layer_backward(l, &x_in, &gx, &rope, attn, &chunks, &mut acc)?,
             };
         }
 
-        // 4. embedding.
-        for &(st, len) in &chunks {
-            let e = self.tracked.embed(&ids.narrow(1, st, len)?)?;
-            let grads = e.mul(&gx.narrow(1, st, len)?)?.sum_all()?.backward()?;
-            self.collect(&grads, &mut acc)?;
-        }
+        // 4. embedding: rows of dL/dx_0 added into the rows of their token ids.
+        self.prof.time(Phase::GradAccum, &dev, || self.embed_backward(ids, &gx, &chunks, &mut acc))?;
 
         Ok(StepResult { loss_sum, n_tokens, grads: self.finish(acc)?, memory: mem })
     }
@@ -313,6 +327,22 @@ impl Engine {
     }
 
     /// Bytes of one MLP chunk's intermediates (gate, up, product in the model dtype).
+    /// `dE [V, h]` f32 for `dL/dx_0 = gx [b, s, h]`, chunk by chunk (one f32 chunk of
+    /// `gx` at a time), added into the embedding's slot.
+    fn embed_backward(&self, ids: &Tensor, gx: &Tensor, chunks: &[(usize, usize)], acc: &mut [Option<Tensor>]) -> Result<()> {
+        let h = self.tracked.cfg.hidden_size;
+        let mut de = match acc[self.embed_slot].take() {
+            Some(a) => a,
+            None => Tensor::zeros((self.tracked.cfg.vocab_size, h), DType::F32, gx.device())?,
+        };
+        for &(st, len) in chunks {
+            let rows = gx.narrow(1, st, len)?.to_dtype(DType::F32)?.reshape(((), h))?;
+            de = de.index_add(&ids.narrow(1, st, len)?.flatten_all()?, &rows, 0)?;
+        }
+        acc[self.embed_slot] = Some(de);
+        Ok(())
+    }
+
     fn mlp_chunk_bytes(&self, hc: &Tensor) -> usize {
         let tokens = hc.elem_count() / self.tracked.cfg.hidden_size.max(1);
         3 * tokens * self.tracked.cfg.intermediate_size * hc.dtype().size_in_bytes()

@@ -22,11 +22,12 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::Linear;
 use longctx_attention::AttentionMode;
 
 use crate::model::{DecoderLayer, RmsNorm, RopeTable};
+use crate::train::profile::{Phase, Profiler};
 use crate::Result;
 
 /// Where each parameter of one layer sits in the engine's gradient slots.
@@ -98,8 +99,8 @@ fn rms_forward(norm: &RmsNorm, x: &Tensor) -> Result<(Tensor, Tensor)> {
 fn rms_backward(norm: &RmsNorm, x: &Tensor, rstd: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
     let xhat = x.to_dtype(DType::F32)?.broadcast_mul(rstd)?;
     let dy32 = dy.to_dtype(DType::F32)?;
-    let rows = dy32.elem_count() / dy32.dim(D::Minus1)?;
     let h = dy32.dim(D::Minus1)?;
+    let rows = dy32.elem_count() / h;
     // The weight multiplies the *rounded* x̂, as in the forward.
     let xhat_r = xhat.to_dtype(x.dtype())?.to_dtype(DType::F32)?;
     let dw = dy32.mul(&xhat_r)?.reshape((rows, h))?.sum(0)?;
@@ -109,110 +110,160 @@ fn rms_backward(norm: &RmsNorm, x: &Tensor, rstd: &Tensor, dy: &Tensor) -> Resul
     Ok((dx.to_dtype(x.dtype())?, dw))
 }
 
-/// A linear layer's backward on flattened rows: weight (and bias) gradients into their
-/// slots, returns `dx [n, in] = dy · W`.
-fn linear_backward(lin: &Linear, slots: LinSlots, x: &Tensor, dy: &Tensor, acc: &mut [Option<Tensor>]) -> Result<Tensor> {
-    accumulate(acc, slots.w, dy.t()?.matmul(x)?)?; // [out, in]
-    if let Some(b) = slots.b {
-        accumulate(acc, b, dy.to_dtype(DType::F32)?.sum(0)?)?;
-    }
-    Ok(dy.matmul(lin.weight())?)
+/// `silu(g)` and its derivative `σ(g)·(1 + g·(1 − σ(g)))`.
+fn silu_and_grad(g: &Tensor) -> Result<(Tensor, Tensor)> {
+    let sig = candle_nn::ops::sigmoid(g)?;
+    let dsilu = sig.mul(&(g.mul(&sig.affine(-1.0, 1.0)?)? + 1.0)?)?;
+    Ok((g.mul(&sig)?, dsilu))
 }
 
+/// `[.., k]` as rows `[n, k]`.
 fn flat(t: &Tensor) -> Result<Tensor> {
     let k = t.dim(D::Minus1)?;
     Ok(t.reshape((t.elem_count() / k, k))?)
-}
-
-/// The attention half's forward, with what its backward needs.
-struct AttnForward {
-    n1: Tensor,   // [b, s, h]
-    rstd1: Tensor, // [b, s, 1] f32
-    q: Tensor,    // [b, s, hq, d] after RoPE
-    k: Tensor,    // [b, s, hkv, d] after RoPE
-    v: Tensor,    // [b, s, hkv, d]
-    o: Tensor,    // [b, s, hq, d]
-    lse: Tensor,  // [b, hq, s] f32
-    h: Tensor,    // [b, s, h] = x + attention
-}
-
-fn attn_forward(layer: &DecoderLayer, x: &Tensor, rope: &RopeTable, attn: &Arc<dyn AttentionMode>) -> Result<AttnForward> {
-    use candle_core::Module;
-    let a = &layer.self_attn;
-    let (b, s, _) = x.dims3()?;
-    let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
-    let (n1, rstd1) = rms_forward(&layer.input_layernorm, x)?;
-    let q = rope.apply(&a.q_proj.forward(&n1)?.reshape((b, s, hq, d))?)?;
-    let k = rope.apply(&a.k_proj.forward(&n1)?.reshape((b, s, hkv, d))?)?;
-    let v = a.v_proj.forward(&n1)?.reshape((b, s, hkv, d))?;
-    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let (o, lse) = attn.forward(&q, &k, &v, scale(d))?;
-    let h = x.add(&a.o_proj.forward(&o.reshape((b, s, hq * d))?)?)?;
-    Ok(AttnForward { n1, rstd1, q, k, v, o, lse, h })
 }
 
 fn scale(d: usize) -> f64 {
     1.0 / (d as f64).sqrt()
 }
 
-/// `dh_c` of one token chunk of the MLP half `y = h + down(silu(gate(n2))·up(n2))`,
-/// `n2 = rms(h)·w2`, for `dy_c`: the residual plus the branch's gradient. Weight
-/// gradients into their slots.
-fn mlp_chunk_backward(layer: &DecoderLayer, sl: &LayerSlots, hc: &Tensor, dyc: &Tensor, acc: &mut [Option<Tensor>]) -> Result<Tensor> {
-    use candle_core::Module;
-    let m = &layer.mlp;
-    let (n2, rstd2) = rms_forward(&layer.post_attention_layernorm, hc)?;
-    let n2f = flat(&n2)?; // [n, h]
-    let g = m.gate_proj.forward(&n2f)?; // [n, i]
-    let u = m.up_proj.forward(&n2f)?; // [n, i]
-    let sg = g.silu()?;
-    let dy = flat(dyc)?; // [n, h]
-    let dm = linear_backward(&m.down_proj, sl.down, &sg.mul(&u)?, &dy, acc)?; // [n, i]
-    // silu'(g) = σ(g)·(1 + g·(1 − σ(g)))
-    let sig = candle_nn::ops::sigmoid(&g)?;
-    let dsilu = sig.mul(&(g.mul(&sig.affine(-1.0, 1.0)?)? + 1.0)?)?;
-    let dg = dm.mul(&u)?.mul(&dsilu)?;
-    let du = dm.mul(&sg)?;
-    let dn2 = (linear_backward(&m.gate_proj, sl.gate, &n2f, &dg, acc)? + linear_backward(&m.up_proj, sl.up, &n2f, &du, acc)?)?;
-    let (dh, dw2) = rms_backward(&layer.post_attention_layernorm, hc, &rstd2, &dn2.reshape(hc.shape())?)?;
-    accumulate(acc, sl.ln2, dw2)?;
-    Ok(dyc.add(&dh)?)
+/// The attention half's forward, with what its backward needs.
+struct AttnForward {
+    n1: Tensor,    // [b, s, h]
+    rstd1: Tensor, // [b, s, 1] f32
+    q: Tensor,     // [b, s, hq, d] after RoPE
+    k: Tensor,     // [b, s, hkv, d] after RoPE
+    v: Tensor,     // [b, s, hkv, d]
+    o: Tensor,     // [b, s, hq, d]
+    lse: Tensor,   // [b, hq, s] f32
+    h: Tensor,     // [b, s, h] = x + attention
 }
 
-/// Gradient of the layer's input `dx [b, s, h]` for the gradient of its output `dy`;
-/// every weight gradient of the layer is added into `acc` (f32). `x` is the layer's
-/// input as the forward saw it; `chunks` the token chunks of the MLP half.
-pub fn layer_backward(
-    layer: &DecoderLayer,
-    sl: &LayerSlots,
-    x: &Tensor,
-    dy: &Tensor,
-    rope: &RopeTable,
-    attn: &Arc<dyn AttentionMode>,
-    chunks: &[(usize, usize)],
-    acc: &mut [Option<Tensor>],
-) -> Result<Tensor> {
-    let f = attn_forward(layer, x, rope, attn)?;
-    let mut dh_chunks = Vec::with_capacity(chunks.len());
-    for &(st, len) in chunks {
-        let hc = f.h.narrow(1, st, len)?;
-        dh_chunks.push(mlp_chunk_backward(layer, sl, &hc, &dy.narrow(1, st, len)?, acc)?);
+/// One layer's forward or backward over this rank's tokens, every piece timed by phase.
+pub struct LayerPass<'a> {
+    pub rope: &'a RopeTable,
+    pub attn: &'a Arc<dyn AttentionMode>,
+    /// Token chunks `(start, len)` of the MLP half.
+    pub chunks: &'a [(usize, usize)],
+    pub prof: &'a Profiler,
+    pub dev: &'a Device,
+}
+
+impl LayerPass<'_> {
+    fn t<T>(&self, p: Phase, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.prof.time(p, self.dev, f)
     }
-    let dh = if dh_chunks.len() == 1 { dh_chunks.remove(0) } else { Tensor::cat(&dh_chunks, 1)? }; // [b, s, h]
-    let a = &layer.self_attn;
-    let (b, s, hdim) = x.dims3()?;
-    let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
-    let o = f.o.reshape((b * s, hq * d))?;
-    let d_o = linear_backward(&a.o_proj, sl.o, &o, &flat(&dh)?, acc)?.reshape((b, s, hq, d))?;
-    let (dq, dk, dv) = attn.backward(&d_o, &f.q, &f.k, &f.v, &f.o, &f.lse, scale(d))?;
-    let dq = rope.apply_inverse(&dq)?.reshape((b * s, hq * d))?;
-    let dk = rope.apply_inverse(&dk)?.reshape((b * s, hkv * d))?;
-    let dv = dv.reshape((b * s, hkv * d))?;
-    let n1 = flat(&f.n1)?;
-    let dn1 = (linear_backward(&a.q_proj, sl.q, &n1, &dq, acc)?
-        + linear_backward(&a.k_proj, sl.k, &n1, &dk, acc)?
-        + linear_backward(&a.v_proj, sl.v, &n1, &dv, acc)?)?;
-    let (dx, dw1) = rms_backward(&layer.input_layernorm, x, &f.rstd1, &dn1.reshape((b, s, hdim))?)?;
-    accumulate(acc, sl.ln1, dw1)?;
-    Ok(dh.add(&dx)?)
+
+    /// `x·Wᵀ (+ b)` on rows.
+    fn linear(&self, lin: &Linear, x: &Tensor) -> Result<Tensor> {
+        self.t(Phase::Gemm, || Ok(lin.forward(x)?))
+    }
+
+    /// A linear layer's backward on rows `x [n, in]`, `dy [n, out]`: weight (and bias)
+    /// gradients into their slots, returns `dx [n, in] = dy · W`.
+    fn linear_backward(&self, lin: &Linear, slots: LinSlots, x: &Tensor, dy: &Tensor, acc: &mut [Option<Tensor>]) -> Result<Tensor> {
+        let dw = self.t(Phase::Gemm, || Ok(dy.t()?.matmul(x)?))?; // [out, in]
+        self.t(Phase::GradAccum, || {
+            accumulate(acc, slots.w, dw)?;
+            if let Some(b) = slots.b {
+                accumulate(acc, b, dy.to_dtype(DType::F32)?.sum(0)?)?;
+            }
+            Ok(())
+        })?;
+        self.t(Phase::Gemm, || Ok(dy.matmul(lin.weight())?))
+    }
+
+    fn attn_forward(&self, layer: &DecoderLayer, x: &Tensor) -> Result<AttnForward> {
+        let a = &layer.self_attn;
+        let (b, s, _) = x.dims3()?;
+        let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
+        let (n1, rstd1) = self.t(Phase::NormRopeAct, || rms_forward(&layer.input_layernorm, x))?;
+        let q = self.linear(&a.q_proj, &n1)?.reshape((b, s, hq, d))?;
+        let k = self.linear(&a.k_proj, &n1)?.reshape((b, s, hkv, d))?;
+        let v = self.linear(&a.v_proj, &n1)?.reshape((b, s, hkv, d))?;
+        let (q, k) = self.t(Phase::NormRopeAct, || Ok((self.rope.apply(&q)?, self.rope.apply(&k)?)))?;
+        let (o, lse) = self.t(Phase::Attention, || Ok(self.attn.forward(&q, &k, &v, scale(d))?))?;
+        let a_out = self.linear(&a.o_proj, &o.reshape((b, s, hq * d))?)?;
+        let h = self.t(Phase::Copies, || Ok(x.add(&a_out)?))?;
+        Ok(AttnForward { n1, rstd1, q, k, v, o, lse, h })
+    }
+
+    /// `y_c = h_c + down(silu(gate(n2))·up(n2))`, `n2 = rms(h_c)·w2`, for one token chunk.
+    fn mlp_chunk(&self, layer: &DecoderLayer, hc: &Tensor) -> Result<Tensor> {
+        let m = &layer.mlp;
+        let (n2, _) = self.t(Phase::NormRopeAct, || rms_forward(&layer.post_attention_layernorm, hc))?;
+        let g = self.linear(&m.gate_proj, &n2)?;
+        let u = self.linear(&m.up_proj, &n2)?;
+        let gu = self.t(Phase::NormRopeAct, || Ok(g.silu()?.mul(&u)?))?;
+        let y = self.linear(&m.down_proj, &gu)?;
+        self.t(Phase::Copies, || Ok(hc.add(&y)?))
+    }
+
+    /// The layer's output `[b, s, h]` for its input `x [b, s, h]` (the model's
+    /// [`DecoderLayer::forward`], written out so that each piece is timed).
+    pub fn forward(&self, layer: &DecoderLayer, x: &Tensor) -> Result<Tensor> {
+        let f = self.attn_forward(layer, x)?;
+        let mut outs = Vec::with_capacity(self.chunks.len());
+        for &(st, len) in self.chunks {
+            outs.push(self.mlp_chunk(layer, &f.h.narrow(1, st, len)?)?);
+        }
+        self.t(Phase::Copies, || Ok(if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(&outs, 1)? }))
+    }
+
+    /// `dh_c` of one token chunk of the MLP half for `dy_c`: the residual plus the
+    /// branch's gradient. Weight gradients into their slots.
+    fn mlp_chunk_backward(
+        &self,
+        layer: &DecoderLayer,
+        sl: &LayerSlots,
+        hc: &Tensor,
+        dyc: &Tensor,
+        acc: &mut [Option<Tensor>],
+    ) -> Result<Tensor> {
+        let m = &layer.mlp;
+        let (n2, rstd2) = self.t(Phase::NormRopeAct, || rms_forward(&layer.post_attention_layernorm, hc))?;
+        let n2f = flat(&n2)?; // [n, h]
+        let g = self.linear(&m.gate_proj, &n2f)?; // [n, i]
+        let u = self.linear(&m.up_proj, &n2f)?; // [n, i]
+        let (sg, dsilu) = self.t(Phase::NormRopeAct, || silu_and_grad(&g))?;
+        let gu = self.t(Phase::NormRopeAct, || Ok(sg.mul(&u)?))?;
+        let dy = self.t(Phase::Copies, || flat(dyc))?; // [n, h]
+        let dm = self.linear_backward(&m.down_proj, sl.down, &gu, &dy, acc)?; // [n, i]
+        let (dg, du) = self.t(Phase::NormRopeAct, || Ok((dm.mul(&u)?.mul(&dsilu)?, dm.mul(&sg)?)))?;
+        let dn2g = self.linear_backward(&m.gate_proj, sl.gate, &n2f, &dg, acc)?;
+        let dn2u = self.linear_backward(&m.up_proj, sl.up, &n2f, &du, acc)?;
+        let (dh, dw2) =
+            self.t(Phase::NormRopeAct, || rms_backward(&layer.post_attention_layernorm, hc, &rstd2, &(dn2g + dn2u)?.reshape(hc.shape())?))?;
+        self.t(Phase::GradAccum, || accumulate(acc, sl.ln2, dw2))?;
+        self.t(Phase::Copies, || Ok(dyc.add(&dh)?))
+    }
+
+    /// Gradient of the layer's input `dx [b, s, h]` for the gradient of its output `dy`;
+    /// every weight gradient of the layer is added into `acc` (f32). `x` is the layer's
+    /// input as the forward saw it.
+    pub fn backward(&self, layer: &DecoderLayer, sl: &LayerSlots, x: &Tensor, dy: &Tensor, acc: &mut [Option<Tensor>]) -> Result<Tensor> {
+        let f = self.attn_forward(layer, x)?;
+        let mut dh_chunks = Vec::with_capacity(self.chunks.len());
+        for &(st, len) in self.chunks {
+            let hc = f.h.narrow(1, st, len)?;
+            dh_chunks.push(self.mlp_chunk_backward(layer, sl, &hc, &dy.narrow(1, st, len)?, acc)?);
+        }
+        let dh = self.t(Phase::Copies, || Ok(if dh_chunks.len() == 1 { dh_chunks.remove(0) } else { Tensor::cat(&dh_chunks, 1)? }))?;
+        let a = &layer.self_attn;
+        let (b, s, hdim) = x.dims3()?;
+        let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
+        let o = f.o.reshape((b * s, hq * d))?;
+        let d_o = self.linear_backward(&a.o_proj, sl.o, &o, &flat(&dh)?, acc)?.reshape((b, s, hq, d))?;
+        let (dq, dk, dv) = self.t(Phase::Attention, || Ok(self.attn.backward(&d_o, &f.q, &f.k, &f.v, &f.o, &f.lse, scale(d))?))?;
+        let (dq, dk) = self.t(Phase::NormRopeAct, || Ok((self.rope.apply_inverse(&dq)?, self.rope.apply_inverse(&dk)?)))?;
+        let (dq, dk, dv) = (dq.reshape((b * s, hq * d))?, dk.reshape((b * s, hkv * d))?, dv.reshape((b * s, hkv * d))?);
+        let n1 = flat(&f.n1)?;
+        let dn1q = self.linear_backward(&a.q_proj, sl.q, &n1, &dq, acc)?;
+        let dn1k = self.linear_backward(&a.k_proj, sl.k, &n1, &dk, acc)?;
+        let dn1v = self.linear_backward(&a.v_proj, sl.v, &n1, &dv, acc)?;
+        let (dx, dw1) = self
+            .t(Phase::NormRopeAct, || rms_backward(&layer.input_layernorm, x, &f.rstd1, &(dn1q + dn1k + dn1v)?.reshape((b, s, hdim))?))?;
+        self.t(Phase::GradAccum, || accumulate(acc, sl.ln1, dw1))?;
+        self.t(Phase::Copies, || Ok(dh.add(&dx)?))
+    }
 }

@@ -10,5 +10,6 @@ pub mod init;
 pub mod layer_grad;
 pub mod metrics;
 pub mod offload;
+pub mod profile;
 pub mod trainer;
 pub mod zero;

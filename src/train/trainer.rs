@@ -250,7 +250,11 @@ impl<'a> RankRun<'a> {
             };
             vars.insert(n.clone(), Var::from_tensor(&t.to_dtype(sh.dtype)?.to_device(&sh.device)?)?);
         }
-        let opts = EngineOptions { token_chunk: cfg.parallel.token_chunk, offload_activations: cfg.parallel.offload_activations, ..Default::default() };
+        let opts = EngineOptions {
+            token_chunk: cfg.parallel.token_chunk,
+            offload_activations: cfg.parallel.offload_activations,
+            ..Default::default()
+        };
         let engine = Engine::from_vars(mcfg, &vars, opts)?;
         let n_params: usize = engine.params.iter().map(|(_, v)| v.as_tensor().elem_count()).sum();
         let is_main = world.rank() == 0;
