@@ -57,12 +57,12 @@ fn config(hq: usize, hkv: usize, tied: bool, bias: bool, layers: usize) -> Llama
 }
 
 fn engine(cfg: &LlamaConfig, token_chunk: usize, offload: bool) -> longctx::Result<Engine> {
-    engine_with(cfg, token_chunk, offload, LayerBackward::Explicit)
+    engine_with(cfg, EngineOptions { token_chunk, offload_activations: offload, profile: true, ..Default::default() })
 }
 
-fn engine_with(cfg: &LlamaConfig, token_chunk: usize, offload: bool, layer_backward: LayerBackward) -> longctx::Result<Engine> {
+fn engine_with(cfg: &LlamaConfig, opts: EngineOptions) -> longctx::Result<Engine> {
     let vars = to_vars(random_init(cfg, 7, DType::F32, &Device::Cpu)?)?;
-    Engine::from_vars(cfg, &vars, EngineOptions { token_chunk, offload_activations: offload, layer_backward, profile: true })
+    Engine::from_vars(cfg, &vars, opts)
 }
 
 /// Deterministic ids `[b, s]` u32, targets `[b, s]` i64 (the next id; `masked(row, t)`
@@ -156,10 +156,17 @@ fn check(
     }
     let full = eng.full_graph_step(&ids, &targets, &pos, s, &attn, scale)?;
     let worst_full = assert_close(&format!("{case} (full_graph_step)"), &eng, &full, &want)?;
-    let auto = engine_with(cfg, chunk, offload, LayerBackward::Autograd)?;
+    let base = EngineOptions { token_chunk: chunk, offload_activations: offload, ..Default::default() };
+    let auto = engine_with(cfg, EngineOptions { layer_backward: LayerBackward::Autograd, ..base.clone() })?;
     let got_auto = auto.step(&ids, &targets, &pos, s, &attn, scale)?;
     let worst_auto = assert_close(&format!("{case} (autograd layer backward)"), &auto, &got_auto, &want)?;
-    eprintln!("{case}: worst grad rel {worst:.2e} (full_graph_step {worst_full:.2e}, autograd layers {worst_auto:.2e})");
+    let keep = engine_with(cfg, EngineOptions { save_attention: true, ..base })?;
+    let got_keep = keep.step(&ids, &targets, &pos, s, &attn, scale)?;
+    let worst_keep = assert_close(&format!("{case} (attention saved)"), &keep, &got_keep, &want)?;
+    assert!(got_keep.memory.saved_bytes > got.memory.saved_bytes, "{case}: saved attention is counted");
+    eprintln!(
+        "{case}: worst grad rel {worst:.2e} (full_graph_step {worst_full:.2e}, autograd layers {worst_auto:.2e}, attention saved {worst_keep:.2e})"
+    );
     Ok(worst)
 }
 

@@ -21,7 +21,7 @@
 //! Shapes: `b` batch, `s` local tokens, `h` hidden, `V` vocabulary, `c` tokens per chunk.
 
 use crate::model::{Llama, RopeTable};
-use crate::train::layer_grad::{LayerPass, LayerSlots};
+use crate::train::layer_grad::{LayerPass, LayerSlots, SavedAttention};
 use crate::train::offload::ActivationStore;
 use crate::train::profile::{Phase, PhaseTimes, Profiler};
 use crate::Result;
@@ -42,11 +42,21 @@ pub struct EngineOptions {
     pub layer_backward: LayerBackward,
     /// Time each phase of the step ([`Engine::take_profile`]).
     pub profile: bool,
+    /// Keep each layer's attention q, k, v, o and LSE from the forward on the device, so
+    /// the backward does not rerun the attention (explicit backward only; memory
+    /// `layers × tokens × (2·hq + 2·hkv)·d` elements plus the LSE).
+    pub save_attention: bool,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        Self { token_chunk: 4096, offload_activations: false, layer_backward: LayerBackward::Explicit, profile: false }
+        Self {
+            token_chunk: 4096,
+            offload_activations: false,
+            layer_backward: LayerBackward::Explicit,
+            profile: false,
+            save_attention: false,
+        }
     }
 }
 
@@ -208,13 +218,21 @@ impl Engine {
         // 1. forward, graph-free; keep layer inputs.
         let pass = LayerPass { rope: &rope, attn, chunks: &chunks, prof: &self.prof, dev: &dev };
         let mut x = self.prof.time(Phase::Copies, &dev, || self.plain.embed(ids))?; // [b, s, h]
+        let keep_attention = self.opts.save_attention && self.opts.layer_backward == LayerBackward::Explicit;
+        let mut saved_attn: Vec<Option<SavedAttention>> = Vec::with_capacity(self.plain.layers.len());
         for layer in &self.plain.layers {
             self.prof.time(Phase::Copies, &dev, || store.push(&x))?;
-            x = pass.forward(layer, &x)?;
+            let (y, sa) = pass.forward(layer, &x)?;
+            x = y;
+            if keep_attention {
+                mem.saved_bytes += sa.bytes();
+            }
+            saved_attn.push(keep_attention.then_some(sa));
         }
         mem.transient_bytes = self.mlp_chunk_bytes(&x.narrow(1, 0, chunks.first().map_or(0, |c| c.1))?);
         store.end_forward()?;
-        (mem.saved_bytes, mem.saved_host_bytes) = store.bytes();
+        let (inputs, host) = store.bytes();
+        (mem.saved_bytes, mem.saved_host_bytes) = (mem.saved_bytes + inputs, host);
         if let Some(top) = store.len().checked_sub(1) {
             store.prefetch(top, &dev)?; // the top layer's input comes back while the head runs
         }
@@ -234,7 +252,10 @@ impl Engine {
                 Ok(x_in)
             })?;
             gx = match self.opts.layer_backward {
-                LayerBackward::Explicit => pass.backward(&self.plain.layers[l], &self.slots[l], &x_in, &gx, &mut acc)?,
+                LayerBackward::Explicit => {
+                    let sa = saved_attn.get_mut(l).and_then(Option::take);
+                    pass.backward(&self.plain.layers[l], &self.slots[l], &x_in, sa, &gx, &mut acc)?
+                }
                 LayerBackward::Autograd => self.autograd_layer_backward(l, &x_in, &gx, &rope, attn, &chunks, &mut acc)?,
             };
         }

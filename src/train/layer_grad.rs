@@ -127,6 +127,22 @@ fn scale(d: usize) -> f64 {
     1.0 / (d as f64).sqrt()
 }
 
+/// What the forward may keep of a layer's attention so that the backward does not rerun
+/// it (selective recomputation): `q`, `k` (after RoPE), `v`, `o` and `lse`.
+pub struct SavedAttention {
+    pub q: Tensor,   // [b, s, hq, d]
+    pub k: Tensor,   // [b, s, hkv, d]
+    pub v: Tensor,   // [b, s, hkv, d]
+    pub o: Tensor,   // [b, s, hq, d]
+    pub lse: Tensor, // [b, hq, s] f32
+}
+
+impl SavedAttention {
+    pub fn bytes(&self) -> usize {
+        [&self.q, &self.k, &self.v, &self.o, &self.lse].iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
+    }
+}
+
 /// The attention half's forward, with what its backward needs.
 struct AttnForward {
     n1: Tensor,    // [b, s, h]
@@ -173,11 +189,17 @@ impl LayerPass<'_> {
         self.t(Phase::Gemm, || Ok(dy.matmul(lin.weight())?))
     }
 
-    fn attn_forward(&self, layer: &DecoderLayer, x: &Tensor) -> Result<AttnForward> {
+    /// The attention half from `x`; with `saved`, only the norm and `o_proj` are rerun.
+    fn attn_forward(&self, layer: &DecoderLayer, x: &Tensor, saved: Option<SavedAttention>) -> Result<AttnForward> {
         let a = &layer.self_attn;
         let (b, s, _) = x.dims3()?;
         let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
         let (n1, rstd1) = self.t(Phase::NormRopeAct, || rms_forward(&layer.input_layernorm, x))?;
+        if let Some(SavedAttention { q, k, v, o, lse }) = saved {
+            let a_out = self.linear(&a.o_proj, &o.reshape((b, s, hq * d))?)?;
+            let h = self.t(Phase::Copies, || Ok(x.add(&a_out)?))?;
+            return Ok(AttnForward { n1, rstd1, q, k, v, o, lse, h });
+        }
         let q = self.linear(&a.q_proj, &n1)?.reshape((b, s, hq, d))?;
         let k = self.linear(&a.k_proj, &n1)?.reshape((b, s, hkv, d))?;
         let v = self.linear(&a.v_proj, &n1)?.reshape((b, s, hkv, d))?;
@@ -200,14 +222,16 @@ impl LayerPass<'_> {
     }
 
     /// The layer's output `[b, s, h]` for its input `x [b, s, h]` (the model's
-    /// [`DecoderLayer::forward`], written out so that each piece is timed).
-    pub fn forward(&self, layer: &DecoderLayer, x: &Tensor) -> Result<Tensor> {
-        let f = self.attn_forward(layer, x)?;
+    /// [`DecoderLayer::forward`], written out so that each piece is timed), and the
+    /// attention's tensors for the backward.
+    pub fn forward(&self, layer: &DecoderLayer, x: &Tensor) -> Result<(Tensor, SavedAttention)> {
+        let f = self.attn_forward(layer, x, None)?;
         let mut outs = Vec::with_capacity(self.chunks.len());
         for &(st, len) in self.chunks {
             outs.push(self.mlp_chunk(layer, &f.h.narrow(1, st, len)?)?);
         }
-        self.t(Phase::Copies, || Ok(if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(&outs, 1)? }))
+        let y = self.t(Phase::Copies, || Ok(if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(&outs, 1)? }))?;
+        Ok((y, SavedAttention { q: f.q, k: f.k, v: f.v, o: f.o, lse: f.lse }))
     }
 
     /// `dh_c` of one token chunk of the MLP half for `dy_c`: the residual plus the
@@ -240,9 +264,18 @@ impl LayerPass<'_> {
 
     /// Gradient of the layer's input `dx [b, s, h]` for the gradient of its output `dy`;
     /// every weight gradient of the layer is added into `acc` (f32). `x` is the layer's
-    /// input as the forward saw it.
-    pub fn backward(&self, layer: &DecoderLayer, sl: &LayerSlots, x: &Tensor, dy: &Tensor, acc: &mut [Option<Tensor>]) -> Result<Tensor> {
-        let f = self.attn_forward(layer, x)?;
+    /// input as the forward saw it; `saved` its attention tensors when the forward kept
+    /// them (else the attention forward is rerun).
+    pub fn backward(
+        &self,
+        layer: &DecoderLayer,
+        sl: &LayerSlots,
+        x: &Tensor,
+        saved: Option<SavedAttention>,
+        dy: &Tensor,
+        acc: &mut [Option<Tensor>],
+    ) -> Result<Tensor> {
+        let f = self.attn_forward(layer, x, saved)?;
         let mut dh_chunks = Vec::with_capacity(self.chunks.len());
         for &(st, len) in self.chunks {
             let hc = f.h.narrow(1, st, len)?;
