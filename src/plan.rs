@@ -23,6 +23,8 @@
 //!                                                 (optimizer step only)
 //! saved_activations  L·b·s·h·a                    each layer's input, kept from forward
 //!                                                 to backward; 0 when offloaded
+//! saved_attention    L·((2·e_q + 2·e_kv)·a        with save_attention: each layer's q, k,
+//!                      + 4·b·hq·s)                v, o and f32 LSE kept for the backward
 //! layer_io           b·s·h·(8a + 12)              [b, s, h] tensors of one layer's
 //!                    backward: input, norm output, attention output, residual, incoming
 //!                    and outgoing gradients, and the grads of the two projections'
@@ -62,7 +64,8 @@
 //! mlp_chunk`) and the head transient are never alive together, so
 //! ```text
 //! transient     = max(layer transient, head)
-//! peak_compute  = weights + gradients + optimizer + saved_activations + transient + overhead
+//! peak_compute  = weights + gradients + optimizer + saved_activations + saved_attention
+//!                 + transient + overhead
 //! peak_step     = weights + gradients + grad_reduce + optimizer + overhead
 //! peak          = max(peak_compute, peak_step)         fits ⇔ peak ≤ GPU memory
 //! ```
@@ -154,6 +157,8 @@ pub struct PlanRequest {
     pub fpdt_chunk: usize,
     pub fpdt_offload: bool,
     pub offload_activations: bool,
+    /// Keep each layer's attention tensors for the backward (selective recomputation).
+    pub save_attention: bool,
     pub token_chunk: usize,
     /// Bytes per element of the model dtype (bf16/f16: 2, f32: 4).
     pub dtype_bytes: usize,
@@ -181,6 +186,7 @@ impl PlanRequest {
             fpdt_chunk: 65536,
             fpdt_offload: false,
             offload_activations: false,
+            save_attention: false,
             token_chunk: 4096,
             dtype_bytes: 2,
             optimizer_on_host: true,
@@ -198,6 +204,7 @@ impl PlanRequest {
         c.parallel.fpdt_chunk_size = self.fpdt_chunk;
         c.parallel.fpdt_offload = self.fpdt_offload;
         c.parallel.offload_activations = self.offload_activations;
+        c.parallel.save_attention = self.save_attention;
         c.parallel.token_chunk = self.token_chunk;
         c.train.batch_size = self.batch_size;
         c.stages = vec![Stage {
@@ -233,6 +240,7 @@ pub struct DeviceMemory {
     pub optimizer: u64,
     pub grad_reduce: u64,
     pub saved_activations: u64,
+    pub saved_attention: u64,
     pub layer_io: u64,
     pub attention_local: u64,
     pub lse: u64,
@@ -288,6 +296,8 @@ pub struct Suggestion {
     pub fpdt_chunk: Option<usize>,
     pub fpdt_offload: bool,
     pub offload_activations: bool,
+    /// Keep attention tensors for the backward: on whenever it still fits.
+    pub save_attention: bool,
     /// Peak device memory of this layout, bytes.
     pub peak: u64,
 }
@@ -417,6 +427,9 @@ pub fn estimate(model: &ModelShape, req: &PlanRequest) -> Result<Estimate> {
     } else {
         dev.saved_activations = saved;
     }
+    if req.save_attention {
+        dev.saved_attention = l * ((2 * e_q + 2 * e_kv) * a + 4 * b * hq * s);
+    }
     let (u, r) = (lay.ulysses as u64, lay.ring as u64);
     dev.attention_mode = match lay.mode {
         ParallelMode::DataParallel => 0,
@@ -440,7 +453,7 @@ pub fn estimate(model: &ModelShape, req: &PlanRequest) -> Result<Estimate> {
     dev.layer_transient = dev.layer_io + dev.attention_local + dev.lse + dev.attention_mode + dev.mlp_chunk;
     dev.transient = dev.layer_transient.max(dev.head);
     let base = dev.weights + dev.gradients + dev.optimizer + dev.overhead;
-    dev.peak_compute = base + dev.saved_activations + dev.transient;
+    dev.peak_compute = base + dev.saved_activations + dev.saved_attention + dev.transient;
     dev.peak_step = base + dev.grad_reduce;
     dev.peak = dev.peak_compute.max(dev.peak_step);
 
@@ -505,15 +518,30 @@ pub fn suggest(model: &ModelShape, req: &PlanRequest) -> Option<Suggestion> {
         fpdt_chunk: (e.layout.mode == ParallelMode::Fpdt).then_some(r.fpdt_chunk),
         fpdt_offload: e.layout.mode == ParallelMode::Fpdt && r.fpdt_offload,
         offload_activations: r.offload_activations,
+        save_attention: r.save_attention,
         peak: e.device.peak,
+    };
+    let budget = (req.gpu_memory as f64 * (1.0 - SUGGESTION_HEADROOM)) as u64;
+    // Saving the attention is faster (no attention forward in the backward): take it when
+    // it fits with the headroom, and keep what was asked otherwise.
+    let with_saved = |r: &PlanRequest| -> PlanRequest {
+        let on = PlanRequest { save_attention: true, ..r.clone() };
+        match estimate(model, &on) {
+            Ok(e) if e.fits && e.device.peak <= budget => on,
+            _ => r.clone(),
+        }
     };
     if let Ok(e) = estimate(model, req) {
         if e.fits {
-            return Some(mk(req, &e, true));
+            let r = with_saved(req);
+            let e = if r.save_attention != req.save_attention { estimate(model, &r).unwrap_or(e) } else { e };
+            return Some(mk(&r, &e, true));
         }
     }
-    let budget = (req.gpu_memory as f64 * (1.0 - SUGGESTION_HEADROOM)) as u64;
-    candidates(req).iter().find_map(|r| estimate(model, r).ok().filter(|e| e.fits && e.device.peak <= budget).map(|e| mk(r, &e, false)))
+    candidates(req).iter().find_map(|r| {
+        let r = with_saved(r);
+        estimate(model, &r).ok().filter(|e| e.fits && e.device.peak <= budget).map(|e| mk(&r, &e, false))
+    })
 }
 
 /// Estimate and suggestion for a request (errors when the request itself is invalid).

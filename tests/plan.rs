@@ -307,3 +307,26 @@ fn sizes_and_token_counts() {
     assert_eq!(plan::tokens_label(1 << 20), "1M");
     assert_eq!(plan::tokens_label(1000), "1000");
 }
+
+#[test]
+fn saved_attention_by_hand_and_chosen_when_it_fits() {
+    // zigzag 512K on 8 GPUs: e = 65536·32·128 = 268,435,456 elements of local q (and of k:
+    // Llama-2-7B has 32 kv heads). Per layer: (2e + 2e)·2 bytes + 4·32·65536 LSE.
+    let mut r = req(512 * K, ParallelMode::ZigzagRingAttn);
+    let off = plan::estimate(&shape(), &r).unwrap();
+    r.save_attention = true;
+    let on = plan::estimate(&shape(), &r).unwrap();
+    assert_eq!(off.device.saved_attention, 0);
+    assert_eq!(on.device.saved_attention, 32 * (8 * 268_435_456 + 8_388_608));
+    assert_eq!(on.device.peak_compute, off.device.peak_compute + on.device.saved_attention);
+    // 81.1 GB without it + 69.0 GB saved = 150.1 GB > 141 GB: it does not fit, so the
+    // suggestion keeps the request as it is.
+    assert!(!on.fits);
+    let s = plan::suggest(&shape(), &req(512 * K, ParallelMode::ZigzagRingAttn)).unwrap();
+    assert!(s.as_requested && !s.save_attention, "{s:?}");
+    // At 128K on 8 GPUs (16K tokens each) it fits easily and is suggested.
+    let s = plan::suggest(&shape(), &req(128 * K, ParallelMode::ZigzagRingAttn)).unwrap();
+    assert!(s.as_requested && s.save_attention, "{s:?}");
+    let e = plan::estimate(&shape(), &PlanRequest { save_attention: true, ..req(128 * K, ParallelMode::ZigzagRingAttn) }).unwrap();
+    assert_eq!(s.peak, e.device.peak);
+}

@@ -58,6 +58,9 @@ pub struct TrainSection {
     /// On a GPU, keep the optimizer state and its update in host memory (rayon AdamW,
     /// like DeepSpeed's offload_optimizer) instead of on the device. CPU runs: always host.
     pub optimizer_on_host: bool,
+    /// Time each step by phase (attention, GEMMs, norms/RoPE/activation, loss, gradient
+    /// accumulation, copies, optimizer, communication) into metrics.jsonl (`profile`).
+    pub profile: bool,
 }
 impl Default for TrainSection {
     fn default() -> Self {
@@ -72,6 +75,7 @@ impl Default for TrainSection {
             adamw: AdamWConfig::default(),
             checkpoint_every: 0,
             optimizer_on_host: false,
+            profile: false,
         }
     }
 }
@@ -95,6 +99,10 @@ pub struct ParallelSection {
     pub offload_activations: bool,
     /// Tokens per chunk for token-wise parts (norms, MLP, head, loss).
     pub token_chunk: usize,
+    /// Keep each layer's attention output, LSE, q, k and v from the forward on the device
+    /// so the backward does not rerun the attention (selective recomputation; costs
+    /// `layers × tokens × (2·hq + 2·hkv)·head_dim` elements, see `longctx plan`).
+    pub save_attention: bool,
 }
 impl Default for ParallelSection {
     fn default() -> Self {
@@ -107,6 +115,7 @@ impl Default for ParallelSection {
             fpdt_offload: false,
             offload_activations: false,
             token_chunk: 4096,
+            save_attention: false,
         }
     }
 }

@@ -30,6 +30,8 @@ pub struct StepLine {
     pub memory: MemoryReport,
     /// Most device memory in use during the step (bytes; CUDA only).
     pub device_peak: Option<u64>,
+    /// Seconds per phase, when profiling (`train.profile`).
+    pub profile: Option<crate::train::profile::PhaseTimes>,
 }
 
 /// Device memory in use now and at most since the last reset (bytes), on CUDA; resets the
@@ -135,11 +137,15 @@ impl Metrics {
             "mfu": if self.gpu { Some(mfu) } else { None }, "seq_len": l.seq_len,
             "saved_activation_bytes": l.memory.saved_bytes, "saved_host_bytes": l.memory.saved_host_bytes,
             "transient_bytes": l.memory.transient_bytes, "device_peak_bytes": l.device_peak,
+            "profile": l.profile.as_ref().map(|p| p.to_json(l.seconds)),
         });
         writeln!(self.file, "{line}").map_err(|e| Error::io(&self.path, e))?;
         let mfu_s = if self.gpu { format!(" mfu {:.1}%", 100.0 * mfu) } else { String::new() };
         let peak_s = l.device_peak.map(|b| format!(" peak {:.2} GiB", gib(b as usize))).unwrap_or_default();
         let msg = format!("loss {:.4} lr {:.2e} {:.0} tok/s{mfu_s} act {:.2} GiB{peak_s}", l.loss, l.lr, tok_s, gib(l.memory.saved_bytes));
+        if let Some(p) = &l.profile {
+            eprintln!("stage {} step {}/{} profile: {}", l.stage, l.step, l.steps, p.summary(l.seconds));
+        }
         match &self.bar {
             Some(b) => {
                 b.set_position(l.step);

@@ -18,6 +18,7 @@ use crate::train::config::{RunConfig, Stage};
 use crate::train::engine::{Engine, EngineOptions, MemoryReport};
 use crate::train::metrics::{Metrics, StepLine};
 use crate::train::optim::lr_at;
+use crate::train::profile::Phase;
 use crate::train::zero::{all_reduce_scalar, ShardedAdamW};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -253,6 +254,8 @@ impl<'a> RankRun<'a> {
         let opts = EngineOptions {
             token_chunk: cfg.parallel.token_chunk,
             offload_activations: cfg.parallel.offload_activations,
+            profile: cfg.train.profile,
+            save_attention: cfg.parallel.save_attention,
             ..Default::default()
         };
         let engine = Engine::from_vars(mcfg, &vars, opts)?;
@@ -398,12 +401,16 @@ impl<'a> RankRun<'a> {
             m.saved_bytes = m.saved_bytes.max(r.memory.saved_bytes);
             m.saved_host_bytes = m.saved_host_bytes.max(r.memory.saved_host_bytes);
             m.transient_bytes = m.transient_bytes.max(r.memory.transient_bytes);
+            let prof = self.engine.profiler();
             grads = Some(match grads {
                 None => r.grads,
-                Some(acc) => acc.iter().zip(&r.grads).map(|(a, b)| a.add(b)).collect::<candle_core::Result<_>>()?,
+                Some(acc) => prof.time(Phase::GradAccum, &sh.device, || {
+                    Ok(acc.iter().zip(&r.grads).map(|(a, b)| a.add(b)).collect::<candle_core::Result<_>>()?)
+                })?,
             });
         }
-        let loss = all_reduce_scalar(&self.world, loss_sum, &sh.device)? / global_count.max(1.0);
+        let loss = self.engine.profiler().time(Phase::Comm, &sh.device, || all_reduce_scalar(&self.world, loss_sum, &sh.device))?
+            / global_count.max(1.0);
         let grads = grads.ok_or_else(|| Error::Setting("no micro-batch".into()))?;
         // The loss is all-reduced: every rank sees the same value and stops together,
         // before a non-finite loss reaches the weights.
@@ -416,11 +423,14 @@ impl<'a> RankRun<'a> {
         }
         let t = &cfg.train;
         let lr = lr_at(t.lr_schedule, st.lr_base, step, stage.steps, t.warmup_steps, t.min_lr_ratio);
-        let norm = self.optim.step(&self.world, &grads, &self.engine.params, lr, t.clip_grad, (sh.dtype, &sh.device))?.grad_norm;
+        let norm = self.engine.profiler().time(Phase::Optimizer, &sh.device, || {
+            Ok(self.optim.step(&self.world, &grads, &self.engine.params, lr, t.clip_grad, (sh.dtype, &sh.device))?.grad_norm)
+        })?;
         self.global_step += 1;
         let tokens = (t.batch_size * t.gradient_accumulate_every * st.dp * stage.seq_length) as u64;
         self.total_tokens += tokens;
         let step_peak = crate::train::metrics::device_memory(&sh.device, false)?.map(|(_, high)| high);
+        let profile = if cfg.train.profile { Some(self.engine.take_profile()?) } else { None };
         self.device_peak = self.device_peak.max(step_peak);
         if let Some(m) = self.metrics.as_mut() {
             m.step(&StepLine {
@@ -437,6 +447,7 @@ impl<'a> RankRun<'a> {
                 seq_len: stage.seq_length,
                 memory: self.memory,
                 device_peak: step_peak,
+                profile,
             })?;
         }
         Ok(loss)
