@@ -1,0 +1,599 @@
+//! Each fused op against the composed Candle ops the model uses today (forward) and
+//! against Candle autograd of that composition (backward); AdamW against a naive f64 loop;
+//! cross-entropy against `candle_nn::loss::cross_entropy` with ignored rows. On the CPU
+//! these test the CPU twins; with the `cuda` feature and a GPU, the `cuda_*` tests run the
+//! CUDA kernels against the CPU twins and against the composed ops on the GPU.
+//!
+//! Shapes: `b` batch, `s` tokens, `h` hidden, `i` intermediate, `H` heads, `d` head dim,
+//! `V` vocabulary, `n` rows or elements.
+//!
+//! Tolerances (checked per element as `|got − want| ≤ rtol·|want| + atol·max|want|`):
+//! - f32, fused vs composed forward: rtol 1e-5, atol 1e-6;
+//! - f32, fused backward vs autograd: rtol 1e-5, atol 1e-5 (sums over rows reorder);
+//! - bf16, fused vs composed bf16 ops: rtol 1.6e-2 (two bf16 ulps: the composition rounds
+//!   after every op, the fused kernel once), atol 4e-3;
+//! - bf16 backward vs f32 autograd of the same (bf16-valued) inputs: rtol 1.6e-2, atol 8e-3;
+//! - AdamW: CPU twin bit-exact vs optim.rs's f32 loop; within 1e-6 (abs) of an f64 loop.
+
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+use longctx_kernels::*;
+
+// ---------------------------------------------------------------- helpers
+
+/// Deterministic pseudo-random values in [-scale, scale) (xorshift), as `dtype` on `dev`.
+fn rand(shape: &[usize], seed: u64, scale: f32, dtype: DType, dev: &Device) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap().to_device(dev).unwrap()
+}
+
+fn vec32(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+/// Per-element `|got − want| ≤ rtol·|want| + atol·max|want|`; returns the largest error
+/// relative to max|want| (printed, for the record).
+fn assert_close(what: &str, got: &Tensor, want: &Tensor, rtol: f32, atol: f32) -> f32 {
+    assert_eq!(got.dims(), want.dims(), "{what}: shapes");
+    let (g, w) = (vec32(got), vec32(want));
+    let scale = w.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+    let mut worst = (0f32, 0usize);
+    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+        let err = (a - b).abs();
+        assert!(err <= rtol * b.abs() + atol * scale, "{what}: element {i}: got {a}, want {b} (|err| {err}, max|want| {scale})");
+        if err > worst.0 {
+            worst = (err, i);
+        }
+    }
+    let rel = worst.0 / scale;
+    eprintln!("{what}: max |err| {:.3e} = {rel:.3e} of max|want| {scale:.3e}", worst.0);
+    rel
+}
+
+const F32_FWD: (f32, f32) = (1e-5, 1e-6);
+const F32_BWD: (f32, f32) = (1e-5, 1e-5);
+const BF16_FWD: (f32, f32) = (1.6e-2, 4e-3);
+const BF16_BWD: (f32, f32) = (1.6e-2, 8e-3);
+
+fn tol(dtype: DType, fwd: bool) -> (f32, f32) {
+    match (dtype, fwd) {
+        (DType::F32, true) => F32_FWD,
+        (DType::F32, false) => F32_BWD,
+        (_, true) => BF16_FWD,
+        (_, false) => BF16_BWD,
+    }
+}
+
+// ---------------------------------------------------------------- composed references
+
+/// src/model/llama.rs's `RmsNorm::forward`.
+fn rms_ref(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x32 = x.to_dtype(DType::F32)?;
+    let var = x32.sqr()?.mean_keepdim(D::Minus1)?;
+    let inv = (var + eps)?.sqrt()?.recip()?;
+    x32.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(w)
+}
+
+/// src/model/rope.rs's `rotate_half` and `RopeTable::apply`.
+fn rotate_half(x: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    Tensor::cat(&[&x.narrow(D::Minus1, d / 2, d / 2)?.neg()?, &x.narrow(D::Minus1, 0, d / 2)?], D::Minus1)
+}
+fn rope_ref(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    x.broadcast_mul(cos)?.add(&rotate_half(x)?.broadcast_mul(sin)?)
+}
+
+/// cos/sin `[b, s, 1, d]` for positions `[b, s]` as src/model/rope.rs builds them
+/// (default RoPE, theta 10000).
+fn rope_tables(pos: &[u32], b: usize, s: usize, d: usize, dtype: DType, dev: &Device) -> (Tensor, Tensor) {
+    let inv: Vec<f32> = (0..d / 2).map(|i| 1.0 / (10000f64.powf((2 * i) as f64 / d as f64) as f32)).collect();
+    let inv = Tensor::from_vec(inv, (1, 1, d / 2), dev).unwrap();
+    let p = Tensor::from_vec(pos.to_vec(), (b, s), dev).unwrap().to_dtype(DType::F32).unwrap().reshape((b, s, 1)).unwrap();
+    let f = p.broadcast_mul(&inv).unwrap();
+    let emb = Tensor::cat(&[&f, &f], D::Minus1).unwrap();
+    let t = |x: Tensor| x.to_dtype(dtype).unwrap().unsqueeze(2).unwrap().contiguous().unwrap();
+    (t(emb.cos().unwrap()), t(emb.sin().unwrap()))
+}
+
+/// Global positions of a zigzag shard: two separated runs (not 0..s).
+fn positions(b: usize, s: usize) -> Vec<u32> {
+    (0..b * s).map(|k| (k % s) as u32 + if k % s < s / 2 { 1000 } else { 60000 } + (k / s) as u32 * 7).collect()
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+fn rmsnorm_fwd_case(dev: &Device, dtype: DType) {
+    let (b, s, h, eps) = (2, 5, 96, 1e-5);
+    let x = rand(&[b, s, h], 1, 2.0, dtype, dev);
+    let r = rand(&[b, s, h], 2, 1.0, dtype, dev);
+    let w = (rand(&[h], 3, 0.5, DType::F32, dev) + 1.0).unwrap().to_dtype(dtype).unwrap();
+    let (rt, at) = tol(dtype, true);
+    let tag = format!("{:?} {dtype:?}", dev.location());
+
+    let out = rms_norm_fwd(&x, Some(&r), &w, eps).unwrap();
+    let sum = x.add(&r).unwrap();
+    assert_close(&format!("rmsnorm fwd x_sum {tag}"), &out.x_sum, &sum, rt, at);
+    assert_close(&format!("rmsnorm fwd y {tag}"), &out.y, &rms_ref(&sum, &w, eps).unwrap(), rt, at);
+    let s32 = sum.to_dtype(DType::F32).unwrap();
+    let rstd =
+        (s32.sqr().unwrap().mean_keepdim(D::Minus1).unwrap() + eps).unwrap().sqrt().unwrap().recip().unwrap().squeeze(D::Minus1).unwrap();
+    assert_close(&format!("rmsnorm fwd rstd {tag}"), &out.rstd, &rstd, F32_FWD.0, F32_FWD.1);
+
+    let out = rms_norm_fwd(&x, None, &w, eps).unwrap();
+    assert_close(&format!("rmsnorm fwd (no residual) y {tag}"), &out.y, &rms_ref(&x, &w, eps).unwrap(), rt, at);
+}
+
+fn rmsnorm_bwd_case(dev: &Device, dtype: DType) {
+    let (n, h, eps) = (37, 80, 1e-6);
+    let xs = rand(&[n, h], 11, 2.0, dtype, dev);
+    let w = (rand(&[h], 12, 0.5, DType::F32, dev) + 1.0).unwrap().to_dtype(dtype).unwrap();
+    let dy = rand(&[n, h], 13, 1.0, dtype, dev);
+    let dres = rand(&[n, h], 14, 1.0, dtype, dev);
+    let fwd = rms_norm_fwd(&xs, None, &w, eps).unwrap();
+    let g = rms_norm_bwd(&dy, &fwd.x_sum, &w, &fwd.rstd, Some(&dres)).unwrap();
+    let g0 = rms_norm_bwd(&dy, &fwd.x_sum, &w, &fwd.rstd, None).unwrap();
+    assert_eq!(g.dweight.dtype(), DType::F32);
+
+    // f32 autograd of the composition on the same values; the residual gradient adds.
+    let xv = Var::from_tensor(&xs.to_dtype(DType::F32).unwrap()).unwrap();
+    let wv = Var::from_tensor(&w.to_dtype(DType::F32).unwrap()).unwrap();
+    let y = rms_ref(xv.as_tensor(), wv.as_tensor(), eps).unwrap();
+    let grads = y.mul(&dy.to_dtype(DType::F32).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+    let dx_ref = grads.get(xv.as_tensor()).unwrap();
+    let dw_ref = grads.get(wv.as_tensor()).unwrap();
+    let (rt, at) = tol(dtype, false);
+    let tag = format!("{:?} {dtype:?}", dev.location());
+    assert_close(&format!("rmsnorm bwd dx {tag}"), &g0.dx, dx_ref, rt, at);
+    assert_close(&format!("rmsnorm bwd dx+dres {tag}"), &g.dx, &(dx_ref + dres.to_dtype(DType::F32).unwrap()).unwrap(), rt, at);
+    assert_close(&format!("rmsnorm bwd dw {tag}"), &g.dweight, dw_ref, rt, at);
+}
+
+#[test]
+fn rmsnorm_cpu() {
+    for dt in [DType::F32, DType::BF16] {
+        rmsnorm_fwd_case(&Device::Cpu, dt);
+        rmsnorm_bwd_case(&Device::Cpu, dt);
+    }
+}
+
+// ---------------------------------------------------------------- RoPE
+
+fn rope_case(dev: &Device, dtype: DType, table_dtype: DType) {
+    let (b, s, heads, d) = (2, 6, 3, 16);
+    let x = rand(&[b, s, heads, d], 21, 1.0, dtype, dev);
+    let (cos, sin) = rope_tables(&positions(b, s), b, s, d, table_dtype, dev);
+    let tag = format!("{:?} {dtype:?} tables {table_dtype:?}", dev.location());
+    let (rt, at) = tol(dtype, true);
+
+    let y = x.copy().unwrap();
+    rope_fwd_inplace(&y, &cos, &sin).unwrap();
+    let (c, sn) = (cos.to_dtype(dtype).unwrap(), sin.to_dtype(dtype).unwrap());
+    assert_close(&format!("rope fwd {tag}"), &y, &rope_ref(&x, &c, &sn).unwrap(), rt, at);
+
+    // backward = transpose: against f32 autograd of the composition
+    let dy = rand(&[b, s, heads, d], 22, 1.0, dtype, dev);
+    let xv = Var::from_tensor(&x.to_dtype(DType::F32).unwrap()).unwrap();
+    let (c32, s32) = (cos.to_dtype(DType::F32).unwrap(), sin.to_dtype(DType::F32).unwrap());
+    let grads = rope_ref(xv.as_tensor(), &c32, &s32)
+        .unwrap()
+        .mul(&dy.to_dtype(DType::F32).unwrap())
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let dx = dy.copy().unwrap();
+    rope_bwd_inplace(&dx, &cos, &sin).unwrap();
+    let (rt, at) = tol(dtype, false);
+    assert_close(&format!("rope bwd {tag}"), &dx, grads.get(xv.as_tensor()).unwrap(), rt, at);
+
+    // forward then backward (rotation by θ then −θ) gives back the input
+    let z = x.copy().unwrap();
+    rope_fwd_inplace(&z, &cos, &sin).unwrap();
+    rope_bwd_inplace(&z, &cos, &sin).unwrap();
+    let (rt, at) = if dtype == DType::F32 && table_dtype == DType::F32 { (1e-6, 1e-6) } else { tol(dtype, false) };
+    assert_close(&format!("rope fwd+bwd = id {tag}"), &z, &x, rt, at);
+}
+
+#[test]
+fn rope_cpu() {
+    rope_case(&Device::Cpu, DType::F32, DType::F32);
+    rope_case(&Device::Cpu, DType::BF16, DType::BF16);
+    rope_case(&Device::Cpu, DType::BF16, DType::F32);
+}
+
+// ---------------------------------------------------------------- SwiGLU
+
+fn swiglu_case(dev: &Device, dtype: DType) {
+    let shape = [3, 7, 40];
+    let g = rand(&shape, 31, 4.0, dtype, dev);
+    let u = rand(&shape, 32, 2.0, dtype, dev);
+    let tag = format!("{:?} {dtype:?}", dev.location());
+    let (rt, at) = tol(dtype, true);
+    assert_close(&format!("swiglu fwd {tag}"), &swiglu_fwd(&g, &u).unwrap(), &g.silu().unwrap().mul(&u).unwrap(), rt, at);
+
+    let dout = rand(&shape, 33, 1.0, dtype, dev);
+    let gv = Var::from_tensor(&g.to_dtype(DType::F32).unwrap()).unwrap();
+    let uv = Var::from_tensor(&u.to_dtype(DType::F32).unwrap()).unwrap();
+    let y = gv.as_tensor().silu().unwrap().mul(uv.as_tensor()).unwrap();
+    let grads = y.mul(&dout.to_dtype(DType::F32).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+    let (dg, du) = swiglu_bwd(&dout, &g, &u).unwrap();
+    let (rt, at) = tol(dtype, false);
+    assert_close(&format!("swiglu bwd dgate {tag}"), &dg, grads.get(gv.as_tensor()).unwrap(), rt, at);
+    assert_close(&format!("swiglu bwd dup {tag}"), &du, grads.get(uv.as_tensor()).unwrap(), rt, at);
+}
+
+#[test]
+fn swiglu_cpu() {
+    swiglu_case(&Device::Cpu, DType::F32);
+    swiglu_case(&Device::Cpu, DType::BF16);
+}
+
+// ---------------------------------------------------------------- cross-entropy
+
+fn targets(n: usize, v: usize, dev: &Device) -> (Tensor, Vec<i64>) {
+    let t: Vec<i64> = (0..n).map(|i| if i % 5 == 3 { -100 } else { ((i * 7919 + 3) % v) as i64 }).collect();
+    (Tensor::from_vec(t.clone(), n, dev).unwrap(), t)
+}
+
+/// `scale · Σ` over counted rows of `candle_nn::loss::cross_entropy` (a mean over the
+/// rows it is given: the counted rows are selected first), with its autograd gradient.
+fn ce_ref(logits: &Tensor, t: &[i64], scale: f64) -> (Tensor, Tensor) {
+    let dev = logits.device();
+    let keep: Vec<u32> = t.iter().enumerate().filter(|(_, &x)| x >= 0).map(|(i, _)| i as u32).collect();
+    let kept_t: Vec<u32> = keep.iter().map(|&i| t[i as usize] as u32).collect();
+    let lv = Var::from_tensor(&logits.to_dtype(DType::F32).unwrap()).unwrap();
+    let idx = Tensor::from_vec(keep.clone(), keep.len(), dev).unwrap();
+    let sel = lv.as_tensor().index_select(&idx, 0).unwrap();
+    let mean = candle_nn::loss::cross_entropy(&sel, &Tensor::from_vec(kept_t, keep.len(), dev).unwrap()).unwrap();
+    let total = (mean * keep.len() as f64).unwrap();
+    let grads = (&total * scale).unwrap().backward().unwrap();
+    (total, grads.get(lv.as_tensor()).unwrap().clone())
+}
+
+fn ce_case(dev: &Device, dtype: DType) {
+    let (n, v, scale) = (23, 300, 0.37);
+    let logits = rand(&[n, v], 41, 6.0, dtype, dev);
+    let (t, tv) = targets(n, v, dev);
+    let grad = logits.copy().unwrap();
+    let loss = cross_entropy_inplace(&grad, &t, scale).unwrap();
+    let (total, gref) = ce_ref(&logits, &tv, scale);
+    let tag = format!("{:?} {dtype:?}", dev.location());
+    let (rt, at) = tol(dtype, false);
+    assert_close(&format!("ce loss sum {tag}"), &loss.sum_all().unwrap(), &total, 1e-5, 0.0);
+    for (i, (l, &ti)) in vec32(&loss).iter().zip(&tv).enumerate() {
+        if ti < 0 {
+            assert_eq!(*l, 0.0, "ignored row {i} has loss {l}");
+        }
+    }
+    assert_close(&format!("ce dlogits {tag}"), &grad, &gref, rt, at);
+}
+
+#[test]
+fn cross_entropy_cpu() {
+    ce_case(&Device::Cpu, DType::F32);
+    ce_case(&Device::Cpu, DType::BF16);
+    // a target outside the vocabulary is an error on the CPU, not a panic
+    let l = Tensor::zeros((2, 4), DType::F32, &Device::Cpu).unwrap();
+    let t = Tensor::new(&[1i64, 4], &Device::Cpu).unwrap();
+    assert!(cross_entropy_inplace(&l, &t, 1.0).unwrap_err().to_string().contains("not below the vocabulary"));
+}
+
+fn linear_ce_case(dev: &Device, dtype: DType) {
+    let (b, s, h, v, scale) = (2, 19, 32, 150, 1.0 / 30.0);
+    let hid = rand(&[b, s, h], 51, 1.0, dtype, dev);
+    let w = rand(&[v, h], 52, 0.5, dtype, dev);
+    let (t, tv) = targets(b * s, v, dev);
+    let t = t.reshape((b, s)).unwrap();
+    let acc = Tensor::zeros((v, h), DType::F32, dev).unwrap();
+    let out = linear_cross_entropy(&hid, &w, &t, scale, 8, Some(&acc)).unwrap();
+    // f32 autograd of lm_head + cross-entropy on the same values
+    let hv = Var::from_tensor(&hid.to_dtype(DType::F32).unwrap()).unwrap();
+    let wv = Var::from_tensor(&w.to_dtype(DType::F32).unwrap()).unwrap();
+    let logits = hv.as_tensor().reshape((b * s, h)).unwrap().matmul(&wv.as_tensor().t().unwrap()).unwrap();
+    let keep: Vec<u32> = tv.iter().enumerate().filter(|(_, &x)| x >= 0).map(|(i, _)| i as u32).collect();
+    let kept_t: Vec<u32> = keep.iter().map(|&i| tv[i as usize] as u32).collect();
+    let sel = logits.index_select(&Tensor::from_vec(keep.clone(), keep.len(), dev).unwrap(), 0).unwrap();
+    let mean = candle_nn::loss::cross_entropy(&sel, &Tensor::from_vec(kept_t, keep.len(), dev).unwrap()).unwrap();
+    let total = (mean * keep.len() as f64).unwrap();
+    let grads = (&total * scale).unwrap().backward().unwrap();
+    let tag = format!("{:?} {dtype:?}", dev.location());
+    let (rt, at) = tol(dtype, false);
+    let lrt = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+    assert_close(&format!("linear ce loss {tag}"), &out.loss_sum, &total, lrt, 0.0);
+    assert_eq!(out.loss.dims(), &[b, s]);
+    assert_close(&format!("linear ce dhidden {tag}"), &out.dhidden, grads.get(hv.as_tensor()).unwrap(), rt, at);
+    assert_close(&format!("linear ce dweight {tag}"), &out.dweight, grads.get(wv.as_tensor()).unwrap(), rt, at);
+    assert_close(&format!("linear ce accumulates in place {tag}"), &acc, &out.dweight, 0.0, 0.0);
+}
+
+#[test]
+fn linear_cross_entropy_cpu() {
+    linear_ce_case(&Device::Cpu, DType::F32);
+    linear_ce_case(&Device::Cpu, DType::BF16);
+}
+
+// ---------------------------------------------------------------- AdamW
+
+struct Hp {
+    lr: f64,
+    b1: f64,
+    b2: f64,
+    eps: f64,
+    wd: f64,
+}
+const HP: Hp = Hp { lr: 1e-2, b1: 0.9, b2: 0.95, eps: 1e-8, wd: 0.1 };
+
+fn step(t: u64, gscale: f64) -> AdamWStep {
+    AdamWStep { lr: HP.lr, beta1: HP.b1, beta2: HP.b2, eps: HP.eps, weight_decay: HP.wd, step: t, grad_scale: gscale }
+}
+
+/// src/train/optim.rs's `AdamW::update` loop, transcribed (f32, same operation order).
+#[allow(clippy::too_many_arguments)]
+fn optim_rs_f32(w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], dec: &[bool], t: u64, gscale: f32) {
+    let (b1, b2) = (HP.b1 as f32, HP.b2 as f32);
+    let bc1 = 1.0 - HP.b1.powi(t as i32);
+    let bc2 = 1.0 - HP.b2.powi(t as i32);
+    let step_size = (HP.lr / bc1) as f32;
+    let bc2_sqrt = bc2.sqrt() as f32;
+    let (eps, wd_lr) = (HP.eps as f32, (HP.lr * HP.wd) as f32);
+    for i in 0..w.len() {
+        let gi = g[i] * gscale;
+        m[i] = b1 * m[i] + (1.0 - b1) * gi;
+        v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+        let denom = v[i].sqrt() / bc2_sqrt + eps;
+        if dec[i] {
+            w[i] -= wd_lr * w[i];
+        }
+        w[i] -= step_size * m[i] / denom;
+    }
+}
+
+/// Runs 4 steps of the fused op on `dev`; returns (params, m, v, bf16 copy) as f32 vectors.
+fn adamw_run(dev: &Device, n: usize, w0: &[f32], gs: &[Vec<f32>], dec: &[bool], gscale: f64) -> [Vec<f32>; 4] {
+    let w = Tensor::from_slice(w0, n, dev).unwrap();
+    let m = Tensor::zeros(n, DType::F32, dev).unwrap();
+    let v = Tensor::zeros(n, DType::F32, dev).unwrap();
+    let copy = Tensor::zeros(n, DType::BF16, dev).unwrap();
+    let d: Vec<u8> = dec.iter().map(|&x| x as u8).collect();
+    let d = Tensor::from_vec(d, n, dev).unwrap();
+    for (t, g) in gs.iter().enumerate() {
+        let g = Tensor::from_slice(g, n, dev).unwrap();
+        adamw_step(&w, &g, &m, &v, Some(&d), &step(t as u64 + 1, gscale), Some(&copy)).unwrap();
+    }
+    [vec32(&w), vec32(&m), vec32(&v), vec32(&copy)]
+}
+
+fn adamw_inputs(n: usize) -> (Vec<f32>, Vec<Vec<f32>>, Vec<bool>) {
+    let w0 = vec32(&rand(&[n], 61, 1.0, DType::F32, &Device::Cpu));
+    let gs = (0..4).map(|t| vec32(&rand(&[n], 62 + t, 0.3, DType::F32, &Device::Cpu))).collect();
+    let dec = (0..n).map(|i| i % 3 != 0).collect();
+    (w0, gs, dec)
+}
+
+#[test]
+fn adamw_cpu() {
+    let n = 40_000; // more than one rayon chunk of the twin
+    let gscale = 0.75;
+    let (w0, gs, dec) = adamw_inputs(n);
+    let [w, m, v, copy] = adamw_run(&Device::Cpu, n, &w0, &gs, &dec, gscale);
+    // bit-exact against optim.rs's f32 loop
+    let (mut rw, mut rm, mut rv) = (w0.clone(), vec![0f32; n], vec![0f32; n]);
+    for (t, g) in gs.iter().enumerate() {
+        optim_rs_f32(&mut rw, &mut rm, &mut rv, g, &dec, t as u64 + 1, gscale as f32);
+    }
+    assert_eq!(w, rw, "params differ from optim.rs's loop");
+    assert_eq!(m, rm);
+    assert_eq!(v, rv);
+    for (c, x) in copy.iter().zip(&w) {
+        assert_eq!(*c, half::bf16::from_f32(*x).to_f32());
+    }
+    // within 1e-6 of a naive f64 AdamW (decoupled weight decay)
+    let mut worst = 0f64;
+    for i in 0..n {
+        let (mut wi, mut mi, mut vi) = (w0[i] as f64, 0f64, 0f64);
+        for (t, g) in gs.iter().enumerate() {
+            let t = t as i32 + 1;
+            let gi = g[i] as f64 * gscale;
+            mi = HP.b1 * mi + (1.0 - HP.b1) * gi;
+            vi = HP.b2 * vi + (1.0 - HP.b2) * gi * gi;
+            let upd = (mi / (1.0 - HP.b1.powi(t))) / ((vi / (1.0 - HP.b2.powi(t))).sqrt() + HP.eps);
+            wi -= HP.lr * (upd + if dec[i] { HP.wd * wi } else { 0.0 });
+        }
+        worst = worst.max((w[i] as f64 - wi).abs());
+    }
+    eprintln!("adamw cpu vs f64: max |err| {worst:.3e}");
+    assert!(worst < 1e-6, "adamw vs f64 loop: {worst}");
+}
+
+#[test]
+fn accumulate_cpu() {
+    let acc = rand(&[5, 9], 71, 1.0, DType::F32, &Device::Cpu);
+    let want = vec32(&acc);
+    let x = rand(&[5, 9], 72, 1.0, DType::BF16, &Device::Cpu);
+    accumulate_f32(&acc, &x, -0.5).unwrap();
+    let got = vec32(&acc);
+    for ((g, w), x) in got.iter().zip(&want).zip(vec32(&x)) {
+        assert_eq!(*g, w + -0.5 * x);
+    }
+}
+
+// ---------------------------------------------------------------- argument checks
+
+#[test]
+fn bad_arguments_are_errors() {
+    let dev = Device::Cpu;
+    let x = rand(&[4, 8], 81, 1.0, DType::F32, &dev);
+    let w = rand(&[8], 82, 1.0, DType::F32, &dev);
+    let xt = x.t().unwrap(); // [8, 4], not contiguous
+    let w4 = rand(&[4], 83, 1.0, DType::F32, &dev);
+    let e = rms_norm_fwd(&xt, None, &w4, 1e-5).unwrap_err().to_string();
+    assert!(e.contains("contiguous"), "{e}");
+    let e = rms_norm_fwd(&x, None, &w.to_dtype(DType::BF16).unwrap(), 1e-5).unwrap_err().to_string();
+    assert!(e.contains("weight"), "{e}");
+    let e = swiglu_fwd(&x, &x.to_dtype(DType::F64).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("up"), "{e}");
+    let e = swiglu_fwd(&x.to_dtype(DType::F64).unwrap(), &x.to_dtype(DType::F64).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("F64"), "{e}");
+    let q = rand(&[1, 4, 2, 8], 84, 1.0, DType::F32, &dev);
+    let (c, s) = rope_tables(&[0, 1, 2], 1, 3, 8, DType::F32, &dev);
+    assert!(rope_fwd_inplace(&q, &c, &s).is_err());
+    let p = Tensor::zeros(8, DType::F32, &dev).unwrap();
+    let e = adamw_step(&p, &p, &p.zeros_like().unwrap(), &p.zeros_like().unwrap(), None, &step(1, 1.0), None).unwrap_err().to_string();
+    assert!(e.contains("share storage"), "{e}");
+    let g = p.zeros_like().unwrap();
+    let e = adamw_step(&p, &g, &p.zeros_like().unwrap(), &p.zeros_like().unwrap(), None, &step(0, 1.0), None).unwrap_err().to_string();
+    assert!(e.contains("step"), "{e}");
+}
+
+// ---------------------------------------------------------------- CUDA: kernels vs CPU twins and composed ops on the GPU
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+
+    fn gpu() -> Option<Device> {
+        match Device::new_cuda(0) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                eprintln!("no CUDA device ({e}); CUDA test skipped");
+                None
+            }
+        }
+    }
+
+    fn cpu(t: &Tensor) -> Tensor {
+        t.to_device(&Device::Cpu).unwrap()
+    }
+
+    /// The CUDA kernel against the CPU twin on the same inputs: f32 within 1e-5, bf16 within
+    /// one bf16 ulp (the f32 sums inside reorder, which may flip a rounding).
+    fn twin_tol(dtype: DType) -> (f32, f32) {
+        if dtype == DType::F32 {
+            (1e-5, 1e-6)
+        } else {
+            (8e-3, 1e-3)
+        }
+    }
+
+    #[test]
+    fn cuda_rmsnorm() {
+        let Some(g) = gpu() else { return };
+        for dt in [DType::F32, DType::BF16] {
+            rmsnorm_fwd_case(&g, dt);
+            rmsnorm_bwd_case(&g, dt);
+            let (n, h) = (300, 2048);
+            let x = rand(&[n, h], 91, 2.0, dt, &g);
+            let r = rand(&[n, h], 92, 1.0, dt, &g);
+            let w = (rand(&[h], 93, 0.5, DType::F32, &g) + 1.0).unwrap().to_dtype(dt).unwrap();
+            let dy = rand(&[n, h], 94, 1.0, dt, &g);
+            let og = rms_norm_fwd(&x, Some(&r), &w, 1e-5).unwrap();
+            let oc = rms_norm_fwd(&cpu(&x), Some(&cpu(&r)), &cpu(&w), 1e-5).unwrap();
+            let (rt, at) = twin_tol(dt);
+            assert_close(&format!("cuda vs twin rmsnorm y {dt:?}"), &cpu(&og.y), &oc.y, rt, at);
+            assert_close(&format!("cuda vs twin rmsnorm x_sum {dt:?}"), &cpu(&og.x_sum), &oc.x_sum, 0.0, 0.0);
+            assert_close(&format!("cuda vs twin rmsnorm rstd {dt:?}"), &cpu(&og.rstd), &oc.rstd, 1e-5, 0.0);
+            let bg = rms_norm_bwd(&dy, &og.x_sum, &w, &og.rstd, Some(&r)).unwrap();
+            let bc = rms_norm_bwd(&cpu(&dy), &oc.x_sum, &cpu(&w), &oc.rstd, Some(&cpu(&r))).unwrap();
+            assert_close(&format!("cuda vs twin rmsnorm dx {dt:?}"), &cpu(&bg.dx), &bc.dx, rt, at);
+            assert_close(&format!("cuda vs twin rmsnorm dw {dt:?}"), &cpu(&bg.dweight), &bc.dweight, 1e-4, 1e-5);
+        }
+    }
+
+    #[test]
+    fn cuda_rope() {
+        let Some(g) = gpu() else { return };
+        rope_case(&g, DType::F32, DType::F32);
+        rope_case(&g, DType::BF16, DType::BF16);
+        rope_case(&g, DType::BF16, DType::F32);
+        let (b, s, heads, d) = (1, 64, 4, 64);
+        for dt in [DType::F32, DType::BF16] {
+            let x = rand(&[b, s, heads, d], 95, 1.0, dt, &g);
+            let (c, sn) = rope_tables(&positions(b, s), b, s, d, dt, &g);
+            let (xg, xc) = (x.copy().unwrap(), cpu(&x));
+            rope_fwd_inplace(&xg, &c, &sn).unwrap();
+            rope_fwd_inplace(&xc, &cpu(&c), &cpu(&sn)).unwrap();
+            assert_close(&format!("cuda vs twin rope {dt:?}"), &cpu(&xg), &xc, 1e-6, 1e-6);
+        }
+    }
+
+    #[test]
+    fn cuda_swiglu() {
+        let Some(g) = gpu() else { return };
+        for dt in [DType::F32, DType::BF16] {
+            swiglu_case(&g, dt);
+            let (ga, u, d) = (rand(&[64, 5632], 96, 4.0, dt, &g), rand(&[64, 5632], 97, 2.0, dt, &g), rand(&[64, 5632], 98, 1.0, dt, &g));
+            let (rt, at) = twin_tol(dt);
+            assert_close(
+                &format!("cuda vs twin swiglu fwd {dt:?}"),
+                &cpu(&swiglu_fwd(&ga, &u).unwrap()),
+                &swiglu_fwd(&cpu(&ga), &cpu(&u)).unwrap(),
+                rt,
+                at,
+            );
+            let (dg, du) = swiglu_bwd(&d, &ga, &u).unwrap();
+            let (cg, cu) = swiglu_bwd(&cpu(&d), &cpu(&ga), &cpu(&u)).unwrap();
+            assert_close(&format!("cuda vs twin swiglu dgate {dt:?}"), &cpu(&dg), &cg, rt, at);
+            assert_close(&format!("cuda vs twin swiglu dup {dt:?}"), &cpu(&du), &cu, rt, at);
+        }
+    }
+
+    #[test]
+    fn cuda_cross_entropy() {
+        let Some(g) = gpu() else { return };
+        for dt in [DType::F32, DType::BF16] {
+            ce_case(&g, dt);
+            linear_ce_case(&g, dt);
+            let (n, v) = (64, 32000);
+            let logits = rand(&[n, v], 99, 8.0, dt, &g);
+            let (t, _) = targets(n, v, &g);
+            let (lg, lc) = (logits.copy().unwrap(), cpu(&logits));
+            let a = cross_entropy_inplace(&lg, &t, 0.01).unwrap();
+            let b = cross_entropy_inplace(&lc, &cpu(&t), 0.01).unwrap();
+            let (rt, at) = twin_tol(dt);
+            assert_close(&format!("cuda vs twin ce loss {dt:?}"), &cpu(&a), &b, 1e-5, 1e-6);
+            assert_close(&format!("cuda vs twin ce dlogits {dt:?}"), &cpu(&lg), &lc, rt, at);
+        }
+        // out-of-range target on the GPU: NaN loss, zero gradient (documented)
+        let l = Tensor::ones((2, 4), DType::F32, &g).unwrap();
+        let loss = cross_entropy_inplace(&l, &Tensor::new(&[1i64, 4], &g).unwrap(), 1.0).unwrap();
+        let lv = vec32(&loss);
+        assert!(lv[0].is_finite() && lv[1].is_nan());
+        assert_eq!(&vec32(&l)[4..], &[0.0; 4]);
+    }
+
+    #[test]
+    fn cuda_adamw() {
+        let Some(g) = gpu() else { return };
+        let n = 1 << 20;
+        let (w0, gs, dec) = adamw_inputs(n);
+        let a = adamw_run(&g, n, &w0, &gs, &dec, 0.75);
+        let b = adamw_run(&Device::Cpu, n, &w0, &gs, &dec, 0.75);
+        for (k, name) in ["params", "m", "v", "bf16 copy"].iter().enumerate() {
+            let diff = a[k].iter().zip(&b[k]).filter(|(x, y)| x != y).count();
+            eprintln!("cuda vs twin adamw {name}: {diff} of {n} elements differ");
+            assert_eq!(diff, 0, "adamw {name}: CUDA differs from the CPU twin");
+        }
+    }
+
+    #[test]
+    fn cuda_accumulate() {
+        let Some(g) = gpu() else { return };
+        let acc = rand(&[1000, 33], 100, 1.0, DType::F32, &g);
+        let want = vec32(&acc);
+        let x = rand(&[1000, 33], 101, 1.0, DType::BF16, &g);
+        accumulate_f32(&acc, &x, 0.25).unwrap();
+        for ((a, w), x) in vec32(&acc).iter().zip(&want).zip(vec32(&x)) {
+            assert_eq!(*a, w + 0.25 * x);
+        }
+    }
+}
