@@ -206,13 +206,6 @@ impl RopeTable {
         x.broadcast_mul(&self.cos)?.add(&rotate_half(x)?.broadcast_mul(&self.sin)?)
     }
 
-    /// The inverse rotation `x·cos − rotate_half(x)·sin`, which is also the backward of
-    /// [`Self::apply`] (cos and sin repeat over the two halves of `d`, so the transpose
-    /// of the rotation is the rotation by −θ).
-    pub fn apply_inverse(&self, x: &Tensor) -> Result<Tensor> {
-        x.broadcast_mul(&self.cos)?.sub(&rotate_half(x)?.broadcast_mul(&self.sin)?)
-    }
-
     pub fn tokens(&self) -> Result<usize> {
         self.cos.dim(1)
     }

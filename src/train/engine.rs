@@ -105,8 +105,11 @@ pub struct Engine {
     slots: Vec<LayerSlots>,
     /// Phase timings of the steps since the last [`Engine::take_profile`].
     prof: Profiler,
-    /// Gradient slot of `model.embed_tokens.weight`.
+    /// Gradient slots of `model.embed_tokens.weight`, `lm_head.weight` (the embedding's
+    /// when tied) and `model.norm.weight`.
     embed_slot: usize,
+    head_slot: usize,
+    norm_slot: usize,
 }
 
 /// Bytes of a tensor's elements.
@@ -133,11 +136,13 @@ impl Engine {
         let names: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
         let slots = (0..tracked.layers.len()).map(|l| LayerSlots::find(&names, l)).collect::<Result<Vec<_>>>()?;
         let prof = Profiler::new(opts.profile);
-        let embed_slot = names
-            .iter()
-            .position(|n| *n == "model.embed_tokens.weight")
-            .ok_or_else(|| crate::Error::Setting("engine: parameter `model.embed_tokens.weight` not found".into()))?;
-        Ok(Self { tracked, plain, params, opts, store, slots, prof, embed_slot })
+        let slot = |name: &str| {
+            names.iter().position(|n| *n == name).ok_or_else(|| crate::Error::Setting(format!("engine: parameter `{name}` not found")))
+        };
+        let embed_slot = slot("model.embed_tokens.weight")?;
+        let head_slot = if tracked.cfg.tie_word_embeddings { embed_slot } else { slot("lm_head.weight")? };
+        let norm_slot = slot("model.norm.weight")?;
+        Ok(Self { tracked, plain, params, opts, store, slots, prof, embed_slot, head_slot, norm_slot })
     }
 
     /// Build both views from Vars (one per parameter name, dtype and device of the run).
@@ -238,8 +243,10 @@ impl Engine {
         }
 
         // 2. head + loss, chunked; dL/dx_L.
-        let (mut gx, loss_sum) =
-            self.prof.time(Phase::Loss, &dev, || self.head_backward(&x, targets, &chunks, scale, &mut acc, &mut mem))?;
+        let (mut gx, loss_sum) = self.prof.time(Phase::Loss, &dev, || match self.opts.layer_backward {
+            LayerBackward::Explicit => self.head_backward_fused(&x, targets, scale, &mut acc, &mut mem),
+            LayerBackward::Autograd => self.head_backward(&x, targets, &chunks, scale, &mut acc, &mut mem),
+        })?;
         drop(x);
 
         // 3. layers, top first, each recomputed from its saved input.
@@ -303,6 +310,43 @@ impl Engine {
             Some(g) => g.detach(),
             None => x_in.as_tensor().zeros_like()?,
         })
+    }
+
+    /// The head with the fused kernels: final RMSNorm, then `lm_head` + cross-entropy
+    /// chunk by chunk with each chunk's logits `[c, V]` turned into their gradient in
+    /// place (`longctx_kernels::linear_cross_entropy`), the `lm_head` gradient accumulated
+    /// straight into its f32 slot, then the norm's backward. Returns `dL/dx [b, s, h]`
+    /// (times `scale`) and the loss sum.
+    fn head_backward_fused(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        scale: f64,
+        acc: &mut [Option<Tensor>],
+        mem: &mut MemoryReport,
+    ) -> Result<(Tensor, f64)> {
+        let cfg = &self.tracked.cfg;
+        let x = x.contiguous()?;
+        let norm = &self.plain.norm;
+        let n = longctx_kernels::rms_norm_fwd(&x, None, &norm.weight, norm.eps)?;
+        let w = self.plain.lm_head.weight();
+        let slot = match &acc[self.head_slot] {
+            Some(a) => a.clone(),
+            None => {
+                let z = Tensor::zeros(w.shape(), DType::F32, x.device())?;
+                acc[self.head_slot] = Some(z.clone());
+                z
+            }
+        };
+        let c = self.opts.token_chunk.max(1);
+        let ce = longctx_kernels::linear_cross_entropy(&n.y, w, &targets.contiguous()?, scale, c, Some(&slot))?;
+        mem.transient_bytes = mem
+            .transient_bytes
+            .max(c.min(x.elem_count() / cfg.hidden_size.max(1)) * cfg.vocab_size * w.dtype().size_in_bytes() + 2 * bytes(&x));
+        let g = longctx_kernels::rms_norm_bwd(&ce.dhidden, &x, &norm.weight, &n.rstd, None)?;
+        crate::train::layer_grad::accumulate(acc, self.norm_slot, &g.dweight)?;
+        let loss_sum = ce.loss_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        Ok((g.dx, loss_sum))
     }
 
     /// Final norm, head and loss over token chunks of the top hidden `x [b, s, h]`,

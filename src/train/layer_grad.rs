@@ -14,7 +14,9 @@
 //! dx = dh + rms'(dq·Wq + dk·Wk + dv·Wv)
 //! ```
 //! Weight gradients `dW = dyᵀ·x` are accumulated in f32 into the engine's per-parameter
-//! slots. RMSNorm follows transformers (f32 math, the normalised value rounded to the
+//! slots, in place. RMSNorm (its residual add fused into the backward), RoPE (in place),
+//! SwiGLU and the accumulation are the fused kernels of `longctx-kernels` (CUDA, or their
+//! CPU twins); RMSNorm follows transformers (f32 math, the normalised value rounded to the
 //! model dtype before the weight), so its backward is the exact derivative of that.
 //!
 //! Shapes: `b` batch, `s` local tokens, `c` tokens of a chunk, `h` hidden, `i`
@@ -25,6 +27,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::Linear;
 use longctx_attention::AttentionMode;
+use longctx_kernels as kernels;
 
 use crate::model::{DecoderLayer, RmsNorm, RopeTable};
 use crate::train::profile::{Phase, Profiler};
@@ -76,45 +79,30 @@ impl LayerSlots {
     }
 }
 
-/// Adds `g` (cast to f32) into gradient slot `i`.
-pub(crate) fn accumulate(acc: &mut [Option<Tensor>], i: usize, g: Tensor) -> Result<()> {
-    let g = g.to_dtype(DType::F32)?;
-    acc[i] = Some(match acc[i].take() {
-        Some(a) => a.add(&g)?,
-        None => g,
-    });
-    Ok(())
+/// Adds `g` into f32 gradient slot `i` in place (a zero slot is made on first use).
+pub(crate) fn accumulate(acc: &mut [Option<Tensor>], i: usize, g: &Tensor) -> Result<()> {
+    let slot = match &acc[i] {
+        Some(a) => a.clone(),
+        None => {
+            let z = Tensor::zeros(g.shape(), DType::F32, g.device())?;
+            acc[i] = Some(z.clone());
+            z
+        }
+    };
+    Ok(kernels::accumulate_f32(&slot, &g.contiguous()?, 1.0)?)
 }
 
-/// RMSNorm forward keeping `rstd [.., 1]` f32: `y = round(x·rstd)·w`.
+/// RMSNorm forward keeping `rstd [..]` f32: `y = w·round(x·rstd)` (fused kernel).
 fn rms_forward(norm: &RmsNorm, x: &Tensor) -> Result<(Tensor, Tensor)> {
-    let x32 = x.to_dtype(DType::F32)?;
-    let rstd = (x32.sqr()?.mean_keepdim(D::Minus1)? + norm.eps)?.sqrt()?.recip()?;
-    let y = x32.broadcast_mul(&rstd)?.to_dtype(x.dtype())?.broadcast_mul(&norm.weight)?;
-    Ok((y, rstd))
+    let o = kernels::rms_norm_fwd(&x.contiguous()?, None, &norm.weight, norm.eps)?;
+    Ok((o.y, o.rstd))
 }
 
-/// RMSNorm backward: `(dx [.., h] in x's dtype, dw [h] f32)` for `dy [.., h]`.
-/// `dx = rstd · (ĝ − x̂ · mean(ĝ · x̂))` with `ĝ = dy · w`, `x̂ = x · rstd` (f32).
-fn rms_backward(norm: &RmsNorm, x: &Tensor, rstd: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
-    let xhat = x.to_dtype(DType::F32)?.broadcast_mul(rstd)?;
-    let dy32 = dy.to_dtype(DType::F32)?;
-    let h = dy32.dim(D::Minus1)?;
-    let rows = dy32.elem_count() / h;
-    // The weight multiplies the *rounded* x̂, as in the forward.
-    let xhat_r = xhat.to_dtype(x.dtype())?.to_dtype(DType::F32)?;
-    let dw = dy32.mul(&xhat_r)?.reshape((rows, h))?.sum(0)?;
-    let g = dy32.broadcast_mul(&norm.weight.to_dtype(DType::F32)?)?;
-    let dot = g.mul(&xhat)?.mean_keepdim(D::Minus1)?;
-    let dx = g.sub(&xhat.broadcast_mul(&dot)?)?.broadcast_mul(rstd)?;
-    Ok((dx.to_dtype(x.dtype())?, dw))
-}
-
-/// `silu(g)` and its derivative `σ(g)·(1 + g·(1 − σ(g)))`.
-fn silu_and_grad(g: &Tensor) -> Result<(Tensor, Tensor)> {
-    let sig = candle_nn::ops::sigmoid(g)?;
-    let dsilu = sig.mul(&(g.mul(&sig.affine(-1.0, 1.0)?)? + 1.0)?)?;
-    Ok((g.mul(&sig)?, dsilu))
+/// RMSNorm backward: `(dx + d_residual [.., h], dw [h] f32)` for `dy [.., h]` (fused kernel).
+fn rms_backward(norm: &RmsNorm, x: &Tensor, rstd: &Tensor, dy: &Tensor, d_residual: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+    let dres = d_residual.map(Tensor::contiguous).transpose()?;
+    let g = kernels::rms_norm_bwd(&dy.contiguous()?, &x.contiguous()?, &norm.weight, rstd, dres.as_ref())?;
+    Ok((g.dx, g.dweight))
 }
 
 /// `[.., k]` as rows `[n, k]`.
@@ -146,7 +134,7 @@ impl SavedAttention {
 /// The attention half's forward, with what its backward needs.
 struct AttnForward {
     n1: Tensor,    // [b, s, h]
-    rstd1: Tensor, // [b, s, 1] f32
+    rstd1: Tensor, // [b, s] f32
     q: Tensor,     // [b, s, hq, d] after RoPE
     k: Tensor,     // [b, s, hkv, d] after RoPE
     v: Tensor,     // [b, s, hkv, d]
@@ -180,9 +168,9 @@ impl LayerPass<'_> {
     fn linear_backward(&self, lin: &Linear, slots: LinSlots, x: &Tensor, dy: &Tensor, acc: &mut [Option<Tensor>]) -> Result<Tensor> {
         let dw = self.t(Phase::Gemm, || Ok(dy.t()?.matmul(x)?))?; // [out, in]
         self.t(Phase::GradAccum, || {
-            accumulate(acc, slots.w, dw)?;
+            accumulate(acc, slots.w, &dw)?;
             if let Some(b) = slots.b {
-                accumulate(acc, b, dy.to_dtype(DType::F32)?.sum(0)?)?;
+                accumulate(acc, b, &dy.to_dtype(DType::F32)?.sum(0)?)?;
             }
             Ok(())
         })?;
@@ -203,7 +191,10 @@ impl LayerPass<'_> {
         let q = self.linear(&a.q_proj, &n1)?.reshape((b, s, hq, d))?;
         let k = self.linear(&a.k_proj, &n1)?.reshape((b, s, hkv, d))?;
         let v = self.linear(&a.v_proj, &n1)?.reshape((b, s, hkv, d))?;
-        let (q, k) = self.t(Phase::NormRopeAct, || Ok((self.rope.apply(&q)?, self.rope.apply(&k)?)))?;
+        self.t(Phase::NormRopeAct, || {
+            kernels::rope_fwd_inplace(&q, &self.rope.cos, &self.rope.sin)?;
+            Ok(kernels::rope_fwd_inplace(&k, &self.rope.cos, &self.rope.sin)?)
+        })?;
         let (o, lse) = self.t(Phase::Attention, || Ok(self.attn.forward(&q, &k, &v, scale(d))?))?;
         let a_out = self.linear(&a.o_proj, &o.reshape((b, s, hq * d))?)?;
         let h = self.t(Phase::Copies, || Ok(x.add(&a_out)?))?;
@@ -216,7 +207,7 @@ impl LayerPass<'_> {
         let (n2, _) = self.t(Phase::NormRopeAct, || rms_forward(&layer.post_attention_layernorm, hc))?;
         let g = self.linear(&m.gate_proj, &n2)?;
         let u = self.linear(&m.up_proj, &n2)?;
-        let gu = self.t(Phase::NormRopeAct, || Ok(g.silu()?.mul(&u)?))?;
+        let gu = self.t(Phase::NormRopeAct, || Ok(kernels::swiglu_fwd(&g, &u)?))?;
         let y = self.linear(&m.down_proj, &gu)?;
         self.t(Phase::Copies, || Ok(hc.add(&y)?))
     }
@@ -249,17 +240,17 @@ impl LayerPass<'_> {
         let n2f = flat(&n2)?; // [n, h]
         let g = self.linear(&m.gate_proj, &n2f)?; // [n, i]
         let u = self.linear(&m.up_proj, &n2f)?; // [n, i]
-        let (sg, dsilu) = self.t(Phase::NormRopeAct, || silu_and_grad(&g))?;
-        let gu = self.t(Phase::NormRopeAct, || Ok(sg.mul(&u)?))?;
-        let dy = self.t(Phase::Copies, || flat(dyc))?; // [n, h]
+        let gu = self.t(Phase::NormRopeAct, || Ok(kernels::swiglu_fwd(&g, &u)?))?;
+        let dy = self.t(Phase::Copies, || flat(&dyc.contiguous()?))?; // [n, h]
         let dm = self.linear_backward(&m.down_proj, sl.down, &gu, &dy, acc)?; // [n, i]
-        let (dg, du) = self.t(Phase::NormRopeAct, || Ok((dm.mul(&u)?.mul(&dsilu)?, dm.mul(&sg)?)))?;
+        let (dg, du) = self.t(Phase::NormRopeAct, || Ok(kernels::swiglu_bwd(&dm, &g, &u)?))?;
         let dn2g = self.linear_backward(&m.gate_proj, sl.gate, &n2f, &dg, acc)?;
         let dn2u = self.linear_backward(&m.up_proj, sl.up, &n2f, &du, acc)?;
-        let (dh, dw2) =
-            self.t(Phase::NormRopeAct, || rms_backward(&layer.post_attention_layernorm, hc, &rstd2, &(dn2g + dn2u)?.reshape(hc.shape())?))?;
-        self.t(Phase::GradAccum, || accumulate(acc, sl.ln2, dw2))?;
-        self.t(Phase::Copies, || Ok(dyc.add(&dh)?))
+        let dn2 = self.t(Phase::Copies, || Ok((dn2g + dn2u)?.reshape(hc.shape())?))?;
+        // dh_c = dy_c (the residual) + the norm's backward, in one kernel.
+        let (dh, dw2) = self.t(Phase::NormRopeAct, || rms_backward(&layer.post_attention_layernorm, hc, &rstd2, &dn2, Some(dyc)))?;
+        self.t(Phase::GradAccum, || accumulate(acc, sl.ln2, &dw2))?;
+        Ok(dh)
     }
 
     /// Gradient of the layer's input `dx [b, s, h]` for the gradient of its output `dy`;
@@ -288,15 +279,20 @@ impl LayerPass<'_> {
         let o = f.o.reshape((b * s, hq * d))?;
         let d_o = self.linear_backward(&a.o_proj, sl.o, &o, &flat(&dh)?, acc)?.reshape((b, s, hq, d))?;
         let (dq, dk, dv) = self.t(Phase::Attention, || Ok(self.attn.backward(&d_o, &f.q, &f.k, &f.v, &f.o, &f.lse, scale(d))?))?;
-        let (dq, dk) = self.t(Phase::NormRopeAct, || Ok((self.rope.apply_inverse(&dq)?, self.rope.apply_inverse(&dk)?)))?;
+        let (dq, dk) = (dq.contiguous()?, dk.contiguous()?);
+        self.t(Phase::NormRopeAct, || {
+            kernels::rope_bwd_inplace(&dq, &self.rope.cos, &self.rope.sin)?;
+            Ok(kernels::rope_bwd_inplace(&dk, &self.rope.cos, &self.rope.sin)?)
+        })?;
         let (dq, dk, dv) = (dq.reshape((b * s, hq * d))?, dk.reshape((b * s, hkv * d))?, dv.reshape((b * s, hkv * d))?);
         let n1 = flat(&f.n1)?;
         let dn1q = self.linear_backward(&a.q_proj, sl.q, &n1, &dq, acc)?;
         let dn1k = self.linear_backward(&a.k_proj, sl.k, &n1, &dk, acc)?;
         let dn1v = self.linear_backward(&a.v_proj, sl.v, &n1, &dv, acc)?;
-        let (dx, dw1) = self
-            .t(Phase::NormRopeAct, || rms_backward(&layer.input_layernorm, x, &f.rstd1, &(dn1q + dn1k + dn1v)?.reshape((b, s, hdim))?))?;
-        self.t(Phase::GradAccum, || accumulate(acc, sl.ln1, dw1))?;
-        self.t(Phase::Copies, || Ok(dh.add(&dx)?))
+        let dn1 = self.t(Phase::Copies, || Ok((dn1q + dn1k + dn1v)?.reshape((b, s, hdim))?))?;
+        // dx = dh (the residual) + the norm's backward, in one kernel.
+        let (dx, dw1) = self.t(Phase::NormRopeAct, || rms_backward(&layer.input_layernorm, x, &f.rstd1, &dn1, Some(&dh)))?;
+        self.t(Phase::GradAccum, || accumulate(acc, sl.ln1, &dw1))?;
+        Ok(dx)
     }
 }
