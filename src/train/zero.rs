@@ -134,9 +134,8 @@ impl ShardedAdamW {
         let coef = if clip > 0.0 && grad_norm > clip { clip / (grad_norm + 1e-6) } else { 1.0 };
         let shard = match self.device.as_mut() {
             Some(d) => {
-                let g = if coef != 1.0 { (gshard * coef)? } else { gshard };
-                d.update(&mut self.host, &g, lr)?;
-                d.master.clone()
+                d.update(&mut self.host, &gshard, lr, coef)?;
+                d.master.clone() // read before the next in-place update (set() copies)
             }
             None => {
                 let mut g: Vec<f32> = gshard.to_device(&Device::Cpu)?.to_vec1()?;
