@@ -61,6 +61,10 @@ pub struct TrainSection {
     /// Time each step by phase (attention, GEMMs, norms/RoPE/activation, loss, gradient
     /// accumulation, copies, optimizer, communication) into metrics.jsonl (`profile`).
     pub profile: bool,
+    /// How a decoder layer and the head are differentiated: `explicit` (fused kernels,
+    /// the default) or `autograd` (Candle autograd over the recomputed layer: the
+    /// reference, slower).
+    pub layer_backward: crate::train::engine::LayerBackward,
 }
 impl Default for TrainSection {
     fn default() -> Self {
@@ -76,6 +80,7 @@ impl Default for TrainSection {
             checkpoint_every: 0,
             optimizer_on_host: false,
             profile: false,
+            layer_backward: Default::default(),
         }
     }
 }

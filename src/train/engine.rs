@@ -61,9 +61,11 @@ impl Default for EngineOptions {
 }
 
 /// How the engine differentiates one decoder layer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum LayerBackward {
     /// Every gradient written out ([`super::layer_grad`]): the hot path.
+    #[default]
     Explicit,
     /// Candle autograd over the recomputed layer: the reference the tests compare with.
     Autograd,

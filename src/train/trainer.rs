@@ -256,6 +256,7 @@ impl<'a> RankRun<'a> {
             offload_activations: cfg.parallel.offload_activations,
             profile: cfg.train.profile,
             save_attention: cfg.parallel.save_attention,
+            layer_backward: cfg.train.layer_backward,
             ..Default::default()
         };
         let engine = Engine::from_vars(mcfg, &vars, opts)?;
