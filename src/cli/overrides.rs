@@ -233,3 +233,50 @@ fn set<T>(field: &mut T, v: Option<T>) {
         *field = v;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use longctx::train::config::ParallelMode;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        layout: LayoutFlags,
+        #[command(flatten)]
+        stages: StageFlags,
+        #[command(flatten)]
+        train: TrainFlags,
+    }
+
+    fn apply(v: &[&str]) -> Result<RunConfig> {
+        let f = Cmd::try_parse_from(std::iter::once("x").chain(v.iter().copied()))?;
+        let mut c = RunConfig::default();
+        f.train.apply(&mut c)?;
+        f.layout.apply(&mut c)?;
+        f.stages.apply(f.layout.seq_length, &mut c);
+        Ok(c)
+    }
+
+    #[test]
+    fn unset_flags_keep_the_config() {
+        assert_eq!(apply(&[]).unwrap(), RunConfig::default());
+    }
+
+    #[test]
+    fn flags_set_their_fields() {
+        let c = apply(&["--parallel-mode", "fpdt", "--world-size", "4", "--fpdt-offload", "--batch-size", "2", "--lr-schedule", "cosine"])
+            .unwrap();
+        assert_eq!((c.parallel.mode, c.parallel.world_size, c.parallel.fpdt_offload), (ParallelMode::Fpdt, 4, true));
+        assert_eq!((c.train.batch_size, c.train.lr_schedule), (2, Schedule::Cosine));
+        let c = apply(&["--seq-length", "256"]).unwrap();
+        assert_eq!((c.stages.len(), c.stages[0].rope_theta, c.stages[0].steps), (1, 1e5, 60), "theta and steps of the last stage");
+        let c = apply(&["--max-train-steps", "7", "--rope-theta", "3e5"]).unwrap();
+        assert!(c.stages.iter().all(|s| (s.steps, s.rope_theta) == (7, 3e5)));
+        for (flags, field) in [(["--parallel-mode", "ring"], "--parallel-mode"), (["--lr-schedule", "step"], "--lr-schedule")] {
+            let err = apply(&flags).unwrap_err().to_string();
+            assert!(err.contains(FLAGS) && err.contains(field), "{err}");
+        }
+    }
+}

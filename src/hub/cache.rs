@@ -105,11 +105,10 @@ pub enum ModelSpec {
     /// `builtin:NAME`: a model the trainer builds with seeded random weights, no files
     /// (see [`crate::train::init`]).
     Builtin(String),
+    /// A path: a model directory (or, for [`model_config`], a config.json).
     Local(PathBuf),
-    Hub {
-        repo_id: String,
-        revision: String,
-    },
+    /// A hub id and its revision (`main` unless `@rev` is given).
+    Hub { repo_id: String, revision: String },
 }
 
 impl ModelSpec {
@@ -394,4 +393,45 @@ pub fn resolve_model_config(spec: &str, opts: &HubOptions) -> Result<ModelConfig
     let json = read_config(&dir)?;
     let cfg = LlamaConfig::from_value(dir.join(CONFIG_FILE), json.clone())?;
     Ok(ModelConfig { cfg, json, dir: Some(dir) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_models_have_a_config_and_no_directory() {
+        assert_eq!(ModelSpec::parse("builtin:tiny"), ModelSpec::Builtin("tiny".into()));
+        let opts = HubOptions::offline_in("/nonexistent");
+        let m = model_config("builtin:tiny", &opts, false).unwrap().unwrap();
+        let r = resolve_model_config("builtin:tiny", &opts).unwrap();
+        assert_eq!((m.dir, r.dir), (None, None));
+        assert_eq!((m.json, m.cfg.hidden_size), (r.json, r.cfg.hidden_size));
+        assert!(resolve_model("builtin:tiny", &opts).unwrap_err().to_string().contains("built-in"));
+        assert!(model_config("builtin:nope", &opts, false).unwrap_err().to_string().contains("builtin:nope"));
+    }
+
+    /// A hub id's config.json comes from the cache; missing, it is `None` without
+    /// `download`, an error naming HF_HUB_OFFLINE with it when offline.
+    #[test]
+    fn hub_config_from_the_cache() {
+        let cache = tempfile::tempdir().unwrap();
+        let commit = "0123456789abcdef0123456789abcdef01234567";
+        let folder = cache.path().join("models--org--tiny");
+        let snap = folder.join("snapshots").join(commit);
+        std::fs::create_dir_all(&snap).unwrap();
+        std::fs::create_dir_all(folder.join("refs")).unwrap();
+        std::fs::write(folder.join("refs/main"), commit).unwrap();
+        let json = crate::train::init::builtin_config_json("tiny").unwrap();
+        std::fs::write(snap.join(CONFIG_FILE), json.to_string()).unwrap();
+        let opts = HubOptions::offline_in(cache.path());
+        for spec in ["org/tiny", "org/tiny@main"].into_iter().map(String::from).chain([format!("org/tiny@{commit}")]) {
+            let m = model_config(&spec, &opts, false).unwrap().unwrap();
+            assert_eq!((m.dir.as_deref(), &m.json), (Some(snap.as_path()), &json), "{spec}");
+        }
+        assert!(model_config("org/tiny@v2", &opts, false).unwrap().is_none());
+        assert!(model_config("org/absent", &opts, false).unwrap().is_none());
+        let err = model_config("org/absent", &opts, true).unwrap_err().to_string();
+        assert!(err.contains("org/absent") && err.contains("HF_HUB_OFFLINE"), "{err}");
+    }
 }

@@ -522,3 +522,48 @@ pub fn natural_cmp(a: &str, b: &str) -> Ordering {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn at(run: &RunConfig, stage: usize, stage_step: u64, model_max_pos: usize) -> ModelExport {
+        let config = json!({"rope_theta": 1e4, "max_position_embeddings": 64, "sliding_window": 32});
+        ModelExport::new(Vec::new(), config, None)
+            .for_run(run, RunProgress { stage, stage_step }, model_max_pos, Path::new("run.toml"))
+            .unwrap()
+    }
+
+    /// The demo's stages: 32 tokens at θ 1e4, then 1024 at θ 1e5.
+    #[test]
+    fn a_run_exports_the_context_of_its_last_trained_stage() {
+        let mut run = RunConfig::default();
+        assert_eq!(at(&run, 2, 0, 64).context, Some((1e5, 1024)), "finished");
+        assert_eq!(at(&run, 1, 5, 64).context, Some((1e5, 1024)), "inside stage 1");
+        assert_eq!(at(&run, 1, 0, 64).context, Some((1e4, 64)), "stage 1 not started: stage 0's, the model's length if longer");
+        assert_eq!(at(&run, 0, 0, 16).context, Some((1e4, 32)), "nothing trained yet");
+        run.export = crate::train::config::ExportSection {
+            final_rope_theta: Some(5e5),
+            max_position_embeddings: Some(4096),
+            max_shard_bytes: Some(1000),
+            dtype: Some("bf16".into()),
+        };
+        let done = at(&run, 2, 0, 64);
+        assert_eq!(done.context, Some((5e5, 4096)), "[export] once finished");
+        assert_eq!((done.options.max_shard_bytes, done.options.dtype), (1000, Some(DType::BF16)));
+        assert_eq!(at(&run, 1, 5, 64).context, Some((1e5, 1024)), "[export] context only once finished");
+        let config = done.final_config().unwrap();
+        assert_eq!(config, json!({"rope_theta": 5e5, "max_position_embeddings": 4096, "sliding_window": null}));
+    }
+
+    #[test]
+    fn a_model_as_stored_keeps_its_config() {
+        let e = ModelExport::new(Vec::new(), json!({"rope_theta": 1e4, "sliding_window": 32}), None);
+        assert_eq!(e.final_config().unwrap(), json!({"rope_theta": 1e4, "sliding_window": 32}));
+        let mut run = RunConfig::default();
+        run.stages.clear();
+        let err = e.for_run(&run, RunProgress::finished(&run), 64, Path::new("run.toml")).unwrap_err().to_string();
+        assert!(err.contains("run.toml") && err.contains("no stage"), "{err}");
+    }
+}
