@@ -1,5 +1,6 @@
-//! Resolving `--model`: a local directory, or a Hugging Face hub id (`org/name`,
-//! optionally `org/name@revision`) looked up in the HF cache and downloaded if needed.
+//! Resolving `--model`: `builtin:NAME`, a local directory, or a Hugging Face hub id
+//! (`org/name`, optionally `org/name@revision`) looked up in the HF cache and downloaded
+//! if needed; [`model_config`] reads only a model's config.json.
 //!
 //! Cache layout (shared with Python's huggingface_hub / transformers):
 //! ```text
@@ -15,9 +16,12 @@
 
 use std::path::{Path, PathBuf};
 
-use super::config::CONFIG_FILE;
+use serde_json::Value;
+
+use super::config::{config_path, read_config, CONFIG_FILE};
 use super::export::TOKENIZER_FILES;
 use super::load::{INDEX_FILE, SINGLE_FILE};
+use crate::model::LlamaConfig;
 use crate::{Error, Result};
 
 /// Where and how to look models up on the hub.
@@ -95,17 +99,26 @@ fn dirs_home() -> Option<PathBuf> {
     std::env::var_os("HOME").filter(|h| !h.is_empty()).map(PathBuf::from)
 }
 
-/// What `--model` named.
+/// What `--model` (or `model.source`) named.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModelSpec {
+    /// `builtin:NAME`: a model the trainer builds with seeded random weights, no files
+    /// (see [`crate::train::init`]).
+    Builtin(String),
+    /// A path: a model directory (or, for [`model_config`], a config.json).
     Local(PathBuf),
+    /// A hub id and its revision (`main` unless `@rev` is given).
     Hub { repo_id: String, revision: String },
 }
 
 impl ModelSpec {
-    /// An existing path is a local directory; `org/name` or `org/name@rev` (or a bare
-    /// legacy `name`) is a hub id; anything else is a local path that does not exist.
+    /// `builtin:NAME` is a built-in model; an existing path is a local directory; `org/name`
+    /// or `org/name@rev` (or a bare legacy `name`) is a hub id; anything else is a local
+    /// path that does not exist.
     pub fn parse(s: &str) -> Self {
+        if let Some(name) = s.strip_prefix("builtin:") {
+            return ModelSpec::Builtin(name.to_string());
+        }
         let path = Path::new(s);
         if path.exists() {
             return ModelSpec::Local(path.to_path_buf());
@@ -138,9 +151,13 @@ pub struct ResolvedModel {
 }
 
 /// Resolves `spec` (see [`ModelSpec::parse`]) to a local model directory, downloading
-/// from the hub unless `opts.offline`.
+/// from the hub unless `opts.offline`. A built-in model has none: an error.
 pub fn resolve_model(spec: &str, opts: &HubOptions) -> Result<ResolvedModel> {
     match ModelSpec::parse(spec) {
+        ModelSpec::Builtin(_) => Err(Error::checkpoint(
+            spec,
+            "a built-in model has no model directory (the trainer makes its weights); train it and use the run's output",
+        )),
         ModelSpec::Local(dir) => {
             if !dir.is_dir() {
                 return Err(Error::checkpoint(
@@ -180,19 +197,11 @@ pub fn resolve_offline(repo_id: &str, revision: &str, cache_dir: &Path) -> Resul
     if !folder.is_dir() {
         return Err(Error::checkpoint(&folder, format!("model `{repo_id}` is not in the Hugging Face cache; {how}")));
     }
-    let commit = if is_commit_hash(revision) && folder.join("snapshots").join(revision).is_dir() {
-        revision.to_string()
-    } else {
-        let ref_file = folder.join("refs").join(revision);
-        match std::fs::read_to_string(&ref_file) {
-            Ok(c) if !c.trim().is_empty() => c.trim().to_string(),
-            _ => {
-                return Err(Error::checkpoint(
-                    &ref_file,
-                    format!("revision `{revision}` of `{repo_id}` is not in the cache (no ref file); {how}"),
-                ))
-            }
-        }
+    let Some(commit) = cached_commit(&folder, revision) else {
+        return Err(Error::checkpoint(
+            folder.join("refs").join(revision),
+            format!("revision `{revision}` of `{repo_id}` is not in the cache (no ref file); {how}"),
+        ));
     };
     let dir = folder.join("snapshots").join(&commit);
     let need = |file: &str| -> Result<()> {
@@ -214,6 +223,24 @@ pub fn resolve_offline(repo_id: &str, revision: &str, cache_dir: &Path) -> Resul
     Ok(ResolvedModel { dir, hub: Some((repo_id.to_string(), commit)) })
 }
 
+/// The commit `revision` stands for in the repo cache `folder`: a commit hash with its
+/// snapshot there, or what the ref file `refs/<revision>` says.
+fn cached_commit(folder: &Path, revision: &str) -> Option<String> {
+    if is_commit_hash(revision) && folder.join("snapshots").join(revision).is_dir() {
+        return Some(revision.to_string());
+    }
+    let commit = std::fs::read_to_string(folder.join("refs").join(revision)).ok()?;
+    let commit = commit.trim();
+    (!commit.is_empty()).then(|| commit.to_string())
+}
+
+/// `file` of `repo_id@revision` in the cache, when it is there (no network).
+pub fn cached_file(cache_dir: &Path, repo_id: &str, revision: &str, file: &str) -> Option<PathBuf> {
+    let folder = repo_folder(cache_dir, repo_id);
+    let path = folder.join("snapshots").join(cached_commit(&folder, revision)?).join(file);
+    path.is_file().then_some(path)
+}
+
 /// The distinct shard file names of an index, sorted.
 fn index_shards(index: &Path) -> Result<Vec<String>> {
     #[derive(serde::Deserialize)]
@@ -229,29 +256,38 @@ fn index_shards(index: &Path) -> Result<Vec<String>> {
     Ok(shards)
 }
 
-/// Downloads (or finds in the cache) config, weights and tokenizer files of `repo_id`.
-fn download(repo_id: &str, revision: &str, opts: &HubOptions) -> Result<ResolvedModel> {
-    use hf_hub::api::sync::{ApiBuilder, ApiError};
-    let mut builder = ApiBuilder::new().with_cache_dir(opts.cache_dir.clone()).with_token(opts.token.clone()).with_progress(opts.progress);
+/// The hub client for `repo_id@revision` (downloads go into `opts.cache_dir`).
+fn hub_repo(repo_id: &str, revision: &str, opts: &HubOptions) -> Result<hf_hub::api::sync::ApiRepo> {
+    let mut builder = hf_hub::api::sync::ApiBuilder::new()
+        .with_cache_dir(opts.cache_dir.clone())
+        .with_token(opts.token.clone())
+        .with_progress(opts.progress);
     if let Some(ep) = &opts.endpoint {
         builder = builder.with_endpoint(ep.clone());
     }
     let api = builder.build().map_err(|e| Error::Setting(format!("cannot set up the Hugging Face hub client: {e}")))?;
-    let repo = api.repo(hf_hub::Repo::with_revision(repo_id.to_string(), hf_hub::RepoType::Model, revision.to_string()));
-    let not_found = |e: &ApiError| matches!(e, ApiError::RequestError(r) if matches!(**r, ureq::Error::Status(404, _)));
-    let fail = |file: &str, e: ApiError| {
-        let hint = match &e {
-            ApiError::RequestError(r) if matches!(**r, ureq::Error::Status(401 | 403, _)) => {
-                " (gated or private model: accept its licence on the hub and set HF_TOKEN)"
-            }
-            ApiError::RequestError(r) if matches!(**r, ureq::Error::Status(404, _)) => " (no such repo, revision or file on the hub)",
-            _ => " (no network? set HF_HUB_OFFLINE=1 to use the cache only)",
-        };
-        Error::checkpoint(
-            opts.cache_dir.join(format!("models--{}", repo_id.replace('/', "--"))),
-            format!("cannot download `{file}` of `{repo_id}@{revision}`: {e}{hint}"),
-        )
+    Ok(api.repo(hf_hub::Repo::with_revision(repo_id.to_string(), hf_hub::RepoType::Model, revision.to_string())))
+}
+
+/// A failed download of `file`, with what to do about it.
+fn download_error(opts: &HubOptions, repo_id: &str, revision: &str, file: &str, e: hf_hub::api::sync::ApiError) -> Error {
+    use hf_hub::api::sync::ApiError;
+    let hint = match &e {
+        ApiError::RequestError(r) if matches!(**r, ureq::Error::Status(401 | 403, _)) => {
+            " (gated or private model: accept its licence on the hub and set HF_TOKEN)"
+        }
+        ApiError::RequestError(r) if matches!(**r, ureq::Error::Status(404, _)) => " (no such repo, revision or file on the hub)",
+        _ => " (no network? set HF_HUB_OFFLINE=1 to use the cache only)",
     };
+    Error::checkpoint(repo_folder(&opts.cache_dir, repo_id), format!("cannot download `{file}` of `{repo_id}@{revision}`: {e}{hint}"))
+}
+
+/// Downloads (or finds in the cache) config, weights and tokenizer files of `repo_id`.
+fn download(repo_id: &str, revision: &str, opts: &HubOptions) -> Result<ResolvedModel> {
+    use hf_hub::api::sync::ApiError;
+    let repo = hub_repo(repo_id, revision, opts)?;
+    let not_found = |e: &ApiError| matches!(e, ApiError::RequestError(r) if matches!(**r, ureq::Error::Status(404, _)));
+    let fail = |file: &str, e: ApiError| download_error(opts, repo_id, revision, file, e);
     let config = repo.get(CONFIG_FILE).map_err(|e| fail(CONFIG_FILE, e))?;
     let dir =
         config.parent().map(Path::to_path_buf).ok_or_else(|| Error::checkpoint(&config, "downloaded file has no parent directory"))?;
@@ -283,4 +319,119 @@ fn download(repo_id: &str, revision: &str, opts: &HubOptions) -> Result<Resolved
         optional(f)?;
     }
     Ok(ResolvedModel { dir, hub: Some((repo_id.to_string(), commit)) })
+}
+
+/// A model's config.json, read without the weights.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub cfg: LlamaConfig,
+    /// The file as JSON, every field as written (exports edit and write it back).
+    pub json: Value,
+    /// The directory it is in; `None` for a built-in model.
+    pub dir: Option<PathBuf>,
+}
+
+impl ModelConfig {
+    /// The config of `builtin:NAME` (see [`crate::train::init`]).
+    pub fn builtin(name: &str) -> Result<Self> {
+        Ok(Self { cfg: crate::train::init::builtin_config(name)?, json: crate::train::init::builtin_config_json(name)?, dir: None })
+    }
+
+    /// A config.json file.
+    pub fn read(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let json: Value = serde_json::from_str(&text).map_err(|e| Error::checkpoint(path, format!("not valid JSON: {e}")))?;
+        let cfg = LlamaConfig::from_value(path, json.clone())?;
+        Ok(Self { cfg, json, dir: path.parent().map(Path::to_path_buf) })
+    }
+}
+
+/// The config of a model without its weights (`inspect`, `plan`, the trainer's early
+/// layout check): `builtin:NAME`, a directory holding config.json, a config.json, or a hub
+/// id, from the cache, or else downloaded (config.json only) when `download` and not
+/// offline. `Ok(None)`: a hub model whose config is not cached, and `download` is false.
+pub fn model_config(spec: &str, opts: &HubOptions, download: bool) -> Result<Option<ModelConfig>> {
+    let path = match ModelSpec::parse(spec) {
+        ModelSpec::Builtin(name) => return ModelConfig::builtin(&name).map(Some),
+        ModelSpec::Local(p) if p.is_file() => p,
+        ModelSpec::Local(p) if p.is_dir() => config_path(&p)?,
+        ModelSpec::Local(p) => {
+            return Err(Error::checkpoint(
+                p,
+                "model not found: neither a directory, a config.json, `builtin:NAME` nor a hub id `org/name[@revision]`",
+            ))
+        }
+        ModelSpec::Hub { repo_id, revision } => match cached_file(&opts.cache_dir, &repo_id, &revision, CONFIG_FILE) {
+            Some(p) => p,
+            None if !download => return Ok(None),
+            None if opts.offline => {
+                return Err(Error::checkpoint(
+                    repo_folder(&opts.cache_dir, &repo_id),
+                    format!(
+                        "model `{repo_id}` (revision `{revision}`) has no cached config.json and HF_HUB_OFFLINE forbids \
+                         downloading it; fetch it while online, or pass a local directory"
+                    ),
+                ))
+            }
+            None => {
+                let quiet = HubOptions { progress: false, ..opts.clone() };
+                let repo = hub_repo(&repo_id, &revision, &quiet)?;
+                repo.get(CONFIG_FILE).map_err(|e| download_error(opts, &repo_id, &revision, CONFIG_FILE, e))?
+            }
+        },
+    };
+    ModelConfig::read(&path).map(Some)
+}
+
+/// The config of a model resolved by [`resolve_model`] (weights downloaded when needed),
+/// or of a built-in one.
+pub fn resolve_model_config(spec: &str, opts: &HubOptions) -> Result<ModelConfig> {
+    if let ModelSpec::Builtin(name) = ModelSpec::parse(spec) {
+        return ModelConfig::builtin(&name);
+    }
+    let dir = resolve_model(spec, opts)?.dir;
+    let json = read_config(&dir)?;
+    let cfg = LlamaConfig::from_value(dir.join(CONFIG_FILE), json.clone())?;
+    Ok(ModelConfig { cfg, json, dir: Some(dir) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_models_have_a_config_and_no_directory() {
+        assert_eq!(ModelSpec::parse("builtin:tiny"), ModelSpec::Builtin("tiny".into()));
+        let opts = HubOptions::offline_in("/nonexistent");
+        let m = model_config("builtin:tiny", &opts, false).unwrap().unwrap();
+        let r = resolve_model_config("builtin:tiny", &opts).unwrap();
+        assert_eq!((m.dir, r.dir), (None, None));
+        assert_eq!((m.json, m.cfg.hidden_size), (r.json, r.cfg.hidden_size));
+        assert!(resolve_model("builtin:tiny", &opts).unwrap_err().to_string().contains("built-in"));
+        assert!(model_config("builtin:nope", &opts, false).unwrap_err().to_string().contains("builtin:nope"));
+    }
+
+    /// A hub id's config.json comes from the cache; missing, it is `None` without
+    /// `download`, an error naming HF_HUB_OFFLINE with it when offline.
+    #[test]
+    fn hub_config_from_the_cache() {
+        let cache = tempfile::tempdir().unwrap();
+        let commit = "0123456789abcdef0123456789abcdef01234567";
+        let folder = cache.path().join("models--org--tiny");
+        let snap = folder.join("snapshots").join(commit);
+        std::fs::create_dir_all(&snap).unwrap();
+        std::fs::create_dir_all(folder.join("refs")).unwrap();
+        std::fs::write(folder.join("refs/main"), commit).unwrap();
+        let json = crate::train::init::builtin_config_json("tiny").unwrap();
+        std::fs::write(snap.join(CONFIG_FILE), json.to_string()).unwrap();
+        let opts = HubOptions::offline_in(cache.path());
+        for spec in ["org/tiny", "org/tiny@main"].into_iter().map(String::from).chain([format!("org/tiny@{commit}")]) {
+            let m = model_config(&spec, &opts, false).unwrap().unwrap();
+            assert_eq!((m.dir.as_deref(), &m.json), (Some(snap.as_path()), &json), "{spec}");
+        }
+        assert!(model_config("org/tiny@v2", &opts, false).unwrap().is_none());
+        assert!(model_config("org/absent", &opts, false).unwrap().is_none());
+        let err = model_config("org/absent", &opts, true).unwrap_err().to_string();
+        assert!(err.contains("org/absent") && err.contains("HF_HUB_OFFLINE"), "{err}");
+    }
 }

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 
-use super::st_file::SafetensorsFile;
+use super::st_file::{dtype_size, float_dtype, SafetensorsFile};
 use crate::{Error, Result};
 
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -226,4 +226,53 @@ pub fn load_into_varmap(dir: impl AsRef<Path>, varmap: &VarMap, dtype: DType, de
         }
     }
     Ok(names.len())
+}
+
+/// Loads every tensor of the model directory `dir` in its stored dtype, on the CPU, in
+/// name order (what an export re-writes).
+pub fn load_stored(dir: impl AsRef<Path>) -> Result<Vec<(String, Tensor)>> {
+    let dir = dir.as_ref();
+    let ck = Checkpoint::open(dir)?;
+    let mut out = Vec::new();
+    for name in ck.names() {
+        let (dt, _) = ck.info(name).ok_or_else(|| Error::checkpoint(dir, format!("tensor `{name}` is listed but has no header entry")))?;
+        let dtype =
+            float_dtype(dt).ok_or_else(|| Error::checkpoint(dir, format!("tensor `{name}` is {dt}, not a floating-point weight")))?;
+        out.push((name.to_string(), ck.load(name, dtype, &Device::Cpu)?));
+    }
+    Ok(out)
+}
+
+/// What the weight files of a model directory hold (`longctx inspect`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StoredWeights {
+    pub files: usize,
+    pub tensors: usize,
+    pub parameters: u64,
+    pub bytes: u64,
+    /// dtype → parameters stored in it.
+    pub dtypes: BTreeMap<String, u64>,
+}
+
+/// The weight files of `dir` summed up from their headers; `None` when it has none.
+/// `rotary_emb.inv_freq`, a buffer some old checkpoints store, is not a parameter.
+pub fn stored_weights(dir: impl AsRef<Path>) -> Result<Option<StoredWeights>> {
+    let dir = dir.as_ref();
+    if !dir.join(SINGLE_FILE).is_file() && !dir.join(INDEX_FILE).is_file() {
+        return Ok(None);
+    }
+    let ck = Checkpoint::open(dir)?;
+    let mut w = StoredWeights { files: ck.files().len(), tensors: 0, parameters: 0, bytes: 0, dtypes: BTreeMap::new() };
+    for name in ck.names() {
+        if name.ends_with("rotary_emb.inv_freq") {
+            continue;
+        }
+        let Some((dt, shape)) = ck.info(name) else { continue };
+        let n: u64 = shape.iter().map(|&x| x as u64).product();
+        w.tensors += 1;
+        w.parameters += n;
+        w.bytes += n * dtype_size(dt).unwrap_or(0) as u64;
+        *w.dtypes.entry(dt.to_string()).or_default() += n;
+    }
+    Ok(Some(w))
 }

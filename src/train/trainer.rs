@@ -81,18 +81,15 @@ pub fn parse_dtype(s: &str, file: &Path, field: &str) -> Result<DType> {
 
 pub use crate::device::parse_device;
 
-/// Resolve `model.source` into a config and initial weights.
+/// Resolve `model.source` into a config and initial weights (seeded random ones for a
+/// built-in model).
 pub fn load_start_model(cfg: &RunConfig) -> Result<StartModel> {
-    if let Some(name) = cfg.model.source.strip_prefix("builtin:") {
-        let json = crate::train::init::builtin_config_json(name)?;
-        let mcfg = crate::train::init::builtin_config(name)?;
+    let m = crate::hub::resolve_model_config(&cfg.model.source, &crate::hub::HubOptions::from_env())?;
+    let (mcfg, json) = (m.cfg, m.json);
+    let Some(dir) = m.dir else {
         let weights = crate::train::init::random_init(&mcfg, cfg.seed, DType::F32, &Device::Cpu)?;
         return Ok(StartModel { cfg: mcfg, config_json: json, weights, source_dir: None, tokenizer: None });
-    }
-    let resolved = crate::hub::resolve_model(&cfg.model.source, &crate::hub::HubOptions::from_env())?;
-    let dir = resolved.dir.clone();
-    let mcfg = LlamaConfig::from_file(dir.join("config.json"))?;
-    let json = crate::hub::read_config(&dir)?;
+    };
     let weights = crate::hub::load_weights(&dir, DType::F32, &Device::Cpu)?;
     let tokenizer = if dir.join("tokenizer.json").is_file() { Some(crate::hub::load_tokenizer(&dir)?) } else { None };
     Ok(StartModel { cfg: mcfg, config_json: json, weights, source_dir: Some(dir), tokenizer })
@@ -454,25 +451,15 @@ impl<'a> RankRun<'a> {
         Ok(loss)
     }
 
-    /// The Hugging Face export of the final weights (rank 0).
+    /// The Hugging Face export of the final weights (rank 0), as `longctx export` of the
+    /// final checkpoint writes it ([`crate::hub::ModelExport::for_run`]).
     fn export(&self, export_dir: &Path) -> Result<()> {
         let (sh, cfg) = (self.sh, self.sh.cfg);
-        let last = cfg.stages.last().ok_or_else(|| Error::Setting("no stage".into()))?;
-        let theta = cfg.export.final_rope_theta.unwrap_or(last.rope_theta);
-        let max_pos = cfg.export.max_position_embeddings.unwrap_or(last.seq_length.max(sh.model.cfg.max_position_embeddings));
-        let mut json = sh.model.config_json.clone();
-        crate::hub::set_context_fields(&mut json, theta, max_pos)?;
-        crate::hub::disable_sliding_window(&mut json)?; // trained with full causal attention
-        let dtype = match &cfg.export.dtype {
-            Some(d) => Some(parse_dtype(d, Path::new("<run config>"), "export.dtype")?),
-            None => None,
-        };
-        if let Some(d) = dtype {
-            crate::hub::set_torch_dtype(&mut json, d)?;
-        }
         let tensors: Vec<(String, Tensor)> = self.engine.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().detach())).collect();
-        let opts = crate::hub::ExportOptions { max_shard_bytes: cfg.export.max_shard_bytes.unwrap_or(5_000_000_000), dtype };
-        crate::hub::export(export_dir, &tensors, &json, sh.model.source_dir.as_deref(), &opts)?;
+        let finished = crate::hub::RunProgress::finished(cfg);
+        crate::hub::ModelExport::new(tensors, sh.model.config_json.clone(), sh.model.source_dir.clone())
+            .for_run(cfg, finished, sh.model.cfg.max_position_embeddings, Path::new("<run config>"))?
+            .write(export_dir)?;
         Ok(())
     }
 }

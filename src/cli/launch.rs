@@ -1,0 +1,18 @@
+//! `longctx launch`: one process per GPU running a longctx command, torchrun-style.
+
+use anyhow::Result;
+use longctx::dist::LaunchArgs;
+
+/// Runs the ranks and exits with the launcher's status: a failed rank's exit code, 128 +
+/// the signal for a signal, 1 for other launcher errors.
+pub fn launch(a: LaunchArgs) -> Result<()> {
+    let opts = a.into_options()?;
+    match longctx::dist::launch(opts) {
+        Ok(0) => Ok(()),
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(e.exit_code());
+        }
+    }
+}

@@ -1,0 +1,83 @@
+//! The subcommands of the `longctx` binary: each file holds a command's clap arguments
+//! and the code that turns them into library calls and printed output. The work itself
+//! (training, export, planning, model lookup) is in the `longctx` library; errors get
+//! their context (anyhow) here.
+//!
+//! - [`train`]: `longctx train` (flags over a TOML run config, see [`overrides`]);
+//! - [`export`]: a training checkpoint or an HF model → an HF checkpoint;
+//! - [`inspect`]: a model's architecture, size and training memory;
+//! - [`plan`]: per-GPU memory of a layout (the same flag overrides as `train`);
+//! - [`launch`]: one process per GPU;
+//! - [`bench`]: the attention and engine benchmarks.
+
+pub mod bench;
+pub mod export;
+pub mod inspect;
+pub mod launch;
+pub mod overrides;
+pub mod plan;
+pub mod train;
+
+use anyhow::Result;
+use longctx::train::config::ParallelMode;
+use std::path::Path;
+
+/// Where errors about command-line values say they come from.
+pub const FLAGS: &str = "<flags>";
+
+/// A dtype flag (`f32`, `bf16`, `f16`); errors name the flag.
+pub fn parse_dtype(s: &str, field: &str) -> Result<candle_core::DType> {
+    Ok(longctx::train::trainer::parse_dtype(s, Path::new(FLAGS), field)?)
+}
+
+/// A parallel-mode flag; errors name the flag and list the modes.
+pub fn parse_mode(v: &str, field: &str) -> Result<ParallelMode> {
+    v.parse::<ParallelMode>().map_err(|e| {
+        let msg = match e {
+            longctx::Error::Setting(m) => m,
+            other => other.to_string(),
+        };
+        longctx::Error::config(FLAGS, field, msg).into()
+    })
+}
+
+/// A RoPE base given as a flag: positive and finite.
+pub fn positive_theta(v: f64, field: &str) -> Result<f64> {
+    if v > 0.0 && v.is_finite() {
+        Ok(v)
+    } else {
+        Err(longctx::Error::config(FLAGS, field, format!("must be a positive number, got {v}")).into())
+    }
+}
+
+/// clap value parser: bytes or a size such as 141GB, 96GiB.
+pub fn size_arg(s: &str) -> std::result::Result<u64, String> {
+    longctx::plan::parse_size(s)
+}
+
+/// clap value parser: tokens such as 524288, 512K, 1M.
+pub fn tokens_arg(s: &str) -> std::result::Result<usize, String> {
+    longctx::plan::parse_tokens(s)
+}
+
+/// Bytes in GB, MB or kB (powers of 1000).
+pub fn human_bytes(b: u64) -> String {
+    match b {
+        b if b >= 1_000_000_000 => format!("{:.2} GB", b as f64 / 1e9),
+        b if b >= 1_000_000 => format!("{:.2} MB", b as f64 / 1e6),
+        b => format!("{:.1} kB", b as f64 / 1e3),
+    }
+}
+
+/// 6738415616 → 6,738,415,616.
+pub fn group(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, ch) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}

@@ -1,0 +1,343 @@
+//! `longctx plan`: per-GPU memory of a model at a length on a layout, whether it fits and
+//! a layout that does. With `--config`, every stage of the run is planned; the layout flags
+//! override the config exactly as they do for `train` ([`LayoutFlags`]).
+
+use super::overrides::{LayoutFlags, StageFlags};
+use super::{group, parse_dtype, size_arg, tokens_arg};
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use longctx::plan::{self, PlanRequest};
+use longctx::train::config::{ParallelMode, RunConfig};
+use std::path::PathBuf;
+
+const MODEL_HELP: &str = "Model: `builtin:NAME`, a Hugging Face model directory (or its config.json), or a hub id \
+                          (only config.json is fetched) [default: the --config's model]";
+const SEQ_LENGTH_HELP: &str = "Sequence length in tokens (e.g. 524288, 512K, 1M) [required without --config]";
+const WORLD_SIZE_HELP: &str = "Ranks, one GPU each [default: --gpus]; more ranks than GPUs is an error";
+const PARALLEL_MODE_HELP: &str =
+    "data_parallel | zigzag_ring_attn | ulysses_attn | fpdt | usp [default: the config's; data_parallel on 1 GPU, else zigzag_ring_attn]";
+const BATCH_SIZE_HELP: &str = "Sequences per micro-batch per data-parallel rank [default: 1]";
+const DTYPE_HELP: &str = "Model dtype on the GPU: bf16, f16 or f32 [default: the config's if not f32, else bf16]";
+
+/// The layout flags are `train`'s ([`LayoutFlags`]); their help says plan's defaults.
+#[derive(Args, Debug)]
+#[command(
+    mut_arg("model", |a| a.help(MODEL_HELP)),
+    mut_arg("seq_length", |a| a.help(SEQ_LENGTH_HELP).value_parser(tokens_arg)),
+    mut_arg("world_size", |a| a.help(WORLD_SIZE_HELP)),
+    mut_arg("parallel_mode", |a| a.help(PARALLEL_MODE_HELP)),
+    mut_arg("batch_size", |a| a.help(BATCH_SIZE_HELP)),
+    mut_arg("dtype", |a| a.help(DTYPE_HELP))
+)]
+pub struct PlanArgs {
+    /// Run config: plan every stage with its parallel settings (flags override).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub layout: LayoutFlags,
+    /// GPUs in total [default: --world-size, else the config's world_size, else 1].
+    #[arg(long)]
+    pub gpus: Option<usize>,
+    /// Nodes the GPUs are spread over.
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// Memory of one GPU: bytes or a size such as 141GB, 80GB, 96GiB.
+    #[arg(long, default_value = "141GB", value_parser = size_arg)]
+    pub gpu_memory: u64,
+    /// Host memory of one node (checked only when given), e.g. 2TB.
+    #[arg(long, value_parser = size_arg)]
+    pub host_memory: Option<u64>,
+    /// Keep the AdamW state (f32 master, m, v) on the GPU instead of the host.
+    #[arg(long)]
+    pub optimizer_on_device: bool,
+    /// Fixed allowance per GPU (CUDA context, workspaces, fragmentation).
+    #[arg(long, default_value = "3GB", value_parser = size_arg)]
+    pub overhead: u64,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn plan_cmd(a: PlanArgs) -> Result<()> {
+    let file = match &a.config {
+        Some(p) => {
+            let c = RunConfig::from_file(p)?;
+            c.validate(p)?;
+            Some((c, p.clone()))
+        }
+        None => None,
+    };
+    let spec = match (&a.layout.model, &file) {
+        (Some(m), _) => m.clone(),
+        (None, Some((c, _))) => c.model.source.clone(),
+        (None, None) => bail!("--model is required (or --config with a model.source)"),
+    };
+    let info = longctx::hub::model_config(&spec, &longctx::hub::HubOptions::from_env(), true)?
+        .ok_or_else(|| anyhow!("model `{spec}` not found"))?;
+    let shape = plan::ModelShape::from_config(&info.cfg);
+    // The config as written must suit the model; the flags are checked by the planner.
+    if let Some((c, p)) = &file {
+        plan::check_run(c, &info.cfg, p)?;
+    }
+    let from_file = file.is_some();
+    let run = planned_run(&a, file.map(|(c, _)| c))?;
+    let mut plans = Vec::new();
+    for (label, r) in requests(&a, &run, from_file)? {
+        let p =
+            plan::plan(&shape, &r).with_context(|| if label.is_empty() { "planning".to_string() } else { format!("planning {label}") })?;
+        plans.push((label, p));
+    }
+    if a.json {
+        let v: Vec<&plan::Plan> = plans.iter().map(|(_, p)| p).collect();
+        println!("{}", serde_json::to_string_pretty(&if v.len() == 1 { serde_json::to_value(v[0])? } else { serde_json::to_value(&v)? })?);
+        return Ok(());
+    }
+    println!(
+        "model: {spec}: {} parameters, {} layers, hidden {}, {} query / {} kv heads × {}, vocab {}",
+        group(shape.params),
+        shape.layers,
+        shape.hidden,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+        shape.vocab
+    );
+    for (label, p) in &plans {
+        if !label.is_empty() {
+            println!("\n== {label}");
+        }
+        print_plan(p);
+    }
+    Ok(())
+}
+
+/// The run to plan: `--config`'s, else defaults (one rank per GPU; data parallel on one
+/// GPU, else the zigzag ring), with the flags applied as `train` applies them. A config's
+/// f32 (the CPU default) counts as bf16 unless `--dtype` says otherwise, and the flags
+/// also beat a stage's own `parallel_mode` / `fpdt_chunk_size`.
+fn planned_run(a: &PlanArgs, file: Option<RunConfig>) -> Result<RunConfig> {
+    let from_file = file.is_some();
+    let mut c = file.unwrap_or_else(|| {
+        let mut c = RunConfig::plain();
+        c.parallel.world_size = a.layout.parallel.world_size.or(a.gpus).unwrap_or(1);
+        c.parallel.mode = if c.parallel.world_size > 1 { ParallelMode::ZigzagRingAttn } else { ParallelMode::DataParallel };
+        c
+    });
+    if matches!(c.model.dtype.as_str(), "f32" | "float32") {
+        c.model.dtype = "bf16".into();
+    }
+    a.layout.apply(&mut c)?;
+    if !from_file && a.layout.seq_length.is_none() {
+        bail!("--seq-length is required (or --config with stages)");
+    }
+    StageFlags::default().apply(a.layout.seq_length, &mut c);
+    for s in &mut c.stages {
+        if a.layout.parallel.parallel_mode.is_some() {
+            s.parallel_mode = None;
+        }
+        if a.layout.parallel.fpdt_chunk_size.is_some() {
+            s.fpdt_chunk_size = None;
+        }
+    }
+    Ok(c)
+}
+
+/// One request per stage of `run`, labelled by stage unless `--seq-length` made the one.
+fn requests(a: &PlanArgs, run: &RunConfig, from_file: bool) -> Result<Vec<(String, PlanRequest)>> {
+    let p = &run.parallel;
+    let gpus = a.gpus.unwrap_or(p.world_size);
+    let dtype_bytes = parse_dtype(&run.model.dtype, "--dtype")?.size_in_bytes();
+    let mut out = Vec::new();
+    for (i, st) in run.stages.iter().enumerate() {
+        let mut r = PlanRequest::new(st.seq_length, gpus, a.gpu_memory, st.parallel_mode.unwrap_or(p.mode));
+        r.world = p.world_size;
+        r.nnodes = a.nnodes;
+        r.host_memory = a.host_memory;
+        r.optimizer_on_host = !a.optimizer_on_device;
+        r.overhead = a.overhead;
+        r.dtype_bytes = dtype_bytes;
+        r.batch_size = run.train.batch_size;
+        // A config's sp_size 0 is "all ranks", the request's None (a flag goes as given);
+        // without a config, an unset --ulysses-size stays unset, as the planner's default.
+        r.sp = (a.layout.parallel.sp_size.is_some() || p.sp_size > 0).then_some(p.sp_size);
+        r.ulysses = (from_file || a.layout.parallel.ulysses_size.is_some()).then_some(p.ulysses_size);
+        r.fpdt_chunk = st.fpdt_chunk_size.unwrap_or(p.fpdt_chunk_size);
+        r.fpdt_offload = p.fpdt_offload;
+        r.offload_activations = p.offload_activations;
+        r.token_chunk = p.token_chunk;
+        let label = if a.layout.seq_length.is_some() { String::new() } else { format!("stage {i} (rope_theta {})", st.rope_theta) };
+        out.push((label, r));
+    }
+    Ok(out)
+}
+
+fn print_plan(p: &plan::Plan) {
+    let r = &p.request;
+    let e = &p.estimate;
+    let l = &e.layout;
+    let mut how = format!("{}", l.mode);
+    match l.mode {
+        ParallelMode::Usp => how += &format!(" (ulysses {} × ring {})", l.ulysses, l.ring),
+        ParallelMode::Fpdt => how += &format!(" (chunk {}{})", r.fpdt_chunk, if r.fpdt_offload { ", kv offload" } else { "" }),
+        _ => {}
+    }
+    println!(
+        "{} tokens, {how} on {} GPU(s) ({} rank(s), sp {} × dp {}): {} tokens per GPU, micro-batch {}, {}-byte weights, token chunk {}{}",
+        plan::tokens_label(r.seq_len),
+        r.gpus,
+        l.world,
+        l.sp,
+        l.dp,
+        l.local_tokens,
+        r.batch_size,
+        r.dtype_bytes,
+        r.token_chunk,
+        if r.offload_activations { ", activations offloaded" } else { "" }
+    );
+    print_device(p);
+    print_host(p);
+    print_suggestion(p);
+}
+
+/// The device memory table.
+fn print_device(p: &plan::Plan) {
+    let (r, e) = (&p.request, &p.estimate);
+    let d = &e.device;
+    let rows: [(&str, u64, &str); 13] = [
+        ("weights", d.weights, ""),
+        ("gradients (f32)", d.gradients, ""),
+        ("optimizer (f32 master, m, v)", d.optimizer, if r.optimizer_on_host { "on the host" } else { "ZeRO-1 over all ranks" }),
+        ("saved activations", d.saved_activations, if r.offload_activations { "offloaded" } else { "" }),
+        ("layer transient", d.layer_transient, "backward of one layer, of which:"),
+        ("  [b, s, h] tensors", d.layer_io, ""),
+        ("  q/k/v/o + grads", d.attention_local, ""),
+        ("  lse", d.lse, ""),
+        ("  attention mode", d.attention_mode, ""),
+        ("  mlp chunk", d.mlp_chunk, ""),
+        ("head transient", d.head, "logits chunk; not alive with the layer's"),
+        ("overhead", d.overhead, ""),
+        ("gradient all-reduce buffer", d.grad_reduce, "optimizer step only"),
+    ];
+    println!("  per GPU                             GB");
+    for (name, v, note) in rows {
+        println!("{}", format!("  {name:<30} {:>8}  {note}", plan::gb(v)).trim_end());
+    }
+    println!("  peak, forward/backward         {:>8}", plan::gb(d.peak_compute));
+    println!("  peak, optimizer step           {:>8}", plan::gb(d.peak_step));
+    println!(
+        "  peak                           {:>8}  of {} GB: {}",
+        plan::gb(d.peak),
+        plan::gb(r.gpu_memory),
+        if e.fits_gpu {
+            format!("fits ({} GB free)", plan::gb(r.gpu_memory - d.peak))
+        } else {
+            format!("does NOT fit ({} GB short)", plan::gb(d.peak - r.gpu_memory))
+        }
+    );
+}
+
+/// The host memory line.
+fn print_host(p: &plan::Plan) {
+    let (r, e) = (&p.request, &p.estimate);
+    let h = &e.host;
+    println!(
+        "  host: {} GB per rank (optimizer {}, offloaded activations {}, fpdt parked {}, trainer copies {}), {} GB per node of {} rank(s){}",
+        plan::gb(h.per_rank),
+        plan::gb(h.optimizer),
+        plan::gb(h.saved_activations),
+        plan::gb(h.fpdt_parked),
+        plan::gb(h.weights_copy + h.grads_copy),
+        plan::gb(h.per_node),
+        h.ranks_per_node,
+        match (e.fits_host, r.host_memory) {
+            (Some(true), Some(m)) => format!(": fits in {} GB", plan::gb(m)),
+            (Some(false), Some(m)) => format!(": does NOT fit in {} GB", plan::gb(m)),
+            _ => String::new(),
+        }
+    );
+}
+
+/// The suggested layout as flags (also printed by `inspect`).
+pub fn print_suggestion(p: &plan::Plan) {
+    match &p.suggestion {
+        Some(s) if s.as_requested => println!("  suggestion: as requested ({} GB peak)", plan::gb(s.peak)),
+        Some(s) => {
+            let mut flags = format!("--parallel-mode {}", s.mode);
+            if s.mode != ParallelMode::DataParallel && s.sp != p.request.world {
+                flags += &format!(" --sp-size {}", s.sp);
+            }
+            if s.mode == ParallelMode::Usp {
+                flags += &format!(" --ulysses-size {}", s.ulysses);
+            }
+            if let Some(c) = s.fpdt_chunk {
+                flags += &format!(" --fpdt-chunk-size {c}");
+            }
+            if s.fpdt_offload {
+                flags += " --fpdt-offload";
+            }
+            if s.offload_activations {
+                flags += " --offload-activations";
+            }
+            println!("  suggestion: {flags} ({} GB peak)", plan::gb(s.peak));
+        }
+        None => println!(
+            "  suggestion: none fits on {} GPU(s) of {} GB; add GPUs (the activation terms shrink with sp) or a smaller micro-batch",
+            p.request.gpus,
+            plan::gb(p.request.gpu_memory)
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        a: PlanArgs,
+    }
+
+    fn args(v: &[&str]) -> PlanArgs {
+        Cmd::try_parse_from(std::iter::once("plan").chain(v.iter().copied())).unwrap().a
+    }
+
+    fn planned(a: &PlanArgs, file: Option<RunConfig>) -> Vec<(String, PlanRequest)> {
+        let from_file = file.is_some();
+        requests(a, &planned_run(a, file).unwrap(), from_file).unwrap()
+    }
+
+    /// Without a config: one rank per GPU, the ring on several, bf16, the planner's defaults.
+    #[test]
+    fn without_a_config_the_defaults_follow_the_gpus() {
+        let reqs = planned(&args(&["--model", "builtin:tiny", "--seq-length", "1K", "--gpus", "4"]), None);
+        let [(label, r)] = &reqs[..] else { panic!("{reqs:?}") };
+        assert_eq!(label, "");
+        assert_eq!((r.seq_len, r.gpus, r.world, r.mode), (1024, 4, 4, ParallelMode::ZigzagRingAttn));
+        assert_eq!((r.sp, r.ulysses, r.dtype_bytes, r.batch_size, r.token_chunk), (None, None, 2, 1, 4096));
+        let a = args(&["--model", "builtin:tiny"]);
+        assert!(planned_run(&a, None).unwrap_err().to_string().contains("--seq-length"));
+    }
+
+    /// A config is planned stage by stage; the layout flags override it as for `train`, and
+    /// also a stage's own mode and FPDT chunk.
+    #[test]
+    fn flags_override_the_config_and_its_stages() {
+        let mut c = RunConfig::default();
+        c.parallel.world_size = 2;
+        c.stages[1].parallel_mode = Some(ParallelMode::Fpdt);
+        c.stages[1].fpdt_chunk_size = Some(128);
+        let reqs = planned(&args(&[]), Some(c.clone()));
+        assert_eq!(reqs.iter().map(|(l, _)| l.as_str()).collect::<Vec<_>>(), ["stage 0 (rope_theta 10000)", "stage 1 (rope_theta 100000)"]);
+        let r = &reqs[1].1;
+        assert_eq!((r.mode, r.fpdt_chunk, r.world, r.gpus, r.dtype_bytes, r.batch_size), (ParallelMode::Fpdt, 128, 2, 2, 2, 8));
+        let a = args(&["--parallel-mode", "usp", "--fpdt-chunk-size", "64", "--batch-size", "3", "--dtype", "f32", "--gpus", "4"]);
+        for (_, r) in planned(&a, Some(c.clone())) {
+            assert_eq!((r.mode, r.fpdt_chunk, r.batch_size, r.dtype_bytes, r.gpus), (ParallelMode::Usp, 64, 3, 4, 4));
+        }
+        let reqs = planned(&args(&["--seq-length", "512K"]), Some(c));
+        let [(label, r)] = &reqs[..] else { panic!("{reqs:?}") };
+        assert_eq!((label.as_str(), r.seq_len, r.mode), ("", 512 * 1024, ParallelMode::DataParallel));
+    }
+}

@@ -1,0 +1,111 @@
+//! `longctx train`: resolve the run config (the TOML, or the embedded demo, with the flags
+//! over it), check it, and run it in this process or as one rank of a launched world.
+
+use super::overrides::{DataFlags, LayoutFlags, RunFlags, StageFlags, TrainFlags};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use longctx::dist::DistEnv;
+use longctx::train::config::RunConfig;
+use longctx::train::trainer::{self, RunLimits};
+use std::path::PathBuf;
+
+/// Flags follow EasyContext's train.py where it has them; every flag overrides the
+/// TOML config file given with --config.
+#[derive(Args, Debug, Default)]
+pub struct TrainArgs {
+    /// TOML run config (see configs/ and recipes/); flags override its values.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub layout: LayoutFlags,
+    #[command(flatten)]
+    pub stages: StageFlags,
+    #[command(flatten)]
+    pub data: DataFlags,
+    #[command(flatten)]
+    pub train: TrainFlags,
+    #[command(flatten)]
+    pub run: RunFlags,
+    /// Continue from <output-dir>/checkpoint.
+    #[arg(long)]
+    pub resume: bool,
+    /// Print the resolved config and exit.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Stop once this many optimizer steps (counted across resumes) are done: write a
+    /// checkpoint there and exit without exporting; continue with --resume (a planned
+    /// preemption, e.g. before a scheduler's time limit).
+    #[arg(long)]
+    pub stop_at_step: Option<u64>,
+}
+
+/// The run config from `--config` (or the embedded demo) with the flags applied, and
+/// where it came from. `launched_world`: WORLD_SIZE when started by a launcher (it sets
+/// the world size).
+pub fn resolve_config(a: &TrainArgs, launched_world: Option<usize>) -> Result<(RunConfig, PathBuf)> {
+    let (mut c, src) = match &a.config {
+        Some(p) => (RunConfig::from_file(p)?, p.clone()),
+        // No config file: the embedded demo, unless the user names their own model or
+        // data, in which case the demo's hyper-parameters (lr 3e-3, batch 8, warmup)
+        // would be wrong: start from the plain defaults (EasyContext-like: batch 1, lr 2e-5).
+        None if a.layout.model.is_some() || a.data.dataset.is_some() => (RunConfig::plain(), PathBuf::from(super::FLAGS)),
+        None => (RunConfig::default(), PathBuf::from(super::FLAGS)),
+    };
+    a.run.apply(&mut c);
+    a.data.apply(&mut c);
+    a.train.apply(&mut c)?;
+    a.layout.apply(&mut c)?;
+    if let Some(w) = launched_world {
+        if a.layout.parallel.world_size.is_some_and(|v| v != w) {
+            bail!(
+                "--world-size {} conflicts with the launcher's WORLD_SIZE {w}; under `longctx launch` the world is one rank per process",
+                c.parallel.world_size
+            );
+        }
+        if c.parallel.world_size != w && c.parallel.world_size != 1 {
+            eprintln!("note: {}: world_size {} replaced by the launcher's WORLD_SIZE {w}", src.display(), c.parallel.world_size);
+        }
+        c.parallel.world_size = w;
+    }
+    a.stages.apply(a.layout.seq_length, &mut c);
+    c.validate(&src)?;
+    Ok((c, src))
+}
+
+pub fn train(a: TrainArgs) -> Result<()> {
+    let dist = DistEnv::from_env().context("reading the distributed environment (RANK, WORLD_SIZE, ...)")?;
+    let (cfg, src) = resolve_config(&a, dist.as_ref().map(|d| d.world)).context("resolving the run config")?;
+    // The model's head counts against every stage's layout, when its config is at hand
+    // without downloading (a hub model not yet cached is checked by the trainer).
+    let opts = longctx::hub::HubOptions::from_env();
+    if let Some(m) = longctx::hub::model_config(&cfg.model.source, &opts, false).context("reading the model config")? {
+        longctx::plan::check_run(&cfg, &m.cfg, &src).context("checking the parallel layout against the model")?;
+    }
+    let limits = RunLimits { stop_at_global_step: a.stop_at_step };
+    if a.dry_run {
+        println!("{}", toml::to_string_pretty(&cfg)?);
+        return Ok(());
+    }
+    if let Some(env) = dist {
+        return train_launched(&env, &cfg, a.resume, limits);
+    }
+    eprintln!("longctx train — resolved config (from {}):", src.display());
+    eprintln!("{}", toml::to_string(&cfg)?.trim_end());
+    let summary = trainer::run_with_limits(&cfg, a.resume, limits).context("training")?;
+    if !summary.completed {
+        return Ok(());
+    }
+    println!("exported to {}", summary.export_dir.display());
+    Ok(())
+}
+
+/// One rank of a multi-process run (started by `longctx launch`, torchrun or Slurm):
+/// rendezvous → world communicator (NCCL on GPUs, the process transport on the CPU) →
+/// the same rank loop as in-process runs.
+fn train_launched(env: &DistEnv, cfg: &RunConfig, resume: bool, limits: RunLimits) -> Result<()> {
+    let summary = trainer::run_launched(cfg, resume, env, limits).with_context(|| format!("rank {} of {}", env.rank, env.world))?;
+    if let Some(s) = summary.filter(|s| s.completed) {
+        println!("exported to {}", s.export_dir.display());
+    }
+    Ok(())
+}
