@@ -18,6 +18,7 @@
 //! exactly the one its query heads use; the copies' gradients sum back.
 
 use crate::comm::Comm;
+use crate::kernel::Saved;
 use crate::local::LocalAttention;
 use crate::mode::AttentionMode;
 use candle_core::{DType, Result, Tensor};
@@ -145,22 +146,18 @@ pub fn head_sharded_forward(
 /// Backward of [`head_sharded_forward`]: `do`, `o`, `lse` go to head-sharded form, the
 /// inner backward runs there, and `dq`, `dk`, `dv` come back by the inverse all-to-all
 /// (gradients of replicated kv heads summed).
-#[allow(clippy::too_many_arguments)]
 pub fn head_sharded_backward(
     comm: &dyn Comm,
     inner: &dyn AttentionMode,
     d_o: &Tensor,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    o: &Tensor,
-    lse: &Tensor,
+    saved: Saved<'_>,
     scale: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let Saved { q, k, v, o, lse } = saved;
     let r = check_heads(q, k, v, comm.world())?;
     let (qh, kh, vh) = to_heads(comm, q, k, v, r)?;
     let (doh, oh, lseh) = (seq_to_heads(comm, d_o)?, seq_to_heads(comm, o)?, lse_seq_to_heads(comm, lse)?);
-    let (dqh, dkh, dvh) = inner.backward(&doh, &qh, &kh, &vh, &oh, &lseh, scale)?;
+    let (dqh, dkh, dvh) = inner.backward(&doh, Saved::new(&qh, &kh, &vh, &oh, &lseh), scale)?;
     let dq = heads_to_seq(comm, &dqh)?;
     let dk = reduce_replicated_kv_grad(&heads_to_seq(comm, &dkh)?, r)?;
     let dv = reduce_replicated_kv_grad(&heads_to_seq(comm, &dvh)?, r)?;
@@ -193,16 +190,7 @@ impl AttentionMode for Ulysses {
         head_sharded_forward(self.comm.as_ref(), &LocalAttention, q, k, v, scale)
     }
 
-    fn backward(
-        &self,
-        d_o: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        o: &Tensor,
-        lse: &Tensor,
-        scale: f64,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        head_sharded_backward(self.comm.as_ref(), &LocalAttention, d_o, q, k, v, o, lse, scale)
+    fn backward(&self, d_o: &Tensor, saved: Saved<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+        head_sharded_backward(self.comm.as_ref(), &LocalAttention, d_o, saved, scale)
     }
 }
