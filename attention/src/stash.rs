@@ -178,12 +178,6 @@ mod gpu {
         dtype: DType,
     }
 
-    impl PinnedTensor {
-        pub fn bytes(&self) -> usize {
-            self.shape.elem_count() * self.dtype.size_in_bytes()
-        }
-    }
-
     /// The copy stream's handle, destroyed with the stash.
     struct RawStream(sys::CUstream);
     // SAFETY: a CUDA stream handle may be used from any thread of its context.

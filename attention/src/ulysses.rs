@@ -41,28 +41,32 @@ pub fn exchange(comm: &dyn Comm, x: &Tensor, split_dim: usize, cat_dim: usize) -
     Tensor::cat(&ys, cat_dim)
 }
 
+/// [`exchange`] of a tensor that must have `rank` dims.
+fn reshard(comm: &dyn Comm, x: &Tensor, rank: usize, split_dim: usize, cat_dim: usize) -> Result<Tensor> {
+    if x.rank() != rank {
+        return crate::shape_err!("all-to-all: expected {rank} dims, got {:?}", x.dims());
+    }
+    exchange(comm, x, split_dim, cat_dim)
+}
+
 /// Sequence-sharded `[b, s, H, d]` → head-sharded `[b, s·P, H/P, d]` (global token order).
 pub fn seq_to_heads(comm: &dyn Comm, x: &Tensor) -> Result<Tensor> {
-    x.dims4()?;
-    exchange(comm, x, 2, 1)
+    reshard(comm, x, 4, 2, 1)
 }
 
 /// Head-sharded `[b, S, H/P, d]` → sequence-sharded `[b, S/P, H, d]`; inverse of [`seq_to_heads`].
 pub fn heads_to_seq(comm: &dyn Comm, x: &Tensor) -> Result<Tensor> {
-    x.dims4()?;
-    exchange(comm, x, 1, 2)
+    reshard(comm, x, 4, 1, 2)
 }
 
 /// Sequence-sharded `lse [b, H, s]` → head-sharded `[b, H/P, s·P]`.
 pub fn lse_seq_to_heads(comm: &dyn Comm, lse: &Tensor) -> Result<Tensor> {
-    lse.dims3()?;
-    exchange(comm, lse, 1, 2)
+    reshard(comm, lse, 3, 1, 2)
 }
 
 /// Head-sharded `lse [b, H/P, S]` → sequence-sharded `[b, H, S/P]`.
 pub fn lse_heads_to_seq(comm: &dyn Comm, lse: &Tensor) -> Result<Tensor> {
-    lse.dims3()?;
-    exchange(comm, lse, 2, 1)
+    reshard(comm, lse, 3, 2, 1)
 }
 
 /// How many times each kv head must be repeated before head sharding over `p` ranks:

@@ -55,7 +55,7 @@ use crate::cuda::raw;
 use candle_core::cuda::cudarc::driver::CudaStream;
 use candle_core::cuda::cudarc::nccl::sys;
 use candle_core::cuda::WrapErr;
-use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Shape, Tensor};
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Tensor};
 use std::ffi::{c_void, CStr};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
