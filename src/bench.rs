@@ -195,10 +195,11 @@ fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs) -> anyhow::Res
         let d_o = randn(&[b, s, h, d], dtype, dev)?;
         let (o, lse) = kernel::fwd(&q, &k, &v, Mask::Causal, scale)?;
         let t_f = time(dev, a.warmup, a.iters, || kernel::fwd(&q, &k, &v, Mask::Causal, scale).map(|_| ()))?;
-        let t_b = time(dev, a.warmup, a.iters, || kernel::bwd(&d_o, &q, &k, &v, &o, &lse, Mask::Causal, scale).map(|_| ()))?;
+        let t_b =
+            time(dev, a.warmup, a.iters, || kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale).map(|_| ()))?;
         let t_fb = time(dev, a.warmup, a.iters, || {
             let (o, lse) = kernel::fwd(&q, &k, &v, Mask::Causal, scale)?;
-            kernel::bwd(&d_o, &q, &k, &v, &o, &lse, Mask::Causal, scale).map(|_| ())
+            kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale).map(|_| ())
         })?;
         let f = 4.0 * (b * h) as f64 * (s as f64) * (s as f64) * d as f64 / 2.0;
         let tf = |flop: f64, t: f64| flop / t / 1e12;
@@ -253,7 +254,7 @@ fn compare(label: &str, x: &Five, r: &Five) -> anyhow::Result<bool> {
 
 fn fwd_bwd(q: &Tensor, k: &Tensor, v: &Tensor, d_o: &Tensor, mask: Mask, scale: f64) -> candle_core::Result<Five> {
     let (o, lse) = kernel::fwd(q, k, v, mask, scale)?;
-    let (dq, dk, dv) = kernel::bwd(d_o, q, k, v, &o, &lse, mask, scale)?;
+    let (dq, dk, dv) = kernel::bwd(d_o, kernel::Saved::new(q, k, v, &o, &lse), mask, scale)?;
     Ok([o, lse, dq, dk, dv])
 }
 
@@ -431,7 +432,7 @@ fn check_modes(dev: &Device, dtype: DType) -> anyhow::Result<bool> {
                 let take = |x: &Tensor| layout::take_seq(x, &idx);
                 let (ql, kl, vl, gl) = (take(&q)?, take(&k)?, take(&v)?, take(&d_o)?);
                 let (o, lse) = attn.forward(&ql, &kl, &vl, scale)?;
-                let (dq, dk, dv) = attn.backward(&gl, &ql, &kl, &vl, &o, &lse, scale)?;
+                let (dq, dk, dv) = attn.backward(&gl, kernel::Saved::new(&ql, &kl, &vl, &o, &lse), scale)?;
                 Ok(([o, lse, dq, dk, dv], idx))
             });
             let parts = match parts {

@@ -22,7 +22,7 @@
 //!
 //! Rows whose `lse` is `-inf` (no key anywhere) get `P = 0` and are skipped.
 
-use crate::kernel::{check_bwd_shapes, check_shapes, Mask};
+use crate::kernel::{check_shapes, Mask, Saved};
 use candle_core::{DType, Device, Result, Tensor};
 use rayon::prelude::*;
 
@@ -70,7 +70,6 @@ fn scores_t(x: &[f32], kt: &[f32], out: &mut [f32; BK]) {
 
 /// Copy key rows `j0..j1` of kv head `kh` transposed into `kt [d,BK]`, zero-padding the rest.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn load_t(dm: &Dims, src: &[f32], bi: usize, kh: usize, j0: usize, j1: usize, kt: &mut [f32]) {
     kt.fill(0.0);
     for j in j0..j1 {
@@ -149,11 +148,9 @@ macro_rules! avx2_dispatch {
     ($fast:ident, $avx:ident, $plain:ident, ($($a:ident: $t:ty),*) -> $r:ty) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx2,fma")]
-        #[allow(clippy::too_many_arguments)]
         fn $avx($($a: $t),*) -> $r {
             $plain($($a),*)
         }
-        #[allow(clippy::too_many_arguments)]
         fn $fast($($a: $t),*) -> $r {
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
@@ -166,13 +163,13 @@ macro_rules! avx2_dispatch {
 }
 
 avx2_dispatch!(fwd_tile_fast, fwd_tile_avx2, fwd_tile,
-    (dm: &Dims, qf: &[f32], kf: &[f32], vf: &[f32], scale: f32, bi: usize, h: usize, qt: usize) -> (Vec<f32>, Vec<f32>));
+    (dm: &Dims, qf: &[f32], kf: &[f32], vf: &[f32], bi: usize, h: usize, qt: usize) -> (Vec<f32>, Vec<f32>));
 avx2_dispatch!(bwd_kv_tile_fast, bwd_kv_tile_avx2, bwd_kv_tile,
-    (dm: &Dims, inp: &BwdIn, scale: f32, bi: usize, kh: usize, ktile: usize) -> (Vec<f32>, Vec<f32>));
+    (dm: &Dims, inp: &BwdIn, bi: usize, kh: usize, ktile: usize) -> (Vec<f32>, Vec<f32>));
 avx2_dispatch!(bwd_q_tile_fast, bwd_q_tile_avx2, bwd_q_tile,
-    (dm: &Dims, inp: &BwdIn, scale: f32, bi: usize, h: usize, qt: usize) -> Vec<f32>);
+    (dm: &Dims, inp: &BwdIn, bi: usize, h: usize, qt: usize) -> Vec<f32>);
 
-/// Sizes of one block call.
+/// Sizes, mask and scale of one block call.
 #[derive(Clone, Copy)]
 struct Dims {
     s: usize,
@@ -181,9 +178,43 @@ struct Dims {
     hkv: usize,
     d: usize,
     causal: bool,
+    scale: f32,
+}
+
+/// Runs `f(bi, h, tile)` on every cell of the `[b, heads, tiles]` grid in parallel; returns
+/// each cell with its result, in grid order.
+fn par_grid<T: Send>(
+    (b, heads, tiles): (usize, usize, usize),
+    f: impl Fn(usize, usize, usize) -> T + Sync + Send,
+) -> Vec<((usize, usize, usize), T)> {
+    (0..b * heads * tiles)
+        .into_par_iter()
+        .map(|task| {
+            let cell = (task / (heads * tiles), (task / tiles) % heads, task % tiles);
+            (cell, f(cell.0, cell.1, cell.2))
+        })
+        .collect()
+}
+
+/// Copies the rows `[d]` of a tile into `dst`, row `r` at offset `at(r)`.
+fn scatter_rows(dst: &mut [f32], tile: &[f32], d: usize, at: impl Fn(usize) -> usize) {
+    for (r, row) in tile.chunks_exact(d.max(1)).enumerate() {
+        dst[at(r)..at(r) + row.len()].copy_from_slice(row);
+    }
 }
 
 impl Dims {
+    fn new(dims: (usize, usize, usize, usize, usize, usize), mask: Mask, scale: f64) -> Self {
+        let (_, s, t, hq, hkv, d) = dims;
+        Dims { s, t, hq, hkv, d, causal: mask == Mask::Causal, scale: scale as f32 }
+    }
+    /// Rows `i0..i1` of query tile `qt`, and the end (exclusive) of the keys any of them sees.
+    #[inline(always)]
+    fn q_tile(&self, qt: usize) -> (usize, usize, usize) {
+        let i0 = qt * BQ;
+        let i1 = (i0 + BQ).min(self.s);
+        (i0, i1, if self.causal { i1.min(self.t) } else { self.t })
+    }
     /// Query-head row `[d]` of token `i`: offset into `[b,s,hq,d]`.
     #[inline(always)]
     fn q_at(&self, bi: usize, i: usize, h: usize) -> usize {
@@ -215,23 +246,19 @@ impl Dims {
 
 /// Forward: `(o [b,s,hq,d] dtype of q, lse [b,hq,s] f32)`.
 pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> Result<(Tensor, Tensor)> {
-    let (b, s, t, hq, hkv, d) = check_shapes(q, k, v, mask)?;
-    let dm = Dims { s, t, hq, hkv, d, causal: mask == Mask::Causal };
+    let dims = check_shapes(q, k, v, mask)?;
+    let (b, s, _, hq, _, d) = dims;
+    let dm = Dims::new(dims, mask, scale);
     let (qf, kf, vf) = (host_f32(q)?, host_f32(k)?, host_f32(v)?);
-    let scale = scale as f32;
     let n_qt = s.div_ceil(BQ);
-    let tiles: Vec<(Vec<f32>, Vec<f32>)> = (0..b * hq * n_qt)
-        .into_par_iter()
-        .map(|task| fwd_tile_fast(&dm, &qf, &kf, &vf, scale, task / (hq * n_qt), (task / n_qt) % hq, task % n_qt))
-        .collect();
+    let tiles = par_grid((b, hq, n_qt), |bi, h, qt| fwd_tile_fast(&dm, &qf, &kf, &vf, bi, h, qt));
     let mut o = vec![0f32; b * s * hq * d];
     let mut lse = vec![f32::NEG_INFINITY; b * hq * s];
-    for (task, (o_t, lse_t)) in tiles.iter().enumerate() {
-        let (bi, h, i0) = (task / (hq * n_qt), (task / n_qt) % hq, (task % n_qt) * BQ);
-        for (r, l) in lse_t.iter().enumerate() {
-            let i = i0 + r;
-            o[dm.q_at(bi, i, h)..dm.q_at(bi, i, h) + d].copy_from_slice(&o_t[r * d..(r + 1) * d]);
-            lse[dm.lse_at(bi, h, i)] = *l;
+    for ((bi, h, qt), (o_t, lse_t)) in tiles {
+        let i0 = qt * BQ;
+        scatter_rows(&mut o, &o_t, d, |r| dm.q_at(bi, i0 + r, h));
+        for (r, l) in lse_t.into_iter().enumerate() {
+            lse[dm.lse_at(bi, h, i0 + r)] = l;
         }
     }
     let dev = q.device();
@@ -245,20 +272,17 @@ fn to_device<S: Into<candle_core::Shape>>(x: Vec<f32>, shape: S, dev: &Device) -
 
 /// One forward task: rows `i0..i1` of query head `h` in batch `bi`.
 /// Returns (`o` tile `[rows,d]`, `lse` tile `[rows]`).
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn fwd_tile(dm: &Dims, qf: &[f32], kf: &[f32], vf: &[f32], scale: f32, bi: usize, h: usize, qt: usize) -> (Vec<f32>, Vec<f32>) {
-    let d = dm.d;
-    let kh = h / dm.group();
-    let i0 = qt * BQ;
-    let i1 = (i0 + BQ).min(dm.s);
+fn fwd_tile(dm: &Dims, qf: &[f32], kf: &[f32], vf: &[f32], bi: usize, h: usize, qt: usize) -> (Vec<f32>, Vec<f32>) {
+    let (d, kh) = (dm.d, h / dm.group());
+    let (i0, i1, k_end) = dm.q_tile(qt);
     let rows = i1 - i0;
     // Scaled query rows, so scores are plain dots.
     let mut qs = vec![0f32; rows * d];
     for r in 0..rows {
         let src = &qf[dm.q_at(bi, i0 + r, h)..][..d];
         for (x, &y) in qs[r * d..(r + 1) * d].iter_mut().zip(src) {
-            *x = y * scale;
+            *x = y * dm.scale;
         }
     }
     let mut m = vec![f32::NEG_INFINITY; rows];
@@ -266,7 +290,6 @@ fn fwd_tile(dm: &Dims, qf: &[f32], kf: &[f32], vf: &[f32], scale: f32, bi: usize
     let mut acc = vec![0f32; rows * d];
     let mut sc = [0f32; BK];
     let mut kt = vec![0f32; d * BK];
-    let k_end = if dm.causal { i1.min(dm.t) } else { dm.t };
     for j0 in (0..k_end).step_by(BK) {
         let j1 = (j0 + BK).min(k_end);
         load_t(dm, kf, bi, kh, j0, j1, &mut kt);
@@ -316,19 +339,11 @@ struct BwdIn {
 }
 
 /// Backward with the global `o`/`lse`: `(dq, dk, dv)` in the dtype of q.
-#[allow(clippy::too_many_arguments)]
-pub fn bwd(
-    d_o: &Tensor,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    o: &Tensor,
-    lse: &Tensor,
-    mask: Mask,
-    scale: f64,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let (b, s, t, hq, hkv, d) = check_bwd_shapes(d_o, q, k, v, o, lse, mask)?;
-    let dm = Dims { s, t, hq, hkv, d, causal: mask == Mask::Causal };
+pub fn bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    let dims = saved.check(d_o, mask)?;
+    let (b, s, t, hq, hkv, d) = dims;
+    let Saved { q, k, v, o, lse } = saved;
+    let dm = Dims::new(dims, mask, scale);
     let d_of = host_f32(d_o)?;
     let of = host_f32(o)?;
     // D[b,hq,s] from the token-major rows of dO and O.
@@ -343,39 +358,24 @@ pub fn bwd(
     }
     drop(of);
     let inp = BwdIn { q: host_f32(q)?, k: host_f32(k)?, v: host_f32(v)?, d_o: d_of, lse: host_f32(lse)?, dd };
-    let scale = scale as f32;
 
     // Pass kv: dK, dV per (batch, kv head, key tile).
     let n_kt = t.div_ceil(BK);
-    let kv_tiles: Vec<(Vec<f32>, Vec<f32>)> = (0..b * hkv * n_kt)
-        .into_par_iter()
-        .map(|task| bwd_kv_tile_fast(&dm, &inp, scale, task / (hkv * n_kt), (task / n_kt) % hkv, task % n_kt))
-        .collect();
+    let kv_tiles = par_grid((b, hkv, n_kt), |bi, kh, kt| bwd_kv_tile_fast(&dm, &inp, bi, kh, kt));
     let mut dk = vec![0f32; b * t * hkv * d];
     let mut dv = vec![0f32; b * t * hkv * d];
-    for (task, (dk_t, dv_t)) in kv_tiles.iter().enumerate() {
-        let (bi, kh, j0) = (task / (hkv * n_kt), (task / n_kt) % hkv, (task % n_kt) * BK);
-        for jj in 0..dk_t.len() / d.max(1) {
-            let at = dm.k_at(bi, j0 + jj, kh);
-            dk[at..at + d].copy_from_slice(&dk_t[jj * d..(jj + 1) * d]);
-            dv[at..at + d].copy_from_slice(&dv_t[jj * d..(jj + 1) * d]);
-        }
+    for ((bi, kh, kt), (dk_t, dv_t)) in kv_tiles {
+        let at = |jj| dm.k_at(bi, kt * BK + jj, kh);
+        scatter_rows(&mut dk, &dk_t, d, at);
+        scatter_rows(&mut dv, &dv_t, d, at);
     }
-    drop(kv_tiles);
 
     // Pass q: dQ per (batch, query head, query tile).
     let n_qt = s.div_ceil(BQ);
-    let q_tiles: Vec<Vec<f32>> = (0..b * hq * n_qt)
-        .into_par_iter()
-        .map(|task| bwd_q_tile_fast(&dm, &inp, scale, task / (hq * n_qt), (task / n_qt) % hq, task % n_qt))
-        .collect();
+    let q_tiles = par_grid((b, hq, n_qt), |bi, h, qt| bwd_q_tile_fast(&dm, &inp, bi, h, qt));
     let mut dq = vec![0f32; b * s * hq * d];
-    for (task, dq_t) in q_tiles.iter().enumerate() {
-        let (bi, h, i0) = (task / (hq * n_qt), (task / n_qt) % hq, (task % n_qt) * BQ);
-        for r in 0..dq_t.len() / d.max(1) {
-            let at = dm.q_at(bi, i0 + r, h);
-            dq[at..at + d].copy_from_slice(&dq_t[r * d..(r + 1) * d]);
-        }
+    for ((bi, h, qt), dq_t) in q_tiles {
+        scatter_rows(&mut dq, &dq_t, d, |r| dm.q_at(bi, qt * BQ + r, h));
     }
     let (dev, dt) = (q.device(), q.dtype());
     Ok((
@@ -398,8 +398,8 @@ fn probs(qi: &[f32], kt: &[f32], scale: f32, lse_i: f32, n: usize, p: &mut [f32;
 /// dK/dV task: keys `j0..j1` of kv head `kh`, summed over every query row of its GQA group.
 /// Returns (`dk` tile `[keys,d]`, `dv` tile `[keys,d]`).
 #[inline(always)]
-fn bwd_kv_tile(dm: &Dims, inp: &BwdIn, scale: f32, bi: usize, kh: usize, ktile: usize) -> (Vec<f32>, Vec<f32>) {
-    let d = dm.d;
+fn bwd_kv_tile(dm: &Dims, inp: &BwdIn, bi: usize, kh: usize, ktile: usize) -> (Vec<f32>, Vec<f32>) {
+    let (d, scale) = (dm.d, dm.scale);
     let j0 = ktile * BK;
     let j1 = (j0 + BK).min(dm.t);
     let keys = j1 - j0;
@@ -459,16 +459,13 @@ fn bwd_kv_tile(dm: &Dims, inp: &BwdIn, scale: f32, bi: usize, kh: usize, ktile: 
 
 /// dQ task: rows `i0..i1` of query head `h` against every key they see. Returns `[rows,d]`.
 #[inline(always)]
-fn bwd_q_tile(dm: &Dims, inp: &BwdIn, scale: f32, bi: usize, h: usize, qt: usize) -> Vec<f32> {
-    let d = dm.d;
-    let kh = h / dm.group();
-    let i0 = qt * BQ;
-    let i1 = (i0 + BQ).min(dm.s);
+fn bwd_q_tile(dm: &Dims, inp: &BwdIn, bi: usize, h: usize, qt: usize) -> Vec<f32> {
+    let (d, kh, scale) = (dm.d, h / dm.group(), dm.scale);
+    let (i0, i1, k_end) = dm.q_tile(qt);
     let rows = i1 - i0;
     let mut dq = vec![0f32; rows * d];
     let (mut p, mut dp) = ([0f32; BK], [0f32; BK]);
     let (mut kt, mut vt) = (vec![0f32; d * BK], vec![0f32; d * BK]);
-    let k_end = if dm.causal { i1.min(dm.t) } else { dm.t };
     for j0 in (0..k_end).step_by(BK) {
         let j1 = (j0 + BK).min(k_end);
         load_t(dm, &inp.k, bi, kh, j0, j1, &mut kt);

@@ -25,7 +25,7 @@
 //! their own stream, overlapping the kernels (see [`crate::stash`]).
 
 use crate::comm::Comm;
-use crate::kernel::{self, Mask};
+use crate::kernel::{self, Mask, Saved};
 use crate::merge::{self, add_f32};
 use crate::mode::AttentionMode;
 use crate::stash::{Fetched, Parked, Stash};
@@ -247,22 +247,12 @@ impl AttentionMode for Fpdt {
         Ok((Tensor::cat(&os, 1)?, Tensor::cat(&lses, 2)?))
     }
 
-    fn backward(
-        &self,
-        d_o: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        o: &Tensor,
-        lse: &Tensor,
-        scale: f64,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    fn backward(&self, d_o: &Tensor, saved: Saved<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+        let Saved { q, k, v, o, lse } = saved;
         let rep = check_heads(q, k, v, self.comm.world())?;
         let (u, cl) = self.plan(q.dim(1)?)?;
         let (c, dev) = (self.comm.as_ref(), q.device());
-        if d_o.dims() != q.dims() || o.dims() != q.dims() {
-            return crate::shape_err!("FPDT backward: do {:?} and o {:?} must match q {:?}", d_o.dims(), o.dims(), q.dims());
-        }
+        saved.check_do(d_o, "FPDT backward")?;
         // The q side of every chunk, head-sharded and parked.
         let mut qside = Vec::with_capacity(u);
         for j in 0..u {
@@ -299,7 +289,7 @@ impl AttentionMode for Fpdt {
                 next = if j + 1 < u { Some(fetch(j + 1, &dq_acc)?) } else { None };
                 let cur = cur.ready()?;
                 let mask = if j == i { Mask::Causal } else { Mask::None };
-                let (dq_p, dk_p, dv_p) = kernel::bwd(&cur.d_o, &cur.q, &kv.k, &kv.v, &cur.o, &cur.lse, mask, scale)?;
+                let (dq_p, dk_p, dv_p) = kernel::bwd(&cur.d_o, Saved::new(&cur.q, &kv.k, &kv.v, &cur.o, &cur.lse), mask, scale)?;
                 dk_acc = Some(add_f32(dk_acc, &dk_p)?);
                 dv_acc = Some(add_f32(dv_acc, &dv_p)?);
                 let dq_prev = match dq_prev {

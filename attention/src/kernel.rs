@@ -1,8 +1,8 @@
 //! The block-kernel contract, dispatched per device.
 //!
 //! `fwd(q [b,s,hq,d], k [b,t,hkv,d], v [b,t,hkv,d], mask, scale) -> (o [b,s,hq,d] dtype of q, lse [b,hq,s] f32)`
-//! `bwd(do, q, k, v, o, lse, mask, scale) -> (dq, dk, dv)` in the dtype of q, where `o`/`lse`
-//! are the *final* (global) output and log-sum-exp: the kernel recomputes
+//! `bwd(do, Saved { q, k, v, o, lse }, mask, scale) -> (dq, dk, dv)` in the dtype of q, where
+//! `o`/`lse` are the *final* (global) output and log-sum-exp: the kernel recomputes
 //! `P = exp(S - lse)` and `D = rowsum(do * o)` from them, so block backwards of a
 //! split attention sum to the exact gradient.
 //! `Mask::Causal` is the diagonal block (s == t, query i sees keys 0..=i).
@@ -13,6 +13,49 @@ use candle_core::{Result, Tensor};
 pub enum Mask {
     None,
     Causal,
+}
+
+/// What a backward needs from its forward, borrowed: the inputs and the *final* (global)
+/// output and log-sum-exp.
+///
+/// - `q [b, s, hq, d]`, `k`/`v [b, t, hkv, d]` (`t = s` for a mode's local tokens);
+/// - `o [b, s, hq, d]` in the dtype of `q`, `lse [b, hq, s]` f32.
+///
+/// The upstream gradient `do` (shaped like `o`) is passed beside it. A block of a split
+/// attention takes the parts it needs, e.g. `Saved { k: &k_j, v: &v_j, ..saved }`.
+#[derive(Clone, Copy, Debug)]
+pub struct Saved<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub o: &'a Tensor,
+    pub lse: &'a Tensor,
+}
+
+impl<'a> Saved<'a> {
+    pub fn new(q: &'a Tensor, k: &'a Tensor, v: &'a Tensor, o: &'a Tensor, lse: &'a Tensor) -> Self {
+        Self { q, k, v, o, lse }
+    }
+
+    /// Checks that `do` and `o` are shaped like `q`; errors name `what` (the caller).
+    pub fn check_do(&self, d_o: &Tensor, what: &str) -> Result<()> {
+        if d_o.dims() != self.q.dims() || self.o.dims() != self.q.dims() {
+            return crate::shape_err!("{what}: do {:?} and o {:?} must match q {:?}", d_o.dims(), self.o.dims(), self.q.dims());
+        }
+        Ok(())
+    }
+
+    /// [`check_shapes`] of `q`, `k`, `v` plus the backward's extra inputs: `do` and `o`
+    /// shaped like `q`, `lse [b, hq, s]`. Returns (b, s, t, hq, hkv, d).
+    pub fn check(&self, d_o: &Tensor, mask: Mask) -> Result<(usize, usize, usize, usize, usize, usize)> {
+        let dims = check_shapes(self.q, self.k, self.v, mask)?;
+        let (b, s, _, hq, _, _) = dims;
+        self.check_do(d_o, "attention backward")?;
+        if self.lse.dims() != [b, hq, s] {
+            return crate::shape_err!("attention backward: lse {:?} must be [b, hq, s] = {:?}", self.lse.dims(), [b, hq, s]);
+        }
+        Ok(dims)
+    }
 }
 
 /// Check shapes of a block call; returns (b, s, t, hq, hkv, d).
@@ -34,29 +77,6 @@ pub fn check_shapes(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask) -> Result<(u
     Ok((b, s, t, hq, hkv, d))
 }
 
-/// [`check_shapes`] plus the backward's extra inputs: `do` and `o` shaped like `q`,
-/// `lse [b, hq, s]`. Returns (b, s, t, hq, hkv, d).
-#[allow(clippy::too_many_arguments)]
-pub fn check_bwd_shapes(
-    d_o: &Tensor,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    o: &Tensor,
-    lse: &Tensor,
-    mask: Mask,
-) -> Result<(usize, usize, usize, usize, usize, usize)> {
-    let dims = check_shapes(q, k, v, mask)?;
-    let (b, s, _, hq, _, _) = dims;
-    if d_o.dims() != q.dims() || o.dims() != q.dims() {
-        return crate::shape_err!("attention backward: do {:?} and o {:?} must match q {:?}", d_o.dims(), o.dims(), q.dims());
-    }
-    if lse.dims() != [b, hq, s] {
-        return crate::shape_err!("attention backward: lse {:?} must be [b, hq, s] = {:?}", lse.dims(), [b, hq, s]);
-    }
-    Ok(dims)
-}
-
 /// Block forward on whatever device the inputs live on.
 pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> Result<(Tensor, Tensor)> {
     check_shapes(q, k, v, mask)?;
@@ -69,22 +89,12 @@ pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> Result
 }
 
 /// Block backward with the global `o` and `lse`.
-#[allow(clippy::too_many_arguments)]
-pub fn bwd(
-    d_o: &Tensor,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    o: &Tensor,
-    lse: &Tensor,
-    mask: Mask,
-    scale: f64,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    check_bwd_shapes(d_o, q, k, v, o, lse, mask)?;
-    match q.device() {
-        candle_core::Device::Cpu => crate::cpu::bwd(d_o, q, k, v, o, lse, mask, scale),
+pub fn bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    saved.check(d_o, mask)?;
+    match saved.q.device() {
+        candle_core::Device::Cpu => crate::cpu::bwd(d_o, saved, mask, scale),
         #[cfg(feature = "cuda")]
-        candle_core::Device::Cuda(_) => crate::cuda::bwd(d_o, q, k, v, o, lse, mask, scale),
-        _ => crate::naive::bwd(d_o, q, k, v, o, lse, mask, scale),
+        candle_core::Device::Cuda(_) => crate::cuda::bwd(d_o, saved, mask, scale),
+        _ => crate::naive::bwd(d_o, saved, mask, scale),
     }
 }

@@ -7,7 +7,7 @@
 //!   `lse [b, hq, s]` f32 (natural-log sum of exp of the scaled scores).
 //!
 //! Layers:
-//! - [`kernel`]: the block kernel contract `fwd -> (o, lse)`, `bwd(do, q, k, v, o, lse)`,
+//! - [`kernel`]: the block kernel contract `fwd -> (o, lse)`, `bwd(do, Saved { q, k, v, o, lse })`,
 //!   dispatched per device (CPU tiled kernel in [`cpu`], CUDA cuDNN behind `cuda`).
 //! - [`merge`]: the one stable log-sum-exp merge of partial results.
 //! - [`comm`]: the communicator abstraction and its in-process (threads) backend.
@@ -38,6 +38,6 @@ pub mod ulysses;
 pub mod usp;
 
 pub use error::AttnError;
-pub use kernel::Mask;
+pub use kernel::{Mask, Saved};
 pub use mode::AttentionMode;
 pub use op::attention;

@@ -1,6 +1,6 @@
 //! Single-device causal attention: one block kernel call each way.
 
-use crate::kernel::{self, Mask};
+use crate::kernel::{self, Mask, Saved};
 use crate::mode::AttentionMode;
 use candle_core::{Result, Tensor};
 
@@ -14,16 +14,7 @@ impl AttentionMode for LocalAttention {
     fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
         kernel::fwd(q, k, v, Mask::Causal, scale)
     }
-    fn backward(
-        &self,
-        d_o: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        o: &Tensor,
-        lse: &Tensor,
-        scale: f64,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        kernel::bwd(d_o, q, k, v, o, lse, Mask::Causal, scale)
+    fn backward(&self, d_o: &Tensor, saved: Saved<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+        kernel::bwd(d_o, saved, Mask::Causal, scale)
     }
 }

@@ -10,7 +10,7 @@
 //! Masked scores are `-inf` and become probability exactly 0: no arithmetic ever
 //! subtracts two infinities.
 
-use crate::kernel::{check_bwd_shapes, check_shapes, Mask};
+use crate::kernel::{check_shapes, Mask, Saved};
 use candle_core::{DType, Device, Result, Tensor, D};
 
 /// `[b,n,h,d]` token-major -> `[b,h,n,d]` head-major, contiguous, in `dtype`.
@@ -82,18 +82,9 @@ pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> Result
 /// Reference backward with the given (global) `o` and `lse`:
 /// `P = exp(S - lse)`, `dV = Pᵀ dO`, `dP = dO Vᵀ`, `D = rowsum(dO∘O)`,
 /// `dS = P∘(dP - D)`, `dQ = scale·dS K`, `dK = scale·dSᵀ Q`. Returns `(dq, dk, dv)` in q's dtype.
-#[allow(clippy::too_many_arguments)]
-pub fn bwd(
-    d_o: &Tensor,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    o: &Tensor,
-    lse: &Tensor,
-    mask: Mask,
-    scale: f64,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let (_b, _s, _t, hq, hkv, _d) = check_bwd_shapes(d_o, q, k, v, o, lse, mask)?;
+pub fn bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    let (_b, _s, _t, hq, hkv, _d) = saved.check(d_o, mask)?;
+    let Saved { q, k, v, o, lse } = saved;
     let dt = q.dtype();
     let g = hq / hkv;
     let qh = heads_first(q, dt)?;

@@ -5,6 +5,7 @@
 //! lives only as the graph's output) and whose backward calls the mode's backward with
 //! that output as the global `o`, and the saved `lse`.
 
+use crate::kernel::Saved;
 use crate::mode::AttentionMode;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
@@ -80,8 +81,8 @@ impl CustomOp3 for AttnOp {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dq, dk, dv) =
-            self.mode.backward(&grad.contiguous()?, &q.detach(), &k.detach(), &v.detach(), &res.detach(), &self.lse, self.scale)?;
+        let (q, k, v, o) = (q.detach(), k.detach(), v.detach(), res.detach());
+        let (dq, dk, dv) = self.mode.backward(&grad.contiguous()?, Saved::new(&q, &k, &v, &o, &self.lse), self.scale)?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }

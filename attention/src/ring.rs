@@ -23,7 +23,7 @@
 //! contributions of every rank.
 
 use crate::comm::{Comm, Pending};
-use crate::kernel::{self, Mask};
+use crate::kernel::{self, Mask, Saved};
 use crate::merge::{self, add_f32};
 use crate::mode::AttentionMode;
 use candle_core::{Result, Tensor};
@@ -100,21 +100,11 @@ impl AttentionMode for ZigzagRing {
         }
     }
 
-    fn backward(
-        &self,
-        d_o: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        o: &Tensor,
-        lse: &Tensor,
-        scale: f64,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    fn backward(&self, d_o: &Tensor, saved: Saved<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+        let Saved { q, k, v, o, lse } = saved;
         let half = self.half(q, k, v)?;
         let (w, r) = (self.comm.world(), self.comm.rank());
-        if d_o.dims() != q.dims() || o.dims() != q.dims() {
-            return crate::shape_err!("zigzag ring backward: do {:?} and o {:?} must match q {:?}", d_o.dims(), o.dims(), q.dims());
-        }
+        saved.check_do(d_o, "zigzag ring backward")?;
         let hi = |x: &Tensor, dim: usize| x.narrow(dim, half, half);
         let lo = |x: &Tensor, dim: usize| x.narrow(dim, 0, half);
         let (do_hi, q_hi, o_hi, lse_hi) = (hi(d_o, 1)?, hi(q, 1)?, hi(o, 1)?, hi(lse, 2)?);
@@ -128,14 +118,14 @@ impl AttentionMode for ZigzagRing {
             let next_kv = if s + 1 < w { Some(self.pass(&[k_j.clone(), v_j.clone()])?) } else { None };
             // this rank's contribution to dq and to block j's dk/dv, as (lo, hi) halves
             let (dq_c, dk_c, dv_c) = if s == 0 {
-                let (dq, dk, dv) = kernel::bwd(d_o, q, &k_j, &v_j, o, lse, Mask::Causal, scale)?;
+                let (dq, dk, dv) = kernel::bwd(d_o, Saved { k: &k_j, v: &v_j, ..saved }, Mask::Causal, scale)?;
                 ((Some(lo(&dq, 1)?), Some(hi(&dq, 1)?)), (Some(lo(&dk, 1)?), Some(hi(&dk, 1)?)), (Some(lo(&dv, 1)?), Some(hi(&dv, 1)?)))
             } else if j < r {
                 let (k_lo, v_lo) = (lo(&k_j, 1)?, lo(&v_j, 1)?);
-                let (dq, dk, dv) = kernel::bwd(d_o, q, &k_lo, &v_lo, o, lse, Mask::None, scale)?;
+                let (dq, dk, dv) = kernel::bwd(d_o, Saved { k: &k_lo, v: &v_lo, ..saved }, Mask::None, scale)?;
                 ((Some(lo(&dq, 1)?), Some(hi(&dq, 1)?)), (Some(dk), None), (Some(dv), None))
             } else {
-                let (dq, dk, dv) = kernel::bwd(&do_hi, &q_hi, &k_j, &v_j, &o_hi, &lse_hi, Mask::None, scale)?;
+                let (dq, dk, dv) = kernel::bwd(&do_hi, Saved::new(&q_hi, &k_j, &v_j, &o_hi, &lse_hi), Mask::None, scale)?;
                 ((None, Some(dq)), (Some(lo(&dk, 1)?), Some(hi(&dk, 1)?)), (Some(lo(&dv, 1)?), Some(hi(&dv, 1)?)))
             };
             if let Some(x) = &dq_c.0 {

@@ -33,17 +33,17 @@ enum ParkedInner {
 /// A tensor on its way back to the device.
 pub struct Fetched {
     t: Option<Tensor>,
+    /// The copy the compute stream must wait for before using `t`.
     #[cfg(feature = "cuda")]
-    wait: Option<(std::sync::Arc<candle_core::cuda::cudarc::driver::CudaStream>, candle_core::cuda::cudarc::driver::CudaEvent)>,
+    wait: Option<crate::cuda::raw::Mark>,
 }
 
 impl Fetched {
     /// The tensor, usable by work queued on the compute stream from now on.
     pub fn ready(mut self) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if let Some((stream, done)) = self.wait.take() {
-            use candle_core::cuda::WrapErr;
-            stream.wait(&done).w()?;
+        if let Some(copied) = self.wait.take() {
+            copied.wait()?;
         }
         self.t.take().ok_or_else(|| candle_core::Error::Msg("stash: fetched tensor taken twice".into()))
     }
@@ -53,8 +53,8 @@ impl Drop for Fetched {
     fn drop(&mut self) {
         // Dropped without `ready`: its memory must not be reused before the copy is done.
         #[cfg(feature = "cuda")]
-        if let Some((stream, done)) = self.wait.take() {
-            let _ = stream.wait(&done);
+        if let Some(copied) = self.wait.take() {
+            let _ = copied.wait();
         }
     }
 }
@@ -100,8 +100,8 @@ impl Stash {
                     return Err(candle_core::Error::Msg("stash: a tensor parked from CUDA can only come back to CUDA".into()));
                 };
                 let g = self.gpu.as_mut().ok_or_else(|| candle_core::Error::Msg("stash: no CUDA state".into()))?;
-                let (t, stream, done) = g.fetch(pt, cdev)?;
-                Ok(Fetched { t: Some(t), wait: Some((stream, done)) })
+                let (t, copied) = g.fetch(pt, cdev)?;
+                Ok(Fetched { t: Some(t), wait: Some(copied) })
             }
         }
     }
@@ -137,10 +137,10 @@ impl Stash {
 
 #[cfg(feature = "cuda")]
 mod gpu {
-    use candle_core::cuda::cudarc::driver::{result, sys, CudaEvent, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
-    use candle_core::cuda::{CudaDType, WrapErr};
-    use candle_core::op::BackpropOp;
-    use candle_core::{CudaDevice, CudaStorage, DType, Error, Result, Shape, Storage, Tensor};
+    use crate::cuda::raw::{self, Mark};
+    use candle_core::cuda::cudarc::driver::{result, sys, CudaStream, PinnedHostSlice};
+    use candle_core::cuda::WrapErr;
+    use candle_core::{CudaDevice, DType, Error, Result, Shape, Tensor};
     use std::collections::HashMap;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
@@ -178,12 +178,6 @@ mod gpu {
         dtype: DType,
     }
 
-    impl PinnedTensor {
-        pub fn bytes(&self) -> usize {
-            self.shape.elem_count() * self.dtype.size_in_bytes()
-        }
-    }
-
     /// The copy stream's handle, destroyed with the stash.
     struct RawStream(sys::CUstream);
     // SAFETY: a CUDA stream handle may be used from any thread of its context.
@@ -197,20 +191,19 @@ mod gpu {
         copy: Arc<CudaStream>,
         raw: RawStream,
         pool: Arc<Pool>,
-        /// Device tensors whose copy to the host may still run, with its end event.
-        pending: Vec<(Tensor, CudaEvent)>,
+        /// Device tensors whose copy to the host may still run, with its end.
+        pending: Vec<(Tensor, Mark)>,
     }
 
     impl PinnedStash {
         pub fn new(dev: &CudaDevice) -> Result<Self> {
-            let compute = dev.cuda_stream();
+            let compute = raw::bind(dev)?;
             let ctx = compute.context().clone();
-            ctx.bind_to_thread().w()?;
-            let raw = result::stream::create(result::stream::StreamKind::NonBlocking).w()?;
-            // SAFETY: `raw` is a stream of this context, kept alive until `Drop` destroys it
+            let handle = result::stream::create(result::stream::StreamKind::NonBlocking).w()?;
+            // SAFETY: `handle` is a stream of this context, kept alive until `Drop` destroys it
             // after synchronising; `copy` only borrows it and never leaves this struct.
-            let copy = unsafe { ctx.wrap_borrowed_stream(raw) };
-            Ok(Self { compute, copy, raw: RawStream(raw), pool: Arc::default(), pending: Vec::new() })
+            let copy = unsafe { ctx.wrap_borrowed_stream(handle) };
+            Ok(Self { compute, copy, raw: RawStream(handle), pool: Arc::default(), pending: Vec::new() })
         }
 
         pub fn pinned_bytes(&self) -> usize {
@@ -219,7 +212,7 @@ mod gpu {
 
         pub fn settle(&mut self) -> Result<()> {
             for (t, done) in self.pending.drain(..) {
-                self.compute.wait(&done).w()?;
+                done.wait()?;
                 drop(t);
             }
             Ok(())
@@ -259,86 +252,38 @@ mod gpu {
             self.pending.retain(|(_, done)| !done.is_complete());
             while self.pending.len() > 2 {
                 let (t, done) = self.pending.remove(0);
-                self.compute.wait(&done).w()?;
+                done.wait()?;
                 drop(t);
             }
             let t = t.contiguous()?;
             let n = t.elem_count() * t.dtype().size_in_bytes();
             let mut pooled = self.take_buf(n)?;
             let dst = pooled.buf.as_mut().ok_or_else(|| err("empty buffer"))?;
-            let ready = self.compute.record_event(None).w()?;
-            self.copy.wait(&ready).w()?;
+            self.copy.join(&self.compute).w()?;
             {
                 let (st, l) = t.storage_and_layout();
-                let Storage::Cuda(c) = &*st else { return Err(err("not a CUDA tensor")) };
-                let (start, len) = (l.start_offset(), l.shape().elem_count());
-                macro_rules! d2h {
-                    ($ty:ty) => {{
-                        let view = c.as_cuda_slice::<$ty>()?.slice(start..start + len);
-                        // SAFETY: the `len` elements viewed as their `n` bytes.
-                        let bytes = unsafe { view.transmute::<u8>(n) }.ok_or_else(|| err("byte view out of range"))?;
-                        self.copy.memcpy_dtoh(&bytes, dst).w()?;
-                    }};
-                }
-                match t.dtype() {
-                    DType::BF16 => d2h!(half::bf16),
-                    DType::F16 => d2h!(half::f16),
-                    DType::F32 => d2h!(f32),
-                    DType::F64 => d2h!(f64),
-                    DType::U32 => d2h!(u32),
-                    DType::I64 => d2h!(i64),
-                    other => return Err(err(format!("cannot park {other:?} tensors"))),
-                }
+                self.copy.memcpy_dtoh(&raw::bytes(raw::cuda(&st)?, l)?, dst).w()?;
             }
-            let done = self.copy.record_event(None).w()?;
+            let done = Mark::record(&self.copy, self.compute.clone())?;
             let (shape, dtype) = (t.shape().clone(), t.dtype());
             self.pending.push((t, done));
             Ok(PinnedTensor { buf: pooled, shape, dtype })
         }
 
-        pub fn fetch(&mut self, p: &PinnedTensor, dev: &CudaDevice) -> Result<(Tensor, Arc<CudaStream>, CudaEvent)> {
+        /// Starts the copy of `p` back to `dev`: the tensor, and the copy the compute stream
+        /// must wait for before using it.
+        pub fn fetch(&mut self, p: &PinnedTensor, dev: &CudaDevice) -> Result<(Tensor, Mark)> {
             if !Arc::ptr_eq(&p.buf.pool, &self.pool) {
                 return Err(err("a tensor parked by another stash (its copies are ordered on another stream)"));
             }
             let src = p.buf.buf.as_ref().ok_or_else(|| err("empty buffer"))?;
-            let (len, n) = (p.shape.elem_count(), p.bytes());
-            fn fill<T: CudaDType + DeviceRepr>(
-                s: &PinnedStash,
-                src: &PinnedHostSlice<u8>,
-                len: usize,
-                n: usize,
-                dev: &CudaDevice,
-                shape: &Shape,
-            ) -> Result<(Tensor, CudaEvent)> {
-                // SAFETY: allocated in compute-stream order and written entirely by the copy
-                // below, which the compute stream waits for (`Fetched::ready`) before use.
-                let mut dst: CudaSlice<T> = unsafe { s.compute.alloc::<T>(len) }.w()?;
-                let ready = s.compute.record_event(None).w()?;
-                s.copy.wait(&ready).w()?;
-                {
-                    // SAFETY: the `len` elements viewed as their `n` bytes.
-                    let mut bytes = unsafe { dst.transmute_mut::<u8>(n) }.ok_or_else(|| err("byte view out of range"))?;
-                    s.copy.memcpy_htod(src, &mut bytes).w()?;
-                }
-                let done = s.copy.record_event(None).w()?;
-                let t = Tensor::from_storage(
-                    Storage::Cuda(CudaStorage::wrap_cuda_slice(dst, dev.clone())),
-                    shape.clone(),
-                    BackpropOp::none(),
-                    false,
-                );
-                Ok((t, done))
-            }
-            let (t, done) = match p.dtype {
-                DType::BF16 => fill::<half::bf16>(self, src, len, n, dev, &p.shape)?,
-                DType::F16 => fill::<half::f16>(self, src, len, n, dev, &p.shape)?,
-                DType::F32 => fill::<f32>(self, src, len, n, dev, &p.shape)?,
-                DType::F64 => fill::<f64>(self, src, len, n, dev, &p.shape)?,
-                DType::U32 => fill::<u32>(self, src, len, n, dev, &p.shape)?,
-                DType::I64 => fill::<i64>(self, src, len, n, dev, &p.shape)?,
-                other => return Err(err(format!("cannot fetch {other:?} tensors"))),
-            };
-            Ok((t, self.compute.clone(), done))
+            // SAFETY: allocated in compute-stream order and written entirely by the copy
+            // below, which the compute stream waits for (`Fetched::ready`) before use.
+            let mut dst = unsafe { raw::alloc(&self.compute, dev, p.dtype, p.shape.elem_count()) }?;
+            self.copy.join(&self.compute).w()?;
+            self.copy.memcpy_htod(src, &mut raw::bytes_mut(&mut dst)?).w()?;
+            let done = Mark::record(&self.copy, self.compute.clone())?;
+            Ok((raw::tensor(dst, p.shape.clone()), done))
         }
     }
 

@@ -9,6 +9,7 @@
 
 use crate::comm::thread::run_ranks;
 use crate::comm::Comm;
+use crate::kernel::Saved;
 use crate::layout::{gather, gather_seq, take_seq};
 use crate::local::LocalAttention;
 use crate::mode::AttentionMode;
@@ -97,7 +98,7 @@ pub fn random_inputs(b: usize, s: usize, hq: usize, hkv: usize, d: usize, seed: 
 pub fn reference(inp: &Inputs, scale: f64) -> Result<Outputs> {
     let m = LocalAttention;
     let (o, lse) = m.forward(&inp.q, &inp.k, &inp.v, scale)?;
-    let (dq, dk, dv) = m.backward(&inp.d_o, &inp.q, &inp.k, &inp.v, &o, &lse, scale)?;
+    let (dq, dk, dv) = m.backward(&inp.d_o, Saved::new(&inp.q, &inp.k, &inp.v, &o, &lse), scale)?;
     Ok(Outputs { o, lse, dq, dk, dv })
 }
 
@@ -164,7 +165,7 @@ where
         match drive {
             Drive::Direct => {
                 let (o, lse) = mode.forward(&q, &k, &v, scale)?;
-                let (dq, dk, dv) = mode.backward(&d_o, &q, &k, &v, &o, &lse, scale)?;
+                let (dq, dk, dv) = mode.backward(&d_o, Saved::new(&q, &k, &v, &o, &lse), scale)?;
                 Ok(Outputs { o, lse, dq, dk, dv })
             }
             Drive::Op => {

@@ -18,6 +18,7 @@
 //! exactly the one its query heads use; the copies' gradients sum back.
 
 use crate::comm::Comm;
+use crate::kernel::Saved;
 use crate::local::LocalAttention;
 use crate::mode::AttentionMode;
 use candle_core::{DType, Result, Tensor};
@@ -40,28 +41,32 @@ pub fn exchange(comm: &dyn Comm, x: &Tensor, split_dim: usize, cat_dim: usize) -
     Tensor::cat(&ys, cat_dim)
 }
 
+/// [`exchange`] of a tensor that must have `rank` dims.
+fn reshard(comm: &dyn Comm, x: &Tensor, rank: usize, split_dim: usize, cat_dim: usize) -> Result<Tensor> {
+    if x.rank() != rank {
+        return crate::shape_err!("all-to-all: expected {rank} dims, got {:?}", x.dims());
+    }
+    exchange(comm, x, split_dim, cat_dim)
+}
+
 /// Sequence-sharded `[b, s, H, d]` → head-sharded `[b, s·P, H/P, d]` (global token order).
 pub fn seq_to_heads(comm: &dyn Comm, x: &Tensor) -> Result<Tensor> {
-    x.dims4()?;
-    exchange(comm, x, 2, 1)
+    reshard(comm, x, 4, 2, 1)
 }
 
 /// Head-sharded `[b, S, H/P, d]` → sequence-sharded `[b, S/P, H, d]`; inverse of [`seq_to_heads`].
 pub fn heads_to_seq(comm: &dyn Comm, x: &Tensor) -> Result<Tensor> {
-    x.dims4()?;
-    exchange(comm, x, 1, 2)
+    reshard(comm, x, 4, 1, 2)
 }
 
 /// Sequence-sharded `lse [b, H, s]` → head-sharded `[b, H/P, s·P]`.
 pub fn lse_seq_to_heads(comm: &dyn Comm, lse: &Tensor) -> Result<Tensor> {
-    lse.dims3()?;
-    exchange(comm, lse, 1, 2)
+    reshard(comm, lse, 3, 1, 2)
 }
 
 /// Head-sharded `lse [b, H/P, S]` → sequence-sharded `[b, H, S/P]`.
 pub fn lse_heads_to_seq(comm: &dyn Comm, lse: &Tensor) -> Result<Tensor> {
-    lse.dims3()?;
-    exchange(comm, lse, 2, 1)
+    reshard(comm, lse, 3, 2, 1)
 }
 
 /// How many times each kv head must be repeated before head sharding over `p` ranks:
@@ -145,22 +150,18 @@ pub fn head_sharded_forward(
 /// Backward of [`head_sharded_forward`]: `do`, `o`, `lse` go to head-sharded form, the
 /// inner backward runs there, and `dq`, `dk`, `dv` come back by the inverse all-to-all
 /// (gradients of replicated kv heads summed).
-#[allow(clippy::too_many_arguments)]
 pub fn head_sharded_backward(
     comm: &dyn Comm,
     inner: &dyn AttentionMode,
     d_o: &Tensor,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    o: &Tensor,
-    lse: &Tensor,
+    saved: Saved<'_>,
     scale: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let Saved { q, k, v, o, lse } = saved;
     let r = check_heads(q, k, v, comm.world())?;
     let (qh, kh, vh) = to_heads(comm, q, k, v, r)?;
     let (doh, oh, lseh) = (seq_to_heads(comm, d_o)?, seq_to_heads(comm, o)?, lse_seq_to_heads(comm, lse)?);
-    let (dqh, dkh, dvh) = inner.backward(&doh, &qh, &kh, &vh, &oh, &lseh, scale)?;
+    let (dqh, dkh, dvh) = inner.backward(&doh, Saved::new(&qh, &kh, &vh, &oh, &lseh), scale)?;
     let dq = heads_to_seq(comm, &dqh)?;
     let dk = reduce_replicated_kv_grad(&heads_to_seq(comm, &dkh)?, r)?;
     let dv = reduce_replicated_kv_grad(&heads_to_seq(comm, &dvh)?, r)?;
@@ -193,16 +194,7 @@ impl AttentionMode for Ulysses {
         head_sharded_forward(self.comm.as_ref(), &LocalAttention, q, k, v, scale)
     }
 
-    fn backward(
-        &self,
-        d_o: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        o: &Tensor,
-        lse: &Tensor,
-        scale: f64,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        head_sharded_backward(self.comm.as_ref(), &LocalAttention, d_o, q, k, v, o, lse, scale)
+    fn backward(&self, d_o: &Tensor, saved: Saved<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+        head_sharded_backward(self.comm.as_ref(), &LocalAttention, d_o, saved, scale)
     }
 }

@@ -17,6 +17,7 @@
 //! of replicated kv heads are summed).
 
 use crate::comm::Comm;
+use crate::kernel::Saved;
 use crate::mode::AttentionMode;
 use crate::ring::ZigzagRing;
 use crate::ulysses::{head_sharded_backward, head_sharded_forward};
@@ -67,16 +68,7 @@ impl AttentionMode for Usp {
         head_sharded_forward(self.ulysses.as_ref(), &self.ring_mode(), q, k, v, scale)
     }
 
-    fn backward(
-        &self,
-        d_o: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        o: &Tensor,
-        lse: &Tensor,
-        scale: f64,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        head_sharded_backward(self.ulysses.as_ref(), &self.ring_mode(), d_o, q, k, v, o, lse, scale)
+    fn backward(&self, d_o: &Tensor, saved: Saved<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+        head_sharded_backward(self.ulysses.as_ref(), &self.ring_mode(), d_o, saved, scale)
     }
 }

@@ -10,6 +10,7 @@ use longctx_attention::fpdt::Fpdt;
 use longctx_attention::layout::fpdt_indices;
 use longctx_attention::mode::AttentionMode;
 use longctx_attention::testing::{check_mode, layout_of, randn, random_inputs, Drive, Errors};
+use longctx_attention::Saved;
 use std::sync::{Arc, Mutex};
 
 const TOL: f64 = 1e-5;
@@ -19,10 +20,9 @@ fn scale() -> f64 {
     1.0 / (D as f64).sqrt()
 }
 
-/// Runs FPDT on `w` ranks with `u` chunks of `c` global tokens; returns the errors and
-/// each rank's high-water mark of resident kv chunks.
-#[allow(clippy::too_many_arguments)]
-fn run(drive: Drive, w: usize, b: usize, u: usize, c: usize, hq: usize, hkv: usize, offload: bool) -> Result<(Errors, Vec<usize>)> {
+/// Runs FPDT on `w` ranks with `u` chunks of `c` global tokens and `(hq, hkv)` heads;
+/// returns the errors and each rank's high-water mark of resident kv chunks.
+fn run(drive: Drive, w: usize, b: usize, (u, c): (usize, usize), (hq, hkv): (usize, usize), offload: bool) -> Result<(Errors, Vec<usize>)> {
     let s = u * c;
     let inp = random_inputs(b, s, hq, hkv, D, 100 + w as u64, &Device::Cpu)?;
     let idx = layout_of(w, |r| fpdt_indices(s, w, c, r))?;
@@ -52,7 +52,7 @@ fn matches_reference_for_every_world_with_and_without_offload() -> Result<()> {
     let cases = [(1, 8, 8), (2, 8, 8), (4, 8, 8), (8, 8, 8), (3, 6, 3), (2, 8, 2), (4, 8, 2), (8, 8, 2)];
     for (w, hq, hkv) in cases {
         for offload in [false, true] {
-            let (e, _) = run(Drive::Direct, w, 2, 4, 24, hq, hkv, offload)?;
+            let (e, _) = run(Drive::Direct, w, 2, (4, 24), (hq, hkv), offload)?;
             assert_close(&format!("W={w} hq={hq} hkv={hkv} offload={offload}"), e);
         }
     }
@@ -62,12 +62,12 @@ fn matches_reference_for_every_world_with_and_without_offload() -> Result<()> {
 #[test]
 fn offload_keeps_at_most_two_kv_chunks_resident() -> Result<()> {
     for u in [4, 6] {
-        let (e, peaks) = run(Drive::Direct, 4, 1, u, 16, 8, 2, true)?;
+        let (e, peaks) = run(Drive::Direct, 4, 1, (u, 16), (8, 2), true)?;
         assert_close(&format!("offload u={u}"), e);
         // Two, not fewer: the prefetch of chunk j+1 overlaps the compute of chunk j.
         assert!(peaks.iter().all(|&p| p == 2), "u={u}: resident kv chunk peaks {peaks:?}, expected 2 per rank");
         // Without offload every parked chunk stays on the device, and the counter says so.
-        let (_, peaks) = run(Drive::Direct, 4, 1, u, 16, 8, 2, false)?;
+        let (_, peaks) = run(Drive::Direct, 4, 1, (u, 16), (8, 2), false)?;
         assert!(peaks.iter().all(|&p| p == u), "u={u} no offload: peaks {peaks:?}, expected {u}");
     }
     Ok(())
@@ -76,9 +76,9 @@ fn offload_keeps_at_most_two_kv_chunks_resident() -> Result<()> {
 #[test]
 fn single_chunk_and_many_chunks() -> Result<()> {
     // u = 1 (plain Ulysses) and u = 8 with one local token per chunk and rank.
-    let (e, _) = run(Drive::Direct, 2, 1, 1, 32, 4, 2, true)?;
+    let (e, _) = run(Drive::Direct, 2, 1, (1, 32), (4, 2), true)?;
     assert_close("u=1", e);
-    let (e, _) = run(Drive::Direct, 4, 1, 8, 4, 4, 4, true)?;
+    let (e, _) = run(Drive::Direct, 4, 1, (8, 4), (4, 4), true)?;
     assert_close("u=8 c/P=1", e);
     Ok(())
 }
@@ -86,7 +86,7 @@ fn single_chunk_and_many_chunks() -> Result<()> {
 #[test]
 fn through_candle_op_and_var_grads() -> Result<()> {
     for offload in [false, true] {
-        let (e, _) = run(Drive::Op, 4, 2, 4, 16, 8, 2, offload)?;
+        let (e, _) = run(Drive::Op, 4, 2, (4, 16), (8, 2), offload)?;
         assert_close(&format!("op W=4 offload={offload}"), e);
     }
     Ok(())
@@ -124,9 +124,8 @@ fn invalid_settings_give_clear_errors() -> Result<()> {
 fn backward_rejects_mismatched_do() -> Result<()> {
     let q = randn(&[1, 8, 4, D], 1, &Device::Cpu)?;
     let bad: Tensor = randn(&[1, 8, 2, D], 2, &Device::Cpu)?;
-    let got = run_ranks(1, |comm| {
-        Fpdt::new(comm, 4, false).backward(&bad, &q, &q, &q, &q, &q.narrow(3, 0, 1)?.squeeze(3)?.transpose(1, 2)?, scale())
-    });
+    let lse = q.narrow(3, 0, 1)?.squeeze(3)?.transpose(1, 2)?;
+    let got = run_ranks(1, |comm| Fpdt::new(comm, 4, false).backward(&bad, Saved::new(&q, &q, &q, &q, &lse), scale()));
     let e = got.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("FPDT backward: do"), "FPDT's own shape check names do: {e}");
     Ok(())

@@ -11,7 +11,7 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use longctx_attention::merge::{self, Acc};
-use longctx_attention::{kernel, naive, Mask};
+use longctx_attention::{kernel, naive, Mask, Saved};
 
 use longctx_attention::testing::rel_err;
 
@@ -42,7 +42,7 @@ fn naive_bwd_matches_autograd() -> Result<()> {
         let (o, lse) = naive::fwd(&q, &k, &v, mask, scale)?;
         let loss = (&o * &d_o)?.sum_all()?;
         let grads = loss.backward()?;
-        let (dq, dk, dv) = naive::bwd(&d_o, &q, &k, &v, &o, &lse, mask, scale)?;
+        let (dq, dk, dv) = naive::bwd(&d_o, Saved::new(&q, &k, &v, &o, &lse), mask, scale)?;
         for (name, ours, var) in [("dq", &dq, &q), ("dk", &dk, &k), ("dv", &dv, &v)] {
             let auto = grads.get(var).ok_or_else(|| candle_core::Error::Msg(format!("no grad for {name}")))?;
             let e = rel_err(ours, auto)?;
@@ -73,9 +73,10 @@ fn naive_single_key() -> Result<()> {
 const TOL_F32: f64 = 1e-5;
 const TOL_BF16: f64 = 8e-3;
 
-/// One kernel-vs-reference case; returns the worst relative error over o, lse, dq, dk, dv.
-#[allow(clippy::too_many_arguments)]
-fn check_case(mask: Mask, b: usize, s: usize, t: usize, hq: usize, hkv: usize, d: usize, dtype: DType, tol: f64) -> Result<f64> {
+/// One kernel-vs-reference case `(mask, s, t, hq, hkv, d)` of [`CASES`] at batch `b`;
+/// returns the worst relative error over o, lse, dq, dk, dv.
+fn check_case(case: Case, b: usize, dtype: DType, tol: f64) -> Result<f64> {
+    let (mask, s, t, hq, hkv, d) = case;
     let scale = 1.5 / (d as f64).sqrt();
     let q = randn((b, s, hq, d), dtype)?;
     let k = randn((b, t, hkv, d), dtype)?;
@@ -88,8 +89,9 @@ fn check_case(mask: Mask, b: usize, s: usize, t: usize, hq: usize, hkv: usize, d
     assert_eq!(lse.dtype(), DType::F32);
     // Both backwards get the same global o (rounded to the input dtype) and lse.
     let o_in = o_ref.to_dtype(dtype)?;
-    let (dq_ref, dk_ref, dv_ref) = naive::bwd(&f64_(&d_o)?, &f64_(&q)?, &f64_(&k)?, &f64_(&v)?, &f64_(&o_in)?, &lse_ref, mask, scale)?;
-    let (dq, dk, dv) = kernel::bwd(&d_o, &q, &k, &v, &o_in, &lse_ref, mask, scale)?;
+    let (q64, k64, v64, o64) = (f64_(&q)?, f64_(&k)?, f64_(&v)?, f64_(&o_in)?);
+    let (dq_ref, dk_ref, dv_ref) = naive::bwd(&f64_(&d_o)?, Saved::new(&q64, &k64, &v64, &o64, &lse_ref), mask, scale)?;
+    let (dq, dk, dv) = kernel::bwd(&d_o, Saved::new(&q, &k, &v, &o_in, &lse_ref), mask, scale)?;
     let mut worst = 0f64;
     for (name, a, r) in [("o", &o, &o_ref), ("lse", &lse, &lse_ref), ("dq", &dq, &dq_ref), ("dk", &dk, &dk_ref), ("dv", &dv, &dv_ref)] {
         assert_eq!(a.dims(), r.dims(), "{name} shape");
@@ -101,7 +103,8 @@ fn check_case(mask: Mask, b: usize, s: usize, t: usize, hq: usize, hkv: usize, d
 }
 
 /// (mask, s, t, hq, hkv, d): odd lengths, s != t unmasked, head dims 64/128/40, GQA 1/4/8.
-const CASES: [(Mask, usize, usize, usize, usize, usize); 7] = [
+type Case = (Mask, usize, usize, usize, usize, usize);
+const CASES: [Case; 7] = [
     (Mask::Causal, 37, 37, 4, 1, 64),
     (Mask::Causal, 129, 129, 8, 1, 40),
     (Mask::Causal, 70, 70, 2, 2, 128),
@@ -114,8 +117,8 @@ const CASES: [(Mask, usize, usize, usize, usize, usize); 7] = [
 #[test]
 fn cpu_kernel_matches_reference_f32() -> Result<()> {
     let mut worst = 0f64;
-    for (mask, s, t, hq, hkv, d) in CASES {
-        worst = worst.max(check_case(mask, 2, s, t, hq, hkv, d, DType::F32, TOL_F32)?);
+    for case in CASES {
+        worst = worst.max(check_case(case, 2, DType::F32, TOL_F32)?);
     }
     println!("f32 worst relative error: {worst:.3e}");
     Ok(())
@@ -124,8 +127,8 @@ fn cpu_kernel_matches_reference_f32() -> Result<()> {
 #[test]
 fn cpu_kernel_matches_reference_bf16() -> Result<()> {
     let mut worst = 0f64;
-    for (mask, s, t, hq, hkv, d) in CASES.into_iter().take(4) {
-        worst = worst.max(check_case(mask, 2, s, t, hq, hkv, d, DType::BF16, TOL_BF16)?);
+    for case in CASES.into_iter().take(4) {
+        worst = worst.max(check_case(case, 2, DType::BF16, TOL_BF16)?);
     }
     println!("bf16 worst relative error: {worst:.3e}");
     Ok(())
@@ -166,11 +169,12 @@ fn split_keys_merge_equals_full() -> Result<()> {
     assert!(rel_err(&o, &o_full)? <= TOL_F32, "merged o");
     assert!(rel_err(&lse, &lse_full)? <= TOL_F32, "merged lse");
 
-    let (dq_full, dk_full, dv_full) = kernel::bwd(&d_o, &q, &k, &v, &o_full, &lse_full, Mask::None, scale)?;
+    let (dq_full, dk_full, dv_full) = kernel::bwd(&d_o, Saved::new(&q, &k, &v, &o_full, &lse_full), Mask::None, scale)?;
     let mut dq = q.zeros_like()?;
     let (mut dks, mut dvs) = (vec![], vec![]);
     for (start, len) in halves {
-        let (dq_b, dk_b, dv_b) = kernel::bwd(&d_o, &q, &k.narrow(1, start, len)?, &v.narrow(1, start, len)?, &o, &lse, Mask::None, scale)?;
+        let (k_b, v_b) = (k.narrow(1, start, len)?, v.narrow(1, start, len)?);
+        let (dq_b, dk_b, dv_b) = kernel::bwd(&d_o, Saved::new(&q, &k_b, &v_b, &o, &lse), Mask::None, scale)?;
         dq = (dq + dq_b)?;
         dks.push(dk_b);
         dvs.push(dv_b);
@@ -269,21 +273,13 @@ fn causal_three_block_decomposition() -> Result<()> {
     assert!(rel_err(&o, &o_full)? <= TOL_F32, "o");
     assert!(rel_err(&lse, &lse_full)? <= TOL_F32, "lse");
 
-    let (dq_full, dk_full, dv_full) = kernel::bwd(&d_o, &q, &k, &v, &o_full, &lse_full, Mask::Causal, scale)?;
+    let (dq_full, dk_full, dv_full) = kernel::bwd(&d_o, Saved::new(&q, &k, &v, &o_full, &lse_full), Mask::Causal, scale)?;
     let mut dq: Vec<Tensor> = (0..3).map(|_| Tensor::zeros((b, n, hq, d), DType::F32, &Device::Cpu)).collect::<Result<_>>()?;
     let mut dk: Vec<Tensor> = (0..3).map(|_| Tensor::zeros((b, n, hkv, d), DType::F32, &Device::Cpu)).collect::<Result<_>>()?;
     let mut dv = dk.clone();
     for &(qc, kc, mask) in &blocks {
-        let (dq_b, dk_b, dv_b) = kernel::bwd(
-            &chunk(&d_o, qc)?,
-            &chunk(&q, qc)?,
-            &chunk(&k, kc)?,
-            &chunk(&v, kc)?,
-            &chunk(&o, qc)?,
-            &lse.narrow(2, qc * n, n)?,
-            mask,
-            scale,
-        )?;
+        let (q_b, k_b, v_b, o_b, lse_b) = (chunk(&q, qc)?, chunk(&k, kc)?, chunk(&v, kc)?, chunk(&o, qc)?, lse.narrow(2, qc * n, n)?);
+        let (dq_b, dk_b, dv_b) = kernel::bwd(&chunk(&d_o, qc)?, Saved::new(&q_b, &k_b, &v_b, &o_b, &lse_b), mask, scale)?;
         dq[qc] = (&dq[qc] + dq_b)?;
         dk[kc] = (&dk[kc] + dk_b)?;
         dv[kc] = (&dv[kc] + dv_b)?;
@@ -308,7 +304,7 @@ fn cpu_kernel_timing() -> Result<()> {
         let t0 = std::time::Instant::now();
         let (o, lse) = kernel::fwd(&q, &k, &v, mask, 0.125)?;
         let t1 = std::time::Instant::now();
-        let (dq, dk, dv) = kernel::bwd(&d_o, &q, &k, &v, &o, &lse, mask, 0.125)?;
+        let (dq, dk, dv) = kernel::bwd(&d_o, Saved::new(&q, &k, &v, &o, &lse), mask, 0.125)?;
         let t2 = std::time::Instant::now();
         println!(
             "{mask:?} s={s} h={h} d={d}: fwd {:.2}s bwd {:.2}s ({} rayon threads)",

@@ -19,9 +19,8 @@ fn ring(comm: Arc<dyn Comm>) -> Result<Arc<dyn AttentionMode>> {
     Ok(Arc::new(ZigzagRing::new(comm)))
 }
 
-/// Errors of the zigzag ring at world `w` on a fresh random problem.
-#[allow(clippy::too_many_arguments)]
-fn ring_errors(drive: Drive, w: usize, b: usize, s: usize, hq: usize, hkv: usize, d: usize, seed: u64) -> Result<Errors> {
+/// Errors of the zigzag ring at world `w` on a fresh random problem with `(hq, hkv)` heads.
+fn ring_errors(drive: Drive, w: usize, b: usize, s: usize, (hq, hkv): (usize, usize), d: usize, seed: u64) -> Result<Errors> {
     let inp = random_inputs(b, s, hq, hkv, d, seed, &Device::Cpu)?;
     let lists = layout_of(w, |r| zigzag_indices(s, w, r))?;
     let scale = 1.0 / (d as f64).sqrt();
@@ -35,7 +34,7 @@ fn ring_matches_single_device_mha_and_gqa() -> Result<()> {
     for w in [1, 2, 3, 4, 8] {
         // MHA and GQA (8 query heads on 2 kv heads); 12 tokens per chunk
         for (b, hq, hkv) in [(2, 4, 4), (1, 8, 2)] {
-            let e = ring_errors(Drive::Direct, w, b, 2 * w * 12, hq, hkv, 16, 7 + w as u64)?;
+            let e = ring_errors(Drive::Direct, w, b, 2 * w * 12, (hq, hkv), 16, 7 + w as u64)?;
             assert!(e.max() <= TOL, "W={w} hq={hq} hkv={hkv}: {e}");
         }
     }
@@ -45,7 +44,7 @@ fn ring_matches_single_device_mha_and_gqa() -> Result<()> {
 #[test]
 fn ring_awkward_length_at_w8() -> Result<()> {
     // 3824 = 16 · 239: chunks of 239 tokens, not a power of two
-    let e = ring_errors(Drive::Direct, 8, 1, 3824, 4, 2, 16, 3824)?;
+    let e = ring_errors(Drive::Direct, 8, 1, 3824, (4, 2), 16, 3824)?;
     assert!(e.max() <= TOL, "{e}");
     Ok(())
 }
@@ -54,7 +53,7 @@ fn ring_awkward_length_at_w8() -> Result<()> {
 fn ring_through_the_differentiable_op() -> Result<()> {
     // gradients as Candle's backward sees them: Vars, op::attention, sum(o·do).backward()
     for w in [2, 4] {
-        let e = ring_errors(Drive::Op, w, 1, 2 * w * 10, 8, 2, 16, 99)?;
+        let e = ring_errors(Drive::Op, w, 1, 2 * w * 10, (8, 2), 16, 99)?;
         assert!(e.max() <= TOL, "W={w}: {e}");
     }
     Ok(())

@@ -14,8 +14,8 @@ use std::sync::Arc;
 
 const TOL: f64 = 1e-5;
 
-#[allow(clippy::too_many_arguments)]
-fn usp_errors(drive: Drive, u: usize, r: usize, b: usize, s: usize, hq: usize, hkv: usize, d: usize, seed: u64) -> Result<Errors> {
+/// Errors of USP on `(u, r)` (Ulysses × ring) ranks on a fresh random problem with `(hq, hkv)` heads.
+fn usp_errors(drive: Drive, (u, r): (usize, usize), b: usize, s: usize, (hq, hkv): (usize, usize), d: usize, seed: u64) -> Result<Errors> {
     let inp = random_inputs(b, s, hq, hkv, d, seed, &Device::Cpu)?;
     let lists = layout_of(u * r, |k| usp_indices(s, u, r, k))?;
     let scale = 1.0 / (d as f64).sqrt();
@@ -33,7 +33,7 @@ fn usp_matches_single_device() -> Result<()> {
     for (u, r) in [(2, 2), (4, 2), (2, 4), (1, 4), (4, 1)] {
         // MHA, and GQA 8/2 (with U = 4 > hkv the kv heads are replicated)
         for (b, hq, hkv) in [(2, 4, 4), (1, 8, 2)] {
-            let e = usp_errors(Drive::Direct, u, r, b, 2 * r * u * 6, hq, hkv, 16, (10 * u + r) as u64)?;
+            let e = usp_errors(Drive::Direct, (u, r), b, 2 * r * u * 6, (hq, hkv), 16, (10 * u + r) as u64)?;
             assert!(e.max() <= TOL, "U={u} R={r} hq={hq} hkv={hkv}: {e}");
         }
     }
@@ -43,14 +43,14 @@ fn usp_matches_single_device() -> Result<()> {
 #[test]
 fn usp_awkward_length_at_w8() -> Result<()> {
     // 3824 = 2·2·956 → each ring chunk is 956 tokens, 478 per Ulysses rank
-    let e = usp_errors(Drive::Direct, 4, 2, 1, 3824, 4, 2, 16, 3824)?;
+    let e = usp_errors(Drive::Direct, (4, 2), 1, 3824, (4, 2), 16, 3824)?;
     assert!(e.max() <= TOL, "{e}");
     Ok(())
 }
 
 #[test]
 fn usp_through_the_differentiable_op() -> Result<()> {
-    let e = usp_errors(Drive::Op, 2, 2, 1, 48, 8, 2, 16, 42)?;
+    let e = usp_errors(Drive::Op, (2, 2), 1, 48, (8, 2), 16, 42)?;
     assert!(e.max() <= TOL, "{e}");
     Ok(())
 }

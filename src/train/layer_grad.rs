@@ -26,6 +26,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::Linear;
+use longctx_attention::kernel::Saved;
 use longctx_attention::AttentionMode;
 use longctx_kernels as kernels;
 
@@ -278,7 +279,7 @@ impl LayerPass<'_> {
         let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
         let o = f.o.reshape((b * s, hq * d))?;
         let d_o = self.linear_backward(&a.o_proj, sl.o, &o, &flat(&dh)?, acc)?.reshape((b, s, hq, d))?;
-        let (dq, dk, dv) = self.t(Phase::Attention, || Ok(self.attn.backward(&d_o, &f.q, &f.k, &f.v, &f.o, &f.lse, scale(d))?))?;
+        let (dq, dk, dv) = self.t(Phase::Attention, || Ok(self.attn.backward(&d_o, Saved::new(&f.q, &f.k, &f.v, &f.o, &f.lse), scale(d))?))?;
         let (dq, dk) = (dq.contiguous()?, dk.contiguous()?);
         self.t(Phase::NormRopeAct, || {
             kernels::rope_bwd_inplace(&dq, &self.rope.cos, &self.rope.sin)?;

@@ -51,11 +51,11 @@
 //! use must be ordered the same on every rank).
 
 use super::{Comm, Pending};
-use candle_core::cuda::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
+use crate::cuda::raw;
+use candle_core::cuda::cudarc::driver::CudaStream;
 use candle_core::cuda::cudarc::nccl::sys;
-use candle_core::cuda::{CudaStorageSlice, WrapErr};
-use candle_core::op::BackpropOp;
-use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Result, Shape, Storage, Tensor};
+use candle_core::cuda::WrapErr;
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Tensor};
 use std::ffi::{c_void, CStr};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -282,18 +282,17 @@ impl NcclComm {
         let (Ok(nranks), Ok(me)) = (i32::try_from(world), i32::try_from(rank)) else {
             return crate::config_err!("NCCL: world size {world} does not fit an i32");
         };
-        let ctx = dev.cuda_stream().context().clone();
-        ctx.bind_to_thread().w()?;
-        let stream = if opts.dedicated_stream { ctx.new_stream().w()? } else { dev.cuda_stream() };
-        let mut raw = sys::ncclUniqueId { internal: [0; ID_BYTES] };
-        for (d, &s) in raw.internal.iter_mut().zip(id) {
+        let compute = raw::bind(dev)?;
+        let stream = if opts.dedicated_stream { compute.context().new_stream().w()? } else { compute };
+        let mut uid = sys::ncclUniqueId { internal: [0; ID_BYTES] };
+        for (d, &s) in uid.internal.iter_mut().zip(id) {
             *d = s as _;
         }
         let mut comm: sys::ncclComm_t = std::ptr::null_mut();
         {
             let _g = CALLS.lock().unwrap_or_else(|p| p.into_inner());
             // SAFETY: `comm` receives a new communicator; the id is a full ncclUniqueId.
-            let r = unsafe { sys::ncclCommInitRank(&mut comm, nranks, raw, me) };
+            let r = unsafe { sys::ncclCommInitRank(&mut comm, nranks, uid, me) };
             if let Err(e) = ok(r, "ncclCommInitRank", std::ptr::null_mut()) {
                 return crate::comm_err!("rank {rank} of {world}: {e}");
             }
@@ -360,29 +359,9 @@ impl NcclComm {
 
     /// Uninitialised buffer for `n` elements of `dt` on the NCCL stream (at least one
     /// element: zero-size allocations are not portable).
-    fn alloc(&self, dt: DType, n: usize) -> Result<CudaStorageSlice> {
-        let n = n.max(1);
-        let s = &self.stream;
+    fn alloc(&self, dt: DType, n: usize) -> Result<CudaStorage> {
         // SAFETY: every buffer is entirely written by NCCL before anything reads it.
-        unsafe {
-            Ok(match dt {
-                DType::U8 => CudaStorageSlice::U8(s.alloc::<u8>(n).w()?),
-                DType::U32 => CudaStorageSlice::U32(s.alloc::<u32>(n).w()?),
-                DType::I16 => CudaStorageSlice::I16(s.alloc::<i16>(n).w()?),
-                DType::I32 => CudaStorageSlice::I32(s.alloc::<i32>(n).w()?),
-                DType::I64 => CudaStorageSlice::I64(s.alloc::<i64>(n).w()?),
-                DType::BF16 => CudaStorageSlice::BF16(s.alloc::<half::bf16>(n).w()?),
-                DType::F16 => CudaStorageSlice::F16(s.alloc::<half::f16>(n).w()?),
-                DType::F32 => CudaStorageSlice::F32(s.alloc::<f32>(n).w()?),
-                DType::F64 => CudaStorageSlice::F64(s.alloc::<f64>(n).w()?),
-                _ => return crate::config_err!("NCCL: dtype {dt:?} is not supported"),
-            })
-        }
-    }
-
-    fn tensor(&self, slice: CudaStorageSlice, shape: impl Into<Shape>) -> Tensor {
-        let storage = Storage::Cuda(CudaStorage { slice, device: self.device.clone() });
-        Tensor::from_storage(storage, shape, BackpropOp::none(), false)
+        unsafe { raw::alloc(&self.stream, &self.device, dt, n.max(1)) }
     }
 
     /// Queue a group of sends and receives (raw byte buffers).
@@ -421,35 +400,25 @@ impl NcclComm {
         let _g = CALLS.lock().unwrap_or_else(|p| p.into_inner());
         self.stream.context().bind_to_thread().w()?;
         self.after_compute()?;
-        let mut outs: Vec<Vec<CudaStorageSlice>> =
-            sends.iter().map(|(_, ts)| ts.iter().map(|t| self.alloc(t.dtype(), t.elem_count())).collect()).collect::<Result<_>>()?;
-        {
-            let inputs: Vec<Vec<_>> = sends.iter().map(|(_, ts)| ts.iter().map(|t| t.storage_and_layout()).collect()).collect();
-            let mut ops = Vec::new();
-            let mut guards: Vec<SyncOnDrop<'_>> = Vec::new();
-            for ((peer, ts), ins) in sends.iter().zip(&inputs) {
-                for (t, (st, l)) in ts.iter().zip(ins) {
-                    let (ptr, guard) = src_ptr(st, l, &self.stream)?;
-                    ops.push(P2p::Send { ptr, bytes: t.elem_count() * t.dtype().size_in_bytes(), peer: *peer });
-                    guards.push(guard);
-                }
-            }
-            for (((_, ts), outs), from) in sends.iter().zip(outs.iter_mut()).zip(recv_from) {
-                for (t, o) in ts.iter().zip(outs.iter_mut()) {
-                    let (ptr, guard) = dst_ptr(o, &self.stream)?;
-                    ops.push(P2p::Recv { ptr, bytes: t.elem_count() * t.dtype().size_in_bytes(), peer: *from });
-                    guards.push(guard);
-                }
-            }
-            self.p2p(&ops)?;
-            drop(guards); // records the uses on the NCCL stream, after the group end queued them
+        // Every message tensor, flat: what it sends, to whom, and from whom its receive comes.
+        let mut ins: Vec<&Tensor> = Vec::new();
+        let (mut to, mut from) = (Vec::new(), Vec::new());
+        for ((peer, ts), src) in sends.iter().zip(recv_from) {
+            ins.extend(ts);
+            to.extend(ts.iter().map(|_| *peer));
+            from.extend(ts.iter().map(|_| *src));
         }
+        let mut outs: Vec<CudaStorage> = ins.iter().map(|t| self.alloc(t.dtype(), t.elem_count())).collect::<Result<_>>()?;
+        let bytes: Vec<usize> = ins.iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).collect();
+        // `with_ptrs` records the uses on the NCCL stream after the group end queued them.
+        raw::with_ptrs(&self.stream, &ins, &mut outs.iter_mut().collect::<Vec<_>>(), |src, dst| {
+            let sends = src.iter().zip(&bytes).zip(&to).map(|((&ptr, &bytes), &peer)| P2p::Send { ptr, bytes, peer });
+            let recvs = dst.iter().zip(&bytes).zip(&from).map(|((&ptr, &bytes), &peer)| P2p::Recv { ptr, bytes, peer });
+            self.p2p(&sends.chain(recvs).collect::<Vec<_>>())
+        })??;
         let done = self.done()?;
-        let outs = outs
-            .into_iter()
-            .zip(sends)
-            .map(|(os, (_, ts))| os.into_iter().zip(ts).map(|(o, t)| self.tensor(o, t.shape().clone())).collect())
-            .collect();
+        let mut outs = outs.into_iter().zip(&ins).map(|(o, t)| raw::tensor(o, t.shape().clone()));
+        let outs = sends.iter().map(|(_, ts)| outs.by_ref().take(ts.len()).collect()).collect();
         Ok((outs, done))
     }
 
@@ -472,7 +441,7 @@ impl NcclComm {
         if compute.cu_stream() == self.stream.cu_stream() {
             return Ok(Done(None));
         }
-        Ok(Done(Some((self.stream.record_event(None).w()?, compute))))
+        Ok(Done(Some(raw::Mark::record(&self.stream, compute)?)))
     }
 
     /// Send each peer the signature of what we send it; what we receive from
@@ -526,19 +495,16 @@ impl NcclComm {
         out_elems: usize,
         what: &str,
         call: impl FnOnce(*const c_void, *mut c_void, sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t,
-    ) -> Result<CudaStorageSlice> {
+    ) -> Result<CudaStorage> {
         self.alive()?;
         let _g = CALLS.lock().unwrap_or_else(|p| p.into_inner());
         self.stream.context().bind_to_thread().w()?;
         self.after_compute()?;
         let mut out = self.alloc(x.dtype(), out_elems)?;
-        {
-            let (st, l) = x.storage_and_layout();
-            let (src, _rs) = src_ptr(&st, l, &self.stream)?;
-            let (dst, _rd) = dst_ptr(&mut out, &self.stream)?;
-            let r = call(src as *const c_void, dst as *mut c_void, self.handle.comm, self.stream.cu_stream() as _);
-            ok(r, what, self.handle.comm).or_else(|e| self.failed(e))?;
-        }
+        let r = raw::with_ptrs(&self.stream, &[x], &mut [&mut out], |src, dst| {
+            call(src[0] as *const c_void, dst[0] as *mut c_void, self.handle.comm, self.stream.cu_stream() as _)
+        })?;
+        ok(r, what, self.handle.comm).or_else(|e| self.failed(e))?;
         // The result is used at once: the compute stream waits for it here (also what
         // any consumer through raw pointers or another stream orders against).
         self.done()?.wait()?;
@@ -548,56 +514,20 @@ impl NcclComm {
 
 /// Completion of queued NCCL work: `wait` makes Candle's compute stream wait for it (the
 /// host does not block). Like PyTorch's `work.wait()`.
-struct Done(Option<(candle_core::cuda::cudarc::driver::CudaEvent, Arc<CudaStream>)>);
+struct Done(Option<raw::Mark>);
 
 impl Done {
     fn wait(self) -> Result<()> {
-        if let Some((ev, compute)) = self.0 {
-            compute.wait(&ev).w()?;
+        match self.0 {
+            Some(mark) => mark.wait(),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 
 enum P2p {
     Send { ptr: u64, bytes: usize, peer: usize },
     Recv { ptr: u64, bytes: usize, peer: usize },
-}
-
-/// Device address of a contiguous tensor's first element, with the read guard.
-fn src_ptr<'a>(st: &'a Storage, l: &Layout, stream: &'a CudaStream) -> Result<(u64, SyncOnDrop<'a>)> {
-    let Storage::Cuda(c) = st else {
-        return crate::config_err!("NCCL: not a CUDA tensor");
-    };
-    let ((ptr, guard), es) = match &c.slice {
-        CudaStorageSlice::U8(s) => (s.device_ptr(stream), 1),
-        CudaStorageSlice::U32(s) => (s.device_ptr(stream), 4),
-        CudaStorageSlice::I16(s) => (s.device_ptr(stream), 2),
-        CudaStorageSlice::I32(s) => (s.device_ptr(stream), 4),
-        CudaStorageSlice::I64(s) => (s.device_ptr(stream), 8),
-        CudaStorageSlice::BF16(s) => (s.device_ptr(stream), 2),
-        CudaStorageSlice::F16(s) => (s.device_ptr(stream), 2),
-        CudaStorageSlice::F32(s) => (s.device_ptr(stream), 4),
-        CudaStorageSlice::F64(s) => (s.device_ptr(stream), 8),
-        _ => return crate::config_err!("NCCL: this tensor's dtype is not supported"),
-    };
-    Ok((ptr + (l.start_offset() * es) as u64, guard))
-}
-
-/// Device address of a fresh output buffer, with the write guard.
-fn dst_ptr<'a>(s: &'a mut CudaStorageSlice, stream: &'a CudaStream) -> Result<(u64, SyncOnDrop<'a>)> {
-    Ok(match s {
-        CudaStorageSlice::U8(s) => s.device_ptr_mut(stream),
-        CudaStorageSlice::U32(s) => s.device_ptr_mut(stream),
-        CudaStorageSlice::I16(s) => s.device_ptr_mut(stream),
-        CudaStorageSlice::I32(s) => s.device_ptr_mut(stream),
-        CudaStorageSlice::I64(s) => s.device_ptr_mut(stream),
-        CudaStorageSlice::BF16(s) => s.device_ptr_mut(stream),
-        CudaStorageSlice::F16(s) => s.device_ptr_mut(stream),
-        CudaStorageSlice::F32(s) => s.device_ptr_mut(stream),
-        CudaStorageSlice::F64(s) => s.device_ptr_mut(stream),
-        _ => return crate::config_err!("NCCL: output dtype not supported"),
-    })
 }
 
 /// Poll every communicator of the family for asynchronous errors until it is gone.
@@ -661,7 +591,7 @@ impl Comm for NcclComm {
             // SAFETY: s and d address n elements of dt on this GPU.
             unsafe { sys::ncclAllReduce(s, d, n, dt, sys::ncclRedOp_t::ncclSum, c, st) }
         })?;
-        Ok(self.tensor(out, x.shape().clone()))
+        Ok(raw::tensor(out, x.shape().clone()))
     }
 
     fn all_gather(&self, x: &Tensor) -> Result<Vec<Tensor>> {
@@ -672,7 +602,7 @@ impl Comm for NcclComm {
             // SAFETY: s has `bytes` bytes, d has world × bytes.
             unsafe { sys::ncclAllGather(s, d, bytes, sys::ncclDataType_t::ncclUint8, c, st) }
         })?;
-        let all = self.tensor(out, (self.world * n,)); // the buffer has at least 1 element
+        let all = raw::tensor(out, (self.world * n,)); // the buffer has at least 1 element
         (0..self.world).map(|j| all.narrow(0, j * n, n)?.reshape(x.shape())).collect()
     }
 
@@ -696,7 +626,7 @@ impl Comm for NcclComm {
             // SAFETY: s has world × n elements, d has n.
             unsafe { sys::ncclReduceScatter(s, d, n, dt, sys::ncclRedOp_t::ncclSum, c, st) }
         })?;
-        Ok(self.tensor(out, shape))
+        Ok(raw::tensor(out, shape))
     }
 
     fn barrier(&self) -> Result<()> {

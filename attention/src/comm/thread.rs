@@ -295,6 +295,18 @@ impl ThreadComm {
         }
     }
 
+    /// [`Self::exchange`] of one tensor per member: `xs[j]` goes to member `j`.
+    fn exchange_one_each(&self, what: &'static str, xs: Vec<Tensor>) -> Result<Vec<Vec<Tensor>>> {
+        let n = self.members.len();
+        if xs.len() != n {
+            return self.fail(format!("{what} needs one tensor per rank ({n}), got {}", xs.len()));
+        }
+        let device = xs[0].device().clone();
+        let sig = sig_of(&xs);
+        let parts = snapshot(&xs)?.into_iter().map(|x| vec![x]).collect();
+        self.exchange(what, parts, sig, &device)
+    }
+
     /// Sends `xs[i]` (already snapshots; with the signature of what this member sends)
     /// to every member `i`; checks that every member sent tensors of one shape and dtype
     /// ([`Self::check_uniform`]) and returns, per member `j`, the tensors it sent here, on
@@ -370,14 +382,7 @@ impl Comm for ThreadComm {
     }
 
     fn all_to_all(&self, xs: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        let n = self.members.len();
-        if xs.len() != n {
-            return self.fail(format!("all_to_all needs one tensor per rank ({n}), got {}", xs.len()));
-        }
-        let device = xs[0].device().clone();
-        let sig = sig_of(&xs);
-        let parts = snapshot(&xs)?.into_iter().map(|x| vec![x]).collect();
-        Ok(self.exchange("all_to_all", parts, sig, &device)?.into_iter().flatten().collect())
+        Ok(self.exchange_one_each("all_to_all", xs)?.into_iter().flatten().collect())
     }
 
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
@@ -437,15 +442,8 @@ impl Comm for ThreadComm {
     }
 
     fn reduce_scatter_sum(&self, xs: Vec<Tensor>) -> Result<Tensor> {
-        let n = self.members.len();
-        if xs.len() != n {
-            return self.fail(format!("reduce_scatter_sum needs one tensor per rank ({n}), got {}", xs.len()));
-        }
-        let device = xs[0].device().clone();
-        let sig = sig_of(&xs);
-        let parts = snapshot(&xs)?.into_iter().map(|x| vec![x]).collect();
         let mut acc: Option<Tensor> = None;
-        for ts in self.exchange("reduce_scatter_sum", parts, sig, &device)? {
+        for ts in self.exchange_one_each("reduce_scatter_sum", xs)? {
             for t in ts {
                 acc = Some(match acc {
                     None => t,

@@ -18,13 +18,13 @@
 //! variable `LONGCTX_ATTN_FALLBACK=1`.
 
 mod ffi;
+pub(crate) mod raw;
 
 use crate::error::AttnError;
-use crate::kernel::{check_shapes, Mask};
-use candle_core::cuda::cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr};
-use candle_core::cuda::{CudaDType, WrapErr};
-use candle_core::op::BackpropOp;
-use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+use crate::kernel::{check_shapes, Mask, Saved};
+use candle_core::cuda::cudarc::driver::CudaStream;
+use candle_core::{CudaDevice, CudaStorage, DType, Result, Tensor};
+use raw::PoolAttr;
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -69,45 +69,17 @@ pub fn cudnn_version() -> Result<i64> {
 /// step maps its buffers afresh every step. Call once per device (training engine,
 /// benchmarks); the memory stays reserved for this process.
 pub fn retain_pool_memory(dev: &CudaDevice) -> Result<()> {
-    use candle_core::cuda::cudarc::driver::sys;
-    let ctx = dev.cuda_stream().context().clone();
-    ctx.bind_to_thread().w()?;
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    let mut threshold: u64 = u64::MAX;
-    // SAFETY: plain driver calls on the bound context's device with valid out-pointers.
-    unsafe {
-        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().w()?;
-        sys::cuMemPoolSetAttribute(
-            pool,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            &mut threshold as *mut u64 as *mut c_void,
-        )
-        .result()
-        .w()?;
-    }
-    Ok(())
+    raw::Pool::of(dev)?.set(PoolAttr::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, u64::MAX)
 }
 
 /// Bytes of the device's default memory pool (the one Candle allocates from) in use now,
 /// and the most in use since the last reset; resets the high-water mark when `reset`.
 pub fn pool_memory(dev: &CudaDevice, reset: bool) -> Result<(u64, u64)> {
-    use candle_core::cuda::cudarc::driver::sys;
-    let ctx = dev.cuda_stream().context().clone();
-    ctx.bind_to_thread().w()?;
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    let (mut used, mut high): (u64, u64) = (0, 0);
-    // SAFETY: plain driver calls on the bound context's device with valid out-pointers.
-    unsafe {
-        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().w()?;
-        let get = |attr, out: &mut u64| sys::cuMemPoolGetAttribute(pool, attr, out as *mut u64 as *mut c_void).result().w();
-        get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &mut used)?;
-        get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut high)?;
-        if reset {
-            let mut zero: u64 = 0;
-            sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut zero as *mut u64 as *mut c_void)
-                .result()
-                .w()?;
-        }
+    let pool = raw::Pool::of(dev)?;
+    let used = pool.get(PoolAttr::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
+    let high = pool.get(PoolAttr::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?;
+    if reset {
+        pool.set(PoolAttr::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)?;
     }
     Ok((used, high))
 }
@@ -159,18 +131,8 @@ pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> Result
 }
 
 /// Block backward on CUDA with the global `o`/`lse`; see [`crate::kernel::bwd`].
-#[allow(clippy::too_many_arguments)]
-pub fn bwd(
-    d_o: &Tensor,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    o: &Tensor,
-    lse: &Tensor,
-    mask: Mask,
-    scale: f64,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    settle("backward", try_bwd(d_o, q, k, v, o, lse, mask, scale), || crate::naive::bwd(d_o, q, k, v, o, lse, mask, scale))
+pub fn bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    settle("backward", try_bwd(d_o, saved, mask, scale), || crate::naive::bwd(d_o, saved, mask, scale))
 }
 
 /// Shape, dtype and device checks shared by both directions.
@@ -215,59 +177,67 @@ fn describe(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> std::
     Ok((desc, dev))
 }
 
+/// Fresh outputs for cuDNN: uninitialised buffers of `n` elements of `dt` each.
+fn outputs<const N: usize>(stream: &Arc<CudaStream>, dev: &CudaDevice, dt: [DType; N], n: [usize; N]) -> Result<[CudaStorage; N]> {
+    let mut out = Vec::with_capacity(N);
+    for (dt, n) in dt.into_iter().zip(n) {
+        // SAFETY: every output buffer is written entirely by the cuDNN call before anything reads it.
+        out.push(unsafe { raw::alloc(stream, dev, dt, n) }?);
+    }
+    out.try_into().map_err(|_| candle_core::Error::Msg("cuDNN attention: output count".into()))
+}
+
 fn try_fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> std::result::Result<(Tensor, Tensor), Refusal> {
     let (desc, dev) = describe(q, k, v, mask, scale)?;
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    match q.dtype() {
-        DType::BF16 => fwd_typed::<half::bf16>(&desc, &dev, &q, &k, &v),
-        _ => fwd_typed::<half::f16>(&desc, &dev, &q, &k, &v),
-    }
+    let stream = raw::bind(&dev)?;
+    let (b, s, hq, d) = (desc.b as usize, desc.s as usize, desc.hq as usize, desc.d as usize);
+    let [mut o, mut lse] = outputs(&stream, &dev, [q.dtype(), DType::F32], [b * s * hq * d, b * hq * s])?;
+    shim("forward", &stream, &[&q, &k, &v], &mut [&mut o, &mut lse], |i, o, st, err| {
+        // SAFETY: see `shim`; q, k, v, o and lse in the order of the shim's parameters.
+        unsafe { ffi::longctx_sdpa_fwd(&desc, i[0], i[1], i[2], o[0], o[1] as *mut f32, st, err.ptr(), err.len()) }
+    })?;
+    Ok((raw::tensor(o, (b, s, hq, d)), raw::tensor(lse, (b, hq, s))))
 }
 
-#[allow(clippy::too_many_arguments)]
-fn try_bwd(
-    d_o: &Tensor,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    o: &Tensor,
-    lse: &Tensor,
-    mask: Mask,
-    scale: f64,
-) -> std::result::Result<(Tensor, Tensor, Tensor), Refusal> {
-    let (desc, dev) = describe(q, k, v, mask, scale)?;
-    crate::kernel::check_bwd_shapes(d_o, q, k, v, o, lse, mask)?;
-    let dt = q.dtype();
-    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let o = o.to_dtype(dt)?.contiguous()?;
-    let d_o = d_o.to_dtype(dt)?.contiguous()?;
-    let lse = lse.to_dtype(DType::F32)?.contiguous()?;
-    match dt {
-        DType::BF16 => bwd_typed::<half::bf16>(&desc, &dev, &d_o, &q, &k, &v, &o, &lse),
-        _ => bwd_typed::<half::f16>(&desc, &dev, &d_o, &q, &k, &v, &o, &lse),
-    }
+fn try_bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, scale: f64) -> std::result::Result<(Tensor, Tensor, Tensor), Refusal> {
+    let (desc, dev) = describe(saved.q, saved.k, saved.v, mask, scale)?;
+    saved.check(d_o, mask)?;
+    let dt = saved.q.dtype();
+    let (q, k, v) = (saved.q.contiguous()?, saved.k.contiguous()?, saved.v.contiguous()?);
+    let (o, d_o) = (saved.o.to_dtype(dt)?.contiguous()?, d_o.to_dtype(dt)?.contiguous()?);
+    let lse = saved.lse.to_dtype(DType::F32)?.contiguous()?;
+    let stream = raw::bind(&dev)?;
+    let (b, s, t, hq, hkv, d) = (desc.b as usize, desc.s as usize, desc.t as usize, desc.hq as usize, desc.hkv as usize, desc.d as usize);
+    let [mut dq, mut dk, mut dv] = outputs(&stream, &dev, [dt; 3], [b * s * hq * d, b * t * hkv * d, b * t * hkv * d])?;
+    shim("backward", &stream, &[&q, &k, &v, &o, &d_o, &lse], &mut [&mut dq, &mut dk, &mut dv], |i, o, st, err| {
+        let lse = i[5] as *const f32;
+        // SAFETY: see `shim`; q, k, v, o, do, lse, dq, dk, dv in the order of the shim's parameters.
+        unsafe { ffi::longctx_sdpa_bwd(&desc, i[0], i[1], i[2], i[3], i[4], lse, o[0], o[1], o[2], st, err.ptr(), err.len()) }
+    })?;
+    Ok((raw::tensor(dq, (b, s, hq, d)), raw::tensor(dk, (b, t, hkv, d)), raw::tensor(dv, (b, t, hkv, d))))
 }
 
-/// The elements of a contiguous CUDA tensor as a view (its offset applied).
-fn view<'a, T: CudaDType + DeviceRepr>(st: &'a Storage, l: &Layout, name: &str) -> Result<CudaView<'a, T>> {
-    let Storage::Cuda(c) = st else {
-        return crate::config_err!("{name} is not a CUDA tensor");
-    };
-    if !l.is_contiguous() {
-        return crate::config_err!("{name} is not contiguous");
-    }
-    let start = l.start_offset();
-    Ok(c.as_cuda_slice::<T>()?.slice(start..start + l.shape().elem_count()))
-}
-
-/// Uninitialised device buffer of `n` elements on `stream` (fully written by cuDNN).
-fn alloc<T: DeviceRepr>(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>> {
-    // SAFETY: the buffer is written entirely by the cuDNN call before anything reads it.
-    unsafe { stream.alloc::<T>(n) }.w()
-}
-
-fn tensor<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
-    Tensor::from_storage(Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone())), shape, BackpropOp::none(), false)
+/// One call of the shim on `stream`: `call(ins, outs, stream, err)` gets the device
+/// addresses of `ins` (read) and `outs` (written) and returns the shim's code.
+/// For its unsafe block: every address is a live device buffer on `stream`'s device, of
+/// the size the call's `Desc` implies (shapes checked by `describe`, inputs contiguous,
+/// outputs allocated for those shapes), borrowed by [`raw::with_ptrs`] until the call has
+/// queued its work on `stream`.
+fn shim(
+    what: &str,
+    stream: &CudaStream,
+    ins: &[&Tensor],
+    outs: &mut [&mut CudaStorage],
+    call: impl FnOnce(&[*const c_void], &[*mut c_void], *mut c_void, &mut ErrBuf) -> i32,
+) -> std::result::Result<(), Refusal> {
+    let mut err = ErrBuf::new();
+    let rc = raw::with_ptrs(stream, ins, outs, |i, o| {
+        let i: Vec<*const c_void> = i.iter().map(|&p| p as *const c_void).collect();
+        let o: Vec<*mut c_void> = o.iter().map(|&p| p as *mut c_void).collect();
+        call(&i, &o, stream.cu_stream() as *mut c_void, &mut err)
+    })?;
+    check(rc, &err, what)
 }
 
 /// Text buffer for the shim's error messages.
@@ -295,106 +265,4 @@ fn check(rc: i32, err: &ErrBuf, what: &str) -> std::result::Result<(), Refusal> 
         ffi::FAILED => Err(Refusal::Failed(candle_core::Error::Msg(format!("cuDNN attention {what} failed: {}", err.text())))),
         code => Err(Refusal::Failed(candle_core::Error::Msg(format!("cuDNN attention {what}: unknown shim return code {code}")))),
     }
-}
-
-fn fwd_typed<T: CudaDType + DeviceRepr>(
-    desc: &ffi::Desc,
-    dev: &CudaDevice,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-) -> std::result::Result<(Tensor, Tensor), Refusal> {
-    let stream = dev.cuda_stream();
-    stream.context().bind_to_thread().w()?;
-    let (b, s, hq, d) = (desc.b as usize, desc.s as usize, desc.hq as usize, desc.d as usize);
-    let mut o = alloc::<T>(&stream, b * s * hq * d)?;
-    let mut lse = alloc::<f32>(&stream, b * hq * s)?;
-    let mut err = ErrBuf::new();
-    let rc = {
-        let (qs, ql) = q.storage_and_layout();
-        let (ks, kl) = k.storage_and_layout();
-        let (vs, vl) = v.storage_and_layout();
-        let (qv, kv, vv) = (view::<T>(&qs, ql, "q")?, view::<T>(&ks, kl, "k")?, view::<T>(&vs, vl, "v")?);
-        let (qp, _rq) = qv.device_ptr(&stream);
-        let (kp, _rk) = kv.device_ptr(&stream);
-        let (vp, _rv) = vv.device_ptr(&stream);
-        let (op, _wo) = o.device_ptr_mut(&stream);
-        let (lp, _wl) = lse.device_ptr_mut(&stream);
-        // SAFETY: every pointer addresses a live device buffer of the size `desc` implies,
-        // all on `stream`'s device; the guards keep the buffers borrowed until queued.
-        unsafe {
-            ffi::longctx_sdpa_fwd(
-                desc,
-                qp as *const c_void,
-                kp as *const c_void,
-                vp as *const c_void,
-                op as *mut c_void,
-                lp as *mut f32,
-                stream.cu_stream() as *mut c_void,
-                err.ptr(),
-                err.len(),
-            )
-        }
-    };
-    check(rc, &err, "forward")?;
-    Ok((tensor(o, dev, (b, s, hq, d)), tensor(lse, dev, (b, hq, s))))
-}
-
-#[allow(clippy::too_many_arguments)]
-fn bwd_typed<T: CudaDType + DeviceRepr>(
-    desc: &ffi::Desc,
-    dev: &CudaDevice,
-    d_o: &Tensor,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    o: &Tensor,
-    lse: &Tensor,
-) -> std::result::Result<(Tensor, Tensor, Tensor), Refusal> {
-    let stream = dev.cuda_stream();
-    stream.context().bind_to_thread().w()?;
-    let (b, s, t, hq, hkv, d) = (desc.b as usize, desc.s as usize, desc.t as usize, desc.hq as usize, desc.hkv as usize, desc.d as usize);
-    let mut dq = alloc::<T>(&stream, b * s * hq * d)?;
-    let mut dk = alloc::<T>(&stream, b * t * hkv * d)?;
-    let mut dv = alloc::<T>(&stream, b * t * hkv * d)?;
-    let mut err = ErrBuf::new();
-    let rc = {
-        let (qs, ql) = q.storage_and_layout();
-        let (ks, kl) = k.storage_and_layout();
-        let (vs, vl) = v.storage_and_layout();
-        let (os, ol) = o.storage_and_layout();
-        let (gs, gl) = d_o.storage_and_layout();
-        let (ls, ll) = lse.storage_and_layout();
-        let (qv, kv, vv) = (view::<T>(&qs, ql, "q")?, view::<T>(&ks, kl, "k")?, view::<T>(&vs, vl, "v")?);
-        let (ov, gv, lv) = (view::<T>(&os, ol, "o")?, view::<T>(&gs, gl, "do")?, view::<f32>(&ls, ll, "lse")?);
-        let (qp, _rq) = qv.device_ptr(&stream);
-        let (kp, _rk) = kv.device_ptr(&stream);
-        let (vp, _rv) = vv.device_ptr(&stream);
-        let (opp, _ro) = ov.device_ptr(&stream);
-        let (gp, _rg) = gv.device_ptr(&stream);
-        let (lp, _rl) = lv.device_ptr(&stream);
-        let (dqp, _wq) = dq.device_ptr_mut(&stream);
-        let (dkp, _wk) = dk.device_ptr_mut(&stream);
-        let (dvp, _wv) = dv.device_ptr_mut(&stream);
-        // SAFETY: as in `fwd_typed`.
-        unsafe {
-            ffi::longctx_sdpa_bwd(
-                desc,
-                qp as *const c_void,
-                kp as *const c_void,
-                vp as *const c_void,
-                opp as *const c_void,
-                gp as *const c_void,
-                lp as *const f32,
-                dqp as *mut c_void,
-                dkp as *mut c_void,
-                dvp as *mut c_void,
-                stream.cu_stream() as *mut c_void,
-                err.ptr(),
-                err.len(),
-            )
-        }
-    };
-    check(rc, &err, "backward")?;
-    Ok((tensor(dq, dev, (b, s, hq, d)), tensor(dk, dev, (b, t, hkv, d)), tensor(dv, dev, (b, t, hkv, d))))
 }
