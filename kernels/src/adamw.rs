@@ -202,7 +202,7 @@ fn adamw_cuda(
     let Scalars { b1, b2, step_size, bc2_sqrt, eps, wd_lr, gscale } = *sc;
     with_cuda(OP, "grads", grads, |gs, gl| {
         let g = view::<f32>(OP, "grads", gs, gl)?;
-        let run = |dec: Option<CudaView<u8>>| -> Result<()> {
+        let mut run = |dec: Option<CudaView<u8>>| -> Result<()> {
             macro_rules! go {
                 ($suffix:expr, $copy:expr) => {
                     match &dec {
