@@ -8,6 +8,19 @@
 //! Shapes: `T` tokens, `h` 2048, `i` 5632, `H` heads, `d` 64, `V` 32000, `n` parameters.
 //!
 //! Run: `bench_kernels [tokens]` (needs the `cuda` feature and a GPU).
+//!
+//! Measured on one H200 (2026-11-30, commit c4743cd), ms per call, composed → fused:
+//! | op | 16K tokens | 64K tokens |
+//! | --- | --- | --- |
+//! | RMSNorm+residual fwd | 2.05 → 0.113 | 8.00 → 0.381 |
+//! | RMSNorm+residual fwd+bwd | 10.4 → 0.326 | 40.1 → 1.32 |
+//! | RoPE fwd, q and k | 2.10 → 0.051 | 8.17 → 0.184 |
+//! | RoPE fwd+bwd, q and k | 10.4 → 0.106 | 41.1 → 0.385 |
+//! | SwiGLU fwd | 0.740 → 0.207 | 2.97 → 0.783 |
+//! | SwiGLU fwd+bwd | 14.8 → 0.509 | 58.2 → 2.06 |
+//! | lm_head + CE fwd+bwd, chunks of 4096 | 66.2 → 10.9 | 252 → 45.7 |
+//! | CE loss+grad only, one [4096, 32000] chunk | 12.4 → 0.409 | |
+//! | AdamW, 1.1B f32 shard + bf16 copy | 97.2 → 9.98 | |
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use longctx_kernels::*;
