@@ -40,6 +40,14 @@
 //! optimizer: [`adamw_step`] on this rank's flat f32 shard (`grad_scale` = the clip
 //! factor, `param_copy` = the model-dtype shard that the all-gather then spreads).
 
+//!
+//! # Limits
+//! CUDA: RMSNorm backward needs `h ≤ 12288` (its weight-gradient sum lives in shared
+//! memory); row kernels launch one block per row (fewer than 2³¹ rows). A target ≥ V gives
+//! a NaN loss on the GPU (an error on the CPU). The fast paths use 16-byte accesses when
+//! the row length is a multiple of 8 and the buffers are 16-byte aligned (always true for
+//! fresh Candle tensors), else one element at a time.
+
 mod accumulate;
 mod adamw;
 mod common;

@@ -351,7 +351,7 @@ impl CustomOp3 for BwdOp {
             let mut part = alloc::<f32>(&dev, parts * h)?;
             let mut dw = alloc::<f32>(&dev, h)?;
             let name = format!("rmsnorm_bwd_{}", T::SUFFIX);
-            let cfg = LaunchConfig { grid_dim: (parts as u32, 1, 1), block_dim: (row_threads(h, 4, 512), 1, 1), shared_mem_bytes: smem as u32 };
+            let cfg = LaunchConfig { grid_dim: (parts as u32, 1, 1), block_dim: (row_threads(h, 8, 512), 1, 1), shared_mem_bytes: smem as u32 };
             let (rows_arg, h_arg) = (rows, h as i32);
             let mut run = |rstd: CudaView<f32>, dres: Option<CudaView<T>>| -> Result<()> {
                 if rows == 0 {

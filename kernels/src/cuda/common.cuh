@@ -55,5 +55,32 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(v);
 }
 
+// Vector access: 8 consecutive elements (16 bytes of bf16/f16, 32 of f32) through 16-byte
+// loads and stores. The pointer must be 16-byte aligned (see `aligned16`).
+template <typename T> struct alignas(16) Pack16 { T v[16 / sizeof(T)]; };
+
+__device__ __forceinline__ bool aligned16(const void* p) { return p == nullptr || ((uintptr_t)p & 15u) == 0; }
+
+template <typename T> __device__ __forceinline__ void load8(const T* __restrict__ p, float* out) {
+    constexpr int N = 16 / sizeof(T);
+#pragma unroll
+    for (int q = 0; q < 8 / N; ++q) {
+        const Pack16<T> pk = reinterpret_cast<const Pack16<T>*>(p)[q];
+#pragma unroll
+        for (int k = 0; k < N; ++k) out[q * N + k] = to_f(pk.v[k]);
+    }
+}
+
+template <typename T> __device__ __forceinline__ void store8(T* __restrict__ p, const float* in) {
+    constexpr int N = 16 / sizeof(T);
+#pragma unroll
+    for (int q = 0; q < 8 / N; ++q) {
+        Pack16<T> pk;
+#pragma unroll
+        for (int k = 0; k < N; ++k) pk.v[k] = from_f<T>(in[q * N + k]);
+        reinterpret_cast<Pack16<T>*>(p)[q] = pk;
+    }
+}
+
 // One instantiation per activation dtype, named `<name>_<suffix>`.
 #define FOR_EACH_DTYPE(M) M(bf16, bf16) M(f16, f16) M(float, f32)
