@@ -279,7 +279,8 @@ impl LayerPass<'_> {
         let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
         let o = f.o.reshape((b * s, hq * d))?;
         let d_o = self.linear_backward(&a.o_proj, sl.o, &o, &flat(&dh)?, acc)?.reshape((b, s, hq, d))?;
-        let (dq, dk, dv) = self.t(Phase::Attention, || Ok(self.attn.backward(&d_o, Saved::new(&f.q, &f.k, &f.v, &f.o, &f.lse), scale(d))?))?;
+        let (dq, dk, dv) =
+            self.t(Phase::Attention, || Ok(self.attn.backward(&d_o, Saved::new(&f.q, &f.k, &f.v, &f.o, &f.lse), scale(d))?))?;
         let (dq, dk) = (dq.contiguous()?, dk.contiguous()?);
         self.t(Phase::NormRopeAct, || {
             kernels::rope_bwd_inplace(&dq, &self.rope.cos, &self.rope.sin)?;

@@ -254,7 +254,6 @@ impl<'a> RankRun<'a> {
             profile: cfg.train.profile,
             save_attention: cfg.parallel.save_attention,
             layer_backward: cfg.train.layer_backward,
-            ..Default::default()
         };
         let engine = Engine::from_vars(mcfg, &vars, opts)?;
         let n_params: usize = engine.params.iter().map(|(_, v)| v.as_tensor().elem_count()).sum();
