@@ -67,10 +67,19 @@ pub struct BenchEngineArgs {
     /// Seed of the random weights and tokens.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Split each timed step by phase (CUDA events: attention, GEMMs, norms/RoPE/activation,
+    /// loss, gradient accumulation, copies) and print the mean seconds per phase.
+    #[arg(long)]
+    pub profile: bool,
+    /// Keep each layer's attention tensors for the backward (selective recomputation).
+    #[arg(long)]
+    pub save_attention: bool,
 }
 
 struct Outcome {
     seconds: f64,
+    /// Mean seconds per phase of the timed steps (with `--profile`).
+    profile: Option<longctx::train::profile::PhaseTimes>,
     peak: Option<u64>,
     saved: usize,
     host: usize,
@@ -100,6 +109,65 @@ fn human(b: u64) -> String {
     }
 }
 
+/// One offload setting at one length: warm-up, then the timed steps.
+fn run_setting(
+    a: &BenchEngineArgs,
+    cfg: &LlamaConfig,
+    vars: &HashMap<String, Var>,
+    dev: &candle_core::Device,
+    (ids, targets, pos): (&Tensor, &Tensor, &Tensor),
+    s: usize,
+    off: bool,
+) -> anyhow::Result<Outcome> {
+    let n = a.batch * s;
+    let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
+    let opts = EngineOptions {
+        token_chunk: a.token_chunk,
+        offload_activations: off,
+        profile: a.profile,
+        save_attention: a.save_attention,
+        ..Default::default()
+    };
+    let eng = Engine::from_vars(cfg, vars, opts)?;
+    let run = |eng: &Engine| eng.step(ids, targets, pos, s, &attn, 1.0 / n as f64);
+    for _ in 0..a.warmup {
+        run(&eng)?;
+    }
+    dev.synchronize()?;
+    eng.take_profile()?; // the warm-up's spans are not reported
+    device_memory(dev, true)?;
+    let mut ts = Vec::new();
+    let mut phases = longctx::train::profile::PhaseTimes::default();
+    // Gradients go to host memory right after each timed step, so the device peak
+    // is the engine's own; two steps' are kept only to measure run-to-run noise.
+    let host = |gs: &[Tensor]| gs.iter().map(|g| g.to_device(&candle_core::Device::Cpu)).collect::<candle_core::Result<Vec<_>>>();
+    let (mut last, mut prev, mut peak) = (None, None, None);
+    for _ in 0..a.iters {
+        let t0 = Instant::now();
+        let r = run(&eng)?;
+        dev.synchronize()?;
+        ts.push(t0.elapsed().as_secs_f64());
+        let p = eng.take_profile()?;
+        phases.seconds.iter_mut().zip(p.seconds).for_each(|(x, y)| *x += y / a.iters as f64);
+        peak = peak.max(device_memory(dev, true)?.map(|(_, h)| h));
+        let grads = host(&r.grads)?;
+        let stats = (r.memory, r.loss_sum / r.n_tokens.max(1) as f64);
+        drop(r);
+        prev = last.replace((grads, stats)).filter(|_| a.offload == "both");
+    }
+    let (grads, (memory, loss)) = last.context("no timed step")?;
+    Ok(Outcome {
+        seconds: median(ts),
+        profile: a.profile.then_some(phases),
+        peak,
+        saved: memory.saved_bytes,
+        host: eng.pinned_bytes().max(memory.saved_host_bytes),
+        loss,
+        grads,
+        prev: prev.map(|p| p.0),
+    })
+}
+
 pub fn engine(a: &BenchEngineArgs) -> anyhow::Result<()> {
     if a.iters == 0 {
         bail!("--iters must be at least 1");
@@ -116,7 +184,6 @@ pub fn engine(a: &BenchEngineArgs) -> anyhow::Result<()> {
         vars.insert(n.clone(), Var::from_tensor(&t.to_dtype(dtype)?.to_device(&dev)?)?);
     }
     drop(start.weights);
-    let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
     let settings: Vec<bool> = match a.offload.as_str() {
         "off" => vec![false],
         "on" => vec![true],
@@ -138,44 +205,7 @@ pub fn engine(a: &BenchEngineArgs) -> anyhow::Result<()> {
         let pos = Tensor::from_vec(pos, (a.batch, s), &dev)?;
         let mut outs: Vec<(bool, Outcome)> = Vec::new();
         for &off in &settings {
-            let eng = Engine::from_vars(
-                cfg,
-                &vars,
-                EngineOptions { token_chunk: a.token_chunk, offload_activations: off, ..Default::default() },
-            )?;
-            let run = |eng: &Engine| eng.step(&ids, &targets, &pos, s, &attn, 1.0 / n as f64);
-            for _ in 0..a.warmup {
-                run(&eng)?;
-            }
-            dev.synchronize()?;
-            device_memory(&dev, true)?;
-            let mut ts = Vec::new();
-            // Gradients go to host memory right after each timed step, so the device peak
-            // is the engine's own; two steps' are kept only to measure run-to-run noise.
-            let host = |gs: &[Tensor]| gs.iter().map(|g| g.to_device(&candle_core::Device::Cpu)).collect::<candle_core::Result<Vec<_>>>();
-            let (mut last, mut prev, mut peak) = (None, None, None);
-            for _ in 0..a.iters {
-                let t0 = Instant::now();
-                let r = run(&eng)?;
-                dev.synchronize()?;
-                ts.push(t0.elapsed().as_secs_f64());
-                peak = peak.max(device_memory(&dev, true)?.map(|(_, h)| h));
-                let grads = host(&r.grads)?;
-                let stats = (r.memory, r.loss_sum / r.n_tokens.max(1) as f64);
-                drop(r);
-                prev = last.replace((grads, stats)).filter(|_| settings.len() > 1);
-            }
-            let (grads, (memory, loss)) = last.context("no timed step")?;
-            let o = Outcome {
-                seconds: median(ts),
-                peak,
-                saved: memory.saved_bytes,
-                host: eng.pinned_bytes().max(memory.saved_host_bytes),
-                loss,
-                grads,
-                prev: prev.map(|p| p.0),
-            };
-            drop(eng);
+            let o = run_setting(a, cfg, &vars, &dev, (&ids, &targets, &pos), s, off)?;
             let tok_s = n as f64 / o.seconds;
             eprintln!(
                 "{:>8} {:>8} {:>9.3} {:>10.0} {:>11} {:>11} {:>11}",
@@ -187,10 +217,14 @@ pub fn engine(a: &BenchEngineArgs) -> anyhow::Result<()> {
                 human(o.saved as u64),
                 human(o.host as u64),
             );
+            if let Some(p) = &o.profile {
+                eprintln!("  profile: {}", p.summary(o.seconds));
+            }
             println!(
                 "{}",
                 serde_json::json!({"seq": s, "batch": a.batch, "offload": off, "seconds": o.seconds, "tokens_per_s": tok_s,
-                    "device_peak_bytes": o.peak, "saved_bytes": o.saved, "host_bytes": o.host, "loss": o.loss})
+                    "device_peak_bytes": o.peak, "saved_bytes": o.saved, "host_bytes": o.host, "loss": o.loss,
+                    "profile": o.profile.as_ref().map(|p| p.to_json(o.seconds))})
             );
             outs.push((off, o));
         }

@@ -123,15 +123,21 @@ fn fwd_cpu<T: Elem>(x: &[T], res: Option<&[T]>, w: &[T], h: usize, eps: f32) -> 
     (y, xs, rstd)
 }
 
+/// Rows per block of the weight-gradient sum: blocks are summed in parallel, then their
+/// partial sums in block order, so the result does not depend on thread scheduling (a
+/// resumed run must reproduce a straight one bit for bit).
+const DW_BLOCK_ROWS: usize = 64;
+
 fn bwd_cpu<T: Elem>(dy: &[T], xs: &[T], w: &[T], rstd: &[f32], dres: Option<&[T]>, h: usize) -> (Vec<T>, Vec<f32>) {
     let mut dx = vec![T::from_f(0.0); dy.len()];
     let inv_h = 1.0 / h as f32;
-    let dw = dx
-        .par_chunks_mut(h)
+    let partials: Vec<Vec<f32>> = dx
+        .par_chunks_mut(h * DW_BLOCK_ROWS)
         .enumerate()
-        .fold(
-            || vec![0f32; h],
-            |mut acc, (row, dxr)| {
+        .map(|(blk, dxb)| {
+            let mut acc = vec![0f32; h];
+            for (k, dxr) in dxb.chunks_mut(h).enumerate() {
+                let row = blk * DW_BLOCK_ROWS + k;
                 let (base, r) = (row * h, rstd[row]);
                 let (dyr, xr) = (&dy[base..base + h], &xs[base..base + h]);
                 let mut dot = 0f32;
@@ -149,16 +155,14 @@ fn bwd_cpu<T: Elem>(dy: &[T], xs: &[T], w: &[T], rstd: &[f32], dres: Option<&[T]
                     }
                     dxr[j] = T::from_f(o);
                 }
-                acc
-            },
-        )
-        .reduce(
-            || vec![0f32; h],
-            |mut a, b| {
-                a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                a
-            },
-        );
+            }
+            acc
+        })
+        .collect();
+    let mut dw = vec![0f32; h];
+    for p in &partials {
+        dw.iter_mut().zip(p).for_each(|(x, y)| *x += y);
+    }
     (dx, dw)
 }
 

@@ -342,9 +342,9 @@ impl Engine {
         };
         let c = self.opts.token_chunk.max(1);
         let ce = longctx_kernels::linear_cross_entropy(&n.y, w, &targets.contiguous()?, scale, c, Some(&slot))?;
-        mem.transient_bytes = mem
-            .transient_bytes
-            .max(c.min(x.elem_count() / cfg.hidden_size.max(1)) * cfg.vocab_size * w.dtype().size_in_bytes() + 2 * bytes(&x));
+        // One logits chunk [c, V] (its gradient is written over it) and its hidden rows in and out.
+        let rows = c.min(x.elem_count() / cfg.hidden_size.max(1));
+        mem.transient_bytes = mem.transient_bytes.max(rows * (cfg.vocab_size + 2 * cfg.hidden_size) * w.dtype().size_in_bytes());
         let g = longctx_kernels::rms_norm_bwd(&ce.dhidden, &x, &norm.weight, &n.rstd, None)?;
         crate::train::layer_grad::accumulate(acc, self.norm_slot, &g.dweight)?;
         let loss_sum = ce.loss_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
