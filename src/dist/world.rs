@@ -135,7 +135,11 @@ fn join_nccl(env: &DistEnv, opts: &RendezvousOptions) -> Result<Joined> {
     // others at once (through the monitor) instead of leaving them waiting to join.
     let opened = (|| -> Result<(Device, Arc<NcclComm>)> {
         let device = crate::device::open_cuda(env.local_rank).map_err(|e| {
-            Error::Setting(format!("rank {}: {e}: start at most one process per GPU on each node (--nproc-per-node)", env.rank))
+            let why = match e {
+                Error::Setting(m) => m,
+                other => other.to_string(),
+            };
+            Error::Setting(format!("rank {}: {why}: start at most one process per GPU on each node (--nproc-per-node)", env.rank))
         })?;
         let comm = NcclComm::new(&device, env.rank, env.world, &rdv.blob)?;
         Ok((device, comm))
