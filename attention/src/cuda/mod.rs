@@ -55,6 +55,7 @@ pub fn fallback_allowed() -> bool {
 /// The loaded cuDNN version as `major*10000 + minor*100 + patch` (e.g. 91400).
 pub fn cudnn_version() -> Result<i64> {
     let mut err = ErrBuf::new();
+    // SAFETY: the shim writes at most `err.len()` bytes (a NUL-terminated message) to `err`.
     let v = unsafe { ffi::longctx_sdpa_cudnn_version(err.ptr(), err.len()) };
     if v == 0 {
         return crate::config_err!("{}", err.text());
