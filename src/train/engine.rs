@@ -332,14 +332,7 @@ impl Engine {
         let norm = &self.plain.norm;
         let n = longctx_kernels::rms_norm_fwd(&x, None, &norm.weight, norm.eps)?;
         let w = self.plain.lm_head.weight();
-        let slot = match &acc[self.head_slot] {
-            Some(a) => a.clone(),
-            None => {
-                let z = Tensor::zeros(w.shape(), DType::F32, x.device())?;
-                acc[self.head_slot] = Some(z.clone());
-                z
-            }
-        };
+        let slot = crate::train::layer_grad::slot(acc, self.head_slot, w.shape(), x.device())?;
         let c = self.opts.token_chunk.max(1);
         let ce = longctx_kernels::linear_cross_entropy(&n.y, w, &targets.contiguous()?, scale, c, Some(&slot))?;
         // One logits chunk [c, V] (its gradient is written over it) and its hidden rows in and out.

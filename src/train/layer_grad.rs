@@ -82,15 +82,16 @@ impl LayerSlots {
 
 /// Adds `g` into f32 gradient slot `i` in place (a zero slot is made on first use).
 pub(crate) fn accumulate(acc: &mut [Option<Tensor>], i: usize, g: &Tensor) -> Result<()> {
-    let slot = match &acc[i] {
-        Some(a) => a.clone(),
-        None => {
-            let z = Tensor::zeros(g.shape(), DType::F32, g.device())?;
-            acc[i] = Some(z.clone());
-            z
-        }
-    };
+    let slot = slot(acc, i, g.shape(), g.device())?;
     Ok(kernels::accumulate_f32(&slot, &g.contiguous()?, 1.0)?)
+}
+
+/// Gradient slot `i` (f32, updated in place by its users), made as zeros on first use.
+pub(crate) fn slot(acc: &mut [Option<Tensor>], i: usize, shape: &candle_core::Shape, dev: &Device) -> Result<Tensor> {
+    if acc[i].is_none() {
+        acc[i] = Some(Tensor::zeros(shape, DType::F32, dev)?);
+    }
+    acc[i].clone().ok_or_else(|| crate::Error::Setting("gradient slot".into()))
 }
 
 /// RMSNorm forward keeping `rstd [..]` f32: `y = w·round(x·rstd)` (fused kernel).
