@@ -164,6 +164,8 @@ fn check(
     let got_keep = keep.step(&ids, &targets, &pos, s, &attn, scale)?;
     let worst_keep = assert_close(&format!("{case} (attention saved)"), &keep, &got_keep, &want)?;
     assert!(got_keep.memory.saved_bytes > got.memory.saved_bytes, "{case}: saved attention is counted");
+    let host_want = if offload { got_keep.memory.saved_bytes } else { 0 };
+    assert_eq!(got_keep.memory.saved_host_bytes, host_want, "{case}: saved attention goes where the layer inputs go");
     eprintln!(
         "{case}: worst grad rel {worst:.2e} (full_graph_step {worst_full:.2e}, autograd layers {worst_auto:.2e}, attention saved {worst_keep:.2e})"
     );
@@ -243,38 +245,44 @@ fn data_ptr(t: &Tensor) -> usize {
     }
 }
 
-/// The activation store hands back exactly what was pushed, in the backward's order
-/// (take `l`, prefetch `l − 1`), keeps copies (not aliases) when offloading, counts bytes,
-/// and refuses a second take or a missing slot with an error.
+/// The activation store hands back exactly what was pushed (a group of tensors per
+/// layer, in order), in the backward's order (take `l`, prefetch `l − 1`), keeps copies
+/// (not aliases) when offloading, counts bytes, and refuses a second take or a missing
+/// slot with an error.
 #[test]
 fn activation_store_protocol() -> longctx::Result<()> {
     use longctx::train::offload::ActivationStore;
     let dev = Device::Cpu;
     let xs: Vec<Tensor> =
         (0..3).map(|i| Tensor::arange(0f32, 24.0, &dev)?.affine(1.0, i as f64)?.reshape((2, 3, 4))).collect::<candle_core::Result<_>>()?;
+    let ys: Vec<Tensor> = xs.iter().map(|x| x.narrow(2, 0, 2)?.affine(2.0, 100.0)).collect::<candle_core::Result<_>>()?;
     for offload in [false, true] {
         let mut st = ActivationStore::new(offload);
         for step in 0..2 {
             st.begin()?;
-            for x in &xs {
-                st.push(x)?;
+            for (x, y) in xs.iter().zip(&ys) {
+                st.push(&[x, y])?;
             }
             st.end_forward()?;
             assert_eq!(st.len(), 3);
-            assert_eq!(st.bytes(), (3 * 24 * 4, if offload { 3 * 24 * 4 } else { 0 }), "offload {offload} step {step}");
+            let n = 3 * (24 + 12) * 4;
+            assert_eq!(st.bytes(), (n, if offload { n } else { 0 }), "offload {offload} step {step}");
             for l in (0..3).rev() {
-                let t = st.take(l, &dev)?;
+                let group = st.take(l, &dev)?;
                 if l > 0 {
                     st.prefetch(l - 1, &dev)?;
                 }
-                assert_eq!(t.dims(), &[2, 3, 4]);
-                assert_eq!(t.flatten_all()?.to_vec1::<f32>()?, xs[l].flatten_all()?.to_vec1::<f32>()?, "slot {l}");
-                let same_storage = data_ptr(&t) == data_ptr(&xs[l]);
-                assert_eq!(same_storage, !offload, "offload {offload}: slot {l} must be a copy exactly when offloading");
+                assert_eq!(group.len(), 2, "group {l}");
+                for (t, want) in group.iter().zip([&xs[l], &ys[l]]) {
+                    assert_eq!(t.dims(), want.dims());
+                    assert_eq!(t.flatten_all()?.to_vec1::<f32>()?, want.flatten_all()?.to_vec1::<f32>()?, "slot {l}");
+                    let same_storage = data_ptr(t) == data_ptr(want);
+                    assert_eq!(same_storage, !offload, "offload {offload}: slot {l} must be a copy exactly when offloading");
+                }
                 let again = st.take(l, &dev);
                 assert!(again.is_err_and(|e| e.to_string().contains("taken twice")), "slot {l} taken twice");
             }
-            assert!(st.take(3, &dev).is_err_and(|e| e.to_string().contains("no saved layer input 3")));
+            assert!(st.take(3, &dev).is_err_and(|e| e.to_string().contains("no saved layer group 3")));
         }
     }
     Ok(())

@@ -9,8 +9,9 @@
 //!   (pinned) host buffers kept in a pool by size (page-locking is slow; the same sizes
 //!   recur every layer and step). Ordering is by events only, the host never waits: a park
 //!   waits for the kernels that produced the tensor; the stash holds the parked device
-//!   tensor until its copy has finished (checked at later parks), and beyond the two newest
-//!   parks tells the compute stream to wait for the copy before the memory may be reused,
+//!   tensor until its copy has finished (checked at later parks), and beyond the newest few
+//!   parks ([`Stash::set_max_pending`], two by default) tells the compute stream to wait
+//!   for the copy before the memory may be reused,
 //!   so copies overlap the computation queued after them; a fetched tensor is allocated in
 //!   compute-stream order and the compute stream waits for its copy at `ready`.
 //! - **Other devices**: a synchronous `to_device` each way (a no-op clone on the CPU).
@@ -60,10 +61,20 @@ impl Drop for Fetched {
 }
 
 /// Host parking for one thread's device (see the module doc).
-#[derive(Default)]
 pub struct Stash {
     #[cfg(feature = "cuda")]
     gpu: Option<gpu::PinnedStash>,
+    max_pending: usize,
+}
+
+impl Default for Stash {
+    fn default() -> Self {
+        Self {
+            #[cfg(feature = "cuda")]
+            gpu: None,
+            max_pending: 2,
+        }
+    }
 }
 
 impl Stash {
@@ -77,7 +88,9 @@ impl Stash {
             #[cfg(feature = "cuda")]
             Device::Cuda(dev) => {
                 if self.gpu.is_none() {
-                    self.gpu = Some(gpu::PinnedStash::new(dev)?);
+                    let mut g = gpu::PinnedStash::new(dev)?;
+                    g.max_pending = self.max_pending;
+                    self.gpu = Some(g);
                 }
                 let g = self.gpu.as_mut().ok_or_else(|| candle_core::Error::Msg("stash: no CUDA state".into()))?;
                 Ok(Parked { inner: ParkedInner::Pinned(g.park(t)?) })
@@ -122,6 +135,16 @@ impl Stash {
         #[cfg(feature = "cuda")]
         if let Some(g) = self.gpu.as_mut() {
             g.trim();
+        }
+    }
+
+    /// How many parks may still be copying before the compute stream waits for the
+    /// oldest (2 by default; raise it when a step parks several tensors at once).
+    pub fn set_max_pending(&mut self, n: usize) {
+        self.max_pending = n.max(1);
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.gpu.as_mut() {
+            g.max_pending = self.max_pending;
         }
     }
 
@@ -193,6 +216,8 @@ mod gpu {
         pool: Arc<Pool>,
         /// Device tensors whose copy to the host may still run, with its end.
         pending: Vec<(Tensor, Mark)>,
+        /// Copies allowed in flight before the compute stream waits for the oldest.
+        pub(super) max_pending: usize,
     }
 
     impl PinnedStash {
@@ -203,7 +228,7 @@ mod gpu {
             // SAFETY: `handle` is a stream of this context, kept alive until `Drop` destroys it
             // after synchronising; `copy` only borrows it and never leaves this struct.
             let copy = unsafe { ctx.wrap_borrowed_stream(handle) };
-            Ok(Self { compute, copy, raw: RawStream(handle), pool: Arc::default(), pending: Vec::new() })
+            Ok(Self { compute, copy, raw: RawStream(handle), pool: Arc::default(), pending: Vec::new(), max_pending: 2 })
         }
 
         pub fn pinned_bytes(&self) -> usize {
@@ -250,7 +275,7 @@ mod gpu {
             // Release device memory of finished copies; beyond the newest two, make the
             // compute stream wait for the oldest (bounded device memory, some overlap kept).
             self.pending.retain(|(_, done)| !done.is_complete());
-            while self.pending.len() > 2 {
+            while self.pending.len() > self.max_pending {
                 let (t, done) = self.pending.remove(0);
                 done.wait()?;
                 drop(t);

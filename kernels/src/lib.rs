@@ -54,6 +54,7 @@ mod common;
 mod cross_entropy;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod gemm_acc;
 mod multi;
 mod rmsnorm;
 mod rope;
@@ -62,6 +63,7 @@ mod swiglu;
 pub use accumulate::accumulate_f32;
 pub use adamw::{adamw_step, AdamWStep};
 pub use cross_entropy::{cross_entropy_inplace, linear_cross_entropy, LinearCe};
+pub use gemm_acc::matmul_acc_f32;
 pub use rmsnorm::{rms_norm_bwd, rms_norm_fwd, RmsNormGrads, RmsNormOut};
 pub use rope::{rope_bwd_inplace, rope_fwd_inplace};
 pub use swiglu::{swiglu_bwd, swiglu_fwd};

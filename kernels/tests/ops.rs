@@ -429,6 +429,34 @@ fn accumulate_cpu() {
     }
 }
 
+/// `acc [o, i] += alpha · dyᵀ · x` against the composed f32 ops (`dy`, `x` of `dtype`;
+/// a view into a larger f32 buffer as the engine's gradient slots are).
+fn matmul_acc_case(dev: &Device, dtype: DType, (n, o, i): (usize, usize, usize)) {
+    let flat = rand(&[7 + o * i + 5], 110, 1.0, DType::F32, dev);
+    let acc = flat.narrow(0, 7, o * i).unwrap().reshape((o, i)).unwrap();
+    let before = flat.copy().unwrap();
+    let (dy, x) = (rand(&[n, o], 111, 1.0, dtype, dev), rand(&[n, i], 112, 1.0, dtype, dev));
+    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let want = (acc.copy().unwrap() + (f(&dy).t().unwrap().matmul(&f(&x)).unwrap() * -0.5).unwrap()).unwrap();
+    matmul_acc_f32(&acc, &dy, &x, -0.5).unwrap();
+    // f32 sums over n rows in another order (the GEMM's blocking): n·ε relative to the terms.
+    assert_close(&format!("matmul_acc {dtype:?} on {dev:?}"), &acc, &want, 1e-5, 1e-5 * n as f32);
+    let (b, a) = (vec32(&before), vec32(&flat));
+    assert_eq!(&a[..7], &b[..7], "matmul_acc wrote before its view");
+    assert_eq!(&a[7 + o * i..], &b[7 + o * i..], "matmul_acc wrote past its view");
+}
+
+#[test]
+fn matmul_acc_cpu() {
+    for dt in [DType::F32, DType::BF16] {
+        matmul_acc_case(&Device::Cpu, dt, (37, 12, 20));
+    }
+    let acc = Tensor::zeros((3, 4), DType::F32, &Device::Cpu).unwrap();
+    let (dy, x) = (rand(&[5, 3], 1, 1.0, DType::F32, &Device::Cpu), rand(&[6, 4], 2, 1.0, DType::F32, &Device::Cpu));
+    let e = matmul_acc_f32(&acc, &dy, &x, 1.0).unwrap_err().to_string();
+    assert!(e.contains("same rows"), "{e}");
+}
+
 // ---------------------------------------------------------------- argument checks
 
 #[test]
@@ -592,6 +620,15 @@ mod cuda {
             let diff = a[k].iter().zip(&b[k]).filter(|(x, y)| x != y).count();
             eprintln!("cuda vs twin adamw {name}: {diff} of {n} elements differ");
             assert_eq!(diff, 0, "adamw {name}: CUDA differs from the CPU twin");
+        }
+    }
+
+    #[test]
+    fn cuda_matmul_acc() {
+        let Some(g) = gpu() else { return };
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            matmul_acc_case(&g, dt, (4096, 256, 2048));
+            matmul_acc_case(&g, dt, (37, 12, 20));
         }
     }
 

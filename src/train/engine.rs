@@ -21,7 +21,8 @@
 //! Shapes: `b` batch, `s` local tokens, `h` hidden, `V` vocabulary, `c` tokens per chunk.
 
 use crate::model::{Llama, RopeTable};
-use crate::train::layer_grad::{LayerPass, LayerSlots, SavedAttention};
+use crate::train::grads::GradBuffer;
+use crate::train::layer_grad::{accumulate, LayerPass, LayerSlots, SavedAttention};
 use crate::train::offload::ActivationStore;
 use crate::train::profile::{Phase, PhaseTimes, Profiler};
 use crate::Result;
@@ -90,6 +91,16 @@ pub struct StepResult {
     pub n_tokens: usize,
     /// f32 gradients of `scale · Σ losses`, aligned with [`Engine::params`].
     pub grads: Vec<Tensor>,
+    pub memory: MemoryReport,
+}
+
+/// What [`Engine::step_into`] measured (its gradients went into the buffer).
+#[derive(Clone, Copy, Debug)]
+pub struct StepOutcome {
+    /// Σ token losses (unscaled) of this rank's tokens.
+    pub loss_sum: f64,
+    /// Counted (non-ignored) tokens of this rank.
+    pub n_tokens: usize,
     pub memory: MemoryReport,
 }
 
@@ -183,24 +194,18 @@ impl Engine {
         (0..s).step_by(c).map(|st| (st, c.min(s - st))).collect()
     }
 
-    /// Add the gradients present in `grads` to `acc` (f32, detached).
-    fn collect(&self, grads: &candle_core::backprop::GradStore, acc: &mut [Option<Tensor>]) -> Result<()> {
+    /// Add the gradients present in `grads` into the slots `acc` (f32, in place).
+    fn collect(&self, grads: &candle_core::backprop::GradStore, acc: &[Tensor]) -> Result<()> {
         for (i, (_, var)) in self.params.iter().enumerate() {
             if let Some(g) = grads.get(var.as_tensor()) {
-                let g = g.detach().to_dtype(DType::F32)?;
-                acc[i] = Some(match acc[i].take() {
-                    Some(a) => a.add(&g)?,
-                    None => g,
-                });
+                accumulate(acc, i, &g.detach())?;
             }
         }
         Ok(())
     }
 
-    /// Forward and backward of this rank's tokens.
-    /// `ids [b, s]` u32, `targets [b, s]` i64 (negative = ignore), `positions [b, s]` u32
-    /// global ids, `global_len` the global sequence length (for length-dependent RoPE),
-    /// `scale` multiplies the loss before differentiation.
+    /// Forward and backward of this rank's tokens, with fresh gradients (a buffer of
+    /// their own): [`Self::step_into`] for tests and benchmarks.
     pub fn step(
         &self,
         ids: &Tensor,
@@ -210,13 +215,33 @@ impl Engine {
         attn: &Arc<dyn AttentionMode>,
         scale: f64,
     ) -> Result<StepResult> {
+        let buf = GradBuffer::new(&self.params, 0, ids.device())?;
+        let o = self.step_into(ids, targets, positions, global_len, attn, scale, &buf)?;
+        Ok(StepResult { loss_sum: o.loss_sum, n_tokens: o.n_tokens, grads: buf.views().to_vec(), memory: o.memory })
+    }
+
+    /// Forward and backward of this rank's tokens; the gradients are added into `grads`.
+    /// `ids [b, s]` u32, `targets [b, s]` i64 (negative = ignore), `positions [b, s]` u32
+    /// global ids, `global_len` the global sequence length (for length-dependent RoPE),
+    /// `scale` multiplies the loss before differentiation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn step_into(
+        &self,
+        ids: &Tensor,
+        targets: &Tensor,
+        positions: &Tensor,
+        global_len: usize,
+        attn: &Arc<dyn AttentionMode>,
+        scale: f64,
+        grads: &GradBuffer,
+    ) -> Result<StepOutcome> {
         let (_b, s) = ids.dims2()?;
         let dev = ids.device().clone();
         // Checked and counted once here (a read-back), not per loss chunk.
         let n_tokens = crate::model::count_targets(targets, self.tracked.cfg.vocab_size)?;
         let rope: RopeTable = self.plain.rope_table(positions, Some(global_len))?;
         let mut mem = MemoryReport::default();
-        let mut acc: Vec<Option<Tensor>> = vec![None; self.params.len()];
+        let acc = grads.views();
         let chunks = self.chunks(s);
 
         let mut store = self.store.lock().map_err(|_| crate::Error::Setting("activation store poisoned by a failed step".into()))?;
@@ -226,53 +251,51 @@ impl Engine {
         let pass = LayerPass { rope: &rope, attn, chunks: &chunks, prof: &self.prof, dev: &dev };
         let mut x = self.prof.time(Phase::Copies, &dev, || self.plain.embed(ids))?; // [b, s, h]
         let keep_attention = self.opts.save_attention && self.opts.layer_backward == LayerBackward::Explicit;
-        let mut saved_attn: Vec<Option<SavedAttention>> = Vec::with_capacity(self.plain.layers.len());
         for layer in &self.plain.layers {
-            self.prof.time(Phase::Copies, &dev, || store.push(&x))?;
             let (y, sa) = pass.forward(layer, &x)?;
+            // The layer's input, and its attention's tensors when they are kept (both
+            // parked in host memory when offloading).
+            self.prof.time(Phase::Copies, &dev, || match keep_attention {
+                true => store.push(&[&x, &sa.q, &sa.k, &sa.v, &sa.o, &sa.lse]),
+                false => store.push(&[&x]),
+            })?;
             x = y;
-            if keep_attention {
-                mem.saved_bytes += sa.bytes();
-            }
-            saved_attn.push(keep_attention.then_some(sa));
         }
         mem.transient_bytes = self.mlp_chunk_bytes(&x.narrow(1, 0, chunks.first().map_or(0, |c| c.1))?);
         store.end_forward()?;
         let (inputs, host) = store.bytes();
-        (mem.saved_bytes, mem.saved_host_bytes) = (mem.saved_bytes + inputs, host);
+        (mem.saved_bytes, mem.saved_host_bytes) = (inputs, host);
         if let Some(top) = store.len().checked_sub(1) {
             store.prefetch(top, &dev)?; // the top layer's input comes back while the head runs
         }
 
         // 2. head + loss, chunked; dL/dx_L.
         let (mut gx, loss_sum) = self.prof.time(Phase::Loss, &dev, || match self.opts.layer_backward {
-            LayerBackward::Explicit => self.head_backward_fused(&x, targets, scale, &mut acc, &mut mem),
-            LayerBackward::Autograd => self.head_backward(&x, targets, &chunks, scale, &mut acc, &mut mem),
+            LayerBackward::Explicit => self.head_backward_fused(&x, targets, scale, acc, &mut mem),
+            LayerBackward::Autograd => self.head_backward(&x, targets, &chunks, scale, acc, &mut mem),
         })?;
         drop(x);
 
         // 3. layers, top first, each recomputed from its saved input.
         for l in (0..self.plain.layers.len()).rev() {
-            let x_in = self.prof.time(Phase::Copies, &dev, || {
-                let x_in = store.take(l, &dev)?;
+            let group = self.prof.time(Phase::Copies, &dev, || {
+                let group = store.take(l, &dev)?;
                 if l > 0 {
                     store.prefetch(l - 1, &dev)?; // its copy overlaps this layer's backward
                 }
-                Ok(x_in)
+                Ok(group)
             })?;
+            let (x_in, sa) = SavedAttention::split(group)?;
             gx = match self.opts.layer_backward {
-                LayerBackward::Explicit => {
-                    let sa = saved_attn.get_mut(l).and_then(Option::take);
-                    pass.backward(&self.plain.layers[l], &self.slots[l], &x_in, sa, &gx, &mut acc)?
-                }
-                LayerBackward::Autograd => self.autograd_layer_backward(l, &x_in, &gx, &rope, attn, &chunks, &mut acc)?,
+                LayerBackward::Explicit => pass.backward(&self.plain.layers[l], &self.slots[l], &x_in, sa, &gx, acc)?,
+                LayerBackward::Autograd => self.autograd_layer_backward(l, &x_in, &gx, &rope, attn, &chunks, acc)?,
             };
         }
 
         // 4. embedding: rows of dL/dx_0 added into the rows of their token ids.
-        self.prof.time(Phase::GradAccum, &dev, || self.embed_backward(ids, &gx, &chunks, &mut acc))?;
+        self.prof.time(Phase::GradAccum, &dev, || self.embed_backward(ids, &gx, &chunks, acc))?;
 
-        Ok(StepResult { loss_sum, n_tokens, grads: self.finish(acc)?, memory: mem })
+        Ok(StepOutcome { loss_sum, n_tokens, memory: mem })
     }
 
     /// Layer `l`'s backward by Candle autograd over the recomputed layer (tracked
@@ -286,7 +309,7 @@ impl Engine {
         rope: &RopeTable,
         attn: &Arc<dyn AttentionMode>,
         chunks: &[(usize, usize)],
-        acc: &mut [Option<Tensor>],
+        acc: &[Tensor],
     ) -> Result<Tensor> {
         let layer = &self.tracked.layers[l];
         let x_in = Var::from_tensor(x_in)?;
@@ -324,7 +347,7 @@ impl Engine {
         x: &Tensor,
         targets: &Tensor,
         scale: f64,
-        acc: &mut [Option<Tensor>],
+        acc: &[Tensor],
         mem: &mut MemoryReport,
     ) -> Result<(Tensor, f64)> {
         let cfg = &self.tracked.cfg;
@@ -332,14 +355,13 @@ impl Engine {
         let norm = &self.plain.norm;
         let n = longctx_kernels::rms_norm_fwd(&x, None, &norm.weight, norm.eps)?;
         let w = self.plain.lm_head.weight();
-        let slot = crate::train::layer_grad::slot(acc, self.head_slot, w.shape(), x.device())?;
         let c = self.opts.token_chunk.max(1);
-        let ce = longctx_kernels::linear_cross_entropy(&n.y, w, &targets.contiguous()?, scale, c, Some(&slot))?;
+        let ce = longctx_kernels::linear_cross_entropy(&n.y, w, &targets.contiguous()?, scale, c, Some(&acc[self.head_slot]))?;
         // One logits chunk [c, V] (its gradient is written over it) and its hidden rows in and out.
         let rows = c.min(x.elem_count() / cfg.hidden_size.max(1));
         mem.transient_bytes = mem.transient_bytes.max(rows * (cfg.vocab_size + 2 * cfg.hidden_size) * w.dtype().size_in_bytes());
         let g = longctx_kernels::rms_norm_bwd(&ce.dhidden, &x, &norm.weight, &n.rstd, None)?;
-        crate::train::layer_grad::accumulate(acc, self.norm_slot, &g.dweight)?;
+        accumulate(acc, self.norm_slot, &g.dweight)?;
         let loss_sum = ce.loss_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         Ok((g.dx, loss_sum))
     }
@@ -353,7 +375,7 @@ impl Engine {
         targets: &Tensor,
         chunks: &[(usize, usize)],
         scale: f64,
-        acc: &mut [Option<Tensor>],
+        acc: &[Tensor],
         mem: &mut MemoryReport,
     ) -> Result<(Tensor, f64)> {
         let mut chunk_losses = Vec::with_capacity(chunks.len()); // f32 scalars, read once below
@@ -375,31 +397,20 @@ impl Engine {
         Ok((Tensor::cat(&gx_chunks, 1)?, loss_sum))
     }
 
-    /// One f32 gradient per parameter: the accumulated one, or zeros where none arrived.
-    fn finish(&self, acc: Vec<Option<Tensor>>) -> Result<Vec<Tensor>> {
-        acc.into_iter()
-            .zip(&self.params)
-            .map(|(a, (_, v))| match a {
-                Some(g) => Ok(g),
-                None => Ok(Tensor::zeros(v.as_tensor().shape(), DType::F32, v.as_tensor().device())?),
-            })
-            .collect()
-    }
-
     /// Bytes of one MLP chunk's intermediates (gate, up, product in the model dtype).
     /// `dE [V, h]` f32 for `dL/dx_0 = gx [b, s, h]`, chunk by chunk (one f32 chunk of
     /// `gx` at a time), added into the embedding's slot.
-    fn embed_backward(&self, ids: &Tensor, gx: &Tensor, chunks: &[(usize, usize)], acc: &mut [Option<Tensor>]) -> Result<()> {
+    fn embed_backward(&self, ids: &Tensor, gx: &Tensor, chunks: &[(usize, usize)], acc: &[Tensor]) -> Result<()> {
         let h = self.tracked.cfg.hidden_size;
-        let mut de = match acc[self.embed_slot].take() {
-            Some(a) => a,
-            None => Tensor::zeros((self.tracked.cfg.vocab_size, h), DType::F32, gx.device())?,
-        };
+        let slot = &acc[self.embed_slot];
+        let mut de = slot.clone();
         for &(st, len) in chunks {
             let rows = gx.narrow(1, st, len)?.to_dtype(DType::F32)?.reshape(((), h))?;
             de = de.index_add(&ids.narrow(1, st, len)?.flatten_all()?, &rows, 0)?;
         }
-        acc[self.embed_slot] = Some(de);
+        if !chunks.is_empty() {
+            slot.slice_set(&de, 0, 0)?; // index_add made a new tensor: write it back
+        }
         Ok(())
     }
 
@@ -430,8 +441,8 @@ impl Engine {
         let (l, n) = crate::model::cross_entropy_sum(&logits, targets)?;
         let loss_sum = l.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let grads = (l * scale)?.backward()?;
-        let mut acc = vec![None; self.params.len()];
-        self.collect(&grads, &mut acc)?;
-        Ok(StepResult { loss_sum, n_tokens: n, grads: self.finish(acc)?, memory: MemoryReport::default() })
+        let buf = GradBuffer::new(&self.params, 0, ids.device())?;
+        self.collect(&grads, buf.views())?;
+        Ok(StepResult { loss_sum, n_tokens: n, grads: buf.views().to_vec(), memory: MemoryReport::default() })
     }
 }

@@ -80,18 +80,11 @@ impl LayerSlots {
     }
 }
 
-/// Adds `g` into f32 gradient slot `i` in place (a zero slot is made on first use).
-pub(crate) fn accumulate(acc: &mut [Option<Tensor>], i: usize, g: &Tensor) -> Result<()> {
-    let slot = slot(acc, i, g.shape(), g.device())?;
-    Ok(kernels::accumulate_f32(&slot, &g.contiguous()?, 1.0)?)
-}
-
-/// Gradient slot `i` (f32, updated in place by its users), made as zeros on first use.
-pub(crate) fn slot(acc: &mut [Option<Tensor>], i: usize, shape: &candle_core::Shape, dev: &Device) -> Result<Tensor> {
-    if acc[i].is_none() {
-        acc[i] = Some(Tensor::zeros(shape, DType::F32, dev)?);
-    }
-    acc[i].clone().ok_or_else(|| crate::Error::Setting("gradient slot".into()))
+/// Adds `g` into the f32 gradient slot `i` (a view of the step's [`GradBuffer`]) in place.
+///
+/// [`GradBuffer`]: crate::train::grads::GradBuffer
+pub(crate) fn accumulate(acc: &[Tensor], i: usize, g: &Tensor) -> Result<()> {
+    Ok(kernels::accumulate_f32(&acc[i], &g.contiguous()?, 1.0)?)
 }
 
 /// RMSNorm forward keeping `rstd [..]` f32: `y = w·round(x·rstd)` (fused kernel).
@@ -128,8 +121,17 @@ pub struct SavedAttention {
 }
 
 impl SavedAttention {
-    pub fn bytes(&self) -> usize {
-        [&self.q, &self.k, &self.v, &self.o, &self.lse].iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
+    /// A layer's saved group `[x]` or `[x, q, k, v, o, lse]` (the engine's store order)
+    /// as the input and, when kept, the attention's tensors.
+    pub fn split(group: Vec<Tensor>) -> Result<(Tensor, Option<Self>)> {
+        let mut it = group.into_iter();
+        let (x, rest) = (it.next(), it.collect::<Vec<_>>());
+        let x = x.ok_or_else(|| crate::Error::Setting("engine: empty saved group".into()))?;
+        match <[Tensor; 5]>::try_from(rest) {
+            Ok([q, k, v, o, lse]) => Ok((x, Some(Self { q, k, v, o, lse }))),
+            Err(rest) if rest.is_empty() => Ok((x, None)),
+            Err(rest) => Err(crate::Error::Setting(format!("engine: a saved group of {} tensors", rest.len() + 1))),
+        }
     }
 }
 
@@ -167,15 +169,13 @@ impl LayerPass<'_> {
 
     /// A linear layer's backward on rows `x [n, in]`, `dy [n, out]`: weight (and bias)
     /// gradients into their slots, returns `dx [n, in] = dy · W`.
-    fn linear_backward(&self, lin: &Linear, slots: LinSlots, x: &Tensor, dy: &Tensor, acc: &mut [Option<Tensor>]) -> Result<Tensor> {
-        let dw = self.t(Phase::Gemm, || Ok(dy.t()?.matmul(x)?))?; // [out, in]
-        self.t(Phase::GradAccum, || {
-            accumulate(acc, slots.w, &dw)?;
-            if let Some(b) = slots.b {
-                accumulate(acc, b, &dy.to_dtype(DType::F32)?.sum(0)?)?;
-            }
-            Ok(())
-        })?;
+    fn linear_backward(&self, lin: &Linear, slots: LinSlots, x: &Tensor, dy: &Tensor, acc: &[Tensor]) -> Result<Tensor> {
+        let (x, dy) = (x.contiguous()?, dy.contiguous()?);
+        // dW [out, in] += dyᵀ·x, straight into the f32 slot (the GEMM's beta = 1).
+        self.t(Phase::Gemm, || Ok(kernels::matmul_acc_f32(&acc[slots.w], &dy, &x, 1.0)?))?;
+        if let Some(b) = slots.b {
+            self.t(Phase::GradAccum, || accumulate(acc, b, &dy.to_dtype(DType::F32)?.sum(0)?))?;
+        }
         self.t(Phase::Gemm, || Ok(dy.matmul(lin.weight())?))
     }
 
@@ -229,14 +229,7 @@ impl LayerPass<'_> {
 
     /// `dh_c` of one token chunk of the MLP half for `dy_c`: the residual plus the
     /// branch's gradient. Weight gradients into their slots.
-    fn mlp_chunk_backward(
-        &self,
-        layer: &DecoderLayer,
-        sl: &LayerSlots,
-        hc: &Tensor,
-        dyc: &Tensor,
-        acc: &mut [Option<Tensor>],
-    ) -> Result<Tensor> {
+    fn mlp_chunk_backward(&self, layer: &DecoderLayer, sl: &LayerSlots, hc: &Tensor, dyc: &Tensor, acc: &[Tensor]) -> Result<Tensor> {
         let m = &layer.mlp;
         let (n2, rstd2) = self.t(Phase::NormRopeAct, || rms_forward(&layer.post_attention_layernorm, hc))?;
         let n2f = flat(&n2)?; // [n, h]
@@ -266,7 +259,7 @@ impl LayerPass<'_> {
         x: &Tensor,
         saved: Option<SavedAttention>,
         dy: &Tensor,
-        acc: &mut [Option<Tensor>],
+        acc: &[Tensor],
     ) -> Result<Tensor> {
         let f = self.attn_forward(layer, x, saved)?;
         let mut dh_chunks = Vec::with_capacity(self.chunks.len());

@@ -6,6 +6,7 @@ pub mod optim;
 
 pub use config::{ParallelMode, RunConfig, Stage};
 pub mod engine;
+pub mod grads;
 pub mod init;
 pub mod layer_grad;
 pub mod metrics;

@@ -1,7 +1,8 @@
-//! Where the engine keeps each layer's input between the forward and the backward.
+//! Where the engine keeps each layer's input (and, with selective recomputation, its
+//! attention's q, k, v, o and LSE) between the forward and the backward.
 //!
 //! Protocol, used by [`crate::train::engine::Engine::step`]:
-//! forward: [`ActivationStore::push`] each layer input `x_l [b, s, h]` in layer order, then
+//! forward: [`ActivationStore::push`] each layer's group (`x_l [b, s, h]` first) in layer order, then
 //! [`ActivationStore::end_forward`] and [`ActivationStore::prefetch`] the top layer (its
 //! copy runs under the head and loss); backward, top layer first: [`ActivationStore::take`]
 //! `l`, then [`ActivationStore::prefetch`] `l - 1` before running layer `l`'s backward.
@@ -19,34 +20,34 @@ use crate::{Error, Result};
 use candle_core::{Device, Tensor};
 use longctx_attention::stash::{Fetched, Parked, Stash};
 
-/// One saved layer input.
-enum Slot {
+/// One saved tensor.
+enum Item {
     /// Kept where it was computed (no offload, or a CPU copy).
     Kept(Tensor),
     /// In host memory.
     Parked(Parked),
     /// On its way back to the device.
     Coming(Fetched),
-    /// Handed back by `take`.
-    Taken,
 }
 
-/// The engine's saved layer inputs; keeps its stash (and pinned buffers) across steps.
+/// The engine's saved tensors, one group per layer (its input, and with selective
+/// recomputation its attention's q, k, v, o and LSE); keeps its stash (and pinned
+/// buffers) across steps.
 pub struct ActivationStore {
     offload: bool,
-    slots: Vec<Slot>,
+    slots: Vec<Vec<Item>>,
     saved_bytes: usize,
     host_bytes: usize,
     stash: Stash,
-    /// Bytes of one layer input in the last step (a change frees the old-size buffers).
-    input_bytes: usize,
+    /// Bytes of the first group in the last step (a change frees the old-size buffers).
+    group_bytes: usize,
 }
 
 use crate::train::engine::bytes;
 
 impl ActivationStore {
     pub fn new(offload: bool) -> Self {
-        Self { offload, slots: Vec::new(), saved_bytes: 0, host_bytes: 0, stash: Stash::new(), input_bytes: 0 }
+        Self { offload, slots: Vec::new(), saved_bytes: 0, host_bytes: 0, stash: Stash::new(), group_bytes: 0 }
     }
 
     /// Start a new step: forget the previous step's slots (buffers are kept).
@@ -58,12 +59,12 @@ impl ActivationStore {
         Ok(())
     }
 
-    /// Bytes of the inputs saved this step, and of those the part in host memory.
+    /// Bytes saved this step, and of those the part in host memory.
     pub fn bytes(&self) -> (usize, usize) {
         (self.saved_bytes, self.host_bytes)
     }
 
-    /// Number of slots saved this step.
+    /// Number of groups saved this step.
     pub fn len(&self) -> usize {
         self.slots.len()
     }
@@ -72,24 +73,28 @@ impl ActivationStore {
         self.slots.is_empty()
     }
 
-    /// Save the input of the next layer.
-    pub fn push(&mut self, x: &Tensor) -> Result<()> {
-        let n = bytes(x);
+    /// Save the next layer's group of tensors (at least its input).
+    pub fn push(&mut self, group: &[&Tensor]) -> Result<()> {
+        let n: usize = group.iter().map(|t| bytes(t)).sum();
         self.saved_bytes += n;
-        let slot = if !self.offload {
-            Slot::Kept(x.clone())
-        } else {
+        if self.offload {
             self.host_bytes += n;
-            if self.slots.is_empty() && n != self.input_bytes {
+            if self.slots.is_empty() && n != self.group_bytes {
                 self.stash.trim(); // a new length (stage): buffers of the old size go
-                self.input_bytes = n;
+                self.group_bytes = n;
+                // Copies in flight before the compute stream waits: two layers' worth.
+                self.stash.set_max_pending(2 * group.len());
             }
-            match x.device() {
-                Device::Cpu => Slot::Kept(x.copy()?),
-                _ => Slot::Parked(self.stash.park(x).map_err(offload_err)?),
-            }
-        };
-        self.slots.push(slot);
+        }
+        let mut items = Vec::with_capacity(group.len());
+        for t in group {
+            items.push(match (self.offload, t.device()) {
+                (false, _) => Item::Kept((*t).clone()),
+                (true, Device::Cpu) => Item::Kept(t.copy()?),
+                (true, _) => Item::Parked(self.stash.park(t).map_err(offload_err)?),
+            });
+        }
+        self.slots.push(items);
         Ok(())
     }
 
@@ -98,29 +103,37 @@ impl ActivationStore {
         self.stash.settle().map_err(offload_err)
     }
 
-    /// Start bringing slot `idx` back to `dev` (no-op unless it is parked).
+    /// Start bringing group `idx` back to `dev` (no-op for what is not parked).
     pub fn prefetch(&mut self, idx: usize, dev: &Device) -> Result<()> {
-        if let Some(Slot::Parked(p)) = self.slots.get(idx) {
-            let f = self.stash.fetch(p, dev).map_err(offload_err)?;
-            self.slots[idx] = Slot::Coming(f);
+        let Some(items) = self.slots.get_mut(idx) else { return Ok(()) };
+        for item in items.iter_mut() {
+            if let Item::Parked(p) = item {
+                let f = self.stash.fetch(p, dev).map_err(offload_err)?;
+                *item = Item::Coming(f);
+            }
         }
         Ok(())
     }
 
-    /// Slot `idx` on `dev`, ready for the compute stream (fetched now if not prefetched).
-    pub fn take(&mut self, idx: usize, dev: &Device) -> Result<Tensor> {
+    /// Group `idx` on `dev`, ready for the compute stream (fetched now if not prefetched).
+    pub fn take(&mut self, idx: usize, dev: &Device) -> Result<Vec<Tensor>> {
         self.prefetch(idx, dev)?;
-        let slot = self
+        let items = self
             .slots
             .get_mut(idx)
-            .map(|s| std::mem::replace(s, Slot::Taken))
-            .ok_or_else(|| Error::Setting(format!("activation store: no saved layer input {idx}")))?;
-        match slot {
-            Slot::Kept(t) => Ok(t),
-            Slot::Coming(f) => f.ready().map_err(offload_err),
-            Slot::Parked(_) => Err(Error::Setting(format!("activation store: layer input {idx} was not brought back"))),
-            Slot::Taken => Err(Error::Setting(format!("activation store: layer input {idx} taken twice"))),
+            .map(std::mem::take)
+            .ok_or_else(|| Error::Setting(format!("activation store: no saved layer group {idx}")))?;
+        if items.is_empty() {
+            return Err(Error::Setting(format!("activation store: layer group {idx} taken twice")));
         }
+        items
+            .into_iter()
+            .map(|item| match item {
+                Item::Kept(t) => Ok(t),
+                Item::Coming(f) => f.ready().map_err(offload_err),
+                Item::Parked(_) => Err(Error::Setting(format!("activation store: layer group {idx} was not brought back"))),
+            })
+            .collect()
     }
 
     /// Bytes of pinned host memory held (CUDA offload), 0 otherwise.

@@ -95,15 +95,42 @@ impl AdamW {
     }
 }
 
-/// The same AdamW on the device: one fused kernel (`longctx_kernels::adamw_step`) over
-/// the flat f32 shard, in place (used on GPUs unless `train.optimizer_on_host`; on the
-/// CPU its twin computes exactly [`AdamW::update`]). No host round trip of gradients
-/// and weights. Its state is copied to/from [`AdamW`] for checkpoints.
+/// The same AdamW on the device: the fused kernel (`longctx_kernels::adamw_step`) over
+/// the flat f32 shard, in place, one launch per [`Segment`] (a parameter's part of the
+/// shard: its weight-decay flag and where its new model-dtype weights go). Used on GPUs
+/// unless `train.optimizer_on_host`; on the CPU its twin computes exactly
+/// [`AdamW::update`]. No host round trip of gradients and weights, no per-element decay
+/// mask. Its state is copied to/from [`AdamW`] for checkpoints.
 pub struct DeviceAdamW {
     pub master: candle_core::Tensor, // [shard] f32, updated in place
     pub m: candle_core::Tensor,      // [shard] f32, updated in place
     pub v: candle_core::Tensor,      // [shard] f32, updated in place
-    decay: candle_core::Tensor,      // [shard] u8, 1 where weight decay applies
+}
+
+/// A range `[start, start + len)` of the shard updated by one kernel launch.
+#[derive(Clone, Debug)]
+pub struct Segment {
+    pub start: usize,
+    pub len: usize,
+    /// Weight decay applies (2-D weights).
+    pub decay: bool,
+    /// Receives the new weights rounded to its dtype (`[len]`, contiguous; a view of the
+    /// model's weight or of the shard's all-gather buffer).
+    pub copy: Option<candle_core::Tensor>,
+}
+
+impl Segment {
+    /// Maximal runs of equal `decay` over a whole shard, without copies.
+    pub fn runs(decay: &[bool]) -> Vec<Segment> {
+        let mut out: Vec<Segment> = Vec::new();
+        for (i, &d) in decay.iter().enumerate() {
+            match out.last_mut() {
+                Some(s) if s.decay == d => s.len += 1,
+                _ => out.push(Segment { start: i, len: 1, decay: d, copy: None }),
+            }
+        }
+        out
+    }
 }
 
 impl DeviceAdamW {
@@ -111,9 +138,7 @@ impl DeviceAdamW {
     pub fn from_host(h: &AdamW, device: &candle_core::Device) -> candle_core::Result<Self> {
         use candle_core::Tensor;
         let up = |x: &[f32]| Tensor::from_slice(x, x.len(), device);
-        let decay: Vec<u8> = h.decay.iter().map(|&d| u8::from(d)).collect();
-        let decay = Tensor::from_slice(&decay, decay.len(), device)?;
-        Ok(Self { master: up(&h.master)?, m: up(&h.m)?, v: up(&h.v)?, decay })
+        Ok(Self { master: up(&h.master)?, m: up(&h.m)?, v: up(&h.v)? })
     }
 
     /// Copy the state back into `h` (for a checkpoint).
@@ -124,21 +149,35 @@ impl DeviceAdamW {
         Ok(())
     }
 
-    /// One update with `grad · grad_scale` (the clip factor, 1 for none); `h.step` is the
-    /// shared step counter (incremented here).
-    pub fn update(&mut self, h: &mut AdamW, grad: &candle_core::Tensor, lr: f64, grad_scale: f64) -> candle_core::Result<()> {
+    /// One update of `segments` with `grad [shard] · grad_scale` (the clip factor, 1 for
+    /// none); `h.step` is the shared step counter (incremented here). Elements outside
+    /// every segment (the padding) are left as they are, as a zero gradient would.
+    pub fn update(
+        &mut self,
+        h: &mut AdamW,
+        grad: &candle_core::Tensor,
+        lr: f64,
+        grad_scale: f64,
+        segments: &[Segment],
+    ) -> candle_core::Result<()> {
         h.step += 1;
         let c = &h.cfg;
-        let hp = longctx_kernels::AdamWStep {
-            lr,
-            beta1: c.beta1,
-            beta2: c.beta2,
-            eps: c.eps,
-            weight_decay: c.weight_decay,
-            step: h.step,
-            grad_scale,
-        };
-        longctx_kernels::adamw_step(&self.master, &grad.contiguous()?, &self.m, &self.v, Some(&self.decay), &hp, None)
+        let grad = grad.contiguous()?;
+        for s in segments {
+            let hp = longctx_kernels::AdamWStep {
+                lr,
+                beta1: c.beta1,
+                beta2: c.beta2,
+                eps: c.eps,
+                weight_decay: if s.decay { c.weight_decay } else { 0.0 },
+                step: h.step,
+                grad_scale,
+            };
+            let part = |t: &candle_core::Tensor| t.narrow(0, s.start, s.len);
+            let (w, g, m, v) = (part(&self.master)?, part(&grad)?, part(&self.m)?, part(&self.v)?);
+            longctx_kernels::adamw_step(&w, &g, &m, &v, None, &hp, s.copy.as_ref())?;
+        }
+        Ok(())
     }
 }
 
@@ -185,14 +224,15 @@ mod tests {
         let w0: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
         let decay: Vec<bool> = (0..n).map(|i| i % 3 != 0).collect();
         let mut host = AdamW::new(cfg.clone(), w0.clone(), decay.clone());
-        let mut twin = AdamW::new(cfg, w0, decay);
+        let mut twin = AdamW::new(cfg, w0, decay.clone());
         let mut dev = DeviceAdamW::from_host(&twin, &candle_core::Device::Cpu).unwrap();
+        let segs = Segment::runs(&decay);
         for t in 1..=4 {
             let g: Vec<f32> = (0..n).map(|i| ((i * 13 + t * 7) % 29) as f32 / 10.0 - 1.4).collect();
             let coef = 0.5f64;
             host.update(&g.iter().map(|x| x * coef as f32).collect::<Vec<_>>(), 1e-3);
             let gt = candle_core::Tensor::from_slice(&g, n, &candle_core::Device::Cpu).unwrap();
-            dev.update(&mut twin, &gt, 1e-3, coef).unwrap();
+            dev.update(&mut twin, &gt, 1e-3, coef, &segs).unwrap();
         }
         dev.to_host(&mut twin).unwrap();
         assert_eq!(host.step, twin.step);

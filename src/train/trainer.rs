@@ -16,6 +16,7 @@ use crate::model::{LlamaConfig, Rope};
 use crate::train::checkpoint::{self, TrainState};
 use crate::train::config::{RunConfig, Stage};
 use crate::train::engine::{Engine, EngineOptions, MemoryReport};
+use crate::train::grads::GradBuffer;
 use crate::train::metrics::{Metrics, StepLine};
 use crate::train::optim::lr_at;
 use crate::train::profile::Phase;
@@ -210,6 +211,8 @@ struct RankRun<'a> {
     world: Arc<dyn Comm>,
     engine: Engine,
     optim: ShardedAdamW,
+    /// This rank's gradients of the current step (`[W·L]` f32, see `grads`).
+    grads: GradBuffer,
     /// Rank 0 only.
     metrics: Option<Metrics>,
     /// Rebuilt when a stage changes the mode.
@@ -282,11 +285,13 @@ impl<'a> RankRun<'a> {
             resume_opt,
         )?;
         let global_step = sh.resume.map_or(0, |l| l.state.global_step);
+        let grads = GradBuffer::new(&engine.params, optim.padded_len(), &sh.device)?;
         Ok(Self {
             sh,
             world,
             engine,
             optim,
+            grads,
             metrics,
             groups: None,
             memory: MemoryReport::default(),
@@ -387,28 +392,21 @@ impl<'a> RankRun<'a> {
         let local_count: usize = micro.iter().map(|m| m.3).sum();
         let global_count = all_reduce_scalar(&self.world, local_count as f64, &sh.device)?;
         let scale = if global_count > 0.0 { 1.0 / global_count } else { 0.0 };
-        let mut grads: Option<Vec<Tensor>> = None;
+        // Every micro-batch adds into the same flat gradient buffer.
+        self.grads.zero()?;
         let (mut loss_sum, mut engine_seconds) = (0f64, 0f64);
         for (ids, targets, pos, _) in &micro {
             let te = Instant::now();
-            let r = self.engine.step(ids, targets, pos, stage.seq_length, &st.attn, scale)?;
+            let r = self.engine.step_into(ids, targets, pos, stage.seq_length, &st.attn, scale, &self.grads)?;
             engine_seconds += te.elapsed().as_secs_f64();
             loss_sum += r.loss_sum;
             let m = &mut self.memory;
             m.saved_bytes = m.saved_bytes.max(r.memory.saved_bytes);
             m.saved_host_bytes = m.saved_host_bytes.max(r.memory.saved_host_bytes);
             m.transient_bytes = m.transient_bytes.max(r.memory.transient_bytes);
-            let prof = self.engine.profiler();
-            grads = Some(match grads {
-                None => r.grads,
-                Some(acc) => prof.time(Phase::GradAccum, &sh.device, || {
-                    Ok(acc.iter().zip(&r.grads).map(|(a, b)| a.add(b)).collect::<candle_core::Result<_>>()?)
-                })?,
-            });
         }
         let loss = self.engine.profiler().time(Phase::Comm, &sh.device, || all_reduce_scalar(&self.world, loss_sum, &sh.device))?
             / global_count.max(1.0);
-        let grads = grads.ok_or_else(|| Error::Setting("no micro-batch".into()))?;
         // The loss is all-reduced: every rank sees the same value and stops together,
         // before a non-finite loss reaches the weights.
         if !loss.is_finite() {
@@ -421,7 +419,7 @@ impl<'a> RankRun<'a> {
         let t = &cfg.train;
         let lr = lr_at(t.lr_schedule, st.lr_base, step, stage.steps, t.warmup_steps, t.min_lr_ratio);
         let norm = self.engine.profiler().time(Phase::Optimizer, &sh.device, || {
-            Ok(self.optim.step(&self.world, &grads, &self.engine.params, lr, t.clip_grad, (sh.dtype, &sh.device))?.grad_norm)
+            Ok(self.optim.step(&self.world, &self.grads, &self.engine.params, lr, t.clip_grad, (sh.dtype, &sh.device))?.grad_norm)
         })?;
         self.global_step += 1;
         let tokens = (t.batch_size * t.gradient_accumulate_every * st.dp * stage.seq_length) as u64;

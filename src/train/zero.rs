@@ -5,7 +5,8 @@
 //! padded to `W·L`, `L = ⌈n/W⌉`; rank `r` owns `[r·L, (r+1)·L)` and keeps only that
 //! slice of the f32 master weights and AdamW moments ([`AdamW`], on the host, or
 //! [`DeviceAdamW`] on a GPU). One step, every rank in lockstep:
-//! 1. flatten this rank's gradients (`[W·L]` f32) and reduce-scatter them: rank `r`
+//! 1. reduce-scatter this rank's gradients (the engine's flat `[W·L]` f32
+//!    [`GradBuffer`]): rank `r`
 //!    gets the sum over ranks of its slice (sp ranks hold partial gradients of their
 //!    tokens, dp ranks those of their samples);
 //! 2. gradient norm over the world: √(all-reduce Σ slice²), in f64;
@@ -13,7 +14,8 @@
 //! 4. all-gather the new slices in the run dtype and write them into the weights.
 
 use crate::train::checkpoint::{Loaded, OptimShard};
-use crate::train::optim::{AdamW, AdamWConfig, DeviceAdamW};
+use crate::train::grads::GradBuffer;
+use crate::train::optim::{AdamW, AdamWConfig, DeviceAdamW, Segment};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use longctx_attention::comm::Comm;
@@ -87,18 +89,53 @@ impl ShardedAdamW {
         Ok(Self { host: st, device, sizes, shard_len, rank, world })
     }
 
-    /// One optimizer step over `grads` (this rank's, in parameter order) — see the
-    /// module doc. `clip <= 0` disables clipping. Writes the new weights into `params`
+    /// The flat length the gradient buffer must have: `W·L`.
+    pub fn padded_len(&self) -> usize {
+        self.shard_len * self.world
+    }
+
+    /// One optimizer step over `grads` (this rank's, the buffer the engine filled) — see
+    /// the module doc. `clip <= 0` disables clipping. Writes the new weights into `params`
     /// (in `dtype` on `device`).
     pub fn step(
         &mut self,
         comm: &Arc<dyn Comm>,
-        grads: &[Tensor],
+        grads: &GradBuffer,
         params: &[(String, Var)],
         lr: f64,
         clip: f64,
         (dtype, device): (DType, &Device),
     ) -> Result<StepStats> {
+        self.check(comm, grads, params)?;
+        let (l, w) = (self.shard_len, self.world);
+        let flat = grads.flat();
+        // 1. Reduce-scatter: this rank's slice of the summed gradient.
+        let gshard = if w > 1 {
+            let parts = (0..w).map(|i| flat.narrow(0, i * l, l)).collect::<candle_core::Result<Vec<_>>>()?;
+            comm.reduce_scatter_sum(parts)?
+        } else {
+            flat.clone()
+        };
+        // 2. Global norm.
+        let grad_norm = all_reduce_scalar(comm, sum_sq(&gshard)?, gshard.device())?.sqrt();
+        if !grad_norm.is_finite() {
+            // The same value on every rank: all stop here, before the update.
+            return Err(Error::Setting(format!(
+                "gradient norm is {grad_norm} over all ranks (a NaN or infinite gradient; the weights were not updated); \
+                 lower the learning rate or check the data"
+            )));
+        }
+        // 3. Clip and update; 4. the new weights in the run dtype, all-gathered.
+        let coef = if clip > 0.0 && grad_norm > clip { clip / (grad_norm + 1e-6) } else { 1.0 };
+        if self.device.is_some() {
+            self.device_update(comm, &gshard, params, lr, coef, dtype)?;
+        } else {
+            self.host_update(comm, &gshard, params, lr, coef, (dtype, device))?;
+        }
+        Ok(StepStats { grad_norm })
+    }
+
+    fn check(&self, comm: &Arc<dyn Comm>, grads: &GradBuffer, params: &[(String, Var)]) -> Result<()> {
         if comm.world() != self.world || comm.rank() != self.rank {
             return Err(Error::Setting(format!(
                 "optimizer sharded for rank {} of {} used with rank {} of {}",
@@ -108,54 +145,75 @@ impl ShardedAdamW {
                 comm.world()
             )));
         }
-        if grads.len() != self.sizes.len() {
-            return Err(Error::Setting(format!("{} gradients for {} parameters", grads.len(), self.sizes.len())));
+        if params.len() != self.sizes.len() || grads.views().len() != self.sizes.len() {
+            return Err(Error::Setting(format!("{} gradients for {} parameters", grads.views().len(), self.sizes.len())));
         }
-        let (l, w) = (self.shard_len, self.world);
-        let flat = flatten(grads, l * w)?;
-        // 1. Reduce-scatter: this rank's slice of the summed gradient.
-        let gshard = if w > 1 {
-            let parts = (0..w).map(|i| flat.narrow(0, i * l, l)).collect::<candle_core::Result<Vec<_>>>()?;
-            comm.reduce_scatter_sum(parts)?
-        } else {
-            flat
-        };
-        // 2. Global norm.
-        let local = gshard.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_device(&Device::Cpu)?.to_scalar::<f64>()?;
-        let grad_norm = all_reduce_scalar(comm, local, gshard.device())?.sqrt();
-        if !grad_norm.is_finite() {
-            // The same value on every rank: all stop here, before the update.
+        if grads.flat().elem_count() != self.padded_len() {
             return Err(Error::Setting(format!(
-                "gradient norm is {grad_norm} over all ranks (a NaN or infinite gradient; the weights were not updated); \
-                 lower the learning rate or check the data"
+                "gradient buffer of {} elements for an optimizer over {} (make it with `padded_len`)",
+                grads.flat().elem_count(),
+                self.padded_len()
             )));
         }
-        // 3. Clip and update.
-        let coef = if clip > 0.0 && grad_norm > clip { clip / (grad_norm + 1e-6) } else { 1.0 };
-        let shard = match self.device.as_mut() {
-            Some(d) => {
-                d.update(&mut self.host, &gshard, lr, coef)?;
-                d.master.clone() // read before the next in-place update (set() copies)
-            }
-            None => {
-                let mut g: Vec<f32> = gshard.to_device(&Device::Cpu)?.to_vec1()?;
-                if coef != 1.0 {
-                    g.iter_mut().for_each(|x| *x *= coef as f32);
-                }
-                self.host.update(&g, lr);
-                Tensor::from_slice(&self.host.master, self.host.master.len(), &Device::Cpu)?
-            }
-        };
-        // 4. All-gather the new slices, rounded to the run dtype as the write-back would
-        // round them, and write them back.
-        let shard = shard.to_dtype(dtype)?.to_device(device)?;
-        let full = if w > 1 { Tensor::cat(&comm.all_gather(&shard)?, 0)? } else { shard };
+        Ok(())
+    }
+
+    /// The device update: one kernel per parameter's part of the shard, each writing its
+    /// new weights straight into the model (one rank) or into the shard's buffer that is
+    /// then all-gathered (several ranks).
+    fn device_update(
+        &mut self,
+        comm: &Arc<dyn Comm>,
+        gshard: &Tensor,
+        params: &[(String, Var)],
+        lr: f64,
+        coef: f64,
+        dtype: DType,
+    ) -> Result<()> {
+        let (l, w) = (self.shard_len, self.world);
+        let (lo, hi) = (self.rank * l, (self.rank + 1) * l);
+        let buf = if w > 1 { Some(Tensor::zeros(l, dtype, gshard.device())?) } else { None };
+        let mut segs = Vec::new();
         let mut off = 0;
-        for ((_, v), &n) in params.iter().zip(&self.sizes) {
-            v.set(&full.narrow(0, off, n)?.reshape(v.as_tensor().shape())?)?;
-            off += n;
+        for ((_, v), &len) in params.iter().zip(&self.sizes) {
+            let (a, b) = (lo.max(off), hi.min(off + len));
+            if a < b {
+                let copy = match &buf {
+                    Some(buf) => buf.narrow(0, a - lo, b - a)?,
+                    None => v.as_tensor().flatten_all()?.narrow(0, a - off, b - a)?, // a view: writes reach the model
+                };
+                segs.push(Segment { start: a - lo, len: b - a, decay: v.as_tensor().rank() >= 2, copy: Some(copy) });
+            }
+            off += len;
         }
-        Ok(StepStats { grad_norm })
+        let d = self.device.as_mut().ok_or_else(|| Error::Setting("device optimizer missing".into()))?;
+        d.update(&mut self.host, gshard, lr, coef, &segs)?;
+        if let Some(buf) = buf {
+            write_back(params, &self.sizes, &Tensor::cat(&comm.all_gather(&buf)?, 0)?)?;
+        }
+        Ok(())
+    }
+
+    /// The host update (rayon over the shard), then the all-gather of the new weights.
+    fn host_update(
+        &mut self,
+        comm: &Arc<dyn Comm>,
+        gshard: &Tensor,
+        params: &[(String, Var)],
+        lr: f64,
+        coef: f64,
+        (dtype, device): (DType, &Device),
+    ) -> Result<()> {
+        let mut g: Vec<f32> = gshard.to_device(&Device::Cpu)?.to_vec1()?;
+        if coef != 1.0 {
+            g.iter_mut().for_each(|x| *x *= coef as f32);
+        }
+        self.host.update(&g, lr);
+        let shard = Tensor::from_slice(&self.host.master, self.host.master.len(), &Device::Cpu)?;
+        // Rounded to the run dtype as the write-back would round them.
+        let shard = shard.to_dtype(dtype)?.to_device(device)?;
+        let full = if self.world > 1 { Tensor::cat(&comm.all_gather(&shard)?, 0)? } else { shard };
+        write_back(params, &self.sizes, &full)
     }
 
     /// Refresh the host copy of a device-resident state (before a checkpoint).
@@ -179,14 +237,29 @@ impl ShardedAdamW {
 }
 
 /// Flat f32 copy of all parameters' gradients, zero-padded to `padded` elements.
-fn flatten(ts: &[Tensor], padded: usize) -> Result<Tensor> {
-    let flat: Vec<Tensor> = ts.iter().map(|t| t.to_dtype(DType::F32)?.flatten_all()).collect::<candle_core::Result<_>>()?;
-    let mut flat = Tensor::cat(&flat, 0)?;
-    let n = flat.dim(0)?;
-    if padded > n {
-        flat = Tensor::cat(&[&flat, &Tensor::zeros(padded - n, DType::F32, flat.device())?], 0)?;
+/// Write the flat new weights `full [≥ n]` (run dtype) into the parameters, in order.
+fn write_back(params: &[(String, Var)], sizes: &[usize], full: &Tensor) -> Result<()> {
+    let mut off = 0;
+    for ((_, v), &n) in params.iter().zip(sizes) {
+        v.set(&full.narrow(0, off, n)?.reshape(v.as_tensor().shape())?)?;
+        off += n;
     }
-    Ok(flat)
+    Ok(())
+}
+
+/// `Σ x²` of a flat f32 tensor, in f64, a slice at a time (no full-size temporary).
+fn sum_sq(t: &Tensor) -> Result<f64> {
+    const CHUNK: usize = 1 << 26;
+    let n = t.dim(0)?;
+    let mut parts = Vec::with_capacity(n.div_ceil(CHUNK));
+    for st in (0..n).step_by(CHUNK) {
+        parts.push(t.narrow(0, st, CHUNK.min(n - st))?.sqr()?.sum_all()?);
+    }
+    if parts.is_empty() {
+        return Ok(0.0);
+    }
+    let parts: Vec<f64> = Tensor::stack(&parts, 0)?.to_dtype(DType::F64)?.to_device(&Device::Cpu)?.to_vec1()?;
+    Ok(parts.iter().sum())
 }
 
 /// Elements `[lo, hi)` of `params` flattened in order, as f32; zero past their end.
@@ -231,6 +304,11 @@ mod tests {
     /// every rank's weights equal a naive f64 AdamW over the summed gradient.
     #[test]
     fn sharded_step_matches_a_naive_adamw_on_the_summed_gradient() {
+        sharded_step_case(false); // host AdamW
+        sharded_step_case(true); // DeviceAdamW (its CPU twin): per-parameter segments, all-gather buffer
+    }
+
+    fn sharded_step_case(on_device: bool) {
         let shapes: [&[usize]; 2] = [&[5, 7], &[4]];
         let init = |p: usize, i: usize| (p as f32 + 1.0) * 0.1 + i as f32 * 0.01;
         let (world, lr, clip) = (3usize, 1e-2, 2.0);
@@ -245,8 +323,15 @@ mod tests {
                     Ok((format!("p{p}"), Var::from_tensor(&Tensor::from_vec(v, *sh, &Device::Cpu)?)?))
                 })
                 .collect::<candle_core::Result<_>>()?;
-            let mut opt = ShardedAdamW::new(cfg.clone(), &params, &HashMap::new(), (comm.rank(), comm.world()), None, None)
-                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            let mut opt = ShardedAdamW::new(
+                cfg.clone(),
+                &params,
+                &HashMap::new(),
+                (comm.rank(), comm.world()),
+                on_device.then_some(&Device::Cpu),
+                None,
+            )
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
             let mut norms = Vec::new();
             for s in 0..2 {
                 let grads = shapes
@@ -257,8 +342,12 @@ mod tests {
                         Tensor::from_vec((0..n).map(|i| g(comm.rank(), p, i, s)).collect::<Vec<_>>(), *sh, &Device::Cpu)
                     })
                     .collect::<candle_core::Result<Vec<_>>>()?;
+                let buf = GradBuffer::new(&params, opt.padded_len(), &Device::Cpu).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                for (view, g) in buf.views().iter().zip(&grads) {
+                    view.slice_set(g, 0, 0)?;
+                }
                 let st = opt
-                    .step(&comm, &grads, &params, lr, clip, (DType::F32, &Device::Cpu))
+                    .step(&comm, &buf, &params, lr, clip, (DType::F32, &Device::Cpu))
                     .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
                 norms.push(st.grad_norm);
             }
