@@ -7,6 +7,11 @@
         -> "LABEL: ok/DIFFER ..."; exit status 1 when the runs logged different step counts
            or any step's loss differs by more than RTOL relative (0: bit-identical)
 
+    metrics_summary.py --within-noise CAND LOWP F32 LABEL
+        -> exit status 1 unless CAND's losses are as close to F32's as twice LOWP's are
+           (worst relative difference per step; LOWP: the reference path in the same
+           low-precision dtype as CAND, F32: the same reference in f32)
+
 tokens/s is over the steps after the first (the first pays for warm-up: kernel
 selection, page-locking of offload buffers).
 """
@@ -30,7 +35,24 @@ def compare(a_path, b_path, rtol, label) -> int:
     return 0 if ok else 1
 
 
+def within_noise(cand, lowp, ref, label) -> int:
+    try:
+        c, lo, r = losses(cand), losses(lowp), losses(ref)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"{label}: DIFFER (cannot read the logs: {e})")
+        return 1
+    def worst(a):
+        return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, r)), default=0.0)
+    got, noise = worst(c), worst(lo)
+    ok = len(c) == len(lo) == len(r) > 0 and got <= 2 * noise
+    print(f"{label}: {'ok' if ok else 'DIFFER'} ({len(c)} steps; candidate vs f32 {got:.2e}, "
+          f"reference in low precision vs f32 {noise:.2e}: allowed {2 * noise:.2e})")
+    return 0 if ok else 1
+
+
 def main() -> int:
+    if sys.argv[1] == "--within-noise":
+        return within_noise(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5])
     if sys.argv[1] == "--compare":
         return compare(sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5])
     path, label = sys.argv[1], sys.argv[2]

@@ -74,6 +74,14 @@ pub struct BenchEngineArgs {
     /// Keep each layer's attention tensors for the backward (selective recomputation).
     #[arg(long)]
     pub save_attention: bool,
+    /// Instead of timing: check the explicit layer backward (fused kernels) against the
+    /// autograd reference at each length. Gradients of three runs on the same weights and
+    /// tokens: autograd in f32 (the reference), autograd in `--dtype`, explicit in
+    /// `--dtype`. Fails unless `|explicit − f32| ≤ 2·|autograd − f32| + --tolerance`
+    /// (worst `max|Δ| / max|ref|` over parameters): the fused path within the model
+    /// dtype's own noise.
+    #[arg(long)]
+    pub check_grads: bool,
 }
 
 struct Outcome {
@@ -168,6 +176,61 @@ fn run_setting(
     })
 }
 
+/// Deterministic ids, targets and positions `[batch, s]` for a length.
+fn tokens(a: &BenchEngineArgs, cfg: &LlamaConfig, s: usize, dev: &candle_core::Device) -> anyhow::Result<(Tensor, Tensor, Tensor)> {
+    let n = a.batch * s;
+    let ids: Vec<u32> = (0..n).map(|i| ((i as u64 * 2654435761 + a.seed) % cfg.vocab_size as u64) as u32).collect();
+    let targets: Vec<i64> = (0..n).map(|i| ((i as u64 * 40503 + 7 + a.seed) % cfg.vocab_size as u64) as i64).collect();
+    let pos: Vec<u32> = (0..n).map(|i| (i % s) as u32).collect();
+    Ok((
+        Tensor::from_vec(ids, (a.batch, s), dev)?,
+        Tensor::from_vec(targets, (a.batch, s), dev)?,
+        Tensor::from_vec(pos, (a.batch, s), dev)?,
+    ))
+}
+
+/// `--check-grads`: the explicit backward against autograd, within the dtype's noise.
+fn check_grads(a: &BenchEngineArgs, cfg: &LlamaConfig, vars: &HashMap<String, Var>, dev: &candle_core::Device) -> anyhow::Result<()> {
+    use longctx::train::engine::LayerBackward;
+    let f32_vars: HashMap<String, Var> = vars
+        .iter()
+        .map(|(n, v)| Ok((n.clone(), Var::from_tensor(&v.as_tensor().to_dtype(DType::F32)?)?)))
+        .collect::<anyhow::Result<_>>()?;
+    let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
+    let mut failed = false;
+    for &s in &a.seq {
+        let (ids, targets, pos) = tokens(a, cfg, s, dev)?;
+        let scale = 1.0 / (a.batch * s) as f64;
+        let run = |vars: &HashMap<String, Var>, lb: LayerBackward| -> anyhow::Result<(Vec<Tensor>, f64)> {
+            let opts =
+                EngineOptions { token_chunk: a.token_chunk, save_attention: a.save_attention, layer_backward: lb, ..Default::default() };
+            let r = Engine::from_vars(cfg, vars, opts)?.step(&ids, &targets, &pos, s, &attn, scale)?;
+            let host = r.grads.iter().map(|g| g.to_device(&candle_core::Device::Cpu)).collect::<candle_core::Result<Vec<_>>>()?;
+            Ok((host, r.loss_sum * scale))
+        };
+        let (reference, l_ref) = run(&f32_vars, LayerBackward::Autograd)?;
+        let (auto, l_auto) = run(vars, LayerBackward::Autograd)?;
+        let (expl, l_expl) = run(vars, LayerBackward::Explicit)?;
+        let (noise, diff) = (grad_diff(&auto, &reference)?, grad_diff(&expl, &reference)?);
+        let ok = diff <= 2.0 * noise + a.tolerance;
+        failed |= !ok;
+        eprintln!(
+            "seq {s}: explicit vs f32 {diff:.3e}, autograd vs f32 {noise:.3e} (noise); losses f32 {l_ref:.6}, autograd {l_auto:.6}, \
+             explicit {l_expl:.6}: {}",
+            if ok { "ok" } else { "FAILED" }
+        );
+        println!(
+            "{}",
+            serde_json::json!({"seq": s, "grad_diff_explicit": diff, "grad_diff_autograd": noise, "loss_f32": l_ref,
+                "loss_autograd": l_auto, "loss_explicit": l_expl, "ok": ok})
+        );
+    }
+    if failed {
+        bail!("the explicit layer backward differs from the f32 reference by more than twice the autograd path's own error");
+    }
+    Ok(())
+}
+
 pub fn engine(a: &BenchEngineArgs) -> anyhow::Result<()> {
     if a.iters == 0 {
         bail!("--iters must be at least 1");
@@ -194,15 +257,13 @@ pub fn engine(a: &BenchEngineArgs) -> anyhow::Result<()> {
         a.model, cfg.num_hidden_layers, cfg.hidden_size, a.batch, a.token_chunk, dtype, dev
     );
     eprintln!("{:>8} {:>8} {:>9} {:>10} {:>11} {:>11} {:>11}", "seq", "offload", "step s", "tok/s", "dev peak", "saved", "pinned");
+    if a.check_grads {
+        return check_grads(a, cfg, &vars, &dev);
+    }
     let mut failed = false;
     for &s in &a.seq {
         let n = a.batch * s;
-        let ids: Vec<u32> = (0..n).map(|i| ((i as u64 * 2654435761 + a.seed) % cfg.vocab_size as u64) as u32).collect();
-        let targets: Vec<i64> = (0..n).map(|i| ((i as u64 * 40503 + 7 + a.seed) % cfg.vocab_size as u64) as i64).collect();
-        let pos: Vec<u32> = (0..n).map(|i| (i % s) as u32).collect();
-        let ids = Tensor::from_vec(ids, (a.batch, s), &dev)?;
-        let targets = Tensor::from_vec(targets, (a.batch, s), &dev)?;
-        let pos = Tensor::from_vec(pos, (a.batch, s), &dev)?;
+        let (ids, targets, pos) = tokens(a, cfg, s, &dev)?;
         let mut outs: Vec<(bool, Outcome)> = Vec::new();
         for &off in &settings {
             let o = run_setting(a, cfg, &vars, &dev, (&ids, &targets, &pos), s, off)?;

@@ -19,8 +19,10 @@
 //! gradients          4·P                          f32 gradient accumulators (engine)
 //! optimizer          12·⌈P/W⌉                     f32 master + AdamW m, v, ZeRO-1 over all W ranks;
 //!                                                 0 when the optimizer lives on the host
-//! grad_reduce        4·P                          flat f32 gradient for the all-reduce
-//!                                                 (optimizer step only)
+//! grad_reduce        W = 1: 4·2²⁶                 optimizer step only: one slice of the
+//!                    W > 1: (4 + a)·⌈P/W⌉ + 2·P·a gradient norm's squares; with several
+//!                                                 ranks the reduce-scattered f32 shard, its
+//!                                                 new weights and their all-gather (parts, joined)
 //! saved_activations  L·b·s·h·a                    each layer's input, kept from forward
 //!                                                 to backward; 0 when offloaded
 //! saved_attention    L·((2·e_q + 2·e_kv)·a        with save_attention: each layer's q, k,
@@ -406,7 +408,7 @@ pub fn estimate(model: &ModelShape, req: &PlanRequest) -> Result<Estimate> {
         weights: p * a,
         gradients: 4 * p,
         optimizer: if req.optimizer_on_host { 0 } else { 12 * p.div_ceil(lay.world as u64) },
-        grad_reduce: 4 * p,
+        grad_reduce: if lay.world > 1 { (4 + a) * p.div_ceil(lay.world as u64) + 2 * p * a } else { 4 << 26 },
         layer_io: b * s * h * (8 * a + 12),
         attention_local: 2 * (2 * e_q + 2 * e_kv) * a,
         lse: 4 * b * hq * s,

@@ -62,7 +62,7 @@ pub struct LinearCe {
 /// `scale · Σ cross_entropy(hidden @ weightᵀ, targets)` and its gradients, `chunk` rows at
 /// a time: per chunk, the logits `[c, V]` come from one GEMM, [`cross_entropy_inplace`]
 /// turns them into their gradient in the same buffer, then `dhidden = dlogits @ weight`
-/// and `dweight += dlogitsᵀ @ hidden` (accumulated in f32 by [`crate::accumulate_f32`]).
+/// and `dweight += dlogitsᵀ @ hidden` (accumulated in f32 by the GEMM, [`crate::matmul_acc_f32`]).
 /// `hidden [.., h]` (T, contiguous), `weight [V, h]` (T), `targets [..]` i64,
 /// `dweight_acc [V, h]` f32 (optional; contiguous).
 pub fn linear_cross_entropy(
@@ -114,7 +114,7 @@ pub fn linear_cross_entropy(
         let logits = hc.matmul(&wt)?; // [c, V]
         losses.push(cross_entropy_inplace(&logits, &tgt.narrow(0, st, len)?, scale)?);
         dh.push(logits.matmul(weight)?); // [c, h]
-        crate::accumulate_f32(&dweight, &logits.t()?.matmul(&hc)?, 1.0)?; // [V, h]
+        crate::matmul_acc_f32(&dweight, &logits, &hc, 1.0)?; // [V, h] += dlogitsᵀ·hc, in the GEMM
     }
     let (loss, dhidden) = if losses.is_empty() {
         (Tensor::zeros(rows, DType::F32, hidden.device())?, hidden.zeros_like()?)

@@ -216,7 +216,7 @@ fn print_device(p: &plan::Plan) {
         ("  mlp chunk", d.mlp_chunk, ""),
         ("head transient", d.head, "logits chunk; not alive with the layer's"),
         ("overhead", d.overhead, ""),
-        ("gradient all-reduce buffer", d.grad_reduce, "optimizer step only"),
+        ("optimizer step buffers", d.grad_reduce, "optimizer step only"),
     ];
     println!("  per GPU                             GB");
     for (name, v, note) in rows {

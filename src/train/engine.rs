@@ -22,7 +22,7 @@
 
 use crate::model::{Llama, RopeTable};
 use crate::train::grads::GradBuffer;
-use crate::train::layer_grad::{accumulate, LayerPass, LayerSlots, SavedAttention};
+use crate::train::layer_grad::{accumulate, chunk_rows, put_rows, LayerPass, LayerShape, LayerSlots, SavedAttention};
 use crate::train::offload::ActivationStore;
 use crate::train::profile::{Phase, PhaseTimes, Profiler};
 use crate::Result;
@@ -261,7 +261,7 @@ impl Engine {
             })?;
             x = y;
         }
-        mem.transient_bytes = self.mlp_chunk_bytes(&x.narrow(1, 0, chunks.first().map_or(0, |c| c.1))?);
+        mem.transient_bytes = self.layer_shape(&x, chunks.first().map_or(0, |c| c.1))?.backward_bytes();
         store.end_forward()?;
         let (inputs, host) = store.bytes();
         (mem.saved_bytes, mem.saved_host_bytes) = (inputs, host);
@@ -271,7 +271,7 @@ impl Engine {
 
         // 2. head + loss, chunked; dL/dx_L.
         let (mut gx, loss_sum) = self.prof.time(Phase::Loss, &dev, || match self.opts.layer_backward {
-            LayerBackward::Explicit => self.head_backward_fused(&x, targets, scale, acc, &mut mem),
+            LayerBackward::Explicit => self.head_backward_fused(&x, targets, &chunks, scale, acc, &mut mem),
             LayerBackward::Autograd => self.head_backward(&x, targets, &chunks, scale, acc, &mut mem),
         })?;
         drop(x);
@@ -287,7 +287,7 @@ impl Engine {
             })?;
             let (x_in, sa) = SavedAttention::split(group)?;
             gx = match self.opts.layer_backward {
-                LayerBackward::Explicit => pass.backward(&self.plain.layers[l], &self.slots[l], &x_in, sa, &gx, acc)?,
+                LayerBackward::Explicit => pass.backward(&self.plain.layers[l], &self.slots[l], &x_in, sa, gx, acc)?,
                 LayerBackward::Autograd => self.autograd_layer_backward(l, &x_in, &gx, &rope, attn, &chunks, acc)?,
             };
         }
@@ -337,33 +337,41 @@ impl Engine {
         })
     }
 
-    /// The head with the fused kernels: final RMSNorm, then `lm_head` + cross-entropy
-    /// chunk by chunk with each chunk's logits `[c, V]` turned into their gradient in
-    /// place (`longctx_kernels::linear_cross_entropy`), the `lm_head` gradient accumulated
-    /// straight into its f32 slot, then the norm's backward. Returns `dL/dx [b, s, h]`
-    /// (times `scale`) and the loss sum.
+    /// The head with the fused kernels, chunk by chunk over tokens: final RMSNorm, then
+    /// `lm_head` + cross-entropy with the chunk's logits `[c, V]` turned into their
+    /// gradient in place (`longctx_kernels::linear_cross_entropy`), the `lm_head` gradient
+    /// accumulated straight into its f32 slot, then the norm's backward, written into the
+    /// rows of `dL/dx`. Returns `dL/dx [b, s, h]` (times `scale`) and the loss sum.
     fn head_backward_fused(
         &self,
         x: &Tensor,
         targets: &Tensor,
+        chunks: &[(usize, usize)],
         scale: f64,
         acc: &[Tensor],
         mem: &mut MemoryReport,
     ) -> Result<(Tensor, f64)> {
         let cfg = &self.tracked.cfg;
-        let x = x.contiguous()?;
         let norm = &self.plain.norm;
-        let n = longctx_kernels::rms_norm_fwd(&x, None, &norm.weight, norm.eps)?;
         let w = self.plain.lm_head.weight();
-        let c = self.opts.token_chunk.max(1);
-        let ce = longctx_kernels::linear_cross_entropy(&n.y, w, &targets.contiguous()?, scale, c, Some(&acc[self.head_slot]))?;
-        // One logits chunk [c, V] (its gradient is written over it) and its hidden rows in and out.
-        let rows = c.min(x.elem_count() / cfg.hidden_size.max(1));
-        mem.transient_bytes = mem.transient_bytes.max(rows * (cfg.vocab_size + 2 * cfg.hidden_size) * w.dtype().size_in_bytes());
-        let g = longctx_kernels::rms_norm_bwd(&ce.dhidden, &x, &norm.weight, &n.rstd, None)?;
-        accumulate(acc, self.norm_slot, &g.dweight)?;
-        let loss_sum = ce.loss_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        Ok((g.dx, loss_sum))
+        let gx = x.zeros_like()?;
+        let mut losses = Vec::with_capacity(chunks.len()); // f32 scalars, read once below
+        for &ch in chunks {
+            let xc = chunk_rows(x, ch)?; // [n, h]
+            let tc = targets.narrow(1, ch.0, ch.1)?.contiguous()?.flatten_all()?; // [n]
+            let n = longctx_kernels::rms_norm_fwd(&xc, None, &norm.weight, norm.eps)?;
+            let ce = longctx_kernels::linear_cross_entropy(&n.y, w, &tc, scale, ch.1.max(1), Some(&acc[self.head_slot]))?;
+            let g = longctx_kernels::rms_norm_bwd(&ce.dhidden, &xc, &norm.weight, &n.rstd, None)?;
+            accumulate(acc, self.norm_slot, &g.dweight)?;
+            put_rows(&gx, &g.dx, ch)?;
+            losses.push(ce.loss_sum);
+        }
+        // One logits chunk [n, V] (its gradient is written over it) and its rows in and out.
+        let rows = x.dim(0)? * chunks.first().map_or(0, |c| c.1);
+        mem.transient_bytes = mem.transient_bytes.max(rows * (cfg.vocab_size + 4 * cfg.hidden_size) * w.dtype().size_in_bytes());
+        let loss_sum =
+            if losses.is_empty() { 0.0 } else { Tensor::stack(&losses, 0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?.iter().sum() };
+        Ok((gx, loss_sum))
     }
 
     /// Final norm, head and loss over token chunks of the top hidden `x [b, s, h]`,
@@ -397,7 +405,6 @@ impl Engine {
         Ok((Tensor::cat(&gx_chunks, 1)?, loss_sum))
     }
 
-    /// Bytes of one MLP chunk's intermediates (gate, up, product in the model dtype).
     /// `dE [V, h]` f32 for `dL/dx_0 = gx [b, s, h]`, chunk by chunk (one f32 chunk of
     /// `gx` at a time), added into the embedding's slot.
     fn embed_backward(&self, ids: &Tensor, gx: &Tensor, chunks: &[(usize, usize)], acc: &[Tensor]) -> Result<()> {
@@ -414,9 +421,21 @@ impl Engine {
         Ok(())
     }
 
-    fn mlp_chunk_bytes(&self, hc: &Tensor) -> usize {
-        let tokens = hc.elem_count() / self.tracked.cfg.hidden_size.max(1);
-        3 * tokens * self.tracked.cfg.intermediate_size * hc.dtype().size_in_bytes()
+    /// The sizes of one layer's pass over `x [b, s, h]` in chunks of `chunk` tokens.
+    fn layer_shape(&self, x: &Tensor, chunk: usize) -> Result<LayerShape> {
+        let c = &self.tracked.cfg;
+        let (b, s, _) = x.dims3()?;
+        Ok(LayerShape {
+            batch: b,
+            tokens: s,
+            chunk,
+            hidden: c.hidden_size,
+            intermediate: c.intermediate_size,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            elem: x.dtype().size_in_bytes(),
+        })
     }
 
     /// Reference: the same gradients through one full graph of the model's layers (small

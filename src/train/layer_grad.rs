@@ -3,21 +3,25 @@
 //! input; Candle autograd over the same layer ([`super::engine::LayerBackward::Autograd`])
 //! stays as the reference the tests compare it with.
 //!
-//! Forward (recomputed from `x`), then backward:
+//! Forward (recomputed from `x` unless the attention core was saved), then backward;
+//! only the attention core (`q, k, v, o, lse`, `do, dq, dk, dv`) is whole-sequence,
+//! every other line runs per token chunk `c`, writing its rows into `[b, s, ..]` buffers:
 //! ```text
-//! n1 = rms(x)·w1            q,k,v = n1·Wq,k,vᵀ (+b)      q,k = rope(q,k)
-//! o, lse = attn(q, k, v)    h = x + o·Woᵀ (+b)
-//! per token chunk c:        n2 = rms(h_c)·w2   g = n2·Wgᵀ   u = n2·Wuᵀ   m = silu(g)·u
-//!                           y_c = h_c + m·Wdᵀ
-//! dh_c = dy_c + rms'(dn2)   dn2 = dg·Wg + du·Wu   dg = dm·u·silu'(g)   du = dm·silu(g)   dm = dy_c·Wd
-//! do = dh·Wo                dq,dk,dv = attn'(do; q,k,v,o,lse)   dq,dk = rope⁻¹(dq,dk)
-//! dx = dh + rms'(dq·Wq + dk·Wk + dv·Wv)
+//! per c:  n1 = rms(x_c)·w1   q,k,v_c = n1·Wq,k,vᵀ (+b)        then q,k = rope(q,k)
+//!         o, lse = attn(q, k, v)
+//! per c:  h_c = x_c + o_c·Woᵀ (+b)   n2 = rms(h_c)·w2   g = n2·Wgᵀ   u = n2·Wuᵀ
+//!         m = silu(g)·u   y_c = h_c + m·Wdᵀ
+//! per c:  dm = dy_c·Wd   dg = dm·u·silu'(g)   du = dm·silu(g)   dn2 = dg·Wg + du·Wu
+//!         dh_c = dy_c + rms'(dn2)   (written over dy_c)   do_c = dh_c·Wo
+//!         dq,dk,dv = attn'(do; q,k,v,o,lse)   dq,dk = rope⁻¹(dq,dk)
+//! per c:  dx_c = dh_c + rms'(dq_c·Wq + dk_c·Wk + dv_c·Wv)   (written over dh_c)
 //! ```
-//! Weight gradients `dW = dyᵀ·x` are accumulated in f32 into the engine's per-parameter
-//! slots, in place. RMSNorm (its residual add fused into the backward), RoPE (in place),
-//! SwiGLU and the accumulation are the fused kernels of `longctx-kernels` (CUDA, or their
-//! CPU twins); RMSNorm follows transformers (f32 math, the normalised value rounded to the
-//! model dtype before the weight), so its backward is the exact derivative of that.
+//! Weight gradients `dW += dyᵀ·x` are accumulated in f32 by the GEMM itself into the
+//! engine's gradient buffer (`longctx_kernels::matmul_acc_f32`, beta = 1). RMSNorm (its
+//! residual add fused into the backward), RoPE (in place), SwiGLU and the accumulation
+//! are the fused kernels of `longctx-kernels` (CUDA, or their CPU twins); RMSNorm follows
+//! transformers (f32 math, the normalised value rounded to the model dtype before the
+//! weight), so its backward is the exact derivative of that.
 //!
 //! Shapes: `b` batch, `s` local tokens, `c` tokens of a chunk, `h` hidden, `i`
 //! intermediate, `hq`/`hkv` heads, `d` head dim; `[n, k]` a flattened `[b, c, k]`.
@@ -100,12 +104,6 @@ fn rms_backward(norm: &RmsNorm, x: &Tensor, rstd: &Tensor, dy: &Tensor, d_residu
     Ok((g.dx, g.dweight))
 }
 
-/// `[.., k]` as rows `[n, k]`.
-fn flat(t: &Tensor) -> Result<Tensor> {
-    let k = t.dim(D::Minus1)?;
-    Ok(t.reshape((t.elem_count() / k, k))?)
-}
-
 fn scale(d: usize) -> f64 {
     1.0 / (d as f64).sqrt()
 }
@@ -135,26 +133,84 @@ impl SavedAttention {
     }
 }
 
-/// The attention half's forward, with what its backward needs.
-struct AttnForward {
-    n1: Tensor,    // [b, s, h]
-    rstd1: Tensor, // [b, s] f32
-    q: Tensor,     // [b, s, hq, d] after RoPE
-    k: Tensor,     // [b, s, hkv, d] after RoPE
-    v: Tensor,     // [b, s, hkv, d]
-    o: Tensor,     // [b, s, hq, d]
-    lse: Tensor,   // [b, hq, s] f32
-    h: Tensor,     // [b, s, h] = x + attention
+/// Rows `[st, st + len)` of `t [b, s, ..]` as a contiguous `[b·len, k]`, `k` the product
+/// of the trailing dims (a view when `b = 1`, a copy of the chunk otherwise).
+pub(crate) fn chunk_rows(t: &Tensor, (st, len): (usize, usize)) -> Result<Tensor> {
+    let c = t.narrow(1, st, len)?;
+    let c = if c.is_contiguous() { c } else { c.contiguous()? };
+    let n = c.dims().iter().take(2).product::<usize>();
+    Ok(c.reshape((n, c.elem_count() / n.max(1)))?)
+}
+
+/// Writes `rows [b·len, k]` into rows `[st, st + len)` of `dst [b, s, ..]` (contiguous).
+pub(crate) fn put_rows(dst: &Tensor, rows: &Tensor, (st, len): (usize, usize)) -> Result<()> {
+    let mut shape = dst.dims().to_vec();
+    shape[1] = len;
+    Ok(dst.slice_set(&rows.reshape(shape)?, 1, st)?)
 }
 
 /// One layer's forward or backward over this rank's tokens, every piece timed by phase.
+///
+/// Only the attention core works on the whole sequence at once: `q, k, v, o, lse` and,
+/// in the backward, `do, dq, dk, dv` (model dtype, f32 LSE). Everything else — the
+/// norms, the projections, the residual adds, the MLP — runs over token chunks
+/// ([`Self::chunks`]), writing its rows into whole-sequence buffers; the backward writes
+/// the gradient of the layer input over the incoming gradient, chunk by chunk. So the
+/// layer's transient memory is the attention core plus two `[b, s, h]` tensors plus one
+/// chunk's intermediates ([`LayerPass::transient_bytes`] counts it for the planner).
 pub struct LayerPass<'a> {
     pub rope: &'a RopeTable,
     pub attn: &'a Arc<dyn AttentionMode>,
-    /// Token chunks `(start, len)` of the MLP half.
+    /// Token chunks `(start, len)` of the token-wise parts.
     pub chunks: &'a [(usize, usize)],
     pub prof: &'a Profiler,
     pub dev: &'a Device,
+}
+
+/// The sizes a layer's transient memory depends on.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerShape {
+    pub batch: usize,
+    /// Local tokens `s`.
+    pub tokens: usize,
+    /// Tokens per chunk `c`.
+    pub chunk: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Bytes per element of the model dtype.
+    pub elem: usize,
+}
+
+impl LayerShape {
+    /// Bytes alive at once in [`LayerPass::backward`] besides the layer's saved input and
+    /// what the attention mode allocates inside: the incoming gradient `[b, s, h]`
+    /// (overwritten with the outgoing one), the core `q, k, v, o` and `lse` (f32), its
+    /// gradients `do, dq, dk, dv`, and one chunk's intermediates ([`Self::chunk_bytes`]).
+    pub fn backward_bytes(&self) -> usize {
+        let (b, s, a) = (self.batch, self.tokens, self.elem);
+        let (eq, ekv) = (b * s * self.heads * self.head_dim, b * s * self.kv_heads * self.head_dim);
+        b * s * self.hidden * a + 2 * (2 * eq + 2 * ekv) * a + 4 * b * self.heads * s + self.chunk_bytes()
+    }
+
+    /// Bytes alive at once in [`LayerPass::forward`] besides its input: the output
+    /// `[b, s, h]`, the core `q, k, v, o`, `lse` and one chunk's intermediates.
+    pub fn forward_bytes(&self) -> usize {
+        let (b, s, a) = (self.batch, self.tokens, self.elem);
+        let (eq, ekv) = (b * s * self.heads * self.head_dim, b * s * self.kv_heads * self.head_dim);
+        b * s * self.hidden * a + (2 * eq + 2 * ekv) * a + 4 * b * self.heads * s + self.chunk_bytes()
+    }
+
+    /// One chunk's intermediates at the MLP backward's widest point: gate, up, their
+    /// product and its gradient, and the two branch gradients `[c, i]`; the chunk's
+    /// residual stream, its norm, their gradients and partial sums `[c, h]` (model dtype),
+    /// and the norms' f32 statistics.
+    pub fn chunk_bytes(&self) -> usize {
+        let (n, a) = (self.batch * self.chunk.min(self.tokens), self.elem);
+        n * (6 * self.intermediate + 6 * self.hidden) * a + 8 * n
+    }
 }
 
 impl LayerPass<'_> {
@@ -179,31 +235,45 @@ impl LayerPass<'_> {
         self.t(Phase::Gemm, || Ok(dy.matmul(lin.weight())?))
     }
 
-    /// The attention half from `x`; with `saved`, only the norm and `o_proj` are rerun.
-    fn attn_forward(&self, layer: &DecoderLayer, x: &Tensor, saved: Option<SavedAttention>) -> Result<AttnForward> {
+    fn rows(&self, t: &Tensor, ch: (usize, usize)) -> Result<Tensor> {
+        self.t(Phase::Copies, || chunk_rows(t, ch))
+    }
+
+    fn put(&self, dst: &Tensor, rows: &Tensor, ch: (usize, usize)) -> Result<()> {
+        self.t(Phase::Copies, || put_rows(dst, rows, ch))
+    }
+
+    /// The attention core from the layer input: `q, k, v` projected chunk by chunk from
+    /// `rms(x)` into whole-sequence buffers, RoPE on q and k in place, the attention.
+    fn attn_core(&self, layer: &DecoderLayer, x: &Tensor) -> Result<SavedAttention> {
         let a = &layer.self_attn;
         let (b, s, _) = x.dims3()?;
         let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
-        let (n1, rstd1) = self.t(Phase::NormRopeAct, || rms_forward(&layer.input_layernorm, x))?;
-        if let Some(SavedAttention { q, k, v, o, lse }) = saved {
-            let a_out = self.linear(&a.o_proj, &o.reshape((b, s, hq * d))?)?;
-            let h = self.t(Phase::Copies, || Ok(x.add(&a_out)?))?;
-            return Ok(AttnForward { n1, rstd1, q, k, v, o, lse, h });
+        let (q, k, v) = self.t(Phase::Copies, || {
+            let z = |h: usize| Tensor::zeros((b, s, h, d), x.dtype(), x.device());
+            Ok((z(hq)?, z(hkv)?, z(hkv)?))
+        })?;
+        for &ch in self.chunks {
+            let (n1, _) = self.t(Phase::NormRopeAct, || rms_forward(&layer.input_layernorm, &self.rows(x, ch)?))?;
+            self.put(&q, &self.linear(&a.q_proj, &n1)?, ch)?;
+            self.put(&k, &self.linear(&a.k_proj, &n1)?, ch)?;
+            self.put(&v, &self.linear(&a.v_proj, &n1)?, ch)?;
         }
-        let q = self.linear(&a.q_proj, &n1)?.reshape((b, s, hq, d))?;
-        let k = self.linear(&a.k_proj, &n1)?.reshape((b, s, hkv, d))?;
-        let v = self.linear(&a.v_proj, &n1)?.reshape((b, s, hkv, d))?;
         self.t(Phase::NormRopeAct, || {
             kernels::rope_fwd_inplace(&q, &self.rope.cos, &self.rope.sin)?;
             Ok(kernels::rope_fwd_inplace(&k, &self.rope.cos, &self.rope.sin)?)
         })?;
         let (o, lse) = self.t(Phase::Attention, || Ok(self.attn.forward(&q, &k, &v, scale(d))?))?;
-        let a_out = self.linear(&a.o_proj, &o.reshape((b, s, hq * d))?)?;
-        let h = self.t(Phase::Copies, || Ok(x.add(&a_out)?))?;
-        Ok(AttnForward { n1, rstd1, q, k, v, o, lse, h })
+        Ok(SavedAttention { q, k, v, o, lse })
     }
 
-    /// `y_c = h_c + down(silu(gate(n2))·up(n2))`, `n2 = rms(h_c)·w2`, for one token chunk.
+    /// `h_c = x_c + o_c·Woᵀ` for one chunk, rows `[n, h]`.
+    fn residual_chunk(&self, layer: &DecoderLayer, x: &Tensor, o: &Tensor, ch: (usize, usize)) -> Result<Tensor> {
+        let a_out = self.linear(&layer.self_attn.o_proj, &self.rows(o, ch)?)?;
+        self.t(Phase::Copies, || Ok(self.rows(x, ch)?.add(&a_out)?))
+    }
+
+    /// `y_c = h_c + down(silu(gate(n2))·up(n2))`, `n2 = rms(h_c)·w2`, rows `[n, h]`.
     fn mlp_chunk(&self, layer: &DecoderLayer, hc: &Tensor) -> Result<Tensor> {
         let m = &layer.mlp;
         let (n2, _) = self.t(Phase::NormRopeAct, || rms_forward(&layer.post_attention_layernorm, hc))?;
@@ -215,80 +285,92 @@ impl LayerPass<'_> {
     }
 
     /// The layer's output `[b, s, h]` for its input `x [b, s, h]` (the model's
-    /// [`DecoderLayer::forward`], written out so that each piece is timed), and the
-    /// attention's tensors for the backward.
+    /// [`DecoderLayer::forward`], written out so that each piece is timed and only the
+    /// attention core is whole-sequence), and the attention's tensors for the backward.
     pub fn forward(&self, layer: &DecoderLayer, x: &Tensor) -> Result<(Tensor, SavedAttention)> {
-        let f = self.attn_forward(layer, x, None)?;
-        let mut outs = Vec::with_capacity(self.chunks.len());
-        for &(st, len) in self.chunks {
-            outs.push(self.mlp_chunk(layer, &f.h.narrow(1, st, len)?)?);
+        let core = self.attn_core(layer, x)?;
+        let y = self.t(Phase::Copies, || Ok(Tensor::zeros(x.shape(), x.dtype(), x.device())?))?;
+        for &ch in self.chunks {
+            let hc = self.residual_chunk(layer, x, &core.o, ch)?;
+            self.put(&y, &self.mlp_chunk(layer, &hc)?, ch)?;
         }
-        let y = self.t(Phase::Copies, || Ok(if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(&outs, 1)? }))?;
-        Ok((y, SavedAttention { q: f.q, k: f.k, v: f.v, o: f.o, lse: f.lse }))
+        Ok((y, core))
     }
 
-    /// `dh_c` of one token chunk of the MLP half for `dy_c`: the residual plus the
-    /// branch's gradient. Weight gradients into their slots.
+    /// `dh_c` of one chunk of the MLP half for `dy_c` (rows `[n, h]`): the residual plus
+    /// the branch's gradient. Weight gradients into their slots.
     fn mlp_chunk_backward(&self, layer: &DecoderLayer, sl: &LayerSlots, hc: &Tensor, dyc: &Tensor, acc: &[Tensor]) -> Result<Tensor> {
         let m = &layer.mlp;
         let (n2, rstd2) = self.t(Phase::NormRopeAct, || rms_forward(&layer.post_attention_layernorm, hc))?;
-        let n2f = flat(&n2)?; // [n, h]
-        let g = self.linear(&m.gate_proj, &n2f)?; // [n, i]
-        let u = self.linear(&m.up_proj, &n2f)?; // [n, i]
+        let g = self.linear(&m.gate_proj, &n2)?; // [n, i]
+        let u = self.linear(&m.up_proj, &n2)?; // [n, i]
         let gu = self.t(Phase::NormRopeAct, || Ok(kernels::swiglu_fwd(&g, &u)?))?;
-        let dy = self.t(Phase::Copies, || flat(&dyc.contiguous()?))?; // [n, h]
-        let dm = self.linear_backward(&m.down_proj, sl.down, &gu, &dy, acc)?; // [n, i]
+        let dm = self.linear_backward(&m.down_proj, sl.down, &gu, dyc, acc)?; // [n, i]
+        drop(gu);
         let (dg, du) = self.t(Phase::NormRopeAct, || Ok(kernels::swiglu_bwd(&dm, &g, &u)?))?;
-        let dn2g = self.linear_backward(&m.gate_proj, sl.gate, &n2f, &dg, acc)?;
-        let dn2u = self.linear_backward(&m.up_proj, sl.up, &n2f, &du, acc)?;
-        let dn2 = self.t(Phase::Copies, || Ok((dn2g + dn2u)?.reshape(hc.shape())?))?;
+        drop((dm, g, u));
+        let dn2g = self.linear_backward(&m.gate_proj, sl.gate, &n2, &dg, acc)?;
+        let dn2u = self.linear_backward(&m.up_proj, sl.up, &n2, &du, acc)?;
+        let dn2 = self.t(Phase::Copies, || Ok((dn2g + dn2u)?))?;
         // dh_c = dy_c (the residual) + the norm's backward, in one kernel.
         let (dh, dw2) = self.t(Phase::NormRopeAct, || rms_backward(&layer.post_attention_layernorm, hc, &rstd2, &dn2, Some(dyc)))?;
         self.t(Phase::GradAccum, || accumulate(acc, sl.ln2, &dw2))?;
         Ok(dh)
     }
 
-    /// Gradient of the layer's input `dx [b, s, h]` for the gradient of its output `dy`;
-    /// every weight gradient of the layer is added into `acc` (f32). `x` is the layer's
-    /// input as the forward saw it; `saved` its attention tensors when the forward kept
-    /// them (else the attention forward is rerun).
+    /// Gradient of the layer's input for the gradient of its output `dy [b, s, h]`, which
+    /// it overwrites (first with the gradient after the attention half, then with the
+    /// gradient of the input) and returns; every weight gradient of the layer is added
+    /// into `acc` (f32). `x` is the layer's input as the forward saw it; `saved` its
+    /// attention tensors when the forward kept them (else the attention core is rerun).
     pub fn backward(
         &self,
         layer: &DecoderLayer,
         sl: &LayerSlots,
         x: &Tensor,
         saved: Option<SavedAttention>,
-        dy: &Tensor,
+        dy: Tensor,
         acc: &[Tensor],
     ) -> Result<Tensor> {
-        let f = self.attn_forward(layer, x, saved)?;
-        let mut dh_chunks = Vec::with_capacity(self.chunks.len());
-        for &(st, len) in self.chunks {
-            let hc = f.h.narrow(1, st, len)?;
-            dh_chunks.push(self.mlp_chunk_backward(layer, sl, &hc, &dy.narrow(1, st, len)?, acc)?);
-        }
-        let dh = self.t(Phase::Copies, || Ok(if dh_chunks.len() == 1 { dh_chunks.remove(0) } else { Tensor::cat(&dh_chunks, 1)? }))?;
+        let dy = self.t(Phase::Copies, || Ok(dy.contiguous()?))?;
+        let core = match saved {
+            Some(c) => c,
+            None => self.attn_core(layer, x)?,
+        };
         let a = &layer.self_attn;
-        let (b, s, hdim) = x.dims3()?;
-        let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
-        let o = f.o.reshape((b * s, hq * d))?;
-        let d_o = self.linear_backward(&a.o_proj, sl.o, &o, &flat(&dh)?, acc)?.reshape((b, s, hq, d))?;
-        let (dq, dk, dv) =
-            self.t(Phase::Attention, || Ok(self.attn.backward(&d_o, Saved::new(&f.q, &f.k, &f.v, &f.o, &f.lse), scale(d))?))?;
-        let (dq, dk) = (dq.contiguous()?, dk.contiguous()?);
+        let d_o = self.t(Phase::Copies, || Ok(core.o.zeros_like()?))?;
+        // MLP half and o_proj, chunk by chunk: dy_c → dh_c (written over dy_c), d_o_c.
+        for &ch in self.chunks {
+            let hc = self.residual_chunk(layer, x, &core.o, ch)?;
+            let dh = self.mlp_chunk_backward(layer, sl, &hc, &self.rows(&dy, ch)?, acc)?;
+            drop(hc);
+            let doc = self.linear_backward(&a.o_proj, sl.o, &self.rows(&core.o, ch)?, &dh, acc)?;
+            self.put(&d_o, &doc, ch)?;
+            self.put(&dy, &dh, ch)?;
+        }
+        let d = a.head_dim;
+        let SavedAttention { q, k, v, o, lse } = core;
+        let (dq, dk, dv) = self.t(Phase::Attention, || Ok(self.attn.backward(&d_o, Saved::new(&q, &k, &v, &o, &lse), scale(d))?))?;
+        drop((q, k, v, o, lse, d_o));
+        let (dq, dk, dv) = self.t(Phase::Copies, || Ok((dq.contiguous()?, dk.contiguous()?, dv.contiguous()?)))?;
         self.t(Phase::NormRopeAct, || {
             kernels::rope_bwd_inplace(&dq, &self.rope.cos, &self.rope.sin)?;
             Ok(kernels::rope_bwd_inplace(&dk, &self.rope.cos, &self.rope.sin)?)
         })?;
-        let (dq, dk, dv) = (dq.reshape((b * s, hq * d))?, dk.reshape((b * s, hkv * d))?, dv.reshape((b * s, hkv * d))?);
-        let n1 = flat(&f.n1)?;
-        let dn1q = self.linear_backward(&a.q_proj, sl.q, &n1, &dq, acc)?;
-        let dn1k = self.linear_backward(&a.k_proj, sl.k, &n1, &dk, acc)?;
-        let dn1v = self.linear_backward(&a.v_proj, sl.v, &n1, &dv, acc)?;
-        let dn1 = self.t(Phase::Copies, || Ok((dn1q + dn1k + dn1v)?.reshape((b, s, hdim))?))?;
-        // dx = dh (the residual) + the norm's backward, in one kernel.
-        let (dx, dw1) = self.t(Phase::NormRopeAct, || rms_backward(&layer.input_layernorm, x, &f.rstd1, &dn1, Some(&dh)))?;
-        self.t(Phase::GradAccum, || accumulate(acc, sl.ln1, &dw1))?;
-        Ok(dx)
+        // q/k/v projections and the input norm, chunk by chunk: dh_c → dx_c (over dy_c).
+        for &ch in self.chunks {
+            let xc = self.rows(x, ch)?;
+            let (n1, rstd1) = self.t(Phase::NormRopeAct, || rms_forward(&layer.input_layernorm, &xc))?;
+            let dn1q = self.linear_backward(&a.q_proj, sl.q, &n1, &self.rows(&dq, ch)?, acc)?;
+            let dn1k = self.linear_backward(&a.k_proj, sl.k, &n1, &self.rows(&dk, ch)?, acc)?;
+            let dn1v = self.linear_backward(&a.v_proj, sl.v, &n1, &self.rows(&dv, ch)?, acc)?;
+            let dn1 = self.t(Phase::Copies, || Ok(((dn1q + dn1k)? + dn1v)?))?;
+            // dx = dh (the residual) + the norm's backward, in one kernel.
+            let dh = self.rows(&dy, ch)?;
+            let (dx, dw1) = self.t(Phase::NormRopeAct, || rms_backward(&layer.input_layernorm, &xc, &rstd1, &dn1, Some(&dh)))?;
+            self.t(Phase::GradAccum, || accumulate(acc, sl.ln1, &dw1))?;
+            self.put(&dy, &dx, ch)?;
+        }
+        Ok(dy)
     }
 }

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One GPU: the explicit layer backward (fused kernels, GEMM-accumulated weight gradients)
+# against the autograd reference, within bf16's own noise, measured by two reference runs
+# (autograd in bf16 and autograd in f32) on the same weights and data.
+#   1. gradients of one step: `longctx bench engine --check-grads` (TinyLlama-1.1B shape);
+#   2. losses of 10 training steps (tiny model) and 4 steps (1.1B shape, 4K tokens):
+#      explicit bf16 vs f32 within twice autograd bf16 vs f32.
+# Usage: scripts/gpu_engine_check.sh BINARY(.gz) OUTDIR
+set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+BIN=$1; OUTDIR=$2; mkdir -p "$OUTDIR"
+if [[ $BIN == *.gz ]]; then gunzip -c "$BIN" > /tmp/longctx-check && chmod +x /tmp/longctx-check && BIN=/tmp/longctx-check; fi
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+W=/tmp/gec; rm -rf $W; mkdir -p $W
+status=0
+for extra in "" "--save-attention"; do
+  timeout 240 "$BIN" bench engine --check-grads --seq 4096,16384 --token-chunk 4096 $extra \
+    >>"$OUTDIR/check_grads.jsonl" 2>>"$OUTDIR/check_grads.log" || { echo "check-grads $extra FAILED"; status=1; }
+done
+grep -E "^seq" "$OUTDIR/check_grads.log"
+train() { # name dtype layer_backward model seq steps batch lr
+  printf '[train]\nlayer_backward = "%s"\n' "$3" > $W/$1.toml
+  timeout 200 "$BIN" train --config $W/$1.toml --model "$4" --dataset synthetic:passkey --seq-length "$5" --rope-theta 1e6 \
+    --max-train-steps "$6" --batch-size "$7" --learning-rate "$8" --device cuda --dtype "$2" --output-dir $W/$1 \
+    >"$OUTDIR/train-$1.log" 2>&1 || { echo "train $1 failed"; status=1; }
+}
+for dt in bf16 f32; do
+  train tiny-auto-$dt $dt autograd builtin:tiny 256 10 2 3e-3
+  train big-auto-$dt $dt autograd builtin:tinyllama-1.1b-shape 4096 4 1 1e-5
+done
+train tiny-expl-bf16 bf16 explicit builtin:tiny 256 10 2 3e-3
+train big-expl-bf16 bf16 explicit builtin:tinyllama-1.1b-shape 4096 4 1 1e-5
+for m in tiny big; do
+  python3 "$HERE/metrics_summary.py" --within-noise $W/$m-expl-bf16/metrics.jsonl $W/$m-auto-bf16/metrics.jsonl \
+    $W/$m-auto-f32/metrics.jsonl "$m: explicit bf16 losses vs f32" >>"$OUTDIR/losses.txt" || status=1
+done
+cat "$OUTDIR/losses.txt"
+exit $status
