@@ -28,7 +28,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Linear;
 use longctx_attention::kernel::Saved;
 use longctx_attention::AttentionMode;
