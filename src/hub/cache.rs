@@ -409,6 +409,13 @@ mod tests {
         assert_eq!((m.json, m.cfg.hidden_size), (r.json, r.cfg.hidden_size));
         assert!(resolve_model("builtin:tiny", &opts).unwrap_err().to_string().contains("built-in"));
         assert!(model_config("builtin:nope", &opts, false).unwrap_err().to_string().contains("builtin:nope"));
+        // `@layers=N`: the same shape with N layers; a bad count is named.
+        let two = model_config("builtin:tinyllama-1.1b-shape@layers=2", &opts, false).unwrap().unwrap();
+        assert_eq!((two.cfg.num_hidden_layers, two.cfg.hidden_size), (2, 2048));
+        for bad in ["0", "x", "5000"] {
+            let e = model_config(&format!("builtin:tiny@layers={bad}"), &opts, false).unwrap_err().to_string();
+            assert!(e.contains("@layers=") && e.contains(bad), "{e}");
+        }
     }
 
     /// A hub id's config.json comes from the cache; missing, it is `None` without

@@ -10,10 +10,28 @@ use std::collections::HashMap;
 use std::path::Path;
 
 /// The names `builtin:<name>` accepts.
-pub const BUILTINS: &str = "tiny, tinyllama-1.1b-shape, llama2-7b-shape";
+pub const BUILTINS: &str = "tiny, tinyllama-1.1b-shape, llama2-7b-shape (each with an optional `@layers=N`)";
 
-/// `config.json` of a built-in model.
+/// `config.json` of a built-in model; `NAME@layers=N` cuts (or extends) it to `N`
+/// decoder layers (memory and speed checks at a length where all layers would be slow).
 pub fn builtin_config_json(name: &str) -> Result<serde_json::Value> {
+    let Some((base, layers)) = name.split_once("@layers=") else { return builtin_base_json(name) };
+    let n: usize = match layers.parse() {
+        Ok(n) if (1..=1024).contains(&n) => n,
+        _ => {
+            return Err(Error::config(
+                "--model",
+                "model.source",
+                format!("`builtin:{name}`: `@layers=` takes a layer count from 1 to 1024, got `{layers}`"),
+            ))
+        }
+    };
+    let mut json = builtin_base_json(base)?;
+    json["num_hidden_layers"] = serde_json::json!(n);
+    Ok(json)
+}
+
+fn builtin_base_json(name: &str) -> Result<serde_json::Value> {
     match name {
         // ~0.4M parameters: trains on 2 CPU cores in about a minute per stage of the demo.
         "tiny" => Ok(serde_json::json!({
