@@ -2,7 +2,8 @@
 # One GPU: the explicit layer backward (fused kernels, GEMM-accumulated weight gradients)
 # against the autograd reference, within bf16's own noise, measured by two reference runs
 # (autograd in bf16 and autograd in f32) on the same weights and data.
-#   1. gradients of one step: `longctx bench engine --check-grads` (TinyLlama-1.1B shape);
+#   1. gradients of one step: `longctx bench engine --check-grads` (TinyLlama-1.1B shape),
+#      bf16 with and without saved attention, and f32 (explicit within 1e-4 of autograd);
 #   2. losses of 10 training steps (tiny model) and 4 steps (1.1B shape, 4K tokens):
 #      explicit bf16 vs f32 within twice autograd bf16 vs f32.
 # Usage: scripts/gpu_engine_check.sh BINARY(.gz) OUTDIR
@@ -17,6 +18,10 @@ for extra in "" "--save-attention"; do
   timeout 240 "$BIN" bench engine --check-grads --seq 4096,16384 --token-chunk 4096 $extra \
     >>"$OUTDIR/check_grads.jsonl" 2>>"$OUTDIR/check_grads.log" || { echo "check-grads $extra FAILED"; status=1; }
 done
+# f32 on the GPU: autograd is the reference itself, so the explicit path (GEMM-accumulated
+# f32 weight gradients, fused kernels) must be within 1e-4 of it outright.
+timeout 120 "$BIN" bench engine --check-grads --dtype f32 --seq 4096 --token-chunk 1024 --tolerance 1e-4 \
+  >>"$OUTDIR/check_grads.jsonl" 2>>"$OUTDIR/check_grads.log" || { echo "check-grads f32 FAILED"; status=1; }
 grep -E "^seq" "$OUTDIR/check_grads.log"
 train() { # name dtype layer_backward model seq steps batch lr
   printf '[train]\nlayer_backward = "%s"\n' "$3" > $W/$1.toml
