@@ -5,7 +5,8 @@
 # of tokens/s, MFU, device peak and the ratio longctx / transformers.
 # Usage: scripts/bench_train_compare.sh [BINARY] [OUTDIR] [SEQS] [STEPS]   (BINARY may be a .gz)
 #   SEQS default 16384,65536; STEPS default 4 (the first step of each side is not timed).
-# Extra longctx flags: LONGCTX_FLAGS="--profile ..." (appended to `train`).
+# Extra longctx flags: LONGCTX_FLAGS="--config x.toml ..." (appended to `train`); TOKEN_CHUNK
+# (default 8192) sets --token-chunk.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 BIN=${1:-target-cuda/release/longctx}
@@ -21,7 +22,7 @@ status=0
 for S in ${SEQS//,/ }; do
     # shellcheck disable=SC2086
     timeout 420 "$BIN" train --model builtin:tinyllama-1.1b-shape --dataset synthetic:passkey --seq-length "$S" --rope-theta 1e6 \
-        --max-train-steps "$STEPS" --batch-size 1 --device cuda --dtype bf16 --token-chunk 8192 --learning-rate 1e-5 \
+        --max-train-steps "$STEPS" --batch-size 1 --device cuda --dtype bf16 --token-chunk "${TOKEN_CHUNK:-8192}" --learning-rate 1e-5 \
         --output-dir $W/l$S ${LONGCTX_FLAGS:-} >"$OUTDIR/longctx-$S.log" 2>&1 || { echo "longctx seq $S failed (see longctx-$S.log)"; status=1; }
     python3 - "$W/l$S/metrics.jsonl" "$S" >>"$RES" <<'EOF' || status=1
 import json, sys

@@ -22,7 +22,7 @@
 
 use crate::model::{Llama, RopeTable};
 use crate::train::grads::GradBuffer;
-use crate::train::layer_grad::{accumulate, chunk_rows, put_rows, LayerPass, LayerShape, LayerSlots, SavedAttention};
+use crate::train::layer_grad::{accumulate, chunk_rows, put_rows, row_buffer, LayerPass, LayerShape, LayerSlots, SavedAttention};
 use crate::train::offload::ActivationStore;
 use crate::train::profile::{Phase, PhaseTimes, Profiler};
 use crate::Result;
@@ -354,7 +354,8 @@ impl Engine {
         let cfg = &self.tracked.cfg;
         let norm = &self.plain.norm;
         let w = self.plain.lm_head.weight();
-        let gx = x.zeros_like()?;
+        // SAFETY: the loop below writes every chunk's rows of gx.
+        let gx = unsafe { row_buffer(x.shape(), x.dtype(), x.device()) }?;
         let mut losses = Vec::with_capacity(chunks.len()); // f32 scalars, read once below
         for &ch in chunks {
             let xc = chunk_rows(x, ch)?; // [n, h]

@@ -142,6 +142,17 @@ pub(crate) fn chunk_rows(t: &Tensor, (st, len): (usize, usize)) -> Result<Tensor
     Ok(c.reshape((n, c.elem_count() / n.max(1)))?)
 }
 
+/// A whole-sequence buffer that the chunk loop then fills row by row, left
+/// uninitialised (no memset).
+///
+/// # Safety
+/// Every element must be written before it is read: the callers write every chunk of
+/// `[0, s)` (the chunks tile the sequence) before using the buffer.
+pub(crate) unsafe fn row_buffer(shape: impl Into<candle_core::Shape>, dtype: DType, dev: &Device) -> Result<Tensor> {
+    // SAFETY: forwarded to the caller (see above).
+    Ok(unsafe { Tensor::empty(shape, dtype, dev) }?)
+}
+
 /// Writes `rows [b·len, k]` into rows `[st, st + len)` of `dst [b, s, ..]` (contiguous).
 pub(crate) fn put_rows(dst: &Tensor, rows: &Tensor, (st, len): (usize, usize)) -> Result<()> {
     let mut shape = dst.dims().to_vec();
@@ -249,10 +260,9 @@ impl LayerPass<'_> {
         let a = &layer.self_attn;
         let (b, s, _) = x.dims3()?;
         let (hq, hkv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
-        let (q, k, v) = self.t(Phase::Copies, || {
-            let z = |h: usize| Tensor::zeros((b, s, h, d), x.dtype(), x.device());
-            Ok((z(hq)?, z(hkv)?, z(hkv)?))
-        })?;
+        // SAFETY: the loop below writes every chunk's rows of q, k and v.
+        let z = |h: usize| unsafe { row_buffer((b, s, h, d), x.dtype(), x.device()) };
+        let (q, k, v) = (z(hq)?, z(hkv)?, z(hkv)?);
         for &ch in self.chunks {
             let (n1, _) = self.t(Phase::NormRopeAct, || rms_forward(&layer.input_layernorm, &self.rows(x, ch)?))?;
             self.put(&q, &self.linear(&a.q_proj, &n1)?, ch)?;
@@ -289,7 +299,8 @@ impl LayerPass<'_> {
     /// attention core is whole-sequence), and the attention's tensors for the backward.
     pub fn forward(&self, layer: &DecoderLayer, x: &Tensor) -> Result<(Tensor, SavedAttention)> {
         let core = self.attn_core(layer, x)?;
-        let y = self.t(Phase::Copies, || Ok(Tensor::zeros(x.shape(), x.dtype(), x.device())?))?;
+        // SAFETY: the loop below writes every chunk's rows of y.
+        let y = unsafe { row_buffer(x.shape(), x.dtype(), x.device()) }?;
         for &ch in self.chunks {
             let hc = self.residual_chunk(layer, x, &core.o, ch)?;
             self.put(&y, &self.mlp_chunk(layer, &hc)?, ch)?;
@@ -338,7 +349,8 @@ impl LayerPass<'_> {
             None => self.attn_core(layer, x)?,
         };
         let a = &layer.self_attn;
-        let d_o = self.t(Phase::Copies, || Ok(core.o.zeros_like()?))?;
+        // SAFETY: the loop below writes every chunk's rows of d_o.
+        let d_o = unsafe { row_buffer(core.o.shape(), core.o.dtype(), core.o.device()) }?;
         // MLP half and o_proj, chunk by chunk: dy_c → dh_c (written over dy_c), d_o_c.
         for &ch in self.chunks {
             let hc = self.residual_chunk(layer, x, &core.o, ch)?;
