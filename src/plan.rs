@@ -13,36 +13,37 @@
 //! the Ulysses split (`hkv / U`, or 1 when kv heads are replicated because `U % hkv == 0`),
 //! `e_q = b·s·hq·d`, `e_kv = b·s·hkv·d` (elements of local q and local k).
 //!
-//! Device memory per GPU (bytes):
+//! Device memory per GPU (bytes), from the shapes the engine allocates (the layer
+//! transient is `train::layer_grad::LayerShape`, the same function the engine reports
+//! its transient memory with):
 //! ```text
 //! weights            P·a                          model weights (every rank holds all)
-//! gradients          4·P                          f32 gradient accumulators (engine)
-//! optimizer          12·⌈P/W⌉                     f32 master + AdamW m, v, ZeRO-1 over all W ranks;
-//!                                                 0 when the optimizer lives on the host
+//! gradients          4·W·L                        the flat f32 gradient buffer (L = ⌈P/W⌉)
+//! optimizer          12·L                         f32 master + AdamW m, v, ZeRO-1 over all W
+//!                                                 ranks; 0 when the optimizer lives on the host
 //! grad_reduce        W = 1: 4·2²⁶                 optimizer step only: one slice of the
-//!                    W > 1: (4 + a)·⌈P/W⌉ + 2·P·a gradient norm's squares; with several
-//!                                                 ranks the reduce-scattered f32 shard, its
-//!                                                 new weights and their all-gather (parts, joined)
-//! saved_activations  L·b·s·h·a                    each layer's input, kept from forward
-//!                                                 to backward; 0 when offloaded
-//! saved_attention    L·((2·e_q + 2·e_kv)·a        with save_attention: each layer's q, k,
-//!                      + 4·b·hq·s)                v, o and f32 LSE kept for the backward
-//! layer_io           b·s·h·(8a + 12)              [b, s, h] tensors of one layer's
-//!                    backward: input, norm output, attention output, residual, incoming
-//!                    and outgoing gradients, and the grads of the two projections'
-//!                    outputs (8 in the model dtype) + RMSNorm's f32 input, normalised
-//!                    copy and its gradient (3 in f32)
-//! attention_local    2·(2·e_q + 2·e_kv)·a         q, k, v, o of the local tokens and
-//!                                                 their gradients
-//! lse                4·b·hq·s                     the kernel's f32 log-sum-exp
+//!                    W > 1: (4 + a)·L + 2·P·a     gradient norm's squares; with several ranks
+//!                                                 the reduce-scattered f32 shard, its new
+//!                                                 weights and their all-gather (parts, joined)
+//! saved_activations  L·b·s·h·a                    each layer's input; 0 when offloaded
+//! saved_attention    L·core                       with save_attention: each layer's q, k, v, o
+//!                                                 and f32 LSE; 0 when offloaded with the inputs
+//!   core = (2·e_q + 2·e_kv)·a + 4·b·hq·s
+//! in_flight          offloaded: 2·(b·s·h·a        the layer's input and the one below it,
+//!                    (+ core))                    brought back ahead (and their cores)
+//! layer_backward     b·s·h·a + core + (2·e_q + 2·e_kv)·a + chunk
+//!                    (core left out when saved: counted above)   the incoming gradient
+//!                    (overwritten with the outgoing one), the attention core and its
+//!                    gradients; chunk = b·c·(6i + 6h)·a + 8·b·c: one token chunk's MLP
+//!                    and norm intermediates (`LayerShape::backward_bytes`)
+//! attention_work     8·b·s·hq·d                   the fused attention backward's f32
+//!                                                 accumulators (workspace; measured on H200)
 //! attention_mode     mode-specific, see below
-//! mlp_chunk          b·c·(2a·(4i + 2h) + 16h)     one token chunk of the MLP backward:
-//!                    gate, up, act, product [c, i] and norm out, down out [c, h] with
-//!                    their grads, + RMSNorm's f32 input/normalised copies with grads
-//! head               2·b·c·V·(a + 4) + 2·b·s·h·a  one logits chunk (model dtype and f32
-//!                    log-softmax, with grads) + the final hidden states and their grad
-//! overhead           fixed (default 3 GB): CUDA context, cuBLAS/cuDNN workspaces, NCCL
-//!                    buffers, allocator fragmentation
+//! head               2·b·s·h·a + b·c·(V + 4h)·a   the top hidden and its gradient, one
+//!                                                 logits chunk (its gradient written over it)
+//!                                                 and the chunk's hidden rows
+//! overhead           fixed (default 3 GB): CUDA context, cuBLAS/cuDNN handles, NCCL
+//!                    buffers, allocator fragmentation — outside the memory pool
 //! ```
 //! Mode-specific attention memory (`ring(e_q, e_r) = 4·e_r·a + 16·e_r + 4·e_q`: k, v
 //! double-buffered in flight, f32 dk/dv accumulators travelling and arriving, an f32
@@ -62,15 +63,17 @@
 //!   parked   = 2·b·S·hkv_U·d·a + 3·e_q·a + 4·e_q + 4·b·hq·s   every chunk's k, v;
 //!                                  q, do, o; f32 dq partials; lse
 //! ```
-//! Peaks: the layer transient (`layer_io + attention_local + lse + attention_mode +
-//! mlp_chunk`) and the head transient are never alive together, so
+//! Peaks (the layer's backward and the head are never alive together):
 //! ```text
-//! transient     = max(layer transient, head)
-//! peak_compute  = weights + gradients + optimizer + saved_activations + saved_attention
-//!                 + transient + overhead
-//! peak_step     = weights + gradients + grad_reduce + optimizer + overhead
-//! peak          = max(peak_compute, peak_step)         fits ⇔ peak ≤ GPU memory
+//! static        = weights + gradients + optimizer
+//! layer         = in_flight + layer_backward + attention_work + attention_mode
+//! head'         = head + (offloaded: one layer's group brought back)
+//! pool_peak     = max(static + saved_activations + saved_attention + max(layer, head'),
+//!                     static + grad_reduce)       what the CUDA memory pool holds at most
+//! peak          = pool_peak + overhead            fits ⇔ peak ≤ GPU memory
 //! ```
+//! `pool_peak` is what a run's `device_peak_bytes` (the pool's high-water mark) measures;
+//! `scripts/gpu_long_check.sh` compares the two (within 10 % on an H200 from 16K to 1M).
 //! Host memory per rank: the optimizer (12·⌈P/W⌉) and this rank's shard of the reduced
 //! gradient (4·⌈P/W⌉) when on the host, offloaded saved activations, FPDT's parked
 //! tensors with `fpdt_offload`, and the trainer's f32 copy of the start weights (4·P). Per node: times
@@ -90,6 +93,7 @@
 use crate::dist::dims::{ParallelDims, ParallelMode};
 use crate::model::LlamaConfig;
 use crate::train::config::{RunConfig, Stage};
+use crate::train::layer_grad::LayerShape;
 use crate::{Error, Result};
 use serde::Serialize;
 use std::path::Path;
@@ -243,19 +247,23 @@ pub struct DeviceMemory {
     pub grad_reduce: u64,
     pub saved_activations: u64,
     pub saved_attention: u64,
-    pub layer_io: u64,
-    pub attention_local: u64,
-    pub lse: u64,
+    pub in_flight: u64,
+    pub layer_backward: u64,
+    pub attention_work: u64,
     pub attention_mode: u64,
-    pub mlp_chunk: u64,
     pub head: u64,
     pub overhead: u64,
-    /// `layer_io + attention_local + lse + attention_mode + mlp_chunk`.
+    /// `in_flight + layer_backward + attention_work + attention_mode`.
     pub layer_transient: u64,
-    /// `max(layer_transient, head)`.
+    /// `head` plus, when offloading, one layer's group brought back.
+    pub head_transient: u64,
+    /// `max(layer_transient, head_transient)`.
     pub transient: u64,
     pub peak_compute: u64,
     pub peak_step: u64,
+    /// What the CUDA memory pool holds at most: `max(peak_compute, peak_step)`.
+    pub pool_peak: u64,
+    /// `pool_peak + overhead`.
     pub peak: u64,
 }
 
@@ -368,18 +376,18 @@ fn kv_heads_per_rank(hkv: usize, u: usize) -> u64 {
 }
 
 /// Ring buffers: k, v double-buffered, f32 dk/dv travelling + arriving, f32 dq/o.
-fn ring_bytes(e_q: u64, e_r: u64, a: u64) -> u64 {
+fn ring_bytes(e_q: u128, e_r: u128, a: u128) -> u128 {
     4 * e_r * a + 16 * e_r + 4 * e_q
 }
 
 /// Head-sharded q, o and k, v with their gradients.
-fn heads_bytes(e_q: u64, e_h: u64, a: u64) -> u64 {
+fn heads_bytes(e_q: u128, e_h: u128, a: u128) -> u128 {
     2 * (2 * e_q + 2 * e_h) * a
 }
 
 /// FPDT (resident on the device, parked where the offload flag says).
 #[allow(clippy::too_many_arguments)]
-fn fpdt_bytes(b: u64, seq: u64, s: u64, chunk: u64, hq: u64, hkv_u: u64, u: u64, d: u64, a: u64) -> (u64, u64) {
+fn fpdt_bytes(b: u128, seq: u128, s: u128, chunk: u128, hq: u128, hkv_u: u128, u: u128, d: u128, a: u128) -> (u128, u128) {
     let hq_u = hq / u;
     let e_q = b * s * hq * d;
     let resident = 4 * b * chunk * hkv_u * d * a
@@ -394,78 +402,123 @@ fn fpdt_bytes(b: u64, seq: u64, s: u64, chunk: u64, hq: u64, hkv_u: u64, u: u64,
 /// Memory estimate of a request (validated first).
 pub fn estimate(model: &ModelShape, req: &PlanRequest) -> Result<Estimate> {
     let lay = validate(model, req)?;
-    let p = model.params;
-    let (l, h, i, v) = (model.layers as u64, model.hidden as u64, model.intermediate as u64, model.vocab as u64);
-    let (hq, hkv, d) = (model.heads as u64, model.kv_heads as u64, model.head_dim as u64);
-    let (b, a) = (req.batch_size as u64, req.dtype_bytes as u64);
-    let seq = req.seq_len as u64;
-    let s = lay.local_tokens as u64;
-    let c = (req.token_chunk as u64).min(s);
-    let e_q = b * s * hq * d;
-    let e_kv = b * s * hkv * d;
+    let (dev, host) = device_and_host(model, req, &lay).ok_or_else(|| {
+        Error::Setting(format!(
+            "memory estimate overflows 128-bit bytes for {} tokens × batch {} with this model; check the sequence length, \
+             batch size and model shape",
+            req.seq_len, req.batch_size
+        ))
+    })?;
+    let fits_gpu = dev.peak <= req.gpu_memory;
+    let fits_host = req.host_memory.map(|m| host.per_node <= m);
+    Ok(Estimate { layout: lay, device: dev, host, fits_gpu, fits_host, fits: fits_gpu && fits_host.unwrap_or(true) })
+}
 
-    let mut dev = DeviceMemory {
-        weights: p * a,
-        gradients: 4 * p,
-        optimizer: if req.optimizer_on_host { 0 } else { 12 * p.div_ceil(lay.world as u64) },
-        grad_reduce: if lay.world > 1 { (4 + a) * p.div_ceil(lay.world as u64) + 2 * p * a } else { 4 << 26 },
-        layer_io: b * s * h * (8 * a + 12),
-        attention_local: 2 * (2 * e_q + 2 * e_kv) * a,
-        lse: 4 * b * hq * s,
-        mlp_chunk: b * c * (2 * a * (4 * i + 2 * h) + 16 * h),
-        head: 2 * b * c * v * (a + 4) + 2 * b * s * h * a,
-        overhead: req.overhead,
-        ..Default::default()
+/// The formulas of the module doc, in u128 (no silent overflow); `None` when a figure
+/// does not fit u64.
+fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Option<(DeviceMemory, HostMemory)> {
+    let u = |x: usize| x as u128;
+    let p = model.params as u128;
+    let l = u(model.layers);
+    let (hq, d) = (u(model.heads), u(model.head_dim));
+    let (b, a) = (u(req.batch_size), u(req.dtype_bytes));
+    let (seq, s, w) = (u(req.seq_len), u(lay.local_tokens), u(lay.world));
+    let shard = p.div_ceil(w);
+    let e_q = b * s * hq * d;
+    let e_kv = b * s * u(model.kv_heads) * d;
+    // The engine's own byte counts for these shapes.
+    let shape = LayerShape {
+        batch: req.batch_size,
+        tokens: lay.local_tokens,
+        chunk: req.token_chunk,
+        hidden: model.hidden,
+        intermediate: model.intermediate,
+        heads: model.heads,
+        kv_heads: model.kv_heads,
+        head_dim: model.head_dim,
+        vocab: model.vocab,
+        elem: req.dtype_bytes,
     };
-    let saved = l * b * s * h * a;
+    let (core, input) = (shape.core_bytes(), shape.input_bytes());
+    let saved_attn = if req.save_attention { l * core } else { 0 };
+    let group = input + if req.save_attention { core } else { 0 };
+    let (off, on_host) = (req.offload_activations, req.optimizer_on_host);
+    let (hkv_u, uly, r) = (u128::from(kv_heads_per_rank(model.kv_heads, lay.ulysses)), u(lay.ulysses), u(lay.ring));
     let mut host = HostMemory {
-        optimizer: if req.optimizer_on_host { 12 * p.div_ceil(lay.world as u64) } else { 0 },
-        weights_copy: 4 * p,
-        grads_copy: if req.optimizer_on_host { 4 * p.div_ceil(lay.world as u64) } else { 0 },
+        optimizer: cvt(if on_host { 12 * shard } else { 0 })?,
+        saved_activations: cvt(if off { l * group } else { 0 })?,
+        weights_copy: cvt(4 * p)?,
+        grads_copy: cvt(if on_host { 4 * shard } else { 0 })?,
         ..Default::default()
     };
-    if req.offload_activations {
-        host.saved_activations = saved;
-    } else {
-        dev.saved_activations = saved;
-    }
-    if req.save_attention {
-        dev.saved_attention = l * ((2 * e_q + 2 * e_kv) * a + 4 * b * hq * s);
-    }
-    let (u, r) = (lay.ulysses as u64, lay.ring as u64);
-    dev.attention_mode = match lay.mode {
+    let attention_mode = match lay.mode {
         ParallelMode::DataParallel => 0,
         ParallelMode::ZigzagRingAttn => ring_bytes(e_q, e_kv, a),
-        ParallelMode::UlyssesAttn => heads_bytes(e_q, b * seq * kv_heads_per_rank(model.kv_heads, lay.ulysses) * d, a),
+        ParallelMode::UlyssesAttn => heads_bytes(e_q, b * seq * hkv_u * d, a),
         ParallelMode::Usp => {
-            let e_h = b * (seq / r) * kv_heads_per_rank(model.kv_heads, lay.ulysses) * d;
+            let e_h = b * (seq / r) * hkv_u * d;
             heads_bytes(e_q, e_h, a) + ring_bytes(e_q, e_h, a)
         }
         ParallelMode::Fpdt => {
-            let hkv_u = kv_heads_per_rank(model.kv_heads, lay.ulysses);
-            let (resident, parked) = fpdt_bytes(b, seq, s, req.fpdt_chunk as u64, hq, hkv_u, u, d, a);
+            let (resident, parked) = fpdt_bytes(b, seq, s, u(req.fpdt_chunk), hq, hkv_u, uly, d, a);
             if req.fpdt_offload {
-                host.fpdt_parked = parked;
+                host.fpdt_parked = cvt(parked)?;
                 resident
             } else {
                 resident + parked
             }
         }
     };
-    dev.layer_transient = dev.layer_io + dev.attention_local + dev.lse + dev.attention_mode + dev.mlp_chunk;
-    dev.transient = dev.layer_transient.max(dev.head);
-    let base = dev.weights + dev.gradients + dev.optimizer + dev.overhead;
-    dev.peak_compute = base + dev.saved_activations + dev.saved_attention + dev.transient;
-    dev.peak_step = base + dev.grad_reduce;
-    dev.peak = dev.peak_compute.max(dev.peak_step);
+    let weights = p * a;
+    let gradients = 4 * shard * w;
+    let optimizer = if on_host { 0 } else { 12 * shard };
+    let grad_reduce = if lay.world > 1 { (4 + a) * shard + 2 * p * a } else { 4 << 26 };
+    let saved = if off { (0, 0) } else { (l * input, saved_attn) };
+    let in_flight = if off { 2 * group } else { 0 };
+    let layer_backward = shape.backward_bytes() - if req.save_attention { core } else { 0 };
+    let attention_work = shape.attention_work_bytes();
+    let head = shape.head_bytes();
+    let layer_transient = in_flight + layer_backward + attention_work + attention_mode;
+    let head_transient = head + if off { group } else { 0 };
+    let transient = layer_transient.max(head_transient);
+    let fixed = weights + gradients + optimizer;
+    let peak_compute = fixed + saved.0 + saved.1 + transient;
+    let peak_step = fixed + grad_reduce;
+    let pool_peak = peak_compute.max(peak_step);
+    let ov = u128::from(req.overhead);
+    let dev = DeviceMemory {
+        weights: cvt(weights)?,
+        gradients: cvt(gradients)?,
+        optimizer: cvt(optimizer)?,
+        grad_reduce: cvt(grad_reduce)?,
+        saved_activations: cvt(saved.0)?,
+        saved_attention: cvt(saved.1)?,
+        in_flight: cvt(in_flight)?,
+        layer_backward: cvt(layer_backward)?,
+        attention_work: cvt(attention_work)?,
+        attention_mode: cvt(attention_mode)?,
+        head: cvt(head)?,
+        overhead: req.overhead,
+        layer_transient: cvt(layer_transient)?,
+        head_transient: cvt(head_transient)?,
+        transient: cvt(transient)?,
+        peak_compute: cvt(peak_compute + ov)?,
+        peak_step: cvt(peak_step + ov)?,
+        pool_peak: cvt(pool_peak)?,
+        peak: cvt(pool_peak + ov)?,
+    };
+    host.per_rank = cvt(u128::from(host.optimizer)
+        + u128::from(host.saved_activations)
+        + u128::from(host.fpdt_parked)
+        + u128::from(host.weights_copy)
+        + u128::from(host.grads_copy))?;
+    host.ranks_per_node = req.world / req.nnodes.max(1);
+    host.per_node = cvt(u128::from(host.per_rank) * host.ranks_per_node as u128)?;
+    Some((dev, host))
+}
 
-    host.per_rank = host.optimizer + host.saved_activations + host.fpdt_parked + host.weights_copy + host.grads_copy;
-    host.ranks_per_node = req.world / req.nnodes;
-    host.per_node = host.per_rank * host.ranks_per_node as u64;
-
-    let fits_gpu = dev.peak <= req.gpu_memory;
-    let fits_host = req.host_memory.map(|m| host.per_node <= m);
-    Ok(Estimate { layout: lay, device: dev, host, fits_gpu, fits_host, fits: fits_gpu && fits_host.unwrap_or(true) })
+fn cvt(x: u128) -> Option<u64> {
+    u64::try_from(x).ok()
 }
 
 /// Divisors of `n`, ascending.

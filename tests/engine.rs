@@ -307,3 +307,41 @@ fn engine_reused_across_steps() -> longctx::Result<()> {
     }
     Ok(())
 }
+
+/// The planner counts from the engine's own shapes: for several lengths, layouts and
+/// settings, the planner's saved bytes (device or host) equal what the engine's store
+/// held, and its layer/head transient equals what the engine reports (f32 on the CPU).
+#[test]
+fn planner_figures_equal_the_engine_report() -> longctx::Result<()> {
+    use longctx::dist::ParallelMode;
+    use longctx::plan::{self, ModelShape, PlanRequest};
+    let cfg = config(4, 2, false, false, 3);
+    let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
+    for (seq, gpus, mode) in
+        [(64, 1, ParallelMode::DataParallel), (96, 1, ParallelMode::DataParallel), (128, 2, ParallelMode::ZigzagRingAttn)]
+    {
+        for (offload, save) in [(false, false), (true, false), (false, true), (true, true)] {
+            let chunk = 40;
+            let mut req = PlanRequest::new(seq, gpus, 1 << 40, mode);
+            (req.dtype_bytes, req.token_chunk, req.batch_size) = (4, chunk, 2);
+            (req.offload_activations, req.save_attention) = (offload, save);
+            let e = plan::estimate(&ModelShape::from_config(&cfg), &req)?;
+            let s = e.layout.local_tokens; // this rank's tokens: what the engine is given
+            let eng = engine_with(
+                &cfg,
+                EngineOptions { token_chunk: chunk, offload_activations: offload, save_attention: save, ..Default::default() },
+            )?;
+            let (ids, targets, pos) = batch(2, s, cfg.vocab_size, |_, _| false)?;
+            let m = eng.step(&ids, &targets, &pos, seq, &attn, 0.01)?.memory;
+            let case = format!("S={seq} {mode:?} offload={offload} save={save}");
+            let (d, h) = (&e.device, &e.host);
+            assert_eq!(m.saved_bytes as u64, d.saved_activations + d.saved_attention + h.saved_activations, "{case}: saved");
+            assert_eq!(m.saved_host_bytes as u64, h.saved_activations, "{case}: saved in host memory");
+            // q, k, v, o and the LSE of one layer, f32: counted in the layer's backward unless saved.
+            let (eq, ekv) = (2 * s * cfg.num_attention_heads * cfg.head_dim, 2 * s * cfg.num_key_value_heads * cfg.head_dim);
+            let core = ((2 * eq + 2 * ekv) * 4 + 4 * 2 * cfg.num_attention_heads * s) as u64;
+            assert_eq!(m.transient_bytes as u64, (d.layer_backward + if save { core } else { 0 }).max(d.head), "{case}: transient");
+        }
+    }
+    Ok(())
+}

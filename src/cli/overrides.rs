@@ -38,6 +38,10 @@ pub struct ParallelFlags {
     /// Keep saved layer inputs in host memory between forward and backward.
     #[arg(long)]
     pub offload_activations: bool,
+    /// Keep each layer's attention q, k, v, o and LSE from the forward for the backward
+    /// (no attention recompute; in host memory with --offload-activations).
+    #[arg(long)]
+    pub save_attention: bool,
     /// Tokens per chunk for the token-wise parts (MLP, norms, head, loss) [default: 4096].
     #[arg(long)]
     pub token_chunk: Option<usize>,
@@ -55,6 +59,7 @@ impl ParallelFlags {
         set(&mut p.fpdt_chunk_size, self.fpdt_chunk_size);
         p.fpdt_offload |= self.fpdt_offload;
         p.offload_activations |= self.offload_activations;
+        p.save_attention |= self.save_attention;
         set(&mut p.token_chunk, self.token_chunk);
         Ok(())
     }

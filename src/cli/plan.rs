@@ -164,6 +164,7 @@ fn requests(a: &PlanArgs, run: &RunConfig, from_file: bool) -> Result<Vec<(Strin
         r.fpdt_chunk = st.fpdt_chunk_size.unwrap_or(p.fpdt_chunk_size);
         r.fpdt_offload = p.fpdt_offload;
         r.offload_activations = p.offload_activations;
+        r.save_attention = p.save_attention;
         r.token_chunk = p.token_chunk;
         let label = if a.layout.seq_length.is_some() { String::new() } else { format!("stage {i} (rope_theta {})", st.rope_theta) };
         out.push((label, r));
@@ -203,20 +204,21 @@ fn print_plan(p: &plan::Plan) {
 fn print_device(p: &plan::Plan) {
     let (r, e) = (&p.request, &p.estimate);
     let d = &e.device;
-    let rows: [(&str, u64, &str); 13] = [
+    let rows: [(&str, u64, &str); 14] = [
         ("weights", d.weights, ""),
-        ("gradients (f32)", d.gradients, ""),
+        ("gradients (f32)", d.gradients, "one flat buffer"),
         ("optimizer (f32 master, m, v)", d.optimizer, if r.optimizer_on_host { "on the host" } else { "ZeRO-1 over all ranks" }),
         ("saved activations", d.saved_activations, if r.offload_activations { "offloaded" } else { "" }),
+        ("saved attention", d.saved_attention, if r.save_attention { "q, k, v, o, lse per layer" } else { "off" }),
         ("layer transient", d.layer_transient, "backward of one layer, of which:"),
-        ("  [b, s, h] tensors", d.layer_io, ""),
-        ("  q/k/v/o + grads", d.attention_local, ""),
-        ("  lse", d.lse, ""),
+        ("  layer groups in flight", d.in_flight, if r.offload_activations { "brought back from the host" } else { "" }),
+        ("  gradient, core, chunk", d.layer_backward, "[b,s,h] gradient, q/k/v/o (+ grads), one chunk"),
+        ("  attention workspace", d.attention_work, "f32 accumulators of the fused backward"),
         ("  attention mode", d.attention_mode, ""),
-        ("  mlp chunk", d.mlp_chunk, ""),
-        ("head transient", d.head, "logits chunk; not alive with the layer's"),
-        ("overhead", d.overhead, ""),
+        ("head transient", d.head_transient, "logits chunk; not alive with the layer's"),
+        ("overhead", d.overhead, "outside the memory pool"),
         ("optimizer step buffers", d.grad_reduce, "optimizer step only"),
+        ("memory pool peak", d.pool_peak, "what a run's device_peak_bytes measures"),
     ];
     println!("  per GPU                             GB");
     for (name, v, note) in rows {

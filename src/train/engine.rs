@@ -261,7 +261,8 @@ impl Engine {
             })?;
             x = y;
         }
-        mem.transient_bytes = self.layer_shape(&x, chunks.first().map_or(0, |c| c.1))?.backward_bytes();
+        let shape = self.layer_shape(&x, chunks.first().map_or(0, |c| c.1))?;
+        mem.transient_bytes = usize::try_from(shape.backward_bytes().max(shape.head_bytes())).unwrap_or(usize::MAX);
         store.end_forward()?;
         let (inputs, host) = store.bytes();
         (mem.saved_bytes, mem.saved_host_bytes) = (inputs, host);
@@ -271,7 +272,7 @@ impl Engine {
 
         // 2. head + loss, chunked; dL/dx_L.
         let (mut gx, loss_sum) = self.prof.time(Phase::Loss, &dev, || match self.opts.layer_backward {
-            LayerBackward::Explicit => self.head_backward_fused(&x, targets, &chunks, scale, acc, &mut mem),
+            LayerBackward::Explicit => self.head_backward_fused(&x, targets, &chunks, scale, acc),
             LayerBackward::Autograd => self.head_backward(&x, targets, &chunks, scale, acc, &mut mem),
         })?;
         drop(x);
@@ -349,9 +350,7 @@ impl Engine {
         chunks: &[(usize, usize)],
         scale: f64,
         acc: &[Tensor],
-        mem: &mut MemoryReport,
     ) -> Result<(Tensor, f64)> {
-        let cfg = &self.tracked.cfg;
         let norm = &self.plain.norm;
         let w = self.plain.lm_head.weight();
         // SAFETY: the loop below writes every chunk's rows of gx.
@@ -367,9 +366,6 @@ impl Engine {
             put_rows(&gx, &g.dx, ch)?;
             losses.push(ce.loss_sum);
         }
-        // One logits chunk [n, V] (its gradient is written over it) and its rows in and out.
-        let rows = x.dim(0)? * chunks.first().map_or(0, |c| c.1);
-        mem.transient_bytes = mem.transient_bytes.max(rows * (cfg.vocab_size + 4 * cfg.hidden_size) * w.dtype().size_in_bytes());
         let loss_sum =
             if losses.is_empty() { 0.0 } else { Tensor::stack(&losses, 0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?.iter().sum() };
         Ok((gx, loss_sum))
@@ -435,6 +431,7 @@ impl Engine {
             heads: c.num_attention_heads,
             kv_heads: c.num_key_value_heads,
             head_dim: c.head_dim,
+            vocab: c.vocab_size,
             elem: x.dtype().size_in_bytes(),
         })
     }

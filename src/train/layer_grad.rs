@@ -178,7 +178,9 @@ pub struct LayerPass<'a> {
     pub dev: &'a Device,
 }
 
-/// The sizes a layer's transient memory depends on.
+/// The sizes the engine's transient memory depends on; its byte counts are the ones the
+/// engine reports ([`super::engine::MemoryReport`]) and the planner (`crate::plan`) adds
+/// up, in u128 (the planner checks them against overflow).
 #[derive(Clone, Copy, Debug)]
 pub struct LayerShape {
     pub batch: usize,
@@ -191,36 +193,67 @@ pub struct LayerShape {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    pub vocab: usize,
     /// Bytes per element of the model dtype.
     pub elem: usize,
 }
 
 impl LayerShape {
-    /// Bytes alive at once in [`LayerPass::backward`] besides the layer's saved input and
-    /// what the attention mode allocates inside: the incoming gradient `[b, s, h]`
-    /// (overwritten with the outgoing one), the core `q, k, v, o` and `lse` (f32), its
-    /// gradients `do, dq, dk, dv`, and one chunk's intermediates ([`Self::chunk_bytes`]).
-    pub fn backward_bytes(&self) -> usize {
-        let (b, s, a) = (self.batch, self.tokens, self.elem);
-        let (eq, ekv) = (b * s * self.heads * self.head_dim, b * s * self.kv_heads * self.head_dim);
-        b * s * self.hidden * a + 2 * (2 * eq + 2 * ekv) * a + 4 * b * self.heads * s + self.chunk_bytes()
+    fn n(&self) -> (u128, u128, u128) {
+        (self.batch as u128, self.tokens as u128, self.elem as u128)
     }
 
-    /// Bytes alive at once in [`LayerPass::forward`] besides its input: the output
-    /// `[b, s, h]`, the core `q, k, v, o`, `lse` and one chunk's intermediates.
-    pub fn forward_bytes(&self) -> usize {
-        let (b, s, a) = (self.batch, self.tokens, self.elem);
-        let (eq, ekv) = (b * s * self.heads * self.head_dim, b * s * self.kv_heads * self.head_dim);
-        b * s * self.hidden * a + (2 * eq + 2 * ekv) * a + 4 * b * self.heads * s + self.chunk_bytes()
+    /// `(e_q, e_kv)`: elements of q (and o) and of k (and v).
+    fn elems(&self) -> (u128, u128) {
+        let (b, s, _) = self.n();
+        (b * s * (self.heads * self.head_dim) as u128, b * s * (self.kv_heads * self.head_dim) as u128)
+    }
+
+    /// One layer's input (or any `[b, s, h]` tensor).
+    pub fn input_bytes(&self) -> u128 {
+        let (b, s, a) = self.n();
+        b * s * self.hidden as u128 * a
+    }
+
+    /// The attention core a layer may save: `q, k, v, o` and the f32 LSE.
+    pub fn core_bytes(&self) -> u128 {
+        let (b, s, a) = self.n();
+        let (eq, ekv) = self.elems();
+        (2 * eq + 2 * ekv) * a + 4 * b * self.heads as u128 * s
+    }
+
+    /// Bytes alive at once in [`LayerPass::backward`] besides the layer's saved input and
+    /// what the attention kernel allocates inside: the incoming gradient `[b, s, h]`
+    /// (overwritten with the outgoing one), the core, its gradients `do, dq, dk, dv`, and
+    /// one chunk's intermediates ([`Self::chunk_bytes`]).
+    pub fn backward_bytes(&self) -> u128 {
+        let (_, _, a) = self.n();
+        let (eq, ekv) = self.elems();
+        self.input_bytes() + self.core_bytes() + (2 * eq + 2 * ekv) * a + self.chunk_bytes()
     }
 
     /// One chunk's intermediates at the MLP backward's widest point: gate, up, their
     /// product and its gradient, and the two branch gradients `[c, i]`; the chunk's
     /// residual stream, its norm, their gradients and partial sums `[c, h]` (model dtype),
     /// and the norms' f32 statistics.
-    pub fn chunk_bytes(&self) -> usize {
-        let (n, a) = (self.batch * self.chunk.min(self.tokens), self.elem);
-        n * (6 * self.intermediate + 6 * self.hidden) * a + 8 * n
+    pub fn chunk_bytes(&self) -> u128 {
+        let (b, s, a) = self.n();
+        let n = b * (self.chunk as u128).min(s);
+        n * (6 * self.intermediate as u128 + 6 * self.hidden as u128) * a + 8 * n
+    }
+
+    /// The fused attention backward's f32 accumulators (its workspace): `8·e_q` bytes,
+    /// measured on an H200 with cuDNN 9 (the kernel allocates it, not the engine).
+    pub fn attention_work_bytes(&self) -> u128 {
+        8 * self.elems().0
+    }
+
+    /// The head's backward: the top hidden and its gradient `[b, s, h]`, one logits chunk
+    /// `[n, V]` (its gradient written over it) and the chunk's hidden rows.
+    pub fn head_bytes(&self) -> u128 {
+        let (b, s, a) = self.n();
+        let n = b * (self.chunk as u128).min(s);
+        2 * self.input_bytes() + n * (self.vocab as u128 + 4 * self.hidden as u128) * a
     }
 }
 
