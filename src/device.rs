@@ -35,6 +35,42 @@ pub fn open_cuda(index: usize) -> Result<Device> {
     Ok(dev)
 }
 
+/// Total memory of the GPU `model.device` names (`None` for the CPU), read from the
+/// driver without creating a context on it.
+pub fn gpu_memory(s: &str, file: &Path) -> Result<Option<u64>> {
+    let bad = || Error::config(file, "model.device", format!("expected cpu, cuda or cuda:N, got `{s}`"));
+    let idx = match s {
+        "cpu" => return Ok(None),
+        "cuda" => 0,
+        _ => s.strip_prefix("cuda:").ok_or_else(bad)?.parse::<usize>().map_err(|_| bad())?,
+    };
+    total_memory(idx).map(Some)
+}
+
+#[cfg(feature = "cuda")]
+fn total_memory(idx: usize) -> Result<u64> {
+    use candle_core::cuda::cudarc::driver::result;
+    let err = |e: candle_core::cuda::cudarc::driver::DriverError| Error::Setting(format!("cannot query cuda:{idx}: {e}; {}", gpu_hint()));
+    result::init().map_err(err)?;
+    let ordinal = i32::try_from(idx).map_err(|_| Error::Setting(format!("cuda:{idx}: no such GPU; {}", gpu_hint())))?;
+    let dev = result::device::get(ordinal).map_err(err)?;
+    // SAFETY: `dev` is a device handle the driver just returned; the call only reads its size.
+    Ok(unsafe { result::device::total_mem(dev) }.map_err(err)? as u64)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn total_memory(idx: usize) -> Result<u64> {
+    Err(Error::Setting(format!("cannot open cuda:{idx}; {}", gpu_hint())))
+}
+
+/// Host memory available now (`MemAvailable` of /proc/meminfo), `None` where unknown.
+pub fn host_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kb.checked_mul(1024)
+}
+
 #[cfg(feature = "cuda")]
 fn gpu_hint() -> String {
     let n = candle_core::cuda::cudarc::driver::CudaContext::device_count().unwrap_or(0);

@@ -606,6 +606,112 @@ pub fn plan(model: &ModelShape, req: &PlanRequest) -> Result<Plan> {
     Ok(Plan { model: model.clone(), request: req.clone(), estimate, suggestion })
 }
 
+/// One request per stage of a run as `train` will run it (one rank per GPU, the
+/// optimizer where `train.optimizer_on_host` puts it).
+pub fn run_requests(cfg: &RunConfig, gpu_memory: u64, dtype_bytes: usize) -> Vec<PlanRequest> {
+    let p = &cfg.parallel;
+    cfg.stages
+        .iter()
+        .map(|st| {
+            let mut r = PlanRequest::new(st.seq_length, p.world_size, gpu_memory, st.parallel_mode.unwrap_or(p.mode));
+            r.optimizer_on_host = cfg.train.optimizer_on_host;
+            r.dtype_bytes = dtype_bytes;
+            r.batch_size = cfg.train.batch_size;
+            r.sp = (p.sp_size > 0).then_some(p.sp_size);
+            r.ulysses = Some(p.ulysses_size);
+            r.fpdt_chunk = st.fpdt_chunk_size.unwrap_or(p.fpdt_chunk_size);
+            r.fpdt_offload = p.fpdt_offload;
+            r.offload_activations = p.offload_activations;
+            r.save_attention = p.save_attention;
+            r.token_chunk = p.token_chunk;
+            r
+        })
+        .collect()
+}
+
+/// The largest length (a power of two, or 1.5 times one) at most `req.seq_len` that
+/// validates and fits with the request's layout; `None` when none from 1K up does.
+pub fn largest_fitting(model: &ModelShape, req: &PlanRequest) -> Option<usize> {
+    let mut lens: Vec<usize> = (10..=40).flat_map(|k| [1usize << k, 3usize << (k - 1)]).filter(|&n| n <= req.seq_len).collect();
+    lens.sort_unstable_by(|a, b| b.cmp(a));
+    lens.into_iter().find(|&n| estimate(model, &PlanRequest { seq_len: n, ..req.clone() }).is_ok_and(|e| e.fits))
+}
+
+/// Before any work: refuses a run whose stage would not fit the GPU's `gpu_memory` or,
+/// when given, the host's `host_available` bytes, naming the numbers, the largest
+/// length that fits as configured and a layout that fits the requested length.
+pub fn preflight(cfg: &RunConfig, model: &LlamaConfig, gpu_memory: u64, host_available: Option<u64>, source: &Path) -> Result<()> {
+    let shape = ModelShape::from_config(model);
+    let dtype_bytes = match cfg.model.dtype.as_str() {
+        "f32" | "float32" => 4,
+        _ => 2,
+    };
+    for (i, mut req) in run_requests(cfg, gpu_memory, dtype_bytes).into_iter().enumerate() {
+        req.host_memory = host_available;
+        let e = estimate(&shape, &req)?;
+        let what = format!("stage {i}: {} tokens ({})", req.seq_len, e.layout.mode);
+        if !e.fits_gpu {
+            let largest = largest_fitting(&shape, &PlanRequest { host_memory: None, ..req.clone() })
+                .map_or("no length from 1K up fits this layout".to_string(), |n| {
+                    format!("the largest length that fits this layout is {}", tokens_label(n))
+                });
+            let fix = match suggest(&shape, &PlanRequest { host_memory: None, ..req.clone() }) {
+                Some(s) => format!("; {} tokens fit with {}", req.seq_len, describe_suggestion(&s)),
+                None => String::new(),
+            };
+            return Err(Error::config(
+                source,
+                &format!("stage[{i}].seq_length"),
+                format!(
+                    "{what} need an estimated {} GB per GPU, the GPU has {} GB; {largest}{fix} (see `longctx plan`; \
+                     --skip-memory-check runs anyway)",
+                    gb(e.device.peak),
+                    gb(gpu_memory)
+                ),
+            ));
+        }
+        if e.fits_host == Some(false) {
+            return Err(Error::config(
+                source,
+                "parallel.offload_activations",
+                format!(
+                    "{what} need {} GB of host memory per node (offloaded activations {} GB, optimizer {} GB, FPDT {} GB, \
+                     trainer copies {} GB), {} GB are available; use a shorter length, more GPUs, or keep activations on \
+                     the GPU (see `longctx plan`; --skip-memory-check runs anyway)",
+                    gb(e.host.per_node),
+                    gb(e.host.saved_activations),
+                    gb(e.host.optimizer),
+                    gb(e.host.fpdt_parked),
+                    gb(e.host.weights_copy + e.host.grads_copy),
+                    gb(host_available.unwrap_or(0))
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A suggestion in the words of the config keys.
+pub fn describe_suggestion(s: &Suggestion) -> String {
+    let mut out = format!("parallel.mode = \"{}\"", s.mode);
+    if s.sp > 1 {
+        out += &format!(", sp_size = {}", s.sp);
+    }
+    if s.ulysses > 1 {
+        out += &format!(", ulysses_size = {}", s.ulysses);
+    }
+    if let Some(c) = s.fpdt_chunk {
+        out += &format!(", fpdt_chunk_size = {c}{}", if s.fpdt_offload { ", fpdt_offload = true" } else { "" });
+    }
+    if s.offload_activations {
+        out += ", offload_activations = true";
+    }
+    if s.save_attention {
+        out += ", save_attention = true";
+    }
+    out
+}
+
 /// Checks a run config against its model: the head split of every stage's mode
 /// ([`ParallelDims::new`], as the trainer will build it). Stages may differ in their
 /// data-parallel size: the optimizer is sharded over all ranks, not over data-parallel

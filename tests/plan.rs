@@ -361,3 +361,44 @@ fn saved_attention_by_hand_and_chosen_when_it_fits() {
     let e = plan::estimate(&shape(), &PlanRequest { save_attention: true, ..req(128 * K, ParallelMode::ZigzagRingAttn) }).unwrap();
     assert_eq!(s.peak, e.device.peak);
 }
+
+/// A run config for the 1.1B shape on one GPU, one stage of `seq` tokens.
+fn run_1b(seq: usize, offload: bool) -> longctx::train::RunConfig {
+    let mut c = longctx::train::RunConfig::plain();
+    c.model.dtype = "bf16".into();
+    c.parallel.offload_activations = offload;
+    c.parallel.token_chunk = 8192;
+    c.stages = vec![longctx::train::Stage {
+        seq_length: seq,
+        rope_theta: 1e6,
+        steps: 1,
+        learning_rate: None,
+        parallel_mode: None,
+        fpdt_chunk_size: None,
+    }];
+    c
+}
+
+/// `train`'s memory check before any work: a length that does not fit is refused with
+/// the estimate, the GPU's size, the largest length that fits as configured and a layout
+/// that fits; a host too small for the offloaded activations is refused with the need;
+/// what fits passes.
+#[test]
+fn preflight_refuses_with_the_numbers_and_a_fix() {
+    let cfg = longctx::train::init::builtin_config("tinyllama-1.1b-shape").unwrap();
+    let src = Path::new("run.toml");
+    let h200 = 141_000_000_000u64;
+    // 2M tokens on the device (no offload): does not fit one H200.
+    let e = plan::preflight(&run_1b(2 * K * K, false), &cfg, h200, None, src).unwrap_err().to_string();
+    assert!(e.contains("stage[0].seq_length") && e.contains("2097152 tokens") && e.contains("141.00 GB"), "{e}");
+    let largest =
+        plan::largest_fitting(&ModelShape::from_config(&cfg), &plan::run_requests(&run_1b(2 * K * K, false), h200, 2)[0]).unwrap();
+    assert!(e.contains(&format!("the largest length that fits this layout is {}", plan::tokens_label(largest))), "{e}");
+    assert!((256 * K..2 * K * K).contains(&largest), "{largest}");
+    assert!(e.contains("offload_activations = true") || e.contains("fpdt"), "a layout that fits: {e}");
+    // Offloading 512K needs about 47 GB of host memory for the layer inputs.
+    let e = plan::preflight(&run_1b(512 * K, true), &cfg, h200, Some(20_000_000_000), src).unwrap_err().to_string();
+    assert!(e.contains("host memory") && e.contains("offloaded activations 47.24 GB") && e.contains("20.00 GB are available"), "{e}");
+    plan::preflight(&run_1b(512 * K, true), &cfg, h200, Some(200_000_000_000), src).unwrap();
+    plan::preflight(&run_1b(64 * K, false), &cfg, h200, None, src).unwrap();
+}

@@ -32,6 +32,11 @@ pub struct TrainArgs {
     /// Print the resolved config and exit.
     #[arg(long)]
     pub dry_run: bool,
+    /// Run even when the memory planner estimates that a stage does not fit the GPU (or
+    /// the host memory its offloads need); by default such a run is refused before any
+    /// work, with the largest length that fits and a layout that fits.
+    #[arg(long)]
+    pub skip_memory_check: bool,
     /// Stop once this many optimizer steps (counted across resumes) are done: write a
     /// checkpoint there and exit without exporting; continue with --resume (a planned
     /// preemption, e.g. before a scheduler's time limit).
@@ -80,6 +85,13 @@ pub fn train(a: TrainArgs) -> Result<()> {
     let opts = longctx::hub::HubOptions::from_env();
     if let Some(m) = longctx::hub::model_config(&cfg.model.source, &opts, false).context("reading the model config")? {
         longctx::plan::check_run(&cfg, &m.cfg, &src).context("checking the parallel layout against the model")?;
+        // Memory, before any work: a stage that cannot fit the GPU (or the host, when
+        // activations or the optimizer live there) is refused with the numbers.
+        if !a.skip_memory_check && !a.dry_run {
+            if let Some(gpu) = longctx::device::gpu_memory(&cfg.model.device, &src)? {
+                longctx::plan::preflight(&cfg, &m.cfg, gpu, longctx::device::host_available(), &src).context("checking memory")?;
+            }
+        }
     }
     let limits = RunLimits { stop_at_global_step: a.stop_at_step };
     if a.dry_run {
