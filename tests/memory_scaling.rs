@@ -88,24 +88,20 @@ fn saved_inputs_are_layers_times_tokens_times_hidden() -> longctx::Result<()> {
     Ok(())
 }
 
+/// The transient is the attention core and one `[b, s, h]` gradient (linear in the
+/// tokens, whatever the chunk) plus one token chunk's intermediates (growing with the
+/// chunk): nothing quadratic in the tokens.
 #[test]
-fn transient_follows_the_chunk_not_the_sequence() -> longctx::Result<()> {
+fn transient_is_linear_in_tokens_and_grows_with_the_chunk() -> longctx::Result<()> {
     let (b, s) = (2, 32);
-    let t4 = report(2, b, s, 4, false)?.transient_bytes;
-    let t8 = report(2, b, s, 8, false)?.transient_bytes;
-    let t16 = report(2, b, s, 16, false)?.transient_bytes;
-    // Both transient terms (MLP chunk, logits chunk) are linear in the chunk's tokens.
-    assert_eq!(t8, 2 * t4, "chunk 4 -> 8");
-    assert_eq!(t16, 2 * t8, "chunk 8 -> 16");
-    // chunk 4 < s: the same transient for 32, 64 and 128 tokens
+    let t = |s: usize, c: usize| report(2, b, s, c, false).map(|m| m.transient_bytes);
+    let (t4, t8, t16) = (t(s, 4)?, t(s, 8)?, t(s, 16)?);
+    assert!(t4 < t8 && t8 < t16, "the chunk's part grows with the chunk: {t4} {t8} {t16}");
+    // Doubling the tokens with a fixed chunk at most doubles it (no s² term), and grows it.
     for s2 in [64, 128] {
-        assert_eq!(report(2, b, s2, 4, false)?.transient_bytes, t4, "s {s} -> {s2} with chunk 4");
+        let (a, bb) = (t(s2 / 2, 4)?, t(s2, 4)?);
+        assert!(a < bb && bb <= 2 * a, "s {} -> {s2}: {a} -> {bb}", s2 / 2);
     }
-    // the head holds at least one f32 logits chunk, and never the whole [b, s, V] logits
-    let logits_chunk = b * 4 * VOCAB * 4;
-    let logits_all = b * s * VOCAB * 4;
-    assert!(t4 >= logits_chunk, "transient {t4} below one logits chunk {logits_chunk}");
-    assert!(t4 < logits_all, "transient {t4} not below the whole logits {logits_all}");
     // a chunk larger than the sequence is capped at the sequence
     assert_eq!(report(2, b, s, 1000, false)?.transient_bytes, report(2, b, s, s, false)?.transient_bytes);
     Ok(())
