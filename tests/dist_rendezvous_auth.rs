@@ -244,7 +244,8 @@ fn a_secret_is_required_off_loopback_and_across_nodes() {
     assert!(!o.status.success(), "{t}");
     assert!(t.contains("export the same LONGCTX_RDZV_SECRET on every node"), "{t}");
     // A short secret names the rule.
-    let o = Command::new(exe()).args(["launch", "--nproc-per-node", "1", "--", "train"]).env("LONGCTX_RDZV_SECRET", "short").output().unwrap();
+    let o =
+        Command::new(exe()).args(["launch", "--nproc-per-node", "1", "--", "train"]).env("LONGCTX_RDZV_SECRET", "short").output().unwrap();
     assert!(text(&o).contains("at least 16"), "{}", text(&o));
     // And --help documents the variable.
     let o = Command::new(exe()).args(["launch", "--help"]).output().unwrap();

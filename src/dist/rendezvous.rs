@@ -165,14 +165,19 @@ fn listen(env: &DistEnv) -> Result<TcpListener> {
     let addrs: Vec<SocketAddr> = match host.parse::<IpAddr>() {
         Ok(ip) => vec![SocketAddr::new(ip, port)],
         Err(_) => {
-            let mut found: Vec<SocketAddr> = (host, port).to_socket_addrs().map_err(|e| {
-                comm_error(format!("rendezvous: rank 0 cannot resolve MASTER_ADDR = {host}: {e}; set MASTER_ADDR to rank 0's IP address"))
-            })?
-            .collect();
+            let mut found: Vec<SocketAddr> = (host, port)
+                .to_socket_addrs()
+                .map_err(|e| {
+                    comm_error(format!(
+                        "rendezvous: rank 0 cannot resolve MASTER_ADDR = {host}: {e}; set MASTER_ADDR to rank 0's IP address"
+                    ))
+                })?
+                .collect();
             let spans_nodes = env.world > env.local_world;
             if spans_nodes && !host.eq_ignore_ascii_case("localhost") && found.iter().all(|a| a.ip().is_loopback()) {
                 // e.g. Debian's `127.0.1.1 hostname`: the other nodes resolve it elsewhere.
-                let any: IpAddr = if found.iter().any(|a| a.is_ipv6()) { Ipv6Addr::UNSPECIFIED.into() } else { Ipv4Addr::UNSPECIFIED.into() };
+                let any: IpAddr =
+                    if found.iter().any(|a| a.is_ipv6()) { Ipv6Addr::UNSPECIFIED.into() } else { Ipv4Addr::UNSPECIFIED.into() };
                 eprintln!(
                     "note: MASTER_ADDR = {host} resolves to loopback on rank 0's machine ({:?}); listening on every interface \
                      so that the other nodes reach it (give rank 0's IP address to listen on that address only)",
@@ -463,7 +468,13 @@ fn join_once(env: &DistEnv, opts: &RendezvousOptions, key: &Secret, stream: TcpS
     Attempt::Done(await_welcome(env, opts, writer, reader, deadline))
 }
 
-fn await_welcome(env: &DistEnv, opts: &RendezvousOptions, writer: Writer, mut reader: FrameReader, deadline: Instant) -> Result<Rendezvous> {
+fn await_welcome(
+    env: &DistEnv,
+    opts: &RendezvousOptions,
+    writer: Writer,
+    mut reader: FrameReader,
+    deadline: Instant,
+) -> Result<Rendezvous> {
     let where_ = env.master();
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -491,9 +502,7 @@ fn await_welcome(env: &DistEnv, opts: &RendezvousOptions, writer: Writer, mut re
                 )))
             }
             ReadOutcome::Frame(_) | ReadOutcome::Idle => {}
-            ReadOutcome::Closed(why) => {
-                return Err(comm_error(format!("rendezvous: rank 0 on {where_} dropped the connection ({why})")))
-            }
+            ReadOutcome::Closed(why) => return Err(comm_error(format!("rendezvous: rank 0 on {where_} dropped the connection ({why})"))),
         }
     }
 }

@@ -223,7 +223,7 @@ impl NcclComm {
             family.start_watchdog(stream.context().clone(), every, opts.collective_timeout);
         }
         let handle = {
-            let calls = family.enter();
+            let calls = family.enter("ncclCommInitRank");
             if let Some(r) = family.reason() {
                 return crate::comm_err!("rank {rank} of {world}: not creating the NCCL communicator: {r}");
             }
@@ -284,9 +284,9 @@ impl NcclComm {
         }
     }
 
-    /// The call lock, once the communicator is known to be usable under it.
-    fn enter(&self) -> Result<Calls<'_>> {
-        let calls = self.family.enter();
+    /// The call lock for `what`, once the communicator is known to be usable under it.
+    fn enter(&self, what: &str) -> Result<Calls<'_>> {
+        let calls = self.family.enter(&format!("{what} (on {})", self.label));
         self.alive()?;
         if !self.handle.is_alive() {
             return crate::comm_err!("NCCL communicator ({}) already freed", self.label);
@@ -355,7 +355,7 @@ impl NcclComm {
         if self.check_shapes {
             self.check_signatures(sends, recv_from, what)?;
         }
-        let _calls = self.enter()?;
+        let _calls = self.enter(what)?;
         self.stream.context().bind_to_thread().w()?;
         self.after_compute()?;
         // Every message tensor, flat: what it sends, to whom, and from whom its receive comes.
@@ -456,7 +456,7 @@ impl NcclComm {
         what: &str,
         call: impl FnOnce(*const c_void, *mut c_void, sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t,
     ) -> Result<CudaStorage> {
-        let calls = self.enter()?;
+        let calls = self.enter(what)?;
         self.stream.context().bind_to_thread().w()?;
         self.after_compute()?;
         let mut out = self.alloc(x.dtype(), out_elems)?;
@@ -593,7 +593,7 @@ impl Comm for NcclComm {
             Arc::from(format!("group {ranks:?} of {}", self.label))
         };
         let handle = {
-            let _calls = self.enter()?;
+            let _calls = self.enter("sub (ncclCommSplit)")?;
             self.stream.context().bind_to_thread().w()?;
             let mut child: sys::ncclComm_t = std::ptr::null_mut();
             // SAFETY: collective over all parent ranks (see the module doc); a null

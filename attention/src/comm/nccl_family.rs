@@ -20,6 +20,7 @@
 use super::nccl::err_text;
 use candle_core::cuda::cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use candle_core::cuda::cudarc::nccl::sys;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
@@ -128,7 +129,11 @@ pub struct Family {
     hook: Mutex<Option<Hook>>,
     /// Inside `ncclCommInitRank` (nothing can interrupt it).
     initialising: AtomicBool,
-    works: Mutex<Vec<Work>>,
+    /// The call holding the lock: what, and since when (a host call can block too,
+    /// e.g. while NCCL connects to a peer that does not answer).
+    current: Mutex<Option<(String, Instant)>>,
+    /// Queued collectives, oldest first (one stream: they complete in order).
+    works: Mutex<VecDeque<Work>>,
     calls: AtomicU64,
 }
 
@@ -146,6 +151,7 @@ pub(super) struct Calls<'a> {
 
 impl Drop for Calls<'_> {
     fn drop(&mut self) {
+        *lock(&self.family.current) = None;
         if let Some(g) = self.guard.take() {
             if self.family.reason().is_some() {
                 self.family.abort_handles(&g);
@@ -164,7 +170,8 @@ impl Family {
             reason: Mutex::new(None),
             hook: Mutex::new(None),
             initialising: AtomicBool::new(false),
-            works: Mutex::new(Vec::new()),
+            current: Mutex::new(None),
+            works: Mutex::new(VecDeque::new()),
             calls: AtomicU64::new(0),
         })
     }
@@ -203,9 +210,12 @@ impl Family {
         lock(&self.handles).push(Arc::downgrade(h));
     }
 
-    /// Take the call lock (see the module doc).
-    pub(super) fn enter(&self) -> Calls<'_> {
-        Calls { guard: Some(lock(&CALLS)), family: self }
+    /// Take the call lock for the call `what` (see the module doc); the watchdog times
+    /// the call from here until the lock is released.
+    pub(super) fn enter(&self, what: &str) -> Calls<'_> {
+        let guard = lock(&CALLS);
+        *lock(&self.current) = Some((what.to_string(), Instant::now()));
+        Calls { guard: Some(guard), family: self }
     }
 
     /// Fail the family (first reason wins): run the hook when `tell`, then abort every
@@ -245,15 +255,23 @@ impl Family {
     pub(super) fn track(&self, stream: &CudaStream, what: &str, comm: &str) -> candle_core::Result<()> {
         let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
         let done = stream.record_event(None).map_err(|e| candle_core::Error::Msg(format!("NCCL {what}: recording an event: {e:?}")))?;
-        lock(&self.works).push(Work { what: format!("{what}, call {n} on {comm},"), queued: Instant::now(), done });
+        let mut works = lock(&self.works);
+        prune(&mut works);
+        works.push_back(Work { what: format!("{what}, call {n} on {comm},"), queued: Instant::now(), done });
         Ok(())
     }
 
-    /// The first queued collective still pending after `limit` (finished ones are forgotten).
+    /// A call blocked in the host, or the oldest queued collective, still not done
+    /// after `limit`: what to say about it.
     fn overdue(&self, limit: Duration) -> Option<String> {
+        if let Some((what, since)) = lock(&self.current).as_ref() {
+            if since.elapsed() >= limit {
+                return Some(format!("{what} has not returned"));
+            }
+        }
         let mut works = lock(&self.works);
-        works.retain(|w| matches!(w.done.try_is_complete(), Ok(false)));
-        works.iter().find(|w| w.queued.elapsed() >= limit).map(|w| w.what.clone())
+        prune(&mut works);
+        works.front().filter(|w| w.queued.elapsed() >= limit).map(|w| format!("{} did not complete", w.what))
     }
 
     /// Poll for asynchronous errors and overdue collectives until the family is gone.
@@ -265,6 +283,14 @@ impl Family {
             let _ = ctx.bind_to_thread();
             watchdog(fam, every, timeout)
         });
+    }
+}
+
+/// Forget the finished collectives at the front (an event that cannot be queried counts
+/// as finished: the asynchronous-error poll reports what went wrong).
+fn prune(works: &mut VecDeque<Work>) {
+    while works.front().is_some_and(|w| !matches!(w.done.try_is_complete(), Ok(false))) {
+        works.pop_front();
     }
 }
 
@@ -287,7 +313,7 @@ fn watchdog(family: Weak<Family>, every: Duration, timeout: Option<Duration>) {
         }
         if let Some((what, limit)) = timeout.and_then(|t| fam.overdue(t).map(|w| (w, t))) {
             let msg = format!(
-                "rank {} of {}: NCCL {what} did not complete within {} (collective timeout, parallel.collective_timeout_s): \
+                "rank {} of {}: NCCL {what} within {} (collective timeout, parallel.collective_timeout_s): \
                  a rank stopped taking part in it or is stuck; aborting every rank",
                 fam.rank,
                 fam.world,
