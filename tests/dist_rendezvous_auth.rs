@@ -186,6 +186,18 @@ fn idle_sockets_do_not_hold_up_the_rendezvous() {
 }
 
 #[test]
+fn a_connection_flood_only_delays_the_rendezvous() {
+    // 100 silent connections: rank 0 checks 64 at once and closes the rest at once; the
+    // real rank 1, closed too while the 64 wait out their 10 s hello deadline, retries and
+    // gets in after them.
+    let t = Instant::now();
+    let log = job_survives(|port| (0..100).map(|_| connect(port)).collect::<Vec<_>>());
+    assert!(log.contains("64 connections are already being checked"), "{log}");
+    assert!(log.contains("further dropped connections are counted, not logged"), "the log is bounded:\n{log}");
+    assert!(t.elapsed() < Duration::from_secs(28), "took {:?}", t.elapsed());
+}
+
+#[test]
 fn a_forged_error_frame_cannot_stop_rank_0() {
     let log = job_survives(|port| {
         // Straight away, before the challenge is read.

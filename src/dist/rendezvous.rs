@@ -69,6 +69,8 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 pub const MAX_HANDSHAKES: usize = 64;
 /// Dropped connections logged one by one; the rest are only counted.
 const LOGGED_DROPS: usize = 16;
+/// Connections accepted per round of rank 0's rendezvous loop.
+const ACCEPTS_PER_ROUND: usize = 256;
 
 #[derive(Debug, Clone)]
 pub struct RendezvousOptions {
@@ -282,7 +284,8 @@ impl Drops {
     }
 }
 
-/// Accept every pending connection and start its handshake thread.
+/// Accept the pending connections (at most [`ACCEPTS_PER_ROUND`], so that a flood cannot
+/// keep the caller from its deadline and joined ranks) and start their handshake threads.
 fn accept_ready(
     listener: &TcpListener,
     key: &Secret,
@@ -291,7 +294,7 @@ fn accept_ready(
     tx: &mpsc::Sender<Handshake>,
     drops: &mut Drops,
 ) {
-    loop {
+    for _ in 0..ACCEPTS_PER_ROUND {
         let (stream, addr) = match listener.accept() {
             Ok(x) => x,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
