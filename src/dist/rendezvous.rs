@@ -215,7 +215,7 @@ struct Joiner {
 }
 
 enum Handshake {
-    Joined(Joiner),
+    Joined(Box<Joiner>),
     Dropped(SocketAddr, String),
 }
 
@@ -256,7 +256,7 @@ fn handshake(stream: TcpStream, addr: SocketAddr, key: &Secret, wait: Duration) 
         return dropped(format!("a hello as rank {} failed authentication (wrong or missing {SECRET_ENV})", hello.rank));
     }
     reader.authenticated(session.clone(), 1);
-    Handshake::Joined(Joiner { hello, writer: Writer::new(stream, session, Dir::FromMaster), reader })
+    Handshake::Joined(Box::new(Joiner { hello, writer: Writer::new(stream, session, Dir::FromMaster), reader }))
 }
 
 /// Log of the connections rank 0 dropped (the first few one by one, then a count).
