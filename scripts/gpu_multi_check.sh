@@ -14,7 +14,9 @@
 #            naming the rank;
 #   long     TinyLlama-1.1B shape at 128K, 3 steps per mode over 2 GPUs (ring, Ulysses,
 #            USP, FPDT) and one GPU: tokens/s (steps 2..), device peak;
-#   scale256 the same at 256K (2 steps; layer inputs offloaded on one GPU).
+#   scale256 the same at 256K (2 steps; layer inputs offloaded on one GPU);
+#   liveness a rank that stops taking part (LONGCTX_TEST_STALL=1@2) with --collective-timeout 10:
+#            the job must fail within 60 s naming the collective (NCCL watchdog, issue 16).
 # Env: NGPU (default 2); for long/scale256: MODES (default "zigzag_ring_attn ulysses_attn usp
 #      fpdt"; MODE@compute runs NCCL on the compute stream, i.e. without overlap), ONE=0 skips
 #      the one-GPU run (then ONE_JSONL names its metrics.jsonl from an earlier visit).
@@ -50,6 +52,21 @@ if has probe; then
     P=$(unpack "$PROBE")
     timeout 300 "$P" launch --nproc-per-node "$NGPU" --master-port 0 -- run --nccl-selftest >>"$LOG" 2>&1 || { say "FAILED: probe"; status=1; }
     grep -E "ordering|checks passed|bandwidth|GB/s|error" "$LOG" | tail -n 12
+fi
+
+if has liveness; then
+    say "== liveness: a stalled rank, collective timeout 10 s"
+    t0=$(date +%s)
+    LONGCTX_TEST_STALL=1@2 timeout 120 "${LAUNCH[@]}" train --model builtin:tiny --dataset synthetic:passkey --seq-length 256 \
+        --rope-theta 1e5 --max-train-steps 50 --batch-size 2 --device cuda --dtype bf16 --collective-timeout 10 \
+        --output-dir $W/liveness >$W/liveness.txt 2>&1 && { say "FAILED: liveness: the job went on without rank 1"; status=1; }
+    took=$(( $(date +%s) - t0 ))
+    grep -E "did not complete within 10 s|timed out after" $W/liveness.txt | head -n 3 | tee -a "$LOG"
+    if ! grep -q "did not complete within 10 s" $W/liveness.txt || (( took > 60 )); then
+        say "FAILED: liveness (took ${took} s; see $W/liveness.txt)"; status=1
+    else
+        say "liveness: stopped after ${took} s"
+    fi
 fi
 
 if has correct; then

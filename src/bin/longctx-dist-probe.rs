@@ -133,22 +133,25 @@ fn nccl_id() -> longctx::Result<Vec<u8>> {
 /// groups of `build_groups`, bus bandwidths, and optionally the failure path.
 #[cfg(feature = "nccl")]
 fn nccl_selftest(env: &DistEnv, rdzv: &dist::Rendezvous, fail_rank: Option<usize>) -> anyhow::Result<i32> {
-    use longctx::attention::comm::{nccl::NcclComm, Comm};
+    use longctx::attention::comm::nccl::{Family, NcclComm, NcclOptions};
+    use longctx::attention::comm::Comm;
     use std::sync::Arc;
     use std::time::Instant;
 
     let (r, w) = (env.rank, env.world);
     let dev = longctx::device::open_cuda(env.local_rank)?;
-    let t0 = Instant::now();
-    let nc = NcclComm::new(&dev, r, w, &rdzv.blob)?;
-    println!("rank {r}: NCCL world of {w} up in {:.2} s", t0.elapsed().as_secs_f64());
+    // Failure wiring before the communicator, as `dist::world::join` does.
+    let family = Family::new(r, w);
     {
-        let c = nc.clone();
-        rdzv.monitor.on_failure(move |why| c.abort_from_peer(why));
+        let f = family.clone();
+        rdzv.monitor.on_failure(move |why| f.abort_from_peer(why));
         let m = rdzv.monitor.clone();
-        nc.set_abort_hook(move |why| m.report_failure(why));
+        family.set_abort_hook(move |why| m.report_failure(why));
         rdzv.monitor.exit_after_failure(Duration::from_secs(15));
     }
+    let t0 = Instant::now();
+    let nc = NcclComm::init(&dev, r, w, &rdzv.blob, NcclOptions::default(), family)?;
+    println!("rank {r}: NCCL world of {w} up in {:.2} s", t0.elapsed().as_secs_f64());
     let comm: Arc<dyn Comm> = nc.clone();
     collective_checks(&comm, &dev, r, w)?;
     ordering_checks(&comm, &dev, r, w)?;

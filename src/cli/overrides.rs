@@ -219,6 +219,10 @@ pub struct RunFlags {
     /// rope_theta written into the exported config.json (default: last stage's).
     #[arg(long, allow_negative_numbers = true)]
     pub final_rope_theta: Option<f64>,
+    /// Seconds a collective waits for the other ranks before every rank aborts naming the
+    /// rank and the collective; 0 = no timeout [default: 600] (`parallel.collective_timeout_s`).
+    #[arg(long, allow_negative_numbers = true)]
+    pub collective_timeout: Option<f64>,
 }
 
 impl RunFlags {
@@ -229,6 +233,7 @@ impl RunFlags {
         if let Some(v) = self.final_rope_theta {
             c.export.final_rope_theta = Some(v);
         }
+        set(&mut c.parallel.collective_timeout_s, self.collective_timeout);
     }
 }
 

@@ -3,7 +3,10 @@
 //! Each child gets the torchrun-style environment that [`super::env`] reads:
 //! `RANK = node_rank · nproc_per_node + local_rank`, `LOCAL_RANK`, `WORLD_SIZE =
 //! nnodes · nproc_per_node`, `LOCAL_WORLD_SIZE = nproc_per_node`, `GROUP_RANK` /
-//! `NODE_RANK = node_rank`, `MASTER_ADDR`, `MASTER_PORT`, and `LONGCTX_RDZV_TIMEOUT_S`.
+//! `NODE_RANK = node_rank`, `MASTER_ADDR`, `MASTER_PORT`, `LONGCTX_RDZV_TIMEOUT_S` and the
+//! job secret `LONGCTX_RDZV_SECRET` (see [`super::secret`]): the launcher's own when it is
+//! set (required with several nodes: the same value on every node), else a fresh random
+//! one per launch.
 //! `CUDA_VISIBLE_DEVICES` is passed through unchanged: every rank sees all GPUs of
 //! the node (what NCCL wants for peer-to-peer paths) and uses ordinal `LOCAL_RANK`.
 //!
@@ -25,6 +28,7 @@
 //! [`super::rendezvous`]. A failure on another node reaches this node's ranks through
 //! the rendezvous monitor; they exit non-zero and this launcher stops the rest.
 
+use super::secret::{Secret, SECRET_ENV, SECRET_HOWTO};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
@@ -50,10 +54,21 @@ pub struct LaunchOptions {
     pub rdzv_timeout: Duration,
     /// Time between SIGTERM and SIGKILL when stopping ranks.
     pub kill_grace: Duration,
+    /// The job secret for the ranks; `None`: a fresh one (single node only).
+    pub secret: Option<Secret>,
 }
+
+/// `--help` text on the job secret.
+const SECRET_HELP: &str = "Authentication: the ranks prove to each other in the rendezvous that they belong to \
+the same job with a shared secret, the environment variable LONGCTX_RDZV_SECRET (at least 16 bytes). Unset on a \
+single node, the launcher makes a random one per job and passes it to its ranks. With --nnodes > 1 export the same \
+value on every node before launching, e.g.
+  export LONGCTX_RDZV_SECRET=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')
+Ranks started by torchrun or Slurm read the same variable; it is required unless MASTER_ADDR is loopback.";
 
 /// Command-line form of [`LaunchOptions`] (for `longctx launch`).
 #[derive(clap::Args, Debug, Clone)]
+#[command(after_help = SECRET_HELP)]
 pub struct LaunchArgs {
     /// Ranks to start on this node (one per GPU).
     #[arg(long)]
@@ -117,6 +132,7 @@ impl LaunchArgs {
             args: self.args,
             rdzv_timeout: secs("rdzv-timeout", self.rdzv_timeout)?,
             kill_grace: secs("kill-grace", self.kill_grace)?,
+            secret: Secret::from_env().map_err(|e| LaunchError::Setting(e.to_string()))?,
         })
     }
 }
@@ -287,23 +303,37 @@ pub fn launch(opts: LaunchOptions) -> Result<i32, LaunchError> {
         (p, _) => p,
     };
     let world = nnodes * nproc_per_node;
+    let secret = job_secret(opts.secret.as_ref(), nnodes)?;
 
     install_handlers();
-    let result = supervise(&opts, port, world);
+    let result = supervise(&opts, port, world, &secret);
     restore_handlers();
     result
 }
 
 type Exits = std::sync::mpsc::Receiver<(usize, std::io::Result<ExitStatus>)>;
 
-fn supervise(opts: &LaunchOptions, port: u16, world: usize) -> Result<i32, LaunchError> {
+/// The secret the ranks get: the given one, or a fresh one on a single node.
+fn job_secret(given: Option<&Secret>, nnodes: usize) -> Result<Secret, LaunchError> {
+    match given {
+        Some(s) => Ok(s.clone()),
+        None if nnodes == 1 => Secret::generate().and_then(|v| Secret::new(&v)).map_err(|e| LaunchError::Setting(e.to_string())),
+        None => Err(LaunchError::Setting(format!(
+            "--nnodes {nnodes}: export the same {SECRET_ENV} on every node before launching ({SECRET_HOWTO}); \
+             a launcher makes its own secret only for a single node, and ranks of different nodes would not \
+             authenticate each other"
+        ))),
+    }
+}
+
+fn supervise(opts: &LaunchOptions, port: u16, world: usize, secret: &Secret) -> Result<i32, LaunchError> {
     let mut ranks: Vec<Rank> = Vec::new();
     let mut pumps = Vec::new();
     // One waiter thread per child reports its exit.
     let (exited_tx, exited) = std::sync::mpsc::channel::<(usize, std::io::Result<ExitStatus>)>();
     for local_rank in 0..opts.nproc_per_node {
         let rank = opts.node_rank * opts.nproc_per_node + local_rank;
-        let mut child = match rank_command(opts, port, world, rank, local_rank).spawn() {
+        let mut child = match rank_command(opts, port, world, rank, local_rank, secret).spawn() {
             Ok(c) => c,
             Err(source) => {
                 stop_all(&mut ranks, &exited, opts.kill_grace);
@@ -342,7 +372,7 @@ fn supervise(opts: &LaunchOptions, port: u16, world: usize) -> Result<i32, Launc
 
 /// The command of one local rank: torchrun's variables, piped output, its own process
 /// group (so a stop reaches its children), killed if the launcher dies.
-fn rank_command(opts: &LaunchOptions, port: u16, world: usize, rank: usize, local_rank: usize) -> Command {
+fn rank_command(opts: &LaunchOptions, port: u16, world: usize, rank: usize, local_rank: usize, secret: &Secret) -> Command {
     let mut cmd = Command::new(&opts.program);
     cmd.args(&opts.args)
         .env("RANK", rank.to_string())
@@ -354,6 +384,7 @@ fn rank_command(opts: &LaunchOptions, port: u16, world: usize, rank: usize, loca
         .env("MASTER_ADDR", &opts.master_addr)
         .env("MASTER_PORT", port.to_string())
         .env(super::rendezvous::TIMEOUT_ENV, opts.rdzv_timeout.as_secs_f64().to_string())
+        .env(SECRET_ENV, secret.expose())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -15,6 +15,8 @@
 //! - [`dims`]: `ParallelDims`, the rank layout, group membership, `build_groups`.
 //! - [`env`]: `DistEnv` from torchrun or Slurm variables.
 //! - [`rendezvous`]: TCP rendezvous and the failure monitor.
+//! - [`secret`]: the job secret (`LONGCTX_RDZV_SECRET`) that authenticates the rendezvous.
+//! - `wire`: the frames of the rendezvous connections and their authentication (HMAC-SHA256).
 //! - [`launch`]: one child per local rank, output prefixed, failures stop everyone.
 //! - [`world`]: the world communicator of a run, threads or processes.
 
@@ -23,6 +25,8 @@ pub mod env;
 pub mod launch;
 pub mod mode;
 pub mod rendezvous;
+pub mod secret;
+mod wire;
 pub mod world;
 
 pub use dims::{build_groups, Coords, DimsRequest, Groups, ParallelDims};
@@ -30,6 +34,7 @@ pub use env::DistEnv;
 pub use launch::{launch, LaunchArgs, LaunchError, LaunchOptions};
 pub use mode::{LengthField, ParallelMode};
 pub use rendezvous::{rendezvous, Monitor, Rendezvous, RendezvousOptions};
+pub use secret::{Secret, SECRET_ENV};
 
 /// A communication failure (rendezvous, lost peer), as the attention crate reports them.
 pub(crate) fn comm_error(msg: impl Into<String>) -> crate::Error {

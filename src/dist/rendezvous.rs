@@ -1,13 +1,21 @@
 //! TCP rendezvous on `MASTER_ADDR:MASTER_PORT`, then a failure monitor on the same
 //! connections.
 //!
-//! Rendezvous: rank 0 listens (on the unspecified address of MASTER_ADDR's family,
-//! port MASTER_PORT) and generates a blob (the NCCL unique id on GPU, any bytes on
-//! CPU). Every other rank connects, retrying until the timeout, and sends
-//! `(rank, world)`. Rank 0 rejects out-of-range or duplicate ranks and disagreeing
-//! world sizes, and once all `world - 1` peers have joined sends the blob to each.
-//! Any failure (bad peer, timeout) is sent to every connected rank as an error frame,
-//! so all ranks report the same message, e.g.
+//! Rendezvous: rank 0 listens on the address `MASTER_ADDR` names (an IP literal
+//! exactly; a host name as resolved on rank 0's machine, or every interface when that is
+//! only loopback and the world spans nodes), port MASTER_PORT, and generates a blob (the
+//! NCCL unique id on GPU, any bytes on CPU). Every other rank connects, retrying until
+//! the timeout, and proves it holds the job secret (see [`super::secret`] and
+//! [`super::wire`]): rank 0 sends a random challenge, the rank answers with a hello
+//! `(rank, world, nonce)` tagged with the connection's session key. Rank 0 checks each
+//! connection on its own thread with a deadline ([`HANDSHAKE_TIMEOUT`]) and a size
+//! limit, at most [`MAX_HANDSHAKES`] at once; a connection that is idle, malformed,
+//! oversized or fails authentication is dropped and logged on rank 0's stderr, and the
+//! rendezvous goes on (a refused hello gets a refusal naming `LONGCTX_RDZV_SECRET`).
+//! Authenticated hellos are checked: out-of-range or duplicate ranks and disagreeing
+//! world sizes end the rendezvous; once all `world - 1` peers have joined rank 0 sends
+//! the blob to each. Any failure (bad peer, timeout) is sent to every connected rank as
+//! an error frame, so all ranks report the same message, e.g.
 //! `rendezvous timed out after 5 s waiting for ranks [2, 3] on 127.0.0.1:29500`.
 //!
 //! Monitor: afterwards rank 0 keeps one connection per peer (a star). Both sides send
@@ -21,24 +29,30 @@
 //! A rank that ends cleanly calls [`Monitor::finish`] (a goodbye), otherwise its exit
 //! counts as a failure for the others. Rank 0 finishes last: it waits (at most
 //! `peer_timeout`) for every peer's goodbye, since it relays their data (below).
+//! Every frame on these connections is authenticated: one whose tag is wrong ends the
+//! connection (a lost peer), so nobody without the secret can inject a failure.
 //!
 //! Data: the same star carries the messages of CPU worlds of processes
 //! ([`Monitor::send_data`], [`Monitor::on_data`]): a rank sends every message to rank 0,
 //! which keeps those addressed to it and forwards the others, in order per connection.
 //! Enough for correctness runs and tests; GPUs talk over NCCL.
 //!
-//! Wire format: frames `[kind u8][len u32 BE][payload]`; hello payload =
-//! `b"LONGCTX1" ++ rank u32 BE ++ world u32 BE`; data payload = `to u32 BE ++ bytes`.
+//! Payloads: hello = [`wire::Hello`]; challenge = `b"LONGCTX2" ++ nonce`; data = `to u32
+//! BE ++ bytes`; error and refusal = UTF-8 text; framing in [`super::wire`].
 
 use super::comm_error;
 use super::env::DistEnv;
 use super::launch::PEER_FAILED_EXIT_CODE;
+use super::secret::{job_key, Secret, SECRET_ENV};
+use super::wire::{
+    self, send_plain, Dir, Frame, FrameReader, Hello, ReadOutcome, SessionKey, Writer, BYE, CHALLENGE, DATA, ERROR, HELLO, MAGIC,
+    NONCE_BYTES, PING, REJECT, WELCOME,
+};
 use crate::Result;
 use std::collections::BTreeMap;
-use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Default rendezvous timeout.
@@ -49,16 +63,14 @@ pub const TIMEOUT_ENV: &str = "LONGCTX_RDZV_TIMEOUT_S";
 /// Environment variable (seconds) overriding how long a silent peer is waited for
 /// (default 30 s) before it is declared lost.
 pub const PEER_TIMEOUT_ENV: &str = "LONGCTX_PEER_TIMEOUT_S";
-
-const MAGIC: &[u8; 8] = b"LONGCTX1";
-const HELLO: u8 = 1;
-const WELCOME: u8 = 2;
-const ERROR: u8 = 3;
-const PING: u8 = 4;
-const BYE: u8 = 5;
-const DATA: u8 = 6;
-/// Largest control frame; data frames may use the whole u32 length.
-const MAX_PAYLOAD: usize = 1 << 20;
+/// How long a new connection may take to send its hello before rank 0 drops it.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections rank 0 checks at once; more are closed at once (a real rank retries).
+pub const MAX_HANDSHAKES: usize = 64;
+/// Dropped connections logged one by one; the rest are only counted.
+const LOGGED_DROPS: usize = 16;
+/// Connections accepted per round of rank 0's rendezvous loop.
+const ACCEPTS_PER_ROUND: usize = 256;
 
 #[derive(Debug, Clone)]
 pub struct RendezvousOptions {
@@ -68,17 +80,20 @@ pub struct RendezvousOptions {
     pub heartbeat: Duration,
     /// Silence after which a peer is declared lost.
     pub peer_timeout: Duration,
+    /// The job secret (`LONGCTX_RDZV_SECRET`); `None`: only a loopback rendezvous runs.
+    pub secret: Option<Secret>,
 }
 
 impl Default for RendezvousOptions {
     fn default() -> Self {
-        Self { timeout: DEFAULT_TIMEOUT, heartbeat: Duration::from_secs(1), peer_timeout: Duration::from_secs(30) }
+        Self { timeout: DEFAULT_TIMEOUT, heartbeat: Duration::from_secs(1), peer_timeout: Duration::from_secs(30), secret: None }
     }
 }
 
 impl RendezvousOptions {
-    /// Defaults, with the timeout taken from `LONGCTX_RDZV_TIMEOUT_S` and the peer
-    /// timeout from `LONGCTX_PEER_TIMEOUT_S` when set.
+    /// Defaults, with the timeout taken from `LONGCTX_RDZV_TIMEOUT_S`, the peer
+    /// timeout from `LONGCTX_PEER_TIMEOUT_S` and the secret from `LONGCTX_RDZV_SECRET`
+    /// when set.
     pub fn from_env() -> Result<Self> {
         let mut o = Self::default();
         let secs = |name: &str| -> Result<Option<Duration>> {
@@ -100,6 +115,7 @@ impl RendezvousOptions {
             o.peer_timeout = t;
             o.heartbeat = o.heartbeat.min(t / 3);
         }
+        o.secret = Secret::from_env()?;
         Ok(o)
     }
 }
@@ -127,239 +143,342 @@ pub fn rendezvous(env: &DistEnv, make_blob: impl FnOnce() -> Result<Vec<u8>>, op
     if env.world == 1 {
         return Ok(Rendezvous { blob: make_blob()?, monitor: Monitor::new(0, 1, opts, vec![]) });
     }
+    let (key, authenticated) = job_key(opts.secret.as_ref(), &env.master_addr, &env.master())?;
     if env.rank == 0 {
-        master(env, make_blob()?, opts)
+        if !authenticated {
+            eprintln!(
+                "warning: {SECRET_ENV} is not set: the rendezvous on {} is not authenticated (any process of this machine \
+                 could join); `longctx launch` sets one, or export the same random value to every rank",
+                env.master()
+            );
+        }
+        master(env, make_blob()?, opts, &key)
     } else {
-        client(env, opts)
+        client(env, opts, &key)
     }
-}
-
-// ---------------------------------------------------------------- framing
-
-fn frame(kind: u8, payload: &[u8]) -> Vec<u8> {
-    let mut f = Vec::with_capacity(5 + payload.len());
-    f.push(kind);
-    f.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    f.extend_from_slice(payload);
-    f
-}
-
-enum ReadOutcome {
-    Frame(u8, Vec<u8>),
-    /// No complete frame before the read timeout.
-    Idle,
-    /// The peer closed the connection (or it broke).
-    Closed(String),
-}
-
-/// Accumulates bytes so a read timeout in the middle of a frame loses nothing.
-struct FrameReader {
-    stream: TcpStream,
-    buf: Vec<u8>,
-}
-
-impl FrameReader {
-    fn new(stream: TcpStream) -> Self {
-        Self { stream, buf: Vec::new() }
-    }
-
-    fn parse(&mut self) -> Option<std::result::Result<(u8, Vec<u8>), String>> {
-        if self.buf.len() < 5 {
-            return None;
-        }
-        let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
-        if len > MAX_PAYLOAD && self.buf[0] != DATA {
-            return Some(Err(format!("protocol error: frame of {len} bytes")));
-        }
-        if self.buf.len() < 5 + len {
-            return None;
-        }
-        let kind = self.buf[0];
-        let payload = if self.buf.len() == 5 + len {
-            let mut all = std::mem::take(&mut self.buf);
-            all.drain(..5);
-            all
-        } else {
-            let p = self.buf[5..5 + len].to_vec();
-            self.buf.drain(..5 + len);
-            p
-        };
-        Some(Ok((kind, payload)))
-    }
-
-    /// Wait at most `wait` for one frame.
-    fn next(&mut self, wait: Duration) -> ReadOutcome {
-        let until = Instant::now() + wait;
-        loop {
-            match self.parse() {
-                Some(Ok((k, p))) => return ReadOutcome::Frame(k, p),
-                Some(Err(e)) => return ReadOutcome::Closed(e),
-                None => {}
-            }
-            let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return ReadOutcome::Idle;
-            }
-            if let Err(e) = self.stream.set_read_timeout(Some(left.max(Duration::from_millis(1)))) {
-                return ReadOutcome::Closed(e.to_string());
-            }
-            // Read straight into the buffer, at least the rest of the current frame.
-            let want = if self.buf.len() >= 5 {
-                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
-                (5 + len).saturating_sub(self.buf.len()).max(4096)
-            } else {
-                4096
-            };
-            // At most 1 MiB zero-filled per read: a read returns far less than a large
-            // frame, and each call fills its window afresh.
-            let at = self.buf.len();
-            self.buf.resize(at + want.min(1 << 20), 0);
-            let got = self.stream.read(&mut self.buf[at..]);
-            self.buf.truncate(at + *got.as_ref().unwrap_or(&0));
-            match got {
-                Ok(0) => return ReadOutcome::Closed("connection closed".into()),
-                Ok(_) => {}
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => return ReadOutcome::Idle,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return ReadOutcome::Closed(e.to_string()),
-            }
-        }
-    }
-}
-
-fn send(stream: &mut TcpStream, kind: u8, payload: &[u8]) -> std::io::Result<()> {
-    stream.write_all(&frame(kind, payload))
 }
 
 // ---------------------------------------------------------------- rank 0
 
-fn master(env: &DistEnv, blob: Vec<u8>, opts: &RendezvousOptions) -> Result<Rendezvous> {
-    let start = Instant::now();
-    let deadline = start + opts.timeout;
-    let where_ = env.master();
-    let ip: IpAddr = match env.master_addr.trim_matches(|c| c == '[' || c == ']').parse::<IpAddr>() {
-        Ok(IpAddr::V6(_)) => Ipv6Addr::UNSPECIFIED.into(),
-        _ => Ipv4Addr::UNSPECIFIED.into(),
+/// Listen where `MASTER_ADDR` says (see the module doc).
+fn listen(env: &DistEnv) -> Result<TcpListener> {
+    let host = env.master_addr.trim().trim_start_matches('[').trim_end_matches(']');
+    let port = env.master_port;
+    let addrs: Vec<SocketAddr> = match host.parse::<IpAddr>() {
+        Ok(ip) => vec![SocketAddr::new(ip, port)],
+        Err(_) => {
+            let mut found: Vec<SocketAddr> = (host, port)
+                .to_socket_addrs()
+                .map_err(|e| {
+                    comm_error(format!(
+                        "rendezvous: rank 0 cannot resolve MASTER_ADDR = {host}: {e}; set MASTER_ADDR to rank 0's IP address"
+                    ))
+                })?
+                .collect();
+            let spans_nodes = env.world > env.local_world;
+            if spans_nodes && !host.eq_ignore_ascii_case("localhost") && found.iter().all(|a| a.ip().is_loopback()) {
+                // e.g. Debian's `127.0.1.1 hostname`: the other nodes resolve it elsewhere.
+                let any: IpAddr =
+                    if found.iter().any(|a| a.is_ipv6()) { Ipv6Addr::UNSPECIFIED.into() } else { Ipv4Addr::UNSPECIFIED.into() };
+                eprintln!(
+                    "note: MASTER_ADDR = {host} resolves to loopback on rank 0's machine ({:?}); listening on every interface \
+                     so that the other nodes reach it (give rank 0's IP address to listen on that address only)",
+                    found.iter().map(|a| a.ip()).collect::<Vec<_>>()
+                );
+                found = vec![SocketAddr::new(any, port)];
+            }
+            found
+        }
     };
-    let bind = SocketAddr::new(ip, env.master_port);
-    let listener = TcpListener::bind(bind).map_err(|e| {
-        comm_error(format!("rendezvous: rank 0 cannot listen on {bind}: {e} (is another run using MASTER_PORT = {}?)", env.master_port))
-    })?;
-    listener.set_nonblocking(true).map_err(|e| comm_error(format!("rendezvous: {bind}: {e}")))?;
+    let mut errors = Vec::new();
+    for a in &addrs {
+        match TcpListener::bind(a) {
+            Ok(l) => {
+                l.set_nonblocking(true).map_err(|e| comm_error(format!("rendezvous: {a}: {e}")))?;
+                return Ok(l);
+            }
+            Err(e) => errors.push(format!("{a}: {e}")),
+        }
+    }
+    Err(comm_error(format!(
+        "rendezvous: rank 0 cannot listen on MASTER_ADDR = {host}, MASTER_PORT = {port} ({}): rank 0 must run on the machine \
+         MASTER_ADDR names, and no other run may use MASTER_PORT",
+        if errors.is_empty() { "it resolves to no address".to_string() } else { errors.join("; ") }
+    )))
+}
 
-    // Joined ranks: write half and the reader (which may already hold later bytes).
-    let mut joined: BTreeMap<usize, (TcpStream, FrameReader)> = BTreeMap::new();
-    // Tell everyone connected why we give up, then give up.
-    let abort = |joined: &mut BTreeMap<usize, (TcpStream, FrameReader)>, extra: Option<&mut TcpStream>, msg: String| {
-        for (s, _) in joined.values_mut() {
-            let _ = send(s, ERROR, msg.as_bytes());
-        }
-        if let Some(s) = extra {
-            let _ = send(s, ERROR, msg.as_bytes());
-        }
-        comm_error(msg)
+/// A connection that passed the handshake.
+struct Joiner {
+    hello: Hello,
+    writer: Writer,
+    reader: FrameReader,
+}
+
+enum Handshake {
+    Joined(Box<Joiner>),
+    Dropped(SocketAddr, String),
+}
+
+/// Challenge the connection, read its hello within `wait`, check the tag.
+fn handshake(stream: TcpStream, addr: SocketAddr, key: &Secret, wait: Duration) -> Handshake {
+    let dropped = |why: String| Handshake::Dropped(addr, why);
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
+    let (server_nonce, mut plain, read_half) = match (wire::nonce(), stream.try_clone(), stream.try_clone()) {
+        (Ok(n), Ok(a), Ok(b)) => (n, a, b),
+        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return dropped(e.to_string()),
     };
+    let mut challenge = MAGIC.to_vec();
+    challenge.extend_from_slice(&server_nonce);
+    if let Err(e) = send_plain(&mut plain, CHALLENGE, &challenge) {
+        return dropped(format!("sending the challenge: {e}"));
+    }
+    let mut reader = FrameReader::handshake(read_half, Dir::ToMaster);
+    let frame = match reader.next(wait) {
+        ReadOutcome::Frame(f) => f,
+        ReadOutcome::Idle => return dropped(format!("sent no hello within {}", fmt_secs(wait))),
+        ReadOutcome::Closed(why) => return dropped(why),
+    };
+    let Frame { kind, payload, tag, .. } = frame;
+    if kind != HELLO {
+        return dropped(format!("sent a frame of kind {kind} instead of a hello"));
+    }
+    let (Some(hello), Some(tag)) = (Hello::decode(&payload), tag) else {
+        return dropped(format!("sent a malformed hello ({} bytes)", payload.len()));
+    };
+    let session = SessionKey::derive(key, &server_nonce, &hello.nonce);
+    if !Hello::verify(&session, &payload, &tag) {
+        let why = format!(
+            "authentication failed: every rank of a job must have the same {SECRET_ENV} (rank 0's differs from this \
+             rank's, or one of them has none)"
+        );
+        let _ = send_plain(&mut plain, REJECT, why.as_bytes());
+        return dropped(format!("a hello as rank {} failed authentication (wrong or missing {SECRET_ENV})", hello.rank));
+    }
+    reader.authenticated(session.clone(), 1);
+    Handshake::Joined(Box::new(Joiner { hello, writer: Writer::new(stream, session, Dir::FromMaster), reader }))
+}
+
+/// Log of the connections rank 0 dropped (the first few one by one, then a count).
+struct Drops {
+    where_: String,
+    count: usize,
+}
+
+impl Drops {
+    fn log(&mut self, addr: Option<SocketAddr>, why: &str) {
+        self.count += 1;
+        let from = addr.map(|a| format!(" from {a}")).unwrap_or_default();
+        if self.count <= LOGGED_DROPS {
+            eprintln!("rendezvous on {}: dropped a connection{from}: {why}", self.where_);
+        }
+        if self.count == LOGGED_DROPS {
+            eprintln!("rendezvous on {}: further dropped connections are counted, not logged", self.where_);
+        }
+    }
+
+    fn summary(&self) {
+        if self.count > LOGGED_DROPS {
+            eprintln!("rendezvous on {}: dropped {} connections in all", self.where_, self.count);
+        }
+    }
+}
+
+/// Accept the pending connections (at most [`ACCEPTS_PER_ROUND`], so that a flood cannot
+/// keep the caller from its deadline and joined ranks) and start their handshake threads.
+fn accept_ready(
+    listener: &TcpListener,
+    key: &Secret,
+    deadline: Instant,
+    in_flight: &Arc<AtomicUsize>,
+    tx: &mpsc::Sender<Handshake>,
+    drops: &mut Drops,
+) {
+    for _ in 0..ACCEPTS_PER_ROUND {
+        let (stream, addr) = match listener.accept() {
+            Ok(x) => x,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+            Err(e) => {
+                // e.g. out of file descriptors: this connection is lost, the rendezvous goes on.
+                drops.log(None, &format!("accept failed: {e}"));
+                std::thread::sleep(Duration::from_millis(10));
+                return;
+            }
+        };
+        if in_flight.load(Ordering::SeqCst) >= MAX_HANDSHAKES {
+            drops.log(Some(addr), &format!("{MAX_HANDSHAKES} connections are already being checked"));
+            continue;
+        }
+        let _ = stream.set_nonblocking(false);
+        let wait = deadline.saturating_duration_since(Instant::now()).min(HANDSHAKE_TIMEOUT);
+        let (key, tx, count) = (key.clone(), tx.clone(), in_flight.clone());
+        count.fetch_add(1, Ordering::SeqCst);
+        let spawned = std::thread::Builder::new().name("rdzv-handshake".into()).spawn(move || {
+            let outcome = handshake(stream, addr, &key, wait);
+            count.fetch_sub(1, Ordering::SeqCst);
+            let _ = tx.send(outcome);
+        });
+        if let Err(e) = spawned {
+            in_flight.fetch_sub(1, Ordering::SeqCst);
+            drops.log(Some(addr), &format!("cannot start a thread to check it: {e}"));
+        }
+    }
+}
+
+/// Joined ranks: write half and the reader (which may already hold later bytes).
+type Members = BTreeMap<usize, (Writer, FrameReader)>;
+
+/// Tell every joined rank (and `extra`) why the rendezvous ends, and make the error.
+fn give_up(joined: &mut Members, extra: Option<&mut Writer>, msg: String) -> crate::Error {
+    for (w, _) in joined.values_mut() {
+        let _ = w.send(ERROR, msg.as_bytes());
+    }
+    if let Some(w) = extra {
+        let _ = w.send(ERROR, msg.as_bytes());
+    }
+    comm_error(msg)
+}
+
+/// What is wrong with an authenticated hello (a misconfigured job: fatal).
+fn hello_problem(env: &DistEnv, joined: &Members, h: &Hello) -> Option<String> {
+    let where_ = env.master();
+    let (rank, world) = (h.rank, h.world);
+    if world != env.world {
+        Some(format!("rendezvous on {where_}: rank {rank} has WORLD_SIZE = {world} but rank 0 has WORLD_SIZE = {}", env.world))
+    } else if rank == 0 || rank >= env.world {
+        Some(format!(
+            "rendezvous on {where_}: a process joined as rank {rank}, which is not in 1..{} (two rank 0s, or a bad RANK?)",
+            env.world
+        ))
+    } else if joined.contains_key(&rank) {
+        Some(format!("rendezvous on {where_}: rank {rank} joined twice (two processes with RANK = {rank}?)"))
+    } else {
+        None
+    }
+}
+
+fn master(env: &DistEnv, blob: Vec<u8>, opts: &RendezvousOptions, key: &Secret) -> Result<Rendezvous> {
+    let deadline = Instant::now() + opts.timeout;
+    let where_ = env.master();
+    let listener = listen(env)?;
+    let (tx, rx) = mpsc::channel::<Handshake>();
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let mut drops = Drops { where_: where_.clone(), count: 0 };
+    let mut joined = Members::new();
     while joined.len() + 1 < env.world {
         if Instant::now() >= deadline {
             let missing: Vec<usize> = (1..env.world).filter(|r| !joined.contains_key(r)).collect();
             let msg = format!("rendezvous timed out after {} waiting for ranks {missing:?} on {where_}", fmt_secs(opts.timeout));
-            return Err(abort(&mut joined, None, msg));
+            return Err(give_up(&mut joined, None, msg));
         }
-        let mut stream = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
+        accept_ready(&listener, key, deadline, &in_flight, &tx, &mut drops);
+        match rx.recv_timeout(Duration::from_millis(10)) {
+            Ok(Handshake::Dropped(addr, why)) => drops.log(Some(addr), &why),
+            Ok(Handshake::Joined(mut j)) => {
+                if let Some(msg) = hello_problem(env, &joined, &j.hello) {
+                    return Err(give_up(&mut joined, Some(&mut j.writer), msg));
+                }
+                joined.insert(j.hello.rank, (j.writer, j.reader));
             }
-            Err(e) => return Err(abort(&mut joined, None, format!("rendezvous: accept on {bind}: {e}"))),
-        };
-        let _ = stream.set_nonblocking(false);
-        let _ = stream.set_nodelay(true);
-        let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
-        // A real rank sends its hello right after connecting; anything else is dropped.
-        let wait = deadline.saturating_duration_since(Instant::now()).min(Duration::from_secs(2));
-        let mut reader = match stream.try_clone() {
-            Ok(s) => FrameReader::new(s),
-            Err(_) => continue,
-        };
-        let (kind, payload) = match reader.next(wait) {
-            ReadOutcome::Frame(k, p) => (k, p),
-            _ => continue,
-        };
-        if kind != HELLO || payload.len() != 16 || &payload[..8] != MAGIC {
-            continue;
+            Err(_) => {}
         }
-        let rank = u32::from_be_bytes([payload[8], payload[9], payload[10], payload[11]]) as usize;
-        let world = u32::from_be_bytes([payload[12], payload[13], payload[14], payload[15]]) as usize;
-        let problem = if world != env.world {
-            Some(format!("rendezvous on {where_}: rank {rank} has WORLD_SIZE = {world} but rank 0 has WORLD_SIZE = {}", env.world))
-        } else if rank == 0 || rank >= env.world {
-            Some(format!(
-                "rendezvous on {where_}: a process joined as rank {rank}, which is not in 1..{} (two rank 0s, or a bad RANK?)",
-                env.world
-            ))
-        } else if joined.contains_key(&rank) {
-            Some(format!("rendezvous on {where_}: rank {rank} joined twice (two processes with RANK = {rank}?)"))
-        } else {
-            None
-        };
-        if let Some(msg) = problem {
-            return Err(abort(&mut joined, Some(&mut stream), msg));
-        }
-        joined.insert(rank, (stream, reader));
     }
-    for (rank, (s, _)) in joined.iter_mut() {
-        if let Err(e) = send(s, WELCOME, &blob) {
+    drop(listener);
+    drops.summary();
+    for (rank, (w, _)) in joined.iter_mut() {
+        if let Err(e) = w.send(WELCOME, &blob) {
             let msg = format!("rendezvous on {where_}: rank {rank} left before receiving the id ({e})");
-            return Err(abort(&mut joined, None, msg));
+            return Err(give_up(&mut joined, None, msg));
         }
     }
-    let peers = joined.into_iter().map(|(r, (s, rd))| (r, s, rd)).collect();
+    let peers = joined.into_iter().map(|(r, (w, rd))| (r, w, rd)).collect();
     Ok(Rendezvous { blob, monitor: Monitor::new(0, env.world, opts, peers) })
 }
 
 // ---------------------------------------------------------------- other ranks
 
-fn client(env: &DistEnv, opts: &RendezvousOptions) -> Result<Rendezvous> {
-    let start = Instant::now();
+/// The end of one connection attempt of a rank.
+enum Attempt {
+    Done(Result<Rendezvous>),
+    /// Try again (rank 0 not there yet, busy, or not answering).
+    Retry(String),
+}
+
+fn connect(where_: &str) -> std::result::Result<TcpStream, String> {
+    let addrs = where_.to_socket_addrs().map_err(|e| format!("cannot resolve {where_}: {e}"))?;
+    let mut last = format!("{where_} resolves to no address");
+    for a in addrs {
+        match TcpStream::connect_timeout(&a, Duration::from_secs(1)) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e.to_string(),
+        }
+    }
+    Err(last)
+}
+
+fn client(env: &DistEnv, opts: &RendezvousOptions, key: &Secret) -> Result<Rendezvous> {
     let where_ = env.master();
     // Rank 0's own timeout message should win: wait a little longer than it does.
-    let deadline = start + opts.timeout + Duration::from_secs(2);
+    let deadline = Instant::now() + opts.timeout + Duration::from_secs(2);
     let mut last_err = String::from("no attempt");
-    let mut stream = loop {
+    loop {
         if Instant::now() >= deadline {
             return Err(comm_error(format!(
                 "rendezvous timed out after {} waiting for rank 0 to accept on {where_} (last error: {last_err})",
                 fmt_secs(opts.timeout)
             )));
         }
-        match where_.to_socket_addrs() {
-            Err(e) => last_err = format!("cannot resolve {where_}: {e}"),
-            Ok(addrs) => {
-                let mut got = None;
-                for a in addrs {
-                    match TcpStream::connect_timeout(&a, Duration::from_secs(1)) {
-                        Ok(s) => {
-                            got = Some(s);
-                            break;
-                        }
-                        Err(e) => last_err = e.to_string(),
-                    }
-                }
-                if let Some(s) = got {
-                    break s;
-                }
-            }
+        match connect(&where_) {
+            Err(e) => last_err = e,
+            Ok(stream) => match join_once(env, opts, key, stream, deadline) {
+                Attempt::Done(r) => return r,
+                Attempt::Retry(why) => last_err = why,
+            },
         }
         std::thread::sleep(Duration::from_millis(100));
-    };
+    }
+}
+
+/// Read rank 0's challenge on `stream`, send the hello, wait for the welcome.
+fn join_once(env: &DistEnv, opts: &RendezvousOptions, key: &Secret, stream: TcpStream, deadline: Instant) -> Attempt {
+    let where_ = env.master();
     let _ = stream.set_nodelay(true);
     let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
-    let mut hello = MAGIC.to_vec();
-    hello.extend_from_slice(&(env.rank as u32).to_be_bytes());
-    hello.extend_from_slice(&(env.world as u32).to_be_bytes());
-    send(&mut stream, HELLO, &hello).map_err(|e| comm_error(format!("rendezvous: sending to {where_}: {e}")))?;
-    let mut reader = FrameReader::new(stream.try_clone().map_err(|e| comm_error(format!("rendezvous: {where_}: {e}")))?);
+    let Ok(read_half) = stream.try_clone() else { return Attempt::Retry("cannot clone the socket".into()) };
+    let mut reader = FrameReader::handshake(read_half, Dir::FromMaster);
+    let wait = deadline.saturating_duration_since(Instant::now()).min(HANDSHAKE_TIMEOUT);
+    let server_nonce = match reader.next(wait) {
+        ReadOutcome::Frame(f) if f.kind == CHALLENGE && f.payload.len() == 8 + NONCE_BYTES && f.payload.starts_with(MAGIC) => {
+            f.payload[8..].to_vec()
+        }
+        ReadOutcome::Frame(f) => return Attempt::Retry(format!("rank 0 sent a frame of kind {} instead of a challenge", f.kind)),
+        ReadOutcome::Idle => {
+            return Attempt::Retry(format!("connected, but no challenge within {} (is rank 0 the same longctx version?)", fmt_secs(wait)))
+        }
+        ReadOutcome::Closed(why) => return Attempt::Retry(format!("rank 0 closed the connection before its challenge ({why})")),
+    };
+    let hello = match wire::nonce() {
+        Ok(nonce) => Hello { rank: env.rank, world: env.world, nonce },
+        Err(e) => return Attempt::Done(Err(comm_error(format!("rendezvous: {e}")))),
+    };
+    let session = SessionKey::derive(key, &server_nonce, &hello.nonce);
+    let mut writer = Writer::new(stream, session.clone(), Dir::ToMaster);
+    if let Err(e) = writer.send(HELLO, &hello.encode()) {
+        return Attempt::Retry(format!("sending the hello to {where_}: {e}"));
+    }
+    reader.authenticated(session, 0);
+    Attempt::Done(await_welcome(env, opts, writer, reader, deadline))
+}
+
+fn await_welcome(
+    env: &DistEnv,
+    opts: &RendezvousOptions,
+    writer: Writer,
+    mut reader: FrameReader,
+    deadline: Instant,
+) -> Result<Rendezvous> {
+    let where_ = env.master();
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -370,13 +489,22 @@ fn client(env: &DistEnv, opts: &RendezvousOptions) -> Result<Rendezvous> {
             )));
         }
         match reader.next(left) {
-            ReadOutcome::Frame(WELCOME, blob) => {
+            ReadOutcome::Frame(f) if f.authentic && f.kind == WELCOME => {
                 // The reader goes along: it may already hold the monitor's first frames.
-                let monitor = Monitor::new(env.rank, env.world, opts, vec![(0, stream, reader)]);
-                return Ok(Rendezvous { blob, monitor });
+                let monitor = Monitor::new(env.rank, env.world, opts, vec![(0, writer, reader)]);
+                return Ok(Rendezvous { blob: f.payload, monitor });
             }
-            ReadOutcome::Frame(ERROR, msg) => return Err(comm_error(String::from_utf8_lossy(&msg).into_owned())),
-            ReadOutcome::Frame(..) | ReadOutcome::Idle => {}
+            ReadOutcome::Frame(f) if f.authentic && f.kind == ERROR => {
+                return Err(comm_error(String::from_utf8_lossy(&f.payload).into_owned()))
+            }
+            ReadOutcome::Frame(f) if f.kind == REJECT => {
+                return Err(comm_error(format!(
+                    "rendezvous on {where_}: rank 0 refused rank {}: {}",
+                    env.rank,
+                    String::from_utf8_lossy(&f.payload).chars().take(400).collect::<String>()
+                )))
+            }
+            ReadOutcome::Frame(_) | ReadOutcome::Idle => {}
             ReadOutcome::Closed(why) => return Err(comm_error(format!("rendezvous: rank 0 on {where_} dropped the connection ({why})"))),
         }
     }
@@ -405,7 +533,7 @@ struct Shared {
     failed: Condvar,
     callbacks: Mutex<Vec<Arc<Callback>>>,
     /// Write halves: rank 0 holds one per peer, others hold rank 0's.
-    writers: Mutex<BTreeMap<usize, TcpStream>>,
+    writers: Mutex<BTreeMap<usize, Writer>>,
     closing: AtomicBool,
     /// Set by the first `fail` (the failure becomes visible only after its relay).
     claimed: AtomicBool,
@@ -439,15 +567,12 @@ impl Shared {
 
     /// Write one data frame for `to` on the connection `via`.
     fn write_data(&self, via: usize, to: usize, bytes: &[u8]) -> std::result::Result<(), String> {
-        let len = u32::try_from(bytes.len() + 4)
-            .map_err(|_| format!("a message of {} bytes is too large for the CPU transport (limit 4 GiB)", bytes.len()))?;
+        if bytes.len() > u32::MAX as usize - 4 {
+            return Err(format!("a message of {} bytes is too large for the CPU transport (limit 4 GiB)", bytes.len()));
+        }
         let mut ws = self.writers.lock().unwrap_or_else(|p| p.into_inner());
         let w = ws.get_mut(&via).ok_or_else(|| format!("no connection to rank {via} (it finished or failed)"))?;
-        let mut head = [0u8; 9];
-        head[0] = DATA;
-        head[1..5].copy_from_slice(&len.to_be_bytes());
-        head[5..9].copy_from_slice(&(to as u32).to_be_bytes());
-        w.write_all(&head).and_then(|_| w.write_all(bytes)).map_err(|e| format!("writing to rank {via}: {e}"))
+        w.send_parts(DATA, &[&(to as u32).to_be_bytes(), bytes]).map_err(|e| format!("writing to rank {via}: {e}"))
     }
 }
 
@@ -463,7 +588,7 @@ impl Shared {
             let mut ws = self.writers.lock().unwrap_or_else(|p| p.into_inner());
             for (peer, w) in ws.iter_mut() {
                 if Some(*peer) != from_peer {
-                    let _ = send(w, ERROR, reason.as_bytes());
+                    let _ = w.send(ERROR, reason.as_bytes());
                 }
             }
         }
@@ -489,7 +614,7 @@ impl std::fmt::Debug for Monitor {
 }
 
 impl Monitor {
-    fn new(rank: usize, world: usize, opts: &RendezvousOptions, peers: Vec<(usize, TcpStream, FrameReader)>) -> Self {
+    fn new(rank: usize, world: usize, opts: &RendezvousOptions, peers: Vec<(usize, Writer, FrameReader)>) -> Self {
         let shared = Arc::new(Shared {
             rank,
             world,
@@ -504,8 +629,8 @@ impl Monitor {
         });
         // All write halves first: a watcher may relay a failure as soon as it starts.
         let mut readers = Vec::new();
-        for (peer, stream, reader) in peers {
-            shared.writers.lock().unwrap_or_else(|p| p.into_inner()).insert(peer, stream);
+        for (peer, writer, reader) in peers {
+            shared.writers.lock().unwrap_or_else(|p| p.into_inner()).insert(peer, writer);
             readers.push((peer, reader));
         }
         for (peer, reader) in readers {
@@ -524,7 +649,7 @@ impl Monitor {
                 }
                 let mut ws = sh.writers.lock().unwrap_or_else(|p| p.into_inner());
                 for w in ws.values_mut() {
-                    let _ = send(w, PING, &[]);
+                    let _ = w.send(PING, &[]);
                 }
             });
         }
@@ -601,7 +726,7 @@ impl Monitor {
         if self.shared.rank != 0 {
             let mut ws = self.shared.writers.lock().unwrap_or_else(|p| p.into_inner());
             for w in ws.values_mut() {
-                let _ = send(w, ERROR, msg.as_bytes());
+                let _ = w.send(ERROR, msg.as_bytes());
             }
         }
         self.shared.fail(msg, None);
@@ -647,7 +772,7 @@ impl Monitor {
         self.shared.closing.store(true, Ordering::SeqCst);
         let mut ws = self.shared.writers.lock().unwrap_or_else(|p| p.into_inner());
         for w in ws.values_mut() {
-            let _ = send(w, BYE, &[]);
+            let _ = w.send(BYE, &[]);
             let _ = w.flush();
         }
     }
@@ -662,7 +787,9 @@ fn watch(sh: Arc<Shared>, peer: usize, mut reader: FrameReader, opts: Rendezvous
             return;
         }
         match reader.next(opts.heartbeat) {
-            ReadOutcome::Frame(kind, payload) => {
+            // Untagged frames (challenge, refusal) mean nothing here: never act on them.
+            ReadOutcome::Frame(f) if !f.authentic => {}
+            ReadOutcome::Frame(Frame { kind, payload, .. }) => {
                 last_heard = Instant::now();
                 match kind {
                     PING => {}

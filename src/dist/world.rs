@@ -23,28 +23,39 @@ use longctx_attention::comm::{process, thread, Comm};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Environment variable (seconds) bounding how long a CPU rank waits for a peer's
-/// message before it aborts the world (default [`thread::DEFAULT_TIMEOUT`]).
-pub const COMM_TIMEOUT_ENV: &str = "LONGCTX_COMM_TIMEOUT_S";
-
 /// Run `f` once per rank of an in-process world of `n` threads; results in rank order,
-/// or the error of the rank that failed first.
-pub fn run_threads<T: Send>(n: usize, f: impl Fn(Arc<dyn Comm>) -> Result<T> + Sync) -> Result<Vec<T>> {
-    thread::run_ranks_with_timeout(n, comm_timeout()?, |comm| f(comm).map_err(|e| candle_core::Error::Msg(e.to_string())))
+/// or the error of the rank that failed first. A blocking call that waits longer than
+/// `collective_timeout` (`None`: no limit) for a peer aborts the world.
+pub fn run_threads<T: Send>(
+    n: usize,
+    collective_timeout: Option<Duration>,
+    f: impl Fn(Arc<dyn Comm>) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let timeout = collective_timeout.unwrap_or(Duration::MAX);
+    thread::run_ranks_with_timeout(n, timeout, |comm| f(comm).map_err(|e| candle_core::Error::Msg(e.to_string())))
         .map_err(|e| Error::Setting(e.to_string()))
 }
 
-fn comm_timeout() -> Result<Duration> {
-    match std::env::var(COMM_TIMEOUT_ENV) {
-        Err(_) => Ok(thread::DEFAULT_TIMEOUT),
-        Ok(v) => v
-            .trim()
-            .parse::<f64>()
-            .ok()
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(Duration::from_secs_f64)
-            .ok_or_else(|| Error::Setting(format!("{COMM_TIMEOUT_ENV} = `{v}` is not a positive number of seconds"))),
+/// Test hook (fault injection): `LONGCTX_TEST_STALL=RANK@STEP` makes world rank RANK stop
+/// taking part before optimizer step STEP (counted from 0 over the run): it sleeps for
+/// good, alive (its heartbeats go on) but never entering another collective, as a rank
+/// stuck in a kernel or a deadlock would. What `parallel.collective_timeout_s` is for.
+pub const TEST_STALL_ENV: &str = "LONGCTX_TEST_STALL";
+
+/// Called by the trainer before each step; see [`TEST_STALL_ENV`].
+pub fn test_stall(rank: usize, step: u64) -> Result<()> {
+    let Ok(v) = std::env::var(TEST_STALL_ENV) else { return Ok(()) };
+    let parsed = v.trim().split_once('@').and_then(|(r, s)| Some((r.parse::<usize>().ok()?, s.parse::<u64>().ok()?)));
+    let Some((r, s)) = parsed else {
+        return Err(Error::Setting(format!("{TEST_STALL_ENV} = `{v}`: expected RANK@STEP, e.g. 1@2 (a test hook; unset it)")));
+    };
+    if (r, s) == (rank, step) {
+        eprintln!("rank {rank}: {TEST_STALL_ENV}: no longer taking part from step {step} (test hook)");
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
     }
+    Ok(())
 }
 
 /// This process's rank of a launched world.
@@ -78,7 +89,9 @@ impl Joined {
 
 /// Join the launched world `env` describes, with the device named by `device`
 /// (`cpu`, or `cuda`/`cuda:N`, which means `cuda:LOCAL_RANK` here: one process per GPU).
-pub fn join(env: &DistEnv, device: &str) -> Result<Joined> {
+/// A collective that waits longer than `collective_timeout` (`None`: no limit) for the
+/// other ranks aborts every rank with a message naming the rank and the collective.
+pub fn join(env: &DistEnv, device: &str, collective_timeout: Option<Duration>) -> Result<Joined> {
     let opts = RendezvousOptions::from_env()?;
     let want_cuda = match device {
         "cpu" => false,
@@ -86,9 +99,9 @@ pub fn join(env: &DistEnv, device: &str) -> Result<Joined> {
         d => return Err(Error::config("<run config>", "model.device", format!("expected cpu, cuda or cuda:N, got `{d}`"))),
     };
     if want_cuda {
-        return join_nccl(env, &opts);
+        return join_nccl(env, &opts, collective_timeout);
     }
-    let timeout = comm_timeout()?;
+    let timeout = collective_timeout.unwrap_or(Duration::MAX);
     let rdv = rendezvous(env, || Ok(b"longctx cpu world".to_vec()), &opts)?;
     let link = Arc::new(MonitorLink { monitor: rdv.monitor.clone(), rank: env.rank });
     let (comm, inbox) = process::world(env.rank, env.world, link, timeout)?;
@@ -119,7 +132,7 @@ impl process::Link for MonitorLink {
 }
 
 #[cfg(not(feature = "nccl"))]
-fn join_nccl(env: &DistEnv, _opts: &RendezvousOptions) -> Result<Joined> {
+fn join_nccl(env: &DistEnv, _opts: &RendezvousOptions, _timeout: Option<Duration>) -> Result<Joined> {
     Err(Error::Setting(format!(
         "rank {} of {}: model.device is CUDA, but this build has no NCCL; build with scripts/build_cuda.sh, or \
          use --device cpu for processes on the CPU",
@@ -128,9 +141,19 @@ fn join_nccl(env: &DistEnv, _opts: &RendezvousOptions) -> Result<Joined> {
 }
 
 #[cfg(feature = "nccl")]
-fn join_nccl(env: &DistEnv, opts: &RendezvousOptions) -> Result<Joined> {
-    use longctx_attention::comm::nccl::NcclComm;
+fn join_nccl(env: &DistEnv, opts: &RendezvousOptions, collective_timeout: Option<Duration>) -> Result<Joined> {
+    use longctx_attention::comm::nccl::{Family, NcclComm, NcclOptions};
     let rdv = rendezvous(env, || NcclComm::unique_id().map_err(Error::from), opts)?;
+    // The failure wiring goes in before the communicator: a failure found here during
+    // ncclCommInitRank is told to the others, and one found elsewhere aborts ours.
+    let family = Family::new(env.rank, env.world);
+    {
+        let m = rdv.monitor.clone();
+        family.set_abort_hook(move |reason| m.report_failure(reason));
+        let f = family.clone();
+        rdv.monitor.on_failure(move |reason| f.abort_from_peer(reason));
+        stop_if_unsettled(&rdv.monitor, family.clone(), env.rank, Duration::from_secs(15));
+    }
     // Open the device after the rendezvous, so that a rank without a GPU tells the
     // others at once (through the monitor) instead of leaving them waiting to join.
     let opened = (|| -> Result<(Device, Arc<NcclComm>)> {
@@ -141,7 +164,8 @@ fn join_nccl(env: &DistEnv, opts: &RendezvousOptions) -> Result<Joined> {
             };
             Error::Setting(format!("rank {}: {why}: start at most one process per GPU on each node (--nproc-per-node)", env.rank))
         })?;
-        let comm = NcclComm::new(&device, env.rank, env.world, &rdv.blob)?;
+        let nccl_opts = NcclOptions { collective_timeout, ..NcclOptions::default() };
+        let comm = NcclComm::init(&device, env.rank, env.world, &rdv.blob, nccl_opts, family.clone())?;
         Ok((device, comm))
     })();
     let (device, comm) = match opened {
@@ -152,11 +176,22 @@ fn join_nccl(env: &DistEnv, opts: &RendezvousOptions) -> Result<Joined> {
             return Err(e);
         }
     };
-    {
-        let c = comm.clone();
-        rdv.monitor.on_failure(move |reason| c.abort_from_peer(reason));
-        let m = rdv.monitor.clone();
-        comm.set_abort_hook(move |reason| m.report_failure(reason));
-    }
     Ok(Joined { comm, device, monitor: rdv.monitor })
+}
+
+/// Backstop: after a failure, stop the process if `family` has not been able to abort
+/// its communicators within `grace` (a call the host cannot leave, e.g.
+/// `ncclCommInitRank` waiting for a rank that is gone).
+#[cfg(feature = "nccl")]
+fn stop_if_unsettled(monitor: &Monitor, family: Arc<longctx_attention::comm::nccl::Family>, rank: usize, grace: Duration) {
+    monitor.on_failure(move |reason| {
+        let (family, reason) = (family.clone(), reason.to_string());
+        std::thread::spawn(move || {
+            std::thread::sleep(grace);
+            if !family.settled() {
+                eprintln!("rank {rank}: stopping: {reason} (an NCCL call could not be interrupted)");
+                std::process::exit(super::launch::PEER_FAILED_EXIT_CODE);
+            }
+        });
+    });
 }

@@ -85,6 +85,9 @@ impl Default for TrainSection {
     }
 }
 
+/// Default of `parallel.collective_timeout_s`.
+pub const DEFAULT_COLLECTIVE_TIMEOUT_S: f64 = 600.0;
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ParallelSection {
@@ -108,6 +111,10 @@ pub struct ParallelSection {
     /// so the backward does not rerun the attention (selective recomputation; costs
     /// `layers × tokens × (2·hq + 2·hkv)·head_dim` elements, see `longctx plan`).
     pub save_attention: bool,
+    /// Seconds a collective may wait for the other ranks before every rank aborts, naming
+    /// the rank and the collective (a peer alive but stuck); 0 = wait forever. Applies to
+    /// NCCL and to the CPU transports (threads, processes).
+    pub collective_timeout_s: f64,
 }
 impl Default for ParallelSection {
     fn default() -> Self {
@@ -121,6 +128,7 @@ impl Default for ParallelSection {
             offload_activations: false,
             token_chunk: 4096,
             save_attention: false,
+            collective_timeout_s: DEFAULT_COLLECTIVE_TIMEOUT_S,
         }
     }
 }
@@ -224,6 +232,12 @@ impl RunConfig {
         mode.sp_degree(self.parallel.world_size, self.parallel.sp_size)
     }
 
+    /// `parallel.collective_timeout_s` as a duration; `None` = no timeout.
+    pub fn collective_timeout(&self) -> Option<std::time::Duration> {
+        let s = self.parallel.collective_timeout_s;
+        (s > 0.0 && s.is_finite()).then(|| std::time::Duration::from_secs_f64(s))
+    }
+
     /// Check everything that can be checked without the model; `source` names where the
     /// values came from (a file or "flags") for the messages.
     pub fn validate(&self, source: &Path) -> Result<()> {
@@ -250,6 +264,12 @@ impl RunConfig {
         }
         if p.token_chunk == 0 {
             return bad("parallel.token_chunk", "must be at least 1".into());
+        }
+        if !p.collective_timeout_s.is_finite() || p.collective_timeout_s < 0.0 {
+            return bad(
+                "parallel.collective_timeout_s",
+                format!("must be a number of seconds >= 0 (0 = no timeout), got {}", p.collective_timeout_s),
+            );
         }
         self.validate_stages(source)?;
         if let Some(t) = self.export.final_rope_theta {

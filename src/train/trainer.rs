@@ -152,7 +152,7 @@ pub fn run_with_limits(cfg: &RunConfig, resume: bool, limits: RunLimits) -> Resu
     let model = load_start_model(cfg)?;
     let loaded = if resume { Some(checkpoint::load(&cfg.output_dir)?) } else { None };
     let shared = Shared { cfg, model: &model, device, dtype, resume: loaded.as_ref(), limits };
-    let outs = crate::dist::world::run_threads(cfg.parallel.world_size, |comm| rank_main(&shared, comm))?;
+    let outs = crate::dist::world::run_threads(cfg.parallel.world_size, cfg.collective_timeout(), |comm| rank_main(&shared, comm))?;
     outs.into_iter().next().flatten().ok_or_else(|| Error::Setting("rank 0 returned no summary".into()))
 }
 
@@ -372,6 +372,7 @@ impl<'a> RankRun<'a> {
 
     /// One optimizer step (all micro-batches of it); returns the loss, after logging it.
     fn step(&mut self, st: &mut StageRun, si: usize, stage: &Stage, step: u64) -> Result<f64> {
+        crate::dist::world::test_stall(self.world.rank(), self.global_step)?;
         let (sh, cfg) = (self.sh, self.sh.cfg);
         let ts = Instant::now();
         crate::train::metrics::device_memory(&sh.device, true)?; // reset the high-water mark
@@ -510,7 +511,7 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistE
             env.world, cfg.parallel.world_size
         )));
     }
-    let joined = crate::dist::world::join(env, &cfg.model.device)?;
+    let joined = crate::dist::world::join(env, &cfg.model.device, cfg.collective_timeout())?;
     let result = (|| {
         let dtype =
             if joined.device.is_cpu() { DType::F32 } else { parse_dtype(&cfg.model.dtype, Path::new("<run config>"), "model.dtype")? };

@@ -13,6 +13,8 @@ use std::sync::Arc;
 
 #[cfg(feature = "nccl")]
 pub mod nccl;
+#[cfg(feature = "nccl")]
+mod nccl_family;
 pub mod process;
 pub mod thread;
 

@@ -38,17 +38,18 @@
 //! synchronisation, then event waits on every kernel launch). With
 //! `dedicated_stream: false` everything runs on Candle's stream instead (no overlap).
 //!
-//! Failure: an NCCL error, a local `abort`, or (with `watchdog`) an asynchronous
-//! NCCL error seen by a polling thread aborts every communicator of the family (the
-//! world and its splits, `ncclCommAbort`, which also ends kernels stuck on a dead peer);
-//! every later call errors with the reason. The abort hook (see
-//! [`NcclComm::set_abort_hook`]) tells the other processes, e.g. through the rendezvous
-//! monitor, whose own failure callback should call `abort` here. As in PyTorch, an
-//! abort from another thread may race with a call in flight on this one; the process
-//! is expected to exit soon after.
+//! Failure (see [`super::nccl_family`]): an NCCL error, a local `abort`, or (with
+//! `watchdog`) an asynchronous NCCL error or a collective still pending after the
+//! collective timeout, seen by a polling thread, aborts every communicator of the
+//! family (the world and its splits, `ncclCommAbort`, which also ends kernels stuck on
+//! a dead or stalled peer); every later call errors with the reason. The family's abort
+//! hook, set before `ncclCommInitRank` ([`NcclComm::init`]), tells the other processes,
+//! e.g. through the rendezvous monitor, whose own failure callback should call
+//! [`Family::abort_from_peer`].
 //!
 //! Calls are serialised per process (NCCL group state is per thread and communicator
-//! use must be ordered the same on every rank).
+//! use must be ordered the same on every rank), and `ncclCommAbort` with them: it
+//! never runs while another thread is inside a call.
 
 use super::{Comm, Pending};
 use crate::cuda::raw;
@@ -57,14 +58,17 @@ use candle_core::cuda::cudarc::nccl::sys;
 use candle_core::cuda::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Tensor};
 use std::ffi::{c_void, CStr};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 use std::time::Duration;
+
+pub use super::nccl_family::Family;
+use super::nccl_family::{Calls, Handle};
 
 /// Size of an NCCL unique id.
 pub const ID_BYTES: usize = 128;
 
-/// One NCCL operation sequence at a time in this process.
-static CALLS: Mutex<()> = Mutex::new(());
+/// Default collective timeout (`parallel.collective_timeout_s`).
+pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(600);
 
 #[derive(Debug, Clone)]
 pub struct NcclOptions {
@@ -72,8 +76,12 @@ pub struct NcclOptions {
     pub dedicated_stream: bool,
     /// Exchange message signatures before p2p calls and error on a mismatch.
     pub check_shapes: bool,
-    /// Poll `ncclCommGetAsyncError` at this interval and abort on an error.
+    /// Poll `ncclCommGetAsyncError` and the queued collectives at this interval and abort
+    /// on an error or an overdue collective.
     pub watchdog: Option<Duration>,
+    /// A collective still pending this long after it was queued aborts the world (needs
+    /// `watchdog`); `None`: no limit.
+    pub collective_timeout: Option<Duration>,
 }
 
 impl Default for NcclOptions {
@@ -82,11 +90,16 @@ impl Default for NcclOptions {
         // `LONGCTX_NCCL_STREAM=compute`: NCCL on Candle's stream (no overlap; tells
         // ordering faults from logic faults).
         let dedicated = !matches!(std::env::var("LONGCTX_NCCL_STREAM").as_deref(), Ok("compute"));
-        Self { dedicated_stream: dedicated, check_shapes: check, watchdog: Some(Duration::from_secs(1)) }
+        Self {
+            dedicated_stream: dedicated,
+            check_shapes: check,
+            watchdog: Some(Duration::from_secs(1)),
+            collective_timeout: Some(DEFAULT_COLLECTIVE_TIMEOUT),
+        }
     }
 }
 
-fn err_text(r: sys::ncclResult_t, comm: sys::ncclComm_t) -> String {
+pub(super) fn err_text(r: sys::ncclResult_t, comm: sys::ncclComm_t) -> String {
     // SAFETY: NCCL returns static strings (or a per-communicator buffer) for these.
     let text = unsafe {
         let s = sys::ncclGetErrorString(r);
@@ -139,105 +152,14 @@ fn nccl_dtype(dt: DType) -> Result<sys::ncclDataType_t> {
     })
 }
 
-// ---------------------------------------------------------------- communicator handles
-
-/// A raw communicator; freed by abort (never blocks on a dead peer) or destroy.
-struct Handle {
-    comm: sys::ncclComm_t,
-    stream: Arc<CudaStream>,
-    /// Guards the handle's lifetime (abort / destroy / async-error polling), never a call.
-    alive: Mutex<bool>,
-}
-
-// SAFETY: an NCCL communicator may be used from any thread; calls on it are serialised
-// by `CALLS`, and its lifetime by `alive`.
-unsafe impl Send for Handle {}
-unsafe impl Sync for Handle {}
-
-impl Handle {
-    fn abort(&self) {
-        let mut alive = self.alive.lock().unwrap_or_else(|p| p.into_inner());
-        if *alive {
-            *alive = false;
-            // SAFETY: `comm` is live (alive was true) and is not used after this.
-            unsafe {
-                sys::ncclCommAbort(self.comm);
-            }
-        }
-    }
-
-    /// The pending asynchronous error, if any.
-    fn async_error(&self) -> Option<String> {
-        let alive = self.alive.lock().unwrap_or_else(|p| p.into_inner());
-        if !*alive {
-            return None;
-        }
-        let mut r = sys::ncclResult_t::ncclSuccess;
-        // SAFETY: `comm` is live while `alive` is held.
-        let q = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut r) };
-        match (q, r) {
-            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) => None,
-            (sys::ncclResult_t::ncclSuccess, r) => Some(err_text(r, self.comm)),
-            (q, _) => Some(err_text(q, self.comm)),
-        }
-    }
-}
-
-impl Drop for Handle {
-    fn drop(&mut self) {
-        let mut alive = self.alive.lock().unwrap_or_else(|p| p.into_inner());
-        if *alive {
-            *alive = false;
-            // Let our queued work finish so that peers get their data, then free.
-            let _ = self.stream.synchronize();
-            // SAFETY: live communicator, no other user left (we are its last owner).
-            unsafe {
-                sys::ncclCommDestroy(self.comm);
-            }
-        }
-    }
-}
-
-type Hook = Arc<dyn Fn(&str) + Send + Sync>;
-
-/// The world communicator and all its splits: they fail together.
-struct Family {
-    handles: Mutex<Vec<Weak<Handle>>>,
-    reason: Mutex<Option<String>>,
-    hook: Mutex<Option<Hook>>,
-}
-
-impl Family {
-    fn reason(&self) -> Option<String> {
-        self.reason.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-
-    /// Abort every communicator of the family (first reason wins); `tell` runs the hook.
-    fn abort(&self, reason: &str, tell: bool) {
-        {
-            let mut r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
-            if r.is_some() {
-                return;
-            }
-            *r = Some(reason.to_string());
-        }
-        let handles: Vec<_> = self.handles.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        for h in handles.iter().filter_map(Weak::upgrade) {
-            h.abort();
-        }
-        let hook = self.hook.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        if let (true, Some(hook)) = (tell, hook) {
-            hook(reason);
-        }
-    }
-}
-
 /// NCCL communicator over the CUDA device of this process. See the module doc.
 pub struct NcclComm {
     handle: Arc<Handle>,
     family: Arc<Family>,
     rank: usize,
     world: usize,
+    /// Which communicator, for messages: `the world`, `group [0, 2]`.
+    label: Arc<str>,
     device: CudaDevice,
     /// The stream NCCL work is queued on.
     stream: Arc<CudaStream>,
@@ -269,7 +191,16 @@ impl NcclComm {
         Self::with_options(device, rank, world, id, NcclOptions::default())
     }
 
+    /// [`Self::init`] with a family of its own (set its hook with [`Self::set_abort_hook`]).
     pub fn with_options(device: &Device, rank: usize, world: usize, id: &[u8], opts: NcclOptions) -> Result<Arc<Self>> {
+        Self::init(device, rank, world, id, opts, Family::new(rank, world))
+    }
+
+    /// Join the world `id` names as `rank` of `world` on `device`, in `family`, whose
+    /// hook and peer-failure wiring the caller set up beforehand (so that a failure
+    /// during `ncclCommInitRank` is neither lost nor left unreported). A family aborted
+    /// before or during the init gives an error.
+    pub fn init(device: &Device, rank: usize, world: usize, id: &[u8], opts: NcclOptions, family: Arc<Family>) -> Result<Arc<Self>> {
         let Device::Cuda(dev) = device else {
             return crate::config_err!("NCCL needs a CUDA device, got {device:?}");
         };
@@ -288,40 +219,57 @@ impl NcclComm {
         for (d, &s) in uid.internal.iter_mut().zip(id) {
             *d = s as _;
         }
-        let mut comm: sys::ncclComm_t = std::ptr::null_mut();
-        {
-            let _g = CALLS.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(every) = opts.watchdog {
+            family.start_watchdog(stream.context().clone(), every, opts.collective_timeout);
+        }
+        let handle = {
+            let calls = family.enter("ncclCommInitRank");
+            if let Some(r) = family.reason() {
+                return crate::comm_err!("rank {rank} of {world}: not creating the NCCL communicator: {r}");
+            }
+            let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+            family.set_initialising(true);
             // SAFETY: `comm` receives a new communicator; the id is a full ncclUniqueId.
             let r = unsafe { sys::ncclCommInitRank(&mut comm, nranks, uid, me) };
+            family.set_initialising(false);
             if let Err(e) = ok(r, "ncclCommInitRank", std::ptr::null_mut()) {
-                return crate::comm_err!("rank {rank} of {world}: {e}");
+                drop(calls);
+                let reason = format!("rank {rank} of {world}: {e}");
+                family.abort(&reason, true);
+                return crate::comm_err!("{reason}");
             }
+            let handle = Handle::new(comm, stream.clone());
+            family.add(&handle);
+            handle // `calls` aborts it on release if a failure came meanwhile
+        };
+        if let Some(r) = family.reason() {
+            return crate::comm_err!("rank {rank} of {world}: NCCL communicator aborted during its creation: {r}");
         }
-        let handle = Arc::new(Handle { comm, stream: stream.clone(), alive: Mutex::new(true) });
-        let family =
-            Arc::new(Family { handles: Mutex::new(vec![Arc::downgrade(&handle)]), reason: Mutex::new(None), hook: Mutex::new(None) });
-        if let Some(every) = opts.watchdog {
-            let fam = Arc::downgrade(&family);
-            std::thread::spawn(move || watchdog(fam, every, rank));
-        }
-        Ok(Arc::new(Self { handle, family, rank, world, device: dev.clone(), stream, check_shapes: opts.check_shapes }))
+        let label: Arc<str> = Arc::from("the world");
+        Ok(Arc::new(Self { handle, family, rank, world, label, device: dev.clone(), stream, check_shapes: opts.check_shapes }))
     }
 
     /// Called once with the reason when this process aborts the family on its own
     /// (an NCCL error, `abort`, the watchdog): tell the other processes here, e.g.
-    /// `monitor.report_failure(reason)`.
+    /// `monitor.report_failure(reason)`. Prefer setting it on the [`Family`] before
+    /// [`Self::init`].
     pub fn set_abort_hook(&self, f: impl Fn(&str) + Send + Sync + 'static) {
-        *self.family.hook.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(f));
+        self.family.set_abort_hook(f);
     }
 
     /// Abort because another process failed (no hook: they already know).
     pub fn abort_from_peer(&self, reason: &str) {
-        self.family.abort(reason, false);
+        self.family.abort_from_peer(reason);
     }
 
     /// The reason the family was aborted, if it was.
     pub fn aborted(&self) -> Option<String> {
         self.family.reason()
+    }
+
+    /// The family this communicator fails with.
+    pub fn family(&self) -> &Arc<Family> {
+        &self.family
     }
 
     /// The stream NCCL work is queued on.
@@ -334,6 +282,16 @@ impl NcclComm {
             Some(r) => crate::comm_err!("NCCL communicator aborted: {r}"),
             None => Ok(()),
         }
+    }
+
+    /// The call lock for `what`, once the communicator is known to be usable under it.
+    fn enter(&self, what: &str) -> Result<Calls<'_>> {
+        let calls = self.family.enter(&format!("{what} (on {})", self.label));
+        self.alive()?;
+        if !self.handle.is_alive() {
+            return crate::comm_err!("NCCL communicator ({}) already freed", self.label);
+        }
+        Ok(calls)
     }
 
     /// An NCCL error on this rank: abort the family (and tell the others), then error.
@@ -397,7 +355,7 @@ impl NcclComm {
         if self.check_shapes {
             self.check_signatures(sends, recv_from, what)?;
         }
-        let _g = CALLS.lock().unwrap_or_else(|p| p.into_inner());
+        let _calls = self.enter(what)?;
         self.stream.context().bind_to_thread().w()?;
         self.after_compute()?;
         // Every message tensor, flat: what it sends, to whom, and from whom its receive comes.
@@ -416,6 +374,7 @@ impl NcclComm {
             let recvs = dst.iter().zip(&bytes).zip(&from).map(|((&ptr, &bytes), &peer)| P2p::Recv { ptr, bytes, peer });
             self.p2p(&sends.chain(recvs).collect::<Vec<_>>())
         })??;
+        self.family.track(&self.stream, what, &self.label)?;
         let done = self.done()?;
         let mut outs = outs.into_iter().zip(&ins).map(|(o, t)| raw::tensor(o, t.shape().clone()));
         let outs = sends.iter().map(|(_, ts)| outs.by_ref().take(ts.len()).collect()).collect();
@@ -481,6 +440,7 @@ impl NcclComm {
             family: self.family.clone(),
             rank: self.rank,
             world: self.world,
+            label: self.label.clone(),
             device: self.device.clone(),
             stream: self.stream.clone(),
             check_shapes: self.check_shapes,
@@ -496,8 +456,7 @@ impl NcclComm {
         what: &str,
         call: impl FnOnce(*const c_void, *mut c_void, sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t,
     ) -> Result<CudaStorage> {
-        self.alive()?;
-        let _g = CALLS.lock().unwrap_or_else(|p| p.into_inner());
+        let calls = self.enter(what)?;
         self.stream.context().bind_to_thread().w()?;
         self.after_compute()?;
         let mut out = self.alloc(x.dtype(), out_elems)?;
@@ -505,6 +464,8 @@ impl NcclComm {
             call(src[0] as *const c_void, dst[0] as *mut c_void, self.handle.comm, self.stream.cu_stream() as _)
         })?;
         ok(r, what, self.handle.comm).or_else(|e| self.failed(e))?;
+        self.family.track(&self.stream, what, &self.label)?;
+        drop(calls);
         // The result is used at once: the compute stream waits for it here (also what
         // any consumer through raw pointers or another stream orders against).
         self.done()?.wait()?;
@@ -528,24 +489,6 @@ impl Done {
 enum P2p {
     Send { ptr: u64, bytes: usize, peer: usize },
     Recv { ptr: u64, bytes: usize, peer: usize },
-}
-
-/// Poll every communicator of the family for asynchronous errors until it is gone.
-fn watchdog(family: Weak<Family>, every: Duration, rank: usize) {
-    loop {
-        std::thread::sleep(every);
-        let Some(fam) = family.upgrade() else { return };
-        if fam.reason().is_some() {
-            return;
-        }
-        let handles: Vec<_> = fam.handles.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        for h in handles.iter().filter_map(Weak::upgrade) {
-            if let Some(e) = h.async_error() {
-                fam.abort(&format!("rank {rank}: NCCL asynchronous error: {e}"), true);
-                return;
-            }
-        }
-    }
 }
 
 impl Comm for NcclComm {
@@ -587,7 +530,7 @@ impl Comm for NcclComm {
         let x = self.prepare(vec![x.clone()], "all_reduce_sum")?.remove(0);
         let dt = nccl_dtype(x.dtype())?;
         let n = x.elem_count();
-        let out = self.collective(&x, n, "ncclAllReduce", |s, d, c, st| {
+        let out = self.collective(&x, n, "all_reduce_sum (ncclAllReduce)", |s, d, c, st| {
             // SAFETY: s and d address n elements of dt on this GPU.
             unsafe { sys::ncclAllReduce(s, d, n, dt, sys::ncclRedOp_t::ncclSum, c, st) }
         })?;
@@ -598,7 +541,7 @@ impl Comm for NcclComm {
         let x = self.prepare(vec![x.clone()], "all_gather")?.remove(0);
         let n = x.elem_count();
         let bytes = n * x.dtype().size_in_bytes();
-        let out = self.collective(&x, n * self.world, "ncclAllGather", |s, d, c, st| {
+        let out = self.collective(&x, n * self.world, "all_gather (ncclAllGather)", |s, d, c, st| {
             // SAFETY: s has `bytes` bytes, d has world × bytes.
             unsafe { sys::ncclAllGather(s, d, bytes, sys::ncclDataType_t::ncclUint8, c, st) }
         })?;
@@ -622,7 +565,7 @@ impl Comm for NcclComm {
         let dt = nccl_dtype(xs[0].dtype())?;
         let flat: Vec<Tensor> = xs.iter().map(|x| x.flatten_all()).collect::<Result<_>>()?;
         let stacked = Tensor::cat(&flat, 0)?;
-        let out = self.collective(&stacked, n, "ncclReduceScatter", |s, d, c, st| {
+        let out = self.collective(&stacked, n, "reduce_scatter_sum (ncclReduceScatter)", |s, d, c, st| {
             // SAFETY: s has world × n elements, d has n.
             unsafe { sys::ncclReduceScatter(s, d, n, dt, sys::ncclRedOp_t::ncclSum, c, st) }
         })?;
@@ -644,25 +587,33 @@ impl Comm for NcclComm {
         let Some(pos) = ranks.iter().position(|&r| r == self.rank) else {
             return crate::config_err!("sub: ranks {ranks:?} do not contain this rank {}", self.rank);
         };
-        let mut child: sys::ncclComm_t = std::ptr::null_mut();
-        {
-            let _g = CALLS.lock().unwrap_or_else(|p| p.into_inner());
+        let label: Arc<str> = if &*self.label == "the world" {
+            Arc::from(format!("group {ranks:?}"))
+        } else {
+            Arc::from(format!("group {ranks:?} of {}", self.label))
+        };
+        let handle = {
+            let _calls = self.enter("sub (ncclCommSplit)")?;
             self.stream.context().bind_to_thread().w()?;
+            let mut child: sys::ncclComm_t = std::ptr::null_mut();
             // SAFETY: collective over all parent ranks (see the module doc); a null
             // config inherits the parent's.
             let r = unsafe { sys::ncclCommSplit(self.handle.comm, ranks[0] as i32, pos as i32, &mut child, std::ptr::null_mut()) };
             ok(r, "ncclCommSplit", self.handle.comm).or_else(|e| self.failed(e))?;
-        }
-        if child.is_null() {
-            return self.failed(format!("ncclCommSplit gave no communicator for group {ranks:?}"));
-        }
-        let handle = Arc::new(Handle { comm: child, stream: self.stream.clone(), alive: Mutex::new(true) });
-        self.family.handles.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::downgrade(&handle));
+            if child.is_null() {
+                return self.failed(format!("ncclCommSplit gave no communicator for group {ranks:?}"));
+            }
+            let handle = Handle::new(child, self.stream.clone());
+            self.family.add(&handle);
+            handle // `_calls` aborts it on release if the family failed meanwhile
+        };
+        self.alive()?;
         Ok(Arc::new(NcclComm {
             handle,
             family: self.family.clone(),
             rank: pos,
             world: ranks.len(),
+            label,
             device: self.device.clone(),
             stream: self.stream.clone(),
             check_shapes: self.check_shapes,

@@ -35,7 +35,18 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// How long a blocking call waits for a peer before it gives up and aborts the world.
+/// A world made with `Duration::MAX` never gives up (a timeout of 0 = off in the config).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// `5 s`, `2.5 s`.
+fn secs(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if (s - s.round()).abs() < 1e-9 {
+        format!("{} s", s.round() as u64)
+    } else {
+        format!("{s:.1} s")
+    }
+}
 
 /// Group id of the whole world.
 const WORLD_GROUP: u64 = 0;
@@ -138,7 +149,8 @@ impl World {
     /// Blocks until the message `key` has arrived, the world is aborted, or the
     /// timeout expires (which aborts the world). `me`/`peer` are only for messages.
     fn wait(&self, key: Key, me: &str, peer: &str, what: &str) -> Result<Msg> {
-        let deadline = Instant::now() + self.timeout;
+        // No deadline when the timeout does not fit (Duration::MAX: off).
+        let deadline = Instant::now().checked_add(self.timeout);
         let mut st = self.lock();
         loop {
             if let Some((_, reason)) = &st.aborted {
@@ -148,13 +160,16 @@ impl World {
                 return Ok(msg);
             }
             let now = Instant::now();
-            if now >= deadline {
-                let reason = format!("{me} timed out after {:?} waiting in {what} for {peer}", self.timeout);
+            if deadline.is_some_and(|d| now >= d) {
+                let reason = format!(
+                    "{me} timed out after {} waiting in {what} for {peer} (collective timeout: {peer} is stuck or stopped taking part)",
+                    secs(self.timeout)
+                );
                 drop(st);
                 self.abort(Some(key.2), &reason);
                 return crate::comm_err!("{reason}");
             }
-            let slice = (deadline - now).min(Duration::from_millis(500));
+            let slice = deadline.map_or(Duration::from_millis(500), |d| (d - now).min(Duration::from_millis(500)));
             st = self.cv.wait_timeout(st, slice).unwrap_or_else(|p| p.into_inner()).0;
         }
     }
