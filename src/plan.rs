@@ -127,9 +127,11 @@ impl ModelShape {
     }
 }
 
-/// Parameters of a config, biases included, a tied head counted once.
+/// Parameters of a config, biases included, a tied head counted once (checked
+/// arithmetic: [`crate::limits::param_count`]; a config that parsed is within
+/// [`crate::limits::MAX_PARAMS`], so the saturation never shows).
 pub fn param_count(cfg: &LlamaConfig) -> u64 {
-    crate::train::init::parameter_shapes(cfg).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum()
+    crate::limits::param_count(cfg).unwrap_or(u64::MAX)
 }
 
 /// What to plan for. [`PlanRequest::new`] fills the defaults of `longctx plan`.

@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use longctx::dist::DistEnv;
 use longctx::train::config::RunConfig;
-use longctx::train::trainer::{self, RunLimits};
+use longctx::train::trainer::{self, RunOptions, RunSummary, StopFlag, StopReason};
 use std::path::PathBuf;
 
 /// Flags follow EasyContext's train.py where it has them; every flag overrides the
@@ -26,9 +26,19 @@ pub struct TrainArgs {
     pub train: TrainFlags,
     #[command(flatten)]
     pub run: RunFlags,
-    /// Continue from <output-dir>/checkpoint.
+    /// Continue from <output-dir>/checkpoint. The saved config is compared with this one:
+    /// changes that break exactness (model, data, seed, a started stage's length or θ) are
+    /// refused, others (learning rate, steps, cadence...) are listed.
     #[arg(long)]
     pub resume: bool,
+    /// Start afresh in an output directory that holds a run (its checkpoint, metrics and
+    /// export are removed); without it such a directory is refused.
+    #[arg(long, conflicts_with = "resume")]
+    pub overwrite: bool,
+    /// With --resume: allow a new parallel layout (world size, mode, batch split); the
+    /// optimizer state is re-cut and the run continues within rounding, not bit for bit.
+    #[arg(long, requires = "resume")]
+    pub allow_layout_change: bool,
     /// Print the resolved config and exit.
     #[arg(long)]
     pub dry_run: bool,
@@ -81,31 +91,48 @@ pub fn train(a: TrainArgs) -> Result<()> {
     if let Some(m) = longctx::hub::model_config(&cfg.model.source, &opts, false).context("reading the model config")? {
         longctx::plan::check_run(&cfg, &m.cfg, &src).context("checking the parallel layout against the model")?;
     }
-    let limits = RunLimits { stop_at_global_step: a.stop_at_step };
     if a.dry_run {
         println!("{}", toml::to_string_pretty(&cfg)?);
         return Ok(());
     }
+    // SIGINT/SIGTERM: a checkpoint at the next step boundary, then exit (a second one
+    // exits at once).
+    let stop = StopFlag::new();
+    stop.install_signal_handlers()?;
+    let opts = RunOptions {
+        stop_at_global_step: a.stop_at_step,
+        overwrite: a.overwrite,
+        allow_layout_change: a.allow_layout_change,
+        stop: Some(stop),
+        faults: Vec::new(),
+    };
     if let Some(env) = dist {
-        return train_launched(&env, &cfg, a.resume, limits);
+        return train_launched(&env, &cfg, a.resume, &opts);
     }
     eprintln!("longctx train — resolved config (from {}):", src.display());
     eprintln!("{}", toml::to_string(&cfg)?.trim_end());
-    let summary = trainer::run_with_limits(&cfg, a.resume, limits).context("training")?;
-    if !summary.completed {
-        return Ok(());
-    }
-    println!("exported to {}", summary.export_dir.display());
+    let summary = trainer::run_with(&cfg, a.resume, &opts).context("training")?;
+    finish(&summary);
     Ok(())
+}
+
+/// Reports the end of a run; a run stopped by a signal exits with 128 + the signal (its
+/// checkpoint is complete), so scripts see the interruption.
+fn finish(s: &RunSummary) {
+    match s.stopped {
+        None => println!("exported to {}", s.export_dir.display()),
+        Some(StopReason::Signal(Some(sig))) => std::process::exit(128 + sig),
+        Some(_) => {}
+    }
 }
 
 /// One rank of a multi-process run (started by `longctx launch`, torchrun or Slurm):
 /// rendezvous → world communicator (NCCL on GPUs, the process transport on the CPU) →
 /// the same rank loop as in-process runs.
-fn train_launched(env: &DistEnv, cfg: &RunConfig, resume: bool, limits: RunLimits) -> Result<()> {
-    let summary = trainer::run_launched(cfg, resume, env, limits).with_context(|| format!("rank {} of {}", env.rank, env.world))?;
-    if let Some(s) = summary.filter(|s| s.completed) {
-        println!("exported to {}", s.export_dir.display());
+fn train_launched(env: &DistEnv, cfg: &RunConfig, resume: bool, opts: &RunOptions) -> Result<()> {
+    let summary = trainer::run_launched(cfg, resume, env, opts).with_context(|| format!("rank {} of {}", env.rank, env.world))?;
+    if let Some(s) = summary {
+        finish(&s);
     }
     Ok(())
 }

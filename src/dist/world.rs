@@ -30,8 +30,24 @@ pub const COMM_TIMEOUT_ENV: &str = "LONGCTX_COMM_TIMEOUT_S";
 /// Run `f` once per rank of an in-process world of `n` threads; results in rank order,
 /// or the error of the rank that failed first.
 pub fn run_threads<T: Send>(n: usize, f: impl Fn(Arc<dyn Comm>) -> Result<T> + Sync) -> Result<Vec<T>> {
-    thread::run_ranks_with_timeout(n, comm_timeout()?, |comm| f(comm).map_err(|e| candle_core::Error::Msg(e.to_string())))
-        .map_err(|e| Error::Setting(e.to_string()))
+    // The first failure, kept typed: an error that names a file or says why training
+    // stopped is returned as it is (not as "invalid setting: rank r failed: ...").
+    let first: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
+    let out = thread::run_ranks_with_timeout(n, comm_timeout()?, |comm| {
+        f(comm).map_err(|e| {
+            let msg = e.to_string();
+            if let Ok(mut slot) = first.lock() {
+                slot.get_or_insert(e);
+            }
+            candle_core::Error::Msg(msg)
+        })
+    });
+    out.map_err(|e| match first.into_inner().ok().flatten() {
+        Some(typed @ (Error::Diverged(_) | Error::Config { .. } | Error::Checkpoint { .. } | Error::Data { .. } | Error::Io { .. })) => {
+            typed
+        }
+        _ => Error::Setting(e.to_string()),
+    })
 }
 
 fn comm_timeout() -> Result<Duration> {

@@ -39,6 +39,9 @@ pub struct ShardedAdamW {
 pub struct StepStats {
     /// Global L2 norm of the summed gradient, before clipping.
     pub grad_norm: f64,
+    /// The norm was not finite: the update was skipped (weights, moments and the step
+    /// counter unchanged). The norm is all-reduced, so every rank skips together.
+    pub skipped: bool,
 }
 
 impl ShardedAdamW {
@@ -124,11 +127,9 @@ impl ShardedAdamW {
         let local = gshard.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_device(&Device::Cpu)?.to_scalar::<f64>()?;
         let grad_norm = all_reduce_scalar(comm, local, gshard.device())?.sqrt();
         if !grad_norm.is_finite() {
-            // The same value on every rank: all stop here, before the update.
-            return Err(Error::Setting(format!(
-                "gradient norm is {grad_norm} over all ranks (a NaN or infinite gradient; the weights were not updated); \
-                 lower the learning rate or check the data"
-            )));
+            // The same value on every rank: all skip this update together (the trainer
+            // counts it and aborts after too many in a row).
+            return Ok(StepStats { grad_norm, skipped: true });
         }
         // 3. Clip and update.
         let coef = if clip > 0.0 && grad_norm > clip { clip / (grad_norm + 1e-6) } else { 1.0 };
@@ -155,7 +156,7 @@ impl ShardedAdamW {
             v.set(&full.narrow(0, off, n)?.reshape(v.as_tensor().shape())?)?;
             off += n;
         }
-        Ok(StepStats { grad_norm })
+        Ok(StepStats { grad_norm, skipped: false })
     }
 
     /// Refresh the host copy of a device-resident state (before a checkpoint).
