@@ -81,6 +81,9 @@
 //! kv offload, with the largest power-of-two chunk that divides `S`, is a multiple of
 //! `sp` and fits.
 //!
+//! Arithmetic is checked: a request too large for 64-bit byte counts is an error naming
+//! the estimate, never a wrapped number.
+//!
 //! Every request is validated with the trainer's own rules ([`RunConfig::validate`]:
 //! zigzag 2W divisibility, FPDT chunk layout, ...; [`ParallelDims::new`]: head split)
 //! and no more ranks than GPUs ([`ParallelDims::check_devices`]).
@@ -367,28 +370,42 @@ fn kv_heads_per_rank(hkv: usize, u: usize) -> u64 {
     }
 }
 
+/// Every byte count below is computed with checked arithmetic: a request whose memory
+/// does not fit in 64 bits is an error, never a wrapped number.
+const WHAT: &str = "the memory estimate";
+
+fn m(xs: &[u64]) -> Result<u64> {
+    crate::limits::mul(WHAT, xs)
+}
+
+fn s(xs: &[u64]) -> Result<u64> {
+    crate::limits::add(WHAT, xs)
+}
+
 /// Ring buffers: k, v double-buffered, f32 dk/dv travelling + arriving, f32 dq/o.
-fn ring_bytes(e_q: u64, e_r: u64, a: u64) -> u64 {
-    4 * e_r * a + 16 * e_r + 4 * e_q
+fn ring_bytes(e_q: u64, e_r: u64, a: u64) -> Result<u64> {
+    s(&[m(&[4, e_r, a])?, m(&[16, e_r])?, m(&[4, e_q])?])
 }
 
 /// Head-sharded q, o and k, v with their gradients.
-fn heads_bytes(e_q: u64, e_h: u64, a: u64) -> u64 {
-    2 * (2 * e_q + 2 * e_h) * a
+fn heads_bytes(e_q: u64, e_h: u64, a: u64) -> Result<u64> {
+    m(&[2, s(&[m(&[2, e_q])?, m(&[2, e_h])?])?, a])
 }
 
 /// FPDT (resident on the device, parked where the offload flag says).
 #[allow(clippy::too_many_arguments)]
-fn fpdt_bytes(b: u64, seq: u64, s: u64, chunk: u64, hq: u64, hkv_u: u64, u: u64, d: u64, a: u64) -> (u64, u64) {
-    let hq_u = hq / u;
-    let e_q = b * s * hq * d;
-    let resident = 4 * b * chunk * hkv_u * d * a
-        + 3 * b * chunk * hq_u * d * a
-        + 8 * b * chunk * hkv_u * d
-        + 4 * b * chunk * hq_u * d
-        + 4 * b * hq_u * chunk;
-    let parked = 2 * b * seq * hkv_u * d * a + 3 * e_q * a + 4 * e_q + 4 * b * hq * s;
-    (resident, parked)
+fn fpdt_bytes(b: u64, seq: u64, sl: u64, chunk: u64, hq: u64, hkv_u: u64, u: u64, d: u64, a: u64) -> Result<(u64, u64)> {
+    let hq_u = hq / u.max(1);
+    let e_q = m(&[b, sl, hq, d])?;
+    let resident = s(&[
+        m(&[4, b, chunk, hkv_u, d, a])?,
+        m(&[3, b, chunk, hq_u, d, a])?,
+        m(&[8, b, chunk, hkv_u, d])?,
+        m(&[4, b, chunk, hq_u, d])?,
+        m(&[4, b, hq_u, chunk])?,
+    ])?;
+    let parked = s(&[m(&[2, b, seq, hkv_u, d, a])?, m(&[3, e_q, a])?, m(&[4, e_q])?, m(&[4, b, hq, sl])?])?;
+    Ok((resident, parked))
 }
 
 /// Memory estimate of a request (validated first).
@@ -399,29 +416,29 @@ pub fn estimate(model: &ModelShape, req: &PlanRequest) -> Result<Estimate> {
     let (hq, hkv, d) = (model.heads as u64, model.kv_heads as u64, model.head_dim as u64);
     let (b, a) = (req.batch_size as u64, req.dtype_bytes as u64);
     let seq = req.seq_len as u64;
-    let s = lay.local_tokens as u64;
-    let c = (req.token_chunk as u64).min(s);
-    let e_q = b * s * hq * d;
-    let e_kv = b * s * hkv * d;
-
+    let sl = lay.local_tokens as u64;
+    let c = (req.token_chunk as u64).min(sl);
+    let e_q = m(&[b, sl, hq, d])?;
+    let e_kv = m(&[b, sl, hkv, d])?;
+    let shard = p.div_ceil(lay.world as u64);
     let mut dev = DeviceMemory {
-        weights: p * a,
-        gradients: 4 * p,
-        optimizer: if req.optimizer_on_host { 0 } else { 12 * p.div_ceil(lay.world as u64) },
-        grad_reduce: 4 * p,
-        layer_io: b * s * h * (8 * a + 12),
-        attention_local: 2 * (2 * e_q + 2 * e_kv) * a,
-        lse: 4 * b * hq * s,
-        mlp_chunk: b * c * (2 * a * (4 * i + 2 * h) + 16 * h),
-        head: 2 * b * c * v * (a + 4) + 2 * b * s * h * a,
+        weights: m(&[p, a])?,
+        gradients: m(&[4, p])?,
+        optimizer: if req.optimizer_on_host { 0 } else { m(&[12, shard])? },
+        grad_reduce: m(&[4, p])?,
+        layer_io: m(&[b, sl, h, s(&[m(&[8, a])?, 12])?])?,
+        attention_local: m(&[2, s(&[m(&[2, e_q])?, m(&[2, e_kv])?])?, a])?,
+        lse: m(&[4, b, hq, sl])?,
+        mlp_chunk: m(&[b, c, s(&[m(&[2, a, s(&[m(&[4, i])?, m(&[2, h])?])?])?, m(&[16, h])?])?])?,
+        head: s(&[m(&[2, b, c, v, a + 4])?, m(&[2, b, sl, h, a])?])?,
         overhead: req.overhead,
         ..Default::default()
     };
-    let saved = l * b * s * h * a;
+    let saved = m(&[l, b, sl, h, a])?;
     let mut host = HostMemory {
-        optimizer: if req.optimizer_on_host { 12 * p.div_ceil(lay.world as u64) } else { 0 },
-        weights_copy: 4 * p,
-        grads_copy: if req.optimizer_on_host { 4 * p.div_ceil(lay.world as u64) } else { 0 },
+        optimizer: if req.optimizer_on_host { m(&[12, shard])? } else { 0 },
+        weights_copy: m(&[4, p])?,
+        grads_copy: if req.optimizer_on_host { m(&[4, shard])? } else { 0 },
         ..Default::default()
     };
     if req.offload_activations {
@@ -430,41 +447,56 @@ pub fn estimate(model: &ModelShape, req: &PlanRequest) -> Result<Estimate> {
         dev.saved_activations = saved;
     }
     if req.save_attention {
-        dev.saved_attention = l * ((2 * e_q + 2 * e_kv) * a + 4 * b * hq * s);
+        dev.saved_attention = m(&[l, s(&[m(&[s(&[m(&[2, e_q])?, m(&[2, e_kv])?])?, a])?, m(&[4, b, hq, sl])?])?])?;
     }
+    dev.attention_mode = attention_mode_bytes(model, req, &lay, &mut host, (e_q, e_kv, b, seq, sl, d, a))?;
+    finish_estimate(lay, dev, host, req)
+}
+
+/// The mode-specific attention memory on the device (FPDT's parked tensors go to `host`
+/// with `fpdt_offload`).
+fn attention_mode_bytes(
+    model: &ModelShape,
+    req: &PlanRequest,
+    lay: &Layout,
+    host: &mut HostMemory,
+    (e_q, e_kv, b, seq, sl, d, a): (u64, u64, u64, u64, u64, u64, u64),
+) -> Result<u64> {
     let (u, r) = (lay.ulysses as u64, lay.ring as u64);
-    dev.attention_mode = match lay.mode {
+    let hkv_u = kv_heads_per_rank(model.kv_heads, lay.ulysses);
+    Ok(match lay.mode {
         ParallelMode::DataParallel => 0,
-        ParallelMode::ZigzagRingAttn => ring_bytes(e_q, e_kv, a),
-        ParallelMode::UlyssesAttn => heads_bytes(e_q, b * seq * kv_heads_per_rank(model.kv_heads, lay.ulysses) * d, a),
+        ParallelMode::ZigzagRingAttn => ring_bytes(e_q, e_kv, a)?,
+        ParallelMode::UlyssesAttn => heads_bytes(e_q, m(&[b, seq, hkv_u, d])?, a)?,
         ParallelMode::Usp => {
-            let e_h = b * (seq / r) * kv_heads_per_rank(model.kv_heads, lay.ulysses) * d;
-            heads_bytes(e_q, e_h, a) + ring_bytes(e_q, e_h, a)
+            let e_h = m(&[b, seq / r.max(1), hkv_u, d])?;
+            s(&[heads_bytes(e_q, e_h, a)?, ring_bytes(e_q, e_h, a)?])?
         }
         ParallelMode::Fpdt => {
-            let hkv_u = kv_heads_per_rank(model.kv_heads, lay.ulysses);
-            let (resident, parked) = fpdt_bytes(b, seq, s, req.fpdt_chunk as u64, hq, hkv_u, u, d, a);
+            let (resident, parked) = fpdt_bytes(b, seq, sl, req.fpdt_chunk as u64, model.heads as u64, hkv_u, u, d, a)?;
             if req.fpdt_offload {
                 host.fpdt_parked = parked;
                 resident
             } else {
-                resident + parked
+                s(&[resident, parked])?
             }
         }
-    };
-    dev.layer_transient = dev.layer_io + dev.attention_local + dev.lse + dev.attention_mode + dev.mlp_chunk;
+    })
+}
+
+/// Peaks and fit from the parts (see the module doc).
+fn finish_estimate(lay: Layout, mut dev: DeviceMemory, mut host: HostMemory, req: &PlanRequest) -> Result<Estimate> {
+    dev.layer_transient = s(&[dev.layer_io, dev.attention_local, dev.lse, dev.attention_mode, dev.mlp_chunk])?;
     dev.transient = dev.layer_transient.max(dev.head);
-    let base = dev.weights + dev.gradients + dev.optimizer + dev.overhead;
-    dev.peak_compute = base + dev.saved_activations + dev.saved_attention + dev.transient;
-    dev.peak_step = base + dev.grad_reduce;
+    let base = s(&[dev.weights, dev.gradients, dev.optimizer, dev.overhead])?;
+    dev.peak_compute = s(&[base, dev.saved_activations, dev.saved_attention, dev.transient])?;
+    dev.peak_step = s(&[base, dev.grad_reduce])?;
     dev.peak = dev.peak_compute.max(dev.peak_step);
-
-    host.per_rank = host.optimizer + host.saved_activations + host.fpdt_parked + host.weights_copy + host.grads_copy;
+    host.per_rank = s(&[host.optimizer, host.saved_activations, host.fpdt_parked, host.weights_copy, host.grads_copy])?;
     host.ranks_per_node = req.world / req.nnodes;
-    host.per_node = host.per_rank * host.ranks_per_node as u64;
-
+    host.per_node = m(&[host.per_rank, host.ranks_per_node as u64])?;
     let fits_gpu = dev.peak <= req.gpu_memory;
-    let fits_host = req.host_memory.map(|m| host.per_node <= m);
+    let fits_host = req.host_memory.map(|mem| host.per_node <= mem);
     Ok(Estimate { layout: lay, device: dev, host, fits_gpu, fits_host, fits: fits_gpu && fits_host.unwrap_or(true) })
 }
 

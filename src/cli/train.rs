@@ -112,16 +112,18 @@ pub fn train(a: TrainArgs) -> Result<()> {
     eprintln!("longctx train — resolved config (from {}):", src.display());
     eprintln!("{}", toml::to_string(&cfg)?.trim_end());
     let summary = trainer::run_with(&cfg, a.resume, &opts).context("training")?;
-    finish(&summary);
+    finish(&summary, false);
     Ok(())
 }
 
-/// Reports the end of a run; a run stopped by a signal exits with 128 + the signal (its
-/// checkpoint is complete), so scripts see the interruption.
-fn finish(s: &RunSummary) {
+/// Reports the end of a run. A run stopped by a signal exits with 128 + the signal (its
+/// checkpoint is complete) so that scripts see the interruption; a rank under a launcher
+/// exits 0 (the launcher reports the interruption, and a rank's non-zero exit would read
+/// as a failure to it).
+fn finish(s: &RunSummary, launched: bool) {
     match s.stopped {
         None => println!("exported to {}", s.export_dir.display()),
-        Some(StopReason::Signal(Some(sig))) => std::process::exit(128 + sig),
+        Some(StopReason::Signal(Some(sig))) if !launched => std::process::exit(128 + sig),
         Some(_) => {}
     }
 }
@@ -132,7 +134,7 @@ fn finish(s: &RunSummary) {
 fn train_launched(env: &DistEnv, cfg: &RunConfig, resume: bool, opts: &RunOptions) -> Result<()> {
     let summary = trainer::run_launched(cfg, resume, env, opts).with_context(|| format!("rank {} of {}", env.rank, env.world))?;
     if let Some(s) = summary {
-        finish(&s);
+        finish(&s, true);
     }
     Ok(())
 }

@@ -118,6 +118,28 @@ fn explain(path: &Path, buf: &[u8], e: SafeTensorError) -> Error {
     }
 }
 
+/// The data ranges of `tensors` must be ordered, within the `data_len` bytes of the data
+/// section and disjoint: two tensors sharing bytes would alias each other's weights. (The
+/// `safetensors` crate checks this too; this keeps the guarantee whatever its version.)
+fn check_layout(path: &Path, tensors: &HashMap<String, TensorEntry>, data_len: usize) -> Result<()> {
+    let mut by_start: Vec<(&String, &TensorEntry)> = tensors.iter().collect();
+    by_start.sort_by_key(|(name, e)| (e.start, e.end, *name));
+    let mut prev: Option<(&String, usize)> = None;
+    for (name, e) in by_start {
+        if e.end < e.start || e.end > data_len {
+            return Err(corrupt(
+                path,
+                format!("tensor `{name}` has data offsets [{}, {}] outside the {data_len} data bytes", e.start, e.end),
+            ));
+        }
+        if let Some((p, end)) = prev.filter(|(_, end)| e.start < *end && e.end > e.start) {
+            return Err(corrupt(path, format!("tensors `{p}` and `{name}` overlap (bytes {}..{end})", e.start)));
+        }
+        prev = Some((name, e.end.max(prev.map_or(0, |p| p.1))));
+    }
+    Ok(())
+}
+
 impl SafetensorsFile {
     /// Maps `path` and validates its header: size fields, dtypes, byte counts, offsets.
     pub fn open(path: &Path) -> Result<Self> {
@@ -134,6 +156,7 @@ impl SafetensorsFile {
             let (start, end) = info.data_offsets;
             tensors.insert(name, TensorEntry { dtype: format!("{:?}", info.dtype), shape: info.shape.clone(), start, end });
         }
+        check_layout(path, &tensors, mmap.len().saturating_sub(8 + n))?;
         let metadata = header.metadata().clone().unwrap_or_default().into_iter().collect();
         Ok(Self { path: path.to_path_buf(), mmap, data_start: 8 + n, tensors, metadata })
     }
