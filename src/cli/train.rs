@@ -104,7 +104,10 @@ pub fn train(a: TrainArgs) -> Result<()> {
         overwrite: a.overwrite,
         allow_layout_change: a.allow_layout_change,
         stop: Some(stop),
-        faults: Vec::new(),
+        faults: match std::env::var(trainer::FAULT_ENV) {
+            Ok(v) => trainer::Fault::parse_list(&v)?,
+            Err(_) => Vec::new(),
+        },
     };
     if let Some(env) = dist {
         return train_launched(&env, &cfg, a.resume, &opts);

@@ -104,6 +104,32 @@ pub enum Fault {
     NanWeights { step: u64 },
 }
 
+/// Environment variable the `longctx` binary reads faults from, for tests of real
+/// processes: a comma-separated list of `nan-grad:RANK:FIRST-LAST` and
+/// `nan-weights:STEP` ([`Fault::parse_list`]). Not for production runs.
+pub const FAULT_ENV: &str = "LONGCTX_FAULT";
+
+impl Fault {
+    /// Faults from the [`FAULT_ENV`] syntax; the error names the bad item.
+    pub fn parse_list(s: &str) -> Result<Vec<Fault>> {
+        let bad = |item: &str| Error::Setting(format!("{FAULT_ENV}: `{item}` is not `nan-grad:RANK:FIRST-LAST` or `nan-weights:STEP`"));
+        let mut out = Vec::new();
+        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let parts: Vec<&str> = item.split(':').collect();
+            let num = |x: &str| x.parse::<u64>().map_err(|_| bad(item));
+            out.push(match parts.as_slice() {
+                ["nan-grad", rank, range] => {
+                    let (a, b) = range.split_once('-').ok_or_else(|| bad(item))?;
+                    Fault::NanGradient { rank: num(rank)? as usize, first: num(a)?, last: num(b)? }
+                }
+                ["nan-weights", step] => Fault::NanWeights { step: num(step)? },
+                _ => return Err(bad(item)),
+            });
+        }
+        Ok(out)
+    }
+}
+
 /// The model a run starts from, resolved once (shared by all in-process ranks).
 pub struct StartModel {
     pub cfg: LlamaConfig,
