@@ -323,6 +323,7 @@ pub fn validate(model: &ModelShape, req: &PlanRequest) -> Result<Layout> {
     if req.gpus == 0 {
         return bad("gpus", "must be at least 1".into());
     }
+    crate::limits::check_range(flags, "gpus", req.gpus, 1, crate::limits::MAX_WORLD_SIZE)?;
     if req.nnodes == 0 || !req.gpus.is_multiple_of(req.nnodes) {
         return bad("nnodes", format!("{} GPUs cannot be spread equally over {} node(s)", req.gpus, req.nnodes));
     }

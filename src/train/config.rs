@@ -273,7 +273,8 @@ impl RunConfig {
             if v.is_finite() && !below && !above {
                 return Ok(());
             }
-            let (l, h) = (if lo_open { "(" } else { "[" }, if hi_open { ")" } else { "]" });
+            let (l, h) = (if lo_open { "(" } else { "[" }, if hi_open || hi == f64::MAX { ")" } else { "]" });
+            let hi = if hi == f64::MAX { "∞".to_string() } else { hi.to_string() };
             Err(Error::config(source, field, format!("got {v}, expected a number in {l}{lo}, {hi}{h}")))
         };
         real("train.learning_rate", t.learning_rate, 0.0, true, MAX_LEARNING_RATE, false)?;

@@ -246,9 +246,11 @@ pub fn run(cfg: &RunConfig, resume: bool) -> Result<RunSummary> {
 /// [`run`] with options (early stop, overwrite, stop flag...: [`RunOptions`]).
 pub fn run_with(cfg: &RunConfig, resume: bool, opts: &RunOptions) -> Result<RunSummary> {
     let src = Path::new("<run config>");
-    crate::limits::check_range(src, "parallel.world_size", cfg.parallel.world_size, 1, crate::limits::MAX_THREAD_RANKS).map_err(|e| {
-        Error::config(src, "parallel.world_size", format!("{e}: ranks as threads of one process; use `longctx launch` for more"))
-    })?;
+    let (ranks, max) = (cfg.parallel.world_size, crate::limits::MAX_THREAD_RANKS);
+    if ranks > max {
+        let msg = format!("got {ranks}, expected 1 to {max} ranks as threads of one process; use `longctx launch` for more");
+        return Err(Error::config(src, "parallel.world_size", msg));
+    }
     let device = parse_device(&cfg.model.device, src)?;
     let dtype = if device.is_cpu() { DType::F32 } else { parse_dtype(&cfg.model.dtype, src, "model.dtype")? };
     let _lock = RunDirLock::acquire(&cfg.output_dir)?;
