@@ -2,7 +2,7 @@
 //!
 //! - A file: read as it is; its format comes from its extension unless given.
 //! - A directory: every file below it (recursively, hidden entries skipped, symlinks
-//!   followed, each directory read once) whose extension matches the format, sorted by
+//!   followed but never around a loop) whose extension matches the format, sorted by
 //!   path, so the order is the same everywhere.
 //! - `org/name` or `org/name@revision` (when no such local path exists), or the explicit
 //!   form `hf:org/name[@revision]`: a Hugging Face *dataset* repo. It is looked up in the
@@ -141,8 +141,7 @@ pub fn resolve_local(root: &Path, format: Option<Format>) -> Result<Resolved> {
         return Err(Error::data(root, "dataset not found: no such file or directory (and not a hub id `org/name`)"));
     }
     let mut all = Vec::new();
-    let mut seen = std::collections::HashSet::new();
-    walk(root, &mut all, &mut seen)?;
+    walk(root, &mut all, &mut Vec::new())?;
     all.sort();
     let format = match format {
         Some(f) => f,
@@ -166,16 +165,18 @@ pub fn resolve_local(root: &Path, format: Option<Format>) -> Result<Resolved> {
     Ok(Resolved { root: root.to_path_buf(), format, files })
 }
 
-/// All regular files below `dir` (symlinks followed, hidden names skipped). Each
-/// directory is read once, by its (device, inode): a symlink back to a parent (a loop)
-/// or a second link to a directory already read adds nothing, with a note.
-fn walk(dir: &Path, out: &mut Vec<PathBuf>, seen: &mut std::collections::HashSet<(u64, u64)>) -> Result<()> {
+/// All regular files below `dir` (symlinks followed, hidden names skipped). A directory
+/// that is its own ancestor on the current path (a symlink loop, e.g. `data/up -> ..`) is
+/// not entered again, with a note; `ancestors` holds the (device, inode) of the path.
+fn walk(dir: &Path, out: &mut Vec<PathBuf>, ancestors: &mut Vec<(u64, u64)>) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
     let meta = std::fs::metadata(dir).map_err(|e| Error::io(dir, e))?;
-    if !seen.insert((meta.dev(), meta.ino())) {
-        eprintln!("note: {}: a directory already read (a symlink loop or a second link to it); skipped", dir.display());
+    let id = (meta.dev(), meta.ino());
+    if ancestors.contains(&id) {
+        eprintln!("note: {}: a symlink loop back to a directory being read; not followed", dir.display());
         return Ok(());
     }
+    ancestors.push(id);
     let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
     for entry in entries {
         let entry = entry.map_err(|e| Error::io(dir, e))?;
@@ -184,11 +185,12 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>, seen: &mut std::collections::HashSet
             continue;
         }
         if path.is_dir() {
-            walk(&path, out, seen)?;
+            walk(&path, out, ancestors)?;
         } else if path.is_file() {
             out.push(path);
         }
     }
+    ancestors.pop();
     Ok(())
 }
 

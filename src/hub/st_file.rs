@@ -207,3 +207,27 @@ impl SafetensorsFile {
         Ok(if disk == dtype { t } else { t.to_dtype(dtype)? })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(start: usize, end: usize) -> TensorEntry {
+        TensorEntry { dtype: "U8".into(), shape: vec![end - start], start, end }
+    }
+
+    /// Our own check, independent of the `safetensors` crate's: ranges in any order are
+    /// fine when disjoint and inside the data; overlap, aliasing and out-of-range are not.
+    #[test]
+    fn data_ranges_must_be_disjoint_and_inside_the_data() {
+        let p = Path::new("x.safetensors");
+        let map = |v: &[(&str, usize, usize)]| v.iter().map(|(n, a, b)| (n.to_string(), entry(*a, *b))).collect::<HashMap<_, _>>();
+        check_layout(p, &map(&[("b", 8, 16), ("a", 0, 8), ("z", 16, 16), ("y", 16, 16)]), 16).unwrap();
+        let e = check_layout(p, &map(&[("a", 0, 8), ("b", 4, 12)]), 12).unwrap_err().to_string();
+        assert!(e.contains("`a` and `b` overlap"), "{e}");
+        let e = check_layout(p, &map(&[("a", 0, 8), ("b", 0, 8)]), 8).unwrap_err().to_string();
+        assert!(e.contains("overlap"), "{e}");
+        let e = check_layout(p, &map(&[("a", 0, 8), ("b", 8, 24)]), 16).unwrap_err().to_string();
+        assert!(e.contains("`b`") && e.contains("outside the 16 data bytes"), "{e}");
+    }
+}
