@@ -127,3 +127,29 @@ fn dataset_directories_with_symlink_loops_are_read_once() {
     let names: Vec<String> = r.files.iter().map(|p| p.strip_prefix(&root).unwrap().display().to_string()).collect();
     assert_eq!(names, ["a.jsonl", "sub/b.jsonl"], "each file once, no path through a loop");
 }
+
+/// Regression inputs found by the fuzz targets (`tests/fixtures/fuzz/`): a JSON syntax
+/// error inside `decoder` and a BPE merge the `tokenizers` crate panics on; parquet files
+/// whose footer gives a negative column-chunk offset (the crate asserts) or whose pages
+/// make its decoders panic. Each is now an error naming the file; nothing panics out.
+#[test]
+fn inputs_found_by_fuzzing_are_errors() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/fuzz");
+    for name in ["tokenizer-decoder-syntax.json", "tokenizer-bpe-merge.json"] {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(fixtures.join(name), dir.path().join("tokenizer.json")).unwrap();
+        let e = std::panic::catch_unwind(|| longctx::hub::load_tokenizer(dir.path())).unwrap_or_else(|_| panic!("{name}: panicked"));
+        let e = e.err().map(|e| e.to_string()).unwrap_or_else(|| panic!("{name}: accepted"));
+        assert!(e.contains("tokenizer.json") && e.contains("cannot parse the tokenizer"), "{name}: {e}");
+    }
+    for name in ["parquet-negative-chunk.parquet", "parquet-decoder.parquet", "parquet-bit-reader.parquet", "parquet-bit-unpack.parquet"] {
+        let path: std::sync::Arc<Path> = fixtures.join(name).into();
+        let read = || -> longctx::Result<usize> {
+            let docs = longctx::data::parquet::ParquetDocs::open(path.clone(), None)?;
+            docs.map(|d| d.map(|_| 1)).sum()
+        };
+        let e = std::panic::catch_unwind(read).unwrap_or_else(|_| panic!("{name}: panicked"));
+        let e = e.err().map(|e| e.to_string()).unwrap_or_else(|| panic!("{name}: read without an error"));
+        assert!(e.contains(name), "{name}: {e}");
+    }
+}
