@@ -99,9 +99,15 @@ pub fn train(a: TrainArgs) -> Result<()> {
     // exits at once).
     let stop = StopFlag::new();
     stop.install_signal_handlers()?;
+    // The embedded demo run as is (`longctx train` and no flag that changes it) replaces
+    // its own previous run in runs/demo: it is the README's first command, run again.
+    let demo = a.config.is_none() && !a.resume && cfg == RunConfig::default();
+    if demo && !a.overwrite && !longctx::train::rundir::run_files(&cfg.output_dir).is_empty() {
+        eprintln!("note: the demo replaces its previous run in {}", cfg.output_dir.display());
+    }
     let opts = RunOptions {
         stop_at_global_step: a.stop_at_step,
-        overwrite: a.overwrite,
+        overwrite: a.overwrite || demo,
         allow_layout_change: a.allow_layout_change,
         stop: Some(stop),
         faults: match std::env::var(trainer::FAULT_ENV) {
