@@ -107,6 +107,26 @@ fn a_non_finite_gradient_norm_skips_the_update_on_every_rank() -> longctx::Resul
     Ok(())
 }
 
+/// Rank 0's loss of step 2 is NaN (its gradients finite): the all-reduced loss is NaN on
+/// both ranks, both skip the update (the weights after step 2 are those after step 1),
+/// the metrics log the NaN loss as null and the step as skipped.
+#[test]
+fn a_non_finite_loss_skips_the_update_on_every_rank() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let (at1, faulty) = (tmp.path().join("clean-1"), tmp.path().join("faulty"));
+    run_with(&config(&at1, 2, 1), false, &opts(Some(1), vec![]))?;
+    let s = run_with(&config(&faulty, 2, 1), false, &opts(Some(2), vec![Fault::NanLoss { rank: 0, step: 2 }]))?;
+    assert_eq!(s.skipped_steps, 1);
+    let (w1, wf) = (load(&at1.join("checkpoint/model.safetensors")), load(&faulty.join("checkpoint/model.safetensors")));
+    for (n, t) in &w1 {
+        assert_eq!(bits(t), bits(&wf[n]), "`{n}`: the skipped update changed the weights");
+    }
+    let m = metrics(&faulty);
+    assert!(m[1]["loss"].is_null() && m[1]["skipped"] == true, "{}", m[1]);
+    assert_eq!(state(&faulty)["adam_step"], 1);
+    Ok(())
+}
+
 /// From step 4 on every gradient is NaN; `max_skipped_steps = 3`: steps 4, 5, 6 are
 /// skipped and step 6 aborts. The checkpoint of step 4 (written by `checkpoint_every = 2`
 /// while the weights were still those of step 3) stays, finite; nothing is exported.

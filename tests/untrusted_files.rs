@@ -51,6 +51,21 @@ fn safetensors_data_ranges_must_tile_the_data_section() {
     assert_eq!((f.bytes("a"), f.bytes("b"), f.bytes("e")), (Some(&[0u8, 1, 2, 3][..]), Some(&[4u8, 5, 6, 7][..]), Some(&[][..])));
 }
 
+/// A sharded index naming a shard outside the model directory is refused.
+#[test]
+fn index_shard_names_must_stay_in_the_model_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    std::fs::create_dir_all(&dir).unwrap();
+    st_file(tmp.path(), "outside.safetensors", &[("w", "F32", &[2], [0, 8])], 8);
+    for shard in ["../outside.safetensors", "/etc/passwd"] {
+        let index = serde_json::json!({"weight_map": {"w": shard}});
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+        let e = longctx::hub::Checkpoint::open(&dir).err().map(|e| e.to_string()).unwrap_or_else(|| panic!("{shard} accepted"));
+        assert!(e.contains(shard) && e.contains("must be a file name inside the model directory"), "{e}");
+    }
+}
+
 fn llama(extra: serde_json::Value) -> longctx::Result<LlamaConfig> {
     let mut v = serde_json::json!({
         "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,

@@ -102,11 +102,13 @@ pub enum Fault {
     /// The update of optimizer step `step` leaves the first parameter NaN on every rank
     /// (an update that exploded).
     NanWeights { step: u64 },
+    /// Rank `rank`'s loss of optimizer step `step` is NaN (its gradients stay finite).
+    NanLoss { rank: usize, step: u64 },
 }
 
 /// Environment variable the `longctx` binary reads faults from, for tests of real
-/// processes: a comma-separated list of `nan-grad:RANK:FIRST-LAST` and
-/// `nan-weights:STEP` ([`Fault::parse_list`]). Not for production runs.
+/// processes: a comma-separated list of `nan-grad:RANK:FIRST-LAST`, `nan-weights:STEP`
+/// and `nan-loss:RANK:STEP` ([`Fault::parse_list`]). Not for production runs.
 pub const FAULT_ENV: &str = "LONGCTX_FAULT";
 
 impl Fault {
@@ -123,6 +125,7 @@ impl Fault {
                     Fault::NanGradient { rank: num(rank)? as usize, first: num(a)?, last: num(b)? }
                 }
                 ["nan-weights", step] => Fault::NanWeights { step: num(step)? },
+                ["nan-loss", rank, step] => Fault::NanLoss { rank: num(rank)? as usize, step: num(step)? },
                 _ => return Err(bad(item)),
             });
         }
@@ -592,7 +595,11 @@ impl<'a> RankRun<'a> {
         let local_count: usize = micro.iter().map(|m| m.3).sum();
         let global_count = all_reduce_scalar(&self.world, local_count as f64, &sh.device)?;
         let scale = if global_count > 0.0 { 1.0 / global_count } else { 0.0 };
-        let (mut grads, loss_sum, engine_seconds) = self.forward_backward(st, stage, &micro, scale)?;
+        let (mut grads, mut loss_sum, engine_seconds) = self.forward_backward(st, stage, &micro, scale)?;
+        let (rank, next) = (self.world.rank(), self.global_step + 1);
+        if sh.opts.faults.contains(&Fault::NanLoss { rank, step: next }) {
+            loss_sum = f64::NAN;
+        }
         let stop_local = sh.opts.stop.as_ref().is_some_and(|f| f.requested().is_some());
         let interval = cfg.train.checkpoint_interval_min * 60.0;
         let due_local = interval > 0.0 && self.last_checkpoint.0.elapsed().as_secs_f64() >= interval;
