@@ -14,6 +14,10 @@ use longctx::train::trainer::{run_with, RunOptions};
 use std::path::Path;
 use std::process::Command;
 
+/// A change to a run config, and to a checkpoint's `state.json`.
+type ConfigEdit = Box<dyn Fn(&mut RunConfig)>;
+type StateEdit = Box<dyn Fn(&mut serde_json::Value)>;
+
 fn config(dir: &Path) -> RunConfig {
     let stage = |seq_length, rope_theta, steps| Stage {
         seq_length,
@@ -59,7 +63,7 @@ fn changes_that_break_exactness_are_refused_with_the_key_and_the_fix() {
     let tmp = tempfile::tempdir().unwrap();
     let c = stopped_at_2(tmp.path());
     let fix = ["set it back to", "--overwrite", "cannot resume", "state.json"];
-    let cases: Vec<(&str, &str, &str, Box<dyn Fn(&mut RunConfig)>)> = vec![
+    let cases: Vec<(&str, &str, &str, ConfigEdit)> = vec![
         ("seed", "9", "10", Box::new(|c| c.seed = 10)),
         (
             "model.source",
@@ -140,7 +144,7 @@ fn an_inconsistent_saved_state_is_an_error_not_a_finished_run() {
     let c = stopped_at_2(tmp.path());
     let original = std::fs::read_to_string(tmp.path().join("checkpoint/state.json")).unwrap();
     let restore = || std::fs::write(tmp.path().join("checkpoint/state.json"), &original).unwrap();
-    let cases: Vec<(Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+    let cases: Vec<(StateEdit, &str)> = vec![
         (Box::new(|v| v["stage"] = 7.into()), "stage 7 step 2 is past the last stage (the run has 2 stages)"),
         (Box::new(|v| v["stage_step"] = 9.into()), "stage 0 records 9 steps done of its 4"),
         (Box::new(|v| v["adam_step"] = 5.into()), "5 optimizer updates but 2 steps in the run"),
