@@ -17,6 +17,10 @@ pub enum Error {
     /// A setting (flags, parallel layout) that cannot work.
     #[error("invalid setting: {0}")]
     Setting(String),
+    /// Training stopped because numbers went non-finite (see `docs/reliability.md`); the
+    /// message says what was kept and what to change.
+    #[error("training stopped: {0}")]
+    Diverged(String),
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
     #[error(transparent)]

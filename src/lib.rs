@@ -6,6 +6,8 @@
 //! - [`data`]: datasets, packing, synthetic long-context data.
 //! - [`device`]: opening the CPU or a GPU from `model.device` or a rank.
 //! - [`dist`]: parallel dims, process groups, launch.
+//! - [`guard`]: finiteness checks (nothing non-finite is checkpointed or exported).
+//! - [`limits`]: size limits checked before allocating.
 //! - [`plan`]: per-GPU memory model, fit check and layout suggestion (`longctx plan`).
 //!
 //! Attention and the sequence-parallel modes live in the `longctx-attention` crate.
@@ -14,7 +16,9 @@ pub mod data;
 pub mod device;
 pub mod dist;
 pub mod error;
+pub mod guard;
 pub mod hub;
+pub mod limits;
 pub mod model;
 pub mod plan;
 pub mod train;

@@ -86,6 +86,9 @@
 //! kv offload, with the largest power-of-two chunk that divides `S`, is a multiple of
 //! `sp` and fits.
 //!
+//! Arithmetic is checked: a request too large for 64-bit byte counts is an error naming
+//! the estimate, never a wrapped number.
+//!
 //! Every request is validated with the trainer's own rules ([`RunConfig::validate`]:
 //! zigzag 2W divisibility, FPDT chunk layout, ...; [`ParallelDims::new`]: head split)
 //! and no more ranks than GPUs ([`ParallelDims::check_devices`]).
@@ -133,9 +136,11 @@ impl ModelShape {
     }
 }
 
-/// Parameters of a config, biases included, a tied head counted once.
+/// Parameters of a config, biases included, a tied head counted once (checked
+/// arithmetic: [`crate::limits::param_count`]; a config that parsed is within
+/// [`crate::limits::MAX_PARAMS`], so the saturation never shows).
 pub fn param_count(cfg: &LlamaConfig) -> u64 {
-    crate::train::init::parameter_shapes(cfg).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum()
+    crate::limits::param_count(cfg).unwrap_or(u64::MAX)
 }
 
 /// What to plan for. [`PlanRequest::new`] fills the defaults of `longctx plan`.
@@ -328,6 +333,7 @@ pub fn validate(model: &ModelShape, req: &PlanRequest) -> Result<Layout> {
     if req.gpus == 0 {
         return bad("gpus", "must be at least 1".into());
     }
+    crate::limits::check_range(flags, "gpus", req.gpus, 1, crate::limits::MAX_WORLD_SIZE)?;
     if req.nnodes == 0 || !req.gpus.is_multiple_of(req.nnodes) {
         return bad("nnodes", format!("{} GPUs cannot be spread equally over {} node(s)", req.gpus, req.nnodes));
     }
@@ -404,8 +410,8 @@ pub fn estimate(model: &ModelShape, req: &PlanRequest) -> Result<Estimate> {
     let lay = validate(model, req)?;
     let (dev, host) = device_and_host(model, req, &lay).ok_or_else(|| {
         Error::Setting(format!(
-            "memory estimate overflows 128-bit bytes for {} tokens × batch {} with this model; check the sequence length, \
-             batch size and model shape",
+            "the memory estimate does not fit in 64 bits: some size (layers, width, vocabulary, length, batch or ranks) \
+             is far too large ({} tokens × batch {})",
             req.seq_len, req.batch_size
         ))
     })?;

@@ -1,5 +1,5 @@
 //! Resume equivalence of the trainer: a run stopped after k optimizer steps
-//! (`RunLimits::stop_at_global_step`, which writes a checkpoint there) and continued with
+//! (`RunOptions::stop_at_global_step`, which writes a checkpoint there) and continued with
 //! `run(cfg, resume = true)` in the same output directory ends bit for bit where the
 //! uninterrupted run ends: the same exported weights, the same final checkpoint
 //! (weights, AdamW master/moments, state) and the same per-step log (loss, lr, grad norm
@@ -16,7 +16,7 @@ use candle_core::{DType, Device, Tensor};
 use longctx::dist::dims::ParallelMode;
 use longctx::train::config::{RunConfig, Stage};
 use longctx::train::optim::Schedule;
-use longctx::train::trainer::{run, run_with_limits, RunLimits};
+use longctx::train::trainer::{run, run_with, RunOptions};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -46,13 +46,17 @@ fn config(dir: &Path, world: usize, batch: usize, modes: [ParallelMode; 2], chec
     c
 }
 
+fn stop_at(k: u64) -> RunOptions {
+    RunOptions { stop_at_global_step: Some(k), ..Default::default() }
+}
+
 /// The run in `dir`: stopped at each of `stops` in turn (resuming after the first), then
 /// resumed to the end.
 fn run_in(dir: &Path, cfg: &RunConfig, stops: &[u64]) -> longctx::Result<()> {
     let mut c = cfg.clone();
     c.output_dir = dir.to_path_buf();
     for (i, &k) in stops.iter().enumerate() {
-        let s = run_with_limits(&c, i > 0, RunLimits { stop_at_global_step: Some(k) })?;
+        let s = run_with(&c, i > 0, &stop_at(k))?;
         assert!(!s.completed, "stopped at {k}");
         assert_eq!(s.steps, k, "global step at the stop");
         assert!(!dir.join("export").exists(), "a stopped run exports nothing");
@@ -189,8 +193,9 @@ fn resharded_resume(first: (usize, usize), rest: (usize, usize)) -> longctx::Res
     let dp2 = config(&tmp.path().join("straight"), 2, 1, [m, m], 1);
     run_in(&tmp.path().join("straight"), &dp2, &[])?;
     let dir = tmp.path().join("resharded");
-    run_with_limits(&config(&dir, first.0, first.1, [m, m], 1), false, RunLimits { stop_at_global_step: Some(2) })?;
-    let s = run(&config(&dir, rest.0, rest.1, [m, m], 1), true)?;
+    run_with(&config(&dir, first.0, first.1, [m, m], 1), false, &stop_at(2))?;
+    let relayout = RunOptions { allow_layout_change: true, ..Default::default() };
+    let s = run_with(&config(&dir, rest.0, rest.1, [m, m], 1), true, &relayout)?;
     assert_eq!(s.steps, 5);
     let (want, got) = (log_of(&tmp.path().join("straight")), log_of(&dir));
     assert_eq!(want.len(), got.len());
@@ -230,7 +235,7 @@ fn resume_from_a_checkpoint_left_aside() -> longctx::Result<()> {
     let dir = tmp.path().join("crashed");
     let mut c = cfg.clone();
     c.output_dir = dir.clone();
-    run_with_limits(&c, false, RunLimits { stop_at_global_step: Some(2) })?;
+    run_with(&c, false, &stop_at(2))?;
     std::fs::rename(dir.join("checkpoint"), dir.join(".checkpoint.old")).map_err(|e| longctx::Error::io(&dir, e))?;
     // A line the crashed run logged after its checkpoint: that step runs again, the line goes.
     let log = dir.join("metrics.jsonl");
@@ -240,8 +245,8 @@ fn resume_from_a_checkpoint_left_aside() -> longctx::Result<()> {
     let s = run(&c, true)?;
     assert!(s.completed && s.steps == 5);
     assert_eq!(log_of(&tmp.path().join("straight")), log_of(&dir), "per-step log after resuming from the set-aside checkpoint");
-    // A fresh run in the same directory starts a fresh log.
-    run(&c, false)?;
+    // A fresh run in the same directory (with --overwrite) starts a fresh log.
+    run_with(&c, false, &RunOptions { overwrite: true, ..Default::default() })?;
     assert_eq!(log_of(&tmp.path().join("straight")), log_of(&dir), "a fresh run's log holds only its own steps");
     assert!(!dir.join(".checkpoint.old").exists(), "the set-aside checkpoint is cleaned up by the next save");
     Ok(())

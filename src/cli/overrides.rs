@@ -145,7 +145,7 @@ pub struct TrainFlags {
     #[arg(long)]
     pub gradient_accumulate_every: Option<usize>,
     /// Peak learning rate.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub learning_rate: Option<f64>,
     /// Learning-rate schedule: constant, linear (warmup then constant) or cosine.
     #[arg(long)]
@@ -154,11 +154,19 @@ pub struct TrainFlags {
     #[arg(long)]
     pub warmup_steps: Option<u64>,
     /// Global-norm gradient clipping (0 = off).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub clip_grad: Option<f64>,
-    /// Write a resumable checkpoint every N optimizer steps.
+    /// Write a resumable checkpoint every N optimizer steps [default: 0, only at stage
+    /// ends and every --checkpoint-interval-min].
     #[arg(long)]
     pub checkpoint_every: Option<u64>,
+    /// Also write one when this many minutes have passed since the last (0 = off) [default: 30].
+    #[arg(long, allow_negative_numbers = true)]
+    pub checkpoint_interval_min: Option<f64>,
+    /// Abort after this many steps in a row with a non-finite gradient norm or loss (each
+    /// is skipped) [default: 5].
+    #[arg(long)]
+    pub max_skipped_steps: Option<u64>,
 }
 
 impl TrainFlags {
@@ -180,6 +188,8 @@ impl TrainFlags {
         set(&mut t.warmup_steps, self.warmup_steps);
         set(&mut t.clip_grad, self.clip_grad);
         set(&mut t.checkpoint_every, self.checkpoint_every);
+        set(&mut t.checkpoint_interval_min, self.checkpoint_interval_min);
+        set(&mut t.max_skipped_steps, self.max_skipped_steps);
         Ok(())
     }
 }

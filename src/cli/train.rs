@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use longctx::dist::DistEnv;
 use longctx::train::config::RunConfig;
-use longctx::train::trainer::{self, RunLimits};
+use longctx::train::trainer::{self, RunOptions, RunSummary, StopFlag, StopReason};
 use std::path::PathBuf;
 
 /// Flags follow EasyContext's train.py where it has them; every flag overrides the
@@ -26,9 +26,19 @@ pub struct TrainArgs {
     pub train: TrainFlags,
     #[command(flatten)]
     pub run: RunFlags,
-    /// Continue from <output-dir>/checkpoint.
+    /// Continue from <output-dir>/checkpoint. The saved config is compared with this one:
+    /// changes that break exactness (model, data, seed, a started stage's length or θ) are
+    /// refused, others (learning rate, steps, cadence...) are listed.
     #[arg(long)]
     pub resume: bool,
+    /// Start afresh in an output directory that holds a run (its checkpoint, metrics and
+    /// export are removed); without it such a directory is refused.
+    #[arg(long, conflicts_with = "resume")]
+    pub overwrite: bool,
+    /// With --resume: allow a new parallel layout (world size, mode, batch split); the
+    /// optimizer state is re-cut and the run continues within rounding, not bit for bit.
+    #[arg(long, requires = "resume")]
+    pub allow_layout_change: bool,
     /// Print the resolved config and exit.
     #[arg(long)]
     pub dry_run: bool,
@@ -93,31 +103,59 @@ pub fn train(a: TrainArgs) -> Result<()> {
             }
         }
     }
-    let limits = RunLimits { stop_at_global_step: a.stop_at_step };
     if a.dry_run {
         println!("{}", toml::to_string_pretty(&cfg)?);
         return Ok(());
     }
+    // SIGINT/SIGTERM: a checkpoint at the next step boundary, then exit (a second one
+    // exits at once).
+    let stop = StopFlag::new();
+    stop.install_signal_handlers()?;
+    // The embedded demo run as is (`longctx train` and no flag that changes it) replaces
+    // its own previous run in runs/demo: it is the README's first command, run again.
+    let demo = a.config.is_none() && !a.resume && cfg == RunConfig::default();
+    if demo && !a.overwrite && !longctx::train::rundir::run_files(&cfg.output_dir).is_empty() {
+        eprintln!("note: the demo replaces its previous run in {}", cfg.output_dir.display());
+    }
+    let opts = RunOptions {
+        stop_at_global_step: a.stop_at_step,
+        overwrite: a.overwrite || demo,
+        allow_layout_change: a.allow_layout_change,
+        stop: Some(stop),
+        faults: match std::env::var(trainer::FAULT_ENV) {
+            Ok(v) => trainer::Fault::parse_list(&v)?,
+            Err(_) => Vec::new(),
+        },
+    };
     if let Some(env) = dist {
-        return train_launched(&env, &cfg, a.resume, limits);
+        return train_launched(&env, &cfg, a.resume, &opts);
     }
     eprintln!("longctx train — resolved config (from {}):", src.display());
     eprintln!("{}", toml::to_string(&cfg)?.trim_end());
-    let summary = trainer::run_with_limits(&cfg, a.resume, limits).context("training")?;
-    if !summary.completed {
-        return Ok(());
-    }
-    println!("exported to {}", summary.export_dir.display());
+    let summary = trainer::run_with(&cfg, a.resume, &opts).context("training")?;
+    finish(&summary, false);
     Ok(())
+}
+
+/// Reports the end of a run. A run stopped by a signal exits with 128 + the signal (its
+/// checkpoint is complete) so that scripts see the interruption; a rank under a launcher
+/// exits 0 (the launcher reports the interruption, and a rank's non-zero exit would read
+/// as a failure to it).
+fn finish(s: &RunSummary, launched: bool) {
+    match s.stopped {
+        None => println!("exported to {}", s.export_dir.display()),
+        Some(StopReason::Signal(Some(sig))) if !launched => std::process::exit(128 + sig),
+        Some(_) => {}
+    }
 }
 
 /// One rank of a multi-process run (started by `longctx launch`, torchrun or Slurm):
 /// rendezvous → world communicator (NCCL on GPUs, the process transport on the CPU) →
 /// the same rank loop as in-process runs.
-fn train_launched(env: &DistEnv, cfg: &RunConfig, resume: bool, limits: RunLimits) -> Result<()> {
-    let summary = trainer::run_launched(cfg, resume, env, limits).with_context(|| format!("rank {} of {}", env.rank, env.world))?;
-    if let Some(s) = summary.filter(|s| s.completed) {
-        println!("exported to {}", s.export_dir.display());
+fn train_launched(env: &DistEnv, cfg: &RunConfig, resume: bool, opts: &RunOptions) -> Result<()> {
+    let summary = trainer::run_launched(cfg, resume, env, opts).with_context(|| format!("rank {} of {}", env.rank, env.world))?;
+    if let Some(s) = summary {
+        finish(&s, true);
     }
     Ok(())
 }

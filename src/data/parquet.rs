@@ -7,6 +7,9 @@
 //! repetition levels), so memory holds one batch of documents, never the file.
 //! Empty lists, empty strings and null rows yield no document; a null token inside a
 //! list is an error. Codecs: uncompressed and snappy (the crate is built without others).
+//! Malformed files are errors naming the file: chunk byte ranges are checked before the
+//! crate reads them, levels and values are indexed with checks, and a panic inside the
+//! crate is caught (`fuzz/` dataset_parquet).
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -51,7 +54,10 @@ pub struct ParquetDocs {
 impl ParquetDocs {
     pub fn open(file: Arc<Path>, column: Option<String>) -> Result<Self> {
         let f = File::open(&file).map_err(|e| Error::io(&*file, e))?;
-        let reader = SerializedFileReader::new(f).map_err(|e| Error::data(&*file, format!("not a readable parquet file ({e})")))?;
+        let unreadable = |e: String| Error::data(&*file, format!("not a readable parquet file ({e})"));
+        let reader = std::panic::catch_unwind(|| SerializedFileReader::new(f))
+            .map_err(|_| unreadable("malformed footer".into()))?
+            .map_err(|e| unreadable(e.to_string()))?;
         let schema = reader.metadata().file_metadata().schema_descr_ptr();
         let top: Vec<String> = schema.root_schema().get_fields().iter().map(|f| f.name().to_string()).collect();
         let field = match column {
@@ -116,6 +122,7 @@ impl ParquetDocs {
             return Ok(false);
         }
         self.next_row_group += 1;
+        self.check_chunk(i)?;
         let rg = self.reader.get_row_group(i).map_err(|e| self.err(format!("row group {i}: {e}")))?;
         let col = rg.get_column_reader(self.leaf).map_err(|e| self.err(format!("row group {i}: {e}")))?;
         self.col = Some(match col {
@@ -125,6 +132,21 @@ impl ParquetDocs {
             _ => return Err(self.err(format!("row group {i}: unexpected physical type"))),
         });
         Ok(true)
+    }
+
+    /// The byte range the footer gives the column chunk of row group `i` must lie in the
+    /// file (the parquet crate asserts on negative ones: found by `fuzz/`'s
+    /// dataset_parquet target).
+    fn check_chunk(&self, i: usize) -> Result<()> {
+        let len = std::fs::metadata(&*self.file).map_err(|e| Error::io(&*self.file, e))?.len();
+        let c = self.reader.metadata().row_group(i).column(self.leaf);
+        let start = c.dictionary_page_offset().unwrap_or_else(|| c.data_page_offset());
+        let size = c.compressed_size();
+        let end = start.checked_add(size);
+        if start < 0 || size < 0 || end.is_none_or(|e| e as u64 > len) {
+            return Err(self.err(format!("row group {i}: column chunk at byte {start}, {size} bytes, is not inside the {len}-byte file")));
+        }
+        Ok(())
     }
 
     /// Decodes up to [`BATCH`] records of the current row group into the queue;
@@ -160,11 +182,11 @@ impl ParquetDocs {
         for k in 0..levels {
             let row = self.row;
             self.row += 1;
-            let present = self.max_def == 0 || def[k] == self.max_def;
+            let present = self.max_def == 0 || def.get(k) == Some(&self.max_def);
             if !present {
                 continue;
             }
-            let bytes = vals[vi].data();
+            let bytes = vals.get(vi).ok_or_else(|| self.err(format!("row {row}: fewer values than the levels say")))?.data();
             vi += 1;
             let text = std::str::from_utf8(bytes).map_err(|e| self.err(format!("row {row}: not valid UTF-8 ({e})")))?;
             if !text.is_empty() {
@@ -177,8 +199,9 @@ impl ParquetDocs {
     fn push_lists(&mut self, levels: usize, def: &[i16], rep: &[i16], vals: &[i64]) -> Result<()> {
         let mut vi = 0;
         let mut cur: Option<(u64, Vec<u32>)> = None;
+        let short = |me: &Self| me.err(format!("near row {}: fewer levels or values than the column says", me.row));
         for k in 0..levels {
-            if self.max_rep == 0 || rep[k] == 0 {
+            if self.max_rep == 0 || rep.get(k).ok_or_else(|| short(self))? == &0 {
                 self.flush(cur.take());
                 cur = Some((self.row, Vec::new()));
                 self.row += 1;
@@ -186,9 +209,10 @@ impl ParquetDocs {
             let Some((row, ids)) = cur.as_mut() else {
                 return Err(self.err(format!("near row {}: repeated value without a record start", self.row)));
             };
-            let d = if self.max_def == 0 { 0 } else { def[k] };
+            let d = if self.max_def == 0 { 0 } else { *def.get(k).ok_or_else(|| short(self))? };
             if d == self.max_def {
-                ids.push(token_id(vals[vi], &self.file, Loc::Row(*row), &self.field)?);
+                let v = *vals.get(vi).ok_or_else(|| short(self))?;
+                ids.push(token_id(v, &self.file, Loc::Row(*row), &self.field)?);
                 vi += 1;
             } else if self.leaf_optional && d == self.max_def - 1 {
                 return Err(self.err(format!("row {row}: null token id inside the list")));
@@ -242,7 +266,12 @@ impl Iterator for ParquetDocs {
         if self.done {
             return None;
         }
-        let out = self.advance();
+        // The parquet crate asserts on some malformed files; a panic in it is an error
+        // naming the file, not the end of the run.
+        let out = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.advance())) {
+            Ok(r) => r,
+            Err(_) => Err(Error::data(&*self.file, "the parquet reader failed on this file (malformed); re-create it")),
+        };
         if !matches!(out, Ok(Some(_))) {
             self.done = true;
         }

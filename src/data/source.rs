@@ -1,8 +1,9 @@
 //! Where a dataset's files are: a file, a directory of files, or a hub dataset id.
 //!
 //! - A file: read as it is; its format comes from its extension unless given.
-//! - A directory: every file below it (recursively, hidden entries skipped) whose
-//!   extension matches the format, sorted by path, so the order is the same everywhere.
+//! - A directory: every file below it (recursively, hidden entries skipped, symlinks
+//!   followed but never around a loop) whose extension matches the format, sorted by
+//!   path, so the order is the same everywhere.
 //! - `org/name` or `org/name@revision` (when no such local path exists), or the explicit
 //!   form `hf:org/name[@revision]`: a Hugging Face *dataset* repo. It is looked up in the
 //!   HF cache (`datasets--org--name/snapshots/<commit>/`); with `HF_HUB_OFFLINE=1` only
@@ -140,7 +141,7 @@ pub fn resolve_local(root: &Path, format: Option<Format>) -> Result<Resolved> {
         return Err(Error::data(root, "dataset not found: no such file or directory (and not a hub id `org/name`)"));
     }
     let mut all = Vec::new();
-    walk(root, &mut all)?;
+    walk(root, &mut all, &mut Vec::new())?;
     all.sort();
     let format = match format {
         Some(f) => f,
@@ -164,8 +165,18 @@ pub fn resolve_local(root: &Path, format: Option<Format>) -> Result<Resolved> {
     Ok(Resolved { root: root.to_path_buf(), format, files })
 }
 
-/// All regular files below `dir` (symlinks followed, hidden names skipped).
-fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+/// All regular files below `dir` (symlinks followed, hidden names skipped). A directory
+/// that is its own ancestor on the current path (a symlink loop, e.g. `data/up -> ..`) is
+/// not entered again, with a note; `ancestors` holds the (device, inode) of the path.
+fn walk(dir: &Path, out: &mut Vec<PathBuf>, ancestors: &mut Vec<(u64, u64)>) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(dir).map_err(|e| Error::io(dir, e))?;
+    let id = (meta.dev(), meta.ino());
+    if ancestors.contains(&id) {
+        eprintln!("note: {}: a symlink loop back to a directory being read; not followed", dir.display());
+        return Ok(());
+    }
+    ancestors.push(id);
     let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
     for entry in entries {
         let entry = entry.map_err(|e| Error::io(dir, e))?;
@@ -174,11 +185,12 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
             continue;
         }
         if path.is_dir() {
-            walk(&path, out)?;
+            walk(&path, out, ancestors)?;
         } else if path.is_file() {
             out.push(path);
         }
     }
+    ancestors.pop();
     Ok(())
 }
 
@@ -195,6 +207,7 @@ fn dataset_folder(cache_dir: &Path, repo_id: &str) -> PathBuf {
 /// The snapshot directory of `repo_id@revision`, downloading the dataset's files of
 /// `format` (all known formats when `None`) first unless offline.
 fn hub_snapshot(repo_id: &str, revision: &str, format: Option<Format>, hub: &HubOptions) -> Result<PathBuf> {
+    crate::hub::cache::check_ref_name("revision", &dataset_folder(&hub.cache_dir, repo_id), revision)?;
     if !hub.offline {
         download(repo_id, revision, format, hub)?;
     }
@@ -207,12 +220,16 @@ fn hub_snapshot(repo_id: &str, revision: &str, format: Option<Format>, hub: &Hub
     if !folder.is_dir() {
         return Err(Error::data(&folder, format!("dataset `{repo_id}` is not in the Hugging Face cache; {how}")));
     }
+    crate::hub::cache::check_ref_name("revision", &folder, revision)?;
     if is_commit_hash(revision) && folder.join("snapshots").join(revision).is_dir() {
         return Ok(folder.join("snapshots").join(revision));
     }
     let ref_file = folder.join("refs").join(revision);
     match std::fs::read_to_string(&ref_file) {
-        Ok(c) if !c.trim().is_empty() => Ok(folder.join("snapshots").join(c.trim())),
+        Ok(c) if !c.trim().is_empty() => {
+            crate::hub::cache::check_ref_name("ref file content", &ref_file, c.trim())?;
+            Ok(folder.join("snapshots").join(c.trim()))
+        }
         _ => Err(Error::data(&ref_file, format!("revision `{revision}` of dataset `{repo_id}` is not in the cache; {how}"))),
     }
 }

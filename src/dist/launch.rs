@@ -14,7 +14,9 @@
 //! stderr). If a child exits non-zero or is killed by a signal, the others get
 //! SIGTERM, then SIGKILL after `kill_grace`, and [`launch`] returns an error naming
 //! the first failed rank and its status. SIGINT/SIGTERM sent to the launcher (Ctrl-C)
-//! are forwarded to every child the same way (a second one kills at once). Children
+//! are forwarded to every child, and the launcher waits for them without a deadline: a
+//! `longctx train` rank writes a checkpoint at the next step boundary and exits (a second
+//! signal kills every rank at once). Children
 //! run in their own process groups (signals reach their own children too) and get
 //! SIGKILL if the launcher itself dies (`PR_SET_PDEATHSIG`, Linux).
 //!
@@ -446,7 +448,8 @@ fn watch(opts: &LaunchOptions, ranks: &mut [Rank], exited: &Exits) -> Result<i32
             if failures.is_empty() && interrupted.is_none() {
                 interrupted = Some(LaunchError::Interrupted { signal: signal_name(sig), code: 128 + sig });
             }
-            stop_deadline.get_or_insert(Instant::now() + opts.kill_grace);
+            // No SIGKILL deadline: the ranks checkpoint and exit (a failure among them still
+            // starts one below).
         } else if !failures.is_empty() && stop_deadline.is_none() {
             send = Some(libc::SIGTERM);
             stop_deadline = Some(Instant::now() + opts.kill_grace);

@@ -32,8 +32,24 @@ pub fn run_threads<T: Send>(
     f: impl Fn(Arc<dyn Comm>) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
     let timeout = collective_timeout.unwrap_or(Duration::MAX);
-    thread::run_ranks_with_timeout(n, timeout, |comm| f(comm).map_err(|e| candle_core::Error::Msg(e.to_string())))
-        .map_err(|e| Error::Setting(e.to_string()))
+    // The first failure, kept typed: an error that names a file or says why training
+    // stopped is returned as it is (not as "invalid setting: rank r failed: ...").
+    let first: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
+    let out = thread::run_ranks_with_timeout(n, timeout, |comm| {
+        f(comm).map_err(|e| {
+            let msg = e.to_string();
+            if let Ok(mut slot) = first.lock() {
+                slot.get_or_insert(e);
+            }
+            candle_core::Error::Msg(msg)
+        })
+    });
+    out.map_err(|e| match first.into_inner().ok().flatten() {
+        Some(typed @ (Error::Diverged(_) | Error::Config { .. } | Error::Checkpoint { .. } | Error::Data { .. } | Error::Io { .. })) => {
+            typed
+        }
+        _ => Error::Setting(e.to_string()),
+    })
 }
 
 /// Test hook (fault injection): `LONGCTX_TEST_STALL=RANK@STEP` makes world rank RANK stop

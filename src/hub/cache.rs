@@ -197,7 +197,7 @@ pub fn resolve_offline(repo_id: &str, revision: &str, cache_dir: &Path) -> Resul
     if !folder.is_dir() {
         return Err(Error::checkpoint(&folder, format!("model `{repo_id}` is not in the Hugging Face cache; {how}")));
     }
-    let Some(commit) = cached_commit(&folder, revision) else {
+    let Some(commit) = cached_commit(&folder, revision)? else {
         return Err(Error::checkpoint(
             folder.join("refs").join(revision),
             format!("revision `{revision}` of `{repo_id}` is not in the cache (no ref file); {how}"),
@@ -223,22 +223,48 @@ pub fn resolve_offline(repo_id: &str, revision: &str, cache_dir: &Path) -> Resul
     Ok(ResolvedModel { dir, hub: Some((repo_id.to_string(), commit)) })
 }
 
-/// The commit `revision` stands for in the repo cache `folder`: a commit hash with its
-/// snapshot there, or what the ref file `refs/<revision>` says.
-fn cached_commit(folder: &Path, revision: &str) -> Option<String> {
-    if is_commit_hash(revision) && folder.join("snapshots").join(revision).is_dir() {
-        return Some(revision.to_string());
+/// A revision, or the commit a ref file holds, is used as one path component inside the
+/// cache: refused when it is empty or could name another place (`..`, `/`, `\`, NUL).
+/// `what` says which (for the message), `file` where it came from.
+pub fn check_ref_name(what: &str, file: &Path, name: &str) -> Result<()> {
+    let bad = name.is_empty() || name == "." || name.contains("..") || name.contains(['/', '\\', '\0']);
+    if bad {
+        return Err(Error::checkpoint(
+            file,
+            format!(
+                "{what} `{}` is not a revision name (it is empty or contains `..` or a path separator); use a branch or tag \
+                 name or a 40-hex commit hash{}",
+                name.escape_debug(),
+                if what.starts_with("ref") { ", or delete this ref file and download again" } else { "" }
+            ),
+        ));
     }
-    let commit = std::fs::read_to_string(folder.join("refs").join(revision)).ok()?;
+    Ok(())
+}
+
+/// The commit `revision` stands for in the repo cache `folder`: a commit hash with its
+/// snapshot there, or what the ref file `refs/<revision>` says (`None` when absent).
+fn cached_commit(folder: &Path, revision: &str) -> Result<Option<String>> {
+    check_ref_name("revision", folder, revision)?;
+    if is_commit_hash(revision) && folder.join("snapshots").join(revision).is_dir() {
+        return Ok(Some(revision.to_string()));
+    }
+    let ref_file = folder.join("refs").join(revision);
+    let Ok(commit) = std::fs::read_to_string(&ref_file) else { return Ok(None) };
     let commit = commit.trim();
-    (!commit.is_empty()).then(|| commit.to_string())
+    if commit.is_empty() {
+        return Ok(None);
+    }
+    check_ref_name("ref file content", &ref_file, commit)?;
+    Ok(Some(commit.to_string()))
 }
 
 /// `file` of `repo_id@revision` in the cache, when it is there (no network).
-pub fn cached_file(cache_dir: &Path, repo_id: &str, revision: &str, file: &str) -> Option<PathBuf> {
+pub fn cached_file(cache_dir: &Path, repo_id: &str, revision: &str, file: &str) -> Result<Option<PathBuf>> {
     let folder = repo_folder(cache_dir, repo_id);
-    let path = folder.join("snapshots").join(cached_commit(&folder, revision)?).join(file);
-    path.is_file().then_some(path)
+    let Some(commit) = cached_commit(&folder, revision)? else { return Ok(None) };
+    let path = folder.join("snapshots").join(commit).join(file);
+    Ok(path.is_file().then_some(path))
 }
 
 /// The distinct shard file names of an index, sorted.
@@ -285,6 +311,7 @@ fn download_error(opts: &HubOptions, repo_id: &str, revision: &str, file: &str, 
 /// Downloads (or finds in the cache) config, weights and tokenizer files of `repo_id`.
 fn download(repo_id: &str, revision: &str, opts: &HubOptions) -> Result<ResolvedModel> {
     use hf_hub::api::sync::ApiError;
+    check_ref_name("revision", &repo_folder(&opts.cache_dir, repo_id), revision)?;
     let repo = hub_repo(repo_id, revision, opts)?;
     let not_found = |e: &ApiError| matches!(e, ApiError::RequestError(r) if matches!(**r, ureq::Error::Status(404, _)));
     let fail = |file: &str, e: ApiError| download_error(opts, repo_id, revision, file, e);
@@ -361,7 +388,7 @@ pub fn model_config(spec: &str, opts: &HubOptions, download: bool) -> Result<Opt
                 "model not found: neither a directory, a config.json, `builtin:NAME` nor a hub id `org/name[@revision]`",
             ))
         }
-        ModelSpec::Hub { repo_id, revision } => match cached_file(&opts.cache_dir, &repo_id, &revision, CONFIG_FILE) {
+        ModelSpec::Hub { repo_id, revision } => match cached_file(&opts.cache_dir, &repo_id, &revision, CONFIG_FILE)? {
             Some(p) => p,
             None if !download => return Ok(None),
             None if opts.offline => {

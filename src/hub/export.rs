@@ -10,6 +10,9 @@
 //! ```
 //! Safetensors metadata is `{"format": "pt"}` (transformers refuses files without it).
 //!
+//! Nothing non-finite is exported: a NaN or infinite value (also one produced by the
+//! conversion to the export dtype) is an error before anything is written.
+//!
 //! Atomicity: everything is written into a hidden sibling directory, synced, then renamed
 //! into place. An existing `out_dir` is renamed aside first and deleted only once the new
 //! one is in place, so a crash or error never leaves a half-written checkpoint at `out_dir`.
@@ -91,6 +94,7 @@ pub fn export(
         return Err(Error::Setting("export: the model config must be a JSON object".into()));
     }
     let items = export_items(tensors, opts)?;
+    check_finite(&items, out_dir)?;
     let dtypes: Vec<DType> = items.iter().map(|it| it.dtype).collect();
     if let Some(&first) = dtypes.first() {
         if dtypes.iter().all(|&d| d == first) {
@@ -173,6 +177,24 @@ fn export_items<'a>(tensors: &'a [(String, Tensor)], opts: &ExportOptions) -> Re
         items.push(Item { name, tensor: t, dtype, bytes });
     }
     Ok(items)
+}
+
+/// Nothing non-finite is exported: every tensor, in the dtype it is written in (f32 → f16
+/// overflows beyond ±65504), must hold finite values only.
+fn check_finite(items: &[Item], out_dir: &Path) -> Result<()> {
+    for it in items {
+        let converted = it.tensor.dtype() != it.dtype;
+        let t = if converted { it.tensor.to_dtype(it.dtype)? } else { it.tensor.clone() };
+        if !crate::guard::all_finite(&t)? {
+            let how = if converted && crate::guard::all_finite(it.tensor)? {
+                format!(" once converted to {:?} (values beyond its range); export in a wider dtype", it.dtype)
+            } else {
+                "; the weights are broken (export an earlier checkpoint)".to_string()
+            };
+            return Err(Error::checkpoint(out_dir, format!("not exported: tensor `{}` holds NaN or infinite values{how}", it.name)));
+        }
+    }
+    Ok(())
 }
 
 /// [`export`] from a map (e.g. the result of `load_weights` or a VarMap's data).

@@ -268,11 +268,14 @@ pub fn stored_weights(dir: impl AsRef<Path>) -> Result<Option<StoredWeights>> {
             continue;
         }
         let Some((dt, shape)) = ck.info(name) else { continue };
-        let n: u64 = shape.iter().map(|&x| x as u64).product();
+        // Checked: header shapes are bounded by the file sizes, but the sums say so too.
+        let what = format!("the element count of `{name}` in {}", dir.display());
+        let n = crate::limits::mul(&what, &shape.iter().map(|&x| x as u64).collect::<Vec<_>>())?;
         w.tensors += 1;
-        w.parameters += n;
-        w.bytes += n * dtype_size(dt).unwrap_or(0) as u64;
-        *w.dtypes.entry(dt.to_string()).or_default() += n;
+        w.parameters = crate::limits::add("the parameter count", &[w.parameters, n])?;
+        w.bytes = crate::limits::add("the weight bytes", &[w.bytes, crate::limits::mul(&what, &[n, dtype_size(dt).unwrap_or(0) as u64])?])?;
+        let e = w.dtypes.entry(dt.to_string()).or_default();
+        *e = crate::limits::add("the parameter count", &[*e, n])?;
     }
     Ok(Some(w))
 }

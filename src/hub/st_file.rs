@@ -118,6 +118,28 @@ fn explain(path: &Path, buf: &[u8], e: SafeTensorError) -> Error {
     }
 }
 
+/// The data ranges of `tensors` must be ordered, within the `data_len` bytes of the data
+/// section and disjoint: two tensors sharing bytes would alias each other's weights. (The
+/// `safetensors` crate checks this too; this keeps the guarantee whatever its version.)
+fn check_layout(path: &Path, tensors: &HashMap<String, TensorEntry>, data_len: usize) -> Result<()> {
+    let mut by_start: Vec<(&String, &TensorEntry)> = tensors.iter().collect();
+    by_start.sort_by_key(|(name, e)| (e.start, e.end, *name));
+    let mut prev: Option<(&String, usize)> = None;
+    for (name, e) in by_start {
+        if e.end < e.start || e.end > data_len {
+            return Err(corrupt(
+                path,
+                format!("tensor `{name}` has data offsets [{}, {}] outside the {data_len} data bytes", e.start, e.end),
+            ));
+        }
+        if let Some((p, end)) = prev.filter(|(_, end)| e.start < *end && e.end > e.start) {
+            return Err(corrupt(path, format!("tensors `{p}` and `{name}` overlap (bytes {}..{end})", e.start)));
+        }
+        prev = Some((name, e.end.max(prev.map_or(0, |p| p.1))));
+    }
+    Ok(())
+}
+
 impl SafetensorsFile {
     /// Maps `path` and validates its header: size fields, dtypes, byte counts, offsets.
     pub fn open(path: &Path) -> Result<Self> {
@@ -134,6 +156,7 @@ impl SafetensorsFile {
             let (start, end) = info.data_offsets;
             tensors.insert(name, TensorEntry { dtype: format!("{:?}", info.dtype), shape: info.shape.clone(), start, end });
         }
+        check_layout(path, &tensors, mmap.len().saturating_sub(8 + n))?;
         let metadata = header.metadata().clone().unwrap_or_default().into_iter().collect();
         Ok(Self { path: path.to_path_buf(), mmap, data_start: 8 + n, tensors, metadata })
     }
@@ -182,5 +205,29 @@ impl SafetensorsFile {
         // Copy the on-disk dtype to the device first (fewer bytes to move), convert there.
         let t = Tensor::from_raw_buffer(bytes, disk, &e.shape, device)?;
         Ok(if disk == dtype { t } else { t.to_dtype(dtype)? })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(start: usize, end: usize) -> TensorEntry {
+        TensorEntry { dtype: "U8".into(), shape: vec![end - start], start, end }
+    }
+
+    /// Our own check, independent of the `safetensors` crate's: ranges in any order are
+    /// fine when disjoint and inside the data; overlap, aliasing and out-of-range are not.
+    #[test]
+    fn data_ranges_must_be_disjoint_and_inside_the_data() {
+        let p = Path::new("x.safetensors");
+        let map = |v: &[(&str, usize, usize)]| v.iter().map(|(n, a, b)| (n.to_string(), entry(*a, *b))).collect::<HashMap<_, _>>();
+        check_layout(p, &map(&[("b", 8, 16), ("a", 0, 8), ("z", 16, 16), ("y", 16, 16)]), 16).unwrap();
+        let e = check_layout(p, &map(&[("a", 0, 8), ("b", 4, 12)]), 12).unwrap_err().to_string();
+        assert!(e.contains("`a` and `b` overlap"), "{e}");
+        let e = check_layout(p, &map(&[("a", 0, 8), ("b", 0, 8)]), 8).unwrap_err().to_string();
+        assert!(e.contains("overlap"), "{e}");
+        let e = check_layout(p, &map(&[("a", 0, 8), ("b", 8, 24)]), 16).unwrap_err().to_string();
+        assert!(e.contains("`b`") && e.contains("outside the 16 data bytes"), "{e}");
     }
 }

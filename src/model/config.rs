@@ -290,6 +290,18 @@ impl<'a> Fields<'a> {
         if head_dim % 2 != 0 {
             return Err(Error::config(file, "head_dim", format!("expected an even number (RoPE rotates pairs), got {head_dim}")));
         }
+        use crate::limits::{check_range, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH};
+        for (key, v, hi) in [
+            ("hidden_size", hidden_size, MAX_WIDTH),
+            ("intermediate_size", intermediate_size, MAX_WIDTH),
+            ("head_dim", head_dim, MAX_WIDTH),
+            ("num_hidden_layers", num_hidden_layers, MAX_LAYERS),
+            ("num_attention_heads", num_attention_heads, MAX_HEADS),
+            ("num_key_value_heads", num_key_value_heads, MAX_HEADS),
+            ("vocab_size", vocab_size, MAX_VOCAB),
+        ] {
+            check_range(file, key, v, 1, hi)?;
+        }
         Ok(Shape { hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, vocab_size })
     }
 
@@ -370,6 +382,31 @@ impl<'a> Fields<'a> {
             Some(v) => Err(Error::config(self.file, key, format!("expected a string, got {}", show(&v)))),
         }
     }
+}
+
+/// Token ids (`bos_token_id`, `eos_token_id`, `pad_token_id`, `decoder_start_token_id`)
+/// must be null, an integer in 0..=u32::MAX, or a list of such (eos): a larger id would be
+/// truncated by the u32 token ids of the data pipeline. `pad_token_id = -1` (an old
+/// convention for "none") is accepted.
+fn check_token_ids(file: &Path, map: &Map<String, Value>) -> Result<()> {
+    for key in ["bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"] {
+        let Some(v) = map.get(key).filter(|v| !v.is_null()) else { continue };
+        let ids: Vec<&Value> = match v {
+            Value::Array(a) => a.iter().collect(),
+            one => vec![one],
+        };
+        for id in ids {
+            let fits = id.as_u64().is_some_and(|x| x <= u64::from(u32::MAX)) || (key == "pad_token_id" && id.as_i64() == Some(-1));
+            if !fits {
+                return Err(Error::config(
+                    file,
+                    key,
+                    format!("expected a token id (an integer from 0 to {}) or a list of them, got {}; fix the config", u32::MAX, show(id)),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Parses the RoPE dictionary (`rope_scaling` of transformers v4, `rope_parameters` of v5,
@@ -461,12 +498,13 @@ impl LlamaConfig {
             None => (f.opt_string("dtype")?, "dtype"),
         };
         let rope = f.rope(max_position_embeddings)?;
+        check_token_ids(file, &f.map)?;
         if let Some(v) = f.peek("hidden_act") {
             if v.as_str() != Some("silu") {
                 return Err(Error::config(file, "hidden_act", format!("only \"silu\" is supported, got {}", show(v))));
             }
         }
-        Ok(LlamaConfig {
+        let cfg = LlamaConfig {
             arch,
             architectures,
             hidden_size,
@@ -491,7 +529,30 @@ impl LlamaConfig {
             rope_key: rope.key,
             source: file.to_path_buf(),
             original,
-        })
+        };
+        let params = crate::limits::param_count(&cfg).map_err(|e| Error::config(file, "num_hidden_layers", format!("{e}")))?;
+        if params > crate::limits::MAX_PARAMS {
+            return Err(Error::config(
+                file,
+                "num_hidden_layers",
+                format!(
+                    "the shape gives {params} parameters, more than the limit of {} (hidden_size {}, intermediate_size {}, \
+                     {} layers, vocab_size {}); check the config",
+                    crate::limits::MAX_PARAMS,
+                    cfg.hidden_size,
+                    cfg.intermediate_size,
+                    cfg.num_hidden_layers,
+                    cfg.vocab_size
+                ),
+            ));
+        }
+        Ok(cfg)
+    }
+
+    /// `eos_token_id` when it is one integer (a list gives `None`, as before), checked by
+    /// [`Self::from_value`] to fit a u32.
+    pub fn eos_token_id(&self) -> Option<u32> {
+        self.extra.get("eos_token_id")?.as_u64().and_then(|x| u32::try_from(x).ok())
     }
 
     /// The file this config was read from (or the name given to [`Self::from_value`]).

@@ -6,6 +6,10 @@
 //!   (ZeRO-1 over all ranks; shards concatenate to the flat parameter vector, zero-padded
 //!   at the end; checkpoints of earlier versions named them `optimizer-dp{d}`);
 //! - `state.json`: [`TrainState`] (stage, steps, optimizer step, data cursor, RNG, config).
+//!
+//! Every file and the directory are fsynced before the swap (as exports are), and nothing
+//! non-finite is written: a NaN or infinite weight or optimizer value is an error that
+//! leaves the previous checkpoint in place.
 
 use crate::{Error, Result};
 use candle_core::{Device, Tensor};
@@ -29,8 +33,15 @@ pub struct TrainState {
     /// Number of optimizer shard files (the world size of the run that wrote them).
     #[serde(alias = "dp_shards")]
     pub optimizer_shards: usize,
-    /// The run config at the time of writing (to warn about changed settings on resume).
+    /// The run config at the time of writing (compared with the new one on resume:
+    /// `train::resume_check`).
     pub config: serde_json::Value,
+    /// Optimizer steps skipped over the run because their gradient norm (or loss) was
+    /// not finite, and how many of the last steps were (absent in older checkpoints).
+    #[serde(default)]
+    pub skipped_steps: u64,
+    #[serde(default)]
+    pub skipped_in_row: u64,
 }
 
 pub const CHECKPOINT_DIR: &str = "checkpoint";
@@ -46,8 +57,39 @@ pub struct OptimShard<'a> {
     pub v: &'a [f32],
 }
 
+impl OptimShard<'_> {
+    /// `master[i]`, `m[i]` or `v[i]` when one of them holds a NaN or an infinity.
+    pub fn first_non_finite(&self) -> Option<String> {
+        [("master weight", self.master), ("first moment", self.m), ("second moment", self.v)]
+            .into_iter()
+            .find_map(|(what, xs)| crate::guard::first_non_finite(xs).map(|i| format!("{what} {i} of this shard ({})", xs[i])))
+    }
+}
+
+/// Writes a safetensors file and flushes it to the disk (as exports are).
 fn st_write(path: &Path, tensors: &HashMap<String, Tensor>) -> Result<()> {
-    candle_core::safetensors::save(tensors, path).map_err(|e| Error::checkpoint(path, format!("cannot write: {e}")))
+    candle_core::safetensors::save(tensors, path).map_err(|e| Error::checkpoint(path, format!("cannot write: {e}")))?;
+    sync_file(path)
+}
+
+fn sync_file(path: &Path) -> Result<()> {
+    let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    f.sync_all().map_err(|e| Error::io(path, e))
+}
+
+/// Persists a directory's entries (new files, renames).
+fn sync_dir(dir: &Path) -> Result<()> {
+    let f = std::fs::File::open(dir).map_err(|e| Error::io(dir, e))?;
+    f.sync_all().map_err(|e| Error::io(dir, e))
+}
+
+/// The first tensor of `weights` (by name) holding a NaN or an infinity.
+pub fn first_non_finite(weights: &HashMap<String, Tensor>) -> Result<Option<String>> {
+    let mut names: Vec<&String> = weights.keys().collect();
+    names.sort();
+    let tensors: Vec<Tensor> = names.iter().map(|n| weights[*n].clone()).collect();
+    let flags = crate::guard::finite_flags(&tensors)?;
+    Ok(names.into_iter().zip(flags).find(|(_, ok)| !ok).map(|(n, _)| n.clone()))
 }
 
 /// The temporary directory a checkpoint is assembled in (same name on every rank).
@@ -72,6 +114,9 @@ fn shard_name(d: usize) -> String {
 
 /// Step 2 (every rank, once step 1 is done): this rank's optimizer shard.
 pub fn write_shard(tmp: &Path, index: usize, s: &OptimShard<'_>) -> Result<()> {
+    if let Some(what) = s.first_non_finite() {
+        return Err(Error::checkpoint(tmp.join(shard_name(index)), format!("not written: the optimizer {what} is not finite")));
+    }
     let mut t = HashMap::new();
     for (name, data) in [("master", s.master), ("m", s.m), ("v", s.v)] {
         t.insert(name.to_string(), Tensor::from_slice(data, data.len(), &Device::Cpu)?);
@@ -93,10 +138,20 @@ pub fn finish(output_dir: &Path, weights: &HashMap<String, Tensor>, state: &Trai
             ));
         }
     }
+    // The trainer checks (on every rank, agreed) before it starts a checkpoint; this is
+    // the last line: a non-finite weight never replaces the previous checkpoint.
+    if let Some(name) = first_non_finite(weights)? {
+        return Err(Error::checkpoint(
+            tmp.join("model.safetensors"),
+            format!("not written: tensor `{name}` holds NaN or infinite values; the previous checkpoint is kept"),
+        ));
+    }
     st_write(&tmp.join("model.safetensors"), weights)?;
     let json = serde_json::to_string_pretty(state).map_err(|e| Error::checkpoint(&tmp, e.to_string()))?;
     let sp = tmp.join("state.json");
     std::fs::write(&sp, json).map_err(|e| Error::io(&sp, e))?;
+    sync_file(&sp)?;
+    sync_dir(&tmp)?;
     let final_dir = checkpoint_dir(output_dir);
     let old = old_dir(output_dir);
     if old.exists() {
@@ -106,6 +161,7 @@ pub fn finish(output_dir: &Path, weights: &HashMap<String, Tensor>, state: &Trai
         std::fs::rename(&final_dir, &old).map_err(|e| Error::io(&final_dir, e))?;
     }
     std::fs::rename(&tmp, &final_dir).map_err(|e| Error::io(&final_dir, e))?;
+    sync_dir(output_dir)?;
     if old.exists() {
         std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
     }
@@ -128,22 +184,36 @@ pub struct Loaded {
 /// Read the weights and state of `<output_dir>/checkpoint` (or, after a crash between
 /// the two renames of [`finish`], of the previous checkpoint set aside).
 pub fn load(output_dir: &Path) -> Result<Loaded> {
-    let mut dir = checkpoint_dir(output_dir);
+    let dir = resume_dir(output_dir);
+    if dir == old_dir(output_dir) {
+        eprintln!("note: resuming from {} (the run stopped while replacing its checkpoint)", dir.display());
+    }
+    let state = read_state(&dir).map_err(cannot_resume)?;
+    let mp = dir.join("model.safetensors");
+    let weights = candle_core::safetensors::load(&mp, &Device::Cpu).map_err(|e| Error::checkpoint(&mp, format!("cannot read: {e}")))?;
+    Ok(Loaded { weights, state, dir })
+}
+
+/// The checkpoint directory a resume reads: `<output_dir>/checkpoint`, or the previous
+/// checkpoint set aside when a run stopped between the two renames of [`finish`].
+pub fn resume_dir(output_dir: &Path) -> PathBuf {
+    let dir = checkpoint_dir(output_dir);
     let old = old_dir(output_dir);
     if !dir.join("state.json").is_file() && old.join("state.json").is_file() {
-        eprintln!("note: resuming from {} (the run stopped while replacing its checkpoint)", old.display());
-        dir = old;
+        return old;
     }
-    let state = read_state(&dir).map_err(|e| match e {
+    dir
+}
+
+/// A missing `state.json` said as a resume error, with the fix.
+pub fn cannot_resume(e: Error) -> Error {
+    match e {
         Error::Io { path, source } => Error::checkpoint(
             path,
             format!("cannot resume: {source}; run without --resume or point --output-dir at a run that wrote a checkpoint"),
         ),
         other => other,
-    })?;
-    let mp = dir.join("model.safetensors");
-    let weights = candle_core::safetensors::load(&mp, &Device::Cpu).map_err(|e| Error::checkpoint(&mp, format!("cannot read: {e}")))?;
-    Ok(Loaded { weights, state, dir })
+    }
 }
 
 /// The `state.json` of a checkpoint directory.

@@ -7,6 +7,11 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 use crate::dist::LengthField;
+use crate::limits::{check_range, MAX_BATCH, MAX_BATCH_TOKENS, MAX_SEQ_LEN, MAX_SHUFFLE_BUFFER, MAX_STEPS, MAX_WORLD_SIZE};
+
+/// Largest learning rate accepted (AdamW moves each weight by about the learning rate
+/// per step: anything above 1 destroys the model in one step).
+pub const MAX_LEARNING_RATE: f64 = 1.0;
 pub use crate::dist::ParallelMode;
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -53,8 +58,16 @@ pub struct TrainSection {
     /// Global-norm gradient clipping (0 = off).
     pub clip_grad: f64,
     pub adamw: AdamWConfig,
-    /// Write a resumable checkpoint every N optimizer steps (0 = only at stage ends).
+    /// Write a resumable checkpoint every N optimizer steps (0 = only at stage ends and
+    /// by time, see `checkpoint_interval_min`).
     pub checkpoint_every: u64,
+    /// Also write one when this many minutes have passed since the last (0 = off). All
+    /// ranks agree on it at the step boundary.
+    pub checkpoint_interval_min: f64,
+    /// Abort after this many optimizer steps in a row whose gradient norm (or loss) was
+    /// not finite; each such step is skipped (no update, its data consumed). The last
+    /// good checkpoint is kept.
+    pub max_skipped_steps: u64,
     /// On a GPU, keep the optimizer state and its update in host memory (rayon AdamW,
     /// like DeepSpeed's offload_optimizer) instead of on the device. CPU runs: always host.
     pub optimizer_on_host: bool,
@@ -78,6 +91,8 @@ impl Default for TrainSection {
             clip_grad: 1.0,
             adamw: AdamWConfig::default(),
             checkpoint_every: 0,
+            checkpoint_interval_min: 30.0,
+            max_skipped_steps: 5,
             optimizer_on_host: false,
             profile: false,
             layer_backward: Default::default(),
@@ -252,19 +267,9 @@ impl RunConfig {
         if let Some(d) = &self.export.dtype {
             crate::train::trainer::parse_dtype(d, source, "export.dtype")?;
         }
+        self.validate_numbers(source)?;
+        self.validate_sizes(source)?;
         let p = &self.parallel;
-        if p.world_size == 0 {
-            return bad("parallel.world_size", "must be at least 1".into());
-        }
-        if self.train.batch_size == 0 || self.train.gradient_accumulate_every == 0 {
-            return bad("train.batch_size", "batch_size and gradient_accumulate_every must be at least 1".into());
-        }
-        if self.train.learning_rate.is_nan() || self.train.learning_rate <= 0.0 {
-            return bad("train.learning_rate", format!("must be positive, got {}", self.train.learning_rate));
-        }
-        if p.token_chunk == 0 {
-            return bad("parallel.token_chunk", "must be at least 1".into());
-        }
         if !p.collective_timeout_s.is_finite() || p.collective_timeout_s < 0.0 {
             return bad(
                 "parallel.collective_timeout_s",
@@ -280,6 +285,79 @@ impl RunConfig {
         Ok(())
     }
 
+    /// The optimization numbers: each finite and within its range (see the messages).
+    fn validate_numbers(&self, source: &Path) -> Result<()> {
+        let t = &self.train;
+        let real = |field: &str, v: f64, lo: f64, lo_open: bool, hi: f64, hi_open: bool| -> Result<()> {
+            let below = if lo_open { v <= lo } else { v < lo };
+            let above = if hi_open { v >= hi } else { v > hi };
+            if v.is_finite() && !below && !above {
+                return Ok(());
+            }
+            let (l, h) = (if lo_open { "(" } else { "[" }, if hi_open || hi == f64::MAX { ")" } else { "]" });
+            let hi = if hi == f64::MAX { "∞".to_string() } else { hi.to_string() };
+            Err(Error::config(source, field, format!("got {v}, expected a number in {l}{lo}, {hi}{h}")))
+        };
+        real("train.learning_rate", t.learning_rate, 0.0, true, MAX_LEARNING_RATE, false)?;
+        for (i, st) in self.stages.iter().enumerate() {
+            if let Some(lr) = st.learning_rate {
+                real(&format!("stage[{i}].learning_rate"), lr, 0.0, true, MAX_LEARNING_RATE, false)?;
+            }
+        }
+        real("train.min_lr_ratio", t.min_lr_ratio, 0.0, false, 1.0, false)?;
+        real("train.clip_grad", t.clip_grad, 0.0, false, f64::MAX, false)?;
+        real("train.adamw.beta1", t.adamw.beta1, 0.0, false, 1.0, true)?;
+        real("train.adamw.beta2", t.adamw.beta2, 0.0, false, 1.0, true)?;
+        real("train.adamw.eps", t.adamw.eps, 0.0, true, 1.0, false)?;
+        real("train.adamw.weight_decay", t.adamw.weight_decay, 0.0, false, 1.0, false)?;
+        real("train.checkpoint_interval_min", t.checkpoint_interval_min, 0.0, false, 1e7, false)?;
+        let steps = |field: &str, v: u64, lo: u64| check_range(source, field, v, lo, MAX_STEPS);
+        steps("train.warmup_steps", t.warmup_steps, 0)?;
+        steps("train.max_skipped_steps", t.max_skipped_steps, 1)?;
+        Ok(())
+    }
+
+    /// Sizes: each within [`crate::limits`], and the tokens of one micro-batch computed
+    /// without overflow, so nothing huge is allocated before it is refused.
+    fn validate_sizes(&self, source: &Path) -> Result<()> {
+        let (p, t) = (&self.parallel, &self.train);
+        check_range(source, "parallel.world_size", p.world_size, 1, MAX_WORLD_SIZE)?;
+        check_range(source, "parallel.sp_size", p.sp_size, 0, MAX_WORLD_SIZE)?;
+        check_range(source, "parallel.ulysses_size", p.ulysses_size, 0, MAX_WORLD_SIZE)?;
+        check_range(source, "parallel.token_chunk", p.token_chunk, 1, MAX_SEQ_LEN)?;
+        check_range(source, "parallel.fpdt_chunk_size", p.fpdt_chunk_size, 1, MAX_SEQ_LEN)?;
+        check_range(source, "train.batch_size", t.batch_size, 1, MAX_BATCH)?;
+        check_range(source, "train.gradient_accumulate_every", t.gradient_accumulate_every, 1, MAX_BATCH)?;
+        check_range(source, "data.shuffle_buffer", self.data.shuffle_buffer, 0, MAX_SHUFFLE_BUFFER)?;
+        for (i, st) in self.stages.iter().enumerate() {
+            check_range(source, &format!("stage[{i}].seq_length"), st.seq_length, 1, MAX_SEQ_LEN)?;
+            check_range(source, &format!("stage[{i}].steps"), st.steps, 1, MAX_STEPS)?;
+            if let Some(c) = st.fpdt_chunk_size {
+                check_range(source, &format!("stage[{i}].fpdt_chunk_size"), c, 1, MAX_SEQ_LEN)?;
+            }
+            let tokens = (t.batch_size as u64).saturating_mul(st.seq_length as u64 + 1);
+            if tokens > MAX_BATCH_TOKENS {
+                return Err(Error::config(
+                    source,
+                    "train.batch_size",
+                    format!(
+                        "batch_size {} × (stage[{i}].seq_length {} + 1) = {tokens} tokens per micro-batch, more than {MAX_BATCH_TOKENS}; \
+                         lower the batch size or the length",
+                        t.batch_size, st.seq_length
+                    ),
+                ));
+            }
+        }
+        let e = &self.export;
+        if let Some(n) = e.max_position_embeddings {
+            check_range(source, "export.max_position_embeddings", n, 1, MAX_SEQ_LEN)?;
+        }
+        if let Some(n) = e.max_shard_bytes {
+            check_range(source, "export.max_shard_bytes", n, 1, u64::MAX)?;
+        }
+        Ok(())
+    }
+
     /// The stages: positive values, non-decreasing length and θ, and each length split
     /// by its mode ([`ParallelMode::check_seq_len`]).
     fn validate_stages(&self, source: &Path) -> Result<()> {
@@ -288,14 +366,8 @@ impl RunConfig {
         let (mut prev_len, mut prev_theta) = (0usize, 0f64);
         for (i, st) in self.stages.iter().enumerate() {
             let f = |name: &str| format!("stage[{i}].{name}");
-            if st.seq_length == 0 {
-                return bad(&f("seq_length"), "must be positive".into());
-            }
             if !st.rope_theta.is_finite() || st.rope_theta <= 0.0 {
                 return bad(&f("rope_theta"), format!("must be a positive number, got {}", st.rope_theta));
-            }
-            if st.steps == 0 {
-                return bad(&f("steps"), "must be at least 1".into());
             }
             if st.seq_length < prev_len || st.rope_theta < prev_theta {
                 return bad(

@@ -118,7 +118,13 @@ pub fn parameter_shapes(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
 /// parallel.
 pub fn random_init(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
     use rayon::prelude::*;
-    let std = cfg.extra.get("initializer_range").and_then(serde_json::Value::as_f64).unwrap_or(0.02);
+    let std = match cfg.extra.get("initializer_range").filter(|v| !v.is_null()) {
+        None => 0.02,
+        Some(v) => match v.as_f64() {
+            Some(x) if x.is_finite() && x > 0.0 && x <= 1.0 => x,
+            _ => return Err(Error::config(cfg.source(), "initializer_range", format!("got {v}, expected a number in (0, 1]"))),
+        },
+    };
     let shapes = parameter_shapes(cfg);
     let filled: Vec<(String, Vec<usize>, Vec<f32>)> = shapes
         .into_par_iter()

@@ -22,6 +22,10 @@ pub struct StepLine {
     pub loss: f64,
     pub lr: f64,
     pub grad_norm: f64,
+    /// The update of this step was skipped (non-finite gradient norm or loss).
+    pub skipped: bool,
+    /// Steps skipped so far over the run.
+    pub skipped_steps: u64,
     pub tokens: u64,
     pub seconds: f64,
     /// Of which forward+backward (the rest: data, gradient reduction, optimizer, write-back).
@@ -133,7 +137,7 @@ impl Metrics {
         let mfu = tok_s * self.flops_per_token(l.seq_len) / (PEAK_FLOPS * self.ranks as f64);
         let line = serde_json::json!({
             "stage": l.stage, "step": l.step, "global_step": l.global_step, "loss": l.loss, "lr": l.lr,
-            "grad_norm": l.grad_norm, "tokens": l.tokens, "seconds": l.seconds, "engine_seconds": l.engine_seconds, "tokens_per_s": tok_s,
+            "grad_norm": l.grad_norm, "skipped": l.skipped, "skipped_steps": l.skipped_steps, "tokens": l.tokens, "seconds": l.seconds, "engine_seconds": l.engine_seconds, "tokens_per_s": tok_s,
             "mfu": if self.gpu { Some(mfu) } else { None }, "seq_len": l.seq_len,
             "saved_activation_bytes": l.memory.saved_bytes, "saved_host_bytes": l.memory.saved_host_bytes,
             "transient_bytes": l.memory.transient_bytes, "device_peak_bytes": l.device_peak,
@@ -173,6 +177,9 @@ impl Metrics {
         );
         for (i, (a, b)) in s.stage_losses.iter().enumerate() {
             eprintln!("  stage {i}: loss {a:.4} -> {b:.4}");
+        }
+        if s.skipped_steps > 0 {
+            eprintln!("  skipped updates: {} (non-finite gradient norm or loss; see the `skipped` field of the metrics)", s.skipped_steps);
         }
         eprintln!(
             "  memory: saved activations {:.3} GiB ({:.3} GiB on host), largest chunk transient {:.3} GiB",

@@ -1,4 +1,5 @@
-//! Training: run config, optimizer, layer-wise engine, trainer loop, checkpoints, metrics.
+//! Training: run config, optimizer, layer-wise engine, trainer loop, checkpoints, metrics;
+//! the output-directory lock, resume checks and stop signals around them.
 
 pub mod checkpoint;
 pub mod config;
@@ -12,5 +13,8 @@ pub mod layer_grad;
 pub mod metrics;
 pub mod offload;
 pub mod profile;
+pub mod resume_check;
+pub mod rundir;
+pub mod stop;
 pub mod trainer;
 pub mod zero;

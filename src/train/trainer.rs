@@ -8,6 +8,15 @@
 //! Exactness: the loss is Σ token losses / Σ counted tokens over all ranks and all
 //! micro-batches of the step (the count is all-reduced *before* the backward and used as
 //! the gradient scale), never a mean of means.
+//!
+//! Reliability (`docs/reliability.md`): the output directory is locked and a run in it is
+//! not overwritten by accident (`rundir`); a resume is checked against the saved config
+//! (`resume_check`); a step whose gradient norm or loss is not finite is skipped (every
+//! rank sees the same all-reduced value), `train.max_skipped_steps` of them in a row
+//! abort; weights are checked after every update and, with the optimizer state, before
+//! every checkpoint, so nothing non-finite is written; a stop request (SIGINT/SIGTERM,
+//! [`StopFlag`]) or a due time-based checkpoint is all-reduced with the step's loss so
+//! that every rank checkpoints after the same step.
 
 use crate::data::loader::{DataSpec, DataState, FilesConfig, Loader, Shard};
 use crate::data::synthetic::{LossOn, PasskeyConfig};
@@ -20,6 +29,8 @@ use crate::train::grads::GradBuffer;
 use crate::train::metrics::{Metrics, StepLine};
 use crate::train::optim::lr_at;
 use crate::train::profile::Phase;
+use crate::train::rundir::{self, RunDirLock};
+pub use crate::train::stop::StopFlag;
 use crate::train::zero::{all_reduce_scalar, ShardedAdamW};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -43,19 +54,84 @@ pub struct RunSummary {
     pub memory: MemoryReport,
     /// Most device memory in use in any step (rank 0, CUDA only).
     pub device_peak: Option<u64>,
-    /// False when [`RunLimits`] stopped the run before its last step: a checkpoint was
-    /// written at the stop, no export.
+    /// False when the run stopped before its last step ([`RunSummary::stopped`]): a
+    /// checkpoint was written at the stop, no export.
     pub completed: bool,
+    /// Why it stopped early, when it did.
+    pub stopped: Option<StopReason>,
+    /// Optimizer steps skipped over the whole run (non-finite gradient norm or loss).
+    pub skipped_steps: u64,
 }
 
-/// Where one invocation of a run stops early (the config describes the whole run).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RunLimits {
+/// Why a run stopped before its last step (a checkpoint was written there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// [`RunOptions::stop_at_global_step`].
+    AtStep,
+    /// A stop request: the signal this process received, `None` when another rank's
+    /// request stopped it.
+    Signal(Option<i32>),
+}
+
+/// How one invocation of a run behaves (the config describes the whole run).
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
     /// Stop once the run has done this many optimizer steps in total (the global step,
     /// counted across resumes), writing a checkpoint there and no export; `run(cfg, true)`
     /// then continues exactly as if the run had not stopped (a preemption, on purpose).
     /// A run resumed at or past the stop does nothing and writes nothing.
     pub stop_at_global_step: Option<u64>,
+    /// A fresh run may replace a run already in the output directory (its checkpoint,
+    /// metrics and export are removed first); without it, such a directory is refused.
+    pub overwrite: bool,
+    /// A resume may change the parallel layout (world size, mode, batch split): the
+    /// optimizer state is re-cut, the run continues within rounding (see `resume_check`).
+    pub allow_layout_change: bool,
+    /// Checked at every step boundary: when set (by a signal handler, see
+    /// [`StopFlag::install_signal_handlers`]), the run writes a checkpoint and stops.
+    pub stop: Option<StopFlag>,
+    /// Faults to inject (reliability tests).
+    pub faults: Vec<Fault>,
+}
+
+/// A fault injected into a run, to test the numeric guards (`tests/numeric_guards.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Rank `rank`'s gradient of the first parameter is NaN in the optimizer steps
+    /// `first..=last` (global step numbers, from 1).
+    NanGradient { rank: usize, first: u64, last: u64 },
+    /// The update of optimizer step `step` leaves the first parameter NaN on every rank
+    /// (an update that exploded).
+    NanWeights { step: u64 },
+    /// Rank `rank`'s loss of optimizer step `step` is NaN (its gradients stay finite).
+    NanLoss { rank: usize, step: u64 },
+}
+
+/// Environment variable the `longctx` binary reads faults from, for tests of real
+/// processes: a comma-separated list of `nan-grad:RANK:FIRST-LAST`, `nan-weights:STEP`
+/// and `nan-loss:RANK:STEP` ([`Fault::parse_list`]). Not for production runs.
+pub const FAULT_ENV: &str = "LONGCTX_FAULT";
+
+impl Fault {
+    /// Faults from the [`FAULT_ENV`] syntax; the error names the bad item.
+    pub fn parse_list(s: &str) -> Result<Vec<Fault>> {
+        let bad = |item: &str| Error::Setting(format!("{FAULT_ENV}: `{item}` is not `nan-grad:RANK:FIRST-LAST` or `nan-weights:STEP`"));
+        let mut out = Vec::new();
+        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let parts: Vec<&str> = item.split(':').collect();
+            let num = |x: &str| x.parse::<u64>().map_err(|_| bad(item));
+            out.push(match parts.as_slice() {
+                ["nan-grad", rank, range] => {
+                    let (a, b) = range.split_once('-').ok_or_else(|| bad(item))?;
+                    Fault::NanGradient { rank: num(rank)? as usize, first: num(a)?, last: num(b)? }
+                }
+                ["nan-weights", step] => Fault::NanWeights { step: num(step)? },
+                ["nan-loss", rank, step] => Fault::NanLoss { rank: num(rank)? as usize, step: num(step)? },
+                _ => return Err(bad(item)),
+            });
+        }
+        Ok(out)
+    }
 }
 
 /// The model a run starts from, resolved once (shared by all in-process ranks).
@@ -83,9 +159,16 @@ pub fn parse_dtype(s: &str, file: &Path, field: &str) -> Result<DType> {
 pub use crate::device::parse_device;
 
 /// Resolve `model.source` into a config and initial weights (seeded random ones for a
-/// built-in model).
+/// built-in model), for a process running all `parallel.world_size` ranks.
 pub fn load_start_model(cfg: &RunConfig) -> Result<StartModel> {
+    load_start_model_for(cfg, cfg.parallel.world_size)
+}
+
+/// [`load_start_model`] for a process running `ranks` ranks: the host memory the run
+/// needs is checked against the machine's before any weight is allocated.
+pub fn load_start_model_for(cfg: &RunConfig, ranks: usize) -> Result<StartModel> {
     let m = crate::hub::resolve_model_config(&cfg.model.source, &crate::hub::HubOptions::from_env())?;
+    check_host_memory(cfg, &m.cfg, ranks)?;
     let (mcfg, json) = (m.cfg, m.json);
     let Some(dir) = m.dir else {
         let weights = crate::train::init::random_init(&mcfg, cfg.seed, DType::F32, &Device::Cpu)?;
@@ -94,6 +177,26 @@ pub fn load_start_model(cfg: &RunConfig) -> Result<StartModel> {
     let weights = crate::hub::load_weights(&dir, DType::F32, &Device::Cpu)?;
     let tokenizer = if dir.join("tokenizer.json").is_file() { Some(crate::hub::load_tokenizer(&dir)?) } else { None };
     Ok(StartModel { cfg: mcfg, config_json: json, weights, source_dir: Some(dir), tokenizer })
+}
+
+/// The host memory the run needs at least (start weights, CPU ranks, host optimizer,
+/// saved activations on the host) against the machine's ([`crate::limits`]).
+fn check_host_memory(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Result<()> {
+    use crate::limits::mul;
+    let cpu = cfg.model.device == "cpu";
+    let what = "the saved activations";
+    let mut act = 0u64;
+    if cpu || cfg.parallel.offload_activations {
+        for st in &cfg.stages {
+            let sp = cfg.sp_size_for(st.parallel_mode.unwrap_or(cfg.parallel.mode)).max(1);
+            let local = (st.seq_length / sp) as u64;
+            let (l, b, h) = (mcfg.num_hidden_layers as u64, cfg.train.batch_size as u64, mcfg.hidden_size as u64);
+            act = act.max(mul(what, &[l, b, local, h, 4])?);
+        }
+    }
+    let params = crate::limits::param_count(mcfg)?;
+    let need = crate::limits::host_need(params, ranks as u64, cpu, cfg.train.optimizer_on_host, act)?;
+    crate::limits::check_host_memory(&need, crate::limits::physical_memory(), Path::new("<run config>"))
 }
 
 /// The data spec of a stage.
@@ -124,7 +227,7 @@ fn data_spec(cfg: &RunConfig, model: &StartModel, seq_len: usize) -> Result<Data
     f.vocab_size = Some(model.cfg.vocab_size);
     f.shuffle_buffer = cfg.data.shuffle_buffer;
     f.seed = cfg.seed;
-    f.eos = model.cfg.extra.get("eos_token_id").and_then(|v| v.as_u64()).map(|v| v as u32);
+    f.eos = model.cfg.eos_token_id();
     Ok(DataSpec::Files(f))
 }
 
@@ -135,25 +238,45 @@ struct Shared<'a> {
     device: Device,
     dtype: DType,
     resume: Option<&'a checkpoint::Loaded>,
-    limits: RunLimits,
+    opts: &'a RunOptions,
 }
 
 /// Run the whole config in this process (in-process ranks; or the world of a launched
 /// process when `world` is given).
 pub fn run(cfg: &RunConfig, resume: bool) -> Result<RunSummary> {
-    run_with_limits(cfg, resume, RunLimits::default())
+    run_with(cfg, resume, &RunOptions::default())
 }
 
-/// [`run`] that may stop early (see [`RunLimits`]).
-pub fn run_with_limits(cfg: &RunConfig, resume: bool, limits: RunLimits) -> Result<RunSummary> {
+/// [`run`] with options (early stop, overwrite, stop flag...: [`RunOptions`]).
+pub fn run_with(cfg: &RunConfig, resume: bool, opts: &RunOptions) -> Result<RunSummary> {
     let src = Path::new("<run config>");
+    let (ranks, max) = (cfg.parallel.world_size, crate::limits::MAX_THREAD_RANKS);
+    if ranks > max {
+        let msg = format!("got {ranks}, expected 1 to {max} ranks as threads of one process; use `longctx launch` for more");
+        return Err(Error::config(src, "parallel.world_size", msg));
+    }
     let device = parse_device(&cfg.model.device, src)?;
     let dtype = if device.is_cpu() { DType::F32 } else { parse_dtype(&cfg.model.dtype, src, "model.dtype")? };
+    let _lock = RunDirLock::acquire(&cfg.output_dir)?;
+    rundir::prepare(&cfg.output_dir, resume, opts.overwrite)?;
+    let loaded = if resume { Some(open_checkpoint(cfg, opts, true)?) } else { None };
     let model = load_start_model(cfg)?;
-    let loaded = if resume { Some(checkpoint::load(&cfg.output_dir)?) } else { None };
-    let shared = Shared { cfg, model: &model, device, dtype, resume: loaded.as_ref(), limits };
+    let shared = Shared { cfg, model: &model, device, dtype, resume: loaded.as_ref(), opts };
     let outs = crate::dist::world::run_threads(cfg.parallel.world_size, cfg.collective_timeout(), |comm| rank_main(&shared, comm))?;
     outs.into_iter().next().flatten().ok_or_else(|| Error::Setting("rank 0 returned no summary".into()))
+}
+
+/// The checkpoint to resume from, its state checked against its own saved config and
+/// against `cfg` ([`crate::train::resume_check`]) before any tensor is read; the allowed
+/// changes are printed when `report`.
+fn open_checkpoint(cfg: &RunConfig, opts: &RunOptions, report: bool) -> Result<checkpoint::Loaded> {
+    let dir = checkpoint::resume_dir(&cfg.output_dir);
+    let state = checkpoint::read_state(&dir).map_err(checkpoint::cannot_resume)?;
+    let notes = crate::train::resume_check::check(&state, &dir.join("state.json"), cfg, opts.allow_layout_change)?;
+    if report && !notes.is_empty() {
+        eprintln!("note: resuming with changed settings: {}", notes.join(", "));
+    }
+    checkpoint::load(&cfg.output_dir)
 }
 
 /// One rank's whole run: set-up, the stages, the final export. Returns the summary on rank 0.
@@ -162,23 +285,28 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
     let mut run = RankRun::new(sh, world)?;
     let (start_stage, start_step, mut data_state) = run.resume_point()?;
     let mut stage_losses = Vec::new();
-    let mut stopped = false;
+    let mut stopped = None;
     for (si, stage) in cfg.stages.iter().enumerate().skip(start_stage) {
         let first_step = if si == start_stage { start_step } else { 0 };
         let (losses, stop) = run.stage(si, stage, first_step, data_state.take())?;
         stage_losses.push(losses);
-        if stop {
-            stopped = true;
+        if stop.is_some() {
+            stopped = stop;
             break;
         }
     }
     let is_main = run.world.rank() == 0;
     let export_dir = cfg.output_dir.join("export");
-    if stopped {
+    if let Some(reason) = stopped {
         run.world.barrier()?;
         if is_main {
+            let why = match reason {
+                StopReason::AtStep => "as asked".to_string(),
+                StopReason::Signal(Some(sig)) => format!("on {}", crate::train::stop::signal_name(sig)),
+                StopReason::Signal(None) => "on another rank's stop request".to_string(),
+            };
             eprintln!(
-                "stopped after step {} as asked; checkpoint in {} (continue with --resume)",
+                "stopped after step {} {why}; checkpoint in {} (continue with --resume)",
                 run.global_step,
                 checkpoint::checkpoint_dir(&cfg.output_dir).display()
             );
@@ -197,9 +325,11 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
         export_dir,
         memory: run.memory,
         device_peak: run.device_peak,
-        completed: !stopped,
+        completed: stopped.is_none(),
+        stopped,
+        skipped_steps: run.skipped_steps,
     };
-    if let (false, Some(m)) = (stopped, run.metrics.as_mut()) {
+    if let (None, Some(m)) = (stopped, run.metrics.as_mut()) {
         m.finish(&summary)?;
     }
     Ok(if is_main { Some(summary) } else { None })
@@ -223,6 +353,21 @@ struct RankRun<'a> {
     total_tokens: u64,
     global_step: u64,
     t0: Instant,
+    /// Steps skipped (non-finite gradient norm or loss) over the run, and in a row now.
+    skipped_steps: u64,
+    skipped_in_row: u64,
+    /// When and at which global step the last checkpoint was written (by this run, or
+    /// the one resumed from).
+    last_checkpoint: (Instant, Option<u64>),
+}
+
+/// What one optimizer step decided, the same on every rank.
+struct StepOut {
+    loss: f64,
+    /// Some rank was asked to stop.
+    stop: bool,
+    /// Some rank's time-based checkpoint interval has passed.
+    checkpoint_due: bool,
 }
 
 /// One stage's layout and data on this rank.
@@ -241,13 +386,24 @@ impl<'a> RankRun<'a> {
     fn new(sh: &'a Shared<'a>, world: Arc<dyn Comm>) -> Result<Self> {
         let (cfg, mcfg) = (sh.cfg, &sh.model.cfg);
         let mut vars: HashMap<String, Var> = HashMap::new();
-        for (n, t) in &sh.model.weights {
+        for (n, start) in &sh.model.weights {
             let t = match sh.resume {
-                Some(l) => l
-                    .weights
-                    .get(n)
-                    .ok_or_else(|| Error::checkpoint(checkpoint::checkpoint_dir(&cfg.output_dir), format!("tensor `{n}` missing")))?,
-                None => t,
+                Some(l) => {
+                    let file = l.dir.join("model.safetensors");
+                    let t = l.weights.get(n).ok_or_else(|| Error::checkpoint(&file, format!("tensor `{n}` missing")))?;
+                    if t.dims() != start.dims() {
+                        return Err(Error::checkpoint(
+                            &file,
+                            format!(
+                                "tensor `{n}` has shape {:?}, the model's is {:?}: this checkpoint is of another model",
+                                t.dims(),
+                                start.dims()
+                            ),
+                        ));
+                    }
+                    t
+                }
+                None => start,
             };
             vars.insert(n.clone(), Var::from_tensor(&t.to_dtype(sh.dtype)?.to_device(&sh.device)?)?);
         }
@@ -286,6 +442,7 @@ impl<'a> RankRun<'a> {
         )?;
         let global_step = sh.resume.map_or(0, |l| l.state.global_step);
         let grads = GradBuffer::new(&engine.params, optim.padded_len(), &sh.device)?;
+        let (skipped_steps, skipped_in_row) = sh.resume.map_or((0, 0), |l| (l.state.skipped_steps, l.state.skipped_in_row));
         Ok(Self {
             sh,
             world,
@@ -299,6 +456,9 @@ impl<'a> RankRun<'a> {
             total_tokens: 0,
             global_step,
             t0: Instant::now(),
+            skipped_steps,
+            skipped_in_row,
+            last_checkpoint: (Instant::now(), sh.resume.map(|l| l.state.global_step)),
         })
     }
 
@@ -339,44 +499,48 @@ impl<'a> RankRun<'a> {
         Ok(StageRun { attn, indices, loader, dp, lr_base })
     }
 
-    /// Steps `first_step..` of stage `si`: (first and last loss, whether the run stopped).
-    fn stage(&mut self, si: usize, stage: &Stage, first_step: u64, data: Option<DataState>) -> Result<((f64, f64), bool)> {
+    /// Steps `first_step..` of stage `si`: (first and last loss, why the run stopped).
+    fn stage(&mut self, si: usize, stage: &Stage, first_step: u64, data: Option<DataState>) -> Result<((f64, f64), Option<StopReason>)> {
         let mut st = self.stage_setup(si, stage, data)?;
         let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);
-        let limit = self.sh.limits.stop_at_global_step;
+        let limit = self.sh.opts.stop_at_global_step;
+        let last_stage = si + 1 == self.sh.cfg.stages.len();
         for step in first_step..stage.steps {
             if limit.is_some_and(|n| self.global_step >= n) {
                 // resumed at or past the stop: nothing to do, the checkpoint stands
-                return Ok(((first_loss, last_loss), true));
+                return Ok(((first_loss, last_loss), Some(StopReason::AtStep)));
             }
-            let loss = self.step(&mut st, si, stage, step)?;
+            let out = self.step(&mut st, si, stage, step)?;
             if step == first_step {
-                first_loss = loss;
+                first_loss = out.loss;
             }
-            last_loss = loss;
+            last_loss = out.loss;
             let every = self.sh.cfg.train.checkpoint_every;
             let stage_end = step + 1 == stage.steps;
-            let stop = limit.is_some_and(|n| self.global_step >= n);
-            if (every > 0 && self.global_step.is_multiple_of(every)) || stage_end || stop {
+            let stop = if limit.is_some_and(|n| self.global_step >= n) {
+                Some(StopReason::AtStep)
+            } else if out.stop && !(stage_end && last_stage) {
+                // (a request during the very last step lets the run finish and export)
+                Some(StopReason::Signal(self.sh.opts.stop.as_ref().and_then(StopFlag::requested)))
+            } else {
+                None
+            };
+            if (every > 0 && self.global_step.is_multiple_of(every)) || stage_end || stop.is_some() || out.checkpoint_due {
                 let (ns, nst) = if stage_end { (si + 1, 0) } else { (si, step + 1) };
                 let data = if stage_end { None } else { Some(st.loader.state()) };
-                self.optim.sync_to_host()?;
-                save_checkpoint(self.sh, &self.world, &self.engine, &self.optim, ns, nst, self.global_step, data)?;
+                self.save_checkpoint(ns, nst, data)?;
             }
-            if stop {
-                return Ok(((first_loss, last_loss), true));
+            if stop.is_some() {
+                return Ok(((first_loss, last_loss), stop));
             }
         }
-        Ok(((first_loss, last_loss), false))
+        Ok(((first_loss, last_loss), None))
     }
 
-    /// One optimizer step (all micro-batches of it); returns the loss, after logging it.
-    fn step(&mut self, st: &mut StageRun, si: usize, stage: &Stage, step: u64) -> Result<f64> {
-        crate::dist::world::test_stall(self.world.rank(), self.global_step)?;
+    /// The micro-batches of one step on this rank, localized: (ids, targets, positions,
+    /// counted targets).
+    fn micro_batches(&mut self, st: &mut StageRun, si: usize, step: u64) -> Result<Vec<(Tensor, Tensor, Tensor, usize)>> {
         let (sh, cfg) = (self.sh, self.sh.cfg);
-        let ts = Instant::now();
-        crate::train::metrics::device_memory(&sh.device, true)?; // reset the high-water mark
-                                                                 // Micro-batches of this step, localized.
         let mut micro = Vec::new();
         for _ in 0..cfg.train.gradient_accumulate_every {
             let batch = st.loader.next_batch(cfg.train.batch_size)?.ok_or_else(|| {
@@ -390,13 +554,15 @@ impl<'a> RankRun<'a> {
             let counted = local.targets.iter().filter(|&&t| t >= 0).count();
             micro.push((ids, targets, pos, counted));
         }
-        let local_count: usize = micro.iter().map(|m| m.3).sum();
-        let global_count = all_reduce_scalar(&self.world, local_count as f64, &sh.device)?;
-        let scale = if global_count > 0.0 { 1.0 / global_count } else { 0.0 };
-        // Every micro-batch adds into the same flat gradient buffer.
+        Ok(micro)
+    }
+
+    /// Forward and backward of every micro-batch, each adding into the one flat gradient
+    /// buffer: (local loss sum, engine seconds).
+    fn forward_backward(&mut self, st: &StageRun, stage: &Stage, micro: &[(Tensor, Tensor, Tensor, usize)], scale: f64) -> Result<(f64, f64)> {
         self.grads.zero()?;
         let (mut loss_sum, mut engine_seconds) = (0f64, 0f64);
-        for (ids, targets, pos, _) in &micro {
+        for (ids, targets, pos, _) in micro {
             let te = Instant::now();
             let r = self.engine.step_into(ids, targets, pos, stage.seq_length, &st.attn, scale, &self.grads)?;
             engine_seconds += te.elapsed().as_secs_f64();
@@ -406,47 +572,158 @@ impl<'a> RankRun<'a> {
             m.saved_host_bytes = m.saved_host_bytes.max(r.memory.saved_host_bytes);
             m.transient_bytes = m.transient_bytes.max(r.memory.transient_bytes);
         }
-        let loss = self.engine.profiler().time(Phase::Comm, &sh.device, || all_reduce_scalar(&self.world, loss_sum, &sh.device))?
-            / global_count.max(1.0);
-        // The loss is all-reduced: every rank sees the same value and stops together,
-        // before a non-finite loss reaches the weights.
-        if !loss.is_finite() {
-            return Err(Error::Setting(format!(
-                "stage {si} step {}: loss is {loss} (summed over all ranks; the weights were not updated); lower the \
-                 learning rate or check the data",
-                step + 1
-            )));
+        Ok((loss_sum, engine_seconds))
+    }
+
+    /// One optimizer step (all micro-batches of it), logged. The loss, this rank's stop
+    /// request and whether its checkpoint interval has passed are all-reduced together, so
+    /// every rank takes the same decisions: skip a non-finite step, stop, checkpoint.
+    fn step(&mut self, st: &mut StageRun, si: usize, stage: &Stage, step: u64) -> Result<StepOut> {
+        crate::dist::world::test_stall(self.world.rank(), self.global_step)?;
+        let (sh, cfg) = (self.sh, self.sh.cfg);
+        let ts = Instant::now();
+        crate::train::metrics::device_memory(&sh.device, true)?; // reset the high-water mark
+        let micro = self.micro_batches(st, si, step)?;
+        let local_count: usize = micro.iter().map(|m| m.3).sum();
+        let global_count = all_reduce_scalar(&self.world, local_count as f64, &sh.device)?;
+        let scale = if global_count > 0.0 { 1.0 / global_count } else { 0.0 };
+        let (mut loss_sum, engine_seconds) = self.forward_backward(st, stage, &micro, scale)?;
+        let (rank, next) = (self.world.rank(), self.global_step + 1);
+        if sh.opts.faults.contains(&Fault::NanLoss { rank, step: next }) {
+            loss_sum = f64::NAN;
         }
+        let stop_local = sh.opts.stop.as_ref().is_some_and(|f| f.requested().is_some());
+        let interval = cfg.train.checkpoint_interval_min * 60.0;
+        let due_local = interval > 0.0 && self.last_checkpoint.0.elapsed().as_secs_f64() >= interval;
+        let flags = [loss_sum, f64::from(u8::from(stop_local)), f64::from(u8::from(due_local))];
+        let agreed = self.engine.profiler().time(Phase::Comm, &sh.device, || all_reduce_f64s(&self.world, &flags, &sh.device))?;
+        let loss = agreed[0] / global_count.max(1.0);
         let t = &cfg.train;
         let lr = lr_at(t.lr_schedule, st.lr_base, step, stage.steps, t.warmup_steps, t.min_lr_ratio);
-        let norm = self.engine.profiler().time(Phase::Optimizer, &sh.device, || {
-            Ok(self.optim.step(&self.world, &self.grads, &self.engine.params, lr, t.clip_grad, (sh.dtype, &sh.device))?.grad_norm)
-        })?;
+        self.inject_nan_gradient()?;
+        // A non-finite loss (the same on every rank) skips the update like a non-finite
+        // gradient norm does inside the optimizer step.
+        let (norm, skipped) = if loss.is_finite() {
+            let stats = self.engine.profiler().time(Phase::Optimizer, &sh.device, || {
+                self.optim.step(&self.world, &self.grads, &self.engine.params, lr, t.clip_grad, (sh.dtype, &sh.device))
+            })?;
+            (stats.grad_norm, stats.skipped)
+        } else {
+            (f64::NAN, true)
+        };
         self.global_step += 1;
         let tokens = (t.batch_size * t.gradient_accumulate_every * st.dp * stage.seq_length) as u64;
         self.total_tokens += tokens;
+        if skipped {
+            self.skipped_steps += 1;
+            self.skipped_in_row += 1;
+        } else {
+            self.skipped_in_row = 0;
+        }
         let step_peak = crate::train::metrics::device_memory(&sh.device, false)?.map(|(_, high)| high);
         let profile = if cfg.train.profile { Some(self.engine.take_profile()?) } else { None };
         self.device_peak = self.device_peak.max(step_peak);
+        let line = StepLine {
+            stage: si,
+            step: step + 1,
+            steps: stage.steps,
+            global_step: self.global_step,
+            loss,
+            lr,
+            grad_norm: norm,
+            skipped,
+            skipped_steps: self.skipped_steps,
+            tokens,
+            seconds: ts.elapsed().as_secs_f64(),
+            engine_seconds,
+            seq_len: stage.seq_length,
+            memory: self.memory,
+            device_peak: step_peak,
+            profile,
+        };
         if let Some(m) = self.metrics.as_mut() {
-            m.step(&StepLine {
-                stage: si,
-                step: step + 1,
-                steps: stage.steps,
-                global_step: self.global_step,
-                loss,
-                lr,
-                grad_norm: norm,
-                tokens,
-                seconds: ts.elapsed().as_secs_f64(),
-                engine_seconds,
-                seq_len: stage.seq_length,
-                memory: self.memory,
-                device_peak: step_peak,
-                profile,
-            })?;
+            m.step(&line)?;
         }
-        Ok(loss)
+        self.after_update(&line)?;
+        Ok(StepOut { loss, stop: agreed[1] > 0.0, checkpoint_due: agreed[2] > 0.0 })
+    }
+
+    /// The numeric guards after a step (the same outcome on every rank): a skipped step is
+    /// warned about and, `train.max_skipped_steps` in a row, aborts the run; an applied
+    /// update must leave every weight finite, else the run aborts before anything is
+    /// written. Either way the last good checkpoint stays.
+    fn after_update(&mut self, l: &StepLine) -> Result<()> {
+        let max = self.sh.cfg.train.max_skipped_steps;
+        let at = format!("stage {} step {}/{} (global step {})", l.stage, l.step, l.steps, l.global_step);
+        if l.skipped {
+            if self.world.rank() == 0 {
+                eprintln!(
+                    "warning: {at}: {} is not finite (loss {}, gradient norm {}): update skipped, its data consumed \
+                     ({} in a row; the run stops after {max})",
+                    if l.loss.is_finite() { "the gradient norm" } else { "the loss" },
+                    l.loss,
+                    l.grad_norm,
+                    self.skipped_in_row
+                );
+            }
+            if self.skipped_in_row >= max {
+                return Err(Error::Diverged(format!(
+                    "{} optimizer steps in a row had a non-finite gradient norm or loss (up to {at}; train.max_skipped_steps = \
+                     {max}); {}; lower the learning rate, raise warmup or clipping, or check the data, then --resume",
+                    self.skipped_in_row,
+                    self.kept_checkpoint()
+                )));
+            }
+            return Ok(());
+        }
+        self.inject_nan_weights()?;
+        let tensors: Vec<Tensor> = self.engine.params.iter().map(|(_, v)| v.as_tensor().clone()).collect();
+        let flags = crate::guard::finite_flags(&tensors)?;
+        if let Some(i) = flags.iter().position(|ok| !ok) {
+            return Err(Error::Diverged(format!(
+                "the update of {at} made the weights non-finite (first: `{}`; gradient norm {}, lr {:.3e}); nothing was written: {}; \
+                 lower the learning rate or raise clipping, then --resume",
+                self.engine.params[i].0,
+                l.grad_norm,
+                l.lr,
+                self.kept_checkpoint()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Where the last good checkpoint is, for the messages of an abort.
+    fn kept_checkpoint(&self) -> String {
+        let dir = checkpoint::checkpoint_dir(&self.sh.cfg.output_dir);
+        match self.last_checkpoint.1 {
+            Some(g) => format!("the last good checkpoint ({}, after global step {g}) is kept", dir.display()),
+            None => "no checkpoint was written yet (the run starts over)".into(),
+        }
+    }
+
+    /// [`Fault::NanGradient`]: this rank's first gradient made NaN in the chosen steps.
+    fn inject_nan_gradient(&self) -> Result<()> {
+        let g = self.global_step + 1;
+        for f in &self.sh.opts.faults {
+            if let (Fault::NanGradient { rank, first, last }, Some(t)) = (f, self.grads.views().first()) {
+                if *rank == self.world.rank() && (*first..=*last).contains(&g) {
+                    t.slice_set(&t.affine(f64::NAN, 0.0)?, 0, 0)?; // in place: the buffer is what the optimizer reads
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Fault::NanWeights`]: the first parameter made NaN after the chosen update.
+    fn inject_nan_weights(&self) -> Result<()> {
+        for f in &self.sh.opts.faults {
+            if let (Fault::NanWeights { step }, Some((_, v))) = (f, self.engine.params.first()) {
+                if *step == self.global_step {
+                    v.set(&v.as_tensor().affine(f64::NAN, 0.0)?)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The Hugging Face export of the final weights (rank 0), as `longctx export` of the
@@ -462,49 +739,74 @@ impl<'a> RankRun<'a> {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn save_checkpoint(
-    sh: &Shared<'_>,
-    world: &Arc<dyn Comm>,
-    engine: &Engine,
-    optim: &ShardedAdamW,
-    stage: usize,
-    stage_step: u64,
-    global_step: u64,
-    data: Option<DataState>,
-) -> Result<()> {
-    // Every rank writes its own optimizer shard into the temporary directory rank 0 made;
-    // rank 0 then adds the weights and state and swaps it into place.
-    let (rank, n) = (world.rank(), world.world());
-    let out = &sh.cfg.output_dir;
-    if rank == 0 {
-        checkpoint::begin(out)?;
+/// Sum of `xs` over ranks, element by element, in f64 (one collective).
+fn all_reduce_f64s(comm: &Arc<dyn Comm>, xs: &[f64], device: &Device) -> Result<Vec<f64>> {
+    if comm.world() == 1 {
+        return Ok(xs.to_vec());
     }
-    world.barrier()?;
-    checkpoint::write_shard(&checkpoint::tmp_dir(out), rank, &optim.shard())?;
-    world.barrier()?;
-    if rank == 0 {
-        let weights: HashMap<String, Tensor> = engine.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().detach())).collect();
-        let state = TrainState {
-            stage,
-            stage_step,
-            global_step,
-            adam_step: optim.steps(),
-            data: serde_json::to_value(&data).map_err(|e| Error::Setting(e.to_string()))?,
-            optimizer_shards: n,
-            config: serde_json::to_value(sh.cfg).map_err(|e| Error::Setting(e.to_string()))?,
-        };
-        checkpoint::finish(out, &weights, &state)?;
+    let t = Tensor::from_slice(xs, xs.len(), device)?;
+    Ok(comm.all_reduce_sum(&t)?.to_device(&Device::Cpu)?.to_vec1::<f64>()?)
+}
+
+impl RankRun<'_> {
+    /// A checkpoint of the state after the current step (`stage`, `stage_step` where the
+    /// run continues, the data cursor). Before anything is written, every rank checks its
+    /// optimizer shard and the weights for non-finite values and all agree (all-reduce):
+    /// a bad state aborts the run and leaves the previous checkpoint in place.
+    fn save_checkpoint(&mut self, stage: usize, stage_step: u64, data: Option<DataState>) -> Result<()> {
+        self.optim.sync_to_host()?;
+        let (rank, n) = (self.world.rank(), self.world.world());
+        let tensors: Vec<Tensor> = self.engine.params.iter().map(|(_, v)| v.as_tensor().clone()).collect();
+        let bad_weight = crate::guard::finite_flags(&tensors)?.iter().position(|ok| !ok).map(|i| self.engine.params[i].0.clone());
+        let bad_shard = self.optim.shard().first_non_finite();
+        let bad_ranks = all_reduce_scalar(&self.world, f64::from(u8::from(bad_shard.is_some())), &self.sh.device)?;
+        if bad_weight.is_some() || bad_ranks > 0.0 {
+            let what = match (bad_weight, bad_shard) {
+                (Some(w), _) => format!("weight `{w}` holds NaN or infinite values"),
+                (None, Some(s)) => format!("rank {rank}'s {s}"),
+                (None, None) => format!("the optimizer state of {bad_ranks} other rank(s) is not finite"),
+            };
+            return Err(Error::Diverged(format!(
+                "not writing the checkpoint after global step {}: {what}; {}; lower the learning rate or raise clipping",
+                self.global_step,
+                self.kept_checkpoint()
+            )));
+        }
+        // Every rank writes its own optimizer shard into the temporary directory rank 0
+        // made; rank 0 then adds the weights and state and swaps it into place.
+        let out = &self.sh.cfg.output_dir;
+        if rank == 0 {
+            checkpoint::begin(out)?;
+        }
+        self.world.barrier()?;
+        checkpoint::write_shard(&checkpoint::tmp_dir(out), rank, &self.optim.shard())?;
+        self.world.barrier()?;
+        if rank == 0 {
+            let weights: HashMap<String, Tensor> = self.engine.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().detach())).collect();
+            let state = TrainState {
+                stage,
+                stage_step,
+                global_step: self.global_step,
+                adam_step: self.optim.steps(),
+                data: serde_json::to_value(&data).map_err(|e| Error::Setting(e.to_string()))?,
+                optimizer_shards: n,
+                config: serde_json::to_value(self.sh.cfg).map_err(|e| Error::Setting(e.to_string()))?,
+                skipped_steps: self.skipped_steps,
+                skipped_in_row: self.skipped_in_row,
+            };
+            checkpoint::finish(out, &weights, &state)?;
+        }
+        self.world.barrier()?;
+        self.last_checkpoint = (Instant::now(), Some(self.global_step));
+        Ok(())
     }
-    world.barrier()?;
-    Ok(())
 }
 
 /// Run as one process of a launched world (`longctx launch`, torchrun, Slurm): the
 /// world comes from [`crate::dist::world::join`] (NCCL on `cuda:LOCAL_RANK`, or the CPU
 /// process transport with `model.device = cpu`); then the same rank loop as in-process
 /// runs. A failing rank tells the others, which stop within a bounded time.
-pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistEnv, limits: RunLimits) -> Result<Option<RunSummary>> {
+pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistEnv, opts: &RunOptions) -> Result<Option<RunSummary>> {
     if env.world != cfg.parallel.world_size {
         return Err(Error::Setting(format!(
             "WORLD_SIZE is {} but parallel.world_size is {}; leave --world-size unset under a launcher",
@@ -515,9 +817,17 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistE
     let result = (|| {
         let dtype =
             if joined.device.is_cpu() { DType::F32 } else { parse_dtype(&cfg.model.dtype, Path::new("<run config>"), "model.dtype")? };
-        let model = load_start_model(cfg)?;
-        let loaded = if resume { Some(checkpoint::load(&cfg.output_dir)?) } else { None };
-        let shared = Shared { cfg, model: &model, device: joined.device.clone(), dtype, resume: loaded.as_ref(), limits };
+        // Rank 0 writes metrics, checkpoints and the export: it holds the directory.
+        let _lock = if env.rank == 0 {
+            let lock = RunDirLock::acquire(&cfg.output_dir)?;
+            rundir::prepare(&cfg.output_dir, resume, opts.overwrite)?;
+            Some(lock)
+        } else {
+            None
+        };
+        let loaded = if resume { Some(open_checkpoint(cfg, opts, env.rank == 0)?) } else { None };
+        let model = load_start_model_for(cfg, 1)?;
+        let shared = Shared { cfg, model: &model, device: joined.device.clone(), dtype, resume: loaded.as_ref(), opts };
         rank_main(&shared, joined.comm.clone())
     })();
     joined.finish(&result);

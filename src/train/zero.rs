@@ -41,6 +41,9 @@ pub struct ShardedAdamW {
 pub struct StepStats {
     /// Global L2 norm of the summed gradient, before clipping.
     pub grad_norm: f64,
+    /// The norm was not finite: the update was skipped (weights, moments and the step
+    /// counter unchanged). The norm is all-reduced, so every rank skips together.
+    pub skipped: bool,
 }
 
 impl ShardedAdamW {
@@ -119,11 +122,9 @@ impl ShardedAdamW {
         // 2. Global norm.
         let grad_norm = all_reduce_scalar(comm, sum_sq(&gshard)?, gshard.device())?.sqrt();
         if !grad_norm.is_finite() {
-            // The same value on every rank: all stop here, before the update.
-            return Err(Error::Setting(format!(
-                "gradient norm is {grad_norm} over all ranks (a NaN or infinite gradient; the weights were not updated); \
-                 lower the learning rate or check the data"
-            )));
+            // The same value on every rank: all skip this update together (the trainer
+            // counts it and aborts after too many in a row).
+            return Ok(StepStats { grad_norm, skipped: true });
         }
         // 3. Clip and update; 4. the new weights in the run dtype, all-gathered.
         let coef = if clip > 0.0 && grad_norm > clip { clip / (grad_norm + 1e-6) } else { 1.0 };
@@ -132,7 +133,7 @@ impl ShardedAdamW {
         } else {
             self.host_update(comm, &gshard, params, lr, coef, (dtype, device))?;
         }
-        Ok(StepStats { grad_norm })
+        Ok(StepStats { grad_norm, skipped: false })
     }
 
     fn check(&self, comm: &Arc<dyn Comm>, grads: &GradBuffer, params: &[(String, Var)]) -> Result<()> {

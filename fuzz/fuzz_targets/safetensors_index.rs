@@ -1,0 +1,4 @@
+//! libFuzzer target: [`longctx_fuzz::safetensors_index`] on each input.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| longctx_fuzz::safetensors_index(data));

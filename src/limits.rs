@@ -1,0 +1,183 @@
+//! Size limits, checked before anything is allocated, so that a huge number in a config
+//! file or a flag is an error naming the key instead of an allocation abort or a silent
+//! overflow. The limits are far above any real model or run (the largest Llama has 126
+//! layers, 16384 hidden, 128K vocabulary; long-context runs reach a few million tokens).
+//!
+//! Two kinds of checks:
+//! - ranges of single values ([`check_range`], used by the run config and `config.json`);
+//! - the host memory a run needs before its first allocation ([`check_host_memory`]):
+//!   products computed with checked arithmetic (an overflow is an error), compared with
+//!   the machine's physical memory.
+
+use crate::model::LlamaConfig;
+use crate::{Error, Result};
+use std::path::Path;
+
+/// Ranks of one run (processes or threads).
+pub const MAX_WORLD_SIZE: usize = 1 << 16;
+/// Ranks as threads of one process (`parallel.world_size` without a launcher).
+pub const MAX_THREAD_RANKS: usize = 1 << 10;
+/// Tokens of one sequence (positions are u32).
+pub const MAX_SEQ_LEN: usize = 1 << 31;
+/// Sequences per micro-batch, micro-batches per step.
+pub const MAX_BATCH: usize = 1 << 20;
+/// Tokens of one micro-batch on one rank (`batch_size × (seq_length + 1)`).
+pub const MAX_BATCH_TOKENS: u64 = 1 << 34;
+/// Samples held by the shuffle buffer.
+pub const MAX_SHUFFLE_BUFFER: usize = 1 << 24;
+/// Optimizer steps of one stage.
+pub const MAX_STEPS: u64 = 1 << 40;
+/// Decoder layers, heads.
+pub const MAX_LAYERS: usize = 1 << 14;
+pub const MAX_HEADS: usize = 1 << 14;
+/// Hidden size, head dim, intermediate size.
+pub const MAX_WIDTH: usize = 1 << 22;
+/// Vocabulary (token ids are u32).
+pub const MAX_VOCAB: usize = 1 << 32;
+/// Parameters of a model (about 17.6 trillion).
+pub const MAX_PARAMS: u64 = 1 << 44;
+
+/// `lo ≤ v ≤ hi`, else a config error naming `field`, the value and the range.
+pub fn check_range<T: PartialOrd + std::fmt::Display + Copy>(file: &Path, field: &str, v: T, lo: T, hi: T) -> Result<()> {
+    if v < lo || v > hi {
+        return Err(Error::config(file, field, format!("got {v}, expected {lo} to {hi}")));
+    }
+    Ok(())
+}
+
+/// `a × b × ...` with overflow as an error naming `what`.
+pub fn mul(what: &str, xs: &[u64]) -> Result<u64> {
+    xs.iter().try_fold(1u64, |acc, &x| acc.checked_mul(x)).ok_or_else(|| overflow(what))
+}
+
+/// `a + b + ...` with overflow as an error naming `what`.
+pub fn add(what: &str, xs: &[u64]) -> Result<u64> {
+    xs.iter().try_fold(0u64, |acc, &x| acc.checked_add(x)).ok_or_else(|| overflow(what))
+}
+
+fn overflow(what: &str) -> Error {
+    Error::Setting(format!(
+        "{what} does not fit in 64 bits: some size (layers, width, vocabulary, length, batch or ranks) is far too large"
+    ))
+}
+
+/// Parameters of `cfg` (biases included, a tied head counted once), with checked
+/// arithmetic: the count [`crate::train::init::parameter_shapes`] lists, without listing.
+pub fn param_count(cfg: &LlamaConfig) -> Result<u64> {
+    let w = |x: usize| x as u64;
+    let (h, i, v, d) = (w(cfg.hidden_size), w(cfg.intermediate_size), w(cfg.vocab_size), w(cfg.head_dim));
+    let (hq, hkv) = (w(cfg.num_attention_heads), w(cfg.num_key_value_heads));
+    let what = "the parameter count";
+    let (q, kv) = (mul(what, &[hq, d])?, mul(what, &[hkv, d])?);
+    let proj = |rows: u64, cols: u64, bias: bool| -> Result<u64> { add(what, &[mul(what, &[rows, cols])?, if bias { rows } else { 0 }]) };
+    let layer = add(
+        what,
+        &[
+            proj(q, h, cfg.qkv_bias())?,
+            proj(kv, h, cfg.qkv_bias())?,
+            proj(kv, h, cfg.qkv_bias())?,
+            proj(h, q, cfg.o_bias())?,
+            proj(i, h, cfg.has_mlp_bias())?,
+            proj(i, h, cfg.has_mlp_bias())?,
+            proj(h, i, cfg.has_mlp_bias())?,
+            mul(what, &[2, h])?,
+        ],
+    )?;
+    let embed = mul(what, &[v, h])?;
+    let head = if cfg.tie_word_embeddings { 0 } else { embed };
+    add(what, &[embed, mul(what, &[w(cfg.num_hidden_layers), layer])?, h, head])
+}
+
+/// Physical memory of this machine, bytes (`None` when the OS does not say).
+pub fn physical_memory() -> Option<u64> {
+    // SAFETY: sysconf only reads system configuration values.
+    let (pages, size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    (pages > 0 && size > 0).then(|| (pages as u64).saturating_mul(size as u64))
+}
+
+/// What a run keeps in host memory before its first step, by part (bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostNeed {
+    /// The f32 copy of the start weights (every run).
+    pub start_weights: u64,
+    /// Weights, f32 gradients and the flat gradient of each in-process rank, when the
+    /// device is the CPU.
+    pub cpu_ranks: u64,
+    /// The f32 master weights and AdamW moments, when they live on the host.
+    pub optimizer: u64,
+    /// Saved layer inputs of each in-process rank on the CPU (or offloaded), largest stage.
+    pub activations: u64,
+}
+
+impl HostNeed {
+    pub fn total(&self) -> Result<u64> {
+        add("the host memory estimate", &[self.start_weights, self.cpu_ranks, self.optimizer, self.activations])
+    }
+}
+
+/// The host memory a run of `params` parameters needs at least (see [`HostNeed`]):
+/// `ranks` in-process ranks, `cpu` when they compute on the CPU, `optimizer_on_host`,
+/// and `act_per_rank` bytes of saved activations per rank kept on the host.
+pub fn host_need(params: u64, ranks: u64, cpu: bool, optimizer_on_host: bool, act_per_rank: u64) -> Result<HostNeed> {
+    let what = "the host memory estimate";
+    let start_weights = mul(what, &[params, 4])?;
+    let cpu_ranks = if cpu { mul(what, &[params, 12, ranks])? } else { 0 };
+    let optimizer = if cpu || optimizer_on_host { mul(what, &[params, 12])? } else { 0 };
+    let activations = mul(what, &[act_per_rank, ranks])?;
+    Ok(HostNeed { start_weights, cpu_ranks, optimizer, activations })
+}
+
+/// Errors when `need` exceeds the physical memory `have` (bytes): the message names the
+/// parts and the keys that decide them.
+pub fn check_host_memory(need: &HostNeed, have: Option<u64>, source: &Path) -> Result<()> {
+    let total = need.total()?;
+    let Some(have) = have else { return Ok(()) };
+    if total <= have {
+        return Ok(());
+    }
+    let gb = |b: u64| format!("{:.1} GB", b as f64 / 1e9);
+    Err(Error::config(
+        source,
+        "model.source / stage.seq_length / train.batch_size / parallel.world_size",
+        format!(
+            "this run needs at least {} of host memory before its first step (start weights {}, CPU ranks {}, optimizer {}, \
+             saved activations {}) but this machine has {}; use a smaller model, shorter sequences, a smaller batch or fewer \
+             in-process ranks (or run on GPUs)",
+            gb(total),
+            gb(need.start_weights),
+            gb(need.cpu_ranks),
+            gb(need.optimizer),
+            gb(need.activations),
+            gb(have)
+        ),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn param_count_matches_the_shapes_of_the_builtin_models() {
+        for name in ["tiny", "tinyllama-1.1b-shape", "llama2-7b-shape"] {
+            let cfg = crate::train::init::builtin_config(name).unwrap();
+            let listed: u64 = crate::train::init::parameter_shapes(&cfg).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum();
+            assert_eq!(param_count(&cfg).unwrap(), listed, "{name}");
+        }
+    }
+
+    #[test]
+    fn checked_products_fail_on_overflow() {
+        assert_eq!(mul("x", &[1 << 20, 1 << 20]).unwrap(), 1 << 40);
+        assert!(mul("the thing", &[1 << 40, 1 << 40]).unwrap_err().to_string().contains("the thing"));
+        assert!(add("y", &[u64::MAX, 1]).is_err());
+    }
+
+    #[test]
+    fn host_memory_beyond_the_machine_is_refused_with_the_parts() {
+        let need = host_need(1 << 40, 2, true, true, 0).unwrap();
+        let e = check_host_memory(&need, Some(1 << 30), Path::new("run.toml")).unwrap_err().to_string();
+        assert!(e.contains("run.toml") && e.contains("host memory") && e.contains("start weights"), "{e}");
+        check_host_memory(&host_need(1000, 1, true, true, 1000).unwrap(), Some(1 << 30), Path::new("x")).unwrap();
+    }
+}

@@ -1,0 +1,186 @@
+//! The output directory of a run: one run at a time, and a finished or stopped run is
+//! never overwritten by accident.
+//!
+//! - [`RunDirLock`]: `<output_dir>/.longctx.lock` holds `pid` and `host` of the run using
+//!   the directory, under an exclusive `flock` for the life of the run. A second run
+//!   finds the lock held (or, on the same host, a live pid in it) and refuses with both
+//!   named. A lock left by a process that died (SIGKILL, power loss) is taken over with
+//!   a note. The file stays (emptied) when the run ends: removing it would let two
+//!   newcomers lock two different files.
+//! - [`prepare`]: a fresh run (not `--resume`) refuses a directory that holds a run
+//!   (checkpoint, metrics or export) unless `--overwrite`, which removes them first.
+//!
+//! Distributed runs: rank 0 (the process that writes metrics, checkpoints and exports)
+//! holds the lock.
+
+use crate::train::checkpoint::CHECKPOINT_DIR;
+use crate::{Error, Result};
+use std::io::{Read, Seek, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+pub const LOCK_FILE: &str = ".longctx.lock";
+
+/// What a run leaves in its output directory (besides the lock).
+const RUN_FILES: [&str; 6] = [CHECKPOINT_DIR, ".checkpoint.old", ".checkpoint.tmp", "metrics.jsonl", ".metrics.jsonl.tmp", "export"];
+
+/// The lock of an output directory, held until dropped.
+#[derive(Debug)]
+pub struct RunDirLock {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+/// `pid` and `host` written in a lock file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Holder {
+    pid: i32,
+    host: String,
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `buf.len()` bytes into the buffer.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "unknown".into();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+fn parse_holder(text: &str) -> Option<Holder> {
+    let mut pid = None;
+    let mut host = String::new();
+    for line in text.lines() {
+        match line.split_once('=') {
+            Some(("pid", v)) => pid = v.trim().parse::<i32>().ok().filter(|&p| p > 0),
+            Some(("host", v)) => host = v.trim().to_string(),
+            _ => {}
+        }
+    }
+    Some(Holder { pid: pid?, host })
+}
+
+/// Whether process `pid` exists on this host (kill(pid, 0): EPERM means it exists).
+fn alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks for existence and permission; nothing is sent.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+impl RunDirLock {
+    /// Locks `output_dir` (creating it) for this process. See the module doc.
+    pub fn acquire(output_dir: &Path) -> Result<Self> {
+        std::fs::create_dir_all(output_dir).map_err(|e| Error::io(output_dir, e))?;
+        let path = output_dir.join(LOCK_FILE);
+        let mut file =
+            std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(|e| Error::io(&path, e))?;
+        let mut text = String::new();
+        // A lock file that is not text is treated as empty (and overwritten once locked).
+        let _ = file.read_to_string(&mut text);
+        let previous = parse_holder(&text);
+        let in_use = |h: Option<&Holder>| {
+            let who = h.map_or("another process".to_string(), |h| format!("pid {} on host {}", h.pid, h.host));
+            Error::config(
+                &path,
+                "output_dir",
+                format!(
+                    "the output directory {} is in use by another longctx run ({who}); wait for it to end, stop it, or choose \
+                     another --output-dir (if no run uses it, delete this lock file)",
+                    output_dir.display()
+                ),
+            )
+        };
+        // SAFETY: flock on a file descriptor we own.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return Err(in_use(previous.as_ref()));
+        }
+        let me = std::process::id() as i32;
+        let host = hostname();
+        if let Some(h) = previous.as_ref().filter(|h| h.pid != me) {
+            // Some filesystems accept flock without locking: on this host, a live pid wins.
+            if h.host == host && alive(h.pid) {
+                return Err(in_use(Some(h)));
+            }
+            eprintln!(
+                "note: {}: taking over the lock of pid {} on host {} (that run is no longer running)",
+                path.display(),
+                h.pid,
+                if h.host.is_empty() { "?" } else { &h.host }
+            );
+        }
+        let body = format!("pid={me}\nhost={host}\n");
+        let write = |f: &mut std::fs::File| -> std::io::Result<()> {
+            f.set_len(0)?;
+            f.rewind()?;
+            f.write_all(body.as_bytes())?;
+            f.sync_all()
+        };
+        write(&mut file).map_err(|e| Error::io(&path, e))?;
+        Ok(Self { path, file })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for RunDirLock {
+    fn drop(&mut self) {
+        // Empty the file (a later run then finds no holder), then unlock by closing.
+        let _ = self.file.set_len(0);
+        let _ = self.file.sync_all();
+    }
+}
+
+/// Whether `output_dir` holds a run, and which of its files.
+pub fn run_files(output_dir: &Path) -> Vec<&'static str> {
+    RUN_FILES.iter().copied().filter(|f| output_dir.join(f).exists()).collect()
+}
+
+/// Before a run starts writing into `output_dir` (call with the lock held): a resumed run
+/// uses what is there; a fresh run refuses a directory holding a run unless `overwrite`,
+/// which removes the previous run's checkpoint, metrics and export first.
+pub fn prepare(output_dir: &Path, resume: bool, overwrite: bool) -> Result<()> {
+    if resume && overwrite {
+        return Err(Error::Setting("--resume continues the run in the output directory and --overwrite replaces it: give one".into()));
+    }
+    if resume {
+        return Ok(());
+    }
+    let found = run_files(output_dir);
+    if found.is_empty() {
+        return Ok(());
+    }
+    if !overwrite {
+        return Err(Error::config(
+            output_dir,
+            "output_dir",
+            format!(
+                "holds a run ({}); continue it with --resume, replace it with --overwrite, or choose another --output-dir",
+                found.join(", ")
+            ),
+        ));
+    }
+    eprintln!("note: --overwrite: removing the previous run's {} in {}", found.join(", "), output_dir.display());
+    for f in found {
+        let p = output_dir.join(f);
+        let r = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
+        r.map_err(|e| Error::io(&p, e))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holder_lines_parse() {
+        assert_eq!(parse_holder("pid=12\nhost=a\n"), Some(Holder { pid: 12, host: "a".into() }));
+        assert_eq!(parse_holder(""), None);
+        assert_eq!(parse_holder("pid=-3\n"), None);
+        assert!(alive(std::process::id() as i32));
+    }
+}

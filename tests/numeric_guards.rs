@@ -1,0 +1,216 @@
+//! Issue #16 item 2, numeric guards: a step whose gradient norm is not finite is skipped
+//! on every rank (no update, its data consumed, counted in the metrics and the
+//! checkpoint); `train.max_skipped_steps` of them in a row abort the run with the last
+//! good checkpoint kept; an update that makes the weights non-finite aborts before
+//! anything is written; checkpoints and exports never hold a NaN or an infinity.
+//!
+//! Faults are injected with `RunOptions::faults` (a huge learning rate is refused by the
+//! config validation, so an exploding update is simulated): the built-in tiny Llama,
+//! synthetic passkey data, CPU. Weights are compared bit for bit.
+
+use candle_core::{DType, Device, Tensor};
+use longctx::train::checkpoint;
+use longctx::train::config::{RunConfig, Stage};
+use longctx::train::trainer::{run_with, Fault, RunOptions};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// One stage of 6 steps at 32 tokens; `world` in-process data-parallel ranks.
+fn config(dir: &Path, world: usize, checkpoint_every: u64) -> RunConfig {
+    let mut c = RunConfig { seed: 5, output_dir: dir.to_path_buf(), ..Default::default() };
+    c.train.batch_size = 2;
+    c.train.learning_rate = 3e-3;
+    c.train.checkpoint_every = checkpoint_every;
+    c.train.checkpoint_interval_min = 0.0;
+    c.parallel.world_size = world;
+    c.parallel.token_chunk = 32;
+    c.stages = vec![Stage { seq_length: 32, rope_theta: 1e4, steps: 6, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None }];
+    if let Err(e) = c.validate(Path::new("<test>")) {
+        panic!("test config: {e}");
+    }
+    c
+}
+
+fn opts(stop: Option<u64>, faults: Vec<Fault>) -> RunOptions {
+    RunOptions { stop_at_global_step: stop, faults, ..Default::default() }
+}
+
+fn load(path: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(path, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(f32::to_bits).collect()
+}
+
+fn state(dir: &Path) -> serde_json::Value {
+    let p = dir.join("checkpoint/state.json");
+    serde_json::from_str(&std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
+}
+
+/// Every tensor of every safetensors file of a checkpoint or export holds finite values.
+fn assert_all_finite(dir: &Path) {
+    let mut files = 0;
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            files += 1;
+            for (n, t) in load(&p) {
+                let v = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert!(v.iter().all(|x| x.is_finite()), "{}: `{n}` holds a non-finite value", p.display());
+            }
+        }
+    }
+    assert!(files > 0, "no safetensors file in {}", dir.display());
+}
+
+fn metrics(dir: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).filter(|v: &serde_json::Value| v.get("loss").is_some()).collect()
+}
+
+/// Two data-parallel ranks; only rank 1's gradient is NaN at step 3. Both ranks skip the
+/// update (the weights after step 3 are those after step 2, bit for bit: had one rank
+/// updated its optimizer shard, the gathered weights would differ), the AdamW step count
+/// stays at 2, and the data of step 3 is consumed (the cursor equals a clean run's after 3
+/// steps). The metrics mark the step, and the run then goes on to the end.
+#[test]
+fn a_non_finite_gradient_norm_skips_the_update_on_every_rank() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let at2 = tmp.path().join("clean-2");
+    let at3 = tmp.path().join("clean-3");
+    let faulty = tmp.path().join("faulty");
+    run_with(&config(&at2, 2, 1), false, &opts(Some(2), vec![]))?;
+    run_with(&config(&at3, 2, 1), false, &opts(Some(3), vec![]))?;
+    let nan3 = vec![Fault::NanGradient { rank: 1, first: 3, last: 3 }];
+    let s = run_with(&config(&faulty, 2, 1), false, &opts(Some(3), nan3.clone()))?;
+    assert_eq!((s.steps, s.skipped_steps), (3, 1));
+    let (w2, wf) = (load(&at2.join("checkpoint/model.safetensors")), load(&faulty.join("checkpoint/model.safetensors")));
+    for (n, t) in &w2 {
+        assert_eq!(bits(t), bits(&wf[n]), "`{n}`: the skipped update changed the weights");
+    }
+    let (st3, stf) = (state(&at3), state(&faulty));
+    assert_eq!(stf["adam_step"], 2, "the skipped step did not count as an AdamW step");
+    assert_eq!(stf["global_step"], 3);
+    assert_eq!((stf["skipped_steps"].as_u64(), stf["skipped_in_row"].as_u64()), (Some(1), Some(1)));
+    assert_eq!(stf["data"], st3["data"], "the skipped step's data was consumed like a clean step's");
+    let m = metrics(&faulty);
+    assert_eq!(m[2]["skipped"], true, "{}", m[2]);
+    assert!(m[2]["grad_norm"].is_null(), "a NaN norm is logged as null: {}", m[2]);
+    assert_eq!((m[1]["skipped"].as_bool(), m[2]["skipped_steps"].as_u64()), (Some(false), Some(1)));
+    // The same run to its end: it completes, exports finite weights, counts one skip.
+    let full = tmp.path().join("full");
+    let s = run_with(&config(&full, 2, 0), false, &opts(None, nan3))?;
+    assert!(s.completed && s.skipped_steps == 1);
+    assert_all_finite(&full.join("export"));
+    assert_eq!(metrics(&full).last().map(|l| l["skipped_steps"].clone()), Some(1.into()));
+    Ok(())
+}
+
+/// Rank 0's loss of step 2 is NaN (its gradients finite): the all-reduced loss is NaN on
+/// both ranks, both skip the update (the weights after step 2 are those after step 1),
+/// the metrics log the NaN loss as null and the step as skipped.
+#[test]
+fn a_non_finite_loss_skips_the_update_on_every_rank() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let (at1, faulty) = (tmp.path().join("clean-1"), tmp.path().join("faulty"));
+    run_with(&config(&at1, 2, 1), false, &opts(Some(1), vec![]))?;
+    let s = run_with(&config(&faulty, 2, 1), false, &opts(Some(2), vec![Fault::NanLoss { rank: 0, step: 2 }]))?;
+    assert_eq!(s.skipped_steps, 1);
+    let (w1, wf) = (load(&at1.join("checkpoint/model.safetensors")), load(&faulty.join("checkpoint/model.safetensors")));
+    for (n, t) in &w1 {
+        assert_eq!(bits(t), bits(&wf[n]), "`{n}`: the skipped update changed the weights");
+    }
+    let m = metrics(&faulty);
+    assert!(m[1]["loss"].is_null() && m[1]["skipped"] == true, "{}", m[1]);
+    assert_eq!(state(&faulty)["adam_step"], 1);
+    Ok(())
+}
+
+/// From step 4 on every gradient is NaN; `max_skipped_steps = 3`: steps 4, 5, 6 are
+/// skipped and step 6 aborts. The checkpoint of step 4 (written by `checkpoint_every = 2`
+/// while the weights were still those of step 3) stays, finite; nothing is exported.
+#[test]
+fn non_finite_steps_in_a_row_abort_keeping_the_last_good_checkpoint() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let mut c = config(tmp.path(), 1, 2);
+    c.train.max_skipped_steps = 3;
+    let e = match run_with(&c, false, &opts(None, vec![Fault::NanGradient { rank: 0, first: 4, last: 100 }])) {
+        Ok(_) => panic!("the run went on through 3 non-finite steps"),
+        Err(e) => e.to_string(),
+    };
+    for needle in ["3 optimizer steps in a row", "train.max_skipped_steps = 3", "last good checkpoint", "after global step 4", "--resume"] {
+        assert!(e.contains(needle), "`{needle}` missing from: {e}");
+    }
+    let st = state(tmp.path());
+    assert_eq!((st["global_step"].as_u64(), st["adam_step"].as_u64(), st["skipped_in_row"].as_u64()), (Some(4), Some(3), Some(1)));
+    assert_all_finite(&tmp.path().join("checkpoint"));
+    assert!(!tmp.path().join("export").exists(), "an aborted run exports nothing");
+    Ok(())
+}
+
+/// The update of step 3 leaves NaN weights (an exploding update) with `checkpoint_every =
+/// 1`, on two ranks: the run aborts on both before writing; the checkpoint of step 2 is
+/// the one on disk, every tensor of it (weights and optimizer shards) finite; no export.
+/// Without step checkpoints but with a time-based interval that is always due, the same:
+/// the time-based checkpoint of step 2 stands.
+#[test]
+fn an_update_that_explodes_writes_nothing_non_finite() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    for (name, every, minutes) in [("every-step", 1, 0.0), ("by-time", 0, 1e-9)] {
+        let dir = tmp.path().join(name);
+        let mut c = config(&dir, 2, every);
+        c.train.checkpoint_interval_min = minutes;
+        let e = match run_with(&c, false, &opts(None, vec![Fault::NanWeights { step: 3 }])) {
+            Ok(_) => panic!("{name}: the run went on with NaN weights"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains("made the weights non-finite") && e.contains("nothing was written"), "{name}: {e}");
+        assert!(e.contains("after global step 2"), "{name}: {e}");
+        assert_eq!(state(&dir)["global_step"], 2, "{name}");
+        assert_all_finite(&dir.join("checkpoint"));
+        assert!(!dir.join("export").exists(), "{name}");
+    }
+    // Neither step nor time checkpoints: the message says that nothing was kept.
+    let dir = tmp.path().join("none");
+    let e = run_with(&config(&dir, 1, 0), false, &opts(None, vec![Fault::NanWeights { step: 2 }])).err().map(|e| e.to_string());
+    assert!(e.as_deref().is_some_and(|e| e.contains("no checkpoint was written yet")), "{e:?}");
+    assert!(!dir.join("checkpoint").exists());
+    Ok(())
+}
+
+/// The last lines of defence in the library: `checkpoint::finish` refuses NaN weights
+/// (the previous checkpoint stays, byte for byte), `write_shard` a NaN moment, and an
+/// export a NaN weight or an f32 weight that overflows f16 (nothing is created).
+#[test]
+fn checkpoint_and_export_writers_refuse_non_finite_values() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let out = tmp.path().join("run");
+    run_with(&config(&out, 1, 0), false, &opts(Some(2), vec![]))?;
+    let before = std::fs::read(out.join("checkpoint/model.safetensors")).map_err(|e| longctx::Error::io(&out, e))?;
+    let st = checkpoint::read_state(&out.join("checkpoint"))?;
+    let tmpdir = checkpoint::begin(&out)?;
+    let good = [0.5f32; 4];
+    checkpoint::write_shard(&tmpdir, 0, &checkpoint::OptimShard { master: &good, m: &good, v: &good })?;
+    let bad = [0.5f32, f32::NAN, 0.0, 1.0];
+    let e = checkpoint::write_shard(&tmpdir, 1, &checkpoint::OptimShard { master: &good, m: &good, v: &bad }).unwrap_err().to_string();
+    assert!(e.contains("second moment 1") && e.contains("not finite"), "{e}");
+    let nan = Tensor::new(&[1.0f32, f32::NAN], &Device::Cpu)?;
+    let weights: HashMap<String, Tensor> = [("w".to_string(), nan.clone())].into();
+    let e = checkpoint::finish(&out, &weights, &st).unwrap_err().to_string();
+    assert!(e.contains("`w`") && e.contains("previous checkpoint is kept"), "{e}");
+    let after = std::fs::read(out.join("checkpoint/model.safetensors")).map_err(|e| longctx::Error::io(&out, e))?;
+    assert!(before == after, "the previous checkpoint changed");
+
+    let cfg = serde_json::json!({"model_type": "llama"});
+    let target = tmp.path().join("export");
+    let e = longctx::hub::export(&target, &[("w".into(), nan)], &cfg, None, &Default::default()).unwrap_err().to_string();
+    assert!(e.contains("not exported") && e.contains("`w`"), "{e}");
+    let big = Tensor::new(&[1e5f32, 1.0], &Device::Cpu)?;
+    let f16 = longctx::hub::ExportOptions { dtype: Some(DType::F16), ..Default::default() };
+    let e = longctx::hub::export(&target, &[("w".into(), big.clone())], &cfg, None, &f16).unwrap_err().to_string();
+    assert!(e.contains("once converted to F16"), "{e}");
+    assert!(!target.exists(), "a refused export creates nothing");
+    longctx::hub::export(&target, &[("w".into(), big)], &cfg, None, &Default::default())?;
+    Ok(())
+}
