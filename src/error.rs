@@ -24,10 +24,25 @@ pub enum Error {
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
     #[error(transparent)]
-    Candle(#[from] candle_core::Error),
+    Candle(candle_core::Error),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// Candle attaches a backtrace to its errors whenever `RUST_BACKTRACE` is set (and prints
+/// it inside the message); ours say what went wrong and how to fix it, so it is dropped.
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        Error::Candle(without_backtrace(e))
+    }
+}
+
+fn without_backtrace(e: candle_core::Error) -> candle_core::Error {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. } => without_backtrace(*inner),
+        other => other,
+    }
+}
 
 impl Error {
     pub fn config(file: impl Into<PathBuf>, field: impl Into<String>, msg: impl Into<String>) -> Self {
@@ -41,5 +56,18 @@ impl Error {
     }
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io { path: path.into(), source }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// A Candle error carrying a backtrace (as with `RUST_BACKTRACE` set) reads as its
+    /// message alone.
+    #[test]
+    fn candle_backtraces_are_dropped() {
+        let inner = candle_core::Error::Msg("NCCL call timed out".into());
+        let e =
+            candle_core::Error::WithBacktrace { inner: Box::new(inner), backtrace: Box::new(std::backtrace::Backtrace::force_capture()) };
+        assert_eq!(super::Error::from(e).to_string(), "NCCL call timed out");
     }
 }

@@ -559,7 +559,13 @@ impl<'a> RankRun<'a> {
 
     /// Forward and backward of every micro-batch, each adding into the one flat gradient
     /// buffer: (local loss sum, engine seconds).
-    fn forward_backward(&mut self, st: &StageRun, stage: &Stage, micro: &[(Tensor, Tensor, Tensor, usize)], scale: f64) -> Result<(f64, f64)> {
+    fn forward_backward(
+        &mut self,
+        st: &StageRun,
+        stage: &Stage,
+        micro: &[(Tensor, Tensor, Tensor, usize)],
+        scale: f64,
+    ) -> Result<(f64, f64)> {
         self.grads.zero()?;
         let (mut loss_sum, mut engine_seconds) = (0f64, 0f64);
         for (ids, targets, pos, _) in micro {
