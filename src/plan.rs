@@ -667,7 +667,7 @@ pub fn preflight(cfg: &RunConfig, model: &LlamaConfig, gpu_memory: u64, host_ava
             };
             return Err(Error::config(
                 source,
-                &format!("stage[{i}].seq_length"),
+                format!("stage[{i}].seq_length"),
                 format!(
                     "{what} need an estimated {} GB per GPU, the GPU has {} GB; {largest}{fix} (see `longctx plan`; \
                      --skip-memory-check runs anyway)",
