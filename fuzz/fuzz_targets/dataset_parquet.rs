@@ -1,4 +1,7 @@
 //! libFuzzer target: [`longctx_fuzz::dataset_parquet`] on each input.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| longctx_fuzz::dataset_parquet(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    longctx_fuzz::keep_caught_panics();
+    longctx_fuzz::dataset_parquet(data)
+});

@@ -28,6 +28,16 @@ pub const TARGETS: &[Target] = &[
     Target { name: "checkpoint_state", run: checkpoint_state, seeds: seeds::state },
 ];
 
+/// libfuzzer-sys aborts on every panic, even one longctx catches and turns into an error
+/// (the `tokenizers` and `parquet` crates panic on some malformed files; longctx catches
+/// those). Called first by each libFuzzer target: panics are printed, not fatal, so only
+/// a panic that escapes the target body (caught by libfuzzer-sys, which then aborts) is a
+/// crash. The stable runner counts the caught ones itself.
+pub fn keep_caught_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| std::panic::set_hook(Box::new(|info| eprintln!("{info}"))));
+}
+
 thread_local! {
     /// One scratch directory per thread, reused by every input (emptied first).
     static SCRATCH: RefCell<Option<tempfile::TempDir>> = const { RefCell::new(None) };
