@@ -7,16 +7,21 @@ use candle_core::Device;
 
 use crate::{Error, Result};
 
-/// Opens `model.device` as written in `file` (`cpu`, `cuda`, `cuda:N`).
-pub fn parse_device(s: &str, file: &Path) -> Result<Device> {
+/// `model.device` as written in `file`: `None` for `cpu`, the GPU index for `cuda` / `cuda:N`.
+fn device_index(s: &str, file: &Path) -> Result<Option<usize>> {
     let bad = || Error::config(file, "model.device", format!("expected cpu, cuda or cuda:N, got `{s}`"));
     match s {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => open_cuda(0).map_err(|e| Error::config(file, "model.device", format!("cannot open `{s}`: {e}"))),
-        _ => {
-            let idx = s.strip_prefix("cuda:").ok_or_else(bad)?.parse::<usize>().map_err(|_| bad())?;
-            open_cuda(idx).map_err(|e| Error::config(file, "model.device", format!("cannot open `{s}`: {e}")))
-        }
+        "cpu" => Ok(None),
+        "cuda" => Ok(Some(0)),
+        _ => Ok(Some(s.strip_prefix("cuda:").ok_or_else(bad)?.parse::<usize>().map_err(|_| bad())?)),
+    }
+}
+
+/// Opens `model.device` as written in `file` (`cpu`, `cuda`, `cuda:N`).
+pub fn parse_device(s: &str, file: &Path) -> Result<Device> {
+    match device_index(s, file)? {
+        None => Ok(Device::Cpu),
+        Some(idx) => open_cuda(idx).map_err(|e| Error::config(file, "model.device", format!("cannot open `{s}`: {e}"))),
     }
 }
 
@@ -39,13 +44,7 @@ pub fn open_cuda(index: usize) -> Result<Device> {
 /// a context on it; `None` for the CPU, or when this build or machine cannot tell (the
 /// trainer then reports why it cannot open the device).
 pub fn gpu_memory(s: &str, file: &Path) -> Result<Option<u64>> {
-    let bad = || Error::config(file, "model.device", format!("expected cpu, cuda or cuda:N, got `{s}`"));
-    let idx = match s {
-        "cpu" => return Ok(None),
-        "cuda" => 0,
-        _ => s.strip_prefix("cuda:").ok_or_else(bad)?.parse::<usize>().map_err(|_| bad())?,
-    };
-    Ok(total_memory(idx))
+    Ok(device_index(s, file)?.and_then(total_memory))
 }
 
 #[cfg(feature = "cuda")]

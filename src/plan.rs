@@ -648,10 +648,7 @@ pub fn largest_fitting(model: &ModelShape, req: &PlanRequest) -> Option<usize> {
 /// length that fits as configured and a layout that fits the requested length.
 pub fn preflight(cfg: &RunConfig, model: &LlamaConfig, gpu_memory: u64, host_available: Option<u64>, source: &Path) -> Result<()> {
     let shape = ModelShape::from_config(model);
-    let dtype_bytes = match cfg.model.dtype.as_str() {
-        "f32" | "float32" => 4,
-        _ => 2,
-    };
+    let dtype_bytes = crate::train::trainer::parse_dtype(&cfg.model.dtype, source, "model.dtype")?.size_in_bytes();
     for (i, mut req) in run_requests(cfg, gpu_memory, dtype_bytes).into_iter().enumerate() {
         req.host_memory = host_available;
         let e = estimate(&shape, &req)?;

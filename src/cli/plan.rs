@@ -145,31 +145,28 @@ fn planned_run(a: &PlanArgs, file: Option<RunConfig>) -> Result<RunConfig> {
 /// One request per stage of `run`, labelled by stage unless `--seq-length` made the one.
 fn requests(a: &PlanArgs, run: &RunConfig, from_file: bool) -> Result<Vec<(String, PlanRequest)>> {
     let p = &run.parallel;
-    let gpus = a.gpus.unwrap_or(p.world_size);
     let dtype_bytes = parse_dtype(&run.model.dtype, "--dtype")?.size_in_bytes();
-    let mut out = Vec::new();
-    for (i, st) in run.stages.iter().enumerate() {
-        let mut r = PlanRequest::new(st.seq_length, gpus, a.gpu_memory, st.parallel_mode.unwrap_or(p.mode));
-        r.world = p.world_size;
-        r.nnodes = a.nnodes;
-        r.host_memory = a.host_memory;
-        r.optimizer_on_host = !a.optimizer_on_device;
-        r.overhead = a.overhead;
-        r.dtype_bytes = dtype_bytes;
-        r.batch_size = run.train.batch_size;
-        // A config's sp_size 0 is "all ranks", the request's None (a flag goes as given);
-        // without a config, an unset --ulysses-size stays unset, as the planner's default.
-        r.sp = (a.layout.parallel.sp_size.is_some() || p.sp_size > 0).then_some(p.sp_size);
-        r.ulysses = (from_file || a.layout.parallel.ulysses_size.is_some()).then_some(p.ulysses_size);
-        r.fpdt_chunk = st.fpdt_chunk_size.unwrap_or(p.fpdt_chunk_size);
-        r.fpdt_offload = p.fpdt_offload;
-        r.offload_activations = p.offload_activations;
-        r.save_attention = p.save_attention;
-        r.token_chunk = p.token_chunk;
-        let label = if a.layout.seq_length.is_some() { String::new() } else { format!("stage {i} (rope_theta {})", st.rope_theta) };
-        out.push((label, r));
-    }
-    Ok(out)
+    // The stages as `train` would run them, then what only `plan` asks about.
+    let reqs = plan::run_requests(run, a.gpu_memory, dtype_bytes);
+    Ok(run
+        .stages
+        .iter()
+        .zip(reqs)
+        .enumerate()
+        .map(|(i, (st, mut r))| {
+            r.gpus = a.gpus.unwrap_or(p.world_size);
+            r.nnodes = a.nnodes;
+            r.host_memory = a.host_memory;
+            r.optimizer_on_host = !a.optimizer_on_device;
+            r.overhead = a.overhead;
+            // A config's sp_size 0 is "all ranks", the request's None (a flag goes as given);
+            // without a config, an unset --ulysses-size stays unset, as the planner's default.
+            r.sp = (a.layout.parallel.sp_size.is_some() || p.sp_size > 0).then_some(p.sp_size);
+            r.ulysses = (from_file || a.layout.parallel.ulysses_size.is_some()).then_some(p.ulysses_size);
+            let label = if a.layout.seq_length.is_some() { String::new() } else { format!("stage {i} (rope_theta {})", st.rope_theta) };
+            (label, r)
+        })
+        .collect())
 }
 
 fn print_plan(p: &plan::Plan) {

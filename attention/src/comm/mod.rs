@@ -18,6 +18,16 @@ mod nccl_family;
 pub mod process;
 pub mod thread;
 
+/// A timeout for messages: `5 s`, `2.5 s`.
+pub(crate) fn secs(d: std::time::Duration) -> String {
+    let s = d.as_secs_f64();
+    if (s - s.round()).abs() < 1e-9 {
+        format!("{} s", s.round() as u64)
+    } else {
+        format!("{s:.1} s")
+    }
+}
+
 /// A receive that was posted and may still be in flight.
 pub struct Pending {
     wait: Box<dyn FnOnce() -> Result<Vec<Tensor>> + Send>,

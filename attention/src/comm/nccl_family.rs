@@ -32,16 +32,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// `5 s`, `2.5 s`.
-fn secs(d: Duration) -> String {
-    let s = d.as_secs_f64();
-    if (s - s.round()).abs() < 1e-9 {
-        format!("{} s", s.round() as u64)
-    } else {
-        format!("{s:.1} s")
-    }
-}
-
 /// A raw communicator; freed by abort (never blocks on a dead peer) or destroy.
 pub(super) struct Handle {
     pub(super) comm: sys::ncclComm_t,
@@ -317,7 +307,7 @@ fn watchdog(family: Weak<Family>, every: Duration, timeout: Option<Duration>) {
                  a rank stopped taking part in it or is stuck; aborting every rank",
                 fam.rank,
                 fam.world,
-                secs(limit)
+                super::secs(limit)
             );
             fam.abort(&msg, true);
         }

@@ -38,16 +38,6 @@ use std::time::{Duration, Instant};
 /// A world made with `Duration::MAX` never gives up (a timeout of 0 = off in the config).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// `5 s`, `2.5 s`.
-fn secs(d: Duration) -> String {
-    let s = d.as_secs_f64();
-    if (s - s.round()).abs() < 1e-9 {
-        format!("{} s", s.round() as u64)
-    } else {
-        format!("{s:.1} s")
-    }
-}
-
 /// Group id of the whole world.
 const WORLD_GROUP: u64 = 0;
 
@@ -163,7 +153,7 @@ impl World {
             if deadline.is_some_and(|d| now >= d) {
                 let reason = format!(
                     "{me} timed out after {} waiting in {what} for {peer} (collective timeout: {peer} is stuck or stopped taking part)",
-                    secs(self.timeout)
+                    super::secs(self.timeout)
                 );
                 drop(st);
                 self.abort(Some(key.2), &reason);
