@@ -5,7 +5,7 @@
 #   1. gradients of one step: `longctx bench engine --check-grads` (TinyLlama-1.1B shape cut
 #      to 2 layers, 1K tokens: the f32 reference runs the naive attention, cuDNN being
 #      16-bit only), bf16 with and without saved attention, and f32 (explicit within 1e-4);
-#   2. losses of 10 training steps (tiny model) and 4 steps (the 2-layer 1.1B shape, 1K
+#   2. losses of 10 training steps of the tiny model and of the 2-layer 1.1B shape (1K
 #      tokens): explicit bf16 vs f32 within twice autograd bf16 vs f32.
 # Env: MODEL (default builtin:tinyllama-1.1b-shape@layers=2), SEQ (default 1024).
 # Usage: scripts/gpu_engine_check.sh BINARY(.gz) OUTDIR
@@ -36,10 +36,10 @@ train() { # name dtype layer_backward model seq steps batch lr
 }
 for dt in bf16 f32; do
   train tiny-auto-$dt $dt autograd builtin:tiny 256 10 2 3e-3
-  train big-auto-$dt $dt autograd "$MODEL" "$SEQ" 4 1 1e-5
+  train big-auto-$dt $dt autograd "$MODEL" "$SEQ" 10 1 1e-5
 done
 train tiny-expl-bf16 bf16 explicit builtin:tiny 256 10 2 3e-3
-train big-expl-bf16 bf16 explicit "$MODEL" "$SEQ" 4 1 1e-5
+train big-expl-bf16 bf16 explicit "$MODEL" "$SEQ" 10 1 1e-5
 for m in tiny big; do
   python3 "$HERE/metrics_summary.py" --within-noise $W/$m-expl-bf16/metrics.jsonl $W/$m-auto-bf16/metrics.jsonl \
     $W/$m-auto-f32/metrics.jsonl "$m: explicit bf16 losses vs f32" >>"$OUTDIR/losses.txt" || status=1

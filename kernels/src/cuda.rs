@@ -21,6 +21,7 @@ pub(crate) enum Module {
     CrossEntropy,
     AdamW,
     Accumulate,
+    Reduce,
 }
 
 impl Module {
@@ -32,6 +33,7 @@ impl Module {
             Module::CrossEntropy => "longctx_cross_entropy",
             Module::AdamW => "longctx_adamw",
             Module::Accumulate => "longctx_accumulate",
+            Module::Reduce => "longctx_reduce",
         }
     }
 
@@ -43,6 +45,7 @@ impl Module {
             Module::CrossEntropy => include_str!(concat!(env!("OUT_DIR"), "/cross_entropy.ptx")),
             Module::AdamW => include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx")),
             Module::Accumulate => include_str!(concat!(env!("OUT_DIR"), "/accumulate.ptx")),
+            Module::Reduce => include_str!(concat!(env!("OUT_DIR"), "/reduce.ptx")),
         }
     }
 }

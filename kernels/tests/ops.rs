@@ -457,6 +457,40 @@ fn matmul_acc_cpu() {
     assert!(e.contains("same rows"), "{e}");
 }
 
+// ---------------------------------------------------------------- reductions
+
+/// `Σ x²` against a sequential f64 loop over the same (dtype-rounded) values: the sums
+/// reorder in f64 only, so within 1e-12 relative; the non-finite count against a plain
+/// count, NaN and ±∞ placed at the ends and the middle.
+fn reductions_case(dev: &Device, dtype: DType, n: usize) {
+    let x = rand(&[n], 120, 3.0, dtype, dev);
+    let want: f64 = vec32(&x).iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let got = sum_squares(&x).unwrap();
+    assert!((got - want).abs() <= 1e-12 * want, "sum_squares {dtype:?} n={n} on {dev:?}: {got} vs {want}");
+    assert_eq!(sum_squares(&x).unwrap().to_bits(), got.to_bits(), "sum_squares not deterministic");
+    let mut v = vec32(&x);
+    let bad = [0, n / 2, n - 1];
+    v[bad[0]] = f32::NAN;
+    v[bad[1]] = f32::INFINITY;
+    v[bad[2]] = f32::NEG_INFINITY;
+    let y = Tensor::from_vec(v, n, &Device::Cpu).unwrap().to_dtype(dtype).unwrap().to_device(dev).unwrap();
+    let counts = count_non_finite(&[x.clone(), y.clone(), y.narrow(0, 1, n - 2).unwrap().contiguous().unwrap()]).unwrap();
+    assert_eq!(counts, vec![0, 3, 1], "count_non_finite {dtype:?} n={n} on {dev:?}");
+    assert!(sum_squares(&y).unwrap().is_nan() || sum_squares(&y).unwrap().is_infinite());
+}
+
+#[test]
+fn reductions_cpu() {
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        reductions_case(&Device::Cpu, dt, 100_003);
+        reductions_case(&Device::Cpu, dt, 5);
+    }
+    assert_eq!(sum_squares(&Tensor::zeros(0, DType::F32, &Device::Cpu).unwrap()).unwrap(), 0.0);
+    assert!(count_non_finite(&[]).unwrap().is_empty());
+    let xt = rand(&[4, 8], 121, 1.0, DType::F32, &Device::Cpu).t().unwrap();
+    assert!(sum_squares(&xt).unwrap_err().to_string().contains("contiguous"));
+}
+
 // ---------------------------------------------------------------- argument checks
 
 #[test]
@@ -641,6 +675,15 @@ mod cuda {
         accumulate_f32(&acc, &x, 0.25).unwrap();
         for ((a, w), x) in vec32(&acc).iter().zip(&want).zip(vec32(&x)) {
             assert_eq!(*a, w + 0.25 * x);
+        }
+    }
+
+    #[test]
+    fn cuda_reductions() {
+        let Some(g) = gpu() else { return };
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            reductions_case(&g, dt, 5);
+            reductions_case(&g, dt, 3_000_017);
         }
     }
 }

@@ -629,7 +629,7 @@ impl<'a> RankRun<'a> {
         let step_peak = crate::train::metrics::device_memory(&sh.device, false)?.map(|(_, high)| high);
         let profile = if cfg.train.profile { Some(self.engine.take_profile()?) } else { None };
         self.device_peak = self.device_peak.max(step_peak);
-        let line = StepLine {
+        let mut line = StepLine {
             stage: si,
             step: step + 1,
             steps: stage.steps,
@@ -647,10 +647,14 @@ impl<'a> RankRun<'a> {
             device_peak: step_peak,
             profile,
         };
+        // The guards are part of every step: its time counts them too. The line is
+        // written even when they abort the run.
+        let guarded = self.after_update(&line);
+        line.seconds = ts.elapsed().as_secs_f64();
         if let Some(m) = self.metrics.as_mut() {
             m.step(&line)?;
         }
-        self.after_update(&line)?;
+        guarded?;
         Ok(StepOut { loss, stop: agreed[1] > 0.0, checkpoint_due: agreed[2] > 0.0 })
     }
 

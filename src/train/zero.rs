@@ -248,19 +248,10 @@ fn write_back(params: &[(String, Var)], sizes: &[usize], full: &Tensor) -> Resul
     Ok(())
 }
 
-/// `Σ x²` of a flat f32 tensor, in f64, a slice at a time (no full-size temporary).
+/// `Σ x²` of a flat f32 tensor, in f64, over the whole GPU and without a temporary
+/// (`longctx_kernels::sum_squares`; deterministic run to run).
 fn sum_sq(t: &Tensor) -> Result<f64> {
-    const CHUNK: usize = 1 << 26;
-    let n = t.dim(0)?;
-    let mut parts = Vec::with_capacity(n.div_ceil(CHUNK));
-    for st in (0..n).step_by(CHUNK) {
-        parts.push(t.narrow(0, st, CHUNK.min(n - st))?.sqr()?.sum_all()?);
-    }
-    if parts.is_empty() {
-        return Ok(0.0);
-    }
-    let parts: Vec<f64> = Tensor::stack(&parts, 0)?.to_dtype(DType::F64)?.to_device(&Device::Cpu)?.to_vec1()?;
-    Ok(parts.iter().sum())
+    Ok(longctx_kernels::sum_squares(&t.contiguous()?)?)
 }
 
 /// Elements `[lo, hi)` of `params` flattened in order, as f32; zero past their end.
