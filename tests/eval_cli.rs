@@ -116,9 +116,15 @@ fn trained_demo_retrieves_its_passkey_and_every_command_writes_its_files() {
     let j = json(&ev.join("ppl.json"));
     let pts = j["points"].as_array().unwrap();
     let ppl = |m: &str, l: u64| pts.iter().find(|p| p["model"] == m && p["length"] == l).unwrap()["ppl"].as_f64().unwrap();
-    assert!(ppl(&s(&export), 32) < ppl("builtin:tiny", 32), "the trained model beats random init:\n{}", o.stdout);
-    // The random model is near uniform over 256 ids.
-    assert!((ppl("builtin:tiny", 32) / 256.0 - 1.0).abs() < 0.2);
+    for p in pts {
+        let (v, loss) = (p["ppl"].as_f64().unwrap(), p["loss"].as_f64().unwrap());
+        assert!(v.is_finite() && (v / loss.exp() - 1.0).abs() < 1e-9, "ppl is exp(mean loss): {p}");
+        assert_eq!(p["tokens"], 256, "every length scores the same 4 × 64 targets");
+    }
+    // The random model is near uniform over 256 ids. (The demo trains on the answer digits
+    // only, so its perplexity on the whole passkey text is far worse than uniform.)
+    assert!((ppl("builtin:tiny", 32) / 256.0 - 1.0).abs() < 0.2, "{}", o.stdout);
+    assert!(ppl(&s(&export), 32) > 256.0, "{}", o.stdout);
 
     // The same through two in-process zigzag ranks (33 tokens are padded to 36).
     let ev2 = tmp.path().join("eval_zigzag");
@@ -157,14 +163,14 @@ fn text_needles_ppl_files_and_haystack_errors_on_a_model_with_a_tokenizer() {
     let ev = tmp.path().join("eval");
     let hay = tmp.path().join("hay.txt");
     std::fs::write(&hay, "It was a bright cold day in April, and the clocks were striking thirteen. ".repeat(20)).unwrap();
-    let o = ok(&["eval", "needle", "--model", &s(&model), "--lengths", "96,160", "--depths", "0,1", "--trials", "2", "--distractors", "1", "--haystack", &s(&hay), "--output-dir", &s(&ev)]);
+    let o = ok(&["eval", "needle", "--model", &s(&model), "--lengths", "256,400", "--depths", "0,1", "--trials", "2", "--distractors", "1", "--haystack", &s(&hay), "--output-dir", &s(&ev)]);
     let j = json(&ev.join("needle.json"));
     assert_eq!(j["format"], "text");
     assert_eq!(j["trained_context"], 2048);
     assert_eq!(j["cells"].as_array().unwrap().len(), 4);
     png(&ev.join("needle.png"));
     assert!(o.stdout.contains("teacher-forced exact match"), "{}", o.stdout);
-    ok(&["eval", "needle", "--model", &s(&model), "--passkey", "--lengths", "64", "--depths", "0.5", "--trials", "1", "--no-generate", "--output-dir", &s(&ev)]);
+    ok(&["eval", "needle", "--model", &s(&model), "--passkey", "--lengths", "200", "--depths", "0.5", "--trials", "1", "--no-generate", "--output-dir", &s(&ev)]);
     assert!(json(&ev.join("needle.json"))["cells"][0]["greedy"].is_null());
 
     // Text documents for perplexity through the tokenizer, truncation method, Ulysses ranks.

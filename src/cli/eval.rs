@@ -124,7 +124,8 @@ pub struct PplArgs {
     /// Sliding windows start every this many tokens [default: half the length].
     #[arg(long, value_parser = tokens_arg)]
     pub stride: Option<usize>,
-    /// Tokens of the document stream scored (sliding) or read [default: 4 × the longest length].
+    /// Tokens of the document stream scored (sliding) [default: 4 × the longest length];
+    /// with truncate, stop reading documents after this many tokens [default: no limit].
     #[arg(long, value_parser = tokens_arg)]
     pub max_tokens: Option<usize>,
     /// At most this many documents read (truncate: scored per length).
@@ -301,7 +302,11 @@ fn ppl_ranks(a: &PplArgs, method: Method, token_width: TokenWidth, ranks: &Ranks
             dataset: a.dataset.clone(),
             column: a.dataset_column.clone(),
             token_width,
-            max_tokens: a.max_tokens.unwrap_or(4 * longest + 1).max(2),
+            // Truncation reads whole documents (up to --max-docs); sliding reads the stream it scores.
+            max_tokens: match method {
+                Method::Sliding => a.max_tokens.unwrap_or(4 * longest + 1).max(2),
+                Method::Truncate => a.max_tokens.unwrap_or(usize::MAX).max(2),
+            },
             max_docs: a.max_docs.max(1),
             seed: a.run.seed,
         };
