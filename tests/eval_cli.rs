@@ -34,7 +34,11 @@ struct Out {
 
 fn run(args: &[&str]) -> Out {
     let o = longctx(args).output().expect("cannot run the longctx binary");
-    Out { code: o.status.code().unwrap_or(-1), stdout: String::from_utf8_lossy(&o.stdout).into(), stderr: String::from_utf8_lossy(&o.stderr).into() }
+    Out {
+        code: o.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&o.stdout).into(),
+        stderr: String::from_utf8_lossy(&o.stderr).into(),
+    }
 }
 
 fn ok(args: &[&str]) -> Out {
@@ -85,7 +89,21 @@ fn trained_demo_retrieves_its_passkey_and_every_command_writes_its_files() {
 
     // Needle/passkey on the demo export: the token format it trained on.
     let t1 = std::time::Instant::now();
-    let o = ok(&["eval", "needle", "--model", &s(&export), "--passkey", "--lengths", "32,64", "--depths", "0,0.5,1", "--trials", "8", "--output-dir", &s(&ev)]);
+    let o = ok(&[
+        "eval",
+        "needle",
+        "--model",
+        &s(&export),
+        "--passkey",
+        "--lengths",
+        "32,64",
+        "--depths",
+        "0,0.5,1",
+        "--trials",
+        "8",
+        "--output-dir",
+        &s(&ev),
+    ]);
     let needle_s = t1.elapsed().as_secs_f64();
     let j = json(&ev.join("needle.json"));
     png(&ev.join("needle.png"));
@@ -109,7 +127,19 @@ fn trained_demo_retrieves_its_passkey_and_every_command_writes_its_files() {
     assert!((greedy - exact).abs() < 1e-9, "greedy {greedy} vs teacher-forced {exact}");
 
     // Perplexity: two models (the export and a random built-in), one line each.
-    let o = ok(&["eval", "ppl", "--model", &s(&export), "--model", "builtin:tiny", "--lengths", "16,32,64", "--output-dir", &s(&ev), "--allow-extrapolation"]);
+    let o = ok(&[
+        "eval",
+        "ppl",
+        "--model",
+        &s(&export),
+        "--model",
+        "builtin:tiny",
+        "--lengths",
+        "16,32,64",
+        "--output-dir",
+        &s(&ev),
+        "--allow-extrapolation",
+    ]);
     png(&ev.join("ppl.png"));
     let csv = std::fs::read_to_string(ev.join("ppl.csv")).unwrap();
     assert_eq!(csv.lines().count(), 1 + 6, "{csv}");
@@ -128,7 +158,20 @@ fn trained_demo_retrieves_its_passkey_and_every_command_writes_its_files() {
 
     // The same through two in-process zigzag ranks (33 tokens are padded to 36).
     let ev2 = tmp.path().join("eval_zigzag");
-    ok(&["eval", "ppl", "--model", &s(&export), "--lengths", "16,33", "--output-dir", &s(&ev2), "--world-size", "2", "--parallel-mode", "zigzag_ring_attn"]);
+    ok(&[
+        "eval",
+        "ppl",
+        "--model",
+        &s(&export),
+        "--lengths",
+        "16,33",
+        "--output-dir",
+        &s(&ev2),
+        "--world-size",
+        "2",
+        "--parallel-mode",
+        "zigzag_ring_attn",
+    ]);
     let ev1 = tmp.path().join("eval_one");
     ok(&["eval", "ppl", "--model", &s(&export), "--lengths", "16,33", "--output-dir", &s(&ev1)]);
     let (a, b) = (json(&ev2.join("ppl.json")), json(&ev1.join("ppl.json")));
@@ -141,16 +184,36 @@ fn trained_demo_retrieves_its_passkey_and_every_command_writes_its_files() {
     // Generation: the default prompt (a passkey sample) and explicit ids.
     let o = ok(&["generate", "--model", &s(&export), "--max-new-tokens", "5"]);
     assert!(o.stdout.contains("<question> <key>"), "{}", o.stdout);
-    let o = ok(&["generate", "--model", &s(&export), "--prompt", "1 88 89 90", "--max-new-tokens", "4", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3"]);
+    let o = ok(&[
+        "generate",
+        "--model",
+        &s(&export),
+        "--prompt",
+        "1 88 89 90",
+        "--max-new-tokens",
+        "4",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+    ]);
     assert_eq!(o.stdout.trim().split(' ').count(), 4 + 4, "{}", o.stdout);
     assert!(o.stderr.contains("4 tokens"), "{}", o.stderr);
 
     // Bad input: one clear error each, no panic.
     fails(&["eval", "needle", "--model", &s(&export), "--depths", "0,1.5", "--output-dir", &s(&ev)], &["depth 1.5", "[0, 1]"]);
-    fails(&["eval", "needle", "--model", &s(&export), "--lengths", "512", "--output-dir", &s(&ev)], &["512", "--allow-extrapolation", "256"]);
+    fails(
+        &["eval", "needle", "--model", &s(&export), "--lengths", "512", "--output-dir", &s(&ev)],
+        &["512", "--allow-extrapolation", "256"],
+    );
     fails(&["eval", "ppl", "--model", &s(&export), "--lengths", "300", "--output-dir", &s(&ev)], &["300", "--allow-extrapolation"]);
     fails(&["eval", "ppl", "--model", &s(&tmp.path().join("nope")), "--output-dir", &s(&ev)], &["nope", "not found"]);
-    fails(&["eval", "ppl", "--model", &s(&export), "--dataset", &s(&tmp.path().join("missing.jsonl")), "--output-dir", &s(&ev)], &["missing.jsonl"]);
+    fails(
+        &["eval", "ppl", "--model", &s(&export), "--dataset", &s(&tmp.path().join("missing.jsonl")), "--output-dir", &s(&ev)],
+        &["missing.jsonl"],
+    );
     fails(&["generate", "--model", &s(&export), "--prompt", "hello"], &["token ids", "hello"]);
     fails(&["generate", "--model", &s(&export), "--prompt", "1 2 999"], &["999", "vocabulary"]);
     fails(&["eval", "ppl", "--model", &s(&export), "--parallel-mode", "ring", "--output-dir", &s(&ev)], &["zigzag_ring_attn"]);
@@ -163,21 +226,70 @@ fn text_needles_ppl_files_and_haystack_errors_on_a_model_with_a_tokenizer() {
     let ev = tmp.path().join("eval");
     let hay = tmp.path().join("hay.txt");
     std::fs::write(&hay, "It was a bright cold day in April, and the clocks were striking thirteen. ".repeat(20)).unwrap();
-    let o = ok(&["eval", "needle", "--model", &s(&model), "--lengths", "256,400", "--depths", "0,1", "--trials", "2", "--distractors", "1", "--haystack", &s(&hay), "--output-dir", &s(&ev)]);
+    let o = ok(&[
+        "eval",
+        "needle",
+        "--model",
+        &s(&model),
+        "--lengths",
+        "256,400",
+        "--depths",
+        "0,1",
+        "--trials",
+        "2",
+        "--distractors",
+        "1",
+        "--haystack",
+        &s(&hay),
+        "--output-dir",
+        &s(&ev),
+    ]);
     let j = json(&ev.join("needle.json"));
     assert_eq!(j["format"], "text");
     assert_eq!(j["trained_context"], 2048);
     assert_eq!(j["cells"].as_array().unwrap().len(), 4);
     png(&ev.join("needle.png"));
     assert!(o.stdout.contains("teacher-forced exact match"), "{}", o.stdout);
-    ok(&["eval", "needle", "--model", &s(&model), "--passkey", "--lengths", "200", "--depths", "0.5", "--trials", "1", "--no-generate", "--output-dir", &s(&ev)]);
+    ok(&[
+        "eval",
+        "needle",
+        "--model",
+        &s(&model),
+        "--passkey",
+        "--lengths",
+        "200",
+        "--depths",
+        "0.5",
+        "--trials",
+        "1",
+        "--no-generate",
+        "--output-dir",
+        &s(&ev),
+    ]);
     assert!(json(&ev.join("needle.json"))["cells"][0]["greedy"].is_null());
 
     // Text documents for perplexity through the tokenizer, truncation method, Ulysses ranks.
     let docs = tmp.path().join("docs.jsonl");
     let line = serde_json::json!({"text": "the quick brown fox jumps over the lazy dog and runs away. ".repeat(12)}).to_string();
     std::fs::write(&docs, format!("{line}\n{line}\n")).unwrap();
-    ok(&["eval", "ppl", "--model", &s(&model), "--dataset", &s(&docs), "--method", "truncate", "--lengths", "32,64", "--world-size", "2", "--parallel-mode", "ulysses_attn", "--output-dir", &s(&ev)]);
+    ok(&[
+        "eval",
+        "ppl",
+        "--model",
+        &s(&model),
+        "--dataset",
+        &s(&docs),
+        "--method",
+        "truncate",
+        "--lengths",
+        "32,64",
+        "--world-size",
+        "2",
+        "--parallel-mode",
+        "ulysses_attn",
+        "--output-dir",
+        &s(&ev),
+    ]);
     let j = json(&ev.join("ppl.json"));
     assert_eq!(j["points"].as_array().unwrap().len(), 2);
     assert_eq!(j["points"][0]["windows"], 2);
@@ -187,7 +299,10 @@ fn text_needles_ppl_files_and_haystack_errors_on_a_model_with_a_tokenizer() {
     let empty = tmp.path().join("empty.txt");
     std::fs::write(&empty, "  \n").unwrap();
     fails(&["eval", "needle", "--model", &s(&model), "--haystack", &s(&empty), "--output-dir", &s(&ev)], &["haystack", "empty"]);
-    fails(&["eval", "needle", "--model", &s(&model), "--haystack", &s(&tmp.path().join("none.txt")), "--output-dir", &s(&ev)], &["none.txt", "--haystack"]);
+    fails(
+        &["eval", "needle", "--model", &s(&model), "--haystack", &s(&tmp.path().join("none.txt")), "--output-dir", &s(&ev)],
+        &["none.txt", "--haystack"],
+    );
     let o = ok(&["generate", "--model", &s(&model), "--prompt", "the quick", "--max-new-tokens", "6"]);
     assert!(o.stdout.starts_with("the quick"), "{}", o.stdout);
 }
@@ -195,9 +310,21 @@ fn text_needles_ppl_files_and_haystack_errors_on_a_model_with_a_tokenizer() {
 #[test]
 fn help_documents_every_option() {
     for (cmd, opts) in [
-        (vec!["eval", "ppl", "--help"], vec!["--model", "--dataset", "--output-dir", "--lengths", "--method", "--stride", "--parallel-mode", "--world-size", "--allow-extrapolation"]),
-        (vec!["eval", "needle", "--help"], vec!["--depths", "--lengths", "--passkey", "--haystack", "--distractors", "--trials", "--no-generate"]),
-        (vec!["generate", "--help"], vec!["--prompt", "--prompt-file", "--max-new-tokens", "--temperature", "--top-p", "--seed", "--no-cache"]),
+        (
+            vec!["eval", "ppl", "--help"],
+            vec![
+                "--model", "--dataset", "--output-dir", "--lengths", "--method", "--stride", "--parallel-mode", "--world-size",
+                "--allow-extrapolation",
+            ],
+        ),
+        (
+            vec!["eval", "needle", "--help"],
+            vec!["--depths", "--lengths", "--passkey", "--haystack", "--distractors", "--trials", "--no-generate"],
+        ),
+        (
+            vec!["generate", "--help"],
+            vec!["--prompt", "--prompt-file", "--max-new-tokens", "--temperature", "--top-p", "--seed", "--no-cache"],
+        ),
     ] {
         let o = ok(&cmd);
         for opt in opts {

@@ -176,10 +176,16 @@ fn every_parallel_mode_gives_the_single_device_losses() {
         }
         for &(mode, w, ulysses) in &cases {
             let spec = RanksSpec { mode, world_size: w, ulysses, fpdt_chunk: 8, token_chunk: 5, ..Default::default() };
-            let got = with_ranks(&spec, "cpu", |_| Ok(()), |_| (cfg.num_attention_heads, cfg.num_key_value_heads), |r, _| {
-                assert_eq!(r.world(), w);
-                r.token_scores(&m, &x, &y)
-            })
+            let got = with_ranks(
+                &spec,
+                "cpu",
+                |_| Ok(()),
+                |_| (cfg.num_attention_heads, cfg.num_key_value_heads),
+                |r, _| {
+                    assert_eq!(r.world(), w);
+                    r.token_scores(&m, &x, &y)
+                },
+            )
             .unwrap()
             .unwrap();
             assert_eq!(got.loss.len(), len);

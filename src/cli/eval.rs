@@ -254,11 +254,8 @@ fn ppl_cmd(a: PplArgs) -> Result<()> {
         "seconds": started.elapsed().as_secs_f64(),
     });
     output::write_json(&json, &doc)?;
-    let series: Vec<(String, Vec<(f64, f64)>)> = a
-        .model
-        .iter()
-        .map(|m| (m.clone(), points.iter().filter(|p| &p.model == m).map(|p| (p.length as f64, p.ppl)).collect()))
-        .collect();
+    let series: Vec<(String, Vec<(f64, f64)>)> =
+        a.model.iter().map(|m| (m.clone(), points.iter().filter(|p| &p.model == m).map(|p| (p.length as f64, p.ppl)).collect())).collect();
     plot::lines(&png, &format!("Perplexity vs context length ({})", a.dataset), "context length (tokens)", "perplexity", &series)?;
     for p in &points {
         println!("{}\tlength {}\tppl {:.4}\t({} tokens, {} windows, {:.1} s)", p.model, p.length, p.ppl, p.tokens, p.windows, p.seconds);
@@ -272,11 +269,8 @@ type PplOut = (Vec<PplPoint>, Vec<serde_json::Value>, Vec<usize>);
 fn ppl_ranks(a: &PplArgs, method: Method, token_width: TokenWidth, ranks: &Ranks, models: &[EvalModel]) -> longctx::Result<PplOut> {
     let lead = ranks.rank() == 0;
     let explicit = !a.lengths.is_empty();
-    let lengths = if explicit {
-        a.lengths.clone()
-    } else {
-        default_lengths(models.iter().map(|m| m.trained_context()).max().unwrap_or(1024), 16)
-    };
+    let lengths =
+        if explicit { a.lengths.clone() } else { default_lengths(models.iter().map(|m| m.trained_context()).max().unwrap_or(1024), 16) };
     let longest = lengths.iter().copied().max().unwrap_or(1);
     let mut points = Vec::new();
     let mut meta = Vec::new();
@@ -293,7 +287,11 @@ fn ppl_ranks(a: &PplArgs, method: Method, token_width: TokenWidth, ranks: &Ranks
                 Err(e) if explicit => return Err(e),
                 Err(_) => {
                     if lead {
-                        eprintln!("note: {}: length {l} skipped, beyond its context {} (pass --allow-extrapolation to measure it)", m.name, m.max_context());
+                        eprintln!(
+                            "note: {}: length {l} skipped, beyond its context {} (pass --allow-extrapolation to measure it)",
+                            m.name,
+                            m.max_context()
+                        );
                     }
                 }
             }
@@ -329,7 +327,15 @@ fn ppl_ranks(a: &PplArgs, method: Method, token_width: TokenWidth, ranks: &Ranks
             }
             let what = format!("{} at length {l}", m.name);
             let ppl_v = ppl::perplexity(sum, n, &what)?;
-            let p = PplPoint { model: m.name.clone(), length: l, ppl: ppl_v, loss: sum / n as f64, tokens: n, windows: windows.len(), seconds: t0.elapsed().as_secs_f64() };
+            let p = PplPoint {
+                model: m.name.clone(),
+                length: l,
+                ppl: ppl_v,
+                loss: sum / n as f64,
+                tokens: n,
+                windows: windows.len(),
+                seconds: t0.elapsed().as_secs_f64(),
+            };
             points.push(p);
         }
     }
@@ -355,7 +361,12 @@ fn needle_cmd(a: NeedleArgs) -> Result<()> {
         bail!("--lengths: a length must be at least 1 token");
     }
     let haystack = match &a.haystack {
-        Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("--haystack: cannot read the text file {} (give a UTF-8 text file, or omit --haystack for generated filler)", p.display()))?),
+        Some(p) => Some(std::fs::read_to_string(p).with_context(|| {
+            format!(
+                "--haystack: cannot read the text file {} (give a UTF-8 text file, or omit --haystack for generated filler)",
+                p.display()
+            )
+        })?),
         None => None,
     };
     let spec = a.run.spec()?;
@@ -383,13 +394,28 @@ fn needle_cmd(a: NeedleArgs) -> Result<()> {
     doc["seconds"] = serde_json::json!(started.elapsed().as_secs_f64());
     output::write_json(&json, &doc)?;
     let grid = |f: &dyn Fn(&Cell) -> Option<f64>| -> Vec<Vec<Option<f64>>> {
-        a.depths.iter().map(|&d| lengths.iter().map(|&l| cells.iter().find(|c| c.length == l && c.depth == d).and_then(f)).collect()).collect()
+        a.depths
+            .iter()
+            .map(|&d| lengths.iter().map(|&l| cells.iter().find(|c| c.length == l && c.depth == d).and_then(f)).collect())
+            .collect()
     };
     let task = if a.passkey { "passkey" } else { "needle" };
-    plot::heatmap(&png, &format!("{task} retrieval, teacher-forced exact match (%): {}", short(&a.model)), &lengths, &a.depths, &grid(&|c| Some(c.teacher_forced)))?;
+    plot::heatmap(
+        &png,
+        &format!("{task} retrieval, teacher-forced exact match (%): {}", short(&a.model)),
+        &lengths,
+        &a.depths,
+        &grid(&|c| Some(c.teacher_forced)),
+    )?;
     let mut written = vec![json.display().to_string(), png.display().to_string()];
     if !a.no_generate {
-        plot::heatmap(&png_greedy, &format!("{task} retrieval, greedy generation exact match (%): {}", short(&a.model)), &lengths, &a.depths, &grid(&|c| c.greedy))?;
+        plot::heatmap(
+            &png_greedy,
+            &format!("{task} retrieval, greedy generation exact match (%): {}", short(&a.model)),
+            &lengths,
+            &a.depths,
+            &grid(&|c| c.greedy),
+        )?;
         written.push(png_greedy.display().to_string());
     }
     let pct = |v: Option<f64>| v.map(|v| format!("{:.1} %", v * 100.0)).unwrap_or_else(|| "-".into());
@@ -411,7 +437,11 @@ fn needle_ranks(a: &NeedleArgs, haystack: Option<&str>, ranks: &Ranks, m: &EvalM
         }
     }
     if format == Format::Tokens && haystack.is_some() {
-        return Err(longctx::Error::config("--haystack", "haystack", "the model has no tokenizer.json, so a text haystack cannot be read; omit --haystack (the synthetic token format is used)"));
+        return Err(longctx::Error::config(
+            "--haystack",
+            "haystack",
+            "the model has no tokenizer.json, so a text haystack cannot be read; omit --haystack (the synthetic token format is used)",
+        ));
     }
     let min = if format == Format::Tokens { 2 * a.digits + 4 } else { 32 };
     let lengths = if a.lengths.is_empty() { default_lengths(m.trained_context(), min) } else { a.lengths.clone() };

@@ -134,6 +134,12 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     })?;
     writeln!(out)?;
     let s = t0.elapsed().as_secs_f64();
-    eprintln!("{} tokens in {:.2} s ({:.1} tokens/s){}", tokens.len(), s, tokens.len() as f64 / s.max(1e-9), if a.no_cache { ", no KV cache" } else { "" });
+    eprintln!(
+        "{} tokens in {:.2} s ({:.1} tokens/s){}",
+        tokens.len(),
+        s,
+        tokens.len() as f64 / s.max(1e-9),
+        if a.no_cache { ", no KV cache" } else { "" }
+    );
     Ok(())
 }

@@ -160,13 +160,13 @@ impl Ranks {
         let (dims, sp) = match (&self.dims, &self.sp) {
             (Some(d), Some(c)) => (d, c),
             _ => {
-                let (l, a) = local_scores(model, &ids_p, &targets_p, &(0..padded as u32).collect::<Vec<_>>(), len, &self.attn, self.token_chunk)?;
+                let (l, a) =
+                    local_scores(model, &ids_p, &targets_p, &(0..padded as u32).collect::<Vec<_>>(), len, &self.attn, self.token_chunk)?;
                 return Ok(TokenScores { loss: l[..len].to_vec(), argmax: a[..len].to_vec() });
             }
         };
         let chunk = self.chunk_for(len);
-        let all: Vec<Vec<usize>> =
-            (0..sp.world()).map(|r| self.mode.local_indices(dims, r, padded, chunk)).collect::<Result<_>>()?;
+        let all: Vec<Vec<usize>> = (0..sp.world()).map(|r| self.mode.local_indices(dims, r, padded, chunk)).collect::<Result<_>>()?;
         let local = apply_layout(&ids_p, &targets_p, padded, &all[sp.rank()])?;
         let (l, a) = local_scores(model, &local.ids, &local.targets, &local.positions, len, &self.attn, self.token_chunk)?;
         // [2, L_local] f32: losses and argmax ids (exact in f32 below 2^24).

@@ -23,7 +23,11 @@ impl Sampling {
 
     pub fn check(&self) -> Result<()> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(Error::config("--temperature", "temperature", format!("got {}, expected a number ≥ 0 (0 = greedy)", self.temperature)));
+            return Err(Error::config(
+                "--temperature",
+                "temperature",
+                format!("got {}, expected a number ≥ 0 (0 = greedy)", self.temperature),
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(Error::config("--top-p", "top-p", format!("got {}, expected a number in (0, 1]", self.top_p)));
@@ -95,7 +99,11 @@ pub fn generate(
         return Err(Error::config("--prompt", "prompt", "the prompt is empty: generation needs at least one token"));
     }
     if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= model.cfg.vocab_size) {
-        return Err(Error::config("--prompt", "prompt", format!("token id {bad} is not below the vocabulary size {}", model.cfg.vocab_size)));
+        return Err(Error::config(
+            "--prompt",
+            "prompt",
+            format!("token id {bad} is not below the vocabulary size {}", model.cfg.vocab_size),
+        ));
     }
     let dev: Device = model.embed_tokens.embeddings().device().clone();
     let mut rng = rand::rngs::StdRng::seed_from_u64(sampling.seed);

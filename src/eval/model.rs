@@ -86,7 +86,11 @@ impl EvalModel {
     pub fn check_length(&self, len: usize, allow_extrapolation: bool, flag: &str) -> Result<()> {
         let max = self.max_context();
         if len > max && !allow_extrapolation {
-            let why = if self.cfg().rope_scaling.is_some() { "its context with rope scaling" } else { "its trained context and it has no rope scaling" };
+            let why = if self.cfg().rope_scaling.is_some() {
+                "its context with rope scaling"
+            } else {
+                "its trained context and it has no rope scaling"
+            };
             return Err(Error::config(
                 flag,
                 flag.trim_start_matches("--"),

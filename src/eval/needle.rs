@@ -132,7 +132,11 @@ impl TextTask {
         };
         let haystack = encode(tok, &body)?;
         if haystack.is_empty() || body.trim().is_empty() {
-            return Err(Error::config("--haystack", "haystack", "the haystack text is empty; give a file with text in it, or omit --haystack for the generated filler"));
+            return Err(Error::config(
+                "--haystack",
+                "haystack",
+                "the haystack text is empty; give a file with text in it, or omit --haystack for the generated filler",
+            ));
         }
         if !(1..=18).contains(&digits) {
             return Err(Error::config("--digits", "digits", format!("got {digits}, expected 1 to 18")));
@@ -141,13 +145,28 @@ impl TextTask {
     }
 
     /// A case of `len` inputs with the needle at `depth` of the haystack.
-    pub fn case(&self, tok: &tokenizers::Tokenizer, bos: Option<u32>, len: usize, depth: f64, seed: u64, index: u64, distractors: usize) -> Result<Case> {
+    pub fn case(
+        &self,
+        tok: &tokenizers::Tokenizer,
+        bos: Option<u32>,
+        len: usize,
+        depth: f64,
+        seed: u64,
+        index: u64,
+        distractors: usize,
+    ) -> Result<Case> {
         let mut rng = SplitMix64::from_parts(&[seed, index]);
         let value = number(&mut rng, self.digits);
         let (needle, question) = if self.passkey {
-            (format!(" The pass key is {value}. Remember it. {value} is the pass key. "), " What is the pass key? The pass key is".to_string())
+            (
+                format!(" The pass key is {value}. Remember it. {value} is the pass key. "),
+                " What is the pass key? The pass key is".to_string(),
+            )
         } else {
-            (format!(" The special magic number is {value}. "), " What is the special magic number mentioned in the text? The special magic number is".to_string())
+            (
+                format!(" The special magic number is {value}. "),
+                " What is the special magic number mentioned in the text? The special magic number is".to_string(),
+            )
         };
         let needle_ids = encode(tok, &needle)?;
         let q_ids = encode(tok, &question)?;

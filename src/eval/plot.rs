@@ -30,8 +30,14 @@ fn plot_err(path: &Path, e: impl std::fmt::Display) -> Error {
 }
 
 /// Colours of the lines, one per series (repeating).
-const PALETTE: [RGBColor; 6] =
-    [RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44), RGBColor(255, 127, 14), RGBColor(148, 103, 189), RGBColor(140, 86, 75)];
+const PALETTE: [RGBColor; 6] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(255, 127, 14),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+];
 
 /// A line per series of `(x, y)` points, x on a log2 axis (context lengths), written to
 /// `path` (PNG).
@@ -59,7 +65,7 @@ pub fn lines(path: &Path, title: &str, x_desc: &str, y_desc: &str, series: &[(St
             .caption(title, (FAMILY, 22))
             .margin(16)
             .x_label_area_size(48)
-            .y_label_area_size(72)
+            .y_label_area_size(96)
             .build_cartesian_2d(x0 - 0.15..x1 + 0.15, y0..y1)?;
         chart
             .configure_mesh()
@@ -67,15 +73,20 @@ pub fn lines(path: &Path, title: &str, x_desc: &str, y_desc: &str, series: &[(St
             .y_desc(y_desc)
             .x_labels(((x1 - x0).round() as usize + 2).min(14))
             .x_label_formatter(&|x| format!("{}", 2f64.powf(*x).round()))
-            .y_label_formatter(&|y| format!("{y:.3}"))
+            .y_label_formatter(&|y| match y.abs() {
+                a if a >= 100.0 => format!("{y:.0}"),
+                a if a >= 10.0 => format!("{y:.1}"),
+                _ => format!("{y:.3}"),
+            })
             .label_style((FAMILY, 14))
             .draw()?;
         for (i, (name, s)) in series.iter().enumerate() {
             let c = PALETTE[i % PALETTE.len()];
             let line: Vec<(f64, f64)> = s.iter().filter(|p| p.0 > 0.0 && p.1.is_finite()).map(|p| (lx(p.0), p.1)).collect();
-            chart.draw_series(LineSeries::new(line.clone(), c.stroke_width(2)))?.label(name.as_str()).legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2))
-            });
+            chart
+                .draw_series(LineSeries::new(line.clone(), c.stroke_width(2)))?
+                .label(name.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
             chart.draw_series(line.into_iter().map(|p| Circle::new(p, 4, c.filled())))?;
         }
         chart

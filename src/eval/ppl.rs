@@ -117,7 +117,8 @@ pub fn read_docs(src: &DocSource, model: &Llama, tokenizer: Option<&tokenizers::
             .collect());
     }
     let resolved = resolve(&src.dataset, None, &HubOptions::from_env())?;
-    let opts = ReadOptions { format: resolved.format, column: src.column.clone(), text_split: TextSplit::File, token_width: src.token_width };
+    let opts =
+        ReadOptions { format: resolved.format, column: src.column.clone(), text_split: TextSplit::File, token_width: src.token_width };
     let tok = Tokenize {
         tokenizer: tokenizer.map(|t| std::sync::Arc::new(t.clone())),
         bos: None,
