@@ -448,11 +448,11 @@ fn needle_ranks(a: &NeedleArgs, haystack: Option<&str>, ranks: &Ranks, m: &EvalM
     for &l in &lengths {
         m.check_length(l, a.run.allow_extrapolation, "--lengths")?;
     }
+    let bos = cfg.extra.get("bos_token_id").and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok());
     let task = match (&m.tokenizer, format) {
-        (Some(tok), Format::Text) => Some(TextTask::new(tok, haystack, a.passkey, a.digits)?),
+        (Some(tok), Format::Text) => Some(TextTask::new(tok, haystack, a.passkey, a.digits, a.distractors, bos)?),
         _ => None,
     };
-    let bos = cfg.extra.get("bos_token_id").and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok());
     let total = (lengths.len() * a.depths.len() * a.trials) as u64;
     let pb = bar(total, lead, &format!("needle {}", short(&m.name)));
     let mut cells = Vec::new();
@@ -461,9 +461,9 @@ fn needle_ranks(a: &NeedleArgs, haystack: Option<&str>, ranks: &Ranks, m: &EvalM
             let (mut tf, mut tok_acc, mut greedy) = (0usize, 0f64, 0usize);
             for t in 0..a.trials {
                 let index = ((l as u64) << 20) ^ (((d * 1000.0) as u64) << 8) ^ t as u64;
-                let case = match (&task, &m.tokenizer) {
-                    (Some(task), Some(tok)) => task.case(tok, bos, l, d, a.run.seed, index, a.distractors)?,
-                    _ => needle::token_case(l, d, a.digits, cfg.vocab_size, a.run.seed, index, a.distractors)?,
+                let case = match &task {
+                    Some(task) => task.case(l, d, a.run.seed, index)?,
+                    None => needle::token_case(l, d, a.digits, cfg.vocab_size, a.run.seed, index, a.distractors)?,
                 };
                 let scores = ranks.token_scores(&m.model, &case.sample.ids, &case.sample.targets)?;
                 let pred = &scores.argmax[case.answer_start..];

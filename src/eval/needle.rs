@@ -112,6 +112,11 @@ pub struct TextTask {
     pub haystack: Vec<u32>,
     pub passkey: bool,
     pub digits: usize,
+    /// Distractor needles per case.
+    pub distractors: usize,
+    /// Prepended to every case (the model's `bos_token_id`).
+    pub bos: Option<u32>,
+    tok: tokenizers::Tokenizer,
 }
 
 fn number(rng: &mut SplitMix64, digits: usize) -> String {
@@ -124,7 +129,15 @@ fn encode(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
 
 impl TextTask {
     /// The haystack: `text`, or the generated filler when `None`; an empty one is an error.
-    pub fn new(tok: &tokenizers::Tokenizer, text: Option<&str>, passkey: bool, digits: usize) -> Result<Self> {
+    /// `distractors` and `bos`: see the fields.
+    pub fn new(
+        tok: &tokenizers::Tokenizer,
+        text: Option<&str>,
+        passkey: bool,
+        digits: usize,
+        distractors: usize,
+        bos: Option<u32>,
+    ) -> Result<Self> {
         let body = match text {
             Some(t) => t.to_string(),
             None if passkey => PASSKEY_FILLER_TEXT.repeat(4),
@@ -141,20 +154,12 @@ impl TextTask {
         if !(1..=18).contains(&digits) {
             return Err(Error::config("--digits", "digits", format!("got {digits}, expected 1 to 18")));
         }
-        Ok(Self { haystack, passkey, digits })
+        Ok(Self { haystack, passkey, digits, distractors, bos, tok: tok.clone() })
     }
 
     /// A case of `len` inputs with the needle at `depth` of the haystack.
-    pub fn case(
-        &self,
-        tok: &tokenizers::Tokenizer,
-        bos: Option<u32>,
-        len: usize,
-        depth: f64,
-        seed: u64,
-        index: u64,
-        distractors: usize,
-    ) -> Result<Case> {
+    pub fn case(&self, len: usize, depth: f64, seed: u64, index: u64) -> Result<Case> {
+        let (tok, bos, distractors) = (&self.tok, self.bos, self.distractors);
         let mut rng = SplitMix64::from_parts(&[seed, index]);
         let value = number(&mut rng, self.digits);
         let (needle, question) = if self.passkey {
