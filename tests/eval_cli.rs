@@ -2,7 +2,7 @@
 //! (the dev binary, offline): each command writes its files (JSON, CSV, PNG with the
 //! PNG signature), the demo's passkey is retrieved by a model `longctx train` trained
 //! (cut down: one 32-token stage), perplexity through in-process zigzag ranks equals the
-//! one-device figure, text needles on a model with tokenizer.json, and one clear error
+//! one-device figure (and so does a launched 2-process Ulysses run), text needles on a model with tokenizer.json, and one clear error
 //! per bad input.
 //!
 //! Retrieval: the demo recipe's first stage cut to 160 steps at 32 tokens (lr 3e-3, batch
@@ -179,6 +179,30 @@ fn trained_demo_retrieves_its_passkey_and_every_command_writes_its_files() {
         let (x, y) = (p["ppl"].as_f64().unwrap(), q["ppl"].as_f64().unwrap());
         assert!((x / y - 1.0).abs() < 1e-5, "zigzag ppl {x} vs one device {y}");
         assert_eq!(p["tokens"], q["tokens"]);
+    }
+
+    // And through two processes under `longctx launch` (CPU transport; rank 0 writes).
+    let ev3 = tmp.path().join("eval_launch");
+    let o = ok(&[
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "eval",
+        "ppl",
+        "--model",
+        &s(&export),
+        "--lengths",
+        "16,33",
+        "--parallel-mode",
+        "ulysses_attn",
+        "--output-dir",
+        &s(&ev3),
+    ]);
+    let c = json(&ev3.join("ppl.json"));
+    for (p, q) in c["points"].as_array().unwrap().iter().zip(b["points"].as_array().unwrap()) {
+        let (x, y) = (p["ppl"].as_f64().unwrap(), q["ppl"].as_f64().unwrap());
+        assert!((x / y - 1.0).abs() < 1e-5, "launched ulysses ppl {x} vs one device {y}:\n{}", o.stderr);
     }
 
     // Generation: the default prompt (a passkey sample) and explicit ids.
