@@ -165,6 +165,8 @@ fn every_parallel_mode_gives_the_single_device_losses() {
         (ParallelMode::Fpdt, 4, None),
         (ParallelMode::Usp, 4, Some(2)),
         (ParallelMode::ZigzagRingAttn, 2, None),
+        // FPDT with the default chunk (65536): shortened to the sequence (one chunk).
+        (ParallelMode::Fpdt, 2, None),
     ];
     for len in [40usize, 37] {
         let ids = stream(len + 1, cfg.vocab_size, len as u64);
@@ -175,7 +177,8 @@ fn every_parallel_mode_gives_the_single_device_losses() {
             assert!((*a as f64 - b).abs() < 1e-4, "single device vs reference: {a} vs {b}");
         }
         for &(mode, w, ulysses) in &cases {
-            let spec = RanksSpec { mode, world_size: w, ulysses, fpdt_chunk: 8, token_chunk: 5, ..Default::default() };
+            let fpdt_chunk = if w == 2 { 65536 } else { 8 };
+            let spec = RanksSpec { mode, world_size: w, ulysses, fpdt_chunk, token_chunk: 5, ..Default::default() };
             let got = with_ranks(
                 &spec,
                 "cpu",

@@ -22,7 +22,7 @@ use longctx_attention::local::LocalAttention;
 use longctx_attention::AttentionMode;
 
 use crate::data::layout::apply_layout;
-use crate::dist::dims::{build_groups, DimsRequest, ParallelDims};
+use crate::dist::dims::{build_groups, DimsRequest, Groups, ParallelDims};
 use crate::dist::ParallelMode;
 use crate::model::{loss, Llama};
 use crate::{Error, Result};
@@ -62,6 +62,7 @@ pub struct Ranks {
     /// `None` on one device.
     dims: Option<ParallelDims>,
     sp: Option<Arc<dyn Comm>>,
+    groups: Option<Groups>,
     attn: Arc<dyn AttentionMode>,
     fpdt_chunk: usize,
     token_chunk: usize,
@@ -82,6 +83,7 @@ impl Ranks {
             mode: ParallelMode::DataParallel,
             dims: None,
             sp: None,
+            groups: None,
             attn: Arc::new(LocalAttention),
             fpdt_chunk: 0,
             token_chunk: token_chunk.max(1),
@@ -110,7 +112,8 @@ impl Ranks {
         Ok(Self {
             mode: spec.mode,
             dims: Some(dims),
-            sp: Some(groups.sp),
+            sp: Some(groups.sp.clone()),
+            groups: Some(groups),
             attn,
             fpdt_chunk: spec.fpdt_chunk,
             token_chunk: spec.token_chunk.max(1),
@@ -126,11 +129,12 @@ impl Ranks {
         self.sp.as_ref().map_or(1, |c| c.world())
     }
 
-    /// The FPDT chunk used for a sequence padded to a multiple of `sp` of `len`.
+    /// The FPDT chunk for a sequence of `len` tokens: the requested one, shortened to the
+    /// sequence rounded up to a multiple of `sp`, itself a multiple of `sp`.
     fn chunk_for(&self, len: usize) -> usize {
         let sp = self.world();
         let round = len.div_ceil(sp) * sp;
-        self.fpdt_chunk.min(round).max(sp)
+        (self.fpdt_chunk.min(round) / sp * sp).max(sp)
     }
 
     /// The length `len` is padded to so that the mode can split it.
@@ -166,9 +170,14 @@ impl Ranks {
             }
         };
         let chunk = self.chunk_for(len);
+        // FPDT's attention walks the chunks of this sequence: built for its chunk.
+        let attn = match (&self.groups, self.mode) {
+            (Some(g), ParallelMode::Fpdt) => self.mode.build(g, chunk, false),
+            _ => self.attn.clone(),
+        };
         let all: Vec<Vec<usize>> = (0..sp.world()).map(|r| self.mode.local_indices(dims, r, padded, chunk)).collect::<Result<_>>()?;
         let local = apply_layout(&ids_p, &targets_p, padded, &all[sp.rank()])?;
-        let (l, a) = local_scores(model, &local.ids, &local.targets, &local.positions, len, &self.attn, self.token_chunk)?;
+        let (l, a) = local_scores(model, &local.ids, &local.targets, &local.positions, len, &attn, self.token_chunk)?;
         // [2, L_local] f32: losses and argmax ids (exact in f32 below 2^24).
         let n = l.len();
         let mut packed = l;
