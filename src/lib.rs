@@ -6,6 +6,7 @@
 //! - [`data`]: datasets, packing, synthetic long-context data.
 //! - [`device`]: opening the CPU or a GPU from `model.device` or a rank.
 //! - [`dist`]: parallel dims, process groups, launch.
+//! - [`eval`]: perplexity against length, needle/passkey grids, generation, plots.
 //! - [`guard`]: finiteness checks (nothing non-finite is checkpointed or exported).
 //! - [`limits`]: size limits checked before allocating.
 //! - [`plan`]: per-GPU memory model, fit check and layout suggestion (`longctx plan`).
@@ -16,6 +17,7 @@ pub mod data;
 pub mod device;
 pub mod dist;
 pub mod error;
+pub mod eval;
 pub mod guard;
 pub mod hub;
 pub mod limits;

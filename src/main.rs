@@ -10,6 +10,8 @@
 //! - `launch`: one process per GPU (`longctx launch --nproc-per-node 8 -- train ...`);
 //! - `bench attention`: throughput and correctness of the attention kernel (CUDA).
 //! - `bench engine`: step time and memory of the training engine, activation offload on/off.
+//! - `eval ppl`, `eval needle`: perplexity against length, needle/passkey heatmaps (PNG);
+//! - `generate`: greedy or sampled generation with a KV cache.
 //!
 //! Every failure prints one `error: ...` line (with context) and exits with status 1.
 
@@ -48,6 +50,15 @@ enum Cmd {
     /// Start one process per GPU running a longctx command (torchrun-style environment):
     /// `longctx launch --nproc-per-node 8 -- train --config recipes/X.toml`.
     Launch(longctx::dist::LaunchArgs),
+    /// Evaluate a checkpoint: perplexity against context length (`eval ppl`), needle /
+    /// passkey retrieval over depth × length (`eval needle`); JSON/CSV and PNG plots.
+    Eval {
+        #[command(subcommand)]
+        what: cli::eval::EvalCmd,
+    },
+    /// Generate from a prompt (greedy, or sampled with temperature / top-p / seed) with a
+    /// KV cache, streaming tokens; stops at EOS or --max-new-tokens.
+    Generate(cli::generate::GenerateArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -77,6 +88,8 @@ fn main() {
         Cmd::Inspect(a) => cli::inspect::inspect(a),
         Cmd::Plan(a) => cli::plan::plan_cmd(a),
         Cmd::Launch(a) => cli::launch::launch(a),
+        Cmd::Eval { what } => cli::eval::eval(what),
+        Cmd::Generate(a) => cli::generate::generate_cmd(a),
         Cmd::Bench { what } => cli::bench::bench(what),
     };
     if let Err(e) = res {

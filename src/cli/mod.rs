@@ -8,10 +8,14 @@
 //! - [`inspect`]: a model's architecture, size and training memory;
 //! - [`plan`]: per-GPU memory of a layout (the same flag overrides as `train`);
 //! - [`launch`]: one process per GPU;
-//! - [`bench`]: the attention and engine benchmarks.
+//! - [`bench`]: the attention and engine benchmarks;
+//! - [`eval`]: perplexity against length and needle/passkey grids, with plots;
+//! - [`generate`]: generation with a KV cache, streamed.
 
 pub mod bench;
+pub mod eval;
 pub mod export;
+pub mod generate;
 pub mod inspect;
 pub mod launch;
 pub mod overrides;

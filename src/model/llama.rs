@@ -124,6 +124,35 @@ impl Attention {
         let o = longctx_attention::op::attention(attn, &q, &k, &v, scale)?; // [b, s, hq, d]
         self.o_proj.forward(&o.reshape((b, s, self.num_heads * d))?)
     }
+
+    /// [`Self::forward`] for `s` new tokens that follow the `t` tokens whose keys and values
+    /// are in `cache` (`[b, t, hkv, d]` each, RoPE applied; `None`: none yet): the new
+    /// queries see every cached key and the new keys causally (the two blocks merged by
+    /// log-sum-exp); the new keys and values are appended to `cache`. No graph is meant.
+    pub fn forward_cached(&self, x: &Tensor, rope: &RopeTable, cache: &mut Option<(Tensor, Tensor)>) -> candle_core::Result<Tensor> {
+        use longctx_attention::kernel::{fwd, Mask};
+        use longctx_attention::merge::merge;
+        let (b, s, _) = x.dims3()?;
+        let d = self.head_dim;
+        let q = rope.apply(&self.q_proj.forward(x)?.reshape((b, s, self.num_heads, d))?)?.contiguous()?;
+        let k = rope.apply(&self.k_proj.forward(x)?.reshape((b, s, self.num_kv_heads, d))?)?.contiguous()?;
+        let v = self.v_proj.forward(x)?.reshape((b, s, self.num_kv_heads, d))?.contiguous()?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let (o_new, lse_new) = fwd(&q, &k, &v, Mask::Causal, scale)?;
+        let o = match cache.take() {
+            None => {
+                *cache = Some((k, v));
+                o_new
+            }
+            Some((k_old, v_old)) => {
+                let (o_old, lse_old) = fwd(&q, &k_old, &v_old, Mask::None, scale)?;
+                let acc = merge(Some(merge(None, &o_old, &lse_old)?), &o_new, &lse_new)?;
+                *cache = Some((Tensor::cat(&[&k_old, &k], 1)?, Tensor::cat(&[&v_old, &v], 1)?));
+                acc.finish(q.dtype())?.0
+            }
+        };
+        self.o_proj.forward(&o.reshape((b, s, self.num_heads * d))?)
+    }
 }
 
 /// SwiGLU MLP: `down(silu(gate(x)) · up(x))` (Candle's `silu` has a backward).
@@ -176,6 +205,15 @@ impl DecoderLayer {
     /// `x [b, s, h]` -> `[b, s, h]`; `rope` holds cos/sin for exactly these tokens.
     pub fn forward(&self, x: &Tensor, rope: &RopeTable, attn: &Arc<dyn AttentionMode>) -> Result<Tensor> {
         let a = self.self_attn.forward(&self.input_layernorm.forward(x)?, rope, attn)?;
+        let x = x.add(&a)?;
+        let m = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
+        Ok(x.add(&m)?)
+    }
+
+    /// [`Self::forward`] with the attention's keys and values cached (see
+    /// [`Attention::forward_cached`]).
+    pub fn forward_cached(&self, x: &Tensor, rope: &RopeTable, cache: &mut Option<(Tensor, Tensor)>) -> Result<Tensor> {
+        let a = self.self_attn.forward_cached(&self.input_layernorm.forward(x)?, rope, cache)?;
         let x = x.add(&a)?;
         let m = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
         Ok(x.add(&m)?)
@@ -262,6 +300,32 @@ impl Llama {
         Ok(self.norm.forward(&x)?)
     }
 
+    /// Final hidden states `[b, s, h]` of `ids [b, s]`, the tokens that follow the
+    /// `cache.len()` tokens already in `cache` (positions `cache.len()..`); appends their
+    /// keys and values to it. Equals [`Self::forward_hidden`] over the whole sequence at
+    /// these rows (except for dynamic NTK RoPE, whose base depends on the length: cached
+    /// keys keep the base of the length they were computed at, as in transformers).
+    pub fn forward_hidden_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let (b, s) = ids.dims2()?;
+        if cache.layers.len() != self.layers.len() {
+            return Err(Error::Setting(format!(
+                "kv cache has {} layers, the model {}; make it with KvCache::new(model)",
+                cache.layers.len(),
+                self.layers.len()
+            )));
+        }
+        let start = u32::try_from(cache.len).map_err(|_| Error::Setting("kv cache position does not fit u32".into()))?;
+        let end = u32::try_from(cache.len + s).map_err(|_| Error::Setting("kv cache position does not fit u32".into()))?;
+        let positions = Tensor::arange(start, end, ids.device())?.unsqueeze(0)?.repeat((b, 1))?;
+        let rope = self.rope_table(&positions, None)?;
+        let mut x = self.embed(ids)?;
+        for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            x = layer.forward_cached(&x, &rope, slot)?;
+        }
+        cache.len += s;
+        Ok(self.norm.forward(&x)?)
+    }
+
     /// `hidden [b, s, h]` -> logits `[b, s, V]` (model dtype).
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         Ok(self.lm_head.forward(hidden)?)
@@ -297,5 +361,22 @@ impl Llama {
             out.push(("lm_head.weight".into(), self.lm_head.weight().clone()));
         }
         out
+    }
+}
+
+/// Keys and values (RoPE applied) of the tokens a [`Llama`] has seen, per layer, for
+/// generation: [`Llama::forward_hidden_cached`] reads and extends it.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    /// Per layer `(k, v)`, each `[b, len, hkv, d]`; `None` before the first token.
+    pub layers: Vec<Option<(Tensor, Tensor)>>,
+    /// Tokens cached (the position of the next token).
+    pub len: usize,
+}
+
+impl KvCache {
+    /// An empty cache for `model`.
+    pub fn new(model: &Llama) -> Self {
+        Self { layers: vec![None; model.layers.len()], len: 0 }
     }
 }

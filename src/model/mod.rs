@@ -13,6 +13,6 @@ pub mod loss;
 pub mod rope;
 
 pub use config::{Arch, LlamaConfig, RopeScaling};
-pub use llama::{Attention, DecoderLayer, Llama, Mlp, RmsNorm};
+pub use llama::{Attention, DecoderLayer, KvCache, Llama, Mlp, RmsNorm};
 pub use loss::{count_targets, cross_entropy_sum, cross_entropy_sum_checked, per_token_loss, IGNORE_INDEX};
 pub use rope::{Rope, RopeTable};

@@ -1,0 +1,510 @@
+//! `longctx eval ppl` and `longctx eval needle`: perplexity against context length and a
+//! needle / passkey depth × length grid, each with JSON (and CSV) results and a PNG,
+//! the forward run through any sequence-parallel mode (in-process ranks with
+//! `--world-size`, or one process per rank under `longctx launch`).
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use super::{parse_dtype, parse_mode, tokens_arg};
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use longctx::data::TokenWidth;
+use longctx::eval::forward::{with_ranks, RanksSpec};
+use longctx::eval::needle::{self, Cell, Format, TextTask};
+use longctx::eval::ppl::{self, DocSource, Method, PplPoint};
+use longctx::eval::{output, plot, EvalModel, Ranks};
+use longctx::hub::HubOptions;
+
+/// The demo's export, what every command evaluates by default.
+pub const DEMO_EXPORT: &str = "runs/demo/export";
+
+#[derive(Subcommand, Debug)]
+pub enum EvalCmd {
+    /// Perplexity of long documents at a grid of context lengths (sliding windows or
+    /// truncation), one line per model: ppl.csv, ppl.json, ppl.png in --output-dir.
+    Ppl(PplArgs),
+    /// Needle in a haystack (or --passkey) at a grid of depths × lengths, scored by
+    /// teacher-forced exact match and greedy generation: needle.json, needle.png
+    /// (teacher-forced) and needle_greedy.png in --output-dir.
+    Needle(NeedleArgs),
+}
+
+/// Where and how the forward runs (shared by both evaluations).
+#[derive(Args, Debug, Clone)]
+pub struct RunFlags {
+    /// cpu, cuda or cuda:N (under `longctx launch`: cuda means cuda:LOCAL_RANK).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Weights and activations dtype on a GPU: f32, bf16 or f16 (the CPU runs f32).
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Sequence-parallel mode of the forward: data_parallel (one rank), zigzag_ring_attn,
+    /// ulysses_attn, fpdt or usp. Lengths the mode cannot split are padded at the end
+    /// (ignored tokens; causal attention makes them change nothing before them).
+    #[arg(long, default_value = "data_parallel")]
+    pub parallel_mode: String,
+    /// Ranks as threads of this process sharing the device (under `longctx launch`: one
+    /// rank per process instead).
+    #[arg(long, default_value_t = 1)]
+    pub world_size: usize,
+    /// USP: Ulysses degree inside a ring group.
+    #[arg(long)]
+    pub ulysses_size: Option<usize>,
+    /// FPDT chunk in global tokens (shortened to the sequence when longer).
+    #[arg(long, default_value_t = 65536, value_parser = tokens_arg)]
+    pub fpdt_chunk_size: usize,
+    /// Tokens per chunk of the head and loss (the [tokens × vocab] logits never exist whole).
+    #[arg(long, default_value_t = 4096, value_parser = tokens_arg)]
+    pub token_chunk: usize,
+    /// Seconds a collective waits for the other ranks before every rank aborts; 0 = no limit.
+    #[arg(long, default_value_t = 600.0)]
+    pub collective_timeout: f64,
+    /// Allow lengths beyond what a model's config.json says it handles (its
+    /// max_position_embeddings, or more with rope scaling); refused otherwise.
+    #[arg(long)]
+    pub allow_extrapolation: bool,
+    /// Seed of synthetic documents, needles and distractors.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl RunFlags {
+    fn spec(&self) -> Result<RanksSpec> {
+        if self.world_size == 0 {
+            bail!("--world-size: must be at least 1");
+        }
+        let t = self.collective_timeout;
+        Ok(RanksSpec {
+            mode: parse_mode(&self.parallel_mode, "parallel-mode")?,
+            world_size: self.world_size,
+            ulysses: self.ulysses_size,
+            fpdt_chunk: self.fpdt_chunk_size.max(1),
+            token_chunk: self.token_chunk.max(1),
+            collective_timeout: (t > 0.0 && t.is_finite()).then(|| Duration::from_secs_f64(t)),
+        })
+    }
+
+    fn dtype(&self) -> Result<candle_core::DType> {
+        parse_dtype(&self.dtype, "dtype")
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct PplArgs {
+    /// Model(s): a directory (a run's export), a hub id, or builtin:NAME; repeat to
+    /// compare (e.g. a base model and its extended export), one line each in the plot.
+    #[arg(long, default_value = DEMO_EXPORT)]
+    pub model: Vec<String>,
+    /// Documents: `synthetic:passkey`, or any dataset `train` reads (jsonl, txt, parquet,
+    /// raw .bin tokens; a file, a directory or a hub dataset id). Text needs the model's tokenizer.json.
+    #[arg(long, default_value = "synthetic:passkey")]
+    pub dataset: String,
+    /// Column or field with token ids or text (input_ids or text).
+    #[arg(long)]
+    pub dataset_column: Option<String>,
+    /// Width of raw .bin token files: u16 or u32.
+    #[arg(long, default_value = "u16")]
+    pub token_width: String,
+    /// Where ppl.csv, ppl.json and ppl.png go.
+    #[arg(long, default_value = "runs/eval")]
+    pub output_dir: PathBuf,
+    /// Context lengths, comma-separated (e.g. 1K,4K,16K) [default: 1/8, 1/4, 1/2 and all
+    /// of the largest trained context; a default length beyond a model's context is
+    /// skipped for it unless --allow-extrapolation].
+    #[arg(long, value_delimiter = ',', value_parser = tokens_arg)]
+    pub lengths: Vec<usize>,
+    /// sliding: windows over the document stream every --stride tokens, each scoring what
+    /// the previous did not (every length scores the same tokens); truncate: each
+    /// document cut to the length, all its tokens scored (shorter documents skipped).
+    #[arg(long, default_value = "sliding")]
+    pub method: String,
+    /// Sliding windows start every this many tokens [default: half the length].
+    #[arg(long, value_parser = tokens_arg)]
+    pub stride: Option<usize>,
+    /// Tokens of the document stream scored (sliding) [default: 4 × the longest length];
+    /// with truncate, stop reading documents after this many tokens [default: no limit].
+    #[arg(long, value_parser = tokens_arg)]
+    pub max_tokens: Option<usize>,
+    /// At most this many documents read (truncate: scored per length).
+    #[arg(long, default_value_t = 16)]
+    pub max_docs: usize,
+    #[command(flatten)]
+    pub run: RunFlags,
+}
+
+#[derive(Args, Debug)]
+pub struct NeedleArgs {
+    /// Model: a directory (a run's export), a hub id, or builtin:NAME. Without
+    /// tokenizer.json the synthetic passkey token format it was trained on is used.
+    #[arg(long, default_value = DEMO_EXPORT)]
+    pub model: String,
+    /// Where needle.json, needle.png and needle_greedy.png go.
+    #[arg(long, default_value = "runs/eval")]
+    pub output_dir: PathBuf,
+    /// Haystack lengths in tokens, comma-separated [default: 1/8, 1/4, 1/2 and all of
+    /// the trained context].
+    #[arg(long, value_delimiter = ',', value_parser = tokens_arg)]
+    pub lengths: Vec<usize>,
+    /// Needle depths in [0, 1], comma-separated (0 = start of the haystack, 1 = its end).
+    #[arg(long, value_delimiter = ',', default_value = "0,0.25,0.5,0.75,1", allow_negative_numbers = true)]
+    pub depths: Vec<f64>,
+    /// Cases (different needles) per grid cell.
+    #[arg(long, default_value_t = 4)]
+    pub trials: usize,
+    /// Digits of the number to retrieve (token format: 1 to 8).
+    #[arg(long, default_value_t = 5)]
+    pub digits: usize,
+    /// The classic passkey task ("The pass key is N. Remember it." in "The grass is
+    /// green..." filler); on a model without tokenizer, the demo's passkey token format.
+    #[arg(long)]
+    pub passkey: bool,
+    /// Text file for the haystack (repeated to the length) [default: generated filler].
+    #[arg(long)]
+    pub haystack: Option<PathBuf>,
+    /// Distractor needles: sentences (text) or digit runs (tokens) with other numbers.
+    #[arg(long, default_value_t = 0)]
+    pub distractors: usize,
+    /// Skip greedy generation (teacher-forced scoring only).
+    #[arg(long)]
+    pub no_generate: bool,
+    #[command(flatten)]
+    pub run: RunFlags,
+}
+
+pub fn eval(cmd: EvalCmd) -> Result<()> {
+    match cmd {
+        EvalCmd::Ppl(a) => ppl_cmd(a),
+        EvalCmd::Needle(a) => needle_cmd(a),
+    }
+}
+
+/// 1/8, 1/4, 1/2 and all of `ctx`, at least `min`.
+fn default_lengths(ctx: usize, min: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = [ctx / 8, ctx / 4, ctx / 2, ctx].into_iter().filter(|&l| l >= min).collect();
+    v.dedup();
+    if v.is_empty() {
+        v.push(ctx.max(min));
+    }
+    v
+}
+
+fn bar(len: u64, show: bool, what: &str) -> Option<ProgressBar> {
+    if !show || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let b = ProgressBar::new(len);
+    if let Ok(style) = ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {elapsed}<{eta} {msg}") {
+        b.set_style(style.progress_chars("=> "));
+    }
+    b.set_prefix(what.to_string());
+    Some(b)
+}
+
+fn load_models(specs: &[String], dev: &candle_core::Device, dtype: candle_core::DType) -> longctx::Result<Vec<EvalModel>> {
+    let (dev, dt) = if dev.is_cpu() { (dev.clone(), candle_core::DType::F32) } else { (dev.clone(), dtype) };
+    specs.iter().map(|s| EvalModel::load(s, &dev, dt, &HubOptions::from_env())).collect()
+}
+
+fn ppl_cmd(a: PplArgs) -> Result<()> {
+    let method = match a.method.as_str() {
+        "sliding" => Method::Sliding,
+        "truncate" => Method::Truncate,
+        m => bail!("--method: unknown method `{m}`, expected sliding or truncate"),
+    };
+    let token_width = match a.token_width.as_str() {
+        "u16" => TokenWidth::U16,
+        "u32" => TokenWidth::U32,
+        w => bail!("--token-width: expected u16 or u32, got `{w}`"),
+    };
+    if a.lengths.contains(&0) {
+        bail!("--lengths: a length must be at least 1 token");
+    }
+    if a.stride == Some(0) {
+        bail!("--stride: must be at least 1 token");
+    }
+    let spec = a.run.spec()?;
+    let dtype = a.run.dtype()?;
+    output::ensure_dir(&a.output_dir).with_context(|| format!("creating the output directory {}", a.output_dir.display()))?;
+    let started = Instant::now();
+    let result = with_ranks(
+        &spec,
+        &a.run.device,
+        |dev| load_models(&a.model, dev, dtype),
+        |ms: &Vec<EvalModel>| ms.first().map(|m| (m.cfg().num_attention_heads, m.cfg().num_key_value_heads)).unwrap_or((1, 1)),
+        |ranks: &Ranks, models: &Vec<EvalModel>| ppl_ranks(&a, method, token_width, ranks, models),
+    )
+    .context("evaluating perplexity")?;
+    let Some((points, models_meta, lengths)) = result else { return Ok(()) };
+    let csv = a.output_dir.join("ppl.csv");
+    let json = a.output_dir.join("ppl.json");
+    let png = a.output_dir.join("ppl.png");
+    output::write_atomic(&csv, ppl::to_csv(&points).as_bytes())?;
+    let doc = serde_json::json!({
+        "models": models_meta,
+        "dataset": a.dataset,
+        "method": method,
+        "stride": a.stride,
+        "lengths": lengths,
+        "parallel_mode": a.run.parallel_mode,
+        "world_size": a.run.world_size,
+        "points": points,
+        "seconds": started.elapsed().as_secs_f64(),
+    });
+    output::write_json(&json, &doc)?;
+    let series: Vec<(String, Vec<(f64, f64)>)> =
+        a.model.iter().map(|m| (m.clone(), points.iter().filter(|p| &p.model == m).map(|p| (p.length as f64, p.ppl)).collect())).collect();
+    plot::lines(&png, &format!("Perplexity vs context length ({})", a.dataset), "context length (tokens)", "perplexity", &series)?;
+    for p in &points {
+        println!("{}\tlength {}\tppl {:.4}\t({} tokens, {} windows, {:.1} s)", p.model, p.length, p.ppl, p.tokens, p.windows, p.seconds);
+    }
+    println!("wrote {}, {}, {}", csv.display(), json.display(), png.display());
+    Ok(())
+}
+
+type PplOut = (Vec<PplPoint>, Vec<serde_json::Value>, Vec<usize>);
+
+fn ppl_ranks(a: &PplArgs, method: Method, token_width: TokenWidth, ranks: &Ranks, models: &[EvalModel]) -> longctx::Result<PplOut> {
+    let lead = ranks.rank() == 0;
+    let explicit = !a.lengths.is_empty();
+    let lengths =
+        if explicit { a.lengths.clone() } else { default_lengths(models.iter().map(|m| m.trained_context()).max().unwrap_or(1024), 16) };
+    let longest = lengths.iter().copied().max().unwrap_or(1);
+    let mut points = Vec::new();
+    let mut meta = Vec::new();
+    for m in models {
+        if lead {
+            eprintln!("{}", m.describe());
+        }
+        meta.push(serde_json::json!({"model": m.name, "trained_context": m.trained_context(), "max_context": m.max_context(),
+            "rope_theta": m.cfg().rope_theta, "rope_scaling": m.cfg().rope_scaling.as_ref().map(|s| s.type_name())}));
+        let mut run_lengths = Vec::new();
+        for &l in &lengths {
+            match m.check_length(l, a.run.allow_extrapolation, "--lengths") {
+                Ok(()) => run_lengths.push(l),
+                Err(e) if explicit => return Err(e),
+                Err(_) => {
+                    if lead {
+                        eprintln!(
+                            "note: {}: length {l} skipped, beyond its context {} (pass --allow-extrapolation to measure it)",
+                            m.name,
+                            m.max_context()
+                        );
+                    }
+                }
+            }
+        }
+        let src = DocSource {
+            dataset: a.dataset.clone(),
+            column: a.dataset_column.clone(),
+            token_width,
+            // Truncation reads whole documents (up to --max-docs); sliding reads the stream it scores.
+            max_tokens: match method {
+                Method::Sliding => a.max_tokens.unwrap_or(4 * longest + 1).max(2),
+                Method::Truncate => a.max_tokens.unwrap_or(usize::MAX).max(2),
+            },
+            max_docs: a.max_docs.max(1),
+            seed: a.run.seed,
+        };
+        let docs = ppl::read_docs(&src, &m.model, m.tokenizer.as_ref(), longest)?;
+        let stream: Vec<u32> = docs.concat();
+        for &l in &run_lengths {
+            let t0 = Instant::now();
+            let windows = match method {
+                Method::Sliding => ppl::sliding_windows(&stream, l, a.stride.unwrap_or((l / 2).max(1)), src.max_tokens),
+                Method::Truncate => ppl::truncated_windows(&docs, l, src.max_docs),
+            };
+            let pb = bar(windows.len() as u64, lead, &format!("ppl {} @{l}", short(&m.name)));
+            let (sum, n) = ppl::score_windows(ranks, &m.model, &windows, || {
+                if let Some(b) = &pb {
+                    b.inc(1);
+                }
+            })?;
+            if let Some(b) = pb {
+                b.finish_and_clear();
+            }
+            let what = format!("{} at length {l}", m.name);
+            let ppl_v = ppl::perplexity(sum, n, &what)?;
+            let p = PplPoint {
+                model: m.name.clone(),
+                length: l,
+                ppl: ppl_v,
+                loss: sum / n as f64,
+                tokens: n,
+                windows: windows.len(),
+                seconds: t0.elapsed().as_secs_f64(),
+            };
+            points.push(p);
+        }
+    }
+    Ok((points, meta, lengths))
+}
+
+fn short(name: &str) -> String {
+    let p = Path::new(name);
+    let parts: Vec<_> = p.components().rev().take(2).collect();
+    let mut v: Vec<String> = parts.into_iter().rev().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
+    if v.is_empty() {
+        v.push(name.to_string());
+    }
+    v.join("/")
+}
+
+fn needle_cmd(a: NeedleArgs) -> Result<()> {
+    needle::check_depths(&a.depths)?;
+    if a.trials == 0 {
+        bail!("--trials: must be at least 1");
+    }
+    if a.lengths.contains(&0) {
+        bail!("--lengths: a length must be at least 1 token");
+    }
+    let haystack = match &a.haystack {
+        Some(p) => Some(std::fs::read_to_string(p).with_context(|| {
+            format!(
+                "--haystack: cannot read the text file {} (give a UTF-8 text file, or omit --haystack for generated filler)",
+                p.display()
+            )
+        })?),
+        None => None,
+    };
+    let spec = a.run.spec()?;
+    let dtype = a.run.dtype()?;
+    output::ensure_dir(&a.output_dir).with_context(|| format!("creating the output directory {}", a.output_dir.display()))?;
+    let started = Instant::now();
+    let result = with_ranks(
+        &spec,
+        &a.run.device,
+        |dev| load_models(std::slice::from_ref(&a.model), dev, dtype),
+        |ms: &Vec<EvalModel>| ms.first().map(|m| (m.cfg().num_attention_heads, m.cfg().num_key_value_heads)).unwrap_or((1, 1)),
+        |ranks: &Ranks, models: &Vec<EvalModel>| needle_ranks(&a, haystack.as_deref(), ranks, &models[0]),
+    )
+    .context("evaluating needle retrieval")?;
+    let Some((cells, lengths, meta)) = result else { return Ok(()) };
+    let json = a.output_dir.join("needle.json");
+    let png = a.output_dir.join("needle.png");
+    let png_greedy = a.output_dir.join("needle_greedy.png");
+    let tf = needle::mean(&cells, |c| Some(c.teacher_forced));
+    let tok = needle::mean(&cells, |c| Some(c.token_accuracy));
+    let greedy = needle::mean(&cells, |c| c.greedy);
+    let mut doc = meta;
+    doc["cells"] = serde_json::to_value(&cells)?;
+    doc["summary"] = serde_json::json!({"teacher_forced": tf, "token_accuracy": tok, "greedy": greedy});
+    doc["seconds"] = serde_json::json!(started.elapsed().as_secs_f64());
+    output::write_json(&json, &doc)?;
+    let grid = |f: &dyn Fn(&Cell) -> Option<f64>| -> Vec<Vec<Option<f64>>> {
+        a.depths
+            .iter()
+            .map(|&d| lengths.iter().map(|&l| cells.iter().find(|c| c.length == l && c.depth == d).and_then(f)).collect())
+            .collect()
+    };
+    let task = if a.passkey { "passkey" } else { "needle" };
+    plot::heatmap(
+        &png,
+        &format!("{task} retrieval, teacher-forced exact match (%): {}", short(&a.model)),
+        &lengths,
+        &a.depths,
+        &grid(&|c| Some(c.teacher_forced)),
+    )?;
+    let mut written = vec![json.display().to_string(), png.display().to_string()];
+    if !a.no_generate {
+        plot::heatmap(
+            &png_greedy,
+            &format!("{task} retrieval, greedy generation exact match (%): {}", short(&a.model)),
+            &lengths,
+            &a.depths,
+            &grid(&|c| c.greedy),
+        )?;
+        written.push(png_greedy.display().to_string());
+    }
+    let pct = |v: Option<f64>| v.map(|v| format!("{:.1} %", v * 100.0)).unwrap_or_else(|| "-".into());
+    println!("teacher-forced exact match {}, answer tokens right {}, greedy exact match {}", pct(tf), pct(tok), pct(greedy));
+    println!("wrote {}", written.join(", "));
+    Ok(())
+}
+
+type NeedleOut = (Vec<Cell>, Vec<usize>, serde_json::Value);
+
+fn needle_ranks(a: &NeedleArgs, haystack: Option<&str>, ranks: &Ranks, m: &EvalModel) -> longctx::Result<NeedleOut> {
+    let lead = ranks.rank() == 0;
+    let cfg = m.cfg();
+    let format = if m.tokenizer.is_some() { Format::Text } else { Format::Tokens };
+    if lead {
+        eprintln!("{}", m.describe());
+        if format == Format::Tokens {
+            eprintln!("no tokenizer.json: the synthetic passkey token format (built-in vocabulary) is used");
+        }
+    }
+    if format == Format::Tokens && haystack.is_some() {
+        return Err(longctx::Error::config(
+            "--haystack",
+            "haystack",
+            "the model has no tokenizer.json, so a text haystack cannot be read; omit --haystack (the synthetic token format is used)",
+        ));
+    }
+    let min = if format == Format::Tokens { 2 * a.digits + 4 } else { 32 };
+    let lengths = if a.lengths.is_empty() { default_lengths(m.trained_context(), min) } else { a.lengths.clone() };
+    for &l in &lengths {
+        m.check_length(l, a.run.allow_extrapolation, "--lengths")?;
+    }
+    let bos = cfg.extra.get("bos_token_id").and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok());
+    let task = match (&m.tokenizer, format) {
+        (Some(tok), Format::Text) => Some(TextTask::new(tok, haystack, a.passkey, a.digits, a.distractors, bos)?),
+        _ => None,
+    };
+    let total = (lengths.len() * a.depths.len() * a.trials) as u64;
+    let pb = bar(total, lead, &format!("needle {}", short(&m.name)));
+    let mut cells = Vec::new();
+    for &l in &lengths {
+        for &d in &a.depths {
+            let (mut tf, mut tok_acc, mut greedy) = (0usize, 0f64, 0usize);
+            for t in 0..a.trials {
+                let index = ((l as u64) << 20) ^ (((d * 1000.0) as u64) << 8) ^ t as u64;
+                let case = match &task {
+                    Some(task) => task.case(l, d, a.run.seed, index)?,
+                    None => needle::token_case(l, d, a.digits, cfg.vocab_size, a.run.seed, index, a.distractors)?,
+                };
+                let scores = ranks.token_scores(&m.model, &case.sample.ids, &case.sample.targets)?;
+                let pred = &scores.argmax[case.answer_start..];
+                tf += needle::exact_match(pred, &case.answer) as usize;
+                tok_acc += needle::token_accuracy(pred, &case.answer);
+                if !a.no_generate && lead {
+                    let out = longctx::eval::generate::generate(
+                        &m.model,
+                        &case.prompt(),
+                        case.answer.len(),
+                        None,
+                        &longctx::eval::generate::Sampling::GREEDY,
+                        true,
+                        |_| Ok(()),
+                    )?;
+                    greedy += needle::exact_match(&out, &case.answer) as usize;
+                }
+                if let Some(b) = &pb {
+                    b.inc(1);
+                }
+            }
+            let n = a.trials as f64;
+            cells.push(Cell {
+                length: l,
+                depth: d,
+                trials: a.trials,
+                teacher_forced: tf as f64 / n,
+                token_accuracy: tok_acc / n,
+                greedy: (!a.no_generate).then_some(greedy as f64 / n),
+            });
+        }
+    }
+    if let Some(b) = pb {
+        b.finish_and_clear();
+    }
+    let meta = serde_json::json!({
+        "model": m.name, "trained_context": m.trained_context(), "max_context": m.max_context(),
+        "rope_theta": cfg.rope_theta, "format": format, "passkey": a.passkey, "digits": a.digits,
+        "trials": a.trials, "distractors": a.distractors, "lengths": lengths, "depths": a.depths,
+        "parallel_mode": a.run.parallel_mode, "world_size": a.run.world_size,
+        "chance_token_accuracy": if format == Format::Tokens { Some(0.1) } else { None },
+    });
+    Ok((cells, lengths, meta))
+}

@@ -1,0 +1,145 @@
+//! `longctx generate`: greedy or sampled generation with a KV cache from a prompt (or a
+//! prompt file), on the CPU or one GPU, streaming tokens to the terminal.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use super::eval::DEMO_EXPORT;
+use super::parse_dtype;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use longctx::data::synthetic;
+use longctx::eval::generate::{generate, Sampling};
+use longctx::eval::{model::device_and_dtype, EvalModel};
+use longctx::hub::HubOptions;
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// Model: a directory (a run's export), a hub id, or builtin:NAME.
+    #[arg(long, default_value = DEMO_EXPORT)]
+    pub model: String,
+    /// The prompt: text for a model with tokenizer.json; for a model without one, token
+    /// ids separated by spaces or commas [default: text "Once upon a time"; without a
+    /// tokenizer, a synthetic passkey prompt of 64 tokens ending with the question].
+    #[arg(long, conflicts_with = "prompt_file")]
+    pub prompt: Option<String>,
+    /// Read the prompt from this file.
+    #[arg(long)]
+    pub prompt_file: Option<PathBuf>,
+    /// Stop after this many new tokens (or at the EOS token).
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: usize,
+    /// 0 = greedy; otherwise sample from softmax(logits / temperature).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Sample only among the most likely tokens whose probabilities add up to this.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f64,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Run without the KV cache (the whole sequence again for every token; a reference).
+    #[arg(long)]
+    pub no_cache: bool,
+    /// Keep going past the EOS token.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// dtype on a GPU: f32, bf16 or f16 (the CPU runs f32).
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+}
+
+/// Readable names of the synthetic passkey vocabulary (for a model without tokenizer).
+fn token_name(t: u32) -> String {
+    match t {
+        synthetic::PAD => "<pad>".into(),
+        synthetic::BOS => "<bos>".into(),
+        synthetic::EOS => "<eos>".into(),
+        synthetic::KEY => "<key>".into(),
+        synthetic::KEY_END => "</key>".into(),
+        synthetic::QUESTION => "<question>".into(),
+        t if (synthetic::DIGIT0..synthetic::FILLER0).contains(&t) => format!("{}", (t - synthetic::DIGIT0) % 10),
+        t => format!("#{t}"),
+    }
+}
+
+pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
+    let (dev, dtype) = device_and_dtype(&a.device, parse_dtype(&a.dtype, "dtype")?)?;
+    let m = EvalModel::load(&a.model, &dev, dtype, &HubOptions::from_env()).with_context(|| format!("loading the model {}", a.model))?;
+    eprintln!("{}", m.describe());
+    let text = match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => Some(p.clone()),
+        (None, Some(f)) => Some(std::fs::read_to_string(f).with_context(|| format!("--prompt-file: cannot read {}", f.display()))?),
+        (None, None) => None,
+    };
+    let prompt: Vec<u32> = match (&m.tokenizer, text) {
+        (Some(tok), t) => {
+            let t = t.unwrap_or_else(|| "Once upon a time".into());
+            let mut ids: Vec<u32> = m.cfg().extra.get("bos_token_id").and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok()).into_iter().collect();
+            ids.extend(tok.encode_fast(t.as_str(), false).map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?.get_ids());
+            ids
+        }
+        (None, Some(t)) => t
+            .split(|c: char| c.is_whitespace() || c == ',')
+            .filter(|s| !s.is_empty())
+            .map(|s| s.parse::<u32>().map_err(|_| anyhow::anyhow!("--prompt: the model has no tokenizer.json, so the prompt must be token ids separated by spaces or commas; `{s}` is not one")))
+            .collect::<Result<_>>()?,
+        (None, None) => {
+            let case = longctx::eval::needle::token_case(64, 0.5, 5, m.cfg().vocab_size, a.seed, 0, 0)?;
+            eprintln!("prompt: a synthetic passkey sample of 64 tokens (no tokenizer.json); the passkey is {}", case.value);
+            case.prompt()
+        }
+    };
+    if prompt.is_empty() {
+        bail!("--prompt: the prompt is empty");
+    }
+    let sampling = Sampling { temperature: a.temperature, top_p: a.top_p, seed: a.seed };
+    let eos = if a.ignore_eos { None } else { m.cfg().eos_token_id() };
+    if prompt.len() + a.max_new_tokens > m.max_context() {
+        eprintln!(
+            "note: {} prompt + {} new tokens exceed the model's context of {} tokens",
+            prompt.len(),
+            a.max_new_tokens,
+            m.max_context()
+        );
+    }
+    let mut out = std::io::stdout();
+    let t0 = std::time::Instant::now();
+    let mut shown = String::new();
+    let mut generated: Vec<u32> = Vec::new();
+    match &m.tokenizer {
+        Some(_) => {
+            let p = m.tokenizer.as_ref().map(|t| t.decode(&prompt, true).unwrap_or_default()).unwrap_or_default();
+            write!(out, "{p}")?;
+        }
+        None => write!(out, "{}", prompt.iter().map(|&t| token_name(t)).collect::<Vec<_>>().join(" "))?,
+    }
+    out.flush()?;
+    let tokens = generate(&m.model, &prompt, a.max_new_tokens, eos, &sampling, !a.no_cache, |t| {
+        generated.push(t);
+        let piece = match &m.tokenizer {
+            // Decode everything so far and print what is new (pieces join correctly).
+            Some(tok) => {
+                let all = tok.decode(&generated, true).unwrap_or_default();
+                let new = all.get(shown.len()..).unwrap_or("").to_string();
+                shown = all;
+                new
+            }
+            None => format!(" {}", token_name(t)),
+        };
+        write!(out, "{piece}").and_then(|_| out.flush()).map_err(|e| longctx::Error::io("<stdout>", e))
+    })?;
+    writeln!(out)?;
+    let s = t0.elapsed().as_secs_f64();
+    eprintln!(
+        "{} tokens in {:.2} s ({:.1} tokens/s){}",
+        tokens.len(),
+        s,
+        tokens.len() as f64 / s.max(1e-9),
+        if a.no_cache { ", no KV cache" } else { "" }
+    );
+    Ok(())
+}

@@ -1,0 +1,172 @@
+//! PNG plots drawn with `plotters` (bitmap backend, no system font library): text is
+//! rendered by `ab_glyph` from an embedded font, DejaVu Sans Mono (Bitstream Vera
+//! licence, `assets/fonts/`, 343 KB). Files are drawn into a temporary sibling and
+//! renamed into place.
+
+use std::path::Path;
+use std::sync::OnceLock;
+
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+
+use super::output::{commit, temp_sibling};
+use crate::{Error, Result};
+
+const FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSansMono.ttf");
+const FAMILY: &str = "sans-serif";
+
+fn font_ready() -> Result<()> {
+    static DONE: OnceLock<bool> = OnceLock::new();
+    let ok = *DONE.get_or_init(|| plotters::style::register_font(FAMILY, FontStyle::Normal, FONT).is_ok());
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Setting("plot: the embedded font could not be loaded".into()))
+    }
+}
+
+fn plot_err(path: &Path, e: impl std::fmt::Display) -> Error {
+    Error::Setting(format!("{}: cannot draw the plot: {e}", path.display()))
+}
+
+/// Colours of the lines, one per series (repeating).
+const PALETTE: [RGBColor; 6] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(255, 127, 14),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+];
+
+/// A line per series of `(x, y)` points, x on a log2 axis (context lengths), written to
+/// `path` (PNG).
+pub fn lines(path: &Path, title: &str, x_desc: &str, y_desc: &str, series: &[(String, Vec<(f64, f64)>)]) -> Result<()> {
+    font_ready()?;
+    let pts: Vec<(f64, f64)> = series.iter().flat_map(|s| s.1.iter().copied()).filter(|p| p.0 > 0.0 && p.1.is_finite()).collect();
+    if pts.is_empty() {
+        return Err(Error::Setting(format!("{}: nothing to plot (no finite value)", path.display())));
+    }
+    let lx = |x: f64| x.log2();
+    let (mut x0, mut x1) = pts.iter().fold((f64::MAX, f64::MIN), |a, p| (a.0.min(lx(p.0)), a.1.max(lx(p.0))));
+    let (mut y0, mut y1) = pts.iter().fold((f64::MAX, f64::MIN), |a, p| (a.0.min(p.1), a.1.max(p.1)));
+    if x1 - x0 < 1e-9 {
+        x0 -= 0.5;
+        x1 += 0.5;
+    }
+    let pad = ((y1 - y0) * 0.08).max(1e-3 * y1.abs().max(1.0));
+    y0 -= pad;
+    y1 += pad;
+    let tmp = temp_sibling(path);
+    let res = (|| -> std::result::Result<(), Box<dyn std::error::Error>> {
+        let root = BitMapBackend::new(&tmp, (900, 560)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, (FAMILY, 22))
+            .margin(16)
+            .x_label_area_size(48)
+            .y_label_area_size(96)
+            .build_cartesian_2d(x0 - 0.15..x1 + 0.15, y0..y1)?;
+        chart
+            .configure_mesh()
+            .x_desc(x_desc)
+            .y_desc(y_desc)
+            .x_labels(((x1 - x0).round() as usize + 2).min(14))
+            .x_label_formatter(&|x| format!("{}", 2f64.powf(*x).round()))
+            .y_label_formatter(&|y| match y.abs() {
+                a if a >= 100.0 => format!("{y:.0}"),
+                a if a >= 10.0 => format!("{y:.1}"),
+                _ => format!("{y:.3}"),
+            })
+            .label_style((FAMILY, 14))
+            .draw()?;
+        for (i, (name, s)) in series.iter().enumerate() {
+            let c = PALETTE[i % PALETTE.len()];
+            let line: Vec<(f64, f64)> = s.iter().filter(|p| p.0 > 0.0 && p.1.is_finite()).map(|p| (lx(p.0), p.1)).collect();
+            chart
+                .draw_series(LineSeries::new(line.clone(), c.stroke_width(2)))?
+                .label(name.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+            chart.draw_series(line.into_iter().map(|p| Circle::new(p, 4, c.filled())))?;
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font((FAMILY, 14))
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()?;
+        root.present()?;
+        Ok(())
+    })();
+    if let Err(e) = res {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(plot_err(path, e));
+    }
+    commit(&tmp, path)
+}
+
+/// Red (0) → yellow (0.5) → green (1).
+fn score_colour(v: f64) -> RGBColor {
+    let v = v.clamp(0.0, 1.0);
+    let lerp = |a: f64, b: f64, t: f64| (a + (b - a) * t).round() as u8;
+    if v < 0.5 {
+        let t = v / 0.5;
+        RGBColor(lerp(215.0, 250.0, t), lerp(48.0, 220.0, t), lerp(39.0, 80.0, t))
+    } else {
+        let t = (v - 0.5) / 0.5;
+        RGBColor(lerp(250.0, 26.0, t), lerp(220.0, 150.0, t), lerp(80.0, 65.0, t))
+    }
+}
+
+/// A heatmap: `values[d][l]` in [0, 1] (depth row `d`, length column `l`), each cell
+/// coloured and labelled with its value in percent; `None` cells are grey.
+pub fn heatmap(path: &Path, title: &str, lengths: &[usize], depths: &[f64], values: &[Vec<Option<f64>>]) -> Result<()> {
+    font_ready()?;
+    let (nx, ny) = (lengths.len(), depths.len());
+    if nx == 0 || ny == 0 || values.len() != ny || values.iter().any(|r| r.len() != nx) {
+        return Err(Error::Setting(format!("{}: heatmap needs {ny} rows of {nx} values", path.display())));
+    }
+    let (left, top, right, bottom) = (110i32, 60i32, 40i32, 80i32);
+    let cw = (760 / nx as i32).clamp(40, 140);
+    let ch = (440 / ny as i32).clamp(24, 80);
+    let (w, h) = ((left + cw * nx as i32 + right) as u32, (top + ch * ny as i32 + bottom) as u32);
+    let tmp = temp_sibling(path);
+    let res = (|| -> std::result::Result<(), Box<dyn std::error::Error>> {
+        let root = BitMapBackend::new(&tmp, (w.max(420), h)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let centred = |s: String, x: i32, y: i32, size: i32| {
+            let style = TextStyle::from((FAMILY, size).into_font()).pos(plotters::style::text_anchor::Pos::new(
+                plotters::style::text_anchor::HPos::Center,
+                plotters::style::text_anchor::VPos::Center,
+            ));
+            Text::new(s, (x, y), style)
+        };
+        root.draw(&centred(title.to_string(), (w.max(420) / 2) as i32, top / 2, 20))?;
+        for (d, row) in values.iter().enumerate() {
+            for (l, v) in row.iter().enumerate() {
+                let (x, y) = (left + l as i32 * cw, top + d as i32 * ch);
+                let fill = v.map(score_colour).unwrap_or(RGBColor(200, 200, 200));
+                root.draw(&Rectangle::new([(x, y), (x + cw, y + ch)], fill.filled()))?;
+                root.draw(&Rectangle::new([(x, y), (x + cw, y + ch)], WHITE.stroke_width(1)))?;
+                let label = v.map(|v| format!("{:.0}", v * 100.0)).unwrap_or_else(|| "-".into());
+                root.draw(&centred(label, x + cw / 2, y + ch / 2, 14))?;
+            }
+        }
+        for (l, len) in lengths.iter().enumerate() {
+            root.draw(&centred(len.to_string(), left + l as i32 * cw + cw / 2, top + ny as i32 * ch + 14, 13))?;
+        }
+        root.draw(&centred("context length (tokens)".into(), left + (nx as i32 * cw) / 2, top + ny as i32 * ch + 40, 15))?;
+        for (d, depth) in depths.iter().enumerate() {
+            root.draw(&centred(format!("{:.0}%", depth * 100.0), left - 28, top + d as i32 * ch + ch / 2, 13))?;
+        }
+        root.draw(&centred("depth".into(), 30, top + (ny as i32 * ch) / 2, 15))?;
+        root.present()?;
+        Ok(())
+    })();
+    if let Err(e) = res {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(plot_err(path, e));
+    }
+    commit(&tmp, path)
+}
