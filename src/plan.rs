@@ -218,14 +218,7 @@ impl PlanRequest {
         c.parallel.save_attention = self.save_attention;
         c.parallel.token_chunk = self.token_chunk;
         c.train.batch_size = self.batch_size;
-        c.stages = vec![Stage {
-            seq_length: self.seq_len,
-            rope_theta: 10_000.0,
-            steps: 1,
-            learning_rate: None,
-            parallel_mode: None,
-            fpdt_chunk_size: None,
-        }];
+        c.stages = vec![Stage::new(self.seq_len, 10_000.0, 1)];
         c
     }
 }

@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 const RESHARD_TOL: f64 = 1e-4;
 
 fn stage(seq_length: usize, rope_theta: f64, steps: u64, mode: Option<ParallelMode>) -> Stage {
-    Stage { seq_length, rope_theta, steps, learning_rate: None, parallel_mode: mode, fpdt_chunk_size: None }
+    Stage { parallel_mode: mode, ..Stage::new(seq_length, rope_theta, steps) }
 }
 
 /// The run of a variant: `world` in-process ranks, `modes` per stage.

@@ -118,14 +118,7 @@ impl StageFlags {
             (Some(len), theta) => {
                 let theta = theta.or(c.stages.last().map(|s| s.rope_theta)).unwrap_or(10_000.0);
                 let steps = self.max_train_steps.or(c.stages.last().map(|s| s.steps)).unwrap_or(100);
-                c.stages = vec![Stage {
-                    seq_length: len,
-                    rope_theta: theta,
-                    steps,
-                    learning_rate: None,
-                    parallel_mode: None,
-                    fpdt_chunk_size: None,
-                }];
+                c.stages = vec![Stage::new(len, theta, steps)];
             }
             (None, Some(theta)) => c.stages.iter_mut().for_each(|s| s.rope_theta = theta),
             (None, None) => {}
