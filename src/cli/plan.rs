@@ -344,7 +344,8 @@ mod tests {
     }
 }
 
-/// The stages of a resolved run as `train --dry-run` prints them: per stage its length, θ,
+/// The stages of a resolved run as `train --dry-run` prints them after the config, as TOML
+/// comments (the output stays a config file): per stage its length, θ,
 /// steps, layout, batch × accumulation × data-parallel ranks = tokens per optimizer step,
 /// data and seed; the total tokens; and, when the model's config is at hand, the planner's
 /// peak per GPU of each stage against `gpu_memory` (the GPU's, else 141 GB).
@@ -357,7 +358,7 @@ pub fn print_run_plan(cfg: &RunConfig, model: Option<&longctx::model::LlamaConfi
         }
         None => Vec::new(),
     };
-    println!("plan: {} stage(s) on {} rank(s)", cfg.stages.len(), cfg.parallel.world_size);
+    println!("# plan: {} stage(s) on {} rank(s)", cfg.stages.len(), cfg.parallel.world_size);
     let mut total = 0u128;
     for (i, st) in cfg.stages.iter().enumerate() {
         let s = cfg.stage_settings(i);
@@ -375,7 +376,7 @@ pub fn print_run_plan(cfg: &RunConfig, model: Option<&longctx::model::LlamaConfi
             _ => String::new(),
         };
         println!(
-            "  stage {i}: {} tokens, θ {}, {} steps, {} (sp {} × dp {}), batch {} × accumulate {} × dp {} = {} tokens/step, lr {:e}{}, data {} seed {}{}{mem}",
+            "#   stage {i}: {} tokens, θ {}, {} steps, {} (sp {} × dp {}), batch {} × accumulate {} × dp {} = {} tokens/step, lr {:e}{}, data {} seed {}{}{mem}",
             plan::tokens_label(st.seq_length),
             st.rope_theta,
             st.steps,
@@ -394,7 +395,7 @@ pub fn print_run_plan(cfg: &RunConfig, model: Option<&longctx::model::LlamaConfi
         );
     }
     println!(
-        "  total: {} tokens; optimizer state on the {}",
+        "#   total: {} tokens; optimizer state on the {}",
         group(u64::try_from(total).unwrap_or(u64::MAX)),
         if cfg.train.optimizer_on_host || cfg.model.device == "cpu" { "host" } else { "GPU" }
     );

@@ -201,6 +201,12 @@ fn check_host_memory(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Resul
 
 /// The data spec of a stage (its dataset, column and seed: [`RunConfig::stage_settings`]).
 fn data_spec(cfg: &RunConfig, model: &StartModel, s: &StageSettings) -> Result<DataSpec> {
+    stage_data_spec(cfg, &model.cfg, s)
+}
+
+/// The data a stage reads for a model `mcfg`: its dataset and column, its seed, the
+/// run's split and shuffle buffer, the model's vocabulary and EOS.
+pub fn stage_data_spec(cfg: &RunConfig, mcfg: &LlamaConfig, s: &StageSettings) -> Result<DataSpec> {
     let (ds, seq_len) = (&s.dataset, s.seq_length);
     let field = if cfg.stages.get(s.index).is_some_and(|st| st.dataset.is_some()) {
         format!("stage[{}].dataset", s.index)
@@ -222,7 +228,7 @@ fn data_spec(cfg: &RunConfig, model: &StartModel, s: &StageSettings) -> Result<D
             }
         };
         let mut p = PasskeyConfig::new(seq_len);
-        p.vocab = model.cfg.vocab_size;
+        p.vocab = mcfg.vocab_size;
         p.seed = s.seed;
         p.loss_on = loss_on;
         return Ok(DataSpec::Passkey(p));
@@ -230,10 +236,10 @@ fn data_spec(cfg: &RunConfig, model: &StartModel, s: &StageSettings) -> Result<D
     let mut f = FilesConfig::new(ds.clone(), seq_len);
     f.column = s.column.clone();
     f.split = (cfg.data.split != "*").then(|| cfg.data.split.clone());
-    f.vocab_size = Some(model.cfg.vocab_size);
+    f.vocab_size = Some(mcfg.vocab_size);
     f.shuffle_buffer = cfg.data.shuffle_buffer;
     f.seed = s.seed;
-    f.eos = model.cfg.eos_token_id();
+    f.eos = mcfg.eos_token_id();
     Ok(DataSpec::Files(f))
 }
 
