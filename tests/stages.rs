@@ -174,7 +174,7 @@ fn crc32c_bitwise(data: &[u8]) -> u32 {
 }
 
 fn mask(crc: u32) -> u32 {
-    ((crc >> 15) | (crc << 17)).wrapping_add(0xa282_ead8)
+    crc.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
 /// The records of a TFRecord file, each length and data CRC checked.

@@ -79,7 +79,7 @@ impl ParallelFlags {
     pub fn apply_ring_degree(&self, c: &mut RunConfig) -> Result<()> {
         let Some(r) = self.ring_degree else { return Ok(()) };
         let sp = c.sp_size_for(longctx::train::ParallelMode::Usp);
-        if r == 0 || sp % r != 0 {
+        if r == 0 || !sp.is_multiple_of(r) {
             let msg = format!("got {r}, expected a divisor of the sequence-parallel degree {sp} (ulysses degree = {sp} / ring degree)");
             return Err(longctx::Error::config(FLAGS, "--ring-degree", msg).into());
         }

@@ -290,60 +290,6 @@ pub fn print_suggestion(p: &plan::Plan) {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cmd {
-        #[command(flatten)]
-        a: PlanArgs,
-    }
-
-    fn args(v: &[&str]) -> PlanArgs {
-        Cmd::try_parse_from(std::iter::once("plan").chain(v.iter().copied())).unwrap().a
-    }
-
-    fn planned(a: &PlanArgs, file: Option<RunConfig>) -> Vec<(String, PlanRequest)> {
-        let from_file = file.is_some();
-        requests(a, &planned_run(a, file).unwrap(), from_file).unwrap()
-    }
-
-    /// Without a config: one rank per GPU, the ring on several, bf16, the planner's defaults.
-    #[test]
-    fn without_a_config_the_defaults_follow_the_gpus() {
-        let reqs = planned(&args(&["--model", "builtin:tiny", "--seq-length", "1K", "--gpus", "4"]), None);
-        let [(label, r)] = &reqs[..] else { panic!("{reqs:?}") };
-        assert_eq!(label, "");
-        assert_eq!((r.seq_len, r.gpus, r.world, r.mode), (1024, 4, 4, ParallelMode::ZigzagRingAttn));
-        assert_eq!((r.sp, r.ulysses, r.dtype_bytes, r.batch_size, r.token_chunk), (None, None, 2, 1, 4096));
-        let a = args(&["--model", "builtin:tiny"]);
-        assert!(planned_run(&a, None).unwrap_err().to_string().contains("--seq-length"));
-    }
-
-    /// A config is planned stage by stage; the layout flags override it as for `train`, and
-    /// also a stage's own mode and FPDT chunk.
-    #[test]
-    fn flags_override_the_config_and_its_stages() {
-        let mut c = RunConfig::default();
-        c.parallel.world_size = 2;
-        c.stages[1].parallel_mode = Some(ParallelMode::Fpdt);
-        c.stages[1].fpdt_chunk_size = Some(128);
-        let reqs = planned(&args(&[]), Some(c.clone()));
-        assert_eq!(reqs.iter().map(|(l, _)| l.as_str()).collect::<Vec<_>>(), ["stage 0 (rope_theta 10000)", "stage 1 (rope_theta 100000)"]);
-        let r = &reqs[1].1;
-        assert_eq!((r.mode, r.fpdt_chunk, r.world, r.gpus, r.dtype_bytes, r.batch_size), (ParallelMode::Fpdt, 128, 2, 2, 2, 8));
-        let a = args(&["--parallel-mode", "usp", "--fpdt-chunk-size", "64", "--batch-size", "3", "--dtype", "f32", "--gpus", "4"]);
-        for (_, r) in planned(&a, Some(c.clone())) {
-            assert_eq!((r.mode, r.fpdt_chunk, r.batch_size, r.dtype_bytes, r.gpus), (ParallelMode::Usp, 64, 3, 4, 4));
-        }
-        let reqs = planned(&args(&["--seq-length", "512K"]), Some(c));
-        let [(label, r)] = &reqs[..] else { panic!("{reqs:?}") };
-        assert_eq!((label.as_str(), r.seq_len, r.mode), ("", 512 * 1024, ParallelMode::DataParallel));
-    }
-}
-
 /// The stages of a resolved run as `train --dry-run` prints them after the config, as TOML
 /// comments (the output stays a config file): per stage its length, θ,
 /// steps, layout, batch × accumulation × data-parallel ranks = tokens per optimizer step,
@@ -400,4 +346,58 @@ pub fn print_run_plan(cfg: &RunConfig, model: Option<&longctx::model::LlamaConfi
         if cfg.train.optimizer_on_host || cfg.model.device == "cpu" { "host" } else { "GPU" }
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        a: PlanArgs,
+    }
+
+    fn args(v: &[&str]) -> PlanArgs {
+        Cmd::try_parse_from(std::iter::once("plan").chain(v.iter().copied())).unwrap().a
+    }
+
+    fn planned(a: &PlanArgs, file: Option<RunConfig>) -> Vec<(String, PlanRequest)> {
+        let from_file = file.is_some();
+        requests(a, &planned_run(a, file).unwrap(), from_file).unwrap()
+    }
+
+    /// Without a config: one rank per GPU, the ring on several, bf16, the planner's defaults.
+    #[test]
+    fn without_a_config_the_defaults_follow_the_gpus() {
+        let reqs = planned(&args(&["--model", "builtin:tiny", "--seq-length", "1K", "--gpus", "4"]), None);
+        let [(label, r)] = &reqs[..] else { panic!("{reqs:?}") };
+        assert_eq!(label, "");
+        assert_eq!((r.seq_len, r.gpus, r.world, r.mode), (1024, 4, 4, ParallelMode::ZigzagRingAttn));
+        assert_eq!((r.sp, r.ulysses, r.dtype_bytes, r.batch_size, r.token_chunk), (None, None, 2, 1, 4096));
+        let a = args(&["--model", "builtin:tiny"]);
+        assert!(planned_run(&a, None).unwrap_err().to_string().contains("--seq-length"));
+    }
+
+    /// A config is planned stage by stage; the layout flags override it as for `train`, and
+    /// also a stage's own mode and FPDT chunk.
+    #[test]
+    fn flags_override_the_config_and_its_stages() {
+        let mut c = RunConfig::default();
+        c.parallel.world_size = 2;
+        c.stages[1].parallel_mode = Some(ParallelMode::Fpdt);
+        c.stages[1].fpdt_chunk_size = Some(128);
+        let reqs = planned(&args(&[]), Some(c.clone()));
+        assert_eq!(reqs.iter().map(|(l, _)| l.as_str()).collect::<Vec<_>>(), ["stage 0 (rope_theta 10000)", "stage 1 (rope_theta 100000)"]);
+        let r = &reqs[1].1;
+        assert_eq!((r.mode, r.fpdt_chunk, r.world, r.gpus, r.dtype_bytes, r.batch_size), (ParallelMode::Fpdt, 128, 2, 2, 2, 8));
+        let a = args(&["--parallel-mode", "usp", "--fpdt-chunk-size", "64", "--batch-size", "3", "--dtype", "f32", "--gpus", "4"]);
+        for (_, r) in planned(&a, Some(c.clone())) {
+            assert_eq!((r.mode, r.fpdt_chunk, r.batch_size, r.dtype_bytes, r.gpus), (ParallelMode::Usp, 64, 3, 4, 4));
+        }
+        let reqs = planned(&args(&["--seq-length", "512K"]), Some(c));
+        let [(label, r)] = &reqs[..] else { panic!("{reqs:?}") };
+        assert_eq!((label.as_str(), r.seq_len, r.mode), ("", 512 * 1024, ParallelMode::DataParallel));
+    }
 }

@@ -96,7 +96,7 @@ pub fn in_split(rel: &Path, split: &str, any_named: bool) -> bool {
     let split = split.to_ascii_lowercase();
     let parts: Vec<String> = rel.iter().map(|c| c.to_string_lossy().to_ascii_lowercase()).collect();
     let Some((name, dirs)) = parts.split_last() else { return false };
-    dirs.iter().any(|d| *d == split) || name.strip_prefix(split.as_str()).is_some_and(|r| r.starts_with(['-', '_', '.']))
+    dirs.contains(&split) || name.strip_prefix(split.as_str()).is_some_and(|r| r.starts_with(['-', '_', '.']))
 }
 
 /// Keeps the paths of `split` (relative to `root` for the names); an error naming the

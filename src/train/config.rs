@@ -465,7 +465,7 @@ impl RunConfig {
             }
             for (key, v) in [("dataset", &st.dataset), ("column", &st.column)] {
                 if v.as_deref().is_some_and(|v| v.trim().is_empty()) {
-                    return Err(Error::config(source, &f(key), "is empty; name one, or leave the key out to use the run's"));
+                    return Err(Error::config(source, f(key), "is empty; name one, or leave the key out to use the run's"));
                 }
             }
             let batch = st.batch_size.unwrap_or(t.batch_size);
