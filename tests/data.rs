@@ -546,6 +546,67 @@ fn compressed_jsonl_loads_the_same_ids() {
     assert!(err.contains("bad.jsonl.gz") && err.contains("damaged or truncated"), "{err}");
 }
 
+/// A real `datasets` `save_to_disk` directory (scripts/make_arrow_fixture.py: a DatasetDict,
+/// train in two Arrow files, validation in one): the train split's `input_ids` load the
+/// same ids as the JSON lines of the same rows (a null row and an empty list yield
+/// nothing), its `text` column the same texts; the validation split its own rows; a wrong
+/// column is an error listing the columns; damaged copies are errors, never panics.
+#[test]
+fn arrow_save_to_disk_loads_the_same_ids() {
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let load = |p: &Path, split: Option<&str>, column: Option<&str>| -> longctx::Result<Vec<Sample>> {
+        let mut cfg = FilesConfig::new(p.to_str().unwrap(), 7);
+        cfg.shuffle_buffer = 0;
+        cfg.eos = Some(2);
+        cfg.split = split.map(str::to_string);
+        cfg.column = column.map(str::to_string);
+        let mut l = Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard::SINGLE)?;
+        drain_result(&mut l)
+    };
+    let want = load(&fx.join("arrow_dataset_train.jsonl"), None, None).unwrap();
+    assert!(want.len() > 10);
+    assert_eq!(load(&fx.join("arrow_dataset"), Some("train"), None).unwrap(), want, "the train split");
+    assert_eq!(load(&fx.join("arrow_dataset/train"), None, Some("input_ids")).unwrap(), want, "the train directory");
+    // validation: rows 100..103 of the script's formula
+    let val: Vec<Vec<u32>> = (100u32..103).map(|r| (0..3 + (r * 5) % 17).map(|k| (r * 31 + k * 7) % 250 + 3).collect()).collect();
+    assert_eq!(load(&fx.join("arrow_dataset"), Some("validation"), None).unwrap(), reference_concat(&val, 7, None, Some(2)));
+    // text column: the same strings as the JSON lines (read as documents, no tokenizer here)
+    let texts = |format: Format, files: Vec<PathBuf>| -> Vec<String> {
+        let opts = ReadOptions { format, column: Some("text".into()), text_split: TextSplit::File, token_width: TokenWidth::U16 };
+        MultiFileDocs::new(files, opts)
+            .map(|d| match d.unwrap().content {
+                Content::Text(t) => t,
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    };
+    let arrow_files: Vec<PathBuf> = (0..2).map(|i| fx.join(format!("arrow_dataset/train/data-0000{i}-of-00002.arrow"))).collect();
+    let t = texts(Format::Arrow, arrow_files.clone());
+    assert_eq!(t.len(), 12, "every row has a text");
+    let from_json = texts(Format::Jsonl, vec![fx.join("arrow_dataset_train.jsonl")]);
+    assert!(from_json.iter().all(|x| t.contains(x)) && t[0] == from_json[0], "{t:?}");
+    for (column, needle) in [("nope", "the columns are"), ("meta", "expected a string or a list of integers")] {
+        let err = load(&fx.join("arrow_dataset/train"), None, Some(column)).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains(needle) && err.contains(".arrow"), "{column}: {err}");
+    }
+    // Damaged copies: truncated at every 7th byte, one byte flipped at every 5th.
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = fs::read(&arrow_files[0]).unwrap();
+    let p = dir.path().join("d.arrow");
+    for cut in (0..bytes.len()).step_by(7) {
+        fs::write(&p, &bytes[..cut]).unwrap();
+        let _ = load(&p, None, None); // an error or fewer rows, never a panic
+    }
+    let mut errors = 0;
+    for at in (0..bytes.len()).step_by(5) {
+        let mut b = bytes.clone();
+        b[at] ^= 0x5a;
+        fs::write(&p, &b).unwrap();
+        errors += usize::from(load(&p, None, None).is_err());
+    }
+    assert!(errors > 0);
+}
+
 #[test]
 fn layout_permutes_ids_targets_positions_identically() {
     use longctx::attention::layout::{fpdt_indices, usp_indices, zigzag_indices};

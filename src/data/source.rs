@@ -16,6 +16,8 @@
 //!   downloads only those); one whose paths name no split is read whole.
 //! - Compression: `.jsonl.gz` (gzip) and `.jsonl.zst` (zstd) are JSON lines read through
 //!   a streaming decoder.
+//! - `.arrow`: a directory written by `datasets`' `save_to_disk` (its `dataset_info.json`
+//!   and `state.json` are not data files and are ignored).
 
 use std::path::{Path, PathBuf};
 
@@ -53,6 +55,8 @@ pub enum Format {
     Parquet,
     /// `.bin`: raw little-endian tokens (nanoGPT style); the width is a separate setting.
     Tokens,
+    /// `.arrow`: Arrow IPC, as `datasets`' `save_to_disk` writes it.
+    Arrow,
 }
 
 impl Format {
@@ -63,13 +67,14 @@ impl Format {
             Format::Text => &["txt"],
             Format::Parquet => &["parquet"],
             Format::Tokens => &["bin"],
+            Format::Arrow => &["arrow"],
         }
     }
 
     /// The format a file extension stands for, if any.
     pub fn from_extension(path: &Path) -> Option<Format> {
         let name = path.file_name()?.to_str()?.to_ascii_lowercase();
-        [Format::Jsonl, Format::Text, Format::Parquet, Format::Tokens]
+        [Format::Jsonl, Format::Text, Format::Parquet, Format::Tokens, Format::Arrow]
             .into_iter()
             .find(|f| f.extensions().iter().any(|e| name.strip_suffix(e).is_some_and(|stem| stem.ends_with('.') && stem.len() > 1)))
     }
@@ -189,7 +194,7 @@ pub fn resolve_local(root: &Path, format: Option<Format>) -> Result<Resolved> {
             None => {
                 return Err(Error::data(
                     root,
-                    "cannot tell the format from the extension; expected .jsonl, .txt, .parquet or .bin, \
+                    "cannot tell the format from the extension; expected .jsonl(.gz/.zst), .txt, .parquet, .arrow or .bin, \
                      or set the dataset format explicitly",
                 ))
             }
@@ -210,7 +215,7 @@ pub fn resolve_local(root: &Path, format: Option<Format>) -> Result<Resolved> {
             found.dedup();
             match found.as_slice() {
                 [one] => *one,
-                [] => return Err(Error::data(root, "no dataset files (.jsonl, .txt, .parquet, .bin) in this directory")),
+                [] => return Err(Error::data(root, "no dataset files (.jsonl(.gz/.zst), .txt, .parquet, .arrow, .bin) in this directory")),
                 many => {
                     return Err(Error::data(root, format!("files of several formats ({many:?}) in this directory; set the dataset format")))
                 }
