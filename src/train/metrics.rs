@@ -48,6 +48,19 @@ pub fn peak_tflops_for(gpu_name: &str) -> Option<f64> {
     TABLE.iter().find(|(k, _)| n.contains(k)).map(|&(_, v)| v)
 }
 
+/// Seconds left after step `step` of stage `si` of `plan` (steps, tokens per step, length
+/// per stage) when a step of stage `si` takes `step_seconds`: later stages' steps scaled by
+/// their FLOPs per step (`flops_per_token(length)` × tokens).
+pub fn eta(plan: &[(u64, u64, usize)], si: usize, step: u64, step_seconds: f64, flops_per_token: impl Fn(usize) -> f64) -> Option<f64> {
+    let cost = |&(_, tokens, len): &(u64, u64, usize)| tokens as f64 * flops_per_token(len);
+    let cur = plan.get(si)?;
+    let mut left = cur.0.saturating_sub(step) as f64 * step_seconds;
+    for later in plan.iter().skip(si + 1) {
+        left += later.0 as f64 * step_seconds * cost(later) / cost(cur).max(1.0);
+    }
+    Some(left)
+}
+
 /// `h:mm:ss`.
 pub fn hms(seconds: f64) -> String {
     let s = if seconds.is_finite() && seconds > 0.0 { seconds.round() as u64 } else { 0 };
@@ -181,14 +194,7 @@ impl Metrics {
     /// smoothed step time for its remaining steps, scaled by FLOPs per step for the later
     /// stages (tokens per step × FLOPs per token at their length).
     pub fn eta_seconds(&self, si: usize, step: u64) -> Option<f64> {
-        let t = self.step_seconds?;
-        let cost = |&(_, tokens, len): &(u64, u64, usize)| tokens as f64 * self.flops_per_token(len);
-        let cur = self.plan.get(si)?;
-        let mut left = cur.0.saturating_sub(step) as f64 * t;
-        for later in self.plan.iter().skip(si + 1) {
-            left += later.0 as f64 * t * cost(later) / cost(cur).max(1.0);
-        }
-        Some(left)
+        eta(&self.plan, si, step, self.step_seconds?, |len| self.flops_per_token(len))
     }
 
     /// Model FLOPs per token at `seq` (DESIGN.md: 6·params + 6·layers·hidden·seq).
@@ -326,5 +332,30 @@ impl Metrics {
             eprintln!("  tensorboard: {}", tb.path().display());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peak_by_gpu_name() {
+        assert_eq!(peak_tflops_for("NVIDIA H200"), Some(989.0));
+        assert_eq!(peak_tflops_for("NVIDIA H100 PCIe"), Some(756.0));
+        assert_eq!(peak_tflops_for("NVIDIA A100-SXM4-80GB"), Some(312.0));
+        assert_eq!(peak_tflops_for("NVIDIA L40S"), Some(362.0));
+        assert_eq!(peak_tflops_for("Some Future GPU"), None);
+    }
+
+    #[test]
+    fn eta_scales_later_stages_by_their_cost() {
+        // 10 steps of 1 s left in stage 0; stage 1: 5 steps of twice the tokens at the same
+        // cost per token: 10 s more.
+        let plan = [(20, 100, 8), (5, 200, 8)];
+        assert_eq!(eta(&plan, 0, 10, 1.0, |_| 1.0), Some(20.0));
+        assert_eq!(eta(&plan, 1, 5, 2.0, |_| 1.0), Some(0.0));
+        assert_eq!(eta(&plan, 2, 0, 1.0, |_| 1.0), None);
+        assert_eq!(hms(3723.4), "1:02:03");
     }
 }
