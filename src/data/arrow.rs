@@ -124,10 +124,13 @@ struct FieldInfo {
 }
 
 impl FieldInfo {
-    fn parse(fb: &Fb, t: usize, depth: usize) -> R<Self> {
+    /// The field at table `t`; `budget`: fields still allowed in the schema (a crafted
+    /// flatbuffer may point many children at one table: the count stays bounded).
+    fn parse(fb: &Fb, t: usize, depth: usize, budget: &mut usize) -> R<Self> {
         if depth > 64 {
             return Err("fields nested deeper than 64".into());
         }
+        *budget = budget.checked_sub(1).ok_or("more than 100,000 fields in the schema")?;
         let ty = fb.scalar_u8(t, 2, 0)?;
         let param = match (ty, fb.table(t, 3)?) {
             (T_INT, Some(tt)) => fb.scalar_i32(tt, 0, 0)?,
@@ -137,7 +140,7 @@ impl FieldInfo {
         let mut children = Vec::new();
         if let Some((start, n)) = fb.vector(t, 5)? {
             for i in 0..n.min(1 << 16) {
-                children.push(FieldInfo::parse(fb, fb.follow(start + 4 * i)?, depth + 1)?);
+                children.push(FieldInfo::parse(fb, fb.follow(start + 4 * i)?, depth + 1, budget)?);
             }
         }
         Ok(Self { name: fb.string(t, 0)?.unwrap_or_default(), ty, param, dictionary: fb.table(t, 4)?.is_some(), children })
@@ -240,7 +243,8 @@ impl ArrowDocs {
         let fb = Fb { buf: &me.map[meta.0..meta.1] };
         let fields = (|| -> R<Vec<FieldInfo>> {
             let (start, n) = fb.vector(header, 1)?.unwrap_or((0, 0));
-            (0..n.min(1 << 16)).map(|i| FieldInfo::parse(&fb, fb.follow(start + 4 * i)?, 0)).collect()
+            let mut budget = 100_000;
+            (0..n.min(1 << 16)).map(|i| FieldInfo::parse(&fb, fb.follow(start + 4 * i)?, 0, &mut budget)).collect()
         })()
         .map_err(|e| me.bad(e))?;
         let names: Vec<&str> = fields.iter().map(|f| f.name.as_str()).collect();
