@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # EasyContext-1M-Llama-2-7B: Llama-2-7B from 4K to 512K tokens of training context in
-# seven (length, rope_theta) stages on one node of 8 GPUs, exported with rope_theta 1e9
-# for 1M-token inference. Stages, data and optimizer: recipes/EasyContext-1M-Llama-2-7B.toml.
+# seven (length, rope_theta) stages on one node of 8 GPUs, about 1M tokens per optimizer
+# step in every stage as EasyContext's train_scripts/EasyContext-1M-Llama-2-7B.sh, exported
+# with rope_theta 1e9 for 1M-token inference. Stages, data and optimizer: recipes/EasyContext-1M-Llama-2-7B.toml.
 #
 # Needs a CUDA+NCCL build on PATH (cargo build --release --features nccl) or LONGCTX=path.
 # Extra arguments go to `train` and override the TOML, e.g.
@@ -15,7 +16,8 @@ NPROC="${NPROC:-8}"    # GPUs of this node (the TOML's world_size is 8)
 #   "$LONGCTX" plan --config recipes/EasyContext-1M-Llama-2-7B.toml --gpu-memory 141GB
 
 # All stages in one run: each stage starts from the previous one's weights, the
-# checkpoint (every 50 steps) makes the whole run resumable, and the final export
+# checkpoint (every 50 steps) makes the whole run resumable (each stage starts with a
+# fresh optimizer, as EasyContext's separate jobs do), and the final export
 # lands in <output_dir>/export with rope_theta 1e9.
 "$LONGCTX" launch --nproc-per-node "$NPROC" -- \
     train --config recipes/EasyContext-1M-Llama-2-7B.toml "$@"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# EasyContext-256K-danube2-1.8B: H2O Danube2 1.8B from 8K to 256K tokens in three
-# (length, rope_theta) stages, zigzag ring attention over 8 GPUs of one node.
+# EasyContext-256K-danube2-1.8B: H2O Danube2 1.8B from 8K to 256K tokens in nine
+# (length, rope_theta) stages as EasyContext's train_scripts/EasyContext-256K-danube2.sh:
+# data parallel up to 32K, then zigzag ring attention over 8 GPUs of one node.
 # Stages, data and optimizer: recipes/EasyContext-256K-danube2-1.8B.toml.
 #
 # Needs a CUDA+NCCL build on PATH (cargo build --release --features nccl) or LONGCTX=path.

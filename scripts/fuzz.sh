@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-60}"
 shift || true
-all=(safetensors_header safetensors_index config_json tokenizer_json dataset_jsonl dataset_text dataset_parquet dataset_tokens checkpoint_state)
+all=(safetensors_header safetensors_index config_json tokenizer_json dataset_jsonl dataset_text dataset_parquet dataset_tokens dataset_arrow dataset_jsonl_compressed checkpoint_state)
 if [[ $# -gt 0 ]]; then targets=("$@"); else targets=("${all[@]}"); fi
 
 engine="${LONGCTX_FUZZ_ENGINE:-}"

@@ -47,6 +47,25 @@ pub fn gpu_memory(s: &str, file: &Path) -> Result<Option<u64>> {
     Ok(device_index(s, file)?.and_then(total_memory))
 }
 
+/// The name of the GPU `model.device` names (e.g. `NVIDIA H200`), from the driver; `None`
+/// for the CPU, a bad device string, or when this build or machine cannot tell.
+pub fn gpu_name(s: &str) -> Option<String> {
+    device_index(s, Path::new("<run config>")).ok().flatten().and_then(device_name)
+}
+
+#[cfg(feature = "cuda")]
+fn device_name(idx: usize) -> Option<String> {
+    use candle_core::cuda::cudarc::driver::result;
+    result::init().ok()?;
+    let dev = result::device::get(i32::try_from(idx).ok()?).ok()?;
+    result::device::get_name(dev).ok()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_name(_idx: usize) -> Option<String> {
+    None
+}
+
 #[cfg(feature = "cuda")]
 fn total_memory(idx: usize) -> Option<u64> {
     use candle_core::cuda::cudarc::driver::result;

@@ -13,7 +13,8 @@
 //! - `eval ppl`, `eval needle`: perplexity against length, needle/passkey heatmaps (PNG);
 //! - `generate`: greedy or sampled generation with a KV cache.
 //!
-//! Every failure prints one `error: ...` line (with context) and exits with status 1.
+//! Every failure prints one `error: ...` line (with context; a usage error adds clap's
+//! tips and usage) and exits with status 1.
 
 mod bench;
 mod bench_engine;
@@ -75,10 +76,9 @@ fn main() {
             std::process::exit(0);
         }
         Err(e) => {
-            // Usage errors: clap's first line (it names the flag and the problem), status 1.
-            let text = e.render().to_string();
-            let first = text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("invalid arguments");
-            eprintln!("{} (see --help)", first.trim_end_matches('.'));
+            // Usage errors: clap's whole message (the problem, its tips such as "a similar
+            // argument exists", the usage line), status 1.
+            eprintln!("{}", e.render().to_string().trim_end());
             std::process::exit(1);
         }
     };

@@ -218,14 +218,7 @@ impl PlanRequest {
         c.parallel.save_attention = self.save_attention;
         c.parallel.token_chunk = self.token_chunk;
         c.train.batch_size = self.batch_size;
-        c.stages = vec![Stage {
-            seq_length: self.seq_len,
-            rope_theta: 10_000.0,
-            steps: 1,
-            learning_rate: None,
-            parallel_mode: None,
-            fpdt_chunk_size: None,
-        }];
+        c.stages = vec![Stage::new(self.seq_len, 10_000.0, 1)];
         c
     }
 }
@@ -618,11 +611,12 @@ pub fn run_requests(cfg: &RunConfig, gpu_memory: u64, dtype_bytes: usize) -> Vec
     let p = &cfg.parallel;
     cfg.stages
         .iter()
-        .map(|st| {
+        .enumerate()
+        .map(|(i, st)| {
             let mut r = PlanRequest::new(st.seq_length, p.world_size, gpu_memory, st.parallel_mode.unwrap_or(p.mode));
             r.optimizer_on_host = cfg.train.optimizer_on_host;
             r.dtype_bytes = dtype_bytes;
-            r.batch_size = cfg.train.batch_size;
+            r.batch_size = cfg.stage_settings(i).batch_size;
             r.sp = (p.sp_size > 0).then_some(p.sp_size);
             r.ulysses = Some(p.ulysses_size);
             r.fpdt_chunk = st.fpdt_chunk_size.unwrap_or(p.fpdt_chunk_size);

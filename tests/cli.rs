@@ -374,11 +374,97 @@ fn every_preset_and_recipe_passes_dry_run() {
     assert!(n >= 9, "expected 5 presets and 4 recipes, found {n}");
 }
 
+/// EasyContext's spellings of the flags (and its mode name usp_attn, its --ring_degree)
+/// resolve to the same config as longctx's own: each alias alone, then a whole
+/// EasyContext command line.
+#[test]
+fn easycontext_flag_spellings_resolve_to_the_same_config() {
+    let d = tmp();
+    let out = d.path().join("o");
+    let out = out.to_str().unwrap();
+    let base = ["train", "--dry-run", "--model", "builtin:tiny", "--world-size", "4"];
+    let pairs: [(&[&str], &[&str]); 14] = [
+        (&["--batch-size", "2"], &["--batch_size", "2"]),
+        (&["--gradient-accumulate-every", "3"], &["--gradient_accumulate_every", "3"]),
+        (&["--learning-rate", "1e-4"], &["--learning_rate", "1e-4"]),
+        (&["--max-train-steps", "5"], &["--max_train_steps", "5"]),
+        (&["--seq-length", "256"], &["--seq_length", "256"]),
+        (&["--rope-theta", "1e5"], &["--rope_theta", "1e5"]),
+        (&["--output-dir", out], &["--output_dir", out]),
+        (&["--parallel-mode", "ulysses_attn"], &["--parallel_mode", "ulysses_attn"]),
+        (&["--parallel-mode", "usp", "--ulysses-size", "2"], &["--parallel_mode", "usp_attn", "--ring_degree", "2"]),
+        (&["--parallel-mode", "usp", "--ulysses-size", "4"], &["--parallel-mode", "usp", "--ring-degree", "1"]),
+        (&["--warmup-steps", "3"], &["--warmup_steps", "3"]),
+        (&["--dataset-column", "text"], &["--dataset_column", "text"]),
+        (&["--sp-size", "2", "--parallel-mode", "zigzag_ring_attn"], &["--sp_size", "2", "--parallel_mode", "zigzag_ring_attn"]),
+        (&["--seed", "7"], &["--seed", "7", "--wandb", "EasyContext"]),
+    ];
+    for (canon, alias) in pairs {
+        let a = ok(&[&base[..], canon].concat());
+        let b = ok(&[&base[..], alias].concat());
+        assert_eq!(a.stdout, b.stdout, "{canon:?} vs {alias:?}");
+    }
+    // A line of EasyContext's 1M script (stage 2), with our model and world size.
+    let easy = ok(&[
+        &base[..],
+        &[
+            "--batch-size",
+            "1",
+            "--gradient-accumulate-every",
+            "4",
+            "--output-dir",
+            out,
+            "--seed",
+            "2023",
+            "--wandb",
+            "EasyContext",
+            "--max-train-steps",
+            "500",
+            "--learning-rate",
+            "2e-5",
+            "--seq-length",
+            "256",
+            "--rope-theta",
+            "10000000",
+            "--parallel_mode",
+            "zigzag_ring_attn",
+        ],
+    ]
+    .concat());
+    let r: RunConfig = toml::from_str(&easy.stdout).unwrap();
+    assert_eq!(
+        (r.parallel.mode, r.seed, r.stages[0].steps, r.train.gradient_accumulate_every),
+        (ParallelMode::ZigzagRingAttn, 2023, 500, 4)
+    );
+    assert!(easy.stdout.contains("tokens/step"), "the dry run prints the plan:\n{}", easy.stdout);
+    assert!(easy.stderr.contains("wandb sync --sync-tensorboard"), "{}", easy.stderr);
+    // A misspelled flag: clap's whole message, with its hint.
+    let o = run(&["train", "--parallel-modes", "usp"]);
+    assert_eq!(o.code, 1);
+    assert!(o.stderr.contains("error: unexpected argument '--parallel-modes'"), "{}", o.stderr);
+    assert!(o.stderr.contains("similar argument exists") && o.stderr.contains("--parallel-mode"), "{}", o.stderr);
+    let o = run(&["train", "--dry-run", "--parallel_mode", "dist_flash_attn"]);
+    fails(&o, &["--parallel-mode", "dist_flash_attn", "zigzag_ring_attn"], true);
+    let o = run(&["train", "--dry-run", "--world-size", "4", "--parallel-mode", "usp", "--ring-degree", "3"]);
+    fails(&o, &["--ring-degree", "divisor", "4"], true);
+}
+
+/// `train --dry-run` prints the plan after the config, as TOML comments: per stage the
+/// tokens per optimizer step and the total.
+#[test]
+fn dry_run_prints_tokens_per_step() {
+    let o = ok(&["train", "--config", "recipes/EasyContext-1M-Llama-2-7B.toml", "--dry-run"]);
+    let r: RunConfig = toml::from_str(&o.stdout).unwrap();
+    assert_eq!(r.stages.len(), 7);
+    assert!(o.stdout.contains("#   stage 0: 32K tokens") && o.stdout.contains("= 1,048,576 tokens/step"), "{}", o.stdout);
+    assert!(o.stdout.contains("= 1,024,000 tokens/step") && o.stdout.contains("total: 3,674,112,000 tokens"), "{}", o.stdout);
+}
+
 #[test]
 fn easycontext_recipe_has_the_issue_stages() {
     let r = RunConfig::from_file(&root().join("recipes/EasyContext-1M-Llama-2-7B.toml")).unwrap();
     let got: Vec<(usize, f64)> = r.stages.iter().map(|s| (s.seq_length, s.rope_theta)).collect();
-    let want = vec![(32768, 1e6), (65536, 5e6), (262144, 1e7), (262144, 2.5e7), (262144, 5e7), (524288, 1e8), (524288, 2.5e8)];
+    let want = vec![(32768, 1e6), (65536, 5e6), (256000, 1e7), (256000, 2.5e7), (256000, 5e7), (512000, 1e8), (512000, 2.5e8)];
     assert_eq!(got, want);
     assert_eq!(r.export.final_rope_theta, Some(1e9));
     let f = RunConfig::from_file(&root().join("recipes/FPDT-256K-6.7B.toml")).unwrap();
@@ -411,7 +497,9 @@ fn plan_text_and_json() {
     let m = llama2_7b_dir(d.path());
     let m = m.to_str().unwrap();
     // The hand-computed peak of tests/plan.rs (zigzag, 512K, 8 GPUs).
-    let o = ok(&["plan", "--model", m, "--seq-length", "512K", "--gpus", "8", "--parallel-mode", "zigzag_ring_attn", "--json"]);
+    let o = ok(&[
+        "plan", "--model", m, "--seq-length", "512K", "--gpus", "8", "--parallel-mode", "zigzag_ring_attn", "--optimizer-on-host", "--json",
+    ]);
     let v: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
     assert_eq!(v["estimate"]["device"]["peak"], 75_856_690_688u64);
     assert_eq!(v["suggestion"]["as_requested"], true);
@@ -495,9 +583,14 @@ fn tiny_recipe_trains_exports_and_reexports() {
 
 #[test]
 fn bad_sizes_and_export_sources() {
-    fails(&run(&["export", "tests/fixtures/llama_mha", "-o", "x", "--max-shard-size", "5XB"]), &["--max-shard-size", "unknown unit"], true);
+    // (clap usage errors: its whole message, the error line then its hint to --help)
+    fails(
+        &run(&["export", "tests/fixtures/llama_mha", "-o", "x", "--max-shard-size", "5XB"]),
+        &["--max-shard-size", "unknown unit"],
+        false,
+    );
     fails(&run(&["export", "no/such/dir/anywhere", "-o", "x"]), &["no/such/dir/anywhere"], true);
-    fails(&run(&["inspect", "--model", "tests/fixtures/llama_mha", "--gpu-memory", "lots"]), &["--gpu-memory"], true);
+    fails(&run(&["inspect", "--model", "tests/fixtures/llama_mha", "--gpu-memory", "lots"]), &["--gpu-memory"], false);
 }
 
 #[cfg(not(feature = "nccl"))]

@@ -65,6 +65,15 @@ fn drain(loader: &mut Loader) -> Vec<Sample> {
     out
 }
 
+/// [`drain`] that returns a reading error instead of panicking.
+fn drain_result(loader: &mut Loader) -> longctx::Result<Vec<Sample>> {
+    let mut out = Vec::new();
+    while let Some(s) = loader.next_sample()? {
+        out.push(s);
+    }
+    Ok(out)
+}
+
 fn one_epoch(cfg: &FilesConfig) -> FilesConfig {
     FilesConfig { max_epochs: Some(1), ..cfg.clone() }
 }
@@ -448,6 +457,154 @@ fn hub_dataset_id_resolves_from_cache_offline() {
     let cfg = FilesConfig::new("someorg/absent", 8);
     let err = Loader::files(&cfg, None, &opts, Shard::SINGLE).err().unwrap().to_string();
     assert!(err.contains("datasets--someorg--absent") && err.contains("not in the Hugging Face cache"), "{err}");
+}
+
+/// A hub snapshot (and a local directory) whose file names name splits: `split = train`
+/// reads only the train files, `validation` only those, `*` every file; a split no file
+/// names is an error listing the splits found; a directory naming no split is read whole.
+#[test]
+fn split_filter_keeps_the_split_files() {
+    let cache = tempfile::tempdir().unwrap();
+    let commit = "89abcdef0123456789abcdef0123456789abcdef";
+    let repo = cache.path().join("datasets--someorg--split-set");
+    fs::create_dir_all(repo.join("refs")).unwrap();
+    fs::write(repo.join("refs/main"), commit).unwrap();
+    let snap = repo.join("snapshots").join(commit);
+    fs::create_dir_all(snap.join("data")).unwrap();
+    fs::create_dir_all(snap.join("test")).unwrap();
+    let docs = make_docs(30);
+    write_jsonl_ids(&snap.join("data/train-00000-of-00002.jsonl"), &docs[..10]);
+    write_jsonl_ids(&snap.join("data/train-00001-of-00002.jsonl"), &docs[10..20]);
+    write_jsonl_ids(&snap.join("data/validation-00000-of-00001.jsonl"), &docs[20..25]);
+    write_jsonl_ids(&snap.join("test/part0.jsonl"), &docs[25..]);
+    let opts = HubOptions::offline_in(cache.path());
+    let load = |source: &str, split: Option<&str>| {
+        let mut cfg = FilesConfig::new(source, 8);
+        cfg.shuffle_buffer = 0;
+        cfg.split = split.map(str::to_string);
+        let mut l = Loader::files(&one_epoch(&cfg), None, &opts, Shard::SINGLE)?;
+        drain_result(&mut l)
+    };
+    let snap_s = snap.to_str().unwrap();
+    for source in ["someorg/split-set", snap_s] {
+        assert_eq!(load(source, Some("train")).unwrap(), reference_concat(&docs[..20], 8, None, None), "{source}: train");
+        assert_eq!(load(source, Some("validation")).unwrap(), reference_concat(&docs[20..25], 8, None, None), "{source}");
+        assert_eq!(load(source, Some("test")).unwrap(), reference_concat(&docs[25..], 8, None, None), "{source}: a test/ directory");
+        assert_eq!(load(source, None).unwrap(), reference_concat(&docs, 8, None, None), "{source}: every file, by path");
+        let err = load(source, Some("dev")).err().unwrap().to_string();
+        assert!(err.contains("`dev`") && err.contains("\"train\"") && err.contains("--dataset-split"), "{err}");
+    }
+    // No file names a split: all are read.
+    let plain = tempfile::tempdir().unwrap();
+    write_jsonl_ids(&plain.path().join("a.jsonl"), &docs[..15]);
+    write_jsonl_ids(&plain.path().join("b.jsonl"), &docs[15..]);
+    assert_eq!(load(plain.path().to_str().unwrap(), Some("train")).unwrap(), reference_concat(&docs, 8, None, None));
+}
+
+/// `.jsonl.gz` (one gzip member and several) and `.jsonl.zst` give the ids of the plain
+/// file; in a directory they are found like `.jsonl`; a damaged one is an error naming it.
+#[test]
+fn compressed_jsonl_loads_the_same_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let docs = make_docs(40);
+    let plain = dir.path().join("d.jsonl");
+    write_jsonl_ids(&plain, &docs);
+    let bytes = fs::read(&plain).unwrap();
+    let gz = |data: &[u8]| {
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(data).unwrap();
+        e.finish().unwrap()
+    };
+    let (half, rest) = bytes.split_at(bytes.len() / 2);
+    let files = [
+        ("d1.jsonl.gz", gz(&bytes)),
+        ("d2.jsonl.gz", [gz(half), gz(rest)].concat()), // concatenated members (pigz, bgzip)
+        ("d3.jsonl.zst", zstd::stream::encode_all(&bytes[..], 3).unwrap()),
+        ("d4.JSONL.ZSTD", zstd::stream::encode_all(&bytes[..], 1).unwrap()),
+    ];
+    let load = |p: &Path| {
+        let mut cfg = FilesConfig::new(p.to_str().unwrap(), 9);
+        cfg.shuffle_buffer = 0;
+        cfg.eos = Some(2);
+        let mut l = Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard::SINGLE)?;
+        drain_result(&mut l)
+    };
+    let want = load(&plain).unwrap();
+    assert_eq!(want, reference_concat(&docs, 9, None, Some(2)));
+    for (name, data) in &files {
+        let p = dir.path().join(name);
+        fs::write(&p, data).unwrap();
+        assert_eq!(Format::from_extension(&p), Some(Format::Jsonl), "{name}");
+        assert_eq!(load(&p).unwrap(), want, "{name}");
+    }
+    let only_gz = tempfile::tempdir().unwrap();
+    fs::write(only_gz.path().join("x.jsonl.gz"), &files[0].1).unwrap();
+    assert_eq!(load(only_gz.path()).unwrap(), want, "a directory of .jsonl.gz");
+    let bad = dir.path().join("bad.jsonl.gz");
+    fs::write(&bad, &files[0].1[..files[0].1.len() / 2]).unwrap();
+    let err = load(&bad).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("bad.jsonl.gz") && err.contains("damaged or truncated"), "{err}");
+}
+
+/// A real `datasets` `save_to_disk` directory (scripts/make_arrow_fixture.py: a DatasetDict,
+/// train in two Arrow files, validation in one): the train split's `input_ids` load the
+/// same ids as the JSON lines of the same rows (a null row and an empty list yield
+/// nothing), its `text` column the same texts; the validation split its own rows; a wrong
+/// column is an error listing the columns; damaged copies are errors, never panics.
+#[test]
+fn arrow_save_to_disk_loads_the_same_ids() {
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let load = |p: &Path, split: Option<&str>, column: Option<&str>| -> longctx::Result<Vec<Sample>> {
+        let mut cfg = FilesConfig::new(p.to_str().unwrap(), 7);
+        cfg.shuffle_buffer = 0;
+        cfg.eos = Some(2);
+        cfg.split = split.map(str::to_string);
+        cfg.column = column.map(str::to_string);
+        let mut l = Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard::SINGLE)?;
+        drain_result(&mut l)
+    };
+    let want = load(&fx.join("arrow_dataset_train.jsonl"), None, None).unwrap();
+    assert!(want.len() > 10);
+    assert_eq!(load(&fx.join("arrow_dataset"), Some("train"), None).unwrap(), want, "the train split");
+    assert_eq!(load(&fx.join("arrow_dataset/train"), None, Some("input_ids")).unwrap(), want, "the train directory");
+    // validation: rows 100..103 of the script's formula
+    let val: Vec<Vec<u32>> = (100u32..103).map(|r| (0..3 + (r * 5) % 17).map(|k| (r * 31 + k * 7) % 250 + 3).collect()).collect();
+    assert_eq!(load(&fx.join("arrow_dataset"), Some("validation"), None).unwrap(), reference_concat(&val, 7, None, Some(2)));
+    // text column: the same strings as the JSON lines (read as documents, no tokenizer here)
+    let texts = |format: Format, files: Vec<PathBuf>| -> Vec<String> {
+        let opts = ReadOptions { format, column: Some("text".into()), text_split: TextSplit::File, token_width: TokenWidth::U16 };
+        MultiFileDocs::new(files, opts)
+            .map(|d| match d.unwrap().content {
+                Content::Text(t) => t,
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    };
+    let arrow_files: Vec<PathBuf> = (0..2).map(|i| fx.join(format!("arrow_dataset/train/data-0000{i}-of-00002.arrow"))).collect();
+    let t = texts(Format::Arrow, arrow_files.clone());
+    assert_eq!(t.len(), 12, "every row has a text");
+    let from_json = texts(Format::Jsonl, vec![fx.join("arrow_dataset_train.jsonl")]);
+    assert!(from_json.iter().all(|x| t.contains(x)) && t[0] == from_json[0], "{t:?}");
+    for (column, needle) in [("nope", "the columns are"), ("meta", "expected a string or a list of integers")] {
+        let err = load(&fx.join("arrow_dataset/train"), None, Some(column)).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains(needle) && err.contains(".arrow"), "{column}: {err}");
+    }
+    // Damaged copies: truncated at every 7th byte, one byte flipped at every 5th.
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = fs::read(&arrow_files[0]).unwrap();
+    let p = dir.path().join("d.arrow");
+    for cut in (0..bytes.len()).step_by(7) {
+        fs::write(&p, &bytes[..cut]).unwrap();
+        let _ = load(&p, None, None); // an error or fewer rows, never a panic
+    }
+    let mut errors = 0;
+    for at in (0..bytes.len()).step_by(5) {
+        let mut b = bytes.clone();
+        b[at] ^= 0x5a;
+        fs::write(&p, &b).unwrap();
+        errors += usize::from(load(&p, None, None).is_err());
+    }
+    assert!(errors > 0);
 }
 
 #[test]

@@ -246,8 +246,7 @@ fn trainer_run_with(
     c.parallel.world_size = world;
     c.parallel.mode = mode;
     c.parallel.token_chunk = 24;
-    c.stages =
-        vec![Stage { seq_length: 64, rope_theta: 10_000.0, steps: 3, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None }];
+    c.stages = vec![Stage::new(64, 10_000.0, 3)];
     tweak(&mut c);
     c.validate(Path::new("<test>"))?;
     longctx::train::trainer::run(&c, false)?;
@@ -326,8 +325,7 @@ fn trainer_step_is_clip_then_adamw_of_the_mean_gradient() -> longctx::Result<()>
     c.train.clip_grad = clip;
     c.parallel.world_size = 2;
     c.parallel.token_chunk = 24;
-    c.stages =
-        vec![Stage { seq_length: seq, rope_theta: 10_000.0, steps: 1, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None }];
+    c.stages = vec![Stage::new(seq, 10_000.0, 1)];
     c.validate(Path::new("<test>"))?;
     longctx::train::trainer::run(&c, false)?;
     let logged = logged(&dir);

@@ -24,7 +24,7 @@ fn config(dir: &Path, world: usize, checkpoint_every: u64) -> RunConfig {
     c.train.checkpoint_interval_min = 0.0;
     c.parallel.world_size = world;
     c.parallel.token_chunk = 32;
-    c.stages = vec![Stage { seq_length: 32, rope_theta: 1e4, steps: 6, learning_rate: None, parallel_mode: None, fpdt_chunk_size: None }];
+    c.stages = vec![Stage::new(32, 1e4, 6)];
     if let Err(e) = c.validate(Path::new("<test>")) {
         panic!("test config: {e}");
     }

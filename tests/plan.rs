@@ -276,24 +276,10 @@ fn check_run_catches_heads_and_allows_dp_changes() {
     // data_parallel (dp 8) then a ring stage (dp 1): allowed, the optimizer is sharded
     // over all 8 ranks either way.
     c.parallel.mode = ParallelMode::DataParallel;
-    c.stages.push(Stage {
-        seq_length: 1024,
-        rope_theta: 1e6,
-        steps: 1,
-        learning_rate: None,
-        parallel_mode: Some(ParallelMode::ZigzagRingAttn),
-        fpdt_chunk_size: None,
-    });
+    c.stages.push(Stage { parallel_mode: Some(ParallelMode::ZigzagRingAttn), ..Stage::new(1024, 1e6, 1) });
     plan::check_run(&c, &tiny, src).unwrap();
     // ... but not a later Ulysses stage the heads cannot split into.
-    c.stages.push(Stage {
-        seq_length: 2048,
-        rope_theta: 1e6,
-        steps: 1,
-        learning_rate: None,
-        parallel_mode: Some(ParallelMode::UlyssesAttn),
-        fpdt_chunk_size: None,
-    });
+    c.stages.push(Stage { parallel_mode: Some(ParallelMode::UlyssesAttn), ..Stage::new(2048, 1e6, 1) });
     let e = plan::check_run(&c, &tiny, src).unwrap_err().to_string();
     assert!(e.contains("parallel_mode") && e.contains("4 query heads"), "{e}");
 }
@@ -368,14 +354,7 @@ fn run_1b(seq: usize, offload: bool) -> longctx::train::RunConfig {
     c.model.dtype = "bf16".into();
     c.parallel.offload_activations = offload;
     c.parallel.token_chunk = 8192;
-    c.stages = vec![longctx::train::Stage {
-        seq_length: seq,
-        rope_theta: 1e6,
-        steps: 1,
-        learning_rate: None,
-        parallel_mode: None,
-        fpdt_chunk_size: None,
-    }];
+    c.stages = vec![longctx::train::Stage::new(seq, 1e6, 1)];
     c
 }
 

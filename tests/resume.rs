@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 const RESHARD_TOL: f64 = 1e-4;
 
 fn stage(seq_length: usize, rope_theta: f64, steps: u64, mode: Option<ParallelMode>) -> Stage {
-    Stage { seq_length, rope_theta, steps, learning_rate: None, parallel_mode: mode, fpdt_chunk_size: None }
+    Stage { parallel_mode: mode, ..Stage::new(seq_length, rope_theta, steps) }
 }
 
 /// The run of a variant: `world` in-process ranks, `modes` per stage.
@@ -181,6 +181,45 @@ fn stages_with_different_dp_resume_is_bit_exact() -> longctx::Result<()> {
     let modes = [ParallelMode::DataParallel, ParallelMode::ZigzagRingAttn];
     let cfg = config(tmp.path(), 2, 1, modes, 1);
     check_variant("dp 2 then ring 2", &cfg, &[&[2], &[3]])
+}
+
+/// Per-stage settings (EasyContext's recipes): stage 1 reads another file dataset with its
+/// own seed, batch × accumulation, warmup, and starts with a fresh optimizer. Stops inside
+/// stage 0, at its end (the resumed run makes the reset itself) and inside stage 1 (the
+/// checkpoint holds the moments after the reset) all continue bit for bit.
+#[test]
+fn per_stage_data_batch_and_optimizer_reset_resume_is_bit_exact() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let data = tmp.path().join("stage1.jsonl.gz");
+    {
+        use std::io::Write;
+        let f = std::fs::File::create(&data).map_err(|e| longctx::Error::io(&data, e))?;
+        let mut gz = flate2::write::GzEncoder::new(f, flate2::Compression::fast());
+        for d in 0..200u32 {
+            let ids: Vec<u32> = (0..37).map(|k| 3 + (d * 37 + k) % 250).collect();
+            writeln!(gz, "{}", serde_json::json!({ "input_ids": ids })).map_err(|e| longctx::Error::io(&data, e))?;
+        }
+        gz.finish().map_err(|e| longctx::Error::io(&data, e))?;
+    }
+    let m = ParallelMode::DataParallel;
+    let mut cfg = config(tmp.path(), 2, 1, [m, m], 1);
+    cfg.stages[1] = Stage {
+        seed: Some(2023),
+        dataset: Some(data.to_string_lossy().into_owned()),
+        gradient_accumulate_every: Some(2),
+        warmup_steps: Some(1),
+        reset_optimizer: Some(true),
+        ..cfg.stages[1].clone()
+    };
+    cfg.validate(Path::new("<resume test>"))?;
+    check_variant("per-stage settings", &cfg, &[&[2], &[3], &[4]])?;
+    let straight = tmp.path().join("straight-check");
+    run_in(&straight, &cfg, &[])?;
+    let tokens: Vec<u64> = log_of(&straight).iter().map(|l| l.3).collect();
+    assert_eq!(tokens, [128, 128, 128, 512, 512], "batch 1 × dp 2 × 64; then batch 1 × accumulate 2 × dp 2 × 128");
+    let st = state_without_paths(&straight);
+    assert_eq!((st["adam_step"].as_u64(), st["optimizer_since_step"].as_u64()), (Some(2), Some(3)), "reset at stage 1's first step");
+    Ok(())
 }
 
 /// The straight dp 2 × batch 1 run against one stopped at step 2 under `(w1, b1)` ranks ×

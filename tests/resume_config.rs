@@ -19,14 +19,7 @@ type ConfigEdit = Box<dyn Fn(&mut RunConfig)>;
 type StateEdit = Box<dyn Fn(&mut serde_json::Value)>;
 
 fn config(dir: &Path) -> RunConfig {
-    let stage = |seq_length, rope_theta, steps| Stage {
-        seq_length,
-        rope_theta,
-        steps,
-        learning_rate: None,
-        parallel_mode: None,
-        fpdt_chunk_size: None,
-    };
+    let stage = |seq_length, rope_theta, steps| Stage::new(seq_length, rope_theta, steps);
     let mut c = RunConfig { seed: 9, output_dir: dir.to_path_buf(), ..Default::default() };
     c.train.batch_size = 2;
     c.train.learning_rate = 3e-3;

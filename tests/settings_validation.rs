@@ -78,6 +78,21 @@ fn numeric_config_keys_out_of_range_are_refused() {
     }
     let cfg = write(tmp.path(), "lr.toml", &format!("{STAGE}learning_rate = nan\n"));
     refused(&["train", "--dry-run", "--config", cfg.to_str().unwrap()], &["stage[0].learning_rate", "got NaN"]);
+    // Per-stage settings and the new train keys.
+    let stage_cases = [
+        ("batch_size = 0\n", "stage[0].batch_size", "got 0"),
+        ("gradient_accumulate_every = 2000000\n", "stage[0].gradient_accumulate_every", "got 2000000"),
+        ("batch_size = 1048576\n", "stage[0].batch_size", "tokens per micro-batch"),
+        ("dataset = \"  \"\n", "stage[0].dataset", "is empty"),
+        ("seed = -1\n", "stage[0].seed", ""),
+    ];
+    for (i, (text, key, got)) in stage_cases.iter().enumerate() {
+        let cfg = write(tmp.path(), &format!("s{i}.toml"), &format!("[[stage]]\nseq_length = 65536\nrope_theta = 1e4\nsteps = 2\n{text}"));
+        refused(&["train", "--dry-run", "--config", cfg.to_str().unwrap()], &[&format!("s{i}.toml"), key, got]);
+    }
+    let cfg = write(tmp.path(), "peak.toml", &format!("[train]\npeak_tflops = -3.0\n{STAGE}"));
+    refused(&["train", "--dry-run", "--config", cfg.to_str().unwrap()], &["train.peak_tflops", "got -3"]);
+    refused(&["train", "--dry-run", "--peak-tflops", "0"], &["train.peak_tflops", "got 0"]);
 }
 
 /// A config.json with huge sizes: `inspect`, `plan` and `train` refuse it naming the key

@@ -117,14 +117,14 @@ fn hub_revisions_and_ref_files_that_leave_the_cache_are_refused() {
         assert!(e.contains("is not a revision name") && e.contains("revision"), "{rev}: {e}");
         let e = longctx::hub::resolve_model(&format!("org/tiny@{rev}"), &opts).unwrap_err().to_string();
         assert!(e.contains("is not a revision name"), "{rev}: {e}");
-        let e = longctx::data::source::resolve(&format!("hf:org/set@{rev}"), None, &opts).unwrap_err().to_string();
+        let e = longctx::data::source::resolve(&format!("hf:org/set@{rev}"), None, None, &opts).unwrap_err().to_string();
         assert!(e.contains("is not a revision name"), "dataset {rev}: {e}");
     }
     let c = cache("../../../../tmp");
     let opts = HubOptions::offline_in(c.path());
     let e = longctx::hub::model_config("org/tiny", &opts, false).unwrap_err().to_string();
     assert!(e.contains("ref file content") && e.contains("refs/main") && e.contains("delete this ref file"), "{e}");
-    let e = longctx::data::source::resolve("hf:org/set", None, &opts).unwrap_err().to_string();
+    let e = longctx::data::source::resolve("hf:org/set", None, None, &opts).unwrap_err().to_string();
     assert!(e.contains("ref file content"), "{e}");
 }
 

@@ -25,6 +25,8 @@ pub const TARGETS: &[Target] = &[
     Target { name: "dataset_text", run: dataset_text, seeds: seeds::text },
     Target { name: "dataset_parquet", run: dataset_parquet, seeds: seeds::parquet },
     Target { name: "dataset_tokens", run: dataset_tokens, seeds: seeds::tokens },
+    Target { name: "dataset_arrow", run: dataset_arrow, seeds: seeds::arrow },
+    Target { name: "dataset_jsonl_compressed", run: dataset_jsonl_compressed, seeds: seeds::jsonl_compressed },
     Target { name: "checkpoint_state", run: checkpoint_state, seeds: seeds::state },
 ];
 
@@ -144,6 +146,18 @@ pub fn dataset_parquet(data: &[u8]) {
     dataset("d.parquet", data, |_| {});
 }
 
+/// Arrow IPC files (`datasets`' `save_to_disk`), both columns (the first byte picks one).
+pub fn dataset_arrow(data: &[u8]) {
+    let column = if data.first().is_some_and(|b| b & 1 == 1) { "text" } else { "input_ids" };
+    dataset("d.arrow", data, |c| c.column = Some(column.into()));
+}
+
+/// Compressed JSON lines: gzip or zstd by the input's own magic bytes (zstd otherwise).
+pub fn dataset_jsonl_compressed(data: &[u8]) {
+    let name = if data.starts_with(&[0x1f, 0x8b]) { "d.jsonl.gz" } else { "d.jsonl.zst" };
+    dataset(name, data, |_| {});
+}
+
 /// Raw token files, both widths (the first byte picks one).
 pub fn dataset_tokens(data: &[u8]) {
     let width = if data.first().is_some_and(|b| b & 1 == 1) { longctx::data::TokenWidth::U32 } else { longctx::data::TokenWidth::U16 };
@@ -250,6 +264,27 @@ pub mod seeds {
 
     pub fn text() -> Vec<Vec<u8>> {
         vec![b"hello world\n\nthe passkey is 1 2 3 .\n".to_vec(), "h\u{e9}llo \u{1F600}\n".as_bytes().to_vec()]
+    }
+
+    /// The Arrow fixture of tests/data.rs (written by `datasets`).
+    pub fn arrow() -> Vec<Vec<u8>> {
+        vec![
+            include_bytes!("../../tests/fixtures/arrow_dataset/train/data-00000-of-00002.arrow").to_vec(),
+            include_bytes!("../../tests/fixtures/arrow_dataset/validation/data-00000-of-00001.arrow").to_vec(),
+        ]
+    }
+
+    /// The JSON lines seeds, gzipped and zstd-compressed.
+    pub fn jsonl_compressed() -> Vec<Vec<u8>> {
+        use std::io::Write;
+        jsonl()
+            .into_iter()
+            .flat_map(|j| {
+                let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+                gz.write_all(&j).expect("gzip");
+                [gz.finish().expect("gzip"), zstd::stream::encode_all(&j[..], 3).expect("zstd")]
+            })
+            .collect()
     }
 
     pub fn tokens() -> Vec<Vec<u8>> {

@@ -5,7 +5,13 @@
 //! every flag and a flag means the same in every command. [`LayoutFlags`] (model, dtype,
 //! length, micro-batch, parallel layout: what memory depends on) is taken by both `train`
 //! and `plan`; `plan` rewords some of their help to say its own defaults. The other groups
-//! are `train`'s. An unset flag leaves the config's value.
+//! are `train`'s. An unset flag leaves the config's value; a flag for a key that stages
+//! may set per stage (seed, dataset, column, batch size, accumulation, learning rate,
+//! warmup) also replaces every stage's own value.
+//!
+//! EasyContext's spellings are accepted as aliases (`--parallel_mode`, `--ring_degree`,
+//! `--batch_size`, ..., the mode `usp_attn`), so its scripts' arguments run unchanged;
+//! `--wandb` is accepted and points at the TensorBoard files W&B can sync.
 
 use super::{parse_mode, FLAGS};
 use anyhow::Result;
@@ -17,20 +23,24 @@ use std::path::PathBuf;
 /// The parallel layout and memory flags: `[parallel]`.
 #[derive(Args, Debug, Default, Clone)]
 pub struct ParallelFlags {
-    /// data_parallel | zigzag_ring_attn | ulysses_attn | fpdt | usp
-    #[arg(long)]
+    /// data_parallel | zigzag_ring_attn | ulysses_attn | fpdt | usp (EasyContext's usp_attn too)
+    #[arg(long, visible_alias = "parallel_mode")]
     pub parallel_mode: Option<String>,
     /// Ranks in this process (threads sharing the device) when not started by `launch`.
-    #[arg(long)]
+    #[arg(long, alias = "world_size")]
     pub world_size: Option<usize>,
     /// Sequence-parallel degree [default: all ranks for sequence-parallel modes].
-    #[arg(long)]
+    #[arg(long, alias = "sp_size")]
     pub sp_size: Option<usize>,
     /// USP: Ulysses degree within a ring group.
-    #[arg(long)]
+    #[arg(long, alias = "ulysses_size", alias = "ulysses-degree", alias = "ulysses_degree")]
     pub ulysses_size: Option<usize>,
+    /// USP: ring degree (EasyContext's --ring_degree): the Ulysses degree becomes the
+    /// sequence-parallel degree divided by it.
+    #[arg(long, visible_alias = "ring_degree", conflicts_with = "ulysses_size")]
+    pub ring_degree: Option<usize>,
     /// FPDT chunk size in global tokens [default: 65536].
-    #[arg(long)]
+    #[arg(long, alias = "fpdt_chunk_size")]
     pub fpdt_chunk_size: Option<usize>,
     /// FPDT: park kv chunks (and saved q/o/lse, dq partials) in host memory.
     #[arg(long)]
@@ -63,6 +73,19 @@ impl ParallelFlags {
         set(&mut p.token_chunk, self.token_chunk);
         Ok(())
     }
+
+    /// `--ring-degree R`: `parallel.ulysses_size = sp / R` under the final world size (call
+    /// after the launcher's world is known).
+    pub fn apply_ring_degree(&self, c: &mut RunConfig) -> Result<()> {
+        let Some(r) = self.ring_degree else { return Ok(()) };
+        let sp = c.sp_size_for(longctx::train::ParallelMode::Usp);
+        if r == 0 || !sp.is_multiple_of(r) {
+            let msg = format!("got {r}, expected a divisor of the sequence-parallel degree {sp} (ulysses degree = {sp} / ring degree)");
+            return Err(longctx::Error::config(FLAGS, "--ring-degree", msg).into());
+        }
+        c.parallel.ulysses_size = sp / r;
+        Ok(())
+    }
 }
 
 /// What the memory of a run depends on: `[model]` source and dtype, the length (one
@@ -76,11 +99,15 @@ pub struct LayoutFlags {
     #[arg(long)]
     pub dtype: Option<String>,
     /// Sequence length (replaces the config's stages by one stage).
-    #[arg(long)]
+    #[arg(long, alias = "seq_length")]
     pub seq_length: Option<usize>,
-    /// Sequences per step per data-parallel rank.
-    #[arg(long)]
+    /// Sequences per micro-batch per data-parallel rank (every stage).
+    #[arg(long, alias = "batch_size")]
     pub batch_size: Option<usize>,
+    /// Keep the AdamW state (f32 master, m, v) and its update in host memory, like
+    /// DeepSpeed's offload_optimizer [default: on the GPU] (`train.optimizer_on_host`).
+    #[arg(long, alias = "optimizer_on_host")]
+    pub optimizer_on_host: bool,
     #[command(flatten)]
     pub parallel: ParallelFlags,
 }
@@ -91,7 +118,11 @@ impl LayoutFlags {
     pub fn apply(&self, c: &mut RunConfig) -> Result<()> {
         set(&mut c.model.source, self.model.clone());
         set(&mut c.model.dtype, self.dtype.clone());
-        set(&mut c.train.batch_size, self.batch_size);
+        if let Some(b) = self.batch_size {
+            c.train.batch_size = b;
+            c.stages.iter_mut().for_each(|s| s.batch_size = None);
+        }
+        c.train.optimizer_on_host |= self.optimizer_on_host;
         self.parallel.apply(c)
     }
 }
@@ -101,10 +132,10 @@ impl LayoutFlags {
 pub struct StageFlags {
     /// Optimizer steps (with --seq-length/--rope-theta: a single stage of this many steps;
     /// otherwise caps the steps of every stage).
-    #[arg(long)]
+    #[arg(long, alias = "max_train_steps")]
     pub max_train_steps: Option<u64>,
     /// RoPE base theta of that stage (without --seq-length: of every stage).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, alias = "rope_theta", allow_negative_numbers = true)]
     pub rope_theta: Option<f64>,
 }
 
@@ -118,14 +149,7 @@ impl StageFlags {
             (Some(len), theta) => {
                 let theta = theta.or(c.stages.last().map(|s| s.rope_theta)).unwrap_or(10_000.0);
                 let steps = self.max_train_steps.or(c.stages.last().map(|s| s.steps)).unwrap_or(100);
-                c.stages = vec![Stage {
-                    seq_length: len,
-                    rope_theta: theta,
-                    steps,
-                    learning_rate: None,
-                    parallel_mode: None,
-                    fpdt_chunk_size: None,
-                }];
+                c.stages = vec![Stage::new(len, theta, steps)];
             }
             (None, Some(theta)) => c.stages.iter_mut().for_each(|s| s.rope_theta = theta),
             (None, None) => {}
@@ -141,21 +165,34 @@ impl StageFlags {
 /// The optimization: `[train]` (but `batch_size`, a layout flag).
 #[derive(Args, Debug, Default, Clone)]
 pub struct TrainFlags {
-    /// Micro-steps accumulated per optimizer step.
-    #[arg(long)]
+    /// Micro-batches accumulated per optimizer step (every stage).
+    #[arg(long, alias = "gradient_accumulate_every")]
     pub gradient_accumulate_every: Option<usize>,
-    /// Peak learning rate.
-    #[arg(long, allow_negative_numbers = true)]
+    /// Peak learning rate (every stage).
+    #[arg(long, alias = "learning_rate", allow_negative_numbers = true)]
     pub learning_rate: Option<f64>,
     /// Learning-rate schedule: constant, linear (warmup then constant) or cosine.
-    #[arg(long)]
+    #[arg(long, alias = "lr_schedule")]
     pub lr_schedule: Option<String>,
-    /// Linear warmup steps.
-    #[arg(long)]
+    /// Linear warmup steps at the start of every stage.
+    #[arg(long, alias = "warmup_steps")]
     pub warmup_steps: Option<u64>,
     /// Global-norm gradient clipping (0 = off).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, alias = "clip_grad", alias = "gradient-clipping", allow_negative_numbers = true)]
     pub clip_grad: Option<f64>,
+    /// Start every stage after the first with a fresh AdamW state (EasyContext: a new job per stage).
+    #[arg(long, alias = "reset_optimizer")]
+    pub reset_optimizer: bool,
+    /// Peak dense TFLOP/s of one GPU, for MFU [default: from the GPU's name; 989 if unknown].
+    #[arg(long, alias = "peak_tflops")]
+    pub peak_tflops: Option<f64>,
+    /// Do not write TensorBoard event files (`<output-dir>/tensorboard/`).
+    #[arg(long)]
+    pub no_tensorboard: bool,
+    /// Accepted for EasyContext's scripts: longctx does not call W&B; it writes TensorBoard
+    /// files that `wandb sync --sync-tensorboard <output-dir>/tensorboard` uploads.
+    #[arg(long, value_name = "PROJECT")]
+    pub wandb: Option<String>,
     /// Write a resumable checkpoint every N optimizer steps [default: 0, only at stage
     /// ends and every --checkpoint-interval-min].
     #[arg(long)]
@@ -172,8 +209,35 @@ pub struct TrainFlags {
 impl TrainFlags {
     pub fn apply(&self, c: &mut RunConfig) -> Result<()> {
         let t = &mut c.train;
-        set(&mut t.gradient_accumulate_every, self.gradient_accumulate_every);
-        set(&mut t.learning_rate, self.learning_rate);
+        if let Some(g) = self.gradient_accumulate_every {
+            t.gradient_accumulate_every = g;
+            c.stages.iter_mut().for_each(|s| s.gradient_accumulate_every = None);
+        }
+        if let Some(lr) = self.learning_rate {
+            t.learning_rate = lr;
+            c.stages.iter_mut().for_each(|s| s.learning_rate = None);
+        }
+        if let Some(w) = self.warmup_steps {
+            t.warmup_steps = w;
+            c.stages.iter_mut().for_each(|s| s.warmup_steps = None);
+        }
+        if self.reset_optimizer {
+            t.reset_optimizer = true;
+            c.stages.iter_mut().for_each(|s| s.reset_optimizer = None);
+        }
+        if self.peak_tflops.is_some() {
+            t.peak_tflops = self.peak_tflops;
+        }
+        if self.no_tensorboard {
+            t.tensorboard = false;
+        }
+        if let Some(p) = &self.wandb {
+            t.tensorboard = true;
+            eprintln!(
+                "note: --wandb {p}: longctx writes TensorBoard files; upload them with `wandb sync --sync-tensorboard -p {p} {}/tensorboard`",
+                c.output_dir.display()
+            );
+        }
         if let Some(v) = &self.lr_schedule {
             t.lr_schedule = match v.as_str() {
                 "constant" => Schedule::Constant,
@@ -185,7 +249,6 @@ impl TrainFlags {
                 }
             };
         }
-        set(&mut t.warmup_steps, self.warmup_steps);
         set(&mut t.clip_grad, self.clip_grad);
         set(&mut t.checkpoint_every, self.checkpoint_every);
         set(&mut t.checkpoint_interval_min, self.checkpoint_interval_min);
@@ -197,20 +260,30 @@ impl TrainFlags {
 /// The data: `[data]`.
 #[derive(Args, Debug, Default, Clone)]
 pub struct DataFlags {
-    /// Dataset: `synthetic:passkey`, a jsonl/txt/parquet/.bin file or directory, or a hub dataset id.
+    /// Dataset (every stage): `synthetic:passkey`, a jsonl(.gz/.zst)/txt/parquet/.bin file or
+    /// directory, or a hub dataset id.
     #[arg(long)]
     pub dataset: Option<String>,
     /// Column or field with token ids or text (input_ids or text).
-    #[arg(long)]
+    #[arg(long, alias = "dataset_column")]
     pub dataset_column: Option<String>,
+    /// Split of a hub dataset or dataset directory to read (`*`: every file) [default: train].
+    #[arg(long, alias = "dataset_split")]
+    pub dataset_split: Option<String>,
 }
 
 impl DataFlags {
     pub fn apply(&self, c: &mut RunConfig) {
-        set(&mut c.data.dataset, self.dataset.clone());
+        if let Some(d) = &self.dataset {
+            c.data.dataset = d.clone();
+            c.data.column = None;
+            c.stages.iter_mut().for_each(|s| (s.dataset, s.column) = (None, None));
+        }
         if let Some(v) = &self.dataset_column {
             c.data.column = Some(v.clone());
+            c.stages.iter_mut().for_each(|s| s.column = None);
         }
+        set(&mut c.data.split, self.dataset_split.clone());
     }
 }
 
@@ -218,16 +291,17 @@ impl DataFlags {
 #[derive(Args, Debug, Default, Clone)]
 pub struct RunFlags {
     /// Where checkpoints, metrics and the final export go.
-    #[arg(long)]
+    #[arg(long, alias = "output_dir")]
     pub output_dir: Option<PathBuf>,
     /// cpu, cuda or cuda:N.
     #[arg(long)]
     pub device: Option<String>,
-    /// Random seed (init of builtin models, data shuffle).
+    /// Random seed (init of builtin models, data order: stage i uses seed + i unless it
+    /// sets its own; this flag replaces the stages' own seeds).
     #[arg(long)]
     pub seed: Option<u64>,
     /// rope_theta written into the exported config.json (default: last stage's).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, alias = "final_rope_theta", allow_negative_numbers = true)]
     pub final_rope_theta: Option<f64>,
     /// Seconds a collective waits for the other ranks before every rank aborts naming the
     /// rank and the collective; 0 = no timeout [default: 600] (`parallel.collective_timeout_s`).
@@ -239,7 +313,10 @@ impl RunFlags {
     pub fn apply(&self, c: &mut RunConfig) {
         set(&mut c.output_dir, self.output_dir.clone());
         set(&mut c.model.device, self.device.clone());
-        set(&mut c.seed, self.seed);
+        if let Some(s) = self.seed {
+            c.seed = s;
+            c.stages.iter_mut().for_each(|st| st.seed = None);
+        }
         if let Some(v) = self.final_rope_theta {
             c.export.final_rope_theta = Some(v);
         }

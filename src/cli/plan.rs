@@ -47,8 +47,9 @@ pub struct PlanArgs {
     /// Host memory of one node (checked only when given), e.g. 2TB.
     #[arg(long, value_parser = size_arg)]
     pub host_memory: Option<u64>,
-    /// Keep the AdamW state (f32 master, m, v) on the GPU instead of the host.
-    #[arg(long)]
+    /// Keep the AdamW state on the GPU even where the config says `optimizer_on_host`
+    /// (the default, as for `train`, is the GPU; --optimizer-on-host moves it to the host).
+    #[arg(long, conflicts_with = "optimizer_on_host")]
     pub optimizer_on_device: bool,
     /// Fixed allowance per GPU (CUDA context, workspaces, fragmentation).
     #[arg(long, default_value = "3GB", value_parser = size_arg)]
@@ -127,6 +128,7 @@ fn planned_run(a: &PlanArgs, file: Option<RunConfig>) -> Result<RunConfig> {
         c.model.dtype = "bf16".into();
     }
     a.layout.apply(&mut c)?;
+    a.layout.parallel.apply_ring_degree(&mut c)?;
     if !from_file && a.layout.seq_length.is_none() {
         bail!("--seq-length is required (or --config with stages)");
     }
@@ -157,7 +159,8 @@ fn requests(a: &PlanArgs, run: &RunConfig, from_file: bool) -> Result<Vec<(Strin
             r.gpus = a.gpus.unwrap_or(p.world_size);
             r.nnodes = a.nnodes;
             r.host_memory = a.host_memory;
-            r.optimizer_on_host = !a.optimizer_on_device;
+            // As `train` runs it: the config's `train.optimizer_on_host` (default: the GPU).
+            r.optimizer_on_host = run.train.optimizer_on_host && !a.optimizer_on_device;
             r.overhead = a.overhead;
             // A config's sp_size 0 is "all ranks", the request's None (a flag goes as given);
             // without a config, an unset --ulysses-size stays unset, as the planner's default.
@@ -285,6 +288,64 @@ pub fn print_suggestion(p: &plan::Plan) {
             plan::gb(p.request.gpu_memory)
         ),
     }
+}
+
+/// The stages of a resolved run as `train --dry-run` prints them after the config, as TOML
+/// comments (the output stays a config file): per stage its length, θ,
+/// steps, layout, batch × accumulation × data-parallel ranks = tokens per optimizer step,
+/// data and seed; the total tokens; and, when the model's config is at hand, the planner's
+/// peak per GPU of each stage against `gpu_memory` (the GPU's, else 141 GB).
+pub fn print_run_plan(cfg: &RunConfig, model: Option<&longctx::model::LlamaConfig>, gpu_memory: Option<u64>) -> Result<()> {
+    let gpu = gpu_memory.unwrap_or(141_000_000_000);
+    let reqs = match model {
+        Some(_) => {
+            let dtype_bytes = parse_dtype(&cfg.model.dtype, "model.dtype")?.size_in_bytes();
+            plan::run_requests(cfg, gpu, if cfg.model.device == "cpu" { 4 } else { dtype_bytes })
+        }
+        None => Vec::new(),
+    };
+    println!("# plan: {} stage(s) on {} rank(s)", cfg.stages.len(), cfg.parallel.world_size);
+    let mut total = 0u128;
+    for (i, st) in cfg.stages.iter().enumerate() {
+        let s = cfg.stage_settings(i);
+        let tokens = s.tokens_per_step();
+        total += u128::from(tokens) * u128::from(st.steps);
+        let mem = match (model, reqs.get(i)) {
+            (Some(m), Some(r)) => match plan::estimate(&plan::ModelShape::from_config(m), r) {
+                Ok(e) => format!(
+                    "; peak {} per GPU{}",
+                    super::human_bytes(e.device.peak),
+                    if e.fits_gpu { String::new() } else { format!(" (does NOT fit {})", super::human_bytes(gpu)) }
+                ),
+                Err(e) => format!("; memory: {e}"),
+            },
+            _ => String::new(),
+        };
+        println!(
+            "#   stage {i}: {} tokens, θ {}, {} steps, {} (sp {} × dp {}), batch {} × accumulate {} × dp {} = {} tokens/step, lr {:e}{}, data {} seed {}{}{mem}",
+            plan::tokens_label(st.seq_length),
+            st.rope_theta,
+            st.steps,
+            s.mode,
+            s.sp,
+            s.dp,
+            s.batch_size,
+            s.gradient_accumulate_every,
+            s.dp,
+            group(tokens),
+            s.learning_rate,
+            if s.warmup_steps > 0 { format!(" warmup {}", s.warmup_steps) } else { String::new() },
+            s.dataset,
+            s.seed,
+            if s.reset_optimizer { ", fresh optimizer" } else { "" },
+        );
+    }
+    println!(
+        "#   total: {} tokens; optimizer state on the {}",
+        group(u64::try_from(total).unwrap_or(u64::MAX)),
+        if cfg.train.optimizer_on_host || cfg.model.device == "cpu" { "host" } else { "GPU" }
+    );
+    Ok(())
 }
 
 #[cfg(test)]

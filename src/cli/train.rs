@@ -39,7 +39,8 @@ pub struct TrainArgs {
     /// optimizer state is re-cut and the run continues within rounding, not bit for bit.
     #[arg(long, requires = "resume")]
     pub allow_layout_change: bool,
-    /// Print the resolved config and exit.
+    /// Print the resolved config and the plan (per stage: tokens per step, data, seed,
+    /// memory per GPU when the model's config is at hand) and exit.
     #[arg(long)]
     pub dry_run: bool,
     /// Run even when the memory planner estimates that a stage does not fit the GPU (or
@@ -83,6 +84,7 @@ pub fn resolve_config(a: &TrainArgs, launched_world: Option<usize>) -> Result<(R
         c.parallel.world_size = w;
     }
     a.stages.apply(a.layout.seq_length, &mut c);
+    a.layout.parallel.apply_ring_degree(&mut c)?;
     c.validate(&src)?;
     Ok((c, src))
 }
@@ -93,7 +95,8 @@ pub fn train(a: TrainArgs) -> Result<()> {
     // The model's head counts against every stage's layout, when its config is at hand
     // without downloading (a hub model not yet cached is checked by the trainer).
     let opts = longctx::hub::HubOptions::from_env();
-    if let Some(m) = longctx::hub::model_config(&cfg.model.source, &opts, false).context("reading the model config")? {
+    let model = longctx::hub::model_config(&cfg.model.source, &opts, false).context("reading the model config")?;
+    if let Some(m) = &model {
         longctx::plan::check_run(&cfg, &m.cfg, &src).context("checking the parallel layout against the model")?;
         // Memory, before any work: a stage that cannot fit the GPU (or the host, when
         // activations or the optimizer live there) is refused with the numbers.
@@ -105,6 +108,8 @@ pub fn train(a: TrainArgs) -> Result<()> {
     }
     if a.dry_run {
         println!("{}", toml::to_string_pretty(&cfg)?);
+        let gpu = longctx::device::gpu_memory(&cfg.model.device, &src)?;
+        super::plan::print_run_plan(&cfg, model.as_ref().map(|m| &m.cfg), gpu)?;
         return Ok(());
     }
     // SIGINT/SIGTERM: a checkpoint at the next step boundary, then exit (a second one

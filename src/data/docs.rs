@@ -11,7 +11,7 @@ use std::sync::Arc;
 use tokenizers::Tokenizer;
 
 use super::source::{Format, TokenWidth};
-use super::{jsonl, parquet, text, tokens};
+use super::{arrow, jsonl, parquet, text, tokens};
 use crate::{Error, Result};
 
 /// What a document holds.
@@ -91,6 +91,7 @@ fn open_file(path: &Path, opts: &ReadOptions) -> Result<FileDocs> {
         Format::Text => Box::new(text::TextDocs::open(file, opts.text_split)?),
         Format::Parquet => Box::new(parquet::ParquetDocs::open(file, opts.column.clone())?),
         Format::Tokens => Box::new(tokens::TokenFileDocs::open(file, opts.token_width)?),
+        Format::Arrow => Box::new(arrow::ArrowDocs::open(file, opts.column.clone())?),
     })
 }
 

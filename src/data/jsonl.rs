@@ -1,10 +1,11 @@
 //! JSON lines: one JSON object per line, the document in a field that is either a
 //! string (text, tokenized later) or an array of integers (token ids).
 //! The field is configurable; by default `input_ids` if the line has it, else `text`.
-//! Blank lines are skipped. Lines are read one at a time (streaming).
+//! Blank lines are skipped. Lines are read one at a time (streaming), through a gzip
+//! (`.jsonl.gz`) or zstd (`.jsonl.zst`, `.jsonl.zstd`) decoder when the name says so.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -15,7 +16,7 @@ use crate::{Error, Result};
 
 pub struct JsonlDocs {
     file: Arc<Path>,
-    reader: BufReader<File>,
+    reader: BufReader<Box<dyn Read + Send>>,
     column: Option<String>,
     line_no: u64,
     buf: Vec<u8>,
@@ -25,7 +26,15 @@ pub struct JsonlDocs {
 impl JsonlDocs {
     pub fn open(file: Arc<Path>, column: Option<String>) -> Result<Self> {
         let f = File::open(&file).map_err(|e| Error::io(&*file, e))?;
-        Ok(Self { file, reader: BufReader::new(f), column, line_no: 0, buf: Vec::new(), done: false })
+        let name = file.file_name().map(|n| n.to_string_lossy().to_ascii_lowercase()).unwrap_or_default();
+        let raw: Box<dyn Read + Send> = if name.ends_with(".gz") {
+            Box::new(flate2::read::MultiGzDecoder::new(BufReader::new(f)))
+        } else if name.ends_with(".zst") || name.ends_with(".zstd") {
+            Box::new(zstd::stream::read::Decoder::new(f).map_err(|e| Error::data(&*file, format!("not a zstd stream ({e})")))?)
+        } else {
+            Box::new(f)
+        };
+        Ok(Self { file, reader: BufReader::new(raw), column, line_no: 0, buf: Vec::new(), done: false })
     }
 
     fn err(&self, msg: String) -> Error {
@@ -92,7 +101,8 @@ impl Iterator for JsonlDocs {
                 }
                 Err(e) => {
                     self.done = true;
-                    return Some(Err(Error::io(&*self.file, e)));
+                    // A damaged or truncated compressed file surfaces here.
+                    return Some(Err(self.err(format!("cannot read ({e}); a compressed file may be damaged or truncated"))));
                 }
             }
         }

@@ -65,6 +65,10 @@ pub struct FilesConfig {
     /// Stop after this many passes (`None`: repeat forever).
     #[serde(default)]
     pub max_epochs: Option<u64>,
+    /// Read only the files of this split of a directory or hub dataset
+    /// ([`super::source::in_split`]); `None`: every file.
+    #[serde(default)]
+    pub split: Option<String>,
 }
 
 fn default_width() -> TokenWidth {
@@ -94,6 +98,7 @@ impl FilesConfig {
             shuffle_buffer: default_buffer(),
             seed: 0,
             max_epochs: None,
+            split: None,
         }
     }
 }
@@ -295,7 +300,7 @@ impl Loader {
                 }
             }
         }
-        let resolved = resolve(&cfg.source, cfg.format, hub)?;
+        let resolved = resolve(&cfg.source, cfg.format, cfg.split.as_deref(), hub)?;
         let tokenize = Tokenize {
             // Documents are tokenized whole: truncation or padding that a tokenizer.json
             // carries (some set max_length 512) would silently cut long documents.

@@ -8,13 +8,15 @@
 //!   -> sequence-parallel layout (ids, targets, positions permuted together)
 //! ```
 //! - [`source`]: resolving a path / directory / hub dataset id to files of one format.
-//! - [`docs`], [`jsonl`], [`text`], [`parquet`], [`tokens`]: file readers.
+//! - [`docs`], [`jsonl`] (plain, gzip, zstd), [`text`], [`parquet`], [`arrow`] (`save_to_disk`),
+//!   [`tokens`]: file readers.
 //! - [`packing`]: documents -> samples; `targets` are i64 with [`IGNORE`] (= -100) not counted.
 //! - [`shuffle`]: SplitMix64 and the buffered shuffle.
 //! - [`loader`]: the whole pipeline with DP sharding and a resumable [`DataState`].
 //! - [`layout`]: a batch -> this rank's tokens under a sequence-parallel layout.
 //! - [`synthetic`]: passkey retrieval samples over a built-in 256-id vocabulary.
 
+pub mod arrow;
 pub mod docs;
 pub mod jsonl;
 pub mod layout;

@@ -10,6 +10,14 @@
 //!   the cache is used, otherwise the files of the format are downloaded into the cache
 //!   first with hf-hub (the cache dir, token and endpoint come from [`HubOptions`]).
 //!   The snapshot directory is then read like a local directory.
+//! - Splits: with a split given (the run config's `data.split`, default `train`), a
+//!   directory or hub dataset whose file paths name splits (`train-00000-of-00002.parquet`,
+//!   `data/validation/x.jsonl`, `test.jsonl.gz`) keeps only that split's files (and
+//!   downloads only those); one whose paths name no split is read whole.
+//! - Compression: `.jsonl.gz` (gzip) and `.jsonl.zst` (zstd) are JSON lines read through
+//!   a streaming decoder.
+//! - `.arrow`: a directory written by `datasets`' `save_to_disk` (its `dataset_info.json`
+//!   and `state.json` are not data files and are ignored).
 
 use std::path::{Path, PathBuf};
 
@@ -47,24 +55,71 @@ pub enum Format {
     Parquet,
     /// `.bin`: raw little-endian tokens (nanoGPT style); the width is a separate setting.
     Tokens,
+    /// `.arrow`: Arrow IPC, as `datasets`' `save_to_disk` writes it.
+    Arrow,
 }
 
 impl Format {
-    /// Extensions recognised for this format.
+    /// Extensions recognised for this format (file names ending in `.<ext>`).
     pub fn extensions(self) -> &'static [&'static str] {
         match self {
-            Format::Jsonl => &["jsonl"],
+            Format::Jsonl => &["jsonl", "jsonl.gz", "jsonl.zst", "jsonl.zstd"],
             Format::Text => &["txt"],
             Format::Parquet => &["parquet"],
             Format::Tokens => &["bin"],
+            Format::Arrow => &["arrow"],
         }
     }
 
     /// The format a file extension stands for, if any.
     pub fn from_extension(path: &Path) -> Option<Format> {
-        let ext = path.extension()?.to_str()?.to_ascii_lowercase();
-        [Format::Jsonl, Format::Text, Format::Parquet, Format::Tokens].into_iter().find(|f| f.extensions().contains(&ext.as_str()))
+        let name = path.file_name()?.to_str()?.to_ascii_lowercase();
+        [Format::Jsonl, Format::Text, Format::Parquet, Format::Tokens, Format::Arrow]
+            .into_iter()
+            .find(|f| f.extensions().iter().any(|e| name.strip_suffix(e).is_some_and(|stem| stem.ends_with('.') && stem.len() > 1)))
     }
+}
+
+/// Split names a dataset's file paths are recognised by (as the Hugging Face hub does).
+pub const SPLIT_NAMES: [&str; 6] = ["train", "validation", "valid", "dev", "test", "eval"];
+
+/// The split a file path (relative to the dataset root) names, if any: a directory named
+/// like a split, or a file name starting with one followed by `-`, `_` or `.`.
+pub fn split_of(rel: &Path) -> Option<&'static str> {
+    let parts: Vec<String> = rel.iter().map(|c| c.to_string_lossy().to_ascii_lowercase()).collect();
+    let (name, dirs) = parts.split_last()?;
+    let named = |s: &str| name.strip_prefix(s).is_some_and(|r| r.starts_with(['-', '_', '.']));
+    SPLIT_NAMES.into_iter().find(|s| dirs.iter().any(|d| d == s)).or_else(|| SPLIT_NAMES.into_iter().find(|s| named(s)))
+}
+
+/// Whether `rel` belongs to `split` among `all` (every path of the dataset): when no
+/// path names a split, every file does.
+pub fn in_split(rel: &Path, split: &str, any_named: bool) -> bool {
+    if !any_named {
+        return true;
+    }
+    let split = split.to_ascii_lowercase();
+    let parts: Vec<String> = rel.iter().map(|c| c.to_string_lossy().to_ascii_lowercase()).collect();
+    let Some((name, dirs)) = parts.split_last() else { return false };
+    dirs.contains(&split) || name.strip_prefix(split.as_str()).is_some_and(|r| r.starts_with(['-', '_', '.']))
+}
+
+/// Keeps the paths of `split` (relative to `root` for the names); an error naming the
+/// splits found when none is `split`.
+fn filter_split(root: &Path, files: Vec<PathBuf>, split: &str) -> Result<Vec<PathBuf>> {
+    let rel = |p: &Path| p.strip_prefix(root).unwrap_or(p).to_path_buf();
+    let mut named: Vec<&str> = files.iter().filter_map(|p| split_of(&rel(p))).collect();
+    named.sort_unstable();
+    named.dedup();
+    let any = !named.is_empty();
+    let kept: Vec<PathBuf> = files.into_iter().filter(|p| in_split(&rel(p), split, any)).collect();
+    if kept.is_empty() && any {
+        return Err(Error::data(
+            root,
+            format!("no file of split `{split}`; the files name the splits {named:?}: set data.split (--dataset-split) to one, or `*` for every file"),
+        ));
+    }
+    Ok(kept)
 }
 
 /// A resolved dataset: its format and its files in reading order.
@@ -113,13 +168,22 @@ impl SourceSpec {
     }
 }
 
-/// Resolves `source` to a list of files of one format (see module docs).
-pub fn resolve(source: &str, format: Option<Format>, hub: &HubOptions) -> Result<Resolved> {
+/// Resolves `source` to a list of files of one format, of `split` when given (see module docs).
+pub fn resolve(source: &str, format: Option<Format>, split: Option<&str>, hub: &HubOptions) -> Result<Resolved> {
     let root = match SourceSpec::parse(source) {
         SourceSpec::Local(p) => p,
-        SourceSpec::Hub { repo_id, revision } => hub_snapshot(&repo_id, &revision, format, hub)?,
+        SourceSpec::Hub { repo_id, revision } => hub_snapshot(&repo_id, &revision, format, split, hub)?,
     };
-    resolve_local(&root, format)
+    resolve_split(&root, format, split)
+}
+
+/// [`resolve_local`], then only the files of `split` (a directory whose paths name splits).
+pub fn resolve_split(root: &Path, format: Option<Format>, split: Option<&str>) -> Result<Resolved> {
+    let mut r = resolve_local(root, format)?;
+    if let (Some(split), true) = (split, root.is_dir()) {
+        r.files = filter_split(root, r.files, split)?;
+    }
+    Ok(r)
 }
 
 /// Resolves a local file or directory (see module docs).
@@ -130,7 +194,7 @@ pub fn resolve_local(root: &Path, format: Option<Format>) -> Result<Resolved> {
             None => {
                 return Err(Error::data(
                     root,
-                    "cannot tell the format from the extension; expected .jsonl, .txt, .parquet or .bin, \
+                    "cannot tell the format from the extension; expected .jsonl(.gz/.zst), .txt, .parquet, .arrow or .bin, \
                      or set the dataset format explicitly",
                 ))
             }
@@ -151,7 +215,7 @@ pub fn resolve_local(root: &Path, format: Option<Format>) -> Result<Resolved> {
             found.dedup();
             match found.as_slice() {
                 [one] => *one,
-                [] => return Err(Error::data(root, "no dataset files (.jsonl, .txt, .parquet, .bin) in this directory")),
+                [] => return Err(Error::data(root, "no dataset files (.jsonl(.gz/.zst), .txt, .parquet, .arrow, .bin) in this directory")),
                 many => {
                     return Err(Error::data(root, format!("files of several formats ({many:?}) in this directory; set the dataset format")))
                 }
@@ -206,10 +270,10 @@ fn dataset_folder(cache_dir: &Path, repo_id: &str) -> PathBuf {
 
 /// The snapshot directory of `repo_id@revision`, downloading the dataset's files of
 /// `format` (all known formats when `None`) first unless offline.
-fn hub_snapshot(repo_id: &str, revision: &str, format: Option<Format>, hub: &HubOptions) -> Result<PathBuf> {
+fn hub_snapshot(repo_id: &str, revision: &str, format: Option<Format>, split: Option<&str>, hub: &HubOptions) -> Result<PathBuf> {
     crate::hub::cache::check_ref_name("revision", &dataset_folder(&hub.cache_dir, repo_id), revision)?;
     if !hub.offline {
-        download(repo_id, revision, format, hub)?;
+        download(repo_id, revision, format, split, hub)?;
     }
     let folder = dataset_folder(&hub.cache_dir, repo_id);
     let how = format!(
@@ -234,8 +298,9 @@ fn hub_snapshot(repo_id: &str, revision: &str, format: Option<Format>, hub: &Hub
     }
 }
 
-/// Downloads the files of a dataset repo that have the format's extensions.
-fn download(repo_id: &str, revision: &str, format: Option<Format>, hub: &HubOptions) -> Result<()> {
+/// Downloads the files of a dataset repo that have the format's extensions (of `split`
+/// only, when the repo's file names name splits).
+fn download(repo_id: &str, revision: &str, format: Option<Format>, split: Option<&str>, hub: &HubOptions) -> Result<()> {
     use hf_hub::api::sync::ApiBuilder;
     let folder = dataset_folder(&hub.cache_dir, repo_id);
     let fail = |what: String| {
@@ -257,6 +322,10 @@ fn download(repo_id: &str, revision: &str, format: Option<Format>, hub: &HubOpti
     };
     let mut names: Vec<String> = info.siblings.into_iter().map(|s| s.rfilename).filter(|n| wanted(n)).collect();
     names.sort();
+    if let Some(split) = split {
+        let any = names.iter().any(|n| split_of(Path::new(n)).is_some());
+        names.retain(|n| in_split(Path::new(n), split, any));
+    }
     for name in names {
         repo.get(&name).map_err(|e| fail(format!("{name}: {e}")))?;
     }

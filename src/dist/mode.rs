@@ -41,6 +41,7 @@ pub enum ParallelMode {
     /// FPDT (Ulysses-Offload): Ulysses layout with chunked, offloaded attention.
     Fpdt,
     /// Ulysses inside groups of `ulysses` ranks, zigzag ring across `sp / ulysses` groups.
+    #[serde(alias = "usp_attn")]
     Usp,
 }
 
@@ -185,10 +186,19 @@ impl fmt::Display for ParallelMode {
 
 impl FromStr for ParallelMode {
     type Err = Error;
+    /// The mode names, and EasyContext's `usp_attn` for `usp`.
     fn from_str(s: &str) -> Result<Self> {
+        if s == "usp_attn" {
+            return Ok(ParallelMode::Usp);
+        }
         Self::ALL.into_iter().find(|m| m.as_str() == s).ok_or_else(|| {
             let names: Vec<_> = Self::ALL.iter().map(|m| m.as_str()).collect();
-            Error::Setting(format!("unknown parallel mode `{s}`, expected one of {}", names.join(", ")))
+            let hint = if s == "dist_flash_attn" {
+                " (EasyContext's dist_flash_attn is not implemented: zigzag_ring_attn balances the causal work the same way)"
+            } else {
+                ""
+            };
+            Error::Setting(format!("unknown parallel mode `{s}`, expected one of {}{hint}", names.join(", ")))
         })
     }
 }

@@ -42,6 +42,11 @@ pub struct TrainState {
     pub skipped_steps: u64,
     #[serde(default)]
     pub skipped_in_row: u64,
+    /// The global step at which the AdamW state last started fresh: 0 for the run's
+    /// start, else the first step of the latest stage with `reset_optimizer` (absent in
+    /// older checkpoints: 0).
+    #[serde(default)]
+    pub optimizer_since_step: u64,
 }
 
 pub const CHECKPOINT_DIR: &str = "checkpoint";

@@ -39,10 +39,14 @@ pub struct DataSection {
     pub column: Option<String>,
     /// Buffer of the streaming shuffle (0 = no shuffle).
     pub shuffle_buffer: usize,
+    /// Split of a hub dataset or a dataset directory: only files whose path names it
+    /// (`train-00000-of-00004.parquet`, `data/train/...`, `train.jsonl.gz`) are read, when
+    /// any file names a split; `*` reads every file.
+    pub split: String,
 }
 impl Default for DataSection {
     fn default() -> Self {
-        Self { dataset: "synthetic:passkey".into(), column: None, shuffle_buffer: 64 }
+        Self { dataset: "synthetic:passkey".into(), column: None, shuffle_buffer: 64, split: "train".into() }
     }
 }
 
@@ -78,6 +82,14 @@ pub struct TrainSection {
     /// the default) or `autograd` (Candle autograd over the recomputed layer: the
     /// reference, slower).
     pub layer_backward: crate::train::engine::LayerBackward,
+    /// Start every stage after the first with fresh AdamW moments (a stage's own
+    /// `reset_optimizer` wins). EasyContext runs each stage as a new job, so a new optimizer.
+    pub reset_optimizer: bool,
+    /// Peak dense TFLOP/s of one device, for the MFU in the progress and metrics
+    /// [default: from the GPU's name; 989 (H100/H200 bf16) when unknown].
+    pub peak_tflops: Option<f64>,
+    /// Write TensorBoard event files (`<output_dir>/tensorboard/`) next to metrics.jsonl.
+    pub tensorboard: bool,
 }
 impl Default for TrainSection {
     fn default() -> Self {
@@ -96,6 +108,9 @@ impl Default for TrainSection {
             optimizer_on_host: false,
             profile: false,
             layer_backward: Default::default(),
+            reset_optimizer: false,
+            peak_tflops: None,
+            tensorboard: true,
         }
     }
 }
@@ -149,6 +164,9 @@ impl Default for ParallelSection {
 }
 
 /// One stage of a progressive rope_theta recipe; each starts from the previous weights.
+/// Every optional key left unset takes the run-wide value (`[train]`, `[data]`,
+/// `[parallel]`), except `seed`, which defaults to `seed + stage index` so that each
+/// stage reads other documents (EasyContext's scripts use seeds 2022, 2023, ...).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Stage {
@@ -158,6 +176,83 @@ pub struct Stage {
     pub learning_rate: Option<f64>,
     pub parallel_mode: Option<ParallelMode>,
     pub fpdt_chunk_size: Option<usize>,
+    /// Seed of this stage's data order (and synthetic data) [default: run seed + index].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// This stage's dataset [default: `data.dataset`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dataset: Option<String>,
+    /// Its column/field [default: `data.column`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub column: Option<String>,
+    /// Sequences per micro-batch per data-parallel rank [default: `train.batch_size`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<usize>,
+    /// Micro-batches per optimizer step [default: `train.gradient_accumulate_every`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gradient_accumulate_every: Option<usize>,
+    /// Warmup steps at the start of this stage [default: `train.warmup_steps`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup_steps: Option<u64>,
+    /// Start this stage with fresh AdamW moments and step counter (the f32 master weights
+    /// are kept), as a new EasyContext/DeepSpeed run per stage does [default:
+    /// `train.reset_optimizer`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reset_optimizer: Option<bool>,
+}
+
+impl Stage {
+    /// A stage of `steps` optimizer steps at `seq_length` tokens and RoPE base `rope_theta`,
+    /// every other setting from the run.
+    pub fn new(seq_length: usize, rope_theta: f64, steps: u64) -> Self {
+        Self {
+            seq_length,
+            rope_theta,
+            steps,
+            learning_rate: None,
+            parallel_mode: None,
+            fpdt_chunk_size: None,
+            seed: None,
+            dataset: None,
+            column: None,
+            batch_size: None,
+            gradient_accumulate_every: None,
+            warmup_steps: None,
+            reset_optimizer: None,
+        }
+    }
+}
+
+/// The settings stage `index` runs with: its own values, else the run's
+/// ([`RunConfig::stage_settings`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StageSettings {
+    pub index: usize,
+    pub seq_length: usize,
+    pub mode: ParallelMode,
+    pub seed: u64,
+    pub dataset: String,
+    pub column: Option<String>,
+    pub batch_size: usize,
+    pub gradient_accumulate_every: usize,
+    pub learning_rate: f64,
+    pub warmup_steps: u64,
+    pub reset_optimizer: bool,
+    /// Sequence-parallel and data-parallel degrees under this stage's mode.
+    pub sp: usize,
+    pub dp: usize,
+}
+
+impl StageSettings {
+    /// Sequences per optimizer step over all data-parallel ranks.
+    pub fn samples_per_step(&self) -> u64 {
+        (self.batch_size as u64).saturating_mul(self.gradient_accumulate_every as u64).saturating_mul(self.dp as u64)
+    }
+
+    /// Tokens per optimizer step: batch × accumulation × data-parallel ranks × length.
+    pub fn tokens_per_step(&self) -> u64 {
+        self.samples_per_step().saturating_mul(self.seq_length as u64)
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
@@ -194,14 +289,7 @@ impl Default for RunConfig {
     /// extended to 1024 tokens with θ raised to 1e5 (the same two-step shape as the
     /// EasyContext recipes, scaled down to a laptop CPU).
     fn default() -> Self {
-        let stage = |seq_length, rope_theta, steps| Stage {
-            seq_length,
-            rope_theta,
-            steps,
-            learning_rate: None,
-            parallel_mode: None,
-            fpdt_chunk_size: None,
-        };
+        let stage = Stage::new;
         Self {
             seed: 42,
             output_dir: PathBuf::from("runs/demo"),
@@ -245,6 +333,31 @@ impl RunConfig {
     /// The sequence-parallel degree of a stage run under `mode` (see [`ParallelMode::sp_degree`]).
     pub fn sp_size_for(&self, mode: ParallelMode) -> usize {
         mode.sp_degree(self.parallel.world_size, self.parallel.sp_size)
+    }
+
+    /// What stage `index` runs with: its own settings, else the run's (see [`Stage`]).
+    /// Panics on nothing: an index past the stages gives the run's values at length 0.
+    pub fn stage_settings(&self, index: usize) -> StageSettings {
+        let (t, d) = (&self.train, &self.data);
+        let fallback = Stage::new(0, 0.0, 0);
+        let st = self.stages.get(index).unwrap_or(&fallback);
+        let mode = st.parallel_mode.unwrap_or(self.parallel.mode);
+        let sp = self.sp_size_for(mode).max(1);
+        StageSettings {
+            index,
+            seq_length: st.seq_length,
+            mode,
+            seed: st.seed.unwrap_or(self.seed.wrapping_add(index as u64)),
+            dataset: st.dataset.clone().unwrap_or_else(|| d.dataset.clone()),
+            column: st.column.clone().or_else(|| d.column.clone()),
+            batch_size: st.batch_size.unwrap_or(t.batch_size),
+            gradient_accumulate_every: st.gradient_accumulate_every.unwrap_or(t.gradient_accumulate_every),
+            learning_rate: st.learning_rate.unwrap_or(t.learning_rate),
+            warmup_steps: st.warmup_steps.unwrap_or(t.warmup_steps),
+            reset_optimizer: st.reset_optimizer.unwrap_or(t.reset_optimizer && index > 0),
+            sp,
+            dp: (self.parallel.world_size / sp).max(1),
+        }
     }
 
     /// `parallel.collective_timeout_s` as a duration; `None` = no timeout.
@@ -311,9 +424,17 @@ impl RunConfig {
         real("train.adamw.eps", t.adamw.eps, 0.0, true, 1.0, false)?;
         real("train.adamw.weight_decay", t.adamw.weight_decay, 0.0, false, 1.0, false)?;
         real("train.checkpoint_interval_min", t.checkpoint_interval_min, 0.0, false, 1e7, false)?;
+        if let Some(p) = t.peak_tflops {
+            real("train.peak_tflops", p, 0.0, true, 1e7, false)?;
+        }
         let steps = |field: &str, v: u64, lo: u64| check_range(source, field, v, lo, MAX_STEPS);
         steps("train.warmup_steps", t.warmup_steps, 0)?;
         steps("train.max_skipped_steps", t.max_skipped_steps, 1)?;
+        for (i, st) in self.stages.iter().enumerate() {
+            if let Some(w) = st.warmup_steps {
+                steps(&format!("stage[{i}].warmup_steps"), w, 0)?;
+            }
+        }
         Ok(())
     }
 
@@ -330,20 +451,34 @@ impl RunConfig {
         check_range(source, "train.gradient_accumulate_every", t.gradient_accumulate_every, 1, MAX_BATCH)?;
         check_range(source, "data.shuffle_buffer", self.data.shuffle_buffer, 0, MAX_SHUFFLE_BUFFER)?;
         for (i, st) in self.stages.iter().enumerate() {
-            check_range(source, &format!("stage[{i}].seq_length"), st.seq_length, 1, MAX_SEQ_LEN)?;
-            check_range(source, &format!("stage[{i}].steps"), st.steps, 1, MAX_STEPS)?;
+            let f = |name: &str| format!("stage[{i}].{name}");
+            check_range(source, &f("seq_length"), st.seq_length, 1, MAX_SEQ_LEN)?;
+            check_range(source, &f("steps"), st.steps, 1, MAX_STEPS)?;
             if let Some(c) = st.fpdt_chunk_size {
-                check_range(source, &format!("stage[{i}].fpdt_chunk_size"), c, 1, MAX_SEQ_LEN)?;
+                check_range(source, &f("fpdt_chunk_size"), c, 1, MAX_SEQ_LEN)?;
             }
-            let tokens = (t.batch_size as u64).saturating_mul(st.seq_length as u64 + 1);
+            if let Some(b) = st.batch_size {
+                check_range(source, &f("batch_size"), b, 1, MAX_BATCH)?;
+            }
+            if let Some(g) = st.gradient_accumulate_every {
+                check_range(source, &f("gradient_accumulate_every"), g, 1, MAX_BATCH)?;
+            }
+            for (key, v) in [("dataset", &st.dataset), ("column", &st.column)] {
+                if v.as_deref().is_some_and(|v| v.trim().is_empty()) {
+                    return Err(Error::config(source, f(key), "is empty; name one, or leave the key out to use the run's"));
+                }
+            }
+            let batch = st.batch_size.unwrap_or(t.batch_size);
+            let tokens = (batch as u64).saturating_mul(st.seq_length as u64 + 1);
             if tokens > MAX_BATCH_TOKENS {
+                let field = if st.batch_size.is_some() { f("batch_size") } else { "train.batch_size".into() };
                 return Err(Error::config(
                     source,
-                    "train.batch_size",
+                    &field,
                     format!(
-                        "batch_size {} × (stage[{i}].seq_length {} + 1) = {tokens} tokens per micro-batch, more than {MAX_BATCH_TOKENS}; \
+                        "batch_size {batch} × (stage[{i}].seq_length {} + 1) = {tokens} tokens per micro-batch, more than {MAX_BATCH_TOKENS}; \
                          lower the batch size or the length",
-                        t.batch_size, st.seq_length
+                        st.seq_length
                     ),
                 ));
             }

@@ -1,18 +1,71 @@
-//! Progress and metrics (rank 0): a progress bar (loss, tokens/s, MFU, memory), one JSON
-//! line per optimizer step in `<output_dir>/metrics.jsonl`, and a summary at the end.
+//! Progress and metrics (rank 0): a progress bar (loss, tokens/s, MFU, memory, elapsed
+//! time and the run's ETA), one JSON line per optimizer step in
+//! `<output_dir>/metrics.jsonl`, the same scalars as TensorBoard events in
+//! `<output_dir>/tensorboard/` ([`crate::train::tensorboard`]), and a summary at the end.
 //! Without a terminal, a plain line is printed every 10 steps instead of the bar.
 
 use crate::model::LlamaConfig;
-use crate::train::config::{ParallelMode, RunConfig, Stage};
+use crate::train::config::{RunConfig, Stage, StageSettings};
 use crate::train::engine::MemoryReport;
+use crate::train::tensorboard::EventWriter;
 use crate::train::trainer::RunSummary;
 use crate::{Error, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
+use std::time::Instant;
 
-/// Peak dense bf16 FLOP/s used for MFU (H100/H200 SXM), as in DESIGN.md.
+/// Peak dense bf16 FLOP/s used for MFU when the GPU is not known (H100/H200 SXM), as in
+/// DESIGN.md; `train.peak_tflops` (`--peak-tflops`) sets another.
 pub const PEAK_FLOPS: f64 = 989e12;
+
+/// Where the TensorBoard event files go, under the output directory.
+pub const TENSORBOARD_DIR: &str = "tensorboard";
+
+/// Peak dense bf16 (tensor core) TFLOP/s of a GPU by its name as the driver reports it
+/// (vendor data sheets, without sparsity); `None` when not in the table.
+pub fn peak_tflops_for(gpu_name: &str) -> Option<f64> {
+    let n = gpu_name.to_ascii_uppercase();
+    // Most specific first (`H100 PCIE` before `H100`).
+    const TABLE: [(&str, f64); 16] = [
+        ("GB200", 2500.0),
+        ("B200", 2250.0),
+        ("B100", 1750.0),
+        ("H200", 989.0),
+        ("H100 PCIE", 756.0),
+        ("H100 NVL", 835.0),
+        ("H100", 989.0),
+        ("H800", 989.0),
+        ("H20", 148.0),
+        ("A100", 312.0),
+        ("A800", 312.0),
+        ("L40S", 362.0),
+        ("L40", 181.0),
+        ("L4", 121.0),
+        ("A10", 125.0),
+        ("RTX 4090", 165.0),
+    ];
+    TABLE.iter().find(|(k, _)| n.contains(k)).map(|&(_, v)| v)
+}
+
+/// Seconds left after step `step` of stage `si` of `plan` (steps, tokens per step, length
+/// per stage) when a step of stage `si` takes `step_seconds`: later stages' steps scaled by
+/// their FLOPs per step (`flops_per_token(length)` × tokens).
+pub fn eta(plan: &[(u64, u64, usize)], si: usize, step: u64, step_seconds: f64, flops_per_token: impl Fn(usize) -> f64) -> Option<f64> {
+    let cost = |&(_, tokens, len): &(u64, u64, usize)| tokens as f64 * flops_per_token(len);
+    let cur = plan.get(si)?;
+    let mut left = cur.0.saturating_sub(step) as f64 * step_seconds;
+    for later in plan.iter().skip(si + 1) {
+        left += later.0 as f64 * step_seconds * cost(later) / cost(cur).max(1.0);
+    }
+    Some(left)
+}
+
+/// `h:mm:ss`.
+pub fn hms(seconds: f64) -> String {
+    let s = if seconds.is_finite() && seconds > 0.0 { seconds.round() as u64 } else { 0 };
+    format!("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+}
 
 pub struct StepLine {
     pub stage: usize,
@@ -59,6 +112,15 @@ pub struct Metrics {
     hidden: usize,
     ranks: usize,
     gpu: bool,
+    /// Peak FLOP/s of one device (MFU's denominator per rank).
+    peak_flops: f64,
+    tensorboard: Option<EventWriter>,
+    /// Per stage: steps, tokens per step, length (the ETA's cost model).
+    plan: Vec<(u64, u64, usize)>,
+    /// Since this process started the run.
+    started: Instant,
+    /// Smoothed seconds per step of the current stage.
+    step_seconds: Option<f64>,
 }
 
 fn gib(b: usize) -> f64 {
@@ -93,6 +155,23 @@ impl Metrics {
         std::fs::write(&tmp, kept).map_err(|e| Error::io(&tmp, e))?;
         std::fs::rename(&tmp, &path).map_err(|e| Error::io(&path, e))?;
         let file = std::fs::OpenOptions::new().append(true).open(&path).map_err(|e| Error::io(&path, e))?;
+        let gpu = cfg.model.device.starts_with("cuda");
+        let peak_tflops = cfg.train.peak_tflops.or_else(|| {
+            let name = crate::device::gpu_name(&cfg.model.device)?;
+            let p = peak_tflops_for(&name);
+            if p.is_none() {
+                eprintln!("note: the peak TFLOP/s of `{name}` is not known; MFU assumes 989 (set --peak-tflops)");
+            }
+            p
+        });
+        let tensorboard =
+            if cfg.train.tensorboard { Some(EventWriter::create(&output_dir.join(TENSORBOARD_DIR), resumed_at)?) } else { None };
+        let plan = (0..cfg.stages.len())
+            .map(|i| {
+                let s = cfg.stage_settings(i);
+                (cfg.stages[i].steps, s.tokens_per_step(), s.seq_length)
+            })
+            .collect();
         Ok(Self {
             path,
             file,
@@ -102,8 +181,20 @@ impl Metrics {
             layers: mcfg.num_hidden_layers,
             hidden: mcfg.hidden_size,
             ranks: cfg.parallel.world_size,
-            gpu: cfg.model.device.starts_with("cuda"),
+            gpu,
+            peak_flops: peak_tflops.map_or(PEAK_FLOPS, |t| t * 1e12),
+            tensorboard,
+            plan,
+            started: Instant::now(),
+            step_seconds: None,
         })
+    }
+
+    /// Seconds left in the run after step `step` of stage `si`: the current stage's
+    /// smoothed step time for its remaining steps, scaled by FLOPs per step for the later
+    /// stages (tokens per step × FLOPs per token at their length).
+    pub fn eta_seconds(&self, si: usize, step: u64) -> Option<f64> {
+        eta(&self.plan, si, step, self.step_seconds?, |len| self.flops_per_token(len))
     }
 
     /// Model FLOPs per token at `seq` (DESIGN.md: 6·params + 6·layers·hidden·seq).
@@ -111,18 +202,29 @@ impl Metrics {
         6.0 * self.n_params as f64 + 6.0 * (self.layers * self.hidden * seq) as f64
     }
 
-    pub fn stage_start(&mut self, si: usize, st: &Stage, mode: ParallelMode, world: usize, sp: usize, dp: usize) -> Result<()> {
+    pub fn stage_start(&mut self, si: usize, st: &Stage, s: &StageSettings, world: usize, sp: usize, dp: usize) -> Result<()> {
         if let Some(b) = self.bar.take() {
             b.finish_and_clear();
         }
+        self.step_seconds = None;
         eprintln!(
-            "stage {si}: seq_length {} rope_theta {} steps {} mode {mode} (world {world} = dp {dp} × sp {sp})",
-            st.seq_length, st.rope_theta, st.steps
+            "stage {si}: seq_length {} rope_theta {} steps {} mode {} (world {world} = dp {dp} × sp {sp}); batch {} × accumulate {} × dp {dp} \
+             = {} tokens per step; data {} (seed {}){}",
+            st.seq_length,
+            st.rope_theta,
+            st.steps,
+            s.mode,
+            s.batch_size,
+            s.gradient_accumulate_every,
+            s.tokens_per_step(),
+            s.dataset,
+            s.seed,
+            if s.reset_optimizer { "; fresh optimizer" } else { "" }
         );
         if self.tty {
             let bar = ProgressBar::new(st.steps);
             bar.set_style(
-                ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg}")
+                ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} [{elapsed_precise}] {msg}")
                     .map_err(|e| Error::Setting(e.to_string()))?
                     .progress_chars("=> "),
             );
@@ -134,7 +236,12 @@ impl Metrics {
 
     pub fn step(&mut self, l: &StepLine) -> Result<()> {
         let tok_s = l.tokens as f64 / l.seconds.max(1e-9);
-        let mfu = tok_s * self.flops_per_token(l.seq_len) / (PEAK_FLOPS * self.ranks as f64);
+        let mfu = tok_s * self.flops_per_token(l.seq_len) / (self.peak_flops * self.ranks as f64);
+        // The first step of a stage (warm-up, allocations) counts less once others came.
+        self.step_seconds = Some(match self.step_seconds {
+            None => l.seconds,
+            Some(t) => 0.8 * t + 0.2 * l.seconds,
+        });
         let line = serde_json::json!({
             "stage": l.stage, "step": l.step, "global_step": l.global_step, "loss": l.loss, "lr": l.lr,
             "grad_norm": l.grad_norm, "skipped": l.skipped, "skipped_steps": l.skipped_steps, "tokens": l.tokens, "seconds": l.seconds, "engine_seconds": l.engine_seconds, "tokens_per_s": tok_s,
@@ -144,9 +251,38 @@ impl Metrics {
             "profile": l.profile.as_ref().map(|p| p.to_json(l.seconds)),
         });
         writeln!(self.file, "{line}").map_err(|e| Error::io(&self.path, e))?;
+        if let Some(tb) = self.tensorboard.as_mut() {
+            let mut v: Vec<(&str, f64)> = vec![
+                ("train/loss", l.loss),
+                ("train/lr", l.lr),
+                ("train/grad_norm", l.grad_norm),
+                ("train/tokens_per_s", tok_s),
+                ("train/seq_len", l.seq_len as f64),
+                ("train/stage", l.stage as f64),
+                ("train/step_seconds", l.seconds),
+                ("memory/saved_activation_gib", gib(l.memory.saved_bytes)),
+                ("memory/saved_host_gib", gib(l.memory.saved_host_bytes)),
+                ("memory/transient_gib", gib(l.memory.transient_bytes)),
+            ];
+            if self.gpu {
+                v.push(("train/mfu", mfu));
+            }
+            if let Some(p) = l.device_peak {
+                v.push(("memory/device_peak_gib", gib(p as usize)));
+            }
+            tb.scalars(l.global_step, &v)?;
+        }
         let mfu_s = if self.gpu { format!(" mfu {:.1}%", 100.0 * mfu) } else { String::new() };
         let peak_s = l.device_peak.map(|b| format!(" peak {:.2} GiB", gib(b as usize))).unwrap_or_default();
-        let msg = format!("loss {:.4} lr {:.2e} {:.0} tok/s{mfu_s} act {:.2} GiB{peak_s}", l.loss, l.lr, tok_s, gib(l.memory.saved_bytes));
+        let eta = self.eta_seconds(l.stage, l.step).map_or(String::new(), |e| format!(" eta {}", hms(e)));
+        let msg = format!(
+            "loss {:.4} lr {:.2e} {:.0} tok/s{mfu_s} act {:.2} GiB{peak_s} | run {}{eta}",
+            l.loss,
+            l.lr,
+            tok_s,
+            gib(l.memory.saved_bytes),
+            hms(self.started.elapsed().as_secs_f64())
+        );
         if let Some(p) = &l.profile {
             eprintln!("stage {} step {}/{} profile: {}", l.stage, l.step, l.steps, p.summary(l.seconds));
         }
@@ -192,6 +328,34 @@ impl Metrics {
         }
         eprintln!("  export: {}", s.export_dir.display());
         eprintln!("  metrics: {}", self.path.display());
+        if let Some(tb) = &self.tensorboard {
+            eprintln!("  tensorboard: {}", tb.path().display());
+        }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peak_by_gpu_name() {
+        assert_eq!(peak_tflops_for("NVIDIA H200"), Some(989.0));
+        assert_eq!(peak_tflops_for("NVIDIA H100 PCIe"), Some(756.0));
+        assert_eq!(peak_tflops_for("NVIDIA A100-SXM4-80GB"), Some(312.0));
+        assert_eq!(peak_tflops_for("NVIDIA L40S"), Some(362.0));
+        assert_eq!(peak_tflops_for("Some Future GPU"), None);
+    }
+
+    #[test]
+    fn eta_scales_later_stages_by_their_cost() {
+        // 10 steps of 1 s left in stage 0; stage 1: 5 steps of twice the tokens at the same
+        // cost per token: 10 s more.
+        let plan = [(20, 100, 8), (5, 200, 8)];
+        assert_eq!(eta(&plan, 0, 10, 1.0, |_| 1.0), Some(20.0));
+        assert_eq!(eta(&plan, 1, 5, 2.0, |_| 1.0), Some(0.0));
+        assert_eq!(eta(&plan, 2, 0, 1.0, |_| 1.0), None);
+        assert_eq!(hms(3723.4), "1:02:03");
     }
 }

@@ -5,7 +5,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod optim;
 
-pub use config::{ParallelMode, RunConfig, Stage};
+pub use config::{ParallelMode, RunConfig, Stage, StageSettings};
 pub mod engine;
 pub mod grads;
 pub mod init;
@@ -16,5 +16,6 @@ pub mod profile;
 pub mod resume_check;
 pub mod rundir;
 pub mod stop;
+pub mod tensorboard;
 pub mod trainer;
 pub mod zero;

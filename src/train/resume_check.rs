@@ -4,13 +4,14 @@
 //! The checkpoint's `state.json` holds the run config it was written under. The new
 //! config is compared with it key by key:
 //! - **refused** (the run would not continue the same computation): `seed`, the model
-//!   (`model.source`, `model.dtype` on a GPU), the data (`data.*`), and the length and
-//!   θ (`stage[i].seq_length`, `stage[i].rope_theta`) of every stage already started;
+//!   (`model.source`, `model.dtype` on a GPU), the data (`data.*`), and the length, θ
+//!   and data (`stage[i].seq_length`, `rope_theta`, `seed`, `dataset`, `column`) of
+//!   every stage already started;
 //! - **refused unless `--allow-layout-change`** (the optimizer state is re-cut and the
 //!   sums are rounded in another order: the run continues within rounding, not bit for
 //!   bit): `parallel.world_size`, `mode`, `sp_size`, `ulysses_size`, `fpdt_chunk_size`,
 //!   `train.batch_size`, `train.gradient_accumulate_every`, a started stage's
-//!   `parallel_mode` / `fpdt_chunk_size`. Even then the samples per optimizer step
+//!   `parallel_mode` / `fpdt_chunk_size` / `batch_size` / `gradient_accumulate_every`. Even then the samples per optimizer step
 //!   (batch × accumulation × data-parallel ranks) must stay, or the data order changes;
 //! - **reported** (allowed): everything else (learning rate and schedule, steps,
 //!   clipping, AdamW, checkpoint cadence, device, chunking, offload, export settings,
@@ -82,6 +83,15 @@ fn validate_state(s: &TrainState, saved: &RunConfig, file: &Path) -> Result<()> 
             format!("{} steps in the stage and {} optimizer updates but {} steps in the run", s.stage_step, s.adam_step, s.global_step),
         ));
     }
+    if s.optimizer_since_step > s.global_step || s.adam_step > s.global_step - s.optimizer_since_step.min(s.global_step) {
+        return Err(inconsistent(
+            file,
+            format!(
+                "{} optimizer updates since the optimizer was reset at global step {}, but {} steps in the run",
+                s.adam_step, s.optimizer_since_step, s.global_step
+            ),
+        ));
+    }
     if s.skipped_in_row > s.skipped_steps || s.skipped_steps > s.global_step {
         return Err(inconsistent(
             file,
@@ -145,8 +155,8 @@ fn class(key: &str, stage: usize, stage_step: u64, cpu: bool) -> Class {
         let started = idx.parse::<usize>().is_ok_and(|i| i < stage || (i == stage && stage_step > 0));
         return match field {
             _ if !started => Class::Free,
-            "seq_length" | "rope_theta" => Class::Identity,
-            "parallel_mode" | "fpdt_chunk_size" => Class::Layout,
+            "seq_length" | "rope_theta" | "seed" | "dataset" | "column" => Class::Identity,
+            "parallel_mode" | "fpdt_chunk_size" | "batch_size" | "gradient_accumulate_every" => Class::Layout,
             _ => Class::Free,
         };
     }
@@ -167,9 +177,8 @@ fn class(key: &str, stage: usize, stage_step: u64, cpu: bool) -> Class {
 
 /// Samples per optimizer step in stage `si`: batch × accumulation × data-parallel ranks.
 fn samples_per_step(c: &RunConfig, si: usize) -> Option<u64> {
-    let st = c.stages.get(si)?;
-    let sp = c.sp_size_for(st.parallel_mode.unwrap_or(c.parallel.mode)).max(1);
-    Some((c.train.batch_size * c.train.gradient_accumulate_every) as u64 * (c.parallel.world_size / sp) as u64)
+    c.stages.get(si)?;
+    Some(c.stage_settings(si).samples_per_step())
 }
 
 /// The key-by-key comparison; errors list every refused change with its fix.
@@ -233,5 +242,9 @@ mod tests {
         assert_eq!(class("stage[1].rope_theta", 0, 5, true), Class::Free);
         assert_eq!(class("stage[0].steps", 1, 0, true), Class::Free);
         assert_eq!(class("stage[0].parallel_mode", 1, 0, true), Class::Layout);
+        assert_eq!(class("stage[0].seed", 0, 1, true), Class::Identity);
+        assert_eq!(class("stage[1].dataset", 0, 1, true), Class::Free, "a stage not started yet");
+        assert_eq!(class("stage[0].batch_size", 0, 1, true), Class::Layout);
+        assert_eq!(class("stage[0].reset_optimizer", 0, 1, true), Class::Free, "its reset is done or not, the checkpoint says which");
     }
 }

@@ -22,7 +22,15 @@ use std::path::{Path, PathBuf};
 pub const LOCK_FILE: &str = ".longctx.lock";
 
 /// What a run leaves in its output directory (besides the lock).
-const RUN_FILES: [&str; 6] = [CHECKPOINT_DIR, ".checkpoint.old", ".checkpoint.tmp", "metrics.jsonl", ".metrics.jsonl.tmp", "export"];
+const RUN_FILES: [&str; 7] = [
+    CHECKPOINT_DIR,
+    ".checkpoint.old",
+    ".checkpoint.tmp",
+    "metrics.jsonl",
+    ".metrics.jsonl.tmp",
+    "export",
+    crate::train::metrics::TENSORBOARD_DIR,
+];
 
 /// The lock of an output directory, held until dropped.
 #[derive(Debug)]

@@ -23,7 +23,7 @@ use crate::data::synthetic::{LossOn, PasskeyConfig};
 use crate::dist::dims::{build_groups, Groups, ParallelDims, ParallelMode};
 use crate::model::{LlamaConfig, Rope};
 use crate::train::checkpoint::{self, TrainState};
-use crate::train::config::{RunConfig, Stage};
+use crate::train::config::{RunConfig, Stage, StageSettings};
 use crate::train::engine::{Engine, EngineOptions, MemoryReport};
 use crate::train::grads::GradBuffer;
 use crate::train::metrics::{Metrics, StepLine};
@@ -187,10 +187,10 @@ fn check_host_memory(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Resul
     let what = "the saved activations";
     let mut act = 0u64;
     if cpu || cfg.parallel.offload_activations {
-        for st in &cfg.stages {
-            let sp = cfg.sp_size_for(st.parallel_mode.unwrap_or(cfg.parallel.mode)).max(1);
-            let local = (st.seq_length / sp) as u64;
-            let (l, b, h) = (mcfg.num_hidden_layers as u64, cfg.train.batch_size as u64, mcfg.hidden_size as u64);
+        for i in 0..cfg.stages.len() {
+            let s = cfg.stage_settings(i);
+            let local = (s.seq_length / s.sp) as u64;
+            let (l, b, h) = (mcfg.num_hidden_layers as u64, s.batch_size as u64, mcfg.hidden_size as u64);
             act = act.max(mul(what, &[l, b, local, h, 4])?);
         }
     }
@@ -199,9 +199,20 @@ fn check_host_memory(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Resul
     crate::limits::check_host_memory(&need, crate::limits::physical_memory(), Path::new("<run config>"))
 }
 
-/// The data spec of a stage.
-fn data_spec(cfg: &RunConfig, model: &StartModel, seq_len: usize) -> Result<DataSpec> {
-    let ds = &cfg.data.dataset;
+/// The data spec of a stage (its dataset, column and seed: [`RunConfig::stage_settings`]).
+fn data_spec(cfg: &RunConfig, model: &StartModel, s: &StageSettings) -> Result<DataSpec> {
+    stage_data_spec(cfg, &model.cfg, s)
+}
+
+/// The data a stage reads for a model `mcfg`: its dataset and column, its seed, the
+/// run's split and shuffle buffer, the model's vocabulary and EOS.
+pub fn stage_data_spec(cfg: &RunConfig, mcfg: &LlamaConfig, s: &StageSettings) -> Result<DataSpec> {
+    let (ds, seq_len) = (&s.dataset, s.seq_length);
+    let field = if cfg.stages.get(s.index).is_some_and(|st| st.dataset.is_some()) {
+        format!("stage[{}].dataset", s.index)
+    } else {
+        "data.dataset".to_string()
+    };
     if let Some(kind) = ds.strip_prefix("synthetic:") {
         // `passkey`: loss on every next token; `passkey-answer`: loss on the answer digits
         // only (what retrieval accuracy is about; the demo's default).
@@ -211,23 +222,24 @@ fn data_spec(cfg: &RunConfig, model: &StartModel, seq_len: usize) -> Result<Data
             _ => {
                 return Err(Error::config(
                     "<run config>",
-                    "data.dataset",
+                    &field,
                     format!("unknown synthetic dataset `{ds}`; available: synthetic:passkey, synthetic:passkey-answer"),
                 ))
             }
         };
         let mut p = PasskeyConfig::new(seq_len);
-        p.vocab = model.cfg.vocab_size;
-        p.seed = cfg.seed;
+        p.vocab = mcfg.vocab_size;
+        p.seed = s.seed;
         p.loss_on = loss_on;
         return Ok(DataSpec::Passkey(p));
     }
     let mut f = FilesConfig::new(ds.clone(), seq_len);
-    f.column = cfg.data.column.clone();
-    f.vocab_size = Some(model.cfg.vocab_size);
+    f.column = s.column.clone();
+    f.split = (cfg.data.split != "*").then(|| cfg.data.split.clone());
+    f.vocab_size = Some(mcfg.vocab_size);
     f.shuffle_buffer = cfg.data.shuffle_buffer;
-    f.seed = cfg.seed;
-    f.eos = model.cfg.eos_token_id();
+    f.seed = s.seed;
+    f.eos = mcfg.eos_token_id();
     Ok(DataSpec::Files(f))
 }
 
@@ -359,6 +371,9 @@ struct RankRun<'a> {
     /// When and at which global step the last checkpoint was written (by this run, or
     /// the one resumed from).
     last_checkpoint: (Instant, Option<u64>),
+    /// The global step at which the optimizer state last started fresh (a stage's
+    /// `reset_optimizer`; 0 at the run's start), saved in the checkpoint.
+    optimizer_since: u64,
 }
 
 /// What one optimizer step decided, the same on every rank.
@@ -377,7 +392,8 @@ struct StageRun {
     loader: Loader,
     /// Data-parallel size.
     dp: usize,
-    lr_base: f64,
+    /// Seed, data, batch, accumulation, learning rate and warmup of the stage.
+    settings: StageSettings,
 }
 
 impl<'a> RankRun<'a> {
@@ -459,6 +475,7 @@ impl<'a> RankRun<'a> {
             skipped_steps,
             skipped_in_row,
             last_checkpoint: (Instant::now(), sh.resume.map(|l| l.state.global_step)),
+            optimizer_since: sh.resume.map_or(0, |l| l.state.optimizer_since_step),
         })
     }
 
@@ -471,7 +488,7 @@ impl<'a> RankRun<'a> {
     }
 
     /// Groups, attention mode, token layout and data of stage `si`.
-    fn stage_setup(&mut self, si: usize, stage: &Stage, data: Option<DataState>) -> Result<StageRun> {
+    fn stage_setup(&mut self, si: usize, stage: &Stage, first_step: u64, data: Option<DataState>) -> Result<StageRun> {
         let (cfg, mcfg) = (self.sh.cfg, &self.sh.model.cfg);
         let mode = stage.parallel_mode.unwrap_or(cfg.parallel.mode);
         let chunk = stage.fpdt_chunk_size.unwrap_or(cfg.parallel.fpdt_chunk_size);
@@ -487,21 +504,29 @@ impl<'a> RankRun<'a> {
         let (dp_rank, dp) = (g.dp.rank(), g.dp.world());
         self.engine.set_rope(Rope::new(&mcfg.with_rope_theta(stage.rope_theta)));
         let indices = mode.local_indices(dims, g.sp.rank(), stage.seq_length, chunk)?;
-        let spec = data_spec(cfg, self.sh.model, stage.seq_length)?;
+        let settings = cfg.stage_settings(si);
+        let spec = data_spec(cfg, self.sh.model, &settings)?;
         let mut loader = Loader::new(&spec, self.sh.model.tokenizer.as_ref(), Shard { rank: dp_rank, world: dp })?;
         if let Some(ds) = &data {
             loader.restore(ds)?;
         }
-        if let Some(m) = self.metrics.as_mut() {
-            m.stage_start(si, stage, mode, self.world.world(), dims.sp, dp)?;
+        // A stage that starts with a fresh optimizer (EasyContext: a new job per stage)
+        // resets it at its first step, also when a run resumes there: the checkpoint at a
+        // stage's end holds the moments before the reset, so the resumed run resets the
+        // same way. The step it happened at is recorded in the checkpoint.
+        if settings.reset_optimizer && first_step == 0 {
+            self.optim.reset()?;
+            self.optimizer_since = self.global_step;
         }
-        let lr_base = stage.learning_rate.unwrap_or(cfg.train.learning_rate);
-        Ok(StageRun { attn, indices, loader, dp, lr_base })
+        if let Some(m) = self.metrics.as_mut() {
+            m.stage_start(si, stage, &settings, self.world.world(), dims.sp, dp)?;
+        }
+        Ok(StageRun { attn, indices, loader, dp, settings })
     }
 
     /// Steps `first_step..` of stage `si`: (first and last loss, why the run stopped).
     fn stage(&mut self, si: usize, stage: &Stage, first_step: u64, data: Option<DataState>) -> Result<((f64, f64), Option<StopReason>)> {
-        let mut st = self.stage_setup(si, stage, data)?;
+        let mut st = self.stage_setup(si, stage, first_step, data)?;
         let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);
         let limit = self.sh.opts.stop_at_global_step;
         let last_stage = si + 1 == self.sh.cfg.stages.len();
@@ -540,11 +565,11 @@ impl<'a> RankRun<'a> {
     /// The micro-batches of one step on this rank, localized: (ids, targets, positions,
     /// counted targets).
     fn micro_batches(&mut self, st: &mut StageRun, si: usize, step: u64) -> Result<Vec<(Tensor, Tensor, Tensor, usize)>> {
-        let (sh, cfg) = (self.sh, self.sh.cfg);
+        let sh = self.sh;
         let mut micro = Vec::new();
-        for _ in 0..cfg.train.gradient_accumulate_every {
-            let batch = st.loader.next_batch(cfg.train.batch_size)?.ok_or_else(|| {
-                Error::data(&cfg.data.dataset, format!("dataset exhausted at stage {si} step {step}; use more data or fewer steps"))
+        for _ in 0..st.settings.gradient_accumulate_every {
+            let batch = st.loader.next_batch(st.settings.batch_size)?.ok_or_else(|| {
+                Error::data(&st.settings.dataset, format!("dataset exhausted at stage {si} step {step}; use more data or fewer steps"))
             })?;
             let local = batch.localize(&st.indices)?;
             let (b, s) = (batch.batch, st.indices.len());
@@ -605,7 +630,7 @@ impl<'a> RankRun<'a> {
         let agreed = self.engine.profiler().time(Phase::Comm, &sh.device, || all_reduce_f64s(&self.world, &flags, &sh.device))?;
         let loss = agreed[0] / global_count.max(1.0);
         let t = &cfg.train;
-        let lr = lr_at(t.lr_schedule, st.lr_base, step, stage.steps, t.warmup_steps, t.min_lr_ratio);
+        let lr = lr_at(t.lr_schedule, st.settings.learning_rate, step, stage.steps, st.settings.warmup_steps, t.min_lr_ratio);
         self.inject_nan_gradient()?;
         // A non-finite loss (the same on every rank) skips the update like a non-finite
         // gradient norm does inside the optimizer step.
@@ -618,7 +643,8 @@ impl<'a> RankRun<'a> {
             (f64::NAN, true)
         };
         self.global_step += 1;
-        let tokens = (t.batch_size * t.gradient_accumulate_every * st.dp * stage.seq_length) as u64;
+        let s = &st.settings;
+        let tokens = (s.batch_size * s.gradient_accumulate_every * st.dp * stage.seq_length) as u64;
         self.total_tokens += tokens;
         if skipped {
             self.skipped_steps += 1;
@@ -803,6 +829,7 @@ impl RankRun<'_> {
                 config: serde_json::to_value(self.sh.cfg).map_err(|e| Error::Setting(e.to_string()))?,
                 skipped_steps: self.skipped_steps,
                 skipped_in_row: self.skipped_in_row,
+                optimizer_since_step: self.optimizer_since,
             };
             checkpoint::finish(out, &weights, &state)?;
         }

@@ -231,6 +231,20 @@ impl ShardedAdamW {
         OptimShard { master: &self.host.master, m: &self.host.m, v: &self.host.v }
     }
 
+    /// Fresh AdamW state: moments zero, step counter 0; the f32 master weights are kept
+    /// (a stage with `reset_optimizer`, like a new optimizer over the same weights).
+    pub fn reset(&mut self) -> Result<()> {
+        self.sync_to_host()?;
+        self.host.m.fill(0.0);
+        self.host.v.fill(0.0);
+        self.host.step = 0;
+        if let Some(d) = &self.device {
+            let dev = d.master.device().clone();
+            self.device = Some(DeviceAdamW::from_host(&self.host, &dev)?);
+        }
+        Ok(())
+    }
+
     /// AdamW steps taken.
     pub fn steps(&self) -> u64 {
         self.host.step
