@@ -18,6 +18,7 @@
 
 mod bench;
 mod bench_engine;
+mod bench_optim;
 mod cli;
 
 use clap::{Parser, Subcommand};

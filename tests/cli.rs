@@ -169,6 +169,15 @@ fn bench_engine_on_the_cpu() {
     fails(&run(&["bench", "engine", "--device", "cpu", "--model", "builtin:tiny", "--iters", "0"]), &["--iters"], true);
 }
 
+/// `bench optimizer`: runs on a small shard and reports its time scaled to 7B; bad counts
+/// are one clear error.
+#[test]
+fn bench_optimizer_on_the_cpu() {
+    let o = ok(&["bench", "optimizer", "--params", "100000", "--iters", "2", "--threads", "1"]);
+    assert!(o.stdout.contains("host AdamW, 100000 parameters, 1 threads") && o.stdout.contains("Llama-2-7B"), "{}", o.stdout);
+    fails(&run(&["bench", "optimizer", "--params", "1.5"]), &["--params", "whole count"], false);
+}
+
 /// `bench engine --check-grads` on the CPU (f32: the autograd run equals the reference,
 /// so the explicit path must be within the stated tolerance of it), with and without
 /// saved attention; the explicit path rounds differently from autograd (deterministically

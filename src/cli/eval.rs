@@ -105,6 +105,10 @@ pub struct PplArgs {
     /// Column or field with token ids or text (input_ids or text).
     #[arg(long)]
     pub dataset_column: Option<String>,
+    /// Only the files of this split when the dataset's file names name splits (a hub
+    /// dataset's `validation/…`, `test-00000.parquet`); `*` reads every file.
+    #[arg(long, default_value = "test")]
+    pub dataset_split: String,
     /// Width of raw .bin token files: u16 or u32.
     #[arg(long, default_value = "u16")]
     pub token_width: String,
@@ -299,6 +303,7 @@ fn ppl_ranks(a: &PplArgs, method: Method, token_width: TokenWidth, ranks: &Ranks
         let src = DocSource {
             dataset: a.dataset.clone(),
             column: a.dataset_column.clone(),
+            split: a.dataset_split.clone(),
             token_width,
             // Truncation reads whole documents (up to --max-docs); sliding reads the stream it scores.
             max_tokens: match method {

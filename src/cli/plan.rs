@@ -33,6 +33,10 @@ pub struct PlanArgs {
     /// Run config: plan every stage with its parallel settings (flags override).
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// A DeepSpeed JSON config (its zero_optimization offloads, dtype, batch and
+    /// accumulation), applied over --config's settings as `train --deepspeed` does.
+    #[arg(long, value_name = "FILE")]
+    pub deepspeed: Option<PathBuf>,
     #[command(flatten)]
     pub layout: LayoutFlags,
     /// GPUs in total [default: --world-size, else the config's world_size, else 1].
@@ -62,7 +66,10 @@ pub struct PlanArgs {
 pub fn plan_cmd(a: PlanArgs) -> Result<()> {
     let file = match &a.config {
         Some(p) => {
-            let c = RunConfig::from_file(p)?;
+            let mut c = RunConfig::from_file(p)?;
+            for line in longctx::train::deepspeed::resolve(&mut c, a.deepspeed.as_deref(), p)? {
+                eprintln!("{line}");
+            }
             c.validate(p)?;
             Some((c, p.clone()))
         }
@@ -124,6 +131,11 @@ fn planned_run(a: &PlanArgs, file: Option<RunConfig>) -> Result<RunConfig> {
         c.parallel.mode = if c.parallel.world_size > 1 { ParallelMode::ZigzagRingAttn } else { ParallelMode::DataParallel };
         c
     });
+    if !from_file {
+        for line in longctx::train::deepspeed::resolve(&mut c, a.deepspeed.as_deref(), std::path::Path::new(super::FLAGS))? {
+            eprintln!("{line}");
+        }
+    }
     if matches!(c.model.dtype.as_str(), "f32" | "float32") {
         c.model.dtype = "bf16".into();
     }

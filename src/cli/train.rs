@@ -16,6 +16,12 @@ pub struct TrainArgs {
     /// TOML run config (see configs/ and recipes/); flags override its values.
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// A DeepSpeed JSON config (e.g. EasyContext's zero3_offload.json), read as is: its
+    /// optimizer, scheduler, bf16/fp16, batch, accumulation, clipping and
+    /// zero_optimization offloads set the matching settings over --config's (flags still
+    /// win); every key gets a line saying what it set, or why it has no effect here.
+    #[arg(long, value_name = "FILE")]
+    pub deepspeed: Option<PathBuf>,
     #[command(flatten)]
     pub layout: LayoutFlags,
     #[command(flatten)]
@@ -67,6 +73,12 @@ pub fn resolve_config(a: &TrainArgs, launched_world: Option<usize>) -> Result<(R
         None if a.layout.model.is_some() || a.data.dataset.is_some() => (RunConfig::plain(), PathBuf::from(super::FLAGS)),
         None => (RunConfig::default(), PathBuf::from(super::FLAGS)),
     };
+    let ds_lines = longctx::train::deepspeed::resolve(&mut c, a.deepspeed.as_deref(), &src)?;
+    if std::env::var("RANK").map_or(true, |r| r == "0") {
+        for line in &ds_lines {
+            eprintln!("{line}");
+        }
+    }
     a.run.apply(&mut c);
     a.data.apply(&mut c);
     a.train.apply(&mut c)?;

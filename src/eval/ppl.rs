@@ -81,6 +81,8 @@ pub struct DocSource {
     /// `synthetic:passkey`, or a file / directory / hub dataset id.
     pub dataset: String,
     pub column: Option<String>,
+    /// Only the files of this split (as `train`'s `data.split`; `*`: every file).
+    pub split: String,
     pub token_width: TokenWidth,
     /// Stop reading after this many tokens (all documents together) or documents.
     pub max_tokens: usize,
@@ -116,7 +118,7 @@ pub fn read_docs(src: &DocSource, model: &Llama, tokenizer: Option<&tokenizers::
             })
             .collect());
     }
-    let resolved = resolve(&src.dataset, None, &HubOptions::from_env())?;
+    let resolved = resolve(&src.dataset, None, Some(src.split.as_str()), &HubOptions::from_env())?;
     let opts =
         ReadOptions { format: resolved.format, column: src.column.clone(), text_split: TextSplit::File, token_width: src.token_width };
     let tok = Tokenize {

@@ -281,6 +281,11 @@ pub struct RunConfig {
     #[serde(rename = "stage")]
     pub stages: Vec<Stage>,
     pub export: ExportSection,
+    /// A DeepSpeed config's keys, as in its JSON (`[deepspeed]` with `[deepspeed.zero_optimization]`
+    /// etc.), mapped onto the sections above at start-up ([`crate::train::deepspeed`]);
+    /// `--deepspeed FILE` replaces it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deepspeed: Option<serde_json::Value>,
 }
 
 impl Default for RunConfig {
@@ -299,6 +304,7 @@ impl Default for RunConfig {
             parallel: ParallelSection { token_chunk: 256, ..Default::default() },
             stages: vec![stage(32, 10_000.0, 200), stage(1024, 100_000.0, 60)],
             export: ExportSection::default(),
+            deepspeed: None,
         }
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod deepspeed;
 pub mod optim;
 
 pub use config::{ParallelMode, RunConfig, Stage, StageSettings};

@@ -64,6 +64,15 @@ impl AdamW {
 
     /// One AdamW update of the shard with gradient `grad` (already averaged and clipped).
     pub fn update(&mut self, grad: &[f32], lr: f64) {
+        self.update_into::<f32>(grad, 1.0, lr, None);
+    }
+
+    /// One AdamW update with gradient `gscale · grad` (`gscale`: the clip factor, applied
+    /// as an f32 product first, as the device kernel does), in one parallel pass that
+    /// also writes the new weights rounded to `P` into `copy` (the model-dtype weights the
+    /// GPU receives): no scaled gradient copy, no f32 master copy, no separate
+    /// conversion pass over the shard.
+    pub fn update_into<P: HostElem>(&mut self, grad: &[f32], gscale: f32, lr: f64, copy: Option<&mut [P]>) {
         assert_eq!(grad.len(), self.master.len(), "gradient shard length");
         self.step += 1;
         let c = &self.cfg;
@@ -74,24 +83,56 @@ impl AdamW {
         let bc2_sqrt = bc2.sqrt() as f32;
         let (eps, wd_lr) = (c.eps as f32, (lr * c.weight_decay) as f32);
         const CHUNK: usize = 1 << 14;
-        self.master
+        let body = |w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], dec: &[bool], mut out: Option<&mut [P]>| {
+            for i in 0..w.len() {
+                let gi = if gscale == 1.0 { g[i] } else { g[i] * gscale };
+                m[i] = b1 * m[i] + (1.0 - b1) * gi;
+                v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+                let denom = v[i].sqrt() / bc2_sqrt + eps;
+                if dec[i] {
+                    w[i] -= wd_lr * w[i];
+                }
+                w[i] -= step_size * m[i] / denom;
+                if let Some(o) = out.as_deref_mut() {
+                    o[i] = P::from_f32(w[i]);
+                }
+            }
+        };
+        let state = self
+            .master
             .par_chunks_mut(CHUNK)
             .zip(self.m.par_chunks_mut(CHUNK))
             .zip(self.v.par_chunks_mut(CHUNK))
             .zip(grad.par_chunks(CHUNK))
-            .zip(self.decay.par_chunks(CHUNK))
-            .for_each(|((((w, m), v), g), dec)| {
-                for i in 0..w.len() {
-                    let gi = g[i];
-                    m[i] = b1 * m[i] + (1.0 - b1) * gi;
-                    v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
-                    let denom = v[i].sqrt() / bc2_sqrt + eps;
-                    if dec[i] {
-                        w[i] -= wd_lr * w[i];
-                    }
-                    w[i] -= step_size * m[i] / denom;
-                }
-            });
+            .zip(self.decay.par_chunks(CHUNK));
+        match copy {
+            Some(out) => {
+                assert_eq!(out.len(), grad.len(), "weight copy length");
+                state.zip(out.par_chunks_mut(CHUNK)).for_each(|(((((w, m), v), g), dec), o)| body(w, m, v, g, dec, Some(o)));
+            }
+            None => state.for_each(|((((w, m), v), g), dec)| body(w, m, v, g, dec, None)),
+        }
+    }
+}
+
+/// A model dtype the host optimizer writes its new weights in (round to nearest even,
+/// as Candle's `to_dtype` and the device kernel do).
+pub trait HostElem: Copy + Send + Sync + candle_core::WithDType {
+    fn from_f32(x: f32) -> Self;
+}
+impl HostElem for f32 {
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+impl HostElem for half::bf16 {
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+}
+impl HostElem for half::f16 {
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
     }
 }
 
@@ -239,6 +280,33 @@ mod tests {
         assert_eq!(host.master, twin.master, "master");
         assert_eq!(host.m, twin.m, "m");
         assert_eq!(host.v, twin.v, "v");
+    }
+
+    /// The fused host pass (clip factor inside, bf16 weights written in the same pass)
+    /// equals scaling the gradient first, updating, then rounding the masters to bf16 as
+    /// Candle's `to_dtype` does: bit for bit, over several chunks of the parallel loop.
+    #[test]
+    fn fused_host_update_equals_the_separate_passes() {
+        let n = 40_000;
+        let w0: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+        let decay: Vec<bool> = (0..n).map(|i| i % 5 != 0).collect();
+        let mut fused = AdamW::new(AdamWConfig::default(), w0.clone(), decay.clone());
+        let mut plain = AdamW::new(AdamWConfig::default(), w0, decay);
+        let mut out = vec![half::bf16::ZERO; n];
+        for t in 1..=3 {
+            let g: Vec<f32> = (0..n).map(|i| ((i * 13 + t * 7) % 29) as f32 / 10.0 - 1.4).collect();
+            fused.update_into(&g, 0.25, 1e-3, Some(&mut out));
+            plain.update(&g.iter().map(|x| x * 0.25f32).collect::<Vec<_>>(), 1e-3);
+        }
+        assert_eq!(fused.master, plain.master);
+        assert_eq!((&fused.m, &fused.v), (&plain.m, &plain.v));
+        let want = candle_core::Tensor::from_slice(&plain.master, n, &candle_core::Device::Cpu)
+            .unwrap()
+            .to_dtype(candle_core::DType::BF16)
+            .unwrap()
+            .to_vec1::<half::bf16>()
+            .unwrap();
+        assert!(out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "bf16 copy differs from to_dtype");
     }
 
     /// Against a scalar f64 transcription of the formula for a few steps.

@@ -15,7 +15,7 @@
 
 use crate::train::checkpoint::{Loaded, OptimShard};
 use crate::train::grads::GradBuffer;
-use crate::train::optim::{AdamW, AdamWConfig, DeviceAdamW, Segment};
+use crate::train::optim::{AdamW, AdamWConfig, DeviceAdamW, HostElem, Segment};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use longctx_attention::comm::Comm;
@@ -195,7 +195,9 @@ impl ShardedAdamW {
         Ok(())
     }
 
-    /// The host update (rayon over the shard), then the all-gather of the new weights.
+    /// The host update (rayon over the shard, the gradient read in place from its one
+    /// device-to-host copy, the new weights written in the run dtype in the same pass),
+    /// then the all-gather of the new weights.
     fn host_update(
         &mut self,
         comm: &Arc<dyn Comm>,
@@ -205,14 +207,32 @@ impl ShardedAdamW {
         coef: f64,
         (dtype, device): (DType, &Device),
     ) -> Result<()> {
-        let mut g: Vec<f32> = gshard.to_device(&Device::Cpu)?.to_vec1()?;
-        if coef != 1.0 {
-            g.iter_mut().for_each(|x| *x *= coef as f32);
-        }
-        self.host.update(&g, lr);
-        let shard = Tensor::from_slice(&self.host.master, self.host.master.len(), &Device::Cpu)?;
-        // Rounded to the run dtype as the write-back would round them.
-        let shard = shard.to_dtype(dtype)?.to_device(device)?;
+        let g_host = gshard.to_device(&Device::Cpu)?.contiguous()?;
+        let n = self.host.master.len();
+        let shard = {
+            let (st, layout) = g_host.storage_and_layout();
+            let candle_core::Storage::Cpu(cs) = &*st else {
+                return Err(Error::Setting("host optimizer: gradient not on the host".into()));
+            };
+            let off = layout.start_offset();
+            let g = &cs.as_slice::<f32>()?[off..off + n];
+            let h = &mut self.host;
+            fn run<P: HostElem>(h: &mut AdamW, g: &[f32], coef: f64, lr: f64) -> Result<Tensor> {
+                use rayon::prelude::*;
+                let mut out: Vec<P> = Vec::with_capacity(g.len());
+                out.par_extend(rayon::iter::repeat_n(P::from_f32(0.0), g.len())); // filled in parallel
+                h.update_into(g, coef as f32, lr, Some(&mut out));
+                let len = out.len();
+                Ok(Tensor::from_vec(out, len, &Device::Cpu)?)
+            }
+            match dtype {
+                DType::BF16 => run::<half::bf16>(h, g, coef, lr)?,
+                DType::F16 => run::<half::f16>(h, g, coef, lr)?,
+                DType::F32 => run::<f32>(h, g, coef, lr)?,
+                other => run::<f32>(h, g, coef, lr)?.to_dtype(other)?,
+            }
+        };
+        let shard = shard.to_device(device)?;
         let full = if self.world > 1 { Tensor::cat(&comm.all_gather(&shard)?, 0)? } else { shard };
         write_back(params, &self.sizes, &full)
     }
