@@ -51,16 +51,25 @@ pub struct AdamW {
     pub master: Vec<f32>, // [hi - lo]
     pub m: Vec<f32>,      // [hi - lo]
     pub v: Vec<f32>,      // [hi - lo]
-    /// Whether weight decay applies to each element (2-D weight matrices yes; norms, biases no).
-    pub decay: Vec<bool>, // [hi - lo]
+    /// Whether weight decay applies (2-D weight matrices yes; norms, biases no), as runs:
+    /// `(start, decay)` sorted by start, the first at 0; a run lasts until the next one
+    /// (a few hundred runs for a model, not one flag per element).
+    pub decay: Vec<(usize, bool)>,
 }
 
 impl AdamW {
-    /// Start from the current weights of this shard.
+    /// Start from the current weights of this shard, with a flag per element.
     pub fn new(cfg: AdamWConfig, master: Vec<f32>, decay: Vec<bool>) -> Self {
+        assert_eq!(decay.len(), master.len(), "one decay flag per element");
+        Self::with_runs(cfg, master, Segment::runs(&decay).into_iter().map(|s| (s.start, s.decay)).collect())
+    }
+
+    /// Start from the current weights of this shard, with the decay runs (see [`AdamW::decay`]).
+    pub fn with_runs(cfg: AdamWConfig, master: Vec<f32>, decay: Vec<(usize, bool)>) -> Self {
         let n = master.len();
         Self { cfg, step: 0, master, m: vec![0.0; n], v: vec![0.0; n], decay }
     }
+
 
     /// One AdamW update of the shard with gradient `grad` (already averaged and clipped).
     pub fn update(&mut self, grad: &[f32], lr: f64) {
@@ -83,7 +92,10 @@ impl AdamW {
         let bc2_sqrt = bc2.sqrt() as f32;
         let (eps, wd_lr) = (c.eps as f32, (lr * c.weight_decay) as f32);
         const CHUNK: usize = 1 << 14;
-        let body = |w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], dec: &[bool], mut out: Option<&mut [P]>| {
+        let runs = &self.decay;
+        let body = |c: usize, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], mut out: Option<&mut [P]>| {
+            let mut dec = vec![false; w.len()];
+            decay_flags(runs, c * CHUNK, &mut dec);
             for i in 0..w.len() {
                 let gi = if gscale == 1.0 { g[i] } else { g[i] * gscale };
                 m[i] = b1 * m[i] + (1.0 - b1) * gi;
@@ -104,14 +116,25 @@ impl AdamW {
             .zip(self.m.par_chunks_mut(CHUNK))
             .zip(self.v.par_chunks_mut(CHUNK))
             .zip(grad.par_chunks(CHUNK))
-            .zip(self.decay.par_chunks(CHUNK));
+            .enumerate();
         match copy {
             Some(out) => {
                 assert_eq!(out.len(), grad.len(), "weight copy length");
-                state.zip(out.par_chunks_mut(CHUNK)).for_each(|(((((w, m), v), g), dec), o)| body(w, m, v, g, dec, Some(o)));
+                state.zip(out.par_chunks_mut(CHUNK)).for_each(|((c, (((w, m), v), g)), o)| body(c, w, m, v, g, Some(o)));
             }
-            None => state.for_each(|((((w, m), v), g), dec)| body(w, m, v, g, dec, None)),
+            None => state.for_each(|(c, (((w, m), v), g))| body(c, w, m, v, g, None)),
         }
+    }
+}
+
+/// The decay flags of elements `[lo, lo + out.len())` from the runs of [`AdamW::decay`].
+fn decay_flags(runs: &[(usize, bool)], lo: usize, out: &mut [bool]) {
+    let mut r = runs.partition_point(|&(st, _)| st <= lo).saturating_sub(1);
+    for (k, f) in out.iter_mut().enumerate() {
+        while r + 1 < runs.len() && runs[r + 1].0 <= lo + k {
+            r += 1;
+        }
+        *f = runs.get(r).is_some_and(|&(st, d)| st <= lo + k && d);
     }
 }
 

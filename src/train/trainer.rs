@@ -401,7 +401,7 @@ impl<'a> RankRun<'a> {
     /// engine, this rank's optimizer slice and, on rank 0, the metrics log.
     fn new(sh: &'a Shared<'a>, world: Arc<dyn Comm>) -> Result<Self> {
         let (cfg, mcfg) = (sh.cfg, &sh.model.cfg);
-        let mut vars: HashMap<String, Var> = HashMap::new();
+        let mut picked: Vec<(&String, &Tensor)> = Vec::with_capacity(sh.model.weights.len());
         for (n, start) in &sh.model.weights {
             let t = match sh.resume {
                 Some(l) => {
@@ -421,7 +421,17 @@ impl<'a> RankRun<'a> {
                 }
                 None => start,
             };
-            vars.insert(n.clone(), Var::from_tensor(&t.to_dtype(sh.dtype)?.to_device(&sh.device)?)?);
+            picked.push((n, t));
+        }
+        // Rounded to the run dtype on the host in parallel (one core per tensor), then
+        // copied to the device one by one.
+        let converted: Vec<(&String, Tensor)> = {
+            use rayon::prelude::*;
+            picked.into_par_iter().map(|(n, t)| Ok((n, t.to_dtype(sh.dtype)?))).collect::<Result<_>>()?
+        };
+        let mut vars: HashMap<String, Var> = HashMap::new();
+        for (n, t) in converted {
+            vars.insert(n.clone(), Var::from_tensor(&t.to_device(&sh.device)?)?);
         }
         let opts = EngineOptions {
             token_chunk: cfg.parallel.token_chunk,
@@ -816,6 +826,7 @@ impl RankRun<'_> {
         }
         self.world.barrier()?;
         checkpoint::write_shard(&checkpoint::tmp_dir(out), rank, &self.optim.shard())?;
+        self.optim.release_host(); // a device-resident state keeps no host copy between checkpoints
         self.world.barrier()?;
         if rank == 0 {
             let weights: HashMap<String, Tensor> = self.engine.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().detach())).collect();
