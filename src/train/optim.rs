@@ -70,7 +70,6 @@ impl AdamW {
         Self { cfg, step: 0, master, m: vec![0.0; n], v: vec![0.0; n], decay }
     }
 
-
     /// One AdamW update of the shard with gradient `grad` (already averaged and clipped).
     pub fn update(&mut self, grad: &[f32], lr: f64) {
         self.update_into::<f32>(grad, 1.0, lr, None);
