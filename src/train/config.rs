@@ -274,12 +274,19 @@ pub struct ExportSection {
 pub struct RunConfig {
     pub seed: u64,
     pub output_dir: PathBuf,
+    // A section a TOML file leaves out gets that section's documented defaults
+    // (`docs/config.md`), not the embedded demo's (lr 3e-3, batch 8, 256-token chunks).
+    #[serde(default)]
     pub model: ModelSection,
+    #[serde(default)]
     pub data: DataSection,
+    #[serde(default)]
     pub train: TrainSection,
+    #[serde(default)]
     pub parallel: ParallelSection,
     #[serde(rename = "stage")]
     pub stages: Vec<Stage>,
+    #[serde(default)]
     pub export: ExportSection,
     /// A DeepSpeed config's keys, as in its JSON (`[deepspeed]` with `[deepspeed.zero_optimization]`
     /// etc.), mapped onto the sections above at start-up ([`crate::train::deepspeed`]);
@@ -622,5 +629,11 @@ mod tests {
         let c = RunConfig::from_file(&p).unwrap();
         assert_eq!(c.parallel.mode, ParallelMode::ZigzagRingAttn);
         assert_eq!(c.stages.len(), 1);
+        // Sections the file leaves out get their documented defaults, not the demo's.
+        assert_eq!(c.train, TrainSection::default());
+        assert_eq!(c.data, DataSection::default());
+        assert_eq!(c.parallel.token_chunk, ParallelSection::default().token_chunk);
+        assert_ne!(c.train.learning_rate, RunConfig::default().train.learning_rate, "the demo's lr must not leak in");
+        assert_eq!((c.seed, c.output_dir.clone()), (RunConfig::default().seed, RunConfig::default().output_dir));
     }
 }
