@@ -234,6 +234,26 @@ fn train_flags_override_the_toml() {
     assert!(r.stages.iter().all(|s| s.steps == 4 && s.rope_theta == 2e5));
 }
 
+/// `--parallel-mode` and `--fpdt-chunk-size` replace a stage's own choice too (as the
+/// training flags do), so every stage runs the mode the command line names.
+#[test]
+fn parallel_flags_replace_each_stages_own_choice() {
+    let d = tmp();
+    let cfg = write(
+        d.path(),
+        "modes.toml",
+        "[parallel]\nworld_size = 2\n[[stage]]\nseq_length = 128\nrope_theta = 1e4\nsteps = 1\nparallel_mode = \"fpdt\"\n\
+         fpdt_chunk_size = 64\n[[stage]]\nseq_length = 256\nrope_theta = 1e5\nsteps = 1\n",
+    );
+    let c = cfg.to_str().unwrap();
+    let r: RunConfig = toml::from_str(&ok(&["train", "--config", c, "--dry-run"]).stdout).unwrap();
+    assert_eq!(r.stages[0].parallel_mode, Some(ParallelMode::Fpdt), "without the flag the stage keeps its own");
+    let o = ok(&["train", "--config", c, "--dry-run", "--parallel-mode", "ulysses_attn", "--fpdt-chunk-size", "128"]);
+    let r: RunConfig = toml::from_str(&o.stdout).unwrap();
+    assert!(r.stages.iter().all(|s| s.parallel_mode.is_none() && s.fpdt_chunk_size.is_none()), "{:?}", r.stages);
+    assert_eq!(r.parallel.mode, ParallelMode::UlyssesAttn);
+}
+
 #[test]
 fn zigzag_length_not_divisible_by_2w() {
     let o = run(&[

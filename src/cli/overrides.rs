@@ -59,6 +59,14 @@ pub struct ParallelFlags {
 
 impl ParallelFlags {
     pub fn apply(&self, c: &mut RunConfig) -> Result<()> {
+        // A flag that a stage can also set replaces every stage's own value, as for the
+        // training flags.
+        if self.parallel_mode.is_some() {
+            c.stages.iter_mut().for_each(|s| s.parallel_mode = None);
+        }
+        if self.fpdt_chunk_size.is_some() {
+            c.stages.iter_mut().for_each(|s| s.fpdt_chunk_size = None);
+        }
         let p = &mut c.parallel;
         if let Some(v) = &self.parallel_mode {
             p.mode = parse_mode(v, "--parallel-mode")?;

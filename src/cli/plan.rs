@@ -145,14 +145,6 @@ fn planned_run(a: &PlanArgs, file: Option<RunConfig>) -> Result<RunConfig> {
         bail!("--seq-length is required (or --config with stages)");
     }
     StageFlags::default().apply(a.layout.seq_length, &mut c);
-    for s in &mut c.stages {
-        if a.layout.parallel.parallel_mode.is_some() {
-            s.parallel_mode = None;
-        }
-        if a.layout.parallel.fpdt_chunk_size.is_some() {
-            s.fpdt_chunk_size = None;
-        }
-    }
     Ok(c)
 }
 
