@@ -406,6 +406,18 @@ mod tests {
                     .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
                 norms.push(st.grad_norm);
             }
+            // A device-resident state keeps no host copy until a checkpoint asks for one
+            // (12 bytes per parameter of the slice otherwise), and drops it again after.
+            let held = |o: &ShardedAdamW| o.host.master.len() + o.host.m.len() + o.host.v.len();
+            if on_device {
+                assert_eq!(held(&opt), 0, "host copy of a device-resident state");
+                opt.sync_to_host().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                assert_eq!(held(&opt), 3 * opt.shard_len, "sync_to_host refills the whole slice");
+                opt.release_host();
+                assert_eq!(held(&opt), 0);
+            } else {
+                assert_eq!(held(&opt), 3 * opt.shard_len);
+            }
             let w: Vec<Vec<f32>> =
                 params.iter().map(|(_, v)| v.as_tensor().flatten_all()?.to_vec1::<f32>()).collect::<candle_core::Result<_>>()?;
             Ok((w, norms))
