@@ -128,7 +128,9 @@ impl Attention {
     /// [`Self::forward`] for `s` new tokens that follow the `t` tokens whose keys and values
     /// are in `cache` (`[b, t, hkv, d]` each, RoPE applied; `None`: none yet): the new
     /// queries see every cached key and the new keys causally (the two blocks merged by
-    /// log-sum-exp); the new keys and values are appended to `cache`. No graph is meant.
+    /// log-sum-exp; a single new token after a cache, the decoding step, takes a plain f32
+    /// attention over all keys instead); the new keys and values are appended to `cache`.
+    /// No graph is meant.
     pub fn forward_cached(&self, x: &Tensor, rope: &RopeTable, cache: &mut Option<(Tensor, Tensor)>) -> candle_core::Result<Tensor> {
         use longctx_attention::kernel::{fwd, Mask};
         use longctx_attention::merge::merge;
@@ -138,13 +140,25 @@ impl Attention {
         let k = rope.apply(&self.k_proj.forward(x)?.reshape((b, s, self.num_kv_heads, d))?)?.contiguous()?;
         let v = self.v_proj.forward(x)?.reshape((b, s, self.num_kv_heads, d))?.contiguous()?;
         let scale = 1.0 / (d as f64).sqrt();
-        let (o_new, lse_new) = fwd(&q, &k, &v, Mask::Causal, scale)?;
         let o = match cache.take() {
+            // One new token (decoding): it sees every key, so no mask; scores `[b, hq, 1, t]`
+            // are small, and the plain f32 matmul path has no per-shape set-up (the fused
+            // kernel would plan a new graph for every length t, once per token and layer).
+            Some((k_old, v_old)) if s == 1 => {
+                let k_all = Tensor::cat(&[&k_old, &k], 1)?;
+                let v_all = Tensor::cat(&[&v_old, &v], 1)?;
+                let f32 = |t: &Tensor| t.to_dtype(candle_core::DType::F32);
+                let (o, _) = longctx_attention::naive::fwd(&f32(&q)?, &f32(&k_all)?, &f32(&v_all)?, Mask::None, scale)?;
+                *cache = Some((k_all, v_all));
+                o.to_dtype(q.dtype())?
+            }
             None => {
+                let (o_new, _) = fwd(&q, &k, &v, Mask::Causal, scale)?;
                 *cache = Some((k, v));
                 o_new
             }
             Some((k_old, v_old)) => {
+                let (o_new, lse_new) = fwd(&q, &k, &v, Mask::Causal, scale)?;
                 let (o_old, lse_old) = fwd(&q, &k_old, &v_old, Mask::None, scale)?;
                 let acc = merge(Some(merge(None, &o_old, &lse_old)?), &o_new, &lse_new)?;
                 *cache = Some((Tensor::cat(&[&k_old, &k], 1)?, Tensor::cat(&[&v_old, &v], 1)?));
