@@ -246,11 +246,39 @@ pub fn stage_data_spec(cfg: &RunConfig, mcfg: &LlamaConfig, s: &StageSettings) -
 /// Per-rank context shared by the threads.
 struct Shared<'a> {
     cfg: &'a RunConfig,
+    /// The model's config and files; its start weights moved into `start`.
     model: &'a StartModel,
+    start: StartWeights,
     device: Device,
     dtype: DType,
     resume: Option<&'a checkpoint::Loaded>,
     opts: &'a RunOptions,
+}
+
+/// The start weights (host, f32 or the checkpoint dtype: 27 GB for a 7B model), lent to
+/// each rank while it builds its weights and optimizer state, and freed once every rank
+/// has (they are not needed after).
+struct StartWeights {
+    slot: std::sync::Mutex<Option<Arc<HashMap<String, Tensor>>>>,
+    lent: std::sync::atomic::AtomicUsize,
+    ranks: usize,
+}
+
+impl StartWeights {
+    fn new(weights: HashMap<String, Tensor>, ranks: usize) -> Self {
+        Self { slot: std::sync::Mutex::new(Some(Arc::new(weights))), lent: 0.into(), ranks: ranks.max(1) }
+    }
+
+    /// The weights for one rank; the last of the ranks takes them out of the slot, so they
+    /// are freed when the ranks drop theirs.
+    fn lend(&self) -> Result<Arc<HashMap<String, Tensor>>> {
+        let mut slot = self.slot.lock().map_err(|_| Error::Setting("start weights: a rank panicked".into()))?;
+        let w = slot.clone().ok_or_else(|| Error::Setting("start weights already released".into()))?;
+        if self.lent.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 >= self.ranks {
+            *slot = None;
+        }
+        Ok(w)
+    }
 }
 
 /// Run the whole config in this process (in-process ranks; or the world of a launched
@@ -272,8 +300,9 @@ pub fn run_with(cfg: &RunConfig, resume: bool, opts: &RunOptions) -> Result<RunS
     let _lock = RunDirLock::acquire(&cfg.output_dir)?;
     rundir::prepare(&cfg.output_dir, resume, opts.overwrite)?;
     let loaded = if resume { Some(open_checkpoint(cfg, opts, true)?) } else { None };
-    let model = load_start_model(cfg)?;
-    let shared = Shared { cfg, model: &model, device, dtype, resume: loaded.as_ref(), opts };
+    let mut model = load_start_model(cfg)?;
+    let start = StartWeights::new(std::mem::take(&mut model.weights), cfg.parallel.world_size);
+    let shared = Shared { cfg, model: &model, start, device, dtype, resume: loaded.as_ref(), opts };
     let outs = crate::dist::world::run_threads(cfg.parallel.world_size, cfg.collective_timeout(), |comm| rank_main(&shared, comm))?;
     outs.into_iter().next().flatten().ok_or_else(|| Error::Setting("rank 0 returned no summary".into()))
 }
@@ -401,8 +430,9 @@ impl<'a> RankRun<'a> {
     /// engine, this rank's optimizer slice and, on rank 0, the metrics log.
     fn new(sh: &'a Shared<'a>, world: Arc<dyn Comm>) -> Result<Self> {
         let (cfg, mcfg) = (sh.cfg, &sh.model.cfg);
-        let mut picked: Vec<(&String, &Tensor)> = Vec::with_capacity(sh.model.weights.len());
-        for (n, start) in &sh.model.weights {
+        let start_weights = sh.start.lend()?;
+        let mut picked: Vec<(&String, &Tensor)> = Vec::with_capacity(start_weights.len());
+        for (n, start) in start_weights.iter() {
             let t = match sh.resume {
                 Some(l) => {
                     let file = l.dir.join("model.safetensors");
@@ -461,7 +491,7 @@ impl<'a> RankRun<'a> {
         let optim = ShardedAdamW::new(
             cfg.train.adamw.clone(),
             &engine.params,
-            &sh.model.weights,
+            &start_weights,
             (world.rank(), world.world()),
             on_device,
             resume_opt,
@@ -874,8 +904,9 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistE
             None
         };
         let loaded = if resume { Some(open_checkpoint(cfg, opts, env.rank == 0)?) } else { None };
-        let model = load_start_model_for(cfg, 1)?;
-        let shared = Shared { cfg, model: &model, device: joined.device.clone(), dtype, resume: loaded.as_ref(), opts };
+        let mut model = load_start_model_for(cfg, 1)?;
+        let start = StartWeights::new(std::mem::take(&mut model.weights), 1);
+        let shared = Shared { cfg, model: &model, start, device: joined.device.clone(), dtype, resume: loaded.as_ref(), opts };
         rank_main(&shared, joined.comm.clone())
     })();
     joined.finish(&result);
