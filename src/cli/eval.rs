@@ -87,6 +87,13 @@ impl RunFlags {
         })
     }
 
+    /// The ranks and dtype of the run, with the output directory created.
+    fn prepare(&self, output_dir: &std::path::Path) -> Result<(RanksSpec, candle_core::DType)> {
+        let (spec, dtype) = (self.spec()?, self.dtype()?);
+        output::ensure_dir(output_dir).with_context(|| format!("creating the output directory {}", output_dir.display()))?;
+        Ok((spec, dtype))
+    }
+
     fn dtype(&self) -> Result<candle_core::DType> {
         parse_dtype(&self.dtype, "dtype")
     }
@@ -229,9 +236,7 @@ fn ppl_cmd(a: PplArgs) -> Result<()> {
     if a.stride == Some(0) {
         bail!("--stride: must be at least 1 token");
     }
-    let spec = a.run.spec()?;
-    let dtype = a.run.dtype()?;
-    output::ensure_dir(&a.output_dir).with_context(|| format!("creating the output directory {}", a.output_dir.display()))?;
+    let (spec, dtype) = a.run.prepare(&a.output_dir)?;
     let started = Instant::now();
     let result = with_ranks(
         &spec,
@@ -374,9 +379,7 @@ fn needle_cmd(a: NeedleArgs) -> Result<()> {
         })?),
         None => None,
     };
-    let spec = a.run.spec()?;
-    let dtype = a.run.dtype()?;
-    output::ensure_dir(&a.output_dir).with_context(|| format!("creating the output directory {}", a.output_dir.display()))?;
+    let (spec, dtype) = a.run.prepare(&a.output_dir)?;
     let started = Instant::now();
     let result = with_ranks(
         &spec,

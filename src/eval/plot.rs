@@ -57,10 +57,8 @@ pub fn lines(path: &Path, title: &str, x_desc: &str, y_desc: &str, series: &[(St
     let pad = ((y1 - y0) * 0.08).max(1e-3 * y1.abs().max(1.0));
     y0 -= pad;
     y1 += pad;
-    let tmp = temp_sibling(path);
-    let res = (|| -> std::result::Result<(), Box<dyn std::error::Error>> {
-        let root = BitMapBackend::new(&tmp, (900, 560)).into_drawing_area();
-        root.fill(&WHITE)?;
+    png(path, (900, 560), |root| {
+        let root = root.clone();
         let mut chart = ChartBuilder::on(&root)
             .caption(title, (FAMILY, 22))
             .margin(16)
@@ -96,6 +94,22 @@ pub fn lines(path: &Path, title: &str, x_desc: &str, y_desc: &str, series: &[(St
             .label_font((FAMILY, 14))
             .position(SeriesLabelPosition::UpperRight)
             .draw()?;
+        Ok(())
+    })
+}
+
+/// A PNG of `size` pixels drawn by `draw` on a white page, written atomically to `path`
+/// (nothing is left behind when drawing fails).
+fn png(
+    path: &Path,
+    size: (u32, u32),
+    draw: impl FnOnce(&DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>) -> std::result::Result<(), Box<dyn std::error::Error>>,
+) -> Result<()> {
+    let tmp = temp_sibling(path);
+    let res = (|| -> std::result::Result<(), Box<dyn std::error::Error>> {
+        let root = BitMapBackend::new(&tmp, size).into_drawing_area();
+        root.fill(&WHITE)?;
+        draw(&root)?;
         root.present()?;
         Ok(())
     })();
@@ -131,10 +145,8 @@ pub fn heatmap(path: &Path, title: &str, lengths: &[usize], depths: &[f64], valu
     let cw = (760 / nx as i32).clamp(40, 140);
     let ch = (440 / ny as i32).clamp(24, 80);
     let (w, h) = ((left + cw * nx as i32 + right) as u32, (top + ch * ny as i32 + bottom) as u32);
-    let tmp = temp_sibling(path);
-    let res = (|| -> std::result::Result<(), Box<dyn std::error::Error>> {
-        let root = BitMapBackend::new(&tmp, (w.max(420), h)).into_drawing_area();
-        root.fill(&WHITE)?;
+    png(path, (w.max(420), h), |root| {
+        let root = root.clone();
         let centred = |s: String, x: i32, y: i32, size: i32| {
             let style = TextStyle::from((FAMILY, size).into_font()).pos(plotters::style::text_anchor::Pos::new(
                 plotters::style::text_anchor::HPos::Center,
@@ -161,12 +173,6 @@ pub fn heatmap(path: &Path, title: &str, lengths: &[usize], depths: &[f64], valu
             root.draw(&centred(format!("{:.0}%", depth * 100.0), left - 28, top + d as i32 * ch + ch / 2, 13))?;
         }
         root.draw(&centred("depth".into(), 30, top + (ny as i32 * ch) / 2, 15))?;
-        root.present()?;
         Ok(())
-    })();
-    if let Err(e) = res {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(plot_err(path, e));
-    }
-    commit(&tmp, path)
+    })
 }

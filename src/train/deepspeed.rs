@@ -128,6 +128,15 @@ impl Report<'_> {
         self.lines.push(Line { level, key: key.to_string(), text: text.into() });
     }
 
+    /// A key that sets nothing: a note saying why it has no effect here, or a warning
+    /// when longctx does not know it. `name` is the key's last part, `key` its path.
+    fn no_effect(&mut self, key: &str, name: &str, unknown: &str) {
+        match no_effect(name) {
+            Some(why) => self.push(Level::Note, key, format!("no effect here: {why}")),
+            None => self.push(Level::Warning, key, unknown.to_string()),
+        }
+    }
+
     fn err(&self, key: &str, msg: impl Into<String>) -> Error {
         Error::config(self.src, key, msg.into())
     }
@@ -169,10 +178,9 @@ pub fn apply(ds: &Value, src: &Path, cfg: &mut RunConfig) -> Result<Vec<Line>> {
     let mut r = Report { src, lines: Vec::new() };
     let top = ds
         .as_object()
-        .ok_or_else(|| r.err("", format!("a DeepSpeed config is one JSON object ({{\"zero_optimization\": {{...}}, ...}}), got {ds}")))?
-        .clone();
+        .ok_or_else(|| r.err("", format!("a DeepSpeed config is one JSON object ({{\"zero_optimization\": {{...}}, ...}}), got {ds}")))?;
     let mut dtype_set: Option<&str> = None;
-    for (key, v) in &top {
+    for (key, v) in top {
         match key.as_str() {
             "bf16" | "fp16" => {
                 let enabled = match v.get("enabled") {
@@ -231,10 +239,7 @@ pub fn apply(ds: &Value, src: &Path, cfg: &mut RunConfig) -> Result<Vec<Line>> {
                 Some(x) => return Err(r.err(key, format!("must be ≥ 0 (0 = off), got {x}"))),
                 None => r.push(Level::Note, key, format!("\"auto\": stays {}", cfg.train.clip_grad)),
             },
-            k => match no_effect(k) {
-                Some(why) => r.push(Level::Note, k, format!("no effect here: {why}")),
-                None => r.push(Level::Warning, k, "unknown DeepSpeed key, ignored (check its spelling)"),
-            },
+            k => r.no_effect(k, k, "unknown DeepSpeed key, ignored (check its spelling)"),
         }
     }
     Ok(r.lines)
@@ -252,11 +257,11 @@ fn optimizer(r: &mut Report, v: &Value, cfg: &mut RunConfig) -> Result<()> {
                 r.push(Level::Set, "optimizer.type", "AdamW (decoupled weight decay)");
             }
             "params" => {
-                for (pk, pv) in r.object("optimizer.params", x)?.clone() {
+                for (pk, pv) in r.object("optimizer.params", x)? {
                     let key = format!("optimizer.params.{pk}");
                     let a = &mut cfg.train.adamw;
                     match pk.as_str() {
-                        "lr" => match r.num(&key, &pv)? {
+                        "lr" => match r.num(&key, pv)? {
                             Some(lr) => {
                                 cfg.train.learning_rate = lr;
                                 r.push(Level::Set, &key, format!("train.learning_rate = {lr:e}"));
@@ -273,7 +278,7 @@ fn optimizer(r: &mut Report, v: &Value, cfg: &mut RunConfig) -> Result<()> {
                                 _ => return Err(r.err(&key, format!("expected [beta1, beta2], got {pv}"))),
                             }
                         }
-                        "eps" | "weight_decay" => match r.num(&key, &pv)? {
+                        "eps" | "weight_decay" => match r.num(&key, pv)? {
                             Some(x) => {
                                 if pk == "eps" {
                                     a.eps = x;
@@ -396,8 +401,7 @@ fn offload_device<'v>(r: &Report, key: &str, v: &'v Value) -> Result<Option<&'v 
 }
 
 fn zero(r: &mut Report, v: &Value, cfg: &mut RunConfig) -> Result<()> {
-    let z = r.object("zero_optimization", v)?.clone();
-    for (k, x) in &z {
+    for (k, x) in r.object("zero_optimization", v)? {
         let key = format!("zero_optimization.{k}");
         match k.as_str() {
             "stage" => match r.count(&key, x)? {
@@ -423,10 +427,7 @@ fn zero(r: &mut Report, v: &Value, cfg: &mut RunConfig) -> Result<()> {
                     None => r.push(Level::Note, &key, "no `device`: the optimizer stays where the config puts it"),
                 }
                 for sub in r.object(&key, x)?.keys().filter(|s| *s != "device") {
-                    match no_effect(sub) {
-                        Some(why) => r.push(Level::Note, &format!("{key}.{sub}"), format!("no effect here: {why}")),
-                        None => r.push(Level::Warning, &format!("{key}.{sub}"), "unknown key, ignored"),
-                    }
+                    r.no_effect(&format!("{key}.{sub}"), sub, "unknown key, ignored");
                 }
             }
             "offload_param" => {
@@ -440,16 +441,10 @@ fn zero(r: &mut Report, v: &Value, cfg: &mut RunConfig) -> Result<()> {
                     r.push(Level::Note, &key, "parameters stay on the GPU, as here");
                 }
                 for sub in r.object(&key, x)?.keys().filter(|s| *s != "device") {
-                    match no_effect(sub) {
-                        Some(why) => r.push(Level::Note, &format!("{key}.{sub}"), format!("no effect here: {why}")),
-                        None => r.push(Level::Warning, &format!("{key}.{sub}"), "unknown key, ignored"),
-                    }
+                    r.no_effect(&format!("{key}.{sub}"), sub, "unknown key, ignored");
                 }
             }
-            other => match no_effect(other) {
-                Some(why) => r.push(Level::Note, &key, format!("no effect here: {why}")),
-                None => r.push(Level::Warning, &key, "unknown ZeRO key, ignored (check its spelling)"),
-            },
+            other => r.no_effect(&key, other, "unknown ZeRO key, ignored (check its spelling)"),
         }
     }
     Ok(())

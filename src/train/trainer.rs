@@ -258,24 +258,27 @@ struct Shared<'a> {
 /// The start weights (host, f32 or the checkpoint dtype: 27 GB for a 7B model), lent to
 /// each rank while it builds its weights and optimizer state, and freed once every rank
 /// has (they are not needed after).
+type Weights = Arc<HashMap<String, Tensor>>;
+
 struct StartWeights {
-    slot: std::sync::Mutex<Option<Arc<HashMap<String, Tensor>>>>,
-    lent: std::sync::atomic::AtomicUsize,
-    ranks: usize,
+    /// The weights while some rank has not taken them yet, and how many ranks still will.
+    slot: std::sync::Mutex<(Option<Weights>, usize)>,
 }
 
 impl StartWeights {
     fn new(weights: HashMap<String, Tensor>, ranks: usize) -> Self {
-        Self { slot: std::sync::Mutex::new(Some(Arc::new(weights))), lent: 0.into(), ranks: ranks.max(1) }
+        Self { slot: std::sync::Mutex::new((Some(Arc::new(weights)), ranks.max(1))) }
     }
 
     /// The weights for one rank; the last of the ranks takes them out of the slot, so they
     /// are freed when the ranks drop theirs.
-    fn lend(&self) -> Result<Arc<HashMap<String, Tensor>>> {
+    fn lend(&self) -> Result<Weights> {
         let mut slot = self.slot.lock().map_err(|_| Error::Setting("start weights: a rank panicked".into()))?;
-        let w = slot.clone().ok_or_else(|| Error::Setting("start weights already released".into()))?;
-        if self.lent.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 >= self.ranks {
-            *slot = None;
+        let (weights, left) = &mut *slot;
+        let w = weights.clone().ok_or_else(|| Error::Setting("start weights already released".into()))?;
+        *left -= 1;
+        if *left == 0 {
+            *weights = None;
         }
         Ok(w)
     }
