@@ -15,31 +15,22 @@ pub fn all_finite(t: &Tensor) -> Result<bool> {
 /// float dtypes by `x·0 + 0` summed (0 for finite values, NaN otherwise).
 pub fn finite_flags(ts: &[Tensor]) -> Result<Vec<bool>> {
     let mut flags = vec![true; ts.len()];
+    // The 16/32-bit floats by device (one count, one transfer each); other floats alone.
+    let mut groups: Vec<(&candle_core::Device, Vec<usize>)> = Vec::new();
     for (i, t) in ts.iter().enumerate() {
-        if t.dtype().is_float() && !matches!(t.dtype(), DType::BF16 | DType::F16 | DType::F32) {
-            flags[i] = t.affine(0.0, 0.0)?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?.is_finite();
+        match t.dtype() {
+            DType::BF16 | DType::F16 | DType::F32 => match groups.iter_mut().find(|g| g.0.same_device(t.device())) {
+                Some(g) => g.1.push(i),
+                None => groups.push((t.device(), vec![i])),
+            },
+            d if d.is_float() => flags[i] = t.affine(0.0, 0.0)?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?.is_finite(),
+            _ => {}
         }
     }
-    let (idx, floats): (Vec<usize>, Vec<Tensor>) = ts
-        .iter()
-        .enumerate()
-        .filter(|(_, t)| matches!(t.dtype(), DType::BF16 | DType::F16 | DType::F32))
-        .map(|(i, t)| Ok((i, t.contiguous()?)))
-        .collect::<candle_core::Result<Vec<_>>>()?
-        .into_iter()
-        .unzip();
-    // Grouped by device (the count is one transfer per device).
-    let mut done = vec![false; floats.len()];
-    for a in 0..floats.len() {
-        if done[a] {
-            continue;
-        }
-        let group: Vec<usize> = (a..floats.len()).filter(|&b| !done[b] && floats[b].device().same_device(floats[a].device())).collect();
-        let tensors: Vec<Tensor> = group.iter().map(|&b| floats[b].clone()).collect();
-        let counts = longctx_kernels::count_non_finite(&tensors)?;
-        for (&b, c) in group.iter().zip(counts) {
-            done[b] = true;
-            flags[idx[b]] = c == 0;
+    for (_, idx) in groups {
+        let tensors = idx.iter().map(|&i| ts[i].contiguous()).collect::<candle_core::Result<Vec<_>>>()?;
+        for (i, c) in idx.into_iter().zip(longctx_kernels::count_non_finite(&tensors)?) {
+            flags[i] = c == 0;
         }
     }
     Ok(flags)
