@@ -7,19 +7,8 @@ use longctx::train::config::{ParallelMode, RunConfig};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// The binary, run from the repository root, outside any launcher, offline.
-fn longctx(args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_longctx"));
-    c.args(args).current_dir(root()).env("HF_HUB_OFFLINE", "1");
-    for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"] {
-        c.env_remove(k);
-    }
-    c
-}
+mod common;
+use common::{longctx_cmd as longctx, repo_root as root};
 
 struct Out {
     code: i32,

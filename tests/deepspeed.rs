@@ -9,11 +9,9 @@ use longctx::train::deepspeed::{apply, resolve, Level};
 use longctx::train::optim::Schedule;
 use serde_json::json;
 use std::path::Path;
-use std::process::Command;
 
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
+mod common;
+use common::repo_root as root;
 
 fn zero3() -> serde_json::Value {
     longctx::train::deepspeed::read(&root().join("configs/zero3_offload.json")).unwrap()
@@ -116,12 +114,7 @@ fn a_toml_deepspeed_table_equals_the_json_file() {
 }
 
 fn longctx(args: &[&str]) -> std::process::Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_longctx"));
-    c.args(args).current_dir(root()).env("HF_HUB_OFFLINE", "1");
-    for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
-        c.env_remove(k);
-    }
-    c.output().expect("cannot run the longctx binary")
+    common::longctx_cmd(args).output().expect("cannot run the longctx binary")
 }
 
 #[test]

@@ -91,3 +91,19 @@ pub fn write_st(path: &Path, tensors: &[(&str, Tensor)]) {
 pub fn offline_hub() -> longctx::hub::HubOptions {
     longctx::hub::HubOptions::offline_in("/nonexistent-hf-cache")
 }
+
+/// The repository root: the CLI tests run the binary from here.
+pub fn repo_root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The `longctx` binary (the dev build) with `args`, run from the repository root,
+/// outside any launcher (the rank variables removed) and offline.
+pub fn longctx_cmd(args: &[&str]) -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_longctx"));
+    c.args(args).current_dir(repo_root()).env("HF_HUB_OFFLINE", "1");
+    for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"] {
+        c.env_remove(k);
+    }
+    c
+}
