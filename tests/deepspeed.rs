@@ -50,9 +50,14 @@ fn easycontext_zero3_offload_json_is_accepted_and_every_key_reported() {
         let covered = lines.iter().any(|l| l.key == *k);
         assert!(covered, "no line for `{k}`:\n{}", lines.iter().map(|l| l.to_string()).collect::<Vec<_>>().join("\n"));
     }
-    // The unimplemented parts are warnings that say so; the accepted no-ops are notes.
+    // Stage 3 and both offloads are taken; nothing is left unimplemented; the accepted
+    // no-ops are notes.
+    assert_eq!((cfg.train.zero_stage, cfg.train.offload_params), (3, true));
     let warn: Vec<&str> = lines.iter().filter(|l| l.level == Level::Warning).map(|l| l.key.as_str()).collect();
-    assert_eq!(warn, vec!["zero_optimization.offload_param.device", "zero_optimization.stage"], "{lines:#?}");
+    assert!(warn.is_empty(), "{lines:#?}");
+    for k in ["zero_optimization.stage", "zero_optimization.offload_param.device", "zero_optimization.offload_optimizer.device"] {
+        assert!(lines.iter().any(|l| l.key == k && l.level == Level::Set), "no setting line for {k}: {lines:#?}");
+    }
     for k in ["zero_optimization.overlap_comm", "zero_optimization.stage3_max_live_parameters", "steps_per_print", "wall_clock_breakdown"] {
         let l = lines.iter().find(|l| l.key == k).unwrap_or_else(|| panic!("no line for {k}"));
         assert_eq!(l.level, Level::Note, "{l}");
@@ -96,7 +101,7 @@ fn a_toml_deepspeed_table_equals_the_json_file() {
     // The same settings as configs/zero3_offload.json, as TOML.
     let body = "[[stage]]\nseq_length = 64\nrope_theta = 10000.0\nsteps = 1\n\n[deepspeed]\ngradient_clipping = \"auto\"\ntrain_micro_batch_size_per_gpu = 1\n\
                 [deepspeed.zero_optimization]\nstage = 3\noverlap_comm = true\n[deepspeed.zero_optimization.offload_optimizer]\n\
-                device = \"cpu\"\n[deepspeed.optimizer]\ntype = \"AdamW\"\n[deepspeed.optimizer.params]\nbetas = [0.9, 0.95]\n\
+                device = \"cpu\"\n[deepspeed.zero_optimization.offload_param]\ndevice = \"cpu\"\n[deepspeed.optimizer]\ntype = \"AdamW\"\n[deepspeed.optimizer.params]\nbetas = [0.9, 0.95]\n\
                 weight_decay = 0.1\n[deepspeed.scheduler]\ntype = \"WarmupLR\"\n[deepspeed.scheduler.params]\nwarmup_max_lr = 2e-5\n\
                 warmup_num_steps = 0\n";
     std::fs::write(&toml_path, body).unwrap();
@@ -125,7 +130,8 @@ fn train_and_plan_take_deepspeed_and_plan_counts_the_offload() {
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.contains("optimizer_on_host = true"), "{out}");
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("deepspeed warning: `zero_optimization.stage`"), "{err}");
+    assert!(err.contains("deepspeed: `zero_optimization.stage`: train.zero_stage = 3"), "{err}");
+    assert!(out.contains("zero_stage = 3") && out.contains("offload_params = true"), "{out}");
     assert!(err.contains("deepspeed note: `zero_optimization.overlap_comm`"), "{err}");
     // A flag still wins over the file.
     let o =

@@ -116,6 +116,16 @@ pub struct LayoutFlags {
     /// DeepSpeed's offload_optimizer [default: on the GPU] (`train.optimizer_on_host`).
     #[arg(long, alias = "optimizer_on_host")]
     pub optimizer_on_host: bool,
+    /// ZeRO stage, as DeepSpeed numbers them: 0 replicated optimizer state, 1 sharded
+    /// optimizer state [default], 2 also sharded gradients (reduced layer by layer), 3 also
+    /// sharded weights (gathered layer by layer) (`train.zero_stage`).
+    #[arg(long, alias = "zero_stage", value_parser = clap::value_parser!(u8).range(0..=3))]
+    pub zero_stage: Option<u8>,
+    /// Keep this rank's slice of the weights in host memory, each layer copied to the GPU
+    /// only while it runs, like DeepSpeed's offload_param; implies --zero-stage 3
+    /// (`train.offload_params`).
+    #[arg(long, alias = "offload_params")]
+    pub offload_params: bool,
     #[command(flatten)]
     pub parallel: ParallelFlags,
 }
@@ -131,6 +141,15 @@ impl LayoutFlags {
             c.stages.iter_mut().for_each(|s| s.batch_size = None);
         }
         c.train.optimizer_on_host |= self.optimizer_on_host;
+        if let Some(z) = self.zero_stage {
+            c.train.zero_stage = z;
+        }
+        if self.offload_params {
+            c.train.offload_params = true;
+            if self.zero_stage.is_none() {
+                c.train.zero_stage = 3;
+            }
+        }
         self.parallel.apply(c)
     }
 }

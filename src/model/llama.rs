@@ -204,7 +204,7 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+    pub fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
         let h = cfg.hidden_size;
         let norm =
             |name: &str| -> Result<RmsNorm> { Ok(RmsNorm { weight: get(&vb.pp(name), cfg, "weight", &[h])?, eps: cfg.rms_norm_eps }) };

@@ -3,8 +3,9 @@
 //! Layout of `<output_dir>/checkpoint/`:
 //! - `model.safetensors`: the model weights in the run dtype (names as in HF checkpoints);
 //! - `optimizer-shard{d}.safetensors`: rank `d`'s shard of the f32 `master`, `m`, `v`
-//!   (ZeRO-1 over all ranks; shards concatenate to the flat parameter vector, zero-padded
-//!   at the end; checkpoints of earlier versions named them `optimizer-dp{d}`);
+//!   (its slice of every unit of the partition that `state.json` records; with ZeRO-1 one
+//!   unit, so the shards concatenate to the flat parameter vector, zero-padded at the end;
+//!   checkpoints of earlier versions named them `optimizer-dp{d}`);
 //! - `state.json`: [`TrainState`] (stage, steps, optimizer step, data cursor, RNG, config).
 //!
 //! Every file and the directory are fsynced before the swap (as exports are), and nothing
@@ -47,6 +48,11 @@ pub struct TrainState {
     /// older checkpoints: 0).
     #[serde(default)]
     pub optimizer_since_step: u64,
+    /// Elements of each unit the optimizer shards were cut by (`train::units`): each
+    /// shard file holds its slice of every unit, in order. Empty (older checkpoints, and
+    /// ZeRO-1): one unit, the whole model.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub optimizer_units: Vec<usize>,
 }
 
 pub const CHECKPOINT_DIR: &str = "checkpoint";
@@ -267,36 +273,57 @@ pub fn read_state(dir: &Path) -> Result<TrainState> {
 
 impl Loaded {
     /// Elements `[lo, hi)` of the flat f32 `(master, m, v)` over `n_params` parameters, read
-    /// from the shard files that hold them (shard `d` holds `[d·L, (d+1)·L)`,
-    /// `L = ⌈n_params / shards⌉`); zero past `n_params` (the padding of the last shard).
+    /// from the shard files that hold them, whatever partition and world size wrote them
+    /// (shard `d` holds slice `d` of every unit); zero past `n_params`.
     pub fn optimizer_range(&self, n_params: usize, lo: usize, hi: usize) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         let shards = self.state.optimizer_shards.max(1);
-        let len = n_params.div_ceil(shards);
+        let lens = if self.state.optimizer_units.is_empty() { vec![n_params] } else { self.state.optimizer_units.clone() };
+        let part = crate::train::units::Partition::from_lens(&lens, shards)?;
+        if part.n() != n_params {
+            return Err(Error::checkpoint(
+                self.dir.join("state.json"),
+                format!("optimizer state over {} parameters, the model has {n_params}: this checkpoint is of another model", part.n()),
+            ));
+        }
+        let shard_len = part.shard_len();
         let (mut w, mut m, mut v) = (Vec::with_capacity(hi - lo), Vec::with_capacity(hi - lo), Vec::with_capacity(hi - lo));
         let end = hi.min(n_params);
-        let mut at = lo;
-        while at < end {
-            let d = at / len;
-            let mut p = self.dir.join(shard_name(d));
-            let older = self.dir.join(format!("optimizer-dp{d}.safetensors"));
-            if !p.exists() && older.exists() {
-                p = older;
-            }
-            // Memory-mapped: only the range's bytes are read, not the whole shard.
-            let f = crate::hub::st_file::SafetensorsFile::open(&p)?;
-            let (a, b) = (at - d * len, (end - d * len).min(len));
-            for (name, out) in [("master", &mut w), ("m", &mut m), ("v", &mut v)] {
-                let e = f.entry(name).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{name}` missing")))?;
-                if e.dtype != "F32" || e.shape != [len] {
-                    return Err(Error::checkpoint(
-                        &p,
-                        format!("`{name}` is {} {:?}, expected F32 [{len}] ({n_params} parameters in {shards} shards)", e.dtype, e.shape),
-                    ));
+        // Pieces in increasing flat order: unit by unit, shard by shard.
+        let mut files: HashMap<usize, crate::hub::st_file::SafetensorsFile> = HashMap::new();
+        for (u, unit) in part.units.iter().enumerate() {
+            for d in 0..shards {
+                let piece = part.piece(u, d);
+                let (a, b) = (piece.start.max(lo), piece.end.min(end));
+                if a >= b {
+                    continue;
                 }
-                let bytes = f.bytes(name).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{name}` missing")))?;
-                out.extend(bytes[a * 4..b * 4].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+                if !files.contains_key(&d) {
+                    let mut p = self.dir.join(shard_name(d));
+                    let older = self.dir.join(format!("optimizer-dp{d}.safetensors"));
+                    if !p.exists() && older.exists() {
+                        p = older;
+                    }
+                    // Memory-mapped: only the range's bytes are read, not the whole shard.
+                    files.insert(d, crate::hub::st_file::SafetensorsFile::open(&p)?);
+                }
+                let f = &files[&d];
+                let p = self.dir.join(shard_name(d));
+                let at = unit.shard_off + (a - piece.start);
+                for (name, out) in [("master", &mut w), ("m", &mut m), ("v", &mut v)] {
+                    let e = f.entry(name).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{name}` missing")))?;
+                    if e.dtype != "F32" || e.shape != [shard_len] {
+                        return Err(Error::checkpoint(
+                            &p,
+                            format!(
+                                "`{name}` is {} {:?}, expected F32 [{shard_len}] ({n_params} parameters in {shards} shards)",
+                                e.dtype, e.shape
+                            ),
+                        ));
+                    }
+                    let bytes = f.bytes(name).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{name}` missing")))?;
+                    out.extend(bytes[at * 4..(at + b - a) * 4].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+                }
             }
-            at = d * len + b;
         }
         for x in [&mut w, &mut m, &mut v] {
             x.resize(hi - lo, 0.0);

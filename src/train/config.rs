@@ -75,6 +75,14 @@ pub struct TrainSection {
     /// On a GPU, keep the optimizer state and its update in host memory (rayon AdamW,
     /// like DeepSpeed's offload_optimizer) instead of on the device. CPU runs: always host.
     pub optimizer_on_host: bool,
+    /// ZeRO stage, as DeepSpeed numbers them: 0 every rank keeps the whole optimizer
+    /// state (gradients all-reduced); 1 the optimizer state is sharded over the ranks (the
+    /// default); 2 the gradients too, reduce-scattered layer by layer during the backward;
+    /// 3 the weights too, each layer all-gathered just before it runs.
+    pub zero_stage: u8,
+    /// Keep this rank's slice of the weights in host memory and copy each layer to the
+    /// GPU only while it runs (DeepSpeed's `offload_param`; needs `zero_stage = 3`).
+    pub offload_params: bool,
     /// Time each step by phase (attention, GEMMs, norms/RoPE/activation, loss, gradient
     /// accumulation, copies, optimizer, communication) into metrics.jsonl (`profile`).
     pub profile: bool,
@@ -106,6 +114,8 @@ impl Default for TrainSection {
             checkpoint_interval_min: 30.0,
             max_skipped_steps: 5,
             optimizer_on_host: false,
+            zero_stage: 1,
+            offload_params: false,
             profile: false,
             layer_backward: Default::default(),
             reset_optimizer: false,
@@ -439,6 +449,27 @@ impl RunConfig {
         real("train.checkpoint_interval_min", t.checkpoint_interval_min, 0.0, false, 1e7, false)?;
         if let Some(p) = t.peak_tflops {
             real("train.peak_tflops", p, 0.0, true, 1e7, false)?;
+        }
+        if t.zero_stage > 3 {
+            return Err(Error::config(
+                source,
+                "train.zero_stage",
+                format!("got {}, expected 0, 1, 2 or 3 (DeepSpeed's stages)", t.zero_stage),
+            ));
+        }
+        if t.offload_params && t.zero_stage != 3 {
+            return Err(Error::config(
+                source,
+                "train.offload_params",
+                format!("parameter offload needs `train.zero_stage = 3` (got {}); set it, or turn the offload off", t.zero_stage),
+            ));
+        }
+        if t.zero_stage >= 2 && t.layer_backward != crate::train::engine::LayerBackward::Explicit {
+            return Err(Error::config(
+                source,
+                "train.layer_backward",
+                format!("ZeRO stage {} reduces gradients layer by layer: it needs the explicit backward (`explicit`)", t.zero_stage),
+            ));
         }
         let steps = |field: &str, v: u64, lo: u64| check_range(source, field, v, lo, MAX_STEPS);
         steps("train.warmup_steps", t.warmup_steps, 0)?;

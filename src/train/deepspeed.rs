@@ -9,11 +9,12 @@
 //! choice that cannot run (NVMe offload, an optimizer other than AdamW, bf16 and fp16 at
 //! once), are errors naming the key and the fix.
 //!
-//! What ZeRO means here: the optimizer state (f32 master weights and AdamW moments) is
-//! always sharded over every rank and the gradients are reduce-scattered (ZeRO-1/2);
-//! `offload_optimizer.device = "cpu"` moves that state and its update to the host
-//! (`train.optimizer_on_host`). Stage 3's parameter partitioning and `offload_param` are
-//! not implemented: each GPU holds the whole 16-bit weights (a warning says so).
+//! What ZeRO means here (`train::units`, `train::zero`, `train::zero3`): `stage` sets
+//! `train.zero_stage` (0 replicated optimizer, 1 sharded optimizer state, 2 also the
+//! gradients, reduce-scattered layer by layer, 3 also the 16-bit weights, all-gathered
+//! layer by layer); `offload_optimizer.device = "cpu"` moves the optimizer state and its
+//! update to the host (`train.optimizer_on_host`), `offload_param.device = "cpu"` this
+//! rank's slice of the weights (`train.offload_params`).
 
 use crate::train::config::RunConfig;
 use crate::train::optim::Schedule;
@@ -93,9 +94,11 @@ fn no_effect(key: &str) -> Option<&'static str> {
         "activation_checkpointing" => "every layer is recomputed in the backward (only its input is kept)",
         "checkpoint" | "load_universal_checkpoint" => "checkpoints are longctx's own (resumable on any world size)",
         "data_types" => "gradient accumulation is always in f32",
-        "overlap_comm" => "the gradient reduce-scatter is one collective over the flat gradient buffer after the backward",
+        "overlap_comm" => "gradients are reduced layer by layer as the backward reaches them (stage >= 2), or in one collective after it",
         "contiguous_gradients" => "gradients always live in one contiguous f32 buffer",
-        "reduce_bucket_size" | "allgather_bucket_size" | "sub_group_size" => "one collective over the whole buffer, no buckets",
+        "reduce_bucket_size" | "allgather_bucket_size" | "sub_group_size" => {
+            "the buckets are the model's units: one decoder layer, the embedding, the head"
+        }
         "reduce_scatter" | "allgather_partitions" => "always on (reduce-scatter of gradients, all-gather of weights)",
         "round_robin_gradients" | "elastic_checkpoint" | "ignore_unused_parameters" | "load_from_fp32_weights" => {
             "no counterpart in longctx's ZeRO"
@@ -109,7 +112,9 @@ fn no_effect(key: &str) -> Option<&'static str> {
         | "zero_hpz_partition_size"
         | "zero_quantized_weights"
         | "zero_quantized_gradients"
-        | "mics_shard_size" => "parameters are not partitioned here; exports always hold the full 16-bit weights",
+        | "mics_shard_size" => {
+            "stage 3 gathers one decoder layer at a time, a layer ahead; checkpoints and exports always hold the full 16-bit weights"
+        }
         "pin_memory" => "offloaded activations are pinned; the host optimizer state is not",
         "buffer_count" | "fast_init" | "ratio" | "pipeline_read" | "pipeline_write" | "max_in_cpu" | "nvme_path" => {
             "no counterpart in longctx's host offload"
@@ -405,18 +410,12 @@ fn zero(r: &mut Report, v: &Value, cfg: &mut RunConfig) -> Result<()> {
         let key = format!("zero_optimization.{k}");
         match k.as_str() {
             "stage" => match r.count(&key, x)? {
-                Some(s @ 0..=2) => r.push(
-                    Level::Note,
-                    &key,
-                    format!("{s}: longctx always shards the optimizer state over every rank and reduce-scatters gradients (ZeRO-1/2); the weights are the same"),
-                ),
-                Some(3) => r.push(
-                    Level::Warning,
-                    &key,
-                    "3: parameter partitioning is not implemented; the optimizer state is sharded (ZeRO-1/2) and every GPU holds the whole 16-bit weights (`longctx plan` counts them)",
-                ),
+                Some(s @ 0..=3) => {
+                    cfg.train.zero_stage = s as u8;
+                    r.push(Level::Set, &key, format!("train.zero_stage = {s}"));
+                }
                 Some(s) => return Err(r.err(&key, format!("{s}: DeepSpeed stages are 0 to 3"))),
-                None => r.push(Level::Note, &key, "\"auto\": longctx's ZeRO (sharded optimizer state)"),
+                None => r.push(Level::Note, &key, "\"auto\": the config's `train.zero_stage` (default 1)"),
             },
             "offload_optimizer" => {
                 match offload_device(r, &key, x)? {
@@ -431,14 +430,12 @@ fn zero(r: &mut Report, v: &Value, cfg: &mut RunConfig) -> Result<()> {
                 }
             }
             "offload_param" => {
-                if offload_device(r, &key, x)? == Some("cpu") {
-                    r.push(
-                        Level::Warning,
-                        &format!("{key}.device"),
-                        "\"cpu\": parameter offload is not implemented; the 16-bit weights stay on the GPU (activations can go to the host with `parallel.offload_activations`)",
-                    );
-                } else {
-                    r.push(Level::Note, &key, "parameters stay on the GPU, as here");
+                match offload_device(r, &key, x)? {
+                    Some(d) => {
+                        cfg.train.offload_params = d == "cpu";
+                        r.push(Level::Set, &format!("{key}.device"), format!("train.offload_params = {}", d == "cpu"));
+                    }
+                    None => r.push(Level::Note, &key, "no `device`: the weights stay where the config puts them"),
                 }
                 for sub in r.object(&key, x)?.keys().filter(|s| *s != "device") {
                     r.no_effect(&format!("{key}.{sub}"), sub, "unknown key, ignored");

@@ -20,13 +20,14 @@
 //!
 //! Shapes: `b` batch, `s` local tokens, `h` hidden, `V` vocabulary, `c` tokens per chunk.
 
-use crate::model::{Llama, RopeTable};
+use crate::model::{DecoderLayer, Llama, RopeTable};
 use crate::train::grads::GradBuffer;
 use crate::train::layer_grad::{accumulate, chunk_rows, put_rows, row_buffer, LayerPass, LayerShape, LayerSlots, SavedAttention};
 use crate::train::offload::ActivationStore;
 use crate::train::profile::{Phase, PhaseTimes, Profiler};
+use crate::train::units::{layer_unit, ParamHooks};
 use crate::Result;
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Module, Shape, Tensor, Var};
 use candle_nn::VarBuilder;
 use longctx_attention::AttentionMode;
 use std::collections::HashMap;
@@ -109,8 +110,11 @@ pub struct StepOutcome {
 pub struct Engine {
     pub tracked: Llama,
     pub plain: Llama,
-    /// `(name, var)` for every parameter, in the model's order.
+    /// `(name, var)` for every parameter, in the model's order; empty when the weights
+    /// are not resident ([`Engine::for_shapes`], ZeRO-3: they come through the hooks).
     pub params: Vec<(String, Var)>,
+    /// `(name, shape)` of every parameter, in the model's order (always).
+    pub meta: Vec<(String, Shape)>,
     pub opts: EngineOptions,
     /// Saved layer inputs; kept across steps so pinned host buffers are reused.
     store: Mutex<ActivationStore>,
@@ -155,7 +159,84 @@ impl Engine {
         let embed_slot = slot("model.embed_tokens.weight")?;
         let head_slot = if tracked.cfg.tie_word_embeddings { embed_slot } else { slot("lm_head.weight")? };
         let norm_slot = slot("model.norm.weight")?;
-        Ok(Self { tracked, plain, params, opts, store, slots, prof, embed_slot, head_slot, norm_slot })
+        let meta = params.iter().map(|(n, v)| (n.clone(), v.as_tensor().shape().clone())).collect();
+        crate::train::units::layer_groups(&names)?; // the unit order the hooks rely on
+        Ok(Self { tracked, plain, params, meta, opts, store, slots, prof, embed_slot, head_slot, norm_slot })
+    }
+
+    /// An engine without resident weights (ZeRO-3, parameter offload): every unit's
+    /// weights come through the [`ParamHooks`] of each step. The model is built over
+    /// placeholders of the right shapes that hold one element each; only the explicit
+    /// backward runs this way.
+    pub fn for_shapes(
+        cfg: &crate::model::LlamaConfig,
+        shapes: &HashMap<String, Shape>,
+        dtype: DType,
+        dev: &candle_core::Device,
+        opts: EngineOptions,
+    ) -> Result<Self> {
+        if opts.layer_backward != LayerBackward::Explicit {
+            return Err(crate::Error::Setting(
+                "ZeRO-3 and parameter offload need `train.layer_backward = \"explicit\"` (the autograd reference keeps every weight)"
+                    .into(),
+            ));
+        }
+        let one = Tensor::zeros((), dtype, dev)?;
+        let map = shapes.iter().map(|(n, s)| Ok((n.clone(), one.broadcast_as(s.clone())?))).collect::<Result<HashMap<_, _>>>()?;
+        let plain = Llama::load(VarBuilder::from_tensors(map, dtype, dev), cfg)?;
+        let meta: Vec<(String, Shape)> = plain.named_parameters().into_iter().map(|(n, t)| (n, t.shape().clone())).collect();
+        let names: Vec<&str> = meta.iter().map(|(n, _)| n.as_str()).collect();
+        crate::train::units::layer_groups(&names)?;
+        let slots = (0..plain.layers.len()).map(|l| LayerSlots::find(&names, l)).collect::<Result<Vec<_>>>()?;
+        let slot = |name: &str| {
+            names.iter().position(|n| *n == name).ok_or_else(|| crate::Error::Setting(format!("engine: parameter `{name}` not found")))
+        };
+        let embed_slot = slot("model.embed_tokens.weight")?;
+        let head_slot = if cfg.tie_word_embeddings { embed_slot } else { slot("lm_head.weight")? };
+        let norm_slot = slot("model.norm.weight")?;
+        let store = Mutex::new(ActivationStore::new(opts.offload_activations));
+        let prof = Profiler::new(opts.profile);
+        Ok(Self { tracked: plain.clone(), plain, params: Vec::new(), meta, opts, store, slots, prof, embed_slot, head_slot, norm_slot })
+    }
+
+    /// Unit `u`'s weights from the hooks as `name → tensor` (`None`: the model's own).
+    fn unit_weights(&self, hooks: &dyn ParamHooks, u: usize) -> Result<Option<HashMap<String, Tensor>>> {
+        let Some(ws) = hooks.weights(u)? else { return Ok(None) };
+        let names: Vec<&str> = self.meta.iter().map(|(n, _)| n.as_str()).collect();
+        let groups = crate::train::units::layer_groups(&names)?;
+        let range = groups.get(u).ok_or_else(|| crate::Error::Setting(format!("engine: no parameter unit {u}")))?;
+        if ws.len() != range.len() {
+            return Err(crate::Error::Setting(format!("engine: unit {u} came with {} tensors for {} parameters", ws.len(), range.len())));
+        }
+        Ok(Some(range.clone().map(|p| self.meta[p].0.clone()).zip(ws).collect()))
+    }
+
+    /// Decoder layer `l` over the hooks' weights (`None`: the model's own).
+    fn layer_from(&self, hooks: &dyn ParamHooks, l: usize) -> Result<Option<DecoderLayer>> {
+        let Some(map) = self.unit_weights(hooks, layer_unit(l))? else { return Ok(None) };
+        let prefix = format!("model.layers.{l}.");
+        let local: HashMap<String, Tensor> =
+            map.into_iter().map(|(n, t)| (n.strip_prefix(&prefix).map(str::to_string).unwrap_or(n), t)).collect();
+        let dev = self.plain.embed_tokens.embeddings().device().clone();
+        Ok(Some(DecoderLayer::load(VarBuilder::from_tensors(local, self.plain.dtype(), &dev), &self.plain.cfg)?))
+    }
+
+    /// The final norm's and `lm_head`'s weights (from the hooks, or the model's own).
+    fn head_weights(&self, hooks: &dyn ParamHooks) -> Result<(Tensor, Tensor)> {
+        let tail = self.plain.layers.len() + 1;
+        let Some(mut map) = self.unit_weights(hooks, tail)? else {
+            return Ok((self.plain.norm.weight.clone(), self.plain.lm_head.weight().clone()));
+        };
+        let norm = map.remove("model.norm.weight").ok_or_else(|| crate::Error::Setting("engine: no `model.norm.weight`".into()))?;
+        let head = match map.remove("lm_head.weight") {
+            Some(w) => w,
+            None => {
+                let mut e = self.unit_weights(hooks, 0)?.ok_or_else(|| crate::Error::Setting("engine: no embedding weights".into()))?;
+                e.remove("model.embed_tokens.weight")
+                    .ok_or_else(|| crate::Error::Setting("engine: no `model.embed_tokens.weight`".into()))?
+            }
+        };
+        Ok((norm, head))
     }
 
     /// Build both views from Vars (one per parameter name, dtype and device of the run).
@@ -216,11 +297,14 @@ impl Engine {
         scale: f64,
     ) -> Result<StepResult> {
         let buf = GradBuffer::new(&self.params, 0, ids.device())?;
-        let o = self.step_into(ids, targets, positions, global_len, attn, scale, &buf)?;
+        let o = self.step_into(ids, targets, positions, global_len, attn, scale, &buf as &dyn ParamHooks)?;
         Ok(StepResult { loss_sum: o.loss_sum, n_tokens: o.n_tokens, grads: buf.views().to_vec(), memory: o.memory })
     }
 
-    /// Forward and backward of this rank's tokens; the gradients are added into `grads`.
+    /// Forward and backward of this rank's tokens; the gradients are added into the hooks'
+    /// slots (a [`GradBuffer`], or ZeRO-2/3's per-unit buffers), each unit reported done as
+    /// soon as its gradients are, and each unit's weights taken from the hooks just before
+    /// it runs (see [`ParamHooks`]).
     /// `ids [b, s]` u32, `targets [b, s]` i64 (negative = ignore), `positions [b, s]` u32
     /// global ids, `global_len` the global sequence length (for length-dependent RoPE),
     /// `scale` multiplies the loss before differentiation.
@@ -233,7 +317,7 @@ impl Engine {
         global_len: usize,
         attn: &Arc<dyn AttentionMode>,
         scale: f64,
-        grads: &GradBuffer,
+        hooks: &dyn ParamHooks,
     ) -> Result<StepOutcome> {
         let (_b, s) = ids.dims2()?;
         let dev = ids.device().clone();
@@ -241,17 +325,29 @@ impl Engine {
         let n_tokens = crate::model::count_targets(targets, self.tracked.cfg.vocab_size)?;
         let rope: RopeTable = self.plain.rope_table(positions, Some(global_len))?;
         let mut mem = MemoryReport::default();
-        let acc = grads.views();
+        let acc = hooks.grad_slots();
         let chunks = self.chunks(s);
+        let n_layers = self.plain.layers.len();
+        let tail = n_layers + 1;
 
         let mut store = self.store.lock().map_err(|_| crate::Error::Setting("activation store poisoned by a failed step".into()))?;
         store.begin()?;
 
         // 1. forward, graph-free; keep layer inputs.
         let pass = LayerPass { rope: &rope, attn, chunks: &chunks, prof: &self.prof, dev: &dev };
-        let mut x = self.prof.time(Phase::Copies, &dev, || self.plain.embed(ids))?; // [b, s, h]
+        hooks.prefetch(0)?;
+        let mut x = self.prof.time(Phase::Copies, &dev, || match self.unit_weights(hooks, 0)? {
+            None => self.plain.embed(ids),
+            Some(mut w) => {
+                let e = w.remove("model.embed_tokens.weight").ok_or_else(|| crate::Error::Setting("engine: no embedding".into()))?;
+                Ok(candle_nn::Embedding::new(e, self.plain.cfg.hidden_size).forward(ids)?)
+            }
+        })?; // [b, s, h]
         let keep_attention = self.opts.save_attention && self.opts.layer_backward == LayerBackward::Explicit;
-        for layer in &self.plain.layers {
+        for l in 0..n_layers {
+            hooks.prefetch(layer_unit(l + 1).min(tail))?; // one unit ahead
+            let fetched = self.layer_from(hooks, l)?;
+            let layer = fetched.as_ref().unwrap_or(&self.plain.layers[l]);
             let (y, sa) = pass.forward(layer, &x)?;
             // The layer's input, and its attention's tensors when they are kept (both
             // parked in host memory when offloading).
@@ -272,13 +368,20 @@ impl Engine {
 
         // 2. head + loss, chunked; dL/dx_L.
         let (mut gx, loss_sum) = self.prof.time(Phase::Loss, &dev, || match self.opts.layer_backward {
-            LayerBackward::Explicit => self.head_backward_fused(&x, targets, &chunks, scale, acc),
+            LayerBackward::Explicit => {
+                let (norm_w, head_w) = self.head_weights(hooks)?;
+                self.head_backward_fused(&x, targets, &chunks, scale, acc, (&norm_w, &head_w))
+            }
             LayerBackward::Autograd => self.head_backward(&x, targets, &chunks, scale, acc, &mut mem),
         })?;
         drop(x);
+        hooks.grads_done(tail)?;
 
         // 3. layers, top first, each recomputed from its saved input.
-        for l in (0..self.plain.layers.len()).rev() {
+        for l in (0..n_layers).rev() {
+            if l > 0 {
+                hooks.prefetch(layer_unit(l - 1))?;
+            }
             let group = self.prof.time(Phase::Copies, &dev, || {
                 let group = store.take(l, &dev)?;
                 if l > 0 {
@@ -288,13 +391,19 @@ impl Engine {
             })?;
             let (x_in, sa) = SavedAttention::split(group)?;
             gx = match self.opts.layer_backward {
-                LayerBackward::Explicit => pass.backward(&self.plain.layers[l], &self.slots[l], &x_in, sa, gx, acc)?,
+                LayerBackward::Explicit => {
+                    let fetched = self.layer_from(hooks, l)?;
+                    let layer = fetched.as_ref().unwrap_or(&self.plain.layers[l]);
+                    pass.backward(layer, &self.slots[l], &x_in, sa, gx, acc)?
+                }
                 LayerBackward::Autograd => self.autograd_layer_backward(l, &x_in, &gx, &rope, attn, &chunks, acc)?,
             };
+            hooks.grads_done(layer_unit(l))?;
         }
 
         // 4. embedding: rows of dL/dx_0 added into the rows of their token ids.
         self.prof.time(Phase::GradAccum, &dev, || self.embed_backward(ids, &gx, &chunks, acc))?;
+        hooks.grads_done(0)?;
 
         Ok(StepOutcome { loss_sum, n_tokens, memory: mem })
     }
@@ -350,18 +459,18 @@ impl Engine {
         chunks: &[(usize, usize)],
         scale: f64,
         acc: &[Tensor],
+        (norm_w, w): (&Tensor, &Tensor),
     ) -> Result<(Tensor, f64)> {
-        let norm = &self.plain.norm;
-        let w = self.plain.lm_head.weight();
+        let eps = self.plain.norm.eps;
         // SAFETY: the loop below writes every chunk's rows of gx.
         let gx = unsafe { row_buffer(x.shape(), x.dtype(), x.device()) }?;
         let mut losses = Vec::with_capacity(chunks.len()); // f32 scalars, read once below
         for &ch in chunks {
             let xc = chunk_rows(x, ch)?; // [n, h]
             let tc = targets.narrow(1, ch.0, ch.1)?.contiguous()?.flatten_all()?; // [n]
-            let n = longctx_kernels::rms_norm_fwd(&xc, None, &norm.weight, norm.eps)?;
+            let n = longctx_kernels::rms_norm_fwd(&xc, None, norm_w, eps)?;
             let ce = longctx_kernels::linear_cross_entropy(&n.y, w, &tc, scale, ch.1.max(1), Some(&acc[self.head_slot]))?;
-            let g = longctx_kernels::rms_norm_bwd(&ce.dhidden, &xc, &norm.weight, &n.rstd, None)?;
+            let g = longctx_kernels::rms_norm_bwd(&ce.dhidden, &xc, norm_w, &n.rstd, None)?;
             accumulate(acc, self.norm_slot, &g.dweight)?;
             put_rows(&gx, &g.dx, ch)?;
             losses.push(ce.loss_sum);

@@ -19,4 +19,6 @@ pub mod rundir;
 pub mod stop;
 pub mod tensorboard;
 pub mod trainer;
+pub mod units;
 pub mod zero;
+pub mod zero3;

@@ -31,7 +31,9 @@ use crate::train::optim::lr_at;
 use crate::train::profile::Phase;
 use crate::train::rundir::{self, RunDirLock};
 pub use crate::train::stop::StopFlag;
-use crate::train::zero::{all_reduce_scalar, ShardedAdamW};
+use crate::train::units::{ParamHooks, Partition};
+use crate::train::zero::{all_reduce_scalar, Out, ShardedAdamW};
+use crate::train::zero3::{ParamStore, ShardedGrads, Zero3Hooks};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use longctx_attention::comm::Comm;
@@ -61,6 +63,40 @@ pub struct RunSummary {
     pub stopped: Option<StopReason>,
     /// Optimizer steps skipped over the whole run (non-finite gradient norm or loss).
     pub skipped_steps: u64,
+    /// What rank 0 held of the weights, gradients and optimizer state (ZeRO, offload).
+    pub resident: Resident,
+}
+
+/// Bytes one rank holds of the model's training state, and where (ZeRO and offload
+/// shrink them: stage 1 the optimizer state, 2 the gradients, 3 the weights).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Resident {
+    /// The 16-bit (run dtype) weights: the whole model, or this rank's slice (stage 3).
+    pub weights: usize,
+    /// Of them in host memory (`offload_params`; on a CPU device everything is).
+    pub weights_host: usize,
+    /// The f32 gradient buffers (the whole padded model below stage 2; this rank's slice
+    /// and one unit's scratch from stage 2).
+    pub grads: usize,
+    /// The f32 master weights and AdamW moments of this rank.
+    pub optimizer: usize,
+    /// Of them in host memory (`optimizer_on_host`).
+    pub optimizer_host: usize,
+}
+
+impl std::fmt::Display for Resident {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let gb = |b: usize| b as f64 / 1e9;
+        write!(
+            f,
+            "weights {:.3} GB ({:.3} on the host), gradients {:.3} GB, optimizer {:.3} GB ({:.3} on the host)",
+            gb(self.weights),
+            gb(self.weights_host),
+            gb(self.grads),
+            gb(self.optimizer),
+            gb(self.optimizer_host)
+        )
+    }
 }
 
 /// Why a run stopped before its last step (a checkpoint was written there).
@@ -356,8 +392,9 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
             );
         }
     } else {
+        let whole = run.whole_weights()?; // gathered on every rank under ZeRO-3
         if is_main {
-            run.export(&export_dir)?;
+            run.export(&export_dir, whole)?;
         }
         run.world.barrier()?;
     }
@@ -372,6 +409,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
         completed: stopped.is_none(),
         stopped,
         skipped_steps: run.skipped_steps,
+        resident: run.resident,
     };
     if let (None, Some(m)) = (stopped, run.metrics.as_mut()) {
         m.finish(&summary)?;
@@ -385,8 +423,12 @@ struct RankRun<'a> {
     world: Arc<dyn Comm>,
     engine: Engine,
     optim: ShardedAdamW,
-    /// This rank's gradients of the current step (`[W·L]` f32, see `grads`).
-    grads: GradBuffer,
+    /// This rank's gradients of the current step.
+    grads: Grads,
+    /// ZeRO-3: this rank's slice of the weights (the engine has none of its own).
+    store: Option<ParamStore>,
+    /// What this rank holds (reported at start-up and in the summary).
+    resident: Resident,
     /// Rank 0 only.
     metrics: Option<Metrics>,
     /// Rebuilt when a stage changes the mode.
@@ -406,6 +448,14 @@ struct RankRun<'a> {
     /// The global step at which the optimizer state last started fresh (a stage's
     /// `reset_optimizer`; 0 at the run's start), saved in the checkpoint.
     optimizer_since: u64,
+}
+
+/// Where the engine's gradients go.
+enum Grads {
+    /// The whole model's, `[Σ W·L_u]` f32 (stages 0 and 1).
+    Full(GradBuffer),
+    /// This rank's slices, reduce-scattered unit by unit during the backward (stage ≥ 2).
+    Sharded(ShardedGrads),
 }
 
 /// What one optimizer step decided, the same on every rank.
@@ -456,16 +506,6 @@ impl<'a> RankRun<'a> {
             };
             picked.push((n, t));
         }
-        // Rounded to the run dtype on the host in parallel (one core per tensor), then
-        // copied to the device one by one.
-        let converted: Vec<(&String, Tensor)> = {
-            use rayon::prelude::*;
-            picked.into_par_iter().map(|(n, t)| Ok((n, t.to_dtype(sh.dtype)?))).collect::<Result<_>>()?
-        };
-        let mut vars: HashMap<String, Var> = HashMap::new();
-        for (n, t) in converted {
-            vars.insert(n.clone(), Var::from_tensor(&t.to_device(&sh.device)?)?);
-        }
         let opts = EngineOptions {
             token_chunk: cfg.parallel.token_chunk,
             offload_activations: cfg.parallel.offload_activations,
@@ -473,8 +513,34 @@ impl<'a> RankRun<'a> {
             save_attention: cfg.parallel.save_attention,
             layer_backward: cfg.train.layer_backward,
         };
-        let engine = Engine::from_vars(mcfg, &vars, opts)?;
-        let n_params: usize = engine.params.iter().map(|(_, v)| v.as_tensor().elem_count()).sum();
+        let (rank, wsize) = (world.rank(), world.world());
+        let stage = cfg.train.zero_stage;
+        let (engine, store) = if stage == 3 {
+            // ZeRO-3: no rank holds the whole weights; each keeps its slices (on the host
+            // with `offload_params`) and the engine gathers a layer at a time.
+            let shapes: HashMap<String, candle_core::Shape> = picked.iter().map(|(n, t)| ((*n).clone(), t.shape().clone())).collect();
+            let engine = Engine::for_shapes(mcfg, &shapes, sh.dtype, &sh.device, opts)?;
+            let names: Vec<&str> = engine.meta.iter().map(|(n, _)| n.as_str()).collect();
+            let sizes: Vec<usize> = engine.meta.iter().map(|(_, s)| s.elem_count()).collect();
+            let part = Partition::per_layer(&names, &sizes, (rank, wsize))?;
+            let home = if cfg.train.offload_params { Device::Cpu } else { sh.device.clone() };
+            let picked_map: HashMap<String, Tensor> = picked.iter().map(|(n, t)| ((*n).clone(), (*t).clone())).collect();
+            let store = ParamStore::new(part, &engine.meta, &picked_map, sh.dtype, (&sh.device, &home), world.clone())?;
+            (engine, Some(store))
+        } else {
+            // Rounded to the run dtype on the host in parallel (one core per tensor), then
+            // copied to the device one by one.
+            let converted: Vec<(&String, Tensor)> = {
+                use rayon::prelude::*;
+                picked.into_par_iter().map(|(n, t)| Ok((n, t.to_dtype(sh.dtype)?))).collect::<Result<_>>()?
+            };
+            let mut vars: HashMap<String, Var> = HashMap::new();
+            for (n, t) in converted {
+                vars.insert(n.clone(), Var::from_tensor(&t.to_device(&sh.device)?)?);
+            }
+            (Engine::from_vars(mcfg, &vars, opts)?, None)
+        };
+        let n_params: usize = engine.meta.iter().map(|(_, s)| s.elem_count()).sum();
         let is_main = world.rank() == 0;
         let resumed_at = sh.resume.map(|l| l.state.global_step);
         let metrics = if is_main { Some(Metrics::new(&cfg.output_dir, cfg, n_params, mcfg, resumed_at)?) } else { None };
@@ -485,22 +551,51 @@ impl<'a> RankRun<'a> {
                  transformers runs the attention that was trained"
             );
         }
-        // ZeRO-1 over every rank of the world. On a GPU (unless `optimizer_on_host`) the
-        // state lives and updates on the device. Masters start from the f32 host copy of
-        // the start weights (not from weights already rounded to the run dtype), or from
-        // the checkpoint's optimizer state when resuming.
+        // ZeRO over every rank of the world (`train.zero_stage`; `train::units`). On a GPU
+        // (unless `optimizer_on_host`) the state lives and updates on the device. Masters
+        // start from the f32 host copy of the start weights (not from weights already
+        // rounded to the run dtype), or from the checkpoint's optimizer state when resuming.
         let on_device = (!sh.device.is_cpu() && !cfg.train.optimizer_on_host).then_some(&sh.device);
         let resume_opt = sh.resume.map(|l| (l.state.adam_step, l));
-        let optim = ShardedAdamW::new(
-            cfg.train.adamw.clone(),
-            &engine.params,
-            &start_weights,
-            (world.rank(), world.world()),
-            on_device,
-            resume_opt,
-        )?;
+        let names: Vec<&str> = engine.meta.iter().map(|(n, _)| n.as_str()).collect();
+        let sizes: Vec<usize> = engine.meta.iter().map(|(_, s)| s.elem_count()).collect();
+        let part = match stage {
+            0 => Partition::whole(&sizes, (0, 1))?, // every rank the whole state
+            1 => Partition::whole(&sizes, (rank, wsize))?,
+            _ => Partition::per_layer(&names, &sizes, (rank, wsize))?,
+        };
+        let optim = ShardedAdamW::new(cfg.train.adamw.clone(), &engine.meta, &start_weights, part.clone(), on_device, resume_opt)?;
+        drop(start_weights);
         let global_step = sh.resume.map_or(0, |l| l.state.global_step);
-        let grads = GradBuffer::new(&engine.params, optim.padded_len(), &sh.device)?;
+        let grads = if stage >= 2 {
+            let shapes: Vec<candle_core::Shape> = engine.meta.iter().map(|(_, s)| s.clone()).collect();
+            Grads::Sharded(ShardedGrads::new(part, &shapes, &sh.device, world.clone())?)
+        } else {
+            Grads::Full(GradBuffer::new(&engine.params, optim.padded_len(), &sh.device)?)
+        };
+        let elem = sh.dtype.size_in_bytes();
+        let (opt_dev, opt_host) = optim.resident_bytes();
+        let resident = Resident {
+            weights: store.as_ref().map_or(n_params * elem, |s| s.bytes()),
+            weights_host: match &store {
+                Some(s) if s.on_host() || sh.device.is_cpu() => s.bytes(),
+                None if sh.device.is_cpu() => n_params * elem,
+                _ => 0,
+            },
+            grads: match &grads {
+                Grads::Full(b) => b.bytes(),
+                Grads::Sharded(g) => g.bytes(),
+            },
+            optimizer: opt_dev + opt_host,
+            optimizer_host: opt_host + if sh.device.is_cpu() { opt_dev } else { 0 },
+        };
+        if is_main {
+            eprintln!(
+                "ZeRO stage {stage} over {wsize} rank(s){}{}: each rank holds {resident}",
+                if cfg.train.offload_params { ", weights offloaded" } else { "" },
+                if cfg.train.optimizer_on_host { ", optimizer offloaded" } else { "" },
+            );
+        }
         let (skipped_steps, skipped_in_row) = sh.resume.map_or((0, 0), |l| (l.state.skipped_steps, l.state.skipped_in_row));
         Ok(Self {
             sh,
@@ -508,6 +603,8 @@ impl<'a> RankRun<'a> {
             engine,
             optim,
             grads,
+            store,
+            resident,
             metrics,
             groups: None,
             memory: MemoryReport::default(),
@@ -634,18 +731,29 @@ impl<'a> RankRun<'a> {
         micro: &[(Tensor, Tensor, Tensor, usize)],
         scale: f64,
     ) -> Result<(f64, f64)> {
-        self.grads.zero()?;
+        let hooks: Box<dyn ParamHooks + '_> = match &self.grads {
+            Grads::Full(b) => {
+                b.zero()?;
+                Box::new(GradsRef(b))
+            }
+            Grads::Sharded(g) => {
+                g.zero()?;
+                Box::new(Zero3Hooks { store: self.store.as_ref(), grads: g })
+            }
+        };
         let (mut loss_sum, mut engine_seconds) = (0f64, 0f64);
+        let mut mem = self.memory;
         for (ids, targets, pos, _) in micro {
             let te = Instant::now();
-            let r = self.engine.step_into(ids, targets, pos, stage.seq_length, &st.attn, scale, &self.grads)?;
+            let r = self.engine.step_into(ids, targets, pos, stage.seq_length, &st.attn, scale, hooks.as_ref())?;
             engine_seconds += te.elapsed().as_secs_f64();
             loss_sum += r.loss_sum;
-            let m = &mut self.memory;
-            m.saved_bytes = m.saved_bytes.max(r.memory.saved_bytes);
-            m.saved_host_bytes = m.saved_host_bytes.max(r.memory.saved_host_bytes);
-            m.transient_bytes = m.transient_bytes.max(r.memory.transient_bytes);
+            mem.saved_bytes = mem.saved_bytes.max(r.memory.saved_bytes);
+            mem.saved_host_bytes = mem.saved_host_bytes.max(r.memory.saved_host_bytes);
+            mem.transient_bytes = mem.transient_bytes.max(r.memory.transient_bytes);
         }
+        drop(hooks);
+        self.memory = mem;
         Ok((loss_sum, engine_seconds))
     }
 
@@ -679,7 +787,17 @@ impl<'a> RankRun<'a> {
         // gradient norm does inside the optimizer step.
         let (norm, skipped) = if loss.is_finite() {
             let stats = self.engine.profiler().time(Phase::Optimizer, &sh.device, || {
-                self.optim.step(&self.world, &self.grads, &self.engine.params, lr, t.clip_grad, (sh.dtype, &sh.device))
+                let gshard = match &self.grads {
+                    // Stage 0: every rank sums the whole gradient and updates the whole state.
+                    Grads::Full(b) if cfg.train.zero_stage == 0 && self.world.world() > 1 => self.world.all_reduce_sum(b.flat())?,
+                    Grads::Full(b) => self.optim.reduce(&self.world, b)?,
+                    Grads::Sharded(g) => g.shard().clone(),
+                };
+                let out = match &self.store {
+                    Some(s) => Out::Shard(s.shard()),
+                    None => Out::Params(&self.engine.params),
+                };
+                self.optim.step(&self.world, &gshard, out, lr, t.clip_grad, (sh.dtype, &sh.device))
             })?;
             (stats.grad_norm, stats.skipped)
         } else {
@@ -756,19 +874,49 @@ impl<'a> RankRun<'a> {
             return Ok(());
         }
         self.inject_nan_weights()?;
-        let tensors: Vec<Tensor> = self.engine.params.iter().map(|(_, v)| v.as_tensor().clone()).collect();
-        let flags = crate::guard::finite_flags(&tensors)?;
-        if let Some(i) = flags.iter().position(|ok| !ok) {
+        if let Some(bad) = self.first_non_finite_weight()? {
             return Err(Error::Diverged(format!(
-                "the update of {at} made the weights non-finite (first: `{}`; gradient norm {}, lr {:.3e}); nothing was written: {}; \
+                "the update of {at} made the weights non-finite (first: {bad}; gradient norm {}, lr {:.3e}); nothing was written: {}; \
                  lower the learning rate or raise clipping, then --resume",
-                self.engine.params[i].0,
                 l.grad_norm,
                 l.lr,
                 self.kept_checkpoint()
             )));
         }
         Ok(())
+    }
+
+    /// The first weight this rank holds that is NaN or infinite (by name, or this rank's
+    /// slice under ZeRO-3); the same verdict on every rank (all-reduced under ZeRO-3).
+    fn first_non_finite_weight(&self) -> Result<Option<String>> {
+        match &self.store {
+            None => {
+                let tensors: Vec<Tensor> = self.engine.params.iter().map(|(_, v)| v.as_tensor().clone()).collect();
+                let flags = crate::guard::finite_flags(&tensors)?;
+                Ok(flags.iter().position(|ok| !ok).map(|i| format!("`{}`", self.engine.params[i].0)))
+            }
+            Some(s) => {
+                let mine = !crate::guard::finite_flags(std::slice::from_ref(s.shard()))?.iter().all(|ok| *ok);
+                let bad = all_reduce_scalar(&self.world, f64::from(u8::from(mine)), &self.sh.device)?;
+                Ok((bad > 0.0).then(|| format!("{bad} rank(s)' slice of the weights (ZeRO-3)")))
+            }
+        }
+    }
+
+    /// Every weight, whole, on the host or where it lives (collective under ZeRO-3: every
+    /// rank calls it), for checkpoints and the export.
+    fn whole_weights(&self) -> Result<Vec<(String, Tensor)>> {
+        match &self.store {
+            None => Ok(self.engine.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().detach())).collect()),
+            Some(s) => {
+                let names: Vec<String> = self.engine.meta.iter().map(|(n, _)| n.clone()).collect();
+                let mut all = s.gather_all(&names)?;
+                names
+                    .iter()
+                    .map(|n| Ok((n.clone(), all.remove(n).ok_or_else(|| Error::Setting(format!("ZeRO-3: `{n}` not gathered")))?)))
+                    .collect()
+            }
+        }
     }
 
     /// Where the last good checkpoint is, for the messages of an abort.
@@ -784,7 +932,11 @@ impl<'a> RankRun<'a> {
     fn inject_nan_gradient(&self) -> Result<()> {
         let g = self.global_step + 1;
         for f in &self.sh.opts.faults {
-            if let (Fault::NanGradient { rank, first, last }, Some(t)) = (f, self.grads.views().first()) {
+            let first_grad = match &self.grads {
+                Grads::Full(b) => b.views().first().cloned(),
+                Grads::Sharded(g) => Some(g.shard().clone()),
+            };
+            if let (Fault::NanGradient { rank, first, last }, Some(t)) = (f, first_grad) {
                 if *rank == self.world.rank() && (*first..=*last).contains(&g) {
                     t.slice_set(&t.affine(f64::NAN, 0.0)?, 0, 0)?; // in place: the buffer is what the optimizer reads
                 }
@@ -796,9 +948,14 @@ impl<'a> RankRun<'a> {
     /// [`Fault::NanWeights`]: the first parameter made NaN after the chosen update.
     fn inject_nan_weights(&self) -> Result<()> {
         for f in &self.sh.opts.faults {
-            if let (Fault::NanWeights { step }, Some((_, v))) = (f, self.engine.params.first()) {
-                if *step == self.global_step {
-                    v.set(&v.as_tensor().affine(f64::NAN, 0.0)?)?;
+            if let Fault::NanWeights { step } = f {
+                if *step != self.global_step {
+                    continue;
+                }
+                match (&self.store, self.engine.params.first()) {
+                    (Some(s), _) => s.shard().slice_set(&s.shard().affine(f64::NAN, 0.0)?, 0, 0)?,
+                    (None, Some((_, v))) => v.set(&v.as_tensor().affine(f64::NAN, 0.0)?)?,
+                    (None, None) => {}
                 }
             }
         }
@@ -807,9 +964,8 @@ impl<'a> RankRun<'a> {
 
     /// The Hugging Face export of the final weights (rank 0), as `longctx export` of the
     /// final checkpoint writes it ([`crate::hub::ModelExport::for_run`]).
-    fn export(&self, export_dir: &Path) -> Result<()> {
+    fn export(&self, export_dir: &Path, tensors: Vec<(String, Tensor)>) -> Result<()> {
         let (sh, cfg) = (self.sh, self.sh.cfg);
-        let tensors: Vec<(String, Tensor)> = self.engine.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().detach())).collect();
         let finished = crate::hub::RunProgress::finished(cfg);
         crate::hub::ModelExport::new(tensors, sh.model.config_json.clone(), sh.model.source_dir.clone())
             .for_run(cfg, finished, sh.model.cfg.max_position_embeddings, Path::new("<run config>"))?
@@ -834,14 +990,13 @@ impl RankRun<'_> {
     /// a bad state aborts the run and leaves the previous checkpoint in place.
     fn save_checkpoint(&mut self, stage: usize, stage_step: u64, data: Option<DataState>) -> Result<()> {
         self.optim.sync_to_host()?;
-        let (rank, n) = (self.world.rank(), self.world.world());
-        let tensors: Vec<Tensor> = self.engine.params.iter().map(|(_, v)| v.as_tensor().clone()).collect();
-        let bad_weight = crate::guard::finite_flags(&tensors)?.iter().position(|ok| !ok).map(|i| self.engine.params[i].0.clone());
+        let rank = self.world.rank();
+        let bad_weight = self.first_non_finite_weight()?;
         let bad_shard = self.optim.shard().first_non_finite();
         let bad_ranks = all_reduce_scalar(&self.world, f64::from(u8::from(bad_shard.is_some())), &self.sh.device)?;
         if bad_weight.is_some() || bad_ranks > 0.0 {
             let what = match (bad_weight, bad_shard) {
-                (Some(w), _) => format!("weight `{w}` holds NaN or infinite values"),
+                (Some(w), _) => format!("weight {w} holds NaN or infinite values"),
                 (None, Some(s)) => format!("rank {rank}'s {s}"),
                 (None, None) => format!("the optimizer state of {bad_ranks} other rank(s) is not finite"),
             };
@@ -858,18 +1013,24 @@ impl RankRun<'_> {
             checkpoint::begin(out)?;
         }
         self.world.barrier()?;
-        checkpoint::write_shard(&checkpoint::tmp_dir(out), rank, &self.optim.shard())?;
+        // Stage 0: every rank holds the same whole state; rank 0 writes it as one shard.
+        let shards = self.optim.part.world;
+        if rank < shards {
+            checkpoint::write_shard(&checkpoint::tmp_dir(out), rank, &self.optim.shard())?;
+        }
         self.optim.release_host(); // a device-resident state keeps no host copy between checkpoints
         self.world.barrier()?;
+        let whole = self.whole_weights()?; // gathered on every rank under ZeRO-3
         if rank == 0 {
-            let weights: HashMap<String, Tensor> = self.engine.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().detach())).collect();
+            let weights: HashMap<String, Tensor> = whole.into_iter().collect();
             let state = TrainState {
                 stage,
                 stage_step,
                 global_step: self.global_step,
                 adam_step: self.optim.steps(),
                 data: serde_json::to_value(&data).map_err(|e| Error::Setting(e.to_string()))?,
-                optimizer_shards: n,
+                optimizer_shards: shards,
+                optimizer_units: if self.optim.part.units.len() > 1 { self.optim.part.lens() } else { Vec::new() },
                 config: serde_json::to_value(self.sh.cfg).map_err(|e| Error::Setting(e.to_string()))?,
                 skipped_steps: self.skipped_steps,
                 skipped_in_row: self.skipped_in_row,
@@ -914,4 +1075,13 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistE
     })();
     joined.finish(&result);
     result
+}
+
+/// A [`GradBuffer`] borrowed as the engine's hooks (stages 0 and 1).
+struct GradsRef<'a>(&'a GradBuffer);
+
+impl ParamHooks for GradsRef<'_> {
+    fn grad_slots(&self) -> &[Tensor] {
+        self.0.views()
+    }
 }

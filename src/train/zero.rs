@@ -1,23 +1,24 @@
-//! The distributed optimizer step, ZeRO-1 over every rank of the world (data- and
+//! The distributed optimizer step: ZeRO over every rank of the world (data- and
 //! sequence-parallel alike, as DeepSpeed shards over its sequence-data-parallel group).
 //!
-//! The parameters, in `Engine::params` order, form one flat f32 vector of `n` elements
-//! padded to `W·L`, `L = ⌈n/W⌉`; rank `r` owns `[r·L, (r+1)·L)` and keeps only that
-//! slice of the f32 master weights and AdamW moments ([`AdamW`], on the host, or
-//! [`DeviceAdamW`] on a GPU). One step, every rank in lockstep:
-//! 1. reduce-scatter this rank's gradients (the engine's flat `[W·L]` f32
-//!    [`GradBuffer`]): rank `r`
-//!    gets the sum over ranks of its slice (sp ranks hold partial gradients of their
-//!    tokens, dp ranks those of their samples);
+//! The parameters form one flat f32 vector cut by a [`Partition`] into units, each unit
+//! into `W` slices; rank `r` keeps only its slice of every unit of the f32 master weights
+//! and AdamW moments ([`AdamW`] on the host, or [`DeviceAdamW`] on a GPU), `[Σ L_u]`. One
+//! step, every rank in lockstep:
+//! 1. this rank's slice of the summed gradient: reduce-scattered here, unit by unit, from
+//!    the engine's padded flat [`GradBuffer`] (ZeRO-1), or already reduce-scattered layer by
+//!    layer during the backward (ZeRO-2/3, `super::zero3`);
 //! 2. gradient norm over the world: √(all-reduce Σ slice²), in f64;
 //! 3. clip (scale the slice), AdamW on the slice;
-//! 4. all-gather the new slices in the run dtype and write them into the weights.
+//! 4. the new slice in the run dtype: all-gathered unit by unit into the model's weights
+//!    (ZeRO-1/2), or written into this rank's parameter shard (ZeRO-3).
 
 use crate::train::checkpoint::{Loaded, OptimShard};
 use crate::train::grads::GradBuffer;
 use crate::train::optim::{AdamW, AdamWConfig, DeviceAdamW, HostElem, Segment};
+use crate::train::units::Partition;
 use crate::{Error, Result};
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Shape, Tensor, Var};
 use longctx_attention::comm::Comm;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -28,12 +29,21 @@ pub struct ShardedAdamW {
     /// refreshed by [`Self::sync_to_host`] for checkpoints).
     pub host: AdamW,
     device: Option<DeviceAdamW>,
-    /// Elements of each parameter, in order.
-    sizes: Vec<usize>,
-    /// `L`, the slice length.
+    /// The units and slices.
+    pub part: Partition,
+    /// `Σ L_u`, the slice length.
     pub shard_len: usize,
-    rank: usize,
-    world: usize,
+    /// Parameters of rank ≥ 2 (weight decay applies).
+    decays: Vec<bool>,
+}
+
+/// Where a step's new weights go.
+pub enum Out<'a> {
+    /// Into the model's weights (all-gathered over the ranks first).
+    Params(&'a [(String, Var)]),
+    /// Into this rank's parameter shard `[Σ L_u]` in the run dtype (ZeRO-3), on the device
+    /// or in host memory.
+    Shard(&'a Tensor),
 }
 
 /// What one step measured.
@@ -47,52 +57,66 @@ pub struct StepStats {
 }
 
 impl ShardedAdamW {
-    /// The slice of rank `rank` of `world`. Masters start from `start` (the f32 host
-    /// copies of the start weights; a parameter missing there is read from its Var),
-    /// or, when `resume` is given, from that checkpoint's optimizer state (whatever its
-    /// world size was). `device`: keep and update the state there instead of the host.
+    /// This rank's slices of `part` (built for `params`, `(name, shape)` in the model's
+    /// order). Masters start from `start` (f32 host copies of the start weights, every
+    /// parameter), or, when `resume` is given, from that checkpoint's optimizer state
+    /// (whatever its layout and world size were). `device`: keep and update the state
+    /// there instead of the host.
     pub fn new(
         cfg: AdamWConfig,
-        params: &[(String, Var)],
+        params: &[(String, Shape)],
         start: &HashMap<String, Tensor>,
-        (rank, world): (usize, usize),
+        part: Partition,
         device: Option<&Device>,
         resume: Option<(u64, &Loaded)>,
     ) -> Result<Self> {
-        let sizes: Vec<usize> = params.iter().map(|(_, v)| v.as_tensor().elem_count()).collect();
-        let n: usize = sizes.iter().sum();
-        let shard_len = n.div_ceil(world);
-        let (lo, hi) = (rank * shard_len, (rank + 1) * shard_len);
-        let host: Vec<Tensor> = params
-            .iter()
-            .map(|(name, v)| match start.get(name) {
-                Some(t) => Ok(t.to_dtype(DType::F32)?),
-                None => Ok(v.as_tensor().to_dtype(DType::F32)?.to_device(&Device::Cpu)?),
-            })
-            .collect::<Result<_>>()?;
-        let master = flat_range(&host, lo, hi)?;
-        drop(host);
-        // Decay runs over the shard (a run per parameter part; the padding decays not).
-        let mut decay: Vec<(usize, bool)> = Vec::new();
-        let mut off = 0;
-        for ((_, v), &len) in params.iter().zip(&sizes) {
-            let (a, b) = (lo.max(off), hi.min(off + len));
-            if a < b {
-                decay.push((a - lo, v.as_tensor().rank() >= 2));
+        let shard_len = part.shard_len();
+        let decays: Vec<bool> = params.iter().map(|(_, s)| s.rank() >= 2).collect();
+        let rank = part.rank;
+        let mut master = vec![0f32; shard_len]; // zeroed pages: the padding
+        if resume.is_none() {
+            let host: Vec<&Tensor> = params
+                .iter()
+                .map(|(name, _)| start.get(name).ok_or_else(|| Error::Setting(format!("optimizer start: no weights for `{name}`"))))
+                .collect::<Result<_>>()?;
+            for (u, unit) in part.units.iter().enumerate() {
+                let r = part.piece(u, rank);
+                flat_range_into(&host, r.start, r.end, &mut master[unit.shard_off..unit.shard_off + (r.end - r.start)])?;
             }
-            off += len;
         }
-        if off < hi {
-            decay.push((off.max(lo) - lo, false));
+        // Decay runs over the shard (a run per parameter part; the padding decays not).
+        let offs = part.param_offsets();
+        let mut decay: Vec<(usize, bool)> = Vec::new();
+        for (u, unit) in part.units.iter().enumerate() {
+            let r = part.piece(u, rank);
+            for p in unit.params.clone() {
+                let (a, b) = (r.start.max(offs[p]), r.end.min(offs[p] + part.sizes[p]));
+                if a < b {
+                    decay.push((unit.shard_off + a - r.start, decays[p]));
+                }
+            }
+            if r.end - r.start < unit.shard {
+                decay.push((unit.shard_off + r.end - r.start, false));
+            }
         }
         let mut st = AdamW::with_runs(cfg, master, decay);
         if let Some((step, loaded)) = resume {
-            // Only this rank's range, from whichever shard files hold it.
-            (st.master, st.m, st.v) = loaded.optimizer_range(n, lo, hi)?;
+            // Only this rank's slices, from whichever shard files hold them.
+            let n = part.n();
+            let (mut w, mut m, mut v) = (vec![0f32; shard_len], vec![0f32; shard_len], vec![0f32; shard_len]);
+            for (u, unit) in part.units.iter().enumerate() {
+                let r = part.piece(u, rank);
+                let (lw, lm, lv) = loaded.optimizer_range(n, r.start, r.end)?;
+                let at = unit.shard_off;
+                w[at..at + lw.len()].copy_from_slice(&lw);
+                m[at..at + lm.len()].copy_from_slice(&lm);
+                v[at..at + lv.len()].copy_from_slice(&lv);
+            }
+            (st.master, st.m, st.v) = (w, m, v);
             st.step = step;
         }
         let device = device.map(|d| DeviceAdamW::from_host(&st, d)).transpose()?;
-        let mut me = Self { host: st, device, sizes, shard_len, rank, world };
+        let mut me = Self { host: st, device, part, shard_len, decays };
         me.release_host();
         Ok(me)
     }
@@ -108,63 +132,21 @@ impl ShardedAdamW {
         }
     }
 
-    /// The flat length the gradient buffer must have: `W·L`.
+    /// The flat length the (ZeRO-1) gradient buffer must have: `Σ W·L_u`.
     pub fn padded_len(&self) -> usize {
-        self.shard_len * self.world
+        self.part.padded_len()
     }
 
-    /// One optimizer step over `grads` (this rank's, the buffer the engine filled) — see
-    /// the module doc. `clip <= 0` disables clipping. Writes the new weights into `params`
-    /// (in `dtype` on `device`).
-    pub fn step(
-        &mut self,
-        comm: &Arc<dyn Comm>,
-        grads: &GradBuffer,
-        params: &[(String, Var)],
-        lr: f64,
-        clip: f64,
-        (dtype, device): (DType, &Device),
-    ) -> Result<StepStats> {
-        self.check(comm, grads, params)?;
-        let (l, w) = (self.shard_len, self.world);
-        let flat = grads.flat();
-        // 1. Reduce-scatter: this rank's slice of the summed gradient.
-        let gshard = if w > 1 {
-            let parts = (0..w).map(|i| flat.narrow(0, i * l, l)).collect::<candle_core::Result<Vec<_>>>()?;
-            comm.reduce_scatter_sum(parts)?
-        } else {
-            flat.clone()
-        };
-        // 2. Global norm.
-        let grad_norm = all_reduce_scalar(comm, sum_sq(&gshard)?, gshard.device())?.sqrt();
-        if !grad_norm.is_finite() {
-            // The same value on every rank: all skip this update together (the trainer
-            // counts it and aborts after too many in a row).
-            return Ok(StepStats { grad_norm, skipped: true });
-        }
-        // 3. Clip and update; 4. the new weights in the run dtype, all-gathered.
-        let coef = if clip > 0.0 && grad_norm > clip { clip / (grad_norm + 1e-6) } else { 1.0 };
-        if self.device.is_some() {
-            self.device_update(comm, &gshard, params, lr, coef, dtype)?;
-        } else {
-            self.host_update(comm, &gshard, params, lr, coef, (dtype, device))?;
-        }
-        Ok(StepStats { grad_norm, skipped: false })
+    /// Bytes of optimizer state this rank holds on the device and on the host.
+    pub fn resident_bytes(&self) -> (usize, usize) {
+        let host = 4 * (self.host.master.len() + self.host.m.len() + self.host.v.len());
+        (if self.device.is_some() { 12 * self.shard_len } else { 0 }, host)
     }
 
-    fn check(&self, comm: &Arc<dyn Comm>, grads: &GradBuffer, params: &[(String, Var)]) -> Result<()> {
-        if comm.world() != self.world || comm.rank() != self.rank {
-            return Err(Error::Setting(format!(
-                "optimizer sharded for rank {} of {} used with rank {} of {}",
-                self.rank,
-                self.world,
-                comm.rank(),
-                comm.world()
-            )));
-        }
-        if params.len() != self.sizes.len() || grads.views().len() != self.sizes.len() {
-            return Err(Error::Setting(format!("{} gradients for {} parameters", grads.views().len(), self.sizes.len())));
-        }
+    /// This rank's slice of the summed gradient from a padded flat buffer (ZeRO-1):
+    /// reduce-scattered unit by unit.
+    pub fn reduce(&self, comm: &Arc<dyn Comm>, grads: &GradBuffer) -> Result<Tensor> {
+        self.check(comm)?;
         if grads.flat().elem_count() != self.padded_len() {
             return Err(Error::Setting(format!(
                 "gradient buffer of {} elements for an optimizer over {} (make it with `padded_len`)",
@@ -172,53 +154,123 @@ impl ShardedAdamW {
                 self.padded_len()
             )));
         }
+        let (w, flat) = (self.part.world, grads.flat());
+        if w == 1 {
+            return Ok(flat.clone());
+        }
+        let mut mine = Vec::with_capacity(self.part.units.len());
+        for unit in &self.part.units {
+            let parts =
+                (0..w).map(|i| flat.narrow(0, unit.padded_off + i * unit.shard, unit.shard)).collect::<candle_core::Result<Vec<_>>>()?;
+            mine.push(comm.reduce_scatter_sum(parts)?);
+        }
+        Ok(if mine.len() == 1 { mine.remove(0) } else { Tensor::cat(&mine, 0)? })
+    }
+
+    /// One optimizer step over this rank's gradient slice `gshard [Σ L_u]` f32 — see the
+    /// module doc. `clip <= 0` disables clipping. The new weights go to `out` (in `dtype`;
+    /// the model's on `device`).
+    pub fn step(
+        &mut self,
+        comm: &Arc<dyn Comm>,
+        gshard: &Tensor,
+        out: Out<'_>,
+        lr: f64,
+        clip: f64,
+        (dtype, device): (DType, &Device),
+    ) -> Result<StepStats> {
+        self.check(comm)?;
+        if gshard.elem_count() != self.shard_len {
+            return Err(Error::Setting(format!("gradient slice of {} elements for a shard of {}", gshard.elem_count(), self.shard_len)));
+        }
+        if let Out::Params(p) = &out {
+            if p.len() != self.part.sizes.len() {
+                return Err(Error::Setting(format!("{} parameters for an optimizer over {}", p.len(), self.part.sizes.len())));
+            }
+        }
+        // 2. Global norm.
+        let local = sum_sq(gshard)?;
+        let grad_norm = if self.part.world > 1 { all_reduce_scalar(comm, local, gshard.device())? } else { local }.sqrt();
+        if !grad_norm.is_finite() {
+            // The same value on every rank: all skip this update together (the trainer
+            // counts it and aborts after too many in a row).
+            return Ok(StepStats { grad_norm, skipped: true });
+        }
+        // 3. Clip and update; 4. the new weights in the run dtype.
+        let coef = if clip > 0.0 && grad_norm > clip { clip / (grad_norm + 1e-6) } else { 1.0 };
+        if self.device.is_some() {
+            self.device_update(comm, gshard, out, lr, coef, dtype)?;
+        } else {
+            self.host_update(comm, gshard, out, lr, coef, (dtype, device))?;
+        }
+        Ok(StepStats { grad_norm, skipped: false })
+    }
+
+    fn check(&self, comm: &Arc<dyn Comm>) -> Result<()> {
+        if self.part.world == 1 {
+            return Ok(()); // one rank, or every rank the whole state (stage 0)
+        }
+        if comm.world() != self.part.world || comm.rank() != self.part.rank {
+            return Err(Error::Setting(format!(
+                "optimizer sharded for rank {} of {} used with rank {} of {}",
+                self.part.rank,
+                self.part.world,
+                comm.rank(),
+                comm.world()
+            )));
+        }
         Ok(())
     }
 
     /// The device update: one kernel per parameter's part of the shard, each writing its
-    /// new weights straight into the model (one rank) or into the shard's buffer that is
-    /// then all-gathered (several ranks).
-    fn device_update(
-        &mut self,
-        comm: &Arc<dyn Comm>,
-        gshard: &Tensor,
-        params: &[(String, Var)],
-        lr: f64,
-        coef: f64,
-        dtype: DType,
-    ) -> Result<()> {
-        let (l, w) = (self.shard_len, self.world);
-        let (lo, hi) = (self.rank * l, (self.rank + 1) * l);
-        let buf = if w > 1 { Some(Tensor::zeros(l, dtype, gshard.device())?) } else { None };
+    /// new weights straight into the model (one rank), into the parameter shard (ZeRO-3),
+    /// or into a shard buffer that is then all-gathered (several ranks).
+    fn device_update(&mut self, comm: &Arc<dyn Comm>, gshard: &Tensor, out: Out<'_>, lr: f64, coef: f64, dtype: DType) -> Result<()> {
+        let part = &self.part;
+        let (rank, w) = (part.rank, part.world);
+        let buf = match (&out, w) {
+            (Out::Params(_), 1) => None,
+            (Out::Params(_), _) => Some(Tensor::zeros(self.shard_len, dtype, gshard.device())?),
+            // Written in place, or (a shard in host memory) through a device buffer.
+            (Out::Shard(s), _) if s.device().same_device(gshard.device()) => Some((*s).clone()),
+            (Out::Shard(_), _) => Some(Tensor::zeros(self.shard_len, dtype, gshard.device())?),
+        };
+        let offs = part.param_offsets();
         let mut segs = Vec::new();
-        let mut off = 0;
-        for ((_, v), &len) in params.iter().zip(&self.sizes) {
-            let (a, b) = (lo.max(off), hi.min(off + len));
-            if a < b {
-                let copy = match &buf {
-                    Some(buf) => buf.narrow(0, a - lo, b - a)?,
-                    None => v.as_tensor().flatten_all()?.narrow(0, a - off, b - a)?, // a view: writes reach the model
-                };
-                segs.push(Segment { start: a - lo, len: b - a, decay: v.as_tensor().rank() >= 2, copy: Some(copy) });
+        for (u, unit) in part.units.iter().enumerate() {
+            let r = part.piece(u, rank);
+            for p in unit.params.clone() {
+                let (a, b) = (r.start.max(offs[p]), r.end.min(offs[p] + part.sizes[p]));
+                if a < b {
+                    let start = unit.shard_off + a - r.start;
+                    let copy = match (&buf, &out) {
+                        (Some(buf), _) => buf.narrow(0, start, b - a)?,
+                        // A view: writes reach the model.
+                        (None, Out::Params(params)) => params[p].1.as_tensor().flatten_all()?.narrow(0, a - offs[p], b - a)?,
+                        (None, Out::Shard(_)) => unreachable!("a shard output always has a buffer"),
+                    };
+                    segs.push(Segment { start, len: b - a, decay: self.decays[p], copy: Some(copy) });
+                }
             }
-            off += len;
         }
         let d = self.device.as_mut().ok_or_else(|| Error::Setting("device optimizer missing".into()))?;
         d.update(&mut self.host, gshard, lr, coef, &segs)?;
-        if let Some(buf) = buf {
-            write_back(params, &self.sizes, &Tensor::cat(&comm.all_gather(&buf)?, 0)?)?;
+        match (&buf, &out) {
+            (Some(buf), Out::Params(params)) => gather_into(comm, part, buf, params)?,
+            (Some(buf), Out::Shard(s)) if !s.device().same_device(buf.device()) => s.slice_set(&buf.to_device(s.device())?, 0, 0)?,
+            _ => {}
         }
         Ok(())
     }
 
     /// The host update (rayon over the shard, the gradient read in place from its one
     /// device-to-host copy, the new weights written in the run dtype in the same pass),
-    /// then the all-gather of the new weights.
+    /// then the all-gather of the new weights or their copy into the parameter shard.
     fn host_update(
         &mut self,
         comm: &Arc<dyn Comm>,
         gshard: &Tensor,
-        params: &[(String, Var)],
+        out: Out<'_>,
         lr: f64,
         coef: f64,
         (dtype, device): (DType, &Device),
@@ -248,9 +300,11 @@ impl ShardedAdamW {
                 other => run::<f32>(h, g, coef, lr)?.to_dtype(other)?,
             }
         };
-        let shard = shard.to_device(device)?;
-        let full = if self.world > 1 { Tensor::cat(&comm.all_gather(&shard)?, 0)? } else { shard };
-        write_back(params, &self.sizes, &full)
+        match out {
+            Out::Shard(s) => s.slice_set(&shard.to_device(s.device())?, 0, 0)?,
+            Out::Params(params) => gather_into(comm, &self.part, &shard.to_device(device)?, params)?,
+        }
+        Ok(())
     }
 
     /// Refresh the host copy of a device-resident state (before a checkpoint).
@@ -288,13 +342,17 @@ impl ShardedAdamW {
     }
 }
 
-/// Flat f32 copy of all parameters' gradients, zero-padded to `padded` elements.
-/// Write the flat new weights `full [≥ n]` (run dtype) into the parameters, in order.
-fn write_back(params: &[(String, Var)], sizes: &[usize], full: &Tensor) -> Result<()> {
-    let mut off = 0;
-    for ((_, v), &n) in params.iter().zip(sizes) {
-        v.set(&full.narrow(0, off, n)?.reshape(v.as_tensor().shape())?)?;
-        off += n;
+/// All-gather every rank's new slice `shard [Σ L_u]` (run dtype) unit by unit and write
+/// the weights into the parameters.
+fn gather_into(comm: &Arc<dyn Comm>, part: &Partition, shard: &Tensor, params: &[(String, Var)]) -> Result<()> {
+    let offs = part.param_offsets();
+    for unit in &part.units {
+        let mine = shard.narrow(0, unit.shard_off, unit.shard)?;
+        let full = if part.world > 1 { Tensor::cat(&comm.all_gather(&mine)?, 0)? } else { mine };
+        for p in unit.params.clone() {
+            let v = &params[p].1;
+            v.set(&full.narrow(0, offs[p] - unit.off, part.sizes[p])?.reshape(v.as_tensor().shape())?)?;
+        }
     }
     Ok(())
 }
@@ -305,13 +363,12 @@ fn sum_sq(t: &Tensor) -> Result<f64> {
     Ok(longctx_kernels::sum_squares(&t.contiguous()?)?)
 }
 
-/// Elements `[lo, hi)` of `params` flattened in order, as f32; zero past their end.
-/// Converts only the parameters that overlap the range (no full flat copy).
-fn flat_range(params: &[Tensor], lo: usize, hi: usize) -> Result<Vec<f32>> {
+/// Elements `[lo, hi)` of `params` flattened in order, as f32, into `out` (`hi - lo`
+/// long). Converts only the parameters that overlap the range (no full flat copy).
+fn flat_range_into(params: &[&Tensor], lo: usize, hi: usize, out: &mut [f32]) -> Result<()> {
     use rayon::prelude::*;
-    let mut out = vec![0f32; hi.saturating_sub(lo)]; // zeroed pages from the allocator: the padding
     let mut off = 0;
-    let mut rest = &mut out[..];
+    let mut rest = out;
     for t in params {
         let n = t.elem_count();
         let (a, b) = (lo.max(off), hi.min(off + n));
@@ -331,7 +388,7 @@ fn flat_range(params: &[Tensor], lo: usize, hi: usize) -> Result<Vec<f32>> {
         }
         off += n;
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Sum of a scalar over ranks, in f64, through a one-element tensor on `device` (NCCL
@@ -364,11 +421,20 @@ mod tests {
     }
 
     fn sharded_step_case(on_device: bool) {
+        for per_unit in [false, true] {
+            sharded_step_layout(on_device, per_unit);
+        }
+    }
+
+    /// `per_unit`: each parameter is its own unit (sliced on its own, ZeRO-3's layout) and
+    /// the new weights go into a parameter shard; else one unit and the model's weights.
+    fn sharded_step_layout(on_device: bool, per_unit: bool) {
         let shapes: [&[usize]; 2] = [&[5, 7], &[4]];
         let init = |p: usize, i: usize| (p as f32 + 1.0) * 0.1 + i as f32 * 0.01;
         let (world, lr, clip) = (3usize, 1e-2, 2.0);
         let cfg = AdamWConfig::default();
         let out = run_ranks(world, |comm| {
+            let e = |e: Error| candle_core::Error::Msg(e.to_string());
             let params: Vec<(String, Var)> = shapes
                 .iter()
                 .enumerate()
@@ -378,15 +444,15 @@ mod tests {
                     Ok((format!("p{p}"), Var::from_tensor(&Tensor::from_vec(v, *sh, &Device::Cpu)?)?))
                 })
                 .collect::<candle_core::Result<_>>()?;
-            let mut opt = ShardedAdamW::new(
-                cfg.clone(),
-                &params,
-                &HashMap::new(),
-                (comm.rank(), comm.world()),
-                on_device.then_some(&Device::Cpu),
-                None,
-            )
-            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            let meta: Vec<(String, Shape)> = params.iter().map(|(n, v)| (n.clone(), v.as_tensor().shape().clone())).collect();
+            let start: HashMap<String, Tensor> = params.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+            let sizes = [35, 4];
+            let rw = (comm.rank(), comm.world());
+            let part = if per_unit { Partition::new(&sizes, vec![0..1, 1..2], rw) } else { Partition::whole(&sizes, rw) }.map_err(e)?;
+            let mut opt =
+                ShardedAdamW::new(cfg.clone(), &meta, &start, part.clone(), on_device.then_some(&Device::Cpu), None).map_err(e)?;
+            // ZeRO-3's parameter shard: this rank's slices of the start weights.
+            let pshard = Tensor::zeros(opt.shard_len, DType::F32, &Device::Cpu)?;
             let mut norms = Vec::new();
             for s in 0..2 {
                 let grads = shapes
@@ -397,14 +463,36 @@ mod tests {
                         Tensor::from_vec((0..n).map(|i| g(comm.rank(), p, i, s)).collect::<Vec<_>>(), *sh, &Device::Cpu)
                     })
                     .collect::<candle_core::Result<Vec<_>>>()?;
-                let buf = GradBuffer::new(&params, opt.padded_len(), &Device::Cpu).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-                for (view, g) in buf.views().iter().zip(&grads) {
-                    view.slice_set(g, 0, 0)?;
-                }
-                let st = opt
-                    .step(&comm, &buf, &params, lr, clip, (DType::F32, &Device::Cpu))
-                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                let gshard = if per_unit {
+                    // Reduce-scatter unit by unit, as the ZeRO-2/3 backward does.
+                    let mut mine = Vec::new();
+                    for (u, gr) in grads.iter().enumerate() {
+                        let l = part.units[u].shard;
+                        let padded =
+                            Tensor::cat(&[gr.flatten_all()?, Tensor::zeros(l * world - gr.elem_count(), DType::F32, &Device::Cpu)?], 0)?;
+                        mine.push(
+                            comm.reduce_scatter_sum((0..world).map(|i| padded.narrow(0, i * l, l)).collect::<candle_core::Result<_>>()?)?,
+                        );
+                    }
+                    Tensor::cat(&mine, 0)?
+                } else {
+                    let buf = GradBuffer::new(&params, opt.padded_len(), &Device::Cpu).map_err(e)?;
+                    for (view, g) in buf.views().iter().zip(&grads) {
+                        view.slice_set(g, 0, 0)?;
+                    }
+                    opt.reduce(&comm, &buf).map_err(e)?
+                };
+                let target = if per_unit { Out::Shard(&pshard) } else { Out::Params(&params) };
+                let st = opt.step(&comm, &gshard, target, lr, clip, (DType::F32, &Device::Cpu)).map_err(e)?;
                 norms.push(st.grad_norm);
+            }
+            if per_unit {
+                // The model's weights are the all-gathered shards.
+                for (u, (_, v)) in params.iter().enumerate() {
+                    let unit = &part.units[u];
+                    let full = Tensor::cat(&comm.all_gather(&pshard.narrow(0, unit.shard_off, unit.shard)?)?, 0)?;
+                    v.set(&full.narrow(0, 0, unit.len)?.reshape(v.as_tensor().shape())?)?;
+                }
             }
             // A device-resident state keeps no host copy until a checkpoint asks for one
             // (12 bytes per parameter of the slice otherwise), and drops it again after.
