@@ -175,6 +175,10 @@ pub struct PlanRequest {
     pub dtype_bytes: usize,
     /// AdamW state (f32 master, m, v) in host memory (the trainer's choice) or on the GPU.
     pub optimizer_on_host: bool,
+    /// ZeRO stage (0–3, `train.zero_stage`): what is sharded over the ranks.
+    pub zero_stage: u8,
+    /// Stage 3's slice of the weights in host memory (`train.offload_params`).
+    pub offload_params: bool,
     /// Fixed allowance per GPU, bytes.
     pub overhead: u64,
 }
@@ -201,6 +205,8 @@ impl PlanRequest {
             token_chunk: 4096,
             dtype_bytes: 2,
             optimizer_on_host: true,
+            zero_stage: 1,
+            offload_params: false,
             overhead: DEFAULT_OVERHEAD,
         }
     }
@@ -218,6 +224,8 @@ impl PlanRequest {
         c.parallel.save_attention = self.save_attention;
         c.parallel.token_chunk = self.token_chunk;
         c.train.batch_size = self.batch_size;
+        c.train.zero_stage = self.zero_stage;
+        c.train.offload_params = self.offload_params;
         c.stages = vec![Stage::new(self.seq_len, 10_000.0, 1)];
         c
     }
@@ -273,8 +281,11 @@ pub struct HostMemory {
     pub fpdt_parked: u64,
     /// The trainer's f32 copy of the start weights.
     pub weights_copy: u64,
-    /// This rank's shard of the reduced gradient in f32 (optimizer on the host).
+    /// The piece of the reduced gradient the host optimizer works on, in f32, and its
+    /// new weights (optimizer on the host).
     pub grads_copy: u64,
+    /// This rank's slice of the weights (stage 3 with `offload_params`).
+    pub weights: u64,
     pub per_rank: u64,
     pub ranks_per_node: usize,
     pub per_node: u64,
@@ -422,7 +433,15 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let (hq, d) = (u(model.heads), u(model.head_dim));
     let (b, a) = (u(req.batch_size), u(req.dtype_bytes));
     let (seq, s, w) = (u(req.seq_len), u(lay.local_tokens), u(lay.world));
-    let shard = p.div_ceil(w);
+    // ZeRO (`train::units`): stage 0 keeps the whole optimizer state on every rank; from
+    // stage 2 the units are the layers, the embedding and the head, each cut in `w`.
+    let (h, inter, v) = (u(model.hidden), u(model.intermediate), u(model.vocab));
+    let layer_elems = h * hq * d * 2 + 2 * h * u(model.kv_heads) * d + 3 * h * inter + 2 * h;
+    let units = l + 2;
+    let unit_max = layer_elems.max(v * h + h);
+    let zero = req.zero_stage;
+    let shard = if zero >= 2 { p.div_ceil(w) + units } else { p.div_ceil(w) };
+    let opt_elems = if zero == 0 { p } else { shard };
     let e_q = b * s * hq * d;
     let e_kv = b * s * u(model.kv_heads) * d;
     // The engine's own byte counts for these shapes.
@@ -443,11 +462,14 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let group = input + if req.save_attention { core } else { 0 };
     let (off, on_host) = (req.offload_activations, req.optimizer_on_host);
     let (hkv_u, uly, r) = (u128::from(kv_heads_per_rank(model.kv_heads, lay.ulysses)), u(lay.ulysses), u(lay.ring));
+    let piece = opt_elems.min(1 << 26); // the host optimizer's piece (`zero::HOST_PIECE`)
+    let offload_params = zero == 3 && req.offload_params;
     let mut host = HostMemory {
-        optimizer: cvt(if on_host { 12 * shard } else { 0 })?,
+        optimizer: cvt(if on_host { 12 * opt_elems } else { 0 })?,
         saved_activations: cvt(if off { l * group } else { 0 })?,
         weights_copy: cvt(4 * p)?,
-        grads_copy: cvt(if on_host { 4 * shard } else { 0 })?,
+        grads_copy: cvt(if on_host { (4 + a) * piece } else { 0 })?,
+        weights: cvt(if offload_params { shard * a } else { 0 })?,
         ..Default::default()
     };
     let attention_mode = match lay.mode {
@@ -468,10 +490,25 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
             }
         }
     };
-    let weights = p * a;
-    let gradients = 4 * shard * w;
-    let optimizer = if on_host { 0 } else { 12 * shard };
-    let grad_reduce = if lay.world > 1 { (4 + a) * shard + 2 * p * a } else { 4 << 26 };
+    // Stage 3: this rank's slice (unless offloaded) and two whole units (the one running,
+    // the next coming); below, the whole model.
+    let weights = match (zero, offload_params) {
+        (3, true) => 2 * unit_max * a,
+        (3, false) => shard * a + 2 * unit_max * a,
+        _ => p * a,
+    };
+    // Stage 2 and 3: this rank's slice, the embedding's scratch and one unit's.
+    let gradients = if zero >= 2 { 4 * (shard + w * (v * h) + w * unit_max) } else { 4 * shard * w };
+    let optimizer = if on_host { 0 } else { 12 * opt_elems };
+    let grad_reduce = match zero {
+        // The host update's piece on its way; a device update writes in place.
+        2 | 3 if on_host => (4 + a) * piece,
+        2 | 3 if offload_params => shard * a,
+        2 | 3 => 0,
+        0 if lay.world > 1 => 4 * p,
+        _ if lay.world > 1 => (4 + a) * shard + 2 * p * a,
+        _ => 4 << 26,
+    };
     let saved = if off { (0, 0) } else { (l * input, saved_attn) };
     let in_flight = if off { 2 * group } else { 0 };
     let layer_backward = shape.backward_bytes() - if req.save_attention { core } else { 0 };
@@ -510,7 +547,8 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
         + u128::from(host.saved_activations)
         + u128::from(host.fpdt_parked)
         + u128::from(host.weights_copy)
-        + u128::from(host.grads_copy))?;
+        + u128::from(host.grads_copy)
+        + u128::from(host.weights))?;
     host.ranks_per_node = req.world / req.nnodes.max(1);
     host.per_node = cvt(u128::from(host.per_rank) * host.ranks_per_node as u128)?;
     Some((dev, host))
@@ -615,6 +653,8 @@ pub fn run_requests(cfg: &RunConfig, gpu_memory: u64, dtype_bytes: usize) -> Vec
         .map(|(i, st)| {
             let mut r = PlanRequest::new(st.seq_length, p.world_size, gpu_memory, st.parallel_mode.unwrap_or(p.mode));
             r.optimizer_on_host = cfg.train.optimizer_on_host;
+            r.zero_stage = cfg.train.zero_stage;
+            r.offload_params = cfg.train.offload_params;
             r.dtype_bytes = dtype_bytes;
             r.batch_size = cfg.stage_settings(i).batch_size;
             r.sp = (p.sp_size > 0).then_some(p.sp_size);

@@ -208,10 +208,27 @@ fn print_plan(p: &plan::Plan) {
 fn print_device(p: &plan::Plan) {
     let (r, e) = (&p.request, &p.estimate);
     let d = &e.device;
+    let z = r.zero_stage;
     let rows: [(&str, u64, &str); 14] = [
-        ("weights", d.weights, ""),
-        ("gradients (f32)", d.gradients, "one flat buffer"),
-        ("optimizer (f32 master, m, v)", d.optimizer, if r.optimizer_on_host { "on the host" } else { "ZeRO-1 over all ranks" }),
+        (
+            "weights",
+            d.weights,
+            match (z, r.offload_params) {
+                (3, true) => "ZeRO-3, slice on the host: two layers gathered",
+                (3, false) => "ZeRO-3: this rank's slice and two layers gathered",
+                _ => "",
+            },
+        ),
+        ("gradients (f32)", d.gradients, if z >= 2 { "ZeRO-2: this rank's slice and one layer's" } else { "one flat buffer" }),
+        (
+            "optimizer (f32 master, m, v)",
+            d.optimizer,
+            match (r.optimizer_on_host, z) {
+                (true, _) => "on the host",
+                (false, 0) => "ZeRO-0: whole on every rank",
+                _ => "sharded over all ranks",
+            },
+        ),
         ("saved activations", d.saved_activations, if r.offload_activations { "offloaded" } else { "" }),
         ("saved attention", d.saved_attention, if r.save_attention { "q, k, v, o, lse per layer" } else { "off" }),
         ("layer transient", d.layer_transient, "backward of one layer, of which:"),
@@ -247,9 +264,10 @@ fn print_host(p: &plan::Plan) {
     let (r, e) = (&p.request, &p.estimate);
     let h = &e.host;
     println!(
-        "  host: {} GB per rank (optimizer {}, offloaded activations {}, fpdt parked {}, trainer copies {}), {} GB per node of {} rank(s){}",
+        "  host: {} GB per rank (optimizer {}, weights {}, offloaded activations {}, fpdt parked {}, trainer copies {}), {} GB per node of {} rank(s){}",
         plan::gb(h.per_rank),
         plan::gb(h.optimizer),
+        plan::gb(h.weights),
         plan::gb(h.saved_activations),
         plan::gb(h.fpdt_parked),
         plan::gb(h.weights_copy + h.grads_copy),

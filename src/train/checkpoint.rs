@@ -297,14 +297,14 @@ impl Loaded {
                 if a >= b {
                     continue;
                 }
-                if !files.contains_key(&d) {
+                if let std::collections::hash_map::Entry::Vacant(slot) = files.entry(d) {
                     let mut p = self.dir.join(shard_name(d));
                     let older = self.dir.join(format!("optimizer-dp{d}.safetensors"));
                     if !p.exists() && older.exists() {
                         p = older;
                     }
                     // Memory-mapped: only the range's bytes are read, not the whole shard.
-                    files.insert(d, crate::hub::st_file::SafetensorsFile::open(&p)?);
+                    slot.insert(crate::hub::st_file::SafetensorsFile::open(&p)?);
                 }
                 let f = &files[&d];
                 let p = self.dir.join(shard_name(d));

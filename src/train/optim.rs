@@ -82,14 +82,33 @@ impl AdamW {
     /// conversion pass over the shard.
     pub fn update_into<P: HostElem>(&mut self, grad: &[f32], gscale: f32, lr: f64, copy: Option<&mut [P]>) {
         assert_eq!(grad.len(), self.master.len(), "gradient shard length");
+        let k = self.begin_step(lr);
+        self.apply_range(&k, 0, grad, gscale, copy);
+    }
+
+    /// Count one step and give the constants of its update ([`AdamW::apply_range`] then
+    /// updates the shard piece by piece).
+    pub fn begin_step(&mut self, lr: f64) -> StepConsts {
         self.step += 1;
         let c = &self.cfg;
-        let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
         let bc1 = 1.0 - c.beta1.powi(self.step as i32);
         let bc2 = 1.0 - c.beta2.powi(self.step as i32);
-        let step_size = (lr / bc1) as f32;
-        let bc2_sqrt = bc2.sqrt() as f32;
-        let (eps, wd_lr) = (c.eps as f32, (lr * c.weight_decay) as f32);
+        StepConsts {
+            b1: c.beta1 as f32,
+            b2: c.beta2 as f32,
+            step_size: (lr / bc1) as f32,
+            bc2_sqrt: bc2.sqrt() as f32,
+            eps: c.eps as f32,
+            wd_lr: (lr * c.weight_decay) as f32,
+        }
+    }
+
+    /// The update of elements `[lo, lo + grad.len())` of the shard (see
+    /// [`AdamW::update_into`]), for a step begun with [`AdamW::begin_step`].
+    pub fn apply_range<P: HostElem>(&mut self, k: &StepConsts, lo: usize, grad: &[f32], gscale: f32, copy: Option<&mut [P]>) {
+        let n = grad.len();
+        assert!(lo + n <= self.master.len(), "gradient piece past the shard");
+        let StepConsts { b1, b2, step_size, bc2_sqrt, eps, wd_lr } = *k;
         const CHUNK: usize = 1 << 14;
         let runs = &self.decay;
         // Written branch-free over zipped slices (no bounds checks, the decay as a select)
@@ -97,7 +116,7 @@ impl AdamW {
         // as the device kernel (`w − 0` leaves every w, −0 and NaN included, as it is).
         let body = |c: usize, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], out: Option<&mut [P]>| {
             let mut dec = vec![false; w.len()];
-            decay_flags(runs, c * CHUNK, &mut dec);
+            decay_flags(runs, lo + c * CHUNK, &mut dec);
             for ((((w, m), v), &g), &d) in w.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g).zip(&dec) {
                 let gi = g * gscale;
                 *m = b1 * *m + (1.0 - b1) * gi;
@@ -112,21 +131,31 @@ impl AdamW {
                 }
             }
         };
-        let state = self
-            .master
+        let state = self.master[lo..lo + n]
             .par_chunks_mut(CHUNK)
-            .zip(self.m.par_chunks_mut(CHUNK))
-            .zip(self.v.par_chunks_mut(CHUNK))
+            .zip(self.m[lo..lo + n].par_chunks_mut(CHUNK))
+            .zip(self.v[lo..lo + n].par_chunks_mut(CHUNK))
             .zip(grad.par_chunks(CHUNK))
             .enumerate();
         match copy {
             Some(out) => {
-                assert_eq!(out.len(), grad.len(), "weight copy length");
+                assert_eq!(out.len(), n, "weight copy length");
                 state.zip(out.par_chunks_mut(CHUNK)).for_each(|((c, (((w, m), v), g)), o)| body(c, w, m, v, g, Some(o)));
             }
             None => state.for_each(|(c, (((w, m), v), g))| body(c, w, m, v, g, None)),
         }
     }
+}
+
+/// The constants of one AdamW step ([`AdamW::begin_step`]).
+#[derive(Clone, Copy, Debug)]
+pub struct StepConsts {
+    b1: f32,
+    b2: f32,
+    step_size: f32,
+    bc2_sqrt: f32,
+    eps: f32,
+    wd_lr: f32,
 }
 
 /// The decay flags of elements `[lo, lo + out.len())` from the runs of [`AdamW::decay`].

@@ -71,7 +71,7 @@ impl Partition {
 
     /// One unit: the whole model (ZeRO-1's flat slices).
     pub fn whole(sizes: &[usize], rank_world: (usize, usize)) -> Result<Self> {
-        Self::new(sizes, vec![0..sizes.len()], rank_world)
+        Self::new(sizes, std::iter::once(0..sizes.len()).collect(), rank_world)
     }
 
     /// A unit per decoder layer, one for the embedding and one for what follows the layers
@@ -237,7 +237,7 @@ mod tests {
             let parts: Vec<Partition> = (0..world).map(|r| Partition::per_layer(&names, &sizes, (r, world)).unwrap()).collect();
             let p = &parts[0];
             assert_eq!(p.n(), 40);
-            let mut covered = vec![0u8; 40];
+            let mut covered = [0u8; 40];
             for (u, unit) in p.units.iter().enumerate() {
                 assert_eq!(unit.shard, unit.len.div_ceil(world));
                 for r in 0..world {

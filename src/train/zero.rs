@@ -263,9 +263,13 @@ impl ShardedAdamW {
         Ok(())
     }
 
-    /// The host update (rayon over the shard, the gradient read in place from its one
-    /// device-to-host copy, the new weights written in the run dtype in the same pass),
-    /// then the all-gather of the new weights or their copy into the parameter shard.
+    /// The host update, piece by piece (at most [`HOST_PIECE`] elements, within a unit):
+    /// the gradient piece copied to the host, AdamW over it on every core with the new
+    /// weights written in the run dtype in the same pass, and those written out at once:
+    /// into the parameter shard (ZeRO-3; in host memory with `offload_params`, so nothing
+    /// goes back to the device), straight into the model's weights (one rank), or into a
+    /// unit buffer all-gathered when the unit is done. Host memory beyond the state: one
+    /// piece of gradient and weights, never a copy of the whole gradient.
     fn host_update(
         &mut self,
         comm: &Arc<dyn Comm>,
@@ -275,34 +279,79 @@ impl ShardedAdamW {
         coef: f64,
         (dtype, device): (DType, &Device),
     ) -> Result<()> {
-        let g_host = gshard.to_device(&Device::Cpu)?.contiguous()?;
-        let n = self.host.master.len();
-        let shard = {
-            let (st, layout) = g_host.storage_and_layout();
-            let candle_core::Storage::Cpu(cs) = &*st else {
-                return Err(Error::Setting("host optimizer: gradient not on the host".into()));
-            };
-            let off = layout.start_offset();
-            let g = &cs.as_slice::<f32>()?[off..off + n];
-            let h = &mut self.host;
-            fn run<P: HostElem>(h: &mut AdamW, g: &[f32], coef: f64, lr: f64) -> Result<Tensor> {
-                use rayon::prelude::*;
-                let mut out: Vec<P> = Vec::with_capacity(g.len());
-                out.par_extend(rayon::iter::repeat_n(P::from_f32(0.0), g.len())); // filled in parallel
-                h.update_into(g, coef as f32, lr, Some(&mut out));
-                let len = out.len();
-                Ok(Tensor::from_vec(out, len, &Device::Cpu)?)
-            }
-            match dtype {
-                DType::BF16 => run::<half::bf16>(h, g, coef, lr)?,
-                DType::F16 => run::<half::f16>(h, g, coef, lr)?,
-                DType::F32 => run::<f32>(h, g, coef, lr)?,
-                other => run::<f32>(h, g, coef, lr)?.to_dtype(other)?,
-            }
+        let k = self.host.begin_step(lr);
+        let part = &self.part;
+        let offs = part.param_offsets();
+        let run_dtype = match dtype {
+            DType::BF16 | DType::F16 | DType::F32 => dtype,
+            _ => DType::F32,
         };
-        match out {
-            Out::Shard(s) => s.slice_set(&shard.to_device(s.device())?, 0, 0)?,
-            Out::Params(params) => gather_into(comm, &self.part, &shard.to_device(device)?, params)?,
+        for (u, unit) in part.units.iter().enumerate() {
+            let piece = part.piece(u, part.rank);
+            // ZeRO-1/2 over several ranks: the unit's new slice, all-gathered when complete.
+            let gather_buf = match (&out, part.world) {
+                (Out::Params(_), w) if w > 1 => Some(Tensor::zeros(unit.shard, dtype, device)?),
+                _ => None,
+            };
+            let mut at = 0;
+            while at < unit.shard {
+                let len = HOST_PIECE.min(unit.shard - at);
+                let lo = unit.shard_off + at;
+                let g_host = gshard.narrow(0, lo, len)?.to_device(&Device::Cpu)?.contiguous()?;
+                let new = {
+                    let (st, layout) = g_host.storage_and_layout();
+                    let candle_core::Storage::Cpu(cs) = &*st else {
+                        return Err(Error::Setting("host optimizer: gradient not on the host".into()));
+                    };
+                    let g = &cs.as_slice::<f32>()?[layout.start_offset()..layout.start_offset() + len];
+                    fn run<P: HostElem>(
+                        h: &mut AdamW,
+                        k: &crate::train::optim::StepConsts,
+                        lo: usize,
+                        g: &[f32],
+                        coef: f64,
+                    ) -> Result<Tensor> {
+                        let mut out: Vec<P> = Vec::with_capacity(g.len());
+                        // SAFETY: every element is written by `apply_range` below before it is read.
+                        #[allow(clippy::uninit_vec)]
+                        unsafe {
+                            out.set_len(g.len())
+                        };
+                        h.apply_range(k, lo, g, coef as f32, Some(&mut out));
+                        let len = out.len();
+                        Ok(Tensor::from_vec(out, len, &Device::Cpu)?)
+                    }
+                    match run_dtype {
+                        DType::BF16 => run::<half::bf16>(&mut self.host, &k, lo, g, coef)?,
+                        DType::F16 => run::<half::f16>(&mut self.host, &k, lo, g, coef)?,
+                        _ => run::<f32>(&mut self.host, &k, lo, g, coef)?.to_dtype(dtype)?,
+                    }
+                };
+                match (&out, &gather_buf) {
+                    (Out::Shard(s), _) => s.slice_set(&new.to_device(s.device())?, 0, lo)?,
+                    (Out::Params(_), Some(buf)) => buf.slice_set(&new.to_device(device)?, 0, at)?,
+                    (Out::Params(params), None) => {
+                        // One rank: the piece's weights straight into the parameters it covers.
+                        let new = new.to_device(device)?;
+                        let (a, b) = (piece.start + at, (piece.start + at + len).min(piece.end));
+                        for p in unit.params.clone() {
+                            let (x, y) = (a.max(offs[p]), b.min(offs[p] + part.sizes[p]));
+                            if x < y {
+                                let flat = params[p].1.as_tensor().flatten_all()?; // a view of the weight
+                                flat.slice_set(&new.narrow(0, x - a, y - x)?, 0, x - offs[p])?;
+                            }
+                        }
+                    }
+                }
+                at += len;
+            }
+            if let (Some(buf), Out::Params(params)) = (&gather_buf, &out) {
+                let full = Tensor::cat(&comm.all_gather(buf)?, 0)?;
+                for p in unit.params.clone() {
+                    let v = &params[p].1;
+                    v.set(&full.narrow(0, offs[p] - unit.off, part.sizes[p])?.reshape(v.as_tensor().shape())?)?;
+                }
+            }
         }
         Ok(())
     }
@@ -341,6 +390,9 @@ impl ShardedAdamW {
         self.host.step
     }
 }
+
+/// Elements the host optimizer updates at a time (64 Mi: 256 MiB of gradient).
+pub const HOST_PIECE: usize = 1 << 26;
 
 /// All-gather every rank's new slice `shard [Σ L_u]` (run dtype) unit by unit and write
 /// the weights into the parameters.

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One H200: the Llama-2-7B shape trained as EasyContext's zero3_offload.json asks
+# (ZeRO-3, weights and optimizer state in host memory), one case after another:
+#   bench     `bench optimizer` on every core (the host AdamW pass, scaled to 7B)
+#   64k       64K tokens, 3 steps, layer inputs on the GPU, attention recomputed
+#   64k-saved the same with the attention kept from the forward (--save-attention)
+#   256k      256K tokens in one sequence, 1 step
+# For each training case: seconds from start to the first logged step, the start-up part
+# of it (that minus the first step), every step's time, tokens/s, MFU and loss, the device
+# peak, the process's peak RSS, and `plan`'s prediction. The process is stopped once its
+# last step is logged (a 7B checkpoint is 95 GB; the machine's disk is 64 GB).
+# Each result is appended to OUTDIR/summary.txt as soon as it exists.
+# Usage: scripts/gpu_zero3_check.sh BINARY(.gz) OUTDIR [CASES]
+set -uo pipefail
+BIN=$1; OUTDIR=$2; CASES=${3:-"bench 64k 256k"}; mkdir -p "$OUTDIR"
+if [[ $BIN == *.gz ]]; then gunzip -c "$BIN" > /tmp/longctx-z3 && chmod +x /tmp/longctx-z3 && BIN=/tmp/longctx-z3; fi
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+S=$OUTDIR/summary.txt
+echo "cores $(nproc); $(free -g | awk '/Mem:/ {print $2 " GiB host memory, " $7 " GiB available"}')" >> "$S"
+printf '[train]\nprofile = true\n' > /tmp/z3-prof.toml
+M=builtin:llama2-7b-shape
+ZERO=(--zero-stage 3 --offload-params --optimizer-on-host)
+run7b() { # name seq steps extra-flags...
+  local name=$1 seq=$2 steps=$3; shift 3
+  local W=/tmp/z3-$name; rm -rf "$W"
+  "$BIN" plan --model $M --seq-length "$seq" --dtype bf16 "${ZERO[@]}" "$@" > "$OUTDIR/plan-$name.txt" 2>&1
+  grep -E "^  peak  |^  host" "$OUTDIR/plan-$name.txt" | sed "s/^/$name plan: /" >> "$S"
+  local t0; t0=$(date +%s.%N)
+  "$BIN" train --config /tmp/z3-prof.toml --model $M --dataset synthetic:passkey --device cuda --dtype bf16 \
+    --seq-length "$seq" --rope-theta 1e6 --max-train-steps "$steps" --batch-size 1 --learning-rate 1e-5 \
+    --output-dir "$W" --skip-memory-check "${ZERO[@]}" "$@" > "$OUTDIR/$name.log" 2>&1 &
+  local pid=$! first="" hwm=0 n=0
+  while kill -0 $pid 2>/dev/null; do
+    local h; h=$(awk '/VmHWM/ {print $2}' /proc/$pid/status 2>/dev/null || echo 0); [ -n "$h" ] && [ "$h" -gt "$hwm" ] && hwm=$h
+    if [ -s "$W/metrics.jsonl" ]; then
+      n=$(grep -c '"loss"' "$W/metrics.jsonl" || true)
+      if [ -z "$first" ] && [ "$n" -ge 1 ]; then first=$(python3 -c "import time; print(round(time.time()-$t0, 1))"); fi
+      if [ "$n" -ge "$steps" ]; then sleep 1; kill $pid 2>/dev/null; break; fi
+    fi
+    sleep 0.5
+  done
+  wait $pid 2>/dev/null
+  echo "$name: first step logged ${first:-never} s after start; peak RSS $((hwm / 1024 / 1024)) GiB" >> "$S"
+  grep -E "ZeRO stage|error|Error|panicked" "$OUTDIR/$name.log" | head -5 | sed "s/^/$name log: /" >> "$S"
+  python3 - "$W/metrics.jsonl" "$name" "${first:-0}" >> "$S" 2>&1 <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
+for i, r in enumerate(rows):
+    prof = r.get("profile") or {}
+    print(sys.argv[2], "step", r["step"], "s", round(r["seconds"], 2), "engine s", round(r.get("engine_seconds", 0), 2),
+          "tok/s", round(r.get("tokens_per_s") or 0), "mfu", r.get("mfu"), "loss", round(r["loss"], 4),
+          "device peak GB", round((r.get("device_peak_bytes") or 0) / 1e9, 2),
+          "profile", {k: round(v, 3) for k, v in prof.items() if isinstance(v, (int, float))})
+if rows:
+    print(sys.argv[2], "start-up s (first logged minus first step):", round(float(sys.argv[3]) - rows[0]["seconds"], 1))
+PY
+}
+for c in $CASES; do
+  case $c in
+    bench) timeout 120 "$BIN" bench optimizer --params 2e9 --iters 2 >> "$S" 2>&1;;
+    64k) run7b 64k 65536 3 --token-chunk 8192;;
+    64k-saved) run7b 64k-saved 65536 3 --token-chunk 8192 --save-attention;;
+    256k) run7b 256k 262144 1 --token-chunk 8192;;
+    *) echo "unknown case $c" >> "$S";;
+  esac
+done
+cat "$S"
