@@ -15,6 +15,9 @@
 #   long     TinyLlama-1.1B shape at 128K, 3 steps per mode over 2 GPUs (ring, Ulysses,
 #            USP, FPDT) and one GPU: tokens/s (steps 2..), device peak;
 #   scale256 the same at 256K (2 steps; layer inputs offloaded on one GPU);
+#   zero     tiny model, 10 steps, f32, ZeRO stages over NCCL (data_parallel and zigzag ring,
+#            stages 0, 2, 3, 3 with the weights and optimizer offloaded) against stage 1
+#            as two ranks on one GPU / one GPU: within 1e-5 relative per step;
 #   liveness a rank that stops taking part (LONGCTX_TEST_STALL=1@2) with --collective-timeout 10:
 #            the job must fail within 60 s naming the collective (NCCL watchdog, issue 16).
 # Env: NGPU (default 2); for long/scale256: MODES (default "zigzag_ring_attn ulysses_attn usp
@@ -103,6 +106,24 @@ if has correct; then
         grep -q "cannot open cuda:$NGPU" $W/toomany.txt || { say "FAILED: the error does not name the missing GPU"; status=1; }
         [[ -e $W/toomany/export ]] && { say "FAILED: an export was written"; status=1; }
     fi
+fi
+
+if has zero; then
+    say "== zero: ZeRO stages over NCCL against stage 1 (tiny model, 10 steps, f32)"
+    export LONGCTX_ATTN_FALLBACK=1
+    ZT=(train --model builtin:tiny@layers=4 --dataset synthetic:passkey --seq-length 256 --rope-theta 1e5 --max-train-steps 10
+        --batch-size 2 --learning-rate 1e-3 --clip-grad 0.5 --device cuda --dtype f32)
+    timeout 300 "$BIN" "${ZT[@]}" --world-size "$NGPU" --output-dir $W/z-ref-dp >>"$LOG" 2>&1 || { say "FAILED: z-ref-dp"; status=1; }
+    timeout 300 "$BIN" "${ZT[@]}" --output-dir $W/z-ref-one >>"$LOG" 2>&1 || { say "FAILED: z-ref-one"; status=1; }
+    for v in "0" "2" "3" "3 --offload-params --optimizer-on-host"; do
+        n=z$(echo "$v" | tr -d ' -' | cut -c1-24)
+        timeout 300 "${LAUNCH[@]}" "${ZT[@]}" --zero-stage $v --output-dir $W/$n-dp >>"$LOG" 2>&1 || { say "FAILED: $n dp"; status=1; }
+        cmp $n-dp z-ref-dp 1e-5 "data_parallel, stage $v over NCCL vs stage 1 as $NGPU ranks on one GPU" || status=1
+        timeout 300 "${LAUNCH[@]}" "${ZT[@]}" --zero-stage $v --parallel-mode zigzag_ring_attn --output-dir $W/$n-ring >>"$LOG" 2>&1 || { say "FAILED: $n ring"; status=1; }
+        cmp $n-ring z-ref-one 1e-5 "zigzag ring, stage $v over NCCL vs one GPU" || status=1
+    done
+    grep -E "ZeRO stage [0-3] over" "$LOG" | sort | uniq -c | head -8 | tee -a "$LOG"
+    unset LONGCTX_ATTN_FALLBACK
 fi
 
 big() { # phase seq steps

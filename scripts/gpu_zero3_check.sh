@@ -29,8 +29,11 @@ run7b() { # name seq steps extra-flags...
   "$BIN" train --config /tmp/z3-prof.toml --model $M --dataset synthetic:passkey --device cuda --dtype bf16 \
     --seq-length "$seq" --rope-theta 1e6 --max-train-steps "$steps" --batch-size 1 --learning-rate 1e-5 \
     --output-dir "$W" --skip-memory-check "${ZERO[@]}" "$@" > "$OUTDIR/$name.log" 2>&1 &
-  local pid=$! first="" hwm=0 n=0
+  local pid=$! first="" hwm=0 n=0 ready=""
   while kill -0 $pid 2>/dev/null; do
+    if [ -z "$ready" ] && grep -q "^stage 0:" "$OUTDIR/$name.log" 2>/dev/null; then
+      ready=$(python3 -c "import time; print(round(time.time()-$t0, 1))"); echo "$name: stage header (start-up done) after $ready s" >> "$S"
+    fi
     local h; h=$(awk '/VmHWM/ {print $2}' /proc/$pid/status 2>/dev/null || echo 0); [ -n "$h" ] && [ "$h" -gt "$hwm" ] && hwm=$h
     if [ -s "$W/metrics.jsonl" ]; then
       n=$(grep -c '"loss"' "$W/metrics.jsonl" || true)

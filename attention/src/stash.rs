@@ -31,6 +31,27 @@ enum ParkedInner {
     Pinned(gpu::PinnedTensor),
 }
 
+impl Parked {
+    /// The parked f32 elements in host memory, once the copy there is done (waits for it):
+    /// read in place, without another copy.
+    pub fn with_host_f32<R>(&self, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+        match &self.inner {
+            ParkedInner::Host(t) => {
+                let t = t.contiguous()?;
+                let (st, layout) = t.storage_and_layout();
+                match &*st {
+                    candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => {
+                        Ok(f(&v[layout.start_offset()..layout.start_offset() + t.elem_count()]))
+                    }
+                    _ => Err(candle_core::Error::Msg("stash: with_host_f32 on a tensor that is not f32".into())),
+                }
+            }
+            #[cfg(feature = "cuda")]
+            ParkedInner::Pinned(pt) => pt.with_f32(f),
+        }
+    }
+}
+
 /// A tensor on its way back to the device.
 pub struct Fetched {
     t: Option<Tensor>,
@@ -199,6 +220,23 @@ mod gpu {
         buf: PooledBuf,
         shape: Shape,
         dtype: DType,
+    }
+
+    impl PinnedTensor {
+        /// Its f32 elements once the copy into the buffer is done.
+        pub fn with_f32<R>(&self, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+            if self.dtype != DType::F32 {
+                return Err(err("with_f32 on a tensor that is not f32"));
+            }
+            let bytes = self.buf.buf.as_ref().ok_or_else(|| err("empty buffer"))?.as_slice().w()?; // waits for the copy
+                                                                                                   // SAFETY: page-locked buffers are page-aligned and hold `elem_count` f32 values
+                                                                                                   // written by the copy just waited for.
+            let (pre, xs, _) = unsafe { bytes.align_to::<f32>() };
+            if !pre.is_empty() {
+                return Err(err("pinned buffer not aligned for f32"));
+            }
+            Ok(f(&xs[..self.shape.elem_count()]))
+        }
     }
 
     /// The copy stream's handle, destroyed with the stash.

@@ -523,9 +523,8 @@ impl<'a> RankRun<'a> {
             let names: Vec<&str> = engine.meta.iter().map(|(n, _)| n.as_str()).collect();
             let sizes: Vec<usize> = engine.meta.iter().map(|(_, s)| s.elem_count()).collect();
             let part = Partition::per_layer(&names, &sizes, (rank, wsize))?;
-            let home = if cfg.train.offload_params { Device::Cpu } else { sh.device.clone() };
             let picked_map: HashMap<String, Tensor> = picked.iter().map(|(n, t)| ((*n).clone(), (*t).clone())).collect();
-            let store = ParamStore::new(part, &engine.meta, &picked_map, sh.dtype, (&sh.device, &home), world.clone())?;
+            let store = ParamStore::new(part, &engine.meta, &picked_map, sh.dtype, (&sh.device, cfg.train.offload_params), world.clone())?;
             (engine, Some(store))
         } else {
             // Rounded to the run dtype on the host in parallel (one core per tensor), then
@@ -793,8 +792,8 @@ impl<'a> RankRun<'a> {
                     Grads::Full(b) => self.optim.reduce(&self.world, b)?,
                     Grads::Sharded(g) => g.shard().clone(),
                 };
-                let out = match &self.store {
-                    Some(s) => Out::Shard(s.shard()),
+                let out = match self.store.as_mut() {
+                    Some(s) => s.out(),
                     None => Out::Params(&self.engine.params),
                 };
                 self.optim.step(&self.world, &gshard, out, lr, t.clip_grad, (sh.dtype, &sh.device))
@@ -896,7 +895,7 @@ impl<'a> RankRun<'a> {
                 Ok(flags.iter().position(|ok| !ok).map(|i| format!("`{}`", self.engine.params[i].0)))
             }
             Some(s) => {
-                let mine = !crate::guard::finite_flags(std::slice::from_ref(s.shard()))?.iter().all(|ok| *ok);
+                let mine = s.any_non_finite()?;
                 let bad = all_reduce_scalar(&self.world, f64::from(u8::from(mine)), &self.sh.device)?;
                 Ok((bad > 0.0).then(|| format!("{bad} rank(s)' slice of the weights (ZeRO-3)")))
             }
@@ -946,14 +945,14 @@ impl<'a> RankRun<'a> {
     }
 
     /// [`Fault::NanWeights`]: the first parameter made NaN after the chosen update.
-    fn inject_nan_weights(&self) -> Result<()> {
+    fn inject_nan_weights(&mut self) -> Result<()> {
         for f in &self.sh.opts.faults {
             if let Fault::NanWeights { step } = f {
                 if *step != self.global_step {
                     continue;
                 }
-                match (&self.store, self.engine.params.first()) {
-                    (Some(s), _) => s.shard().slice_set(&s.shard().affine(f64::NAN, 0.0)?, 0, 0)?,
+                match (self.store.as_mut(), self.engine.params.first()) {
+                    (Some(s), _) => s.poison()?,
                     (None, Some((_, v))) => v.set(&v.as_tensor().affine(f64::NAN, 0.0)?)?,
                     (None, None) => {}
                 }

@@ -17,9 +17,11 @@ use crate::train::checkpoint::{Loaded, OptimShard};
 use crate::train::grads::GradBuffer;
 use crate::train::optim::{AdamW, AdamWConfig, DeviceAdamW, HostElem, Segment};
 use crate::train::units::Partition;
+use crate::train::zero3::HostWeightsMut;
 use crate::{Error, Result};
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use longctx_attention::comm::Comm;
+use longctx_attention::stash::Stash;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -35,15 +37,19 @@ pub struct ShardedAdamW {
     pub shard_len: usize,
     /// Parameters of rank ≥ 2 (weight decay applies).
     decays: Vec<bool>,
+    /// The host update's gradient pieces on their way to pinned host memory (its buffers
+    /// are reused step after step).
+    stash: Stash,
 }
 
 /// Where a step's new weights go.
 pub enum Out<'a> {
     /// Into the model's weights (all-gathered over the ranks first).
     Params(&'a [(String, Var)]),
-    /// Into this rank's parameter shard `[Σ L_u]` in the run dtype (ZeRO-3), on the device
-    /// or in host memory.
+    /// Into this rank's parameter shard `[Σ L_u]` in the run dtype (ZeRO-3) on the device.
     Shard(&'a Tensor),
+    /// Into this rank's parameter shard in host memory (ZeRO-3 with `offload_params`).
+    HostShard(HostWeightsMut<'a>),
 }
 
 /// What one step measured.
@@ -116,7 +122,7 @@ impl ShardedAdamW {
             st.step = step;
         }
         let device = device.map(|d| DeviceAdamW::from_host(&st, d)).transpose()?;
-        let mut me = Self { host: st, device, part, shard_len, decays };
+        let mut me = Self { host: st, device, part, shard_len, decays, stash: Stash::new() };
         me.release_host();
         Ok(me)
     }
@@ -233,7 +239,7 @@ impl ShardedAdamW {
             (Out::Params(_), _) => Some(Tensor::zeros(self.shard_len, dtype, gshard.device())?),
             // Written in place, or (a shard in host memory) through a device buffer.
             (Out::Shard(s), _) if s.device().same_device(gshard.device()) => Some((*s).clone()),
-            (Out::Shard(_), _) => Some(Tensor::zeros(self.shard_len, dtype, gshard.device())?),
+            (Out::Shard(_) | Out::HostShard(_), _) => Some(Tensor::zeros(self.shard_len, dtype, gshard.device())?),
         };
         let offs = part.param_offsets();
         let mut segs = Vec::new();
@@ -247,7 +253,7 @@ impl ShardedAdamW {
                         (Some(buf), _) => buf.narrow(0, start, b - a)?,
                         // A view: writes reach the model.
                         (None, Out::Params(params)) => params[p].1.as_tensor().flatten_all()?.narrow(0, a - offs[p], b - a)?,
-                        (None, Out::Shard(_)) => unreachable!("a shard output always has a buffer"),
+                        (None, Out::Shard(_) | Out::HostShard(_)) => unreachable!("a shard output always has a buffer"),
                     };
                     segs.push(Segment { start, len: b - a, decay: self.decays[p], copy: Some(copy) });
                 }
@@ -255,21 +261,27 @@ impl ShardedAdamW {
         }
         let d = self.device.as_mut().ok_or_else(|| Error::Setting("device optimizer missing".into()))?;
         d.update(&mut self.host, gshard, lr, coef, &segs)?;
-        match (&buf, &out) {
+        match (&buf, out) {
             (Some(buf), Out::Params(params)) => gather_into(comm, part, buf, params)?,
             (Some(buf), Out::Shard(s)) if !s.device().same_device(buf.device()) => s.slice_set(&buf.to_device(s.device())?, 0, 0)?,
+            (Some(buf), Out::HostShard(h)) => match h {
+                HostWeightsMut::BF16(v) => v.copy_from_slice(&buf.to_vec1::<half::bf16>()?),
+                HostWeightsMut::F16(v) => v.copy_from_slice(&buf.to_vec1::<half::f16>()?),
+                HostWeightsMut::F32(v) => v.copy_from_slice(&buf.to_vec1::<f32>()?),
+            },
             _ => {}
         }
         Ok(())
     }
 
     /// The host update, piece by piece (at most [`HOST_PIECE`] elements, within a unit):
-    /// the gradient piece copied to the host, AdamW over it on every core with the new
-    /// weights written in the run dtype in the same pass, and those written out at once:
-    /// into the parameter shard (ZeRO-3; in host memory with `offload_params`, so nothing
-    /// goes back to the device), straight into the model's weights (one rank), or into a
-    /// unit buffer all-gathered when the unit is done. Host memory beyond the state: one
-    /// piece of gradient and weights, never a copy of the whole gradient.
+    /// each gradient piece copied into pinned host memory while the piece before is
+    /// updated, AdamW over it on every core with the new weights written in the run dtype
+    /// in the same pass, straight into the parameter shard in host memory (ZeRO-3 with
+    /// `offload_params`: nothing goes back to the device), or from a reused buffer into the
+    /// shard on the device, the model's weights (one rank), or a unit buffer all-gathered
+    /// when the unit is done. Host memory beyond the state: two gradient pieces and one of
+    /// weights, never a copy of the whole gradient.
     fn host_update(
         &mut self,
         comm: &Arc<dyn Comm>,
@@ -279,80 +291,96 @@ impl ShardedAdamW {
         coef: f64,
         (dtype, device): (DType, &Device),
     ) -> Result<()> {
+        match dtype {
+            DType::BF16 => self.host_pass::<half::bf16>(comm, gshard, out, lr, coef, device),
+            DType::F16 => self.host_pass::<half::f16>(comm, gshard, out, lr, coef, device),
+            DType::F32 => self.host_pass::<f32>(comm, gshard, out, lr, coef, device),
+            other => Err(Error::Setting(format!("host optimizer: weights of dtype {other:?} are not supported"))),
+        }
+    }
+
+    fn host_pass<P: PieceElem>(
+        &mut self,
+        comm: &Arc<dyn Comm>,
+        gshard: &Tensor,
+        mut out: Out<'_>,
+        lr: f64,
+        coef: f64,
+        device: &Device,
+    ) -> Result<()> {
         let k = self.host.begin_step(lr);
-        let part = &self.part;
+        let part = self.part.clone();
         let offs = part.param_offsets();
-        let run_dtype = match dtype {
-            DType::BF16 | DType::F16 | DType::F32 => dtype,
-            _ => DType::F32,
-        };
+        // (unit, offset in the unit's slice, length), in order.
+        let mut pieces = Vec::new();
         for (u, unit) in part.units.iter().enumerate() {
-            let piece = part.piece(u, part.rank);
-            // ZeRO-1/2 over several ranks: the unit's new slice, all-gathered when complete.
-            let gather_buf = match (&out, part.world) {
-                (Out::Params(_), w) if w > 1 => Some(Tensor::zeros(unit.shard, dtype, device)?),
-                _ => None,
-            };
             let mut at = 0;
             while at < unit.shard {
                 let len = HOST_PIECE.min(unit.shard - at);
-                let lo = unit.shard_off + at;
-                let g_host = gshard.narrow(0, lo, len)?.to_device(&Device::Cpu)?.contiguous()?;
-                let new = {
-                    let (st, layout) = g_host.storage_and_layout();
-                    let candle_core::Storage::Cpu(cs) = &*st else {
-                        return Err(Error::Setting("host optimizer: gradient not on the host".into()));
-                    };
-                    let g = &cs.as_slice::<f32>()?[layout.start_offset()..layout.start_offset() + len];
-                    fn run<P: HostElem>(
-                        h: &mut AdamW,
-                        k: &crate::train::optim::StepConsts,
-                        lo: usize,
-                        g: &[f32],
-                        coef: f64,
-                    ) -> Result<Tensor> {
-                        let mut out: Vec<P> = Vec::with_capacity(g.len());
-                        // SAFETY: every element is written by `apply_range` below before it is read.
-                        #[allow(clippy::uninit_vec)]
-                        unsafe {
-                            out.set_len(g.len())
-                        };
-                        h.apply_range(k, lo, g, coef as f32, Some(&mut out));
-                        let len = out.len();
-                        Ok(Tensor::from_vec(out, len, &Device::Cpu)?)
+                pieces.push((u, at, len));
+                at += len;
+            }
+        }
+        let mut stash = std::mem::take(&mut self.stash);
+        stash.set_max_pending(2);
+        let park = |stash: &mut Stash, (u, at, len): (usize, usize, usize)| -> Result<_> {
+            Ok(stash.park(&gshard.narrow(0, part.units[u].shard_off + at, len)?)?)
+        };
+        let mut buf: Vec<P> = Vec::new(); // the new weights of a piece bound for the device
+        let mut gather_buf: Option<Tensor> = None;
+        let mut next = pieces.first().map(|&p| park(&mut stash, p)).transpose()?;
+        for (i, &(u, at, len)) in pieces.iter().enumerate() {
+            let cur = next.take().ok_or_else(|| Error::Setting("host optimizer: piece missing".into()))?;
+            if let Some(&p) = pieces.get(i + 1) {
+                next = Some(park(&mut stash, p)?); // its copy runs while this piece is updated
+            }
+            let unit = &part.units[u];
+            let lo = unit.shard_off + at;
+            let host = &mut self.host;
+            if let Out::HostShard(h) = &mut out {
+                let dst = P::host(h).ok_or_else(|| Error::Setting("host optimizer: shard dtype differs from the run's".into()))?;
+                cur.with_host_f32(|g| host.apply_range(&k, lo, g, coef as f32, Some(&mut dst[lo..lo + len])))?;
+                continue;
+            }
+            buf.resize(len, P::from_f32(0.0));
+            cur.with_host_f32(|g| host.apply_range(&k, lo, g, coef as f32, Some(&mut buf[..len])))?;
+            match &out {
+                Out::Shard(s) => s.slice_set(&Tensor::from_slice(&buf[..len], len, s.device())?, 0, lo)?,
+                Out::Params(_) if part.world > 1 => {
+                    if at == 0 {
+                        gather_buf = Some(Tensor::zeros(unit.shard, P::DTYPE, device)?);
                     }
-                    match run_dtype {
-                        DType::BF16 => run::<half::bf16>(&mut self.host, &k, lo, g, coef)?,
-                        DType::F16 => run::<half::f16>(&mut self.host, &k, lo, g, coef)?,
-                        _ => run::<f32>(&mut self.host, &k, lo, g, coef)?.to_dtype(dtype)?,
-                    }
-                };
-                match (&out, &gather_buf) {
-                    (Out::Shard(s), _) => s.slice_set(&new.to_device(s.device())?, 0, lo)?,
-                    (Out::Params(_), Some(buf)) => buf.slice_set(&new.to_device(device)?, 0, at)?,
-                    (Out::Params(params), None) => {
-                        // One rank: the piece's weights straight into the parameters it covers.
-                        let new = new.to_device(device)?;
-                        let (a, b) = (piece.start + at, (piece.start + at + len).min(piece.end));
-                        for p in unit.params.clone() {
-                            let (x, y) = (a.max(offs[p]), b.min(offs[p] + part.sizes[p]));
-                            if x < y {
-                                let flat = params[p].1.as_tensor().flatten_all()?; // a view of the weight
-                                flat.slice_set(&new.narrow(0, x - a, y - x)?, 0, x - offs[p])?;
+                    let g = gather_buf.as_ref().ok_or_else(|| Error::Setting("host optimizer: gather buffer".into()))?;
+                    g.slice_set(&Tensor::from_slice(&buf[..len], len, device)?, 0, at)?;
+                    if at + len == unit.shard {
+                        // The unit is complete: all-gather it into the weights.
+                        let full = Tensor::cat(&comm.all_gather(g)?, 0)?;
+                        if let Out::Params(params) = &out {
+                            for p in unit.params.clone() {
+                                let v = &params[p].1;
+                                v.set(&full.narrow(0, offs[p] - unit.off, part.sizes[p])?.reshape(v.as_tensor().shape())?)?;
                             }
+                        }
+                        gather_buf = None;
+                    }
+                }
+                Out::Params(params) => {
+                    // One rank: the piece's weights straight into the parameters it covers.
+                    let new = Tensor::from_slice(&buf[..len], len, device)?;
+                    let piece = part.piece(u, part.rank);
+                    let (a, b) = (piece.start + at, (piece.start + at + len).min(piece.end));
+                    for p in unit.params.clone() {
+                        let (x, y) = (a.max(offs[p]), b.min(offs[p] + part.sizes[p]));
+                        if x < y {
+                            let flat = params[p].1.as_tensor().flatten_all()?; // a view of the weight
+                            flat.slice_set(&new.narrow(0, x - a, y - x)?, 0, x - offs[p])?;
                         }
                     }
                 }
-                at += len;
-            }
-            if let (Some(buf), Out::Params(params)) = (&gather_buf, &out) {
-                let full = Tensor::cat(&comm.all_gather(buf)?, 0)?;
-                for p in unit.params.clone() {
-                    let v = &params[p].1;
-                    v.set(&full.narrow(0, offs[p] - unit.off, part.sizes[p])?.reshape(v.as_tensor().shape())?)?;
-                }
+                Out::HostShard(_) => unreachable!("handled above"),
             }
         }
+        self.stash = stash;
         Ok(())
     }
 
@@ -393,6 +421,38 @@ impl ShardedAdamW {
 
 /// Elements the host optimizer updates at a time (64 Mi: 256 MiB of gradient).
 pub const HOST_PIECE: usize = 1 << 26;
+
+/// A run dtype of the host update, and its slice of a host shard.
+trait PieceElem: HostElem {
+    fn host<'s>(w: &'s mut HostWeightsMut<'_>) -> Option<&'s mut [Self]>;
+}
+
+impl PieceElem for half::bf16 {
+    fn host<'s>(w: &'s mut HostWeightsMut<'_>) -> Option<&'s mut [Self]> {
+        match w {
+            HostWeightsMut::BF16(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+impl PieceElem for half::f16 {
+    fn host<'s>(w: &'s mut HostWeightsMut<'_>) -> Option<&'s mut [Self]> {
+        match w {
+            HostWeightsMut::F16(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+impl PieceElem for f32 {
+    fn host<'s>(w: &'s mut HostWeightsMut<'_>) -> Option<&'s mut [Self]> {
+        match w {
+            HostWeightsMut::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+}
 
 /// All-gather every rank's new slice `shard [Σ L_u]` (run dtype) unit by unit and write
 /// the weights into the parameters.

@@ -22,12 +22,80 @@ use longctx_attention::comm::Comm;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+/// Weights in host memory, in the run dtype (a plain vector: the optimizer writes its
+/// new values straight into it, and a unit goes to the device from a slice of it).
+pub enum HostWeights {
+    BF16(Vec<half::bf16>),
+    F16(Vec<half::f16>),
+    F32(Vec<f32>),
+}
+
+/// [`HostWeights`] lent to the optimizer for one step.
+pub enum HostWeightsMut<'a> {
+    BF16(&'a mut [half::bf16]),
+    F16(&'a mut [half::f16]),
+    F32(&'a mut [f32]),
+}
+
+impl HostWeights {
+    /// From a 1-D host tensor of a float dtype.
+    fn from_tensor(t: &Tensor) -> Result<Self> {
+        Ok(match t.dtype() {
+            DType::BF16 => Self::BF16(t.to_vec1()?),
+            DType::F16 => Self::F16(t.to_vec1()?),
+            DType::F32 => Self::F32(t.to_vec1()?),
+            other => return Err(Error::Setting(format!("ZeRO-3: weights of dtype {other:?} cannot be offloaded"))),
+        })
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Self::BF16(v) => v.len() * 2,
+            Self::F16(v) => v.len() * 2,
+            Self::F32(v) => v.len() * 4,
+        }
+    }
+
+    /// Elements `[a, a + len)` as a tensor on `dev` (copied from the slice, nothing else).
+    fn to_tensor(&self, a: usize, len: usize, dev: &Device) -> Result<Tensor> {
+        Ok(match self {
+            Self::BF16(v) => Tensor::from_slice(&v[a..a + len], len, dev)?,
+            Self::F16(v) => Tensor::from_slice(&v[a..a + len], len, dev)?,
+            Self::F32(v) => Tensor::from_slice(&v[a..a + len], len, dev)?,
+        })
+    }
+
+    /// Some element is NaN or infinite (all cores).
+    fn any_non_finite(&self) -> bool {
+        use rayon::prelude::*;
+        match self {
+            Self::BF16(v) => v.par_iter().any(|x| !x.is_finite()),
+            Self::F16(v) => v.par_iter().any(|x| !x.is_finite()),
+            Self::F32(v) => v.par_iter().any(|x| !x.is_finite()),
+        }
+    }
+
+    pub fn as_mut(&mut self) -> HostWeightsMut<'_> {
+        match self {
+            Self::BF16(v) => HostWeightsMut::BF16(v),
+            Self::F16(v) => HostWeightsMut::F16(v),
+            Self::F32(v) => HostWeightsMut::F32(v),
+        }
+    }
+}
+
+/// Where a rank's slice of the weights lives.
+enum ShardHome {
+    Device(Tensor),
+    Host(HostWeights),
+}
+
 /// This rank's slices of the weights (stage 3).
 pub struct ParamStore {
     part: Partition,
     shapes: Vec<Shape>,
-    /// `[Σ L_u]`, run dtype: on the device, or on the host (`offload_param`).
-    shard: Tensor,
+    /// `[Σ L_u]`, run dtype: on the device, or in host memory (`offload_params`).
+    shard: ShardHome,
     /// Where the engine computes.
     dev: Device,
     comm: Arc<dyn Comm>,
@@ -35,15 +103,16 @@ pub struct ParamStore {
 
 impl ParamStore {
     /// This rank's slices of `weights` (every parameter, any device; converted to
-    /// `dtype`), kept on `home` (the compute device, or the host to offload).
+    /// `dtype`), kept on the compute device `dev`, or in host memory (`offload`).
     pub fn new(
         part: Partition,
         params: &[(String, Shape)],
         weights: &HashMap<String, Tensor>,
         dtype: DType,
-        (dev, home): (&Device, &Device),
+        (dev, offload): (&Device, bool),
         comm: Arc<dyn Comm>,
     ) -> Result<Self> {
+        let home = if offload { &Device::Cpu } else { dev };
         let mut pieces = Vec::new();
         let offs = part.param_offsets();
         for (u, unit) in part.units.iter().enumerate() {
@@ -53,7 +122,9 @@ impl ParamStore {
                 if a < b {
                     let name = &params[p].0;
                     let w = weights.get(name).ok_or_else(|| Error::Setting(format!("ZeRO-3: no start weights for `{name}`")))?;
-                    pieces.push(w.flatten_all()?.narrow(0, a - offs[p], b - a)?.to_dtype(dtype)?.to_device(home)?);
+                    let piece = w.flatten_all()?.narrow(0, a - offs[p], b - a)?.to_dtype(dtype)?;
+                    // (Candle's `to_device` copies a view's whole storage: compact it first.)
+                    pieces.push(if piece.device().same_device(home) { piece } else { piece.force_contiguous()?.to_device(home)? });
                 }
             }
             let pad = unit.shard - (r.end - r.start);
@@ -62,20 +133,47 @@ impl ParamStore {
             }
         }
         let shard = if pieces.is_empty() { Tensor::zeros(0, dtype, home)? } else { Tensor::cat(&pieces, 0)? };
+        drop(pieces);
+        let shard = if offload { ShardHome::Host(HostWeights::from_tensor(&shard)?) } else { ShardHome::Device(shard) };
         let shapes = params.iter().map(|(_, s)| s.clone()).collect();
         Ok(Self { part, shapes, shard, dev: dev.clone(), comm })
     }
 
-    /// The shard the optimizer writes its new slices into (`[Σ L_u]`, run dtype).
-    pub fn shard(&self) -> &Tensor {
-        &self.shard
+    /// Where the optimizer writes its new slices (`[Σ L_u]`, run dtype).
+    pub fn out(&mut self) -> crate::train::zero::Out<'_> {
+        match &mut self.shard {
+            ShardHome::Device(t) => crate::train::zero::Out::Shard(t),
+            ShardHome::Host(h) => crate::train::zero::Out::HostShard(h.as_mut()),
+        }
+    }
+
+    /// Some weight of this rank's slice is NaN or infinite.
+    pub fn any_non_finite(&self) -> Result<bool> {
+        match &self.shard {
+            ShardHome::Device(t) => Ok(!crate::guard::finite_flags(std::slice::from_ref(t))?.iter().all(|ok| *ok)),
+            ShardHome::Host(h) => Ok(h.any_non_finite()),
+        }
+    }
+
+    /// Make this rank's first weight NaN (fault injection in tests).
+    pub fn poison(&mut self) -> Result<()> {
+        match &mut self.shard {
+            ShardHome::Device(t) => t.slice_set(&t.narrow(0, 0, 1)?.affine(f64::NAN, 0.0)?, 0, 0)?,
+            ShardHome::Host(HostWeights::BF16(v)) => v[0] = half::bf16::NAN,
+            ShardHome::Host(HostWeights::F16(v)) => v[0] = half::f16::NAN,
+            ShardHome::Host(HostWeights::F32(v)) => v[0] = f32::NAN,
+        }
+        Ok(())
     }
 
     /// Unit `u`'s parameters, whole, on the compute device (collective: every rank calls
     /// it for the same unit in the same order).
     pub fn fetch(&self, u: usize) -> Result<Vec<Tensor>> {
         let unit = &self.part.units[u];
-        let mine = self.shard.narrow(0, unit.shard_off, unit.shard)?.to_device(&self.dev)?;
+        let mine = match &self.shard {
+            ShardHome::Device(t) => t.narrow(0, unit.shard_off, unit.shard)?,
+            ShardHome::Host(h) => h.to_tensor(unit.shard_off, unit.shard, &self.dev)?,
+        };
         let full = if self.part.world > 1 { Tensor::cat(&self.comm.all_gather(&mine)?, 0)? } else { mine };
         let offs = self.part.param_offsets();
         unit.params.clone().map(|p| Ok(full.narrow(0, offs[p] - unit.off, self.part.sizes[p])?.reshape(self.shapes[p].clone())?)).collect()
@@ -87,7 +185,7 @@ impl ParamStore {
         let mut out = HashMap::with_capacity(names.len());
         for (u, unit) in self.part.units.iter().enumerate() {
             for (p, t) in unit.params.clone().zip(self.fetch(u)?) {
-                out.insert(names[p].clone(), t.to_device(&Device::Cpu)?);
+                out.insert(names[p].clone(), t.force_contiguous()?.to_device(&Device::Cpu)?);
             }
         }
         Ok(out)
@@ -95,12 +193,15 @@ impl ParamStore {
 
     /// Bytes of the shard (on the device or on the host, see [`Self::on_host`]).
     pub fn bytes(&self) -> usize {
-        self.shard.elem_count() * self.shard.dtype().size_in_bytes()
+        match &self.shard {
+            ShardHome::Device(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            ShardHome::Host(h) => h.bytes(),
+        }
     }
 
-    /// The shard lives in host memory (`offload_param`).
+    /// The shard lives in host memory (`offload_params`).
     pub fn on_host(&self) -> bool {
-        self.shard.device().is_cpu() && !self.dev.is_cpu()
+        matches!(self.shard, ShardHome::Host(_))
     }
 }
 
