@@ -107,24 +107,35 @@ pub struct HostNeed {
     pub optimizer: u64,
     /// Saved layer inputs of each in-process rank on the CPU (or offloaded), largest stage.
     pub activations: u64,
+    /// The 16-bit weights kept in host memory (ZeRO-3 with `offload_params`; all ranks'
+    /// slices together).
+    pub weights: u64,
 }
 
 impl HostNeed {
     pub fn total(&self) -> Result<u64> {
-        add("the host memory estimate", &[self.start_weights, self.cpu_ranks, self.optimizer, self.activations])
+        add("the host memory estimate", &[self.start_weights, self.cpu_ranks, self.optimizer, self.activations, self.weights])
     }
 }
 
 /// The host memory a run of `params` parameters needs at least (see [`HostNeed`]):
 /// `ranks` in-process ranks, `cpu` when they compute on the CPU, `optimizer_on_host`,
-/// and `act_per_rank` bytes of saved activations per rank kept on the host.
-pub fn host_need(params: u64, ranks: u64, cpu: bool, optimizer_on_host: bool, act_per_rank: u64) -> Result<HostNeed> {
+/// `act_per_rank` bytes of saved activations per rank kept on the host, and
+/// `offloaded_weights` bytes of weights there (ZeRO-3 `offload_params`).
+pub fn host_need(
+    params: u64,
+    ranks: u64,
+    cpu: bool,
+    optimizer_on_host: bool,
+    act_per_rank: u64,
+    offloaded_weights: u64,
+) -> Result<HostNeed> {
     let what = "the host memory estimate";
     let start_weights = mul(what, &[params, 4])?;
     let cpu_ranks = if cpu { mul(what, &[params, 12, ranks])? } else { 0 };
     let optimizer = if cpu || optimizer_on_host { mul(what, &[params, 12])? } else { 0 };
     let activations = mul(what, &[act_per_rank, ranks])?;
-    Ok(HostNeed { start_weights, cpu_ranks, optimizer, activations })
+    Ok(HostNeed { start_weights, cpu_ranks, optimizer, activations, weights: offloaded_weights })
 }
 
 /// Errors when `need` exceeds the physical memory `have` (bytes): the message names the
@@ -141,13 +152,14 @@ pub fn check_host_memory(need: &HostNeed, have: Option<u64>, source: &Path) -> R
         "model.source / stage.seq_length / train.batch_size / parallel.world_size",
         format!(
             "this run needs at least {} of host memory before its first step (start weights {}, CPU ranks {}, optimizer {}, \
-             saved activations {}) but this machine has {}; use a smaller model, shorter sequences, a smaller batch or fewer \
-             in-process ranks (or run on GPUs)",
+             saved activations {}, offloaded weights {}) but this machine has {}; use a smaller model, shorter sequences, a \
+             smaller batch or fewer in-process ranks (or run on GPUs)",
             gb(total),
             gb(need.start_weights),
             gb(need.cpu_ranks),
             gb(need.optimizer),
             gb(need.activations),
+            gb(need.weights),
             gb(have)
         ),
     ))
@@ -175,9 +187,9 @@ mod tests {
 
     #[test]
     fn host_memory_beyond_the_machine_is_refused_with_the_parts() {
-        let need = host_need(1 << 40, 2, true, true, 0).unwrap();
+        let need = host_need(1 << 40, 2, true, true, 0, 0).unwrap();
         let e = check_host_memory(&need, Some(1 << 30), Path::new("run.toml")).unwrap_err().to_string();
         assert!(e.contains("run.toml") && e.contains("host memory") && e.contains("start weights"), "{e}");
-        check_host_memory(&host_need(1000, 1, true, true, 1000).unwrap(), Some(1 << 30), Path::new("x")).unwrap();
+        check_host_memory(&host_need(1000, 1, true, true, 1000, 0).unwrap(), Some(1 << 30), Path::new("x")).unwrap();
     }
 }

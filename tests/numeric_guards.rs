@@ -214,3 +214,36 @@ fn checkpoint_and_export_writers_refuse_non_finite_values() -> longctx::Result<(
     longctx::hub::export(&target, &[("w".into(), big)], &cfg, None, &Default::default())?;
     Ok(())
 }
+
+/// The same guards under ZeRO-3 with the weights in host memory (each rank holds only its
+/// slice): a NaN gradient on one rank skips the update on both (the weights after the
+/// skipped step equal those before it), and NaN weights after an update abort the run
+/// before anything non-finite is written.
+#[test]
+fn the_guards_hold_under_zero_3_with_offloaded_weights() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let zero3 = |dir: &Path, every: u64| {
+        let mut c = config(dir, 2, every);
+        c.train.zero_stage = 3;
+        c.train.offload_params = true;
+        c
+    };
+    let (at2, faulty) = (tmp.path().join("z3-clean-2"), tmp.path().join("z3-faulty"));
+    run_with(&zero3(&at2, 1), false, &opts(Some(2), vec![]))?;
+    let s = run_with(&zero3(&faulty, 1), false, &opts(Some(3), vec![Fault::NanGradient { rank: 1, first: 3, last: 3 }]))?;
+    assert_eq!((s.steps, s.skipped_steps), (3, 1));
+    let (w2, wf) = (load(&at2.join("checkpoint/model.safetensors")), load(&faulty.join("checkpoint/model.safetensors")));
+    for (n, t) in &w2 {
+        assert_eq!(bits(t), bits(&wf[n]), "`{n}`: the skipped update changed the weights");
+    }
+    let dir = tmp.path().join("z3-nan-weights");
+    let e = match run_with(&zero3(&dir, 1), false, &opts(None, vec![Fault::NanWeights { step: 3 }])) {
+        Ok(_) => panic!("the run went on with NaN weights"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("made the weights non-finite") && e.contains("slice of the weights (ZeRO-3)"), "{e}");
+    assert_eq!(state(&dir)["global_step"], 2);
+    assert_all_finite(&dir.join("checkpoint"));
+    assert!(!dir.join("export").exists());
+    Ok(())
+}

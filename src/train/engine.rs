@@ -345,8 +345,11 @@ impl Engine {
         })?; // [b, s, h]
         let keep_attention = self.opts.save_attention && self.opts.layer_backward == LayerBackward::Explicit;
         for l in 0..n_layers {
-            hooks.prefetch(layer_unit(l + 1).min(tail))?; // one unit ahead
-            let fetched = self.layer_from(hooks, l)?;
+            // The layer's weights (ZeRO-3: gathered or brought from the host), one unit ahead.
+            let fetched = self.prof.time(Phase::Copies, &dev, || {
+                hooks.prefetch(layer_unit(l + 1).min(tail))?;
+                self.layer_from(hooks, l)
+            })?;
             let layer = fetched.as_ref().unwrap_or(&self.plain.layers[l]);
             let (y, sa) = pass.forward(layer, &x)?;
             // The layer's input, and its attention's tensors when they are kept (both
@@ -375,7 +378,7 @@ impl Engine {
             LayerBackward::Autograd => self.head_backward(&x, targets, &chunks, scale, acc, &mut mem),
         })?;
         drop(x);
-        hooks.grads_done(tail)?;
+        self.prof.time(Phase::GradAccum, &dev, || hooks.grads_done(tail))?;
 
         // 3. layers, top first, each recomputed from its saved input.
         for l in (0..n_layers).rev() {
@@ -392,18 +395,21 @@ impl Engine {
             let (x_in, sa) = SavedAttention::split(group)?;
             gx = match self.opts.layer_backward {
                 LayerBackward::Explicit => {
-                    let fetched = self.layer_from(hooks, l)?;
+                    let fetched = self.prof.time(Phase::Copies, &dev, || self.layer_from(hooks, l))?;
                     let layer = fetched.as_ref().unwrap_or(&self.plain.layers[l]);
                     pass.backward(layer, &self.slots[l], &x_in, sa, gx, acc)?
                 }
                 LayerBackward::Autograd => self.autograd_layer_backward(l, &x_in, &gx, &rope, attn, &chunks, acc)?,
             };
-            hooks.grads_done(layer_unit(l))?;
+            self.prof.time(Phase::GradAccum, &dev, || hooks.grads_done(layer_unit(l)))?;
+            // ZeRO-2/3: reduce-scattered now
         }
 
         // 4. embedding: rows of dL/dx_0 added into the rows of their token ids.
-        self.prof.time(Phase::GradAccum, &dev, || self.embed_backward(ids, &gx, &chunks, acc))?;
-        hooks.grads_done(0)?;
+        self.prof.time(Phase::GradAccum, &dev, || {
+            self.embed_backward(ids, &gx, &chunks, acc)?;
+            hooks.grads_done(0)
+        })?;
 
         Ok(StepOutcome { loss_sum, n_tokens, memory: mem })
     }

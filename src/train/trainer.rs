@@ -231,7 +231,8 @@ fn check_host_memory(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Resul
         }
     }
     let params = crate::limits::param_count(mcfg)?;
-    let need = crate::limits::host_need(params, ranks as u64, cpu, cfg.train.optimizer_on_host, act)?;
+    let offloaded = if cfg.train.zero_stage == 3 && cfg.train.offload_params && !cpu { mul(what, &[params, 2])? } else { 0 };
+    let need = crate::limits::host_need(params, ranks as u64, cpu, cfg.train.optimizer_on_host, act, offloaded)?;
     crate::limits::check_host_memory(&need, crate::limits::physical_memory(), Path::new("<run config>"))
 }
 
@@ -289,6 +290,10 @@ struct Shared<'a> {
     dtype: DType,
     resume: Option<&'a checkpoint::Loaded>,
     opts: &'a RunOptions,
+    /// When the start model began loading, and the seconds that took (random
+    /// initialisation or reading the files): the start-up report.
+    began: Instant,
+    loaded_in: f64,
 }
 
 /// The start weights (host, f32 or the checkpoint dtype: 27 GB for a 7B model), lent to
@@ -339,9 +344,11 @@ pub fn run_with(cfg: &RunConfig, resume: bool, opts: &RunOptions) -> Result<RunS
     let _lock = RunDirLock::acquire(&cfg.output_dir)?;
     rundir::prepare(&cfg.output_dir, resume, opts.overwrite)?;
     let loaded = if resume { Some(open_checkpoint(cfg, opts, true)?) } else { None };
+    let began = Instant::now();
     let mut model = load_start_model(cfg)?;
     let start = StartWeights::new(std::mem::take(&mut model.weights), cfg.parallel.world_size);
-    let shared = Shared { cfg, model: &model, start, device, dtype, resume: loaded.as_ref(), opts };
+    let loaded_in = began.elapsed().as_secs_f64();
+    let shared = Shared { cfg, model: &model, start, device, dtype, resume: loaded.as_ref(), opts, began, loaded_in };
     let outs = crate::dist::world::run_threads(cfg.parallel.world_size, cfg.collective_timeout(), |comm| rank_main(&shared, comm))?;
     outs.into_iter().next().flatten().ok_or_else(|| Error::Setting("rank 0 returned no summary".into()))
 }
@@ -593,6 +600,12 @@ impl<'a> RankRun<'a> {
                 "ZeRO stage {stage} over {wsize} rank(s){}{}: each rank holds {resident}",
                 if cfg.train.offload_params { ", weights offloaded" } else { "" },
                 if cfg.train.optimizer_on_host { ", optimizer offloaded" } else { "" },
+            );
+            let total = sh.began.elapsed().as_secs_f64();
+            eprintln!(
+                "start-up: {total:.1} s (start model {:.1} s, weights and optimizer state {:.1} s)",
+                sh.loaded_in,
+                total - sh.loaded_in
             );
         }
         let (skipped_steps, skipped_in_row) = sh.resume.map_or((0, 0), |l| (l.state.skipped_steps, l.state.skipped_in_row));
@@ -1067,9 +1080,12 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistE
             None
         };
         let loaded = if resume { Some(open_checkpoint(cfg, opts, env.rank == 0)?) } else { None };
+        let began = Instant::now();
         let mut model = load_start_model_for(cfg, 1)?;
         let start = StartWeights::new(std::mem::take(&mut model.weights), 1);
-        let shared = Shared { cfg, model: &model, start, device: joined.device.clone(), dtype, resume: loaded.as_ref(), opts };
+        let loaded_in = began.elapsed().as_secs_f64();
+        let shared =
+            Shared { cfg, model: &model, start, device: joined.device.clone(), dtype, resume: loaded.as_ref(), opts, began, loaded_in };
         rank_main(&shared, joined.comm.clone())
     })();
     joined.finish(&result);
