@@ -38,16 +38,6 @@ pub enum HostWeightsMut<'a> {
 }
 
 impl HostWeights {
-    /// From a 1-D host tensor of a float dtype.
-    fn from_tensor(t: &Tensor) -> Result<Self> {
-        Ok(match t.dtype() {
-            DType::BF16 => Self::BF16(t.to_vec1()?),
-            DType::F16 => Self::F16(t.to_vec1()?),
-            DType::F32 => Self::F32(t.to_vec1()?),
-            other => return Err(Error::Setting(format!("ZeRO-3: weights of dtype {other:?} cannot be offloaded"))),
-        })
-    }
-
     fn bytes(&self) -> usize {
         match self {
             Self::BF16(v) => v.len() * 2,
@@ -84,6 +74,43 @@ impl HostWeights {
     }
 }
 
+/// This rank's slices of `weights` (every parameter, host tensors of any float dtype),
+/// `[Σ L_u]` in `P`, zero-padded; converted in parallel.
+fn host_slices<P: crate::train::optim::HostElem>(
+    part: &Partition,
+    params: &[(String, Shape)],
+    weights: &HashMap<String, Tensor>,
+) -> Result<Vec<P>> {
+    use rayon::prelude::*;
+    let mut out: Vec<P> = Vec::with_capacity(part.shard_len());
+    out.par_extend(rayon::iter::repeat_n(P::from_f32(0.0), part.shard_len()));
+    let offs = part.param_offsets();
+    for (u, unit) in part.units.iter().enumerate() {
+        let r = part.piece(u, part.rank);
+        for p in unit.params.clone() {
+            let (a, b) = (r.start.max(offs[p]), r.end.min(offs[p] + part.sizes[p]));
+            if a >= b {
+                continue;
+            }
+            let name = &params[p].0;
+            let w = weights.get(name).ok_or_else(|| Error::Setting(format!("ZeRO-3: no start weights for `{name}`")))?;
+            let w = w.flatten_all()?.narrow(0, a - offs[p], b - a)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.contiguous()?;
+            let (st, layout) = w.storage_and_layout();
+            let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(src)) = &*st else {
+                return Err(Error::Setting(format!("ZeRO-3: start weights of `{name}` are not in host memory")));
+            };
+            let src = &src[layout.start_offset()..layout.start_offset() + (b - a)];
+            let at = unit.shard_off + (a - r.start);
+            out[at..at + (b - a)].par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(d, s)| {
+                for (d, &x) in d.iter_mut().zip(s) {
+                    *d = P::from_f32(x);
+                }
+            });
+        }
+    }
+    Ok(out)
+}
+
 /// Where a rank's slice of the weights lives.
 enum ShardHome {
     Device(Tensor),
@@ -112,29 +139,15 @@ impl ParamStore {
         (dev, offload): (&Device, bool),
         comm: Arc<dyn Comm>,
     ) -> Result<Self> {
-        let home = if offload { &Device::Cpu } else { dev };
-        let mut pieces = Vec::new();
-        let offs = part.param_offsets();
-        for (u, unit) in part.units.iter().enumerate() {
-            let r = part.piece(u, part.rank);
-            for p in unit.params.clone() {
-                let (a, b) = (r.start.max(offs[p]), r.end.min(offs[p] + part.sizes[p]));
-                if a < b {
-                    let name = &params[p].0;
-                    let w = weights.get(name).ok_or_else(|| Error::Setting(format!("ZeRO-3: no start weights for `{name}`")))?;
-                    let piece = w.flatten_all()?.narrow(0, a - offs[p], b - a)?.to_dtype(dtype)?;
-                    // (Candle's `to_device` copies a view's whole storage: compact it first.)
-                    pieces.push(if piece.device().same_device(home) { piece } else { piece.force_contiguous()?.to_device(home)? });
-                }
-            }
-            let pad = unit.shard - (r.end - r.start);
-            if pad > 0 {
-                pieces.push(Tensor::zeros(pad, dtype, home)?);
-            }
-        }
-        let shard = if pieces.is_empty() { Tensor::zeros(0, dtype, home)? } else { Tensor::cat(&pieces, 0)? };
-        drop(pieces);
-        let shard = if offload { ShardHome::Host(HostWeights::from_tensor(&shard)?) } else { ShardHome::Device(shard) };
+        // Rounded to the run dtype on the host, every core at once, straight into the
+        // shard's vector; then kept there (offload) or copied to the device in one piece.
+        let host = match dtype {
+            DType::BF16 => HostWeights::BF16(host_slices(&part, params, weights)?),
+            DType::F16 => HostWeights::F16(host_slices(&part, params, weights)?),
+            DType::F32 => HostWeights::F32(host_slices(&part, params, weights)?),
+            other => return Err(Error::Setting(format!("ZeRO-3: weights of dtype {other:?} are not supported"))),
+        };
+        let shard = if offload { ShardHome::Host(host) } else { ShardHome::Device(host.to_tensor(0, part.shard_len(), dev)?) };
         let shapes = params.iter().map(|(_, s)| s.clone()).collect();
         Ok(Self { part, shapes, shard, dev: dev.clone(), comm })
     }
