@@ -52,6 +52,52 @@ impl Parked {
     }
 }
 
+/// Host memory page-locked in place for the lifetime of this guard (CUDA's
+/// `cuMemHostRegister`), so that copies from and to it run at full DMA speed without a
+/// staging buffer. Dropped (unregistered) before the memory is freed.
+pub struct HostPin {
+    #[cfg(feature = "cuda")]
+    ptr: usize,
+}
+
+impl HostPin {
+    /// Page-lock `len` bytes at `ptr` for `dev`'s copies; `None` off CUDA.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must stay allocated, and not move, until the guard is dropped.
+    pub unsafe fn register(dev: &Device, ptr: *mut u8, len: usize) -> Result<Option<Self>> {
+        if len == 0 {
+            return Ok(None);
+        }
+        match dev {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => {
+                crate::cuda::raw::bind(d)?;
+                // SAFETY: the caller keeps the range allocated and in place (this function's contract).
+                let r = unsafe { candle_core::cuda::cudarc::driver::sys::cuMemHostRegister_v2(ptr.cast(), len, 0) };
+                if r != candle_core::cuda::cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                    return Err(candle_core::Error::Msg(format!("cannot page-lock {} MiB of host memory: {r:?}", len >> 20)));
+                }
+                Ok(Some(Self { ptr: ptr as usize }))
+            }
+            _ => {
+                let _ = (ptr, len);
+                Ok(None)
+            }
+        }
+    }
+}
+
+impl Drop for HostPin {
+    fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        // SAFETY: registered in `register`, still allocated (its contract).
+        unsafe {
+            let _ = candle_core::cuda::cudarc::driver::sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void);
+        }
+    }
+}
+
 /// A tensor on its way back to the device.
 pub struct Fetched {
     t: Option<Tensor>,

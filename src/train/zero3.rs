@@ -38,6 +38,17 @@ pub enum HostWeightsMut<'a> {
 }
 
 impl HostWeights {
+    /// Address and length in bytes of the elements.
+    fn raw_bytes(&mut self) -> (*mut u8, usize) {
+        let len = self.bytes();
+        let ptr = match self {
+            Self::BF16(v) => v.as_mut_ptr().cast(),
+            Self::F16(v) => v.as_mut_ptr().cast(),
+            Self::F32(v) => v.as_mut_ptr().cast(),
+        };
+        (ptr, len)
+    }
+
     fn bytes(&self) -> usize {
         match self {
             Self::BF16(v) => v.len() * 2,
@@ -121,6 +132,12 @@ enum ShardHome {
 pub struct ParamStore {
     part: Partition,
     shapes: Vec<Shape>,
+    /// The host shard page-locked in place (CUDA): each layer's copy to the GPU runs at
+    /// DMA speed. Declared before `shard`, so it is released before the memory is freed.
+    /// A copy from page-locked memory is asynchronous: it is queued on the compute stream
+    /// before the kernels that use it, and the optimizer writes the shard only after it
+    /// has waited for the gradient copies queued after all of them (`zero::host_pass`).
+    _pin: Option<longctx_attention::stash::HostPin>,
     /// `[Σ L_u]`, run dtype: on the device, or in host memory (`offload_params`).
     shard: ShardHome,
     /// Where the engine computes.
@@ -147,9 +164,23 @@ impl ParamStore {
             DType::F32 => HostWeights::F32(host_slices(&part, params, weights)?),
             other => return Err(Error::Setting(format!("ZeRO-3: weights of dtype {other:?} are not supported"))),
         };
-        let shard = if offload { ShardHome::Host(host) } else { ShardHome::Device(host.to_tensor(0, part.shard_len(), dev)?) };
+        let mut shard = if offload { ShardHome::Host(host) } else { ShardHome::Device(host.to_tensor(0, part.shard_len(), dev)?) };
+        let _pin = match &mut shard {
+            ShardHome::Host(h) => {
+                let (ptr, len) = h.raw_bytes();
+                // SAFETY: the vector is never resized and outlives the guard (field order).
+                match unsafe { longctx_attention::stash::HostPin::register(dev, ptr, len) } {
+                    Ok(pin) => pin,
+                    Err(e) => {
+                        eprintln!("warning: {e}; offloaded weights go to the GPU through staging copies (slower)");
+                        None
+                    }
+                }
+            }
+            ShardHome::Device(_) => None,
+        };
         let shapes = params.iter().map(|(_, s)| s.clone()).collect();
-        Ok(Self { part, shapes, shard, dev: dev.clone(), comm })
+        Ok(Self { part, shapes, _pin, shard, dev: dev.clone(), comm })
     }
 
     /// Where the optimizer writes its new slices (`[Σ L_u]`, run dtype).
