@@ -87,12 +87,13 @@ fn zigzag_512k_on_8_gpus_by_hand() {
     assert_eq!(d.pool_peak, PEAK - OVERHEAD);
     assert_eq!(d.peak, PEAK);
     assert!(e.fits);
-    // Host per rank: optimizer 12P/8 (ZeRO-1 over all 8 ranks, though dp = 1), the
-    // gradient shard 4P/8 and the f32 start weights 4P; 8 ranks on the node.
+    // Host per rank: optimizer 12P/8 (ZeRO-1 over all 8 ranks, though dp = 1), the host
+    // update's piece of 2^26 gradient elements (f32) and of new weights (bf16), and the
+    // f32 start weights 4P; 8 ranks on the node.
     assert_eq!(e.host.optimizer, 10_107_623_424);
-    assert_eq!(e.host.grads_copy, 3_369_207_808);
-    assert_eq!(e.host.per_rank, 10_107_623_424 + 3_369_207_808 + 26_953_662_464);
-    assert_eq!(e.host.per_node, 8 * 40_430_493_696);
+    assert_eq!(e.host.grads_copy, 6 << 26);
+    assert_eq!(e.host.per_rank, 10_107_623_424 + (6 << 26) + 26_953_662_464);
+    assert_eq!(e.host.per_node, 8 * (10_107_623_424 + (6 << 26) + 26_953_662_464));
     assert_eq!(e.fits_host, None);
 }
 
@@ -380,4 +381,30 @@ fn preflight_refuses_with_the_numbers_and_a_fix() {
     assert!(e.contains("host memory") && e.contains("offloaded activations 47.24 GB") && e.contains("20.00 GB are available"), "{e}");
     plan::preflight(&run_1b(512 * K, true), &cfg, h200, Some(200_000_000_000), src).unwrap();
     plan::preflight(&run_1b(64 * K, false), &cfg, h200, None, src).unwrap();
+}
+
+/// ZeRO-3 with the weights and optimizer state on the host, one GPU, 64K: the GPU holds
+/// two whole layers of weights (202,383,360 elements each, the largest unit) instead of
+/// the model, and the gradient as this rank's slice (all of it on one rank, 34 units
+/// padded by one element each) plus the embedding's and one layer's scratch; the host
+/// holds the 16-bit slice. ZeRO-2 keeps the whole weights on the GPU.
+#[test]
+fn zero_3_with_offloads_by_hand() {
+    let mut r = PlanRequest::new(64 * K, 1, H200, ParallelMode::DataParallel);
+    r.zero_stage = 3;
+    r.offload_params = true;
+    let e = plan::estimate(&shape(), &r).unwrap();
+    let (layer, units) = (202_383_360u64, 34u64);
+    let shard = 6_738_415_616 + units;
+    assert_eq!(e.device.weights, 2 * layer * 2);
+    assert_eq!(e.device.gradients, 4 * (shard + 131_072_000 + layer));
+    assert_eq!(e.device.optimizer, 0);
+    assert_eq!(e.host.weights, 2 * shard);
+    assert_eq!(e.host.optimizer, 12 * shard);
+    r.offload_params = false;
+    let on_gpu = plan::estimate(&shape(), &r).unwrap();
+    assert_eq!(on_gpu.device.weights, 2 * shard + 2 * layer * 2);
+    assert_eq!(on_gpu.host.weights, 0);
+    r.zero_stage = 2;
+    assert_eq!(plan::estimate(&shape(), &r).unwrap().device.weights, 2 * 6_738_415_616);
 }

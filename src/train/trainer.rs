@@ -86,15 +86,15 @@ pub struct Resident {
 
 impl std::fmt::Display for Resident {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let gb = |b: usize| b as f64 / 1e9;
+        let size = |b: usize| if b >= 1_000_000_000 { format!("{:.3} GB", b as f64 / 1e9) } else { format!("{:.3} MB", b as f64 / 1e6) };
         write!(
             f,
-            "weights {:.3} GB ({:.3} on the host), gradients {:.3} GB, optimizer {:.3} GB ({:.3} on the host)",
-            gb(self.weights),
-            gb(self.weights_host),
-            gb(self.grads),
-            gb(self.optimizer),
-            gb(self.optimizer_host)
+            "weights {} ({} on the host), gradients {}, optimizer {} ({} on the host)",
+            size(self.weights),
+            size(self.weights_host),
+            size(self.grads),
+            size(self.optimizer),
+            size(self.optimizer_host)
         )
     }
 }
