@@ -35,20 +35,26 @@ pub struct AdamWStep {
     pub grad_scale: f64,
 }
 
-/// The f32 scalars both implementations use, derived exactly as optim.rs derives them.
+/// The f32 scalars of one step, derived once in f64 and rounded: what this kernel, its CPU
+/// twin and the trainer's host AdamW (`longctx::train::optim`) all use, so the three agree
+/// bit for bit.
 #[derive(Clone, Copy, Debug)]
-struct Scalars {
-    b1: f32,
-    b2: f32,
-    step_size: f32,
-    bc2_sqrt: f32,
-    eps: f32,
-    wd_lr: f32,
-    gscale: f32,
+pub struct Scalars {
+    pub b1: f32,
+    pub b2: f32,
+    /// `lr / (1 − β1^t)`.
+    pub step_size: f32,
+    /// `√(1 − β2^t)`.
+    pub bc2_sqrt: f32,
+    pub eps: f32,
+    /// `lr · weight_decay`.
+    pub wd_lr: f32,
+    /// The gradient's factor (clipping).
+    pub gscale: f32,
 }
 
 impl Scalars {
-    fn new(hp: &AdamWStep) -> Self {
+    pub fn new(hp: &AdamWStep) -> Self {
         let bc1 = 1.0 - hp.beta1.powi(hp.step as i32);
         let bc2 = 1.0 - hp.beta2.powi(hp.step as i32);
         Scalars {

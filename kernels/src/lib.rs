@@ -62,7 +62,7 @@ mod rope;
 mod swiglu;
 
 pub use accumulate::accumulate_f32;
-pub use adamw::{adamw_step, AdamWStep};
+pub use adamw::{adamw_step, AdamWStep, Scalars as AdamWScalars};
 pub use cross_entropy::{cross_entropy_inplace, linear_cross_entropy, LinearCe};
 pub use gemm_acc::matmul_acc_f32;
 pub use reduce::{count_non_finite, sum_squares};

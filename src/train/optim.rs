@@ -82,33 +82,34 @@ impl AdamW {
     /// conversion pass over the shard.
     pub fn update_into<P: HostElem>(&mut self, grad: &[f32], gscale: f32, lr: f64, copy: Option<&mut [P]>) {
         assert_eq!(grad.len(), self.master.len(), "gradient shard length");
-        let k = self.begin_step(lr);
-        self.apply_range(&k, 0, grad, gscale, copy);
+        let k = self.begin_step(lr, gscale);
+        self.apply_range(&k, 0, grad, copy);
     }
 
-    /// Count one step and give the constants of its update ([`AdamW::apply_range`] then
-    /// updates the shard piece by piece).
-    pub fn begin_step(&mut self, lr: f64) -> StepConsts {
+    /// Count one step and give the scalars of its update (learning rate `lr`, gradient
+    /// factor `gscale`); [`AdamW::apply_range`] then updates the shard piece by piece.
+    pub fn begin_step(&mut self, lr: f64, gscale: f32) -> StepConsts {
         self.step += 1;
         let c = &self.cfg;
-        let bc1 = 1.0 - c.beta1.powi(self.step as i32);
-        let bc2 = 1.0 - c.beta2.powi(self.step as i32);
-        StepConsts {
-            b1: c.beta1 as f32,
-            b2: c.beta2 as f32,
-            step_size: (lr / bc1) as f32,
-            bc2_sqrt: bc2.sqrt() as f32,
-            eps: c.eps as f32,
-            wd_lr: (lr * c.weight_decay) as f32,
-        }
+        let mut k = longctx_kernels::AdamWScalars::new(&longctx_kernels::AdamWStep {
+            lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            weight_decay: c.weight_decay,
+            step: self.step,
+            grad_scale: 1.0,
+        });
+        k.gscale = gscale; // already an f32 product factor (as the device kernel gets it)
+        k
     }
 
     /// The update of elements `[lo, lo + grad.len())` of the shard (see
     /// [`AdamW::update_into`]), for a step begun with [`AdamW::begin_step`].
-    pub fn apply_range<P: HostElem>(&mut self, k: &StepConsts, lo: usize, grad: &[f32], gscale: f32, copy: Option<&mut [P]>) {
+    pub fn apply_range<P: HostElem>(&mut self, k: &StepConsts, lo: usize, grad: &[f32], copy: Option<&mut [P]>) {
         let n = grad.len();
         assert!(lo + n <= self.master.len(), "gradient piece past the shard");
-        let StepConsts { b1, b2, step_size, bc2_sqrt, eps, wd_lr } = *k;
+        let StepConsts { b1, b2, step_size, bc2_sqrt, eps, wd_lr, gscale } = *k;
         const CHUNK: usize = 1 << 14;
         let runs = &self.decay;
         // Written branch-free over zipped slices (no bounds checks, the decay as a select)
@@ -147,16 +148,8 @@ impl AdamW {
     }
 }
 
-/// The constants of one AdamW step ([`AdamW::begin_step`]).
-#[derive(Clone, Copy, Debug)]
-pub struct StepConsts {
-    b1: f32,
-    b2: f32,
-    step_size: f32,
-    bc2_sqrt: f32,
-    eps: f32,
-    wd_lr: f32,
-}
+/// The scalars of one AdamW step ([`AdamW::begin_step`]), shared with the device kernel.
+pub type StepConsts = longctx_kernels::AdamWScalars;
 
 /// The decay flags of elements `[lo, lo + out.len())` from the runs of [`AdamW::decay`].
 fn decay_flags(runs: &[(usize, bool)], lo: usize, out: &mut [bool]) {

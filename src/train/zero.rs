@@ -315,7 +315,7 @@ impl ShardedAdamW {
         coef: f64,
         device: &Device,
     ) -> Result<()> {
-        let k = self.host.begin_step(lr);
+        let k = self.host.begin_step(lr, coef as f32);
         let part = self.part.clone();
         let offs = part.param_offsets();
         // (unit, offset in the unit's slice, length), in order.
@@ -346,11 +346,11 @@ impl ShardedAdamW {
             let host = &mut self.host;
             if let Out::HostShard(h) = &mut out {
                 let dst = P::host(h).ok_or_else(|| Error::Setting("host optimizer: shard dtype differs from the run's".into()))?;
-                cur.with_host_f32(|g| host.apply_range(&k, lo, g, coef as f32, Some(&mut dst[lo..lo + len])))?;
+                cur.with_host_f32(|g| host.apply_range(&k, lo, g, Some(&mut dst[lo..lo + len])))?;
                 continue;
             }
             buf.resize(len, P::from_f32(0.0));
-            cur.with_host_f32(|g| host.apply_range(&k, lo, g, coef as f32, Some(&mut buf[..len])))?;
+            cur.with_host_f32(|g| host.apply_range(&k, lo, g, Some(&mut buf[..len])))?;
             match &out {
                 Out::Shard(s) => s.slice_set(&Tensor::from_slice(&buf[..len], len, s.device())?, 0, lo)?,
                 Out::Params(_) if part.world > 1 => {
