@@ -345,3 +345,56 @@ fn planner_figures_equal_the_engine_report() -> longctx::Result<()> {
     }
     Ok(())
 }
+
+/// The engine over ZeRO-3 hooks (no resident weights: every unit's weights come from a
+/// `ParamStore`, its gradients go to per-unit scratch reduced into a shard) gives the
+/// resident engine's loss and gradients, tied and untied heads, two micro-batches
+/// accumulated. One rank: the shard is every unit in order, so it equals the flat gradient.
+#[test]
+fn zero3_hooks_give_the_resident_gradients() -> longctx::Result<()> {
+    use longctx::train::units::Partition;
+    use longctx::train::zero3::{ParamStore, ShardedGrads, Zero3Hooks};
+    use std::collections::HashMap;
+    for tied in [false, true] {
+        let cfg = config(4, 2, tied, false, 2);
+        let weights = random_init(&cfg, 7, DType::F32, &Device::Cpu)?;
+        let opts = EngineOptions { token_chunk: 5, ..Default::default() };
+        let resident = Engine::from_vars(&cfg, &to_vars(weights.clone())?, opts.clone())?;
+        let shapes: HashMap<String, candle_core::Shape> = weights.iter().map(|(n, t)| (n.clone(), t.shape().clone())).collect();
+        let sharded = Engine::for_shapes(&cfg, &shapes, DType::F32, &Device::Cpu, opts)?;
+        let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention::default());
+        let batches = [batch(2, 12, 61, |_, t| t == 3)?, batch(1, 12, 61, |_, _| false)?];
+        let (mut want_loss, mut want) = (0.0, Vec::new());
+        for (ids, tg, pos) in &batches {
+            let r = resident.step(ids, tg, pos, 12, &attn, 0.1)?;
+            want_loss += r.loss_sum;
+            let flat = Tensor::cat(&r.grads.iter().map(|g| g.flatten_all()).collect::<candle_core::Result<Vec<_>>>()?, 0)?;
+            want.push(flat);
+        }
+        let want = (&want[0] + &want[1])?.to_vec1::<f32>()?;
+        let names: Vec<&str> = sharded.meta.iter().map(|(n, _)| n.as_str()).collect();
+        let sizes: Vec<usize> = sharded.meta.iter().map(|(_, s)| s.elem_count()).collect();
+        let meta_shapes: Vec<candle_core::Shape> = sharded.meta.iter().map(|(_, s)| s.clone()).collect();
+        let got = longctx_attention::comm::thread::run_ranks(1, |comm| {
+            let e = |e: longctx::Error| candle_core::Error::Msg(e.to_string());
+            let part = Partition::per_layer(&names, &sizes, (0, 1)).map_err(e)?;
+            let store =
+                ParamStore::new(part.clone(), &sharded.meta, &weights, DType::F32, (&Device::Cpu, true), comm.clone()).map_err(e)?;
+            let grads = ShardedGrads::new(part, &meta_shapes, &Device::Cpu, comm.clone()).map_err(e)?;
+            let hooks = Zero3Hooks { store: Some(&store), grads: &grads };
+            let mut loss = 0.0;
+            for (ids, tg, pos) in &batches {
+                loss += sharded.step_into(ids, tg, pos, 12, &attn, 0.1, &hooks).map_err(e)?.loss_sum;
+            }
+            Ok((loss, grads.shard().to_vec1::<f32>()?))
+        })
+        .map_err(|e| longctx::Error::Setting(e.to_string()))?;
+        let (loss, shard) = &got[0];
+        assert!(((loss - want_loss) / want_loss).abs() <= LOSS_TOL, "tied {tied}: loss {loss} vs {want_loss}");
+        assert_eq!(shard.len(), want.len(), "tied {tied}: one rank's shard is the whole flat gradient");
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let diff = shard.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(diff <= GRAD_TOL as f32 * scale, "tied {tied}: gradients differ by {diff} (scale {scale})");
+    }
+    Ok(())
+}

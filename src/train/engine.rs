@@ -345,7 +345,8 @@ impl Engine {
         })?; // [b, s, h]
         let keep_attention = self.opts.save_attention && self.opts.layer_backward == LayerBackward::Explicit;
         for l in 0..n_layers {
-            // The layer's weights (ZeRO-3: gathered or brought from the host), one unit ahead.
+            // The layer's weights (ZeRO-3: gathered, or brought from the host), after a
+            // prefetch hint for the next unit.
             let fetched = self.prof.time(Phase::Copies, &dev, || {
                 hooks.prefetch(layer_unit(l + 1).min(tail))?;
                 self.layer_from(hooks, l)
