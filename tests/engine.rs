@@ -362,7 +362,7 @@ fn zero3_hooks_give_the_resident_gradients() -> longctx::Result<()> {
         let resident = Engine::from_vars(&cfg, &to_vars(weights.clone())?, opts.clone())?;
         let shapes: HashMap<String, candle_core::Shape> = weights.iter().map(|(n, t)| (n.clone(), t.shape().clone())).collect();
         let sharded = Engine::for_shapes(&cfg, &shapes, DType::F32, &Device::Cpu, opts)?;
-        let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention::default());
+        let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
         let batches = [batch(2, 12, 61, |_, t| t == 3)?, batch(1, 12, 61, |_, _| false)?];
         let (mut want_loss, mut want) = (0.0, Vec::new());
         for (ids, tg, pos) in &batches {
