@@ -317,6 +317,11 @@ pub struct Suggestion {
     pub offload_activations: bool,
     /// Keep attention tensors for the backward: on whenever it still fits.
     pub save_attention: bool,
+    /// The memory levers: the optimizer state on the host, the ZeRO stage, the weights
+    /// on the host (what was asked, unless nothing fit without them).
+    pub optimizer_on_host: bool,
+    pub zero_stage: u8,
+    pub offload_params: bool,
     /// Peak device memory of this layout, bytes.
     pub peak: u64,
 }
@@ -576,6 +581,25 @@ pub fn fpdt_chunk_candidates(seq: usize, sp: usize) -> Vec<usize> {
 
 /// The layouts the suggestion tries, in order of preference (see the module doc).
 fn candidates(req: &PlanRequest) -> Vec<PlanRequest> {
+    // The memory levers, each tried over every layout before the next: as asked; the
+    // optimizer state on the host; ZeRO-3 with the weights on the host too.
+    let levers = [
+        req.clone(),
+        PlanRequest { optimizer_on_host: true, ..req.clone() },
+        PlanRequest { optimizer_on_host: true, zero_stage: 3, offload_params: true, ..req.clone() },
+    ];
+    let mut out = Vec::new();
+    for (i, lever) in levers.iter().enumerate() {
+        if i > 0 && *lever == levers[i - 1] {
+            continue; // already asked for
+        }
+        out.extend(layout_candidates(lever));
+    }
+    out
+}
+
+/// The layouts of `req`'s GPUs (with and without activation offload).
+fn layout_candidates(req: &PlanRequest) -> Vec<PlanRequest> {
     let mut out = Vec::new();
     for offload in [false, true] {
         for sp in divisors(req.world) {
@@ -611,6 +635,9 @@ pub fn suggest(model: &ModelShape, req: &PlanRequest) -> Option<Suggestion> {
         fpdt_offload: e.layout.mode == ParallelMode::Fpdt && r.fpdt_offload,
         offload_activations: r.offload_activations,
         save_attention: r.save_attention,
+        optimizer_on_host: r.optimizer_on_host,
+        zero_stage: r.zero_stage,
+        offload_params: r.offload_params,
         peak: e.device.peak,
     };
     let budget = (req.gpu_memory as f64 * (1.0 - SUGGESTION_HEADROOM)) as u64;

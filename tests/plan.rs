@@ -408,3 +408,18 @@ fn zero_3_with_offloads_by_hand() {
     r.zero_stage = 2;
     assert_eq!(plan::estimate(&shape(), &r).unwrap().device.weights, 2 * 6_738_415_616);
 }
+
+/// 7B at 256K on one H200 with its 134 GB of host memory: nothing fits as asked; the
+/// optimizer on the host with activations offloaded would overflow the host, so the
+/// suggestion is ZeRO-3 with the weights and optimizer state on the host.
+#[test]
+fn the_suggestion_reaches_for_zero_3_when_nothing_else_fits() {
+    let mut r = PlanRequest::new(256 * K, 1, H200, ParallelMode::DataParallel);
+    r.optimizer_on_host = false;
+    r.host_memory = Some(134_000_000_000);
+    let p = plan::plan(&shape(), &r).unwrap();
+    assert!(!p.estimate.fits);
+    let s = p.suggestion.expect("a suggestion");
+    assert_eq!((s.zero_stage, s.offload_params, s.optimizer_on_host, s.offload_activations), (3, true, true, false), "{s:?}");
+    assert!(s.peak <= H200);
+}

@@ -302,6 +302,16 @@ pub fn print_suggestion(p: &plan::Plan) {
             if s.offload_activations {
                 flags += " --offload-activations";
             }
+            let r = &p.request;
+            if s.optimizer_on_host && !r.optimizer_on_host {
+                flags += " --optimizer-on-host";
+            }
+            if s.zero_stage != r.zero_stage {
+                flags += &format!(" --zero-stage {}", s.zero_stage);
+            }
+            if s.offload_params && !r.offload_params {
+                flags += " --offload-params";
+            }
             println!("  suggestion: {flags} ({} GB peak)", plan::gb(s.peak));
         }
         None => println!(
