@@ -152,7 +152,7 @@ fn a_checkpoint_resumes_under_another_stage() {
 }
 
 #[test]
-fn launched_processes_under_stage_3_with_offload_equal_the_thread_runs() {
+fn launched_processes_under_stages_0_2_and_3_with_offloads_equal_the_thread_runs() {
     let tmp = tempfile::tempdir().unwrap();
     let args = |out: &Path, extra: &[&str]| -> Vec<String> {
         let mut a: Vec<String> = [
@@ -175,16 +175,23 @@ fn launched_processes_under_stage_3_with_offload_equal_the_thread_runs() {
     let mut a = args(&threads, &["--zero-stage", "0", "--world-size", "2"]);
     a.push("--overwrite".into());
     check(common::longctx_cmd(&[]).args(&a).output().unwrap(), "threads");
+    for (name, extra) in [
+        ("stage0", &["--zero-stage", "0"][..]),
+        ("stage2", &["--zero-stage", "2"][..]),
+        ("stage3", &["--offload-params", "--optimizer-on-host"][..]),
+    ] {
+        let procs = tmp.path().join(format!("processes-{name}"));
+        let mut a: Vec<String> = ["launch", "--nproc-per-node", "2", "--master-port", "0", "--"].iter().map(|s| s.to_string()).collect();
+        a.extend(args(&procs, extra));
+        let err = check(common::longctx_cmd(&[]).args(&a).output().unwrap(), name);
+        assert!(err.contains(&format!("ZeRO stage {} over 2 rank(s)", &name[5..])), "{err}");
+        same_weights(
+            &procs.join("export/model.safetensors"),
+            &threads.join("export/model.safetensors"),
+            &format!("processes {name} vs threads stage 0"),
+        );
+    }
     let procs = tmp.path().join("processes-stage3");
-    let mut a: Vec<String> = ["launch", "--nproc-per-node", "2", "--master-port", "0", "--"].iter().map(|s| s.to_string()).collect();
-    a.extend(args(&procs, &["--offload-params"]));
-    let err = check(common::longctx_cmd(&[]).args(&a).output().unwrap(), "processes");
-    assert!(err.contains("ZeRO stage 3 over 2 rank(s), weights offloaded"), "{err}");
-    same_weights(
-        &procs.join("export/model.safetensors"),
-        &threads.join("export/model.safetensors"),
-        "processes stage 3 vs threads stage 0",
-    );
     // One optimizer shard per rank, each its slice of every unit.
     let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(procs.join("checkpoint/state.json")).unwrap()).unwrap();
     assert_eq!(state["optimizer_shards"], 2);
