@@ -17,7 +17,7 @@ if [[ $BIN == *.gz ]]; then gunzip -c "$BIN" > /tmp/longctx-z3 && chmod +x /tmp/
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 S=$OUTDIR/summary.txt
 echo "cores $(nproc); $(free -g | awk '/Mem:/ {print $2 " GiB host memory, " $7 " GiB available"}')" >> "$S"
-printf '[train]\nprofile = true\n' > /tmp/z3-prof.toml
+printf '[train]\nprofile = true\ntrace = true\n' > /tmp/z3-prof.toml
 M=builtin:llama2-7b-shape
 ZERO=(--zero-stage 3 --offload-params --optimizer-on-host)
 run7b() { # name seq steps extra-flags...
@@ -44,7 +44,8 @@ run7b() { # name seq steps extra-flags...
   done
   wait $pid 2>/dev/null
   echo "$name: first step logged ${first:-never} s after start; peak RSS $((hwm / 1024 / 1024)) GiB" >> "$S"
-  grep -E "ZeRO stage|error|Error|panicked" "$OUTDIR/$name.log" | head -5 | sed "s/^/$name log: /" >> "$S"
+  grep -E "ZeRO stage|start-up|error|Error|panicked" "$OUTDIR/$name.log" | head -5 | sed "s/^/$name log: /" >> "$S"
+  grep -E "^trace +[0-9]" "$OUTDIR/$name.log" | tail -4 | sed "s/^/$name last trace: /" >> "$S"
   python3 - "$W/metrics.jsonl" "$name" "${first:-0}" >> "$S" 2>&1 <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]

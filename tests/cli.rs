@@ -638,3 +638,39 @@ fn launch_runs_a_command_per_rank() {
     let o = ok(&["launch", "--nproc-per-node", "2", "--master-port", "0", "--", "inspect", "--model", "builtin:tiny"]);
     assert!(o.stdout.contains("[rank 0] model") && o.stdout.contains("[rank 1] model"), "{}", o.stdout);
 }
+
+/// `train.trace = true`: one stderr line per point of every step, in order, each with the
+/// seconds since the step began.
+#[test]
+fn train_trace_prints_a_line_per_layer_and_phase() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("trace.toml");
+    std::fs::write(&cfg, "[train]\ntrace = true\n\n[[stage]]\nseq_length = 32\nrope_theta = 1e4\nsteps = 1\n").unwrap();
+    let out = dir.path().join("run");
+    let o = common::longctx_cmd(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--model",
+        "builtin:tiny",
+        "--output-dir",
+        out.to_str().unwrap(),
+    ])
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    // (`trace = true` of the resolved config is printed too: a trace line has a number.)
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.strip_prefix("trace ").is_some_and(|r| r.trim_start().starts_with(|c: char| c.is_ascii_digit())))
+        .collect();
+    let want = [
+        "step 1 of stage 0", "forward layer 0", "forward layer 1", "head and loss", "backward layer 1", "backward layer 0",
+        "embedding backward", "optimizer", "guards",
+    ];
+    assert_eq!(lines.len(), want.len(), "{lines:#?}");
+    for (l, w) in lines.iter().zip(want) {
+        assert!(l.contains(" s  ") && l.contains(w), "`{l}` should be `{w}`");
+    }
+}

@@ -86,6 +86,10 @@ pub struct TrainSection {
     /// Time each step by phase (attention, GEMMs, norms/RoPE/activation, loss, gradient
     /// accumulation, copies, optimizer, communication) into metrics.jsonl (`profile`).
     pub profile: bool,
+    /// Print one line per layer and phase of every step to stderr, with the seconds since
+    /// the step began (each after waiting for the GPU, so slower): where a slow step, or one
+    /// that never finishes, spends its time.
+    pub trace: bool,
     /// How a decoder layer and the head are differentiated: `explicit` (fused kernels,
     /// the default) or `autograd` (Candle autograd over the recomputed layer: the
     /// reference, slower).
@@ -117,6 +121,7 @@ impl Default for TrainSection {
             zero_stage: 1,
             offload_params: false,
             profile: false,
+            trace: false,
             layer_backward: Default::default(),
             reset_optimizer: false,
             peak_tflops: None,

@@ -48,6 +48,9 @@ pub struct EngineOptions {
     /// the backward does not rerun the attention (explicit backward only; memory
     /// `layers × tokens × (2·hq + 2·hkv)·d` elements plus the LSE).
     pub save_attention: bool,
+    /// Print a line per layer and phase of every step, after waiting for the device
+    /// (`train.trace`).
+    pub trace: bool,
 }
 
 impl Default for EngineOptions {
@@ -58,6 +61,7 @@ impl Default for EngineOptions {
             layer_backward: LayerBackward::Explicit,
             profile: false,
             save_attention: false,
+            trace: false,
         }
     }
 }
@@ -152,7 +156,7 @@ impl Engine {
         let store = Mutex::new(ActivationStore::new(opts.offload_activations));
         let names: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
         let slots = (0..tracked.layers.len()).map(|l| LayerSlots::find(&names, l)).collect::<Result<Vec<_>>>()?;
-        let prof = Profiler::new(opts.profile);
+        let prof = Profiler::new(opts.profile).with_trace(opts.trace);
         let slot = |name: &str| {
             names.iter().position(|n| *n == name).ok_or_else(|| crate::Error::Setting(format!("engine: parameter `{name}` not found")))
         };
@@ -195,7 +199,7 @@ impl Engine {
         let head_slot = if cfg.tie_word_embeddings { embed_slot } else { slot("lm_head.weight")? };
         let norm_slot = slot("model.norm.weight")?;
         let store = Mutex::new(ActivationStore::new(opts.offload_activations));
-        let prof = Profiler::new(opts.profile);
+        let prof = Profiler::new(opts.profile).with_trace(opts.trace);
         Ok(Self { tracked: plain.clone(), plain, params: Vec::new(), meta, opts, store, slots, prof, embed_slot, head_slot, norm_slot })
     }
 
@@ -345,6 +349,7 @@ impl Engine {
         })?; // [b, s, h]
         let keep_attention = self.opts.save_attention && self.opts.layer_backward == LayerBackward::Explicit;
         for l in 0..n_layers {
+            self.prof.trace(&dev, || format!("forward layer {l}"))?;
             // The layer's weights (ZeRO-3: gathered, or brought from the host), after a
             // prefetch hint for the next unit.
             let fetched = self.prof.time(Phase::Copies, &dev, || {
@@ -370,6 +375,7 @@ impl Engine {
             store.prefetch(top, &dev)?; // the top layer's input comes back while the head runs
         }
 
+        self.prof.trace(&dev, || "head and loss".into())?;
         // 2. head + loss, chunked; dL/dx_L.
         let (mut gx, loss_sum) = self.prof.time(Phase::Loss, &dev, || match self.opts.layer_backward {
             LayerBackward::Explicit => {
@@ -383,6 +389,7 @@ impl Engine {
 
         // 3. layers, top first, each recomputed from its saved input.
         for l in (0..n_layers).rev() {
+            self.prof.trace(&dev, || format!("backward layer {l}"))?;
             if l > 0 {
                 hooks.prefetch(layer_unit(l - 1))?;
             }
@@ -406,6 +413,7 @@ impl Engine {
             // ZeRO-2/3: reduce-scattered now
         }
 
+        self.prof.trace(&dev, || "embedding backward".into())?;
         // 4. embedding: rows of dL/dx_0 added into the rows of their token ids.
         self.prof.time(Phase::GradAccum, &dev, || {
             self.embed_backward(ids, &gx, &chunks, acc)?;

@@ -124,11 +124,41 @@ impl PhaseTimes {
 pub struct Profiler {
     enabled: bool,
     spans: Mutex<Vec<(Phase, Mark, Mark)>>,
+    /// `train.trace`: when the current step began (a line per point of it is printed).
+    trace: Option<Mutex<Instant>>,
 }
 
 impl Profiler {
     pub fn new(enabled: bool) -> Self {
-        Self { enabled, spans: Mutex::new(Vec::new()) }
+        Self { enabled, spans: Mutex::new(Vec::new()), trace: None }
+    }
+
+    /// Also print a line to stderr at every [`Self::trace`] point, with the seconds since
+    /// the step began, after waiting for the device (`train.trace`: where a slow step
+    /// spends its time, even one that never finishes).
+    pub fn with_trace(mut self, on: bool) -> Self {
+        self.trace = on.then(|| Mutex::new(Instant::now()));
+        self
+    }
+
+    /// A new step begins (the trace's clock restarts).
+    pub fn trace_step(&self, what: &str) {
+        if let Some(t) = &self.trace {
+            if let Ok(mut t) = t.lock() {
+                *t = Instant::now();
+            }
+            eprintln!("trace      0.000 s  {what}");
+        }
+    }
+
+    /// With `train.trace`: wait for `dev`, print the seconds since the step began and `what`.
+    pub fn trace(&self, dev: &Device, what: impl FnOnce() -> String) -> Result<()> {
+        if let Some(t) = &self.trace {
+            dev.synchronize()?;
+            let since = t.lock().map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+            eprintln!("trace {since:>10.3} s  {}", what());
+        }
+        Ok(())
     }
 
     pub fn enabled(&self) -> bool {

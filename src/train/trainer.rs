@@ -517,6 +517,7 @@ impl<'a> RankRun<'a> {
             token_chunk: cfg.parallel.token_chunk,
             offload_activations: cfg.parallel.offload_activations,
             profile: cfg.train.profile,
+            trace: cfg.train.trace,
             save_attention: cfg.parallel.save_attention,
             layer_backward: cfg.train.layer_backward,
         };
@@ -776,6 +777,7 @@ impl<'a> RankRun<'a> {
         crate::dist::world::test_stall(self.world.rank(), self.global_step)?;
         let (sh, cfg) = (self.sh, self.sh.cfg);
         let ts = Instant::now();
+        self.engine.profiler().trace_step(&format!("step {} of stage {si}: reading its data", step + 1));
         crate::train::metrics::device_memory(&sh.device, true)?; // reset the high-water mark
         let micro = self.micro_batches(st, si, step)?;
         let local_count: usize = micro.iter().map(|m| m.3).sum();
@@ -794,6 +796,7 @@ impl<'a> RankRun<'a> {
         let loss = agreed[0] / global_count.max(1.0);
         let t = &cfg.train;
         let lr = lr_at(t.lr_schedule, st.settings.learning_rate, step, stage.steps, st.settings.warmup_steps, t.min_lr_ratio);
+        self.engine.profiler().trace(&sh.device, || "optimizer".into())?;
         self.inject_nan_gradient()?;
         // A non-finite loss (the same on every rank) skips the update like a non-finite
         // gradient norm does inside the optimizer step.
@@ -848,6 +851,7 @@ impl<'a> RankRun<'a> {
         };
         // The guards are part of every step: its time counts them too. The line is
         // written even when they abort the run.
+        self.engine.profiler().trace(&sh.device, || "guards".into())?;
         let guarded = self.after_update(&line);
         line.seconds = ts.elapsed().as_secs_f64();
         if let Some(m) = self.metrics.as_mut() {
