@@ -37,8 +37,9 @@ pub struct Unit {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Partition {
     pub units: Vec<Unit>,
-    /// Elements of each parameter.
+    /// Elements of each parameter, and where each starts in the flat vector.
     pub sizes: Vec<usize>,
+    pub offsets: Vec<usize>,
     pub rank: usize,
     pub world: usize,
 }
@@ -66,7 +67,14 @@ impl Partition {
         if at != sizes.len() {
             return Err(Error::Setting(format!("partition: units cover {at} of {} parameters", sizes.len())));
         }
-        Ok(Self { units, sizes: sizes.to_vec(), rank, world })
+        let offsets = sizes
+            .iter()
+            .scan(0, |at, &n| {
+                *at += n;
+                Some(*at - n)
+            })
+            .collect();
+        Ok(Self { units, sizes: sizes.to_vec(), offsets, rank, world })
     }
 
     /// One unit: the whole model (ZeRO-1's flat slices).
@@ -115,40 +123,22 @@ impl Partition {
         a..b
     }
 
-    /// Offset of each parameter in the flat (unpadded) vector.
-    pub fn param_offsets(&self) -> Vec<usize> {
-        let mut at = 0;
-        self.sizes
-            .iter()
-            .map(|s| {
-                let o = at;
-                at += s;
-                o
-            })
-            .collect()
+    /// Rank `r`'s part of each parameter of unit `u`: `(parameter, its elements in flat
+    /// coordinates, where they start in the rank's shard)`, in order; parameters outside
+    /// the rank's slice are left out.
+    pub fn parts(&self, u: usize, r: usize) -> impl Iterator<Item = (usize, Range<usize>, usize)> + '_ {
+        let (unit, piece) = (&self.units[u], self.piece(u, r));
+        unit.params.clone().filter_map(move |p| {
+            let (a, b) = (piece.start.max(self.offsets[p]), piece.end.min(self.offsets[p] + self.sizes[p]));
+            (a < b).then(|| (p, a..b, unit.shard_off + a - piece.start))
+        })
     }
 
-    /// Offset of each parameter in the padded flat buffer.
-    pub fn padded_offsets(&self) -> Vec<usize> {
-        let flat = self.param_offsets();
-        let mut out = vec![0; self.sizes.len()];
-        for u in &self.units {
-            for p in u.params.clone() {
-                out[p] = u.padded_off + (flat[p] - u.off);
-            }
-        }
-        out
-    }
-
-    /// The unit of each parameter.
-    pub fn unit_of(&self) -> Vec<usize> {
-        let mut out = vec![0; self.sizes.len()];
-        for (i, u) in self.units.iter().enumerate() {
-            for p in u.params.clone() {
-                out[p] = i;
-            }
-        }
-        out
+    /// Unit `u`'s parameters as flat views of `full`, the unit's whole elements (`[≥ len_u]`,
+    /// e.g. its all-gathered slices), with their indices.
+    pub fn split_unit(&self, u: usize, full: &Tensor) -> Result<Vec<(usize, Tensor)>> {
+        let unit = &self.units[u];
+        unit.params.clone().map(|p| Ok((p, full.narrow(0, self.offsets[p] - unit.off, self.sizes[p])?))).collect()
     }
 }
 
@@ -248,10 +238,18 @@ mod tests {
             }
             assert!(covered.iter().all(|&c| c == 1), "world {world}: every element in exactly one slice");
             assert_eq!(p.padded_len(), p.shard_len() * world);
-            let pad = p.padded_offsets();
-            assert_eq!(pad[0], 0);
-            assert_eq!(pad[1], p.units[1].padded_off);
-            assert_eq!(pad[2], p.units[1].padded_off + 3);
+            // Each rank's parts cover its slice, in shard order.
+            for r in 0..world {
+                let part = Partition::per_layer(&names, &sizes, (r, world)).unwrap();
+                for (u, unit) in part.units.iter().enumerate() {
+                    let parts: Vec<_> = part.parts(u, r).collect();
+                    let covered: usize = parts.iter().map(|(_, x, _)| x.len()).sum();
+                    assert_eq!(covered, part.piece(u, r).len(), "world {world} rank {r} unit {u}");
+                    if let Some((_, x, at)) = parts.first() {
+                        assert_eq!((x.start, *at), (part.piece(u, r).start, unit.shard_off));
+                    }
+                }
+            }
         }
         let bad = ["model.layers.1.a", "model.layers.0.a"];
         assert!(layer_groups(&bad).is_err());

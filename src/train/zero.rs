@@ -91,16 +91,10 @@ impl ShardedAdamW {
             }
         }
         // Decay runs over the shard (a run per parameter part; the padding decays not).
-        let offs = part.param_offsets();
         let mut decay: Vec<(usize, bool)> = Vec::new();
         for (u, unit) in part.units.iter().enumerate() {
+            decay.extend(part.parts(u, rank).map(|(p, _, at)| (at, decays[p])));
             let r = part.piece(u, rank);
-            for p in unit.params.clone() {
-                let (a, b) = (r.start.max(offs[p]), r.end.min(offs[p] + part.sizes[p]));
-                if a < b {
-                    decay.push((unit.shard_off + a - r.start, decays[p]));
-                }
-            }
             if r.end - r.start < unit.shard {
                 decay.push((unit.shard_off + r.end - r.start, false));
             }
@@ -248,22 +242,16 @@ impl ShardedAdamW {
             (Out::Shard(s), _) if s.device().same_device(gshard.device()) => Some((*s).clone()),
             (Out::Shard(_) | Out::HostShard(_), _) => Some(Tensor::zeros(self.shard_len, dtype, gshard.device())?),
         };
-        let offs = part.param_offsets();
         let mut segs = Vec::new();
-        for (u, unit) in part.units.iter().enumerate() {
-            let r = part.piece(u, rank);
-            for p in unit.params.clone() {
-                let (a, b) = (r.start.max(offs[p]), r.end.min(offs[p] + part.sizes[p]));
-                if a < b {
-                    let start = unit.shard_off + a - r.start;
-                    let copy = match (&buf, &out) {
-                        (Some(buf), _) => buf.narrow(0, start, b - a)?,
-                        // A view: writes reach the model.
-                        (None, Out::Params(params)) => params[p].1.as_tensor().flatten_all()?.narrow(0, a - offs[p], b - a)?,
-                        (None, Out::Shard(_) | Out::HostShard(_)) => unreachable!("a shard output always has a buffer"),
-                    };
-                    segs.push(Segment { start, len: b - a, decay: self.decays[p], copy: Some(copy) });
-                }
+        for u in 0..part.units.len() {
+            for (p, x, start) in part.parts(u, rank) {
+                let copy = match (&buf, &out) {
+                    (Some(buf), _) => buf.narrow(0, start, x.len())?,
+                    // A view: writes reach the model.
+                    (None, Out::Params(params)) => params[p].1.as_tensor().flatten_all()?.narrow(0, x.start - part.offsets[p], x.len())?,
+                    (None, Out::Shard(_) | Out::HostShard(_)) => unreachable!("a shard output always has a buffer"),
+                };
+                segs.push(Segment { start, len: x.len(), decay: self.decays[p], copy: Some(copy) });
             }
         }
         let d = self.device.as_mut().ok_or_else(|| Error::Setting("device optimizer missing".into()))?;
@@ -317,7 +305,6 @@ impl ShardedAdamW {
     ) -> Result<()> {
         let k = self.host.begin_step(lr, coef as f32);
         let part = self.part.clone();
-        let offs = part.param_offsets();
         // (unit, offset in the unit's slice, length), in order.
         let mut pieces = Vec::new();
         for (u, unit) in part.units.iter().enumerate() {
@@ -361,12 +348,8 @@ impl ShardedAdamW {
                     g.slice_set(&Tensor::from_slice(&buf[..len], len, device)?, 0, at)?;
                     if at + len == unit.shard {
                         // The unit is complete: all-gather it into the weights.
-                        let full = Tensor::cat(&comm.all_gather(g)?, 0)?;
                         if let Out::Params(params) = &out {
-                            for p in unit.params.clone() {
-                                let v = &params[p].1;
-                                v.set(&full.narrow(0, offs[p] - unit.off, part.sizes[p])?.reshape(v.as_tensor().shape())?)?;
-                            }
+                            gather_unit(comm, &part, u, g, params)?;
                         }
                         gather_buf = None;
                     }
@@ -374,13 +357,11 @@ impl ShardedAdamW {
                 Out::Params(params) => {
                     // One rank: the piece's weights straight into the parameters it covers.
                     let new = Tensor::from_slice(&buf[..len], len, device)?;
-                    let piece = part.piece(u, part.rank);
-                    let (a, b) = (piece.start + at, (piece.start + at + len).min(piece.end));
-                    for p in unit.params.clone() {
-                        let (x, y) = (a.max(offs[p]), b.min(offs[p] + part.sizes[p]));
-                        if x < y {
+                    for (p, x, start) in part.parts(u, part.rank) {
+                        let (a, b) = (start.max(lo), (start + x.len()).min(lo + len));
+                        if a < b {
                             let flat = params[p].1.as_tensor().flatten_all()?; // a view of the weight
-                            flat.slice_set(&new.narrow(0, x - a, y - x)?, 0, x - offs[p])?;
+                            flat.slice_set(&new.narrow(0, a - lo, b - a)?, 0, x.start - part.offsets[p] + (a - start))?;
                         }
                     }
                 }
@@ -464,14 +445,18 @@ impl PieceElem for f32 {
 /// All-gather every rank's new slice `shard [Σ L_u]` (run dtype) unit by unit and write
 /// the weights into the parameters.
 fn gather_into(comm: &Arc<dyn Comm>, part: &Partition, shard: &Tensor, params: &[(String, Var)]) -> Result<()> {
-    let offs = part.param_offsets();
-    for unit in &part.units {
-        let mine = shard.narrow(0, unit.shard_off, unit.shard)?;
-        let full = if part.world > 1 { Tensor::cat(&comm.all_gather(&mine)?, 0)? } else { mine };
-        for p in unit.params.clone() {
-            let v = &params[p].1;
-            v.set(&full.narrow(0, offs[p] - unit.off, part.sizes[p])?.reshape(v.as_tensor().shape())?)?;
-        }
+    for (u, unit) in part.units.iter().enumerate() {
+        gather_unit(comm, part, u, &shard.narrow(0, unit.shard_off, unit.shard)?, params)?;
+    }
+    Ok(())
+}
+
+/// All-gather unit `u` from every rank's new slice `mine [L_u]` and write its weights.
+fn gather_unit(comm: &Arc<dyn Comm>, part: &Partition, u: usize, mine: &Tensor, params: &[(String, Var)]) -> Result<()> {
+    let full = if part.world > 1 { Tensor::cat(&comm.all_gather(mine)?, 0)? } else { mine.clone() };
+    for (p, t) in part.split_unit(u, &full)? {
+        let v = &params[p].1;
+        v.set(&t.reshape(v.as_tensor().shape())?)?;
     }
     Ok(())
 }

@@ -95,23 +95,17 @@ fn host_slices<P: crate::train::optim::HostElem>(
     use rayon::prelude::*;
     let mut out: Vec<P> = Vec::with_capacity(part.shard_len());
     out.par_extend(rayon::iter::repeat_n(P::from_f32(0.0), part.shard_len()));
-    let offs = part.param_offsets();
-    for (u, unit) in part.units.iter().enumerate() {
-        let r = part.piece(u, part.rank);
-        for p in unit.params.clone() {
-            let (a, b) = (r.start.max(offs[p]), r.end.min(offs[p] + part.sizes[p]));
-            if a >= b {
-                continue;
-            }
+    for u in 0..part.units.len() {
+        for (p, x, at) in part.parts(u, part.rank) {
+            let (a, b) = (x.start, x.end);
             let name = &params[p].0;
             let w = weights.get(name).ok_or_else(|| Error::Setting(format!("ZeRO-3: no start weights for `{name}`")))?;
-            let w = w.flatten_all()?.narrow(0, a - offs[p], b - a)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.contiguous()?;
+            let w = w.flatten_all()?.narrow(0, a - part.offsets[p], b - a)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.contiguous()?;
             let (st, layout) = w.storage_and_layout();
             let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(src)) = &*st else {
                 return Err(Error::Setting(format!("ZeRO-3: start weights of `{name}` are not in host memory")));
             };
             let src = &src[layout.start_offset()..layout.start_offset() + (b - a)];
-            let at = unit.shard_off + (a - r.start);
             out[at..at + (b - a)].par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(d, s)| {
                 for (d, &x) in d.iter_mut().zip(s) {
                     *d = P::from_f32(x);
@@ -219,8 +213,7 @@ impl ParamStore {
             ShardHome::Host(h) => h.to_tensor(unit.shard_off, unit.shard, &self.dev)?,
         };
         let full = if self.part.world > 1 { Tensor::cat(&self.comm.all_gather(&mine)?, 0)? } else { mine };
-        let offs = self.part.param_offsets();
-        unit.params.clone().map(|p| Ok(full.narrow(0, offs[p] - unit.off, self.part.sizes[p])?.reshape(self.shapes[p].clone())?)).collect()
+        self.part.split_unit(u, &full)?.into_iter().map(|(p, t)| Ok(t.reshape(self.shapes[p].clone())?)).collect()
     }
 
     /// Every weight, whole, in host memory (collective), named as `names` (model order):
@@ -270,14 +263,17 @@ impl ShardedGrads {
         let other = part.units.iter().skip(1).map(|u| u.shard * w).max().unwrap_or(0);
         let embed_scratch = Tensor::zeros(embed_len, DType::F32, dev)?;
         let scratch = Tensor::zeros(other, DType::F32, dev)?;
-        let offs = part.param_offsets();
-        let unit_of = part.unit_of();
-        let slots = (0..part.sizes.len())
-            .map(|p| {
-                let (u, unit) = (unit_of[p], &part.units[unit_of[p]]);
-                let buf = if u == 0 { &embed_scratch } else { &scratch };
-                Ok(buf.narrow(0, offs[p] - unit.off, part.sizes[p])?.reshape(shapes[p].clone())?)
-            })
+        // Each unit's parameters as views of its scratch buffer.
+        let mut slots: Vec<Option<Tensor>> = vec![None; part.sizes.len()];
+        for u in 0..part.units.len() {
+            let buf = if u == 0 { &embed_scratch } else { &scratch };
+            for (p, t) in part.split_unit(u, buf)? {
+                slots[p] = Some(t.reshape(shapes[p].clone())?);
+            }
+        }
+        let slots = slots
+            .into_iter()
+            .map(|t| t.ok_or_else(|| Error::Setting("ZeRO: a parameter outside every unit".into())))
             .collect::<Result<_>>()?;
         let shard = Tensor::zeros(part.shard_len(), DType::F32, dev)?;
         Ok(Self { part, embed_scratch, scratch, slots, shard, comm })
