@@ -121,9 +121,10 @@ fn every_stage_and_offload_gives_the_unsharded_weights_and_holds_less() {
         let units = 8; // embedding, 6 layers, norm + head
         assert!(r(3).weights <= r(2).weights / 2 + 4 * units, "{report:#?}");
         assert!(r(3).optimizer <= r(1).optimizer + 12 * units, "{report:#?}");
-        // Offloads: the weights' slice, and then the optimizer state, in host memory.
-        assert_eq!(r(4).weights_host, r(4).weights, "{report:#?}");
-        assert_eq!(r(5).optimizer_host, r(5).optimizer, "{report:#?}");
+        // offload_params: the weights' slice is kept in host memory, and only then. (Where
+        // the optimizer state lives cannot differ on a CPU device: always the host.)
+        assert_eq!(r(3).weights_host, 0, "{report:#?}");
+        assert!(r(4).weights_host == r(4).weights && r(4).weights > 0, "{report:#?}");
     }
 }
 

@@ -131,6 +131,8 @@ pub struct Engine {
     embed_slot: usize,
     head_slot: usize,
     norm_slot: usize,
+    /// The parameter index range of each unit (`train::units`: embedding, layers, head).
+    units: Vec<std::ops::Range<usize>>,
 }
 
 /// Bytes of a tensor's elements.
@@ -153,19 +155,25 @@ impl Engine {
         let vb = VarBuilder::from_tensors(plain_map, tracked.dtype(), &dev);
         let mut plain = Llama::load(vb, &tracked.cfg)?;
         plain.rope = tracked.rope.clone();
-        let store = Mutex::new(ActivationStore::new(opts.offload_activations));
-        let names: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
-        let slots = (0..tracked.layers.len()).map(|l| LayerSlots::find(&names, l)).collect::<Result<Vec<_>>>()?;
-        let prof = Profiler::new(opts.profile).with_trace(opts.trace);
+        let meta = params.iter().map(|(n, v)| (n.clone(), v.as_tensor().shape().clone())).collect();
+        Self::assemble(tracked, plain, params, meta, opts)
+    }
+
+    /// The engine over its two models: the gradient slots of every layer, the embedding,
+    /// head and norm, and the units, found once from the parameter names.
+    fn assemble(tracked: Llama, plain: Llama, params: Vec<(String, Var)>, meta: Vec<(String, Shape)>, opts: EngineOptions) -> Result<Self> {
+        let names: Vec<&str> = meta.iter().map(|(n, _)| n.as_str()).collect();
+        let slots = (0..plain.layers.len()).map(|l| LayerSlots::find(&names, l)).collect::<Result<Vec<_>>>()?;
         let slot = |name: &str| {
             names.iter().position(|n| *n == name).ok_or_else(|| crate::Error::Setting(format!("engine: parameter `{name}` not found")))
         };
         let embed_slot = slot("model.embed_tokens.weight")?;
-        let head_slot = if tracked.cfg.tie_word_embeddings { embed_slot } else { slot("lm_head.weight")? };
+        let head_slot = if plain.cfg.tie_word_embeddings { embed_slot } else { slot("lm_head.weight")? };
         let norm_slot = slot("model.norm.weight")?;
-        let meta = params.iter().map(|(n, v)| (n.clone(), v.as_tensor().shape().clone())).collect();
-        crate::train::units::layer_groups(&names)?; // the unit order the hooks rely on
-        Ok(Self { tracked, plain, params, meta, opts, store, slots, prof, embed_slot, head_slot, norm_slot })
+        let units = crate::train::units::layer_groups(&names)?;
+        let store = Mutex::new(ActivationStore::new(opts.offload_activations));
+        let prof = Profiler::new(opts.profile).with_trace(opts.trace);
+        Ok(Self { tracked, plain, params, meta, opts, store, slots, prof, embed_slot, head_slot, norm_slot, units })
     }
 
     /// An engine without resident weights (ZeRO-3, parameter offload): every unit's
@@ -189,26 +197,13 @@ impl Engine {
         let map = shapes.iter().map(|(n, s)| Ok((n.clone(), one.broadcast_as(s.clone())?))).collect::<Result<HashMap<_, _>>>()?;
         let plain = Llama::load(VarBuilder::from_tensors(map, dtype, dev), cfg)?;
         let meta: Vec<(String, Shape)> = plain.named_parameters().into_iter().map(|(n, t)| (n, t.shape().clone())).collect();
-        let names: Vec<&str> = meta.iter().map(|(n, _)| n.as_str()).collect();
-        crate::train::units::layer_groups(&names)?;
-        let slots = (0..plain.layers.len()).map(|l| LayerSlots::find(&names, l)).collect::<Result<Vec<_>>>()?;
-        let slot = |name: &str| {
-            names.iter().position(|n| *n == name).ok_or_else(|| crate::Error::Setting(format!("engine: parameter `{name}` not found")))
-        };
-        let embed_slot = slot("model.embed_tokens.weight")?;
-        let head_slot = if cfg.tie_word_embeddings { embed_slot } else { slot("lm_head.weight")? };
-        let norm_slot = slot("model.norm.weight")?;
-        let store = Mutex::new(ActivationStore::new(opts.offload_activations));
-        let prof = Profiler::new(opts.profile).with_trace(opts.trace);
-        Ok(Self { tracked: plain.clone(), plain, params: Vec::new(), meta, opts, store, slots, prof, embed_slot, head_slot, norm_slot })
+        Self::assemble(plain.clone(), plain, Vec::new(), meta, opts)
     }
 
     /// Unit `u`'s weights from the hooks as `name → tensor` (`None`: the model's own).
     fn unit_weights(&self, hooks: &dyn ParamHooks, u: usize) -> Result<Option<HashMap<String, Tensor>>> {
         let Some(ws) = hooks.weights(u)? else { return Ok(None) };
-        let names: Vec<&str> = self.meta.iter().map(|(n, _)| n.as_str()).collect();
-        let groups = crate::train::units::layer_groups(&names)?;
-        let range = groups.get(u).ok_or_else(|| crate::Error::Setting(format!("engine: no parameter unit {u}")))?;
+        let range = self.units.get(u).ok_or_else(|| crate::Error::Setting(format!("engine: no parameter unit {u}")))?;
         if ws.len() != range.len() {
             return Err(crate::Error::Setting(format!("engine: unit {u} came with {} tensors for {} parameters", ws.len(), range.len())));
         }
@@ -339,7 +334,6 @@ impl Engine {
 
         // 1. forward, graph-free; keep layer inputs.
         let pass = LayerPass { rope: &rope, attn, chunks: &chunks, prof: &self.prof, dev: &dev };
-        hooks.prefetch(0)?;
         let mut x = self.prof.time(Phase::Copies, &dev, || match self.unit_weights(hooks, 0)? {
             None => self.plain.embed(ids),
             Some(mut w) => {
@@ -350,12 +344,8 @@ impl Engine {
         let keep_attention = self.opts.save_attention && self.opts.layer_backward == LayerBackward::Explicit;
         for l in 0..n_layers {
             self.prof.trace(&dev, || format!("forward layer {l}"))?;
-            // The layer's weights (ZeRO-3: gathered, or brought from the host), after a
-            // prefetch hint for the next unit.
-            let fetched = self.prof.time(Phase::Copies, &dev, || {
-                hooks.prefetch(layer_unit(l + 1).min(tail))?;
-                self.layer_from(hooks, l)
-            })?;
+            // The layer's weights (ZeRO-3: gathered, or brought from the host).
+            let fetched = self.prof.time(Phase::Copies, &dev, || self.layer_from(hooks, l))?;
             let layer = fetched.as_ref().unwrap_or(&self.plain.layers[l]);
             let (y, sa) = pass.forward(layer, &x)?;
             // The layer's input, and its attention's tensors when they are kept (both
@@ -390,9 +380,6 @@ impl Engine {
         // 3. layers, top first, each recomputed from its saved input.
         for l in (0..n_layers).rev() {
             self.prof.trace(&dev, || format!("backward layer {l}"))?;
-            if l > 0 {
-                hooks.prefetch(layer_unit(l - 1))?;
-            }
             let group = self.prof.time(Phase::Copies, &dev, || {
                 let group = store.take(l, &dev)?;
                 if l > 0 {

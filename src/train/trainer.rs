@@ -73,14 +73,14 @@ pub struct RunSummary {
 pub struct Resident {
     /// The 16-bit (run dtype) weights: the whole model, or this rank's slice (stage 3).
     pub weights: usize,
-    /// Of them in host memory (`offload_params`; on a CPU device everything is).
+    /// Of them kept in host memory by `offload_params` (whatever the device).
     pub weights_host: usize,
     /// The f32 gradient buffers (the whole padded model below stage 2; this rank's slice
     /// and one unit's scratch from stage 2).
     pub grads: usize,
     /// The f32 master weights and AdamW moments of this rank.
     pub optimizer: usize,
-    /// Of them in host memory (`optimizer_on_host`).
+    /// Of them in host memory (`optimizer_on_host`, and always on a CPU device).
     pub optimizer_host: usize,
 }
 
@@ -523,17 +523,12 @@ impl<'a> RankRun<'a> {
         };
         let (rank, wsize) = (world.rank(), world.world());
         let stage = cfg.train.zero_stage;
-        let (engine, store) = if stage == 3 {
-            // ZeRO-3: no rank holds the whole weights; each keeps its slices (on the host
-            // with `offload_params`) and the engine gathers a layer at a time.
+        // ZeRO-3: no rank holds the whole weights (the engine has only their shapes); each
+        // keeps its slices (on the host with `offload_params`), built below.
+        let (engine, zero3_weights) = if stage == 3 {
             let shapes: HashMap<String, candle_core::Shape> = picked.iter().map(|(n, t)| ((*n).clone(), t.shape().clone())).collect();
-            let engine = Engine::for_shapes(mcfg, &shapes, sh.dtype, &sh.device, opts)?;
-            let names: Vec<&str> = engine.meta.iter().map(|(n, _)| n.as_str()).collect();
-            let sizes: Vec<usize> = engine.meta.iter().map(|(_, s)| s.elem_count()).collect();
-            let part = Partition::per_layer(&names, &sizes, (rank, wsize))?;
-            let picked_map: HashMap<String, Tensor> = picked.iter().map(|(n, t)| ((*n).clone(), (*t).clone())).collect();
-            let store = ParamStore::new(part, &engine.meta, &picked_map, sh.dtype, (&sh.device, cfg.train.offload_params), world.clone())?;
-            (engine, Some(store))
+            let weights: HashMap<String, Tensor> = picked.iter().map(|(n, t)| ((*n).clone(), (*t).clone())).collect();
+            (Engine::for_shapes(mcfg, &shapes, sh.dtype, &sh.device, opts)?, Some(weights))
         } else {
             // Rounded to the run dtype on the host in parallel (one core per tensor), then
             // copied to the device one by one.
@@ -571,6 +566,12 @@ impl<'a> RankRun<'a> {
             1 => Partition::whole(&sizes, (rank, wsize))?,
             _ => Partition::per_layer(&names, &sizes, (rank, wsize))?,
         };
+        let store = match zero3_weights {
+            Some(w) => {
+                Some(ParamStore::new(part.clone(), &engine.meta, &w, sh.dtype, (&sh.device, cfg.train.offload_params), world.clone())?)
+            }
+            None => None,
+        };
         let optim = ShardedAdamW::new(cfg.train.adamw.clone(), &engine.meta, &start_weights, part.clone(), on_device, resume_opt)?;
         drop(start_weights);
         let global_step = sh.resume.map_or(0, |l| l.state.global_step);
@@ -584,17 +585,13 @@ impl<'a> RankRun<'a> {
         let (opt_dev, opt_host) = optim.resident_bytes();
         let resident = Resident {
             weights: store.as_ref().map_or(n_params * elem, |s| s.bytes()),
-            weights_host: match &store {
-                Some(s) if s.on_host() || sh.device.is_cpu() => s.bytes(),
-                None if sh.device.is_cpu() => n_params * elem,
-                _ => 0,
-            },
+            weights_host: store.as_ref().filter(|s| s.on_host()).map_or(0, |s| s.bytes()),
             grads: match &grads {
                 Grads::Full(b) => b.bytes(),
                 Grads::Sharded(g) => g.bytes(),
             },
             optimizer: opt_dev + opt_host,
-            optimizer_host: opt_host + if sh.device.is_cpu() { opt_dev } else { 0 },
+            optimizer_host: opt_host,
         };
         if is_main {
             eprintln!(
@@ -744,28 +741,29 @@ impl<'a> RankRun<'a> {
         micro: &[(Tensor, Tensor, Tensor, usize)],
         scale: f64,
     ) -> Result<(f64, f64)> {
-        let hooks: Box<dyn ParamHooks + '_> = match &self.grads {
+        let zero3;
+        let hooks: &dyn ParamHooks = match &self.grads {
             Grads::Full(b) => {
                 b.zero()?;
-                Box::new(GradsRef(b))
+                b
             }
             Grads::Sharded(g) => {
                 g.zero()?;
-                Box::new(Zero3Hooks { store: self.store.as_ref(), grads: g })
+                zero3 = Zero3Hooks { store: self.store.as_ref(), grads: g };
+                &zero3
             }
         };
         let (mut loss_sum, mut engine_seconds) = (0f64, 0f64);
         let mut mem = self.memory;
         for (ids, targets, pos, _) in micro {
             let te = Instant::now();
-            let r = self.engine.step_into(ids, targets, pos, stage.seq_length, &st.attn, scale, hooks.as_ref())?;
+            let r = self.engine.step_into(ids, targets, pos, stage.seq_length, &st.attn, scale, hooks)?;
             engine_seconds += te.elapsed().as_secs_f64();
             loss_sum += r.loss_sum;
             mem.saved_bytes = mem.saved_bytes.max(r.memory.saved_bytes);
             mem.saved_host_bytes = mem.saved_host_bytes.max(r.memory.saved_host_bytes);
             mem.transient_bytes = mem.transient_bytes.max(r.memory.transient_bytes);
         }
-        drop(hooks);
         self.memory = mem;
         Ok((loss_sum, engine_seconds))
     }
@@ -1094,13 +1092,4 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistE
     })();
     joined.finish(&result);
     result
-}
-
-/// A [`GradBuffer`] borrowed as the engine's hooks (stages 0 and 1).
-struct GradsRef<'a>(&'a GradBuffer);
-
-impl ParamHooks for GradsRef<'_> {
-    fn grad_slots(&self) -> &[Tensor] {
-        self.0.views()
-    }
 }

@@ -178,8 +178,7 @@ pub fn layer_unit(l: usize) -> usize {
 
 /// Where the engine gets a unit's weights and puts its gradients.
 ///
-/// The engine asks for unit `u`'s weights before it runs it (`weights`, after a
-/// `prefetch` one unit ahead), writes every gradient of the step into `grad_slots`
+/// The engine asks for unit `u`'s weights just before it runs it (`weights`), writes every gradient of the step into `grad_slots`
 /// (shaped like the parameters, added into with `beta = 1`), and calls `grads_done(u)`
 /// once unit `u`'s gradients of this micro-batch are complete (top layer first; the
 /// embedding last). The model's own weights and a [`GradBuffer`] are the plain case.
@@ -187,10 +186,6 @@ pub trait ParamHooks {
     /// Unit `u`'s parameters on the device, in parameter order; `None`: the model's own.
     fn weights(&self, _u: usize) -> Result<Option<Vec<Tensor>>> {
         Ok(None)
-    }
-    /// Start bringing unit `u`'s weights (a hint; may do nothing).
-    fn prefetch(&self, _u: usize) -> Result<()> {
-        Ok(())
     }
     /// Every parameter's gradient slot, in parameter order.
     fn grad_slots(&self) -> &[Tensor];
