@@ -392,17 +392,28 @@ fn scheduler(r: &mut Report, v: &Value, cfg: &mut RunConfig) -> Result<()> {
     Ok(())
 }
 
-fn offload_device<'v>(r: &Report, key: &str, v: &'v Value) -> Result<Option<&'v str>> {
+/// An `offload_*` section: `Some(true)` for `device = "cpu"`, `Some(false)` for "none",
+/// `None` without a device; reports the setting `field` (or that `stays` where the
+/// config puts it) and every other key of the section.
+fn offload(r: &mut Report, key: &str, v: &Value, field: &str, stays: &str) -> Result<Option<bool>> {
     let o = r.object(key, v)?;
-    match o.get("device") {
-        None => Ok(None),
+    let on = match o.get("device") {
+        None => None,
         Some(Value::String(d)) => match d.as_str() {
-            "cpu" | "none" => Ok(Some(d)),
-            "nvme" => Err(r.err(&format!("{key}.device"), "\"nvme\" offload is not supported; use \"cpu\" or \"none\"")),
-            other => Err(r.err(&format!("{key}.device"), format!("`{other}`: expected \"cpu\" or \"none\""))),
+            "cpu" | "none" => Some(d == "cpu"),
+            "nvme" => return Err(r.err(&format!("{key}.device"), "\"nvme\" offload is not supported; use \"cpu\" or \"none\"")),
+            other => return Err(r.err(&format!("{key}.device"), format!("`{other}`: expected \"cpu\" or \"none\""))),
         },
-        Some(other) => Err(r.err(&format!("{key}.device"), format!("expected \"cpu\" or \"none\", got {other}"))),
+        Some(other) => return Err(r.err(&format!("{key}.device"), format!("expected \"cpu\" or \"none\", got {other}"))),
+    };
+    match on {
+        Some(on) => r.push(Level::Set, &format!("{key}.device"), format!("{field} = {on}")),
+        None => r.push(Level::Note, key, format!("no `device`: {stays} where the config puts it")),
     }
+    for sub in r.object(key, v)?.keys().filter(|s| *s != "device") {
+        r.no_effect(&format!("{key}.{sub}"), sub, "unknown key, ignored");
+    }
+    Ok(on)
 }
 
 fn zero(r: &mut Report, v: &Value, cfg: &mut RunConfig) -> Result<()> {
@@ -418,27 +429,13 @@ fn zero(r: &mut Report, v: &Value, cfg: &mut RunConfig) -> Result<()> {
                 None => r.push(Level::Note, &key, "\"auto\": the config's `train.zero_stage` (default 1)"),
             },
             "offload_optimizer" => {
-                match offload_device(r, &key, x)? {
-                    Some(d) => {
-                        cfg.train.optimizer_on_host = d == "cpu";
-                        r.push(Level::Set, &format!("{key}.device"), format!("train.optimizer_on_host = {}", d == "cpu"));
-                    }
-                    None => r.push(Level::Note, &key, "no `device`: the optimizer stays where the config puts it"),
-                }
-                for sub in r.object(&key, x)?.keys().filter(|s| *s != "device") {
-                    r.no_effect(&format!("{key}.{sub}"), sub, "unknown key, ignored");
+                if let Some(on) = offload(r, &key, x, "train.optimizer_on_host", "the optimizer stays")? {
+                    cfg.train.optimizer_on_host = on;
                 }
             }
             "offload_param" => {
-                match offload_device(r, &key, x)? {
-                    Some(d) => {
-                        cfg.train.offload_params = d == "cpu";
-                        r.push(Level::Set, &format!("{key}.device"), format!("train.offload_params = {}", d == "cpu"));
-                    }
-                    None => r.push(Level::Note, &key, "no `device`: the weights stay where the config puts them"),
-                }
-                for sub in r.object(&key, x)?.keys().filter(|s| *s != "device") {
-                    r.no_effect(&format!("{key}.{sub}"), sub, "unknown key, ignored");
+                if let Some(on) = offload(r, &key, x, "train.offload_params", "the weights stay")? {
+                    cfg.train.offload_params = on;
                 }
             }
             other => r.no_effect(&key, other, "unknown ZeRO key, ignored (check its spelling)"),
