@@ -64,13 +64,23 @@ fn overflow(what: &str) -> Error {
 /// Parameters of `cfg` (biases included, a tied head counted once), with checked
 /// arithmetic: the count [`crate::train::init::parameter_shapes`] lists, without listing.
 pub fn param_count(cfg: &LlamaConfig) -> Result<u64> {
+    let what = "the parameter count";
+    let (h, v) = (cfg.hidden_size as u64, cfg.vocab_size as u64);
+    let layer = layer_param_count(cfg)?;
+    let embed = mul(what, &[v, h])?;
+    let head = if cfg.tie_word_embeddings { 0 } else { embed };
+    add(what, &[embed, mul(what, &[cfg.num_hidden_layers as u64, layer])?, h, head])
+}
+
+/// Parameters of one decoder layer (projections with their biases, two norms).
+pub fn layer_param_count(cfg: &LlamaConfig) -> Result<u64> {
     let w = |x: usize| x as u64;
-    let (h, i, v, d) = (w(cfg.hidden_size), w(cfg.intermediate_size), w(cfg.vocab_size), w(cfg.head_dim));
+    let (h, i, d) = (w(cfg.hidden_size), w(cfg.intermediate_size), w(cfg.head_dim));
     let (hq, hkv) = (w(cfg.num_attention_heads), w(cfg.num_key_value_heads));
     let what = "the parameter count";
     let (q, kv) = (mul(what, &[hq, d])?, mul(what, &[hkv, d])?);
     let proj = |rows: u64, cols: u64, bias: bool| -> Result<u64> { add(what, &[mul(what, &[rows, cols])?, if bias { rows } else { 0 }]) };
-    let layer = add(
+    add(
         what,
         &[
             proj(q, h, cfg.qkv_bias())?,
@@ -82,10 +92,7 @@ pub fn param_count(cfg: &LlamaConfig) -> Result<u64> {
             proj(h, i, cfg.has_mlp_bias())?,
             mul(what, &[2, h])?,
         ],
-    )?;
-    let embed = mul(what, &[v, h])?;
-    let head = if cfg.tie_word_embeddings { 0 } else { embed };
-    add(what, &[embed, mul(what, &[w(cfg.num_hidden_layers), layer])?, h, head])
+    )
 }
 
 /// Physical memory of this machine, bytes (`None` when the OS does not say).

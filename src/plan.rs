@@ -112,6 +112,8 @@ pub const SUGGESTION_HEADROOM: f64 = 0.05;
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ModelShape {
     pub params: u64,
+    /// Parameters of one decoder layer (the largest ZeRO unit but for embedding and head).
+    pub layer_params: u64,
     pub layers: usize,
     pub hidden: usize,
     pub intermediate: usize,
@@ -125,6 +127,7 @@ impl ModelShape {
     pub fn from_config(cfg: &LlamaConfig) -> Self {
         Self {
             params: param_count(cfg),
+            layer_params: crate::limits::layer_param_count(cfg).unwrap_or(u64::MAX),
             layers: cfg.num_hidden_layers,
             hidden: cfg.hidden_size,
             intermediate: cfg.intermediate_size,
@@ -440,10 +443,9 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let (seq, s, w) = (u(req.seq_len), u(lay.local_tokens), u(lay.world));
     // ZeRO (`train::units`): stage 0 keeps the whole optimizer state on every rank; from
     // stage 2 the units are the layers, the embedding and the head, each cut in `w`.
-    let (h, inter, v) = (u(model.hidden), u(model.intermediate), u(model.vocab));
-    let layer_elems = h * hq * d * 2 + 2 * h * u(model.kv_heads) * d + 3 * h * inter + 2 * h;
+    let (h, v) = (u(model.hidden), u(model.vocab));
     let units = l + 2;
-    let unit_max = layer_elems.max(v * h + h);
+    let unit_max = u128::from(model.layer_params).max(v * h + h);
     let zero = req.zero_stage;
     let shard = if zero >= 2 { p.div_ceil(w) + units } else { p.div_ceil(w) };
     let opt_elems = if zero == 0 { p } else { shard };

@@ -155,8 +155,17 @@ fn runs_too_large_for_the_host_are_refused_before_allocating() {
 /// beyond the limit is refused naming `gpus`.
 #[test]
 fn the_planner_reports_overflow_instead_of_wrapping() {
-    let shape =
-        ModelShape { params: u64::MAX / 3, layers: 2, hidden: 64, intermediate: 128, heads: 4, kv_heads: 2, head_dim: 16, vocab: 256 };
+    let shape = ModelShape {
+        params: u64::MAX / 3,
+        layer_params: 100_000,
+        layers: 2,
+        hidden: 64,
+        intermediate: 128,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        vocab: 256,
+    };
     let req = PlanRequest::new(1024, 1, 80_000_000_000, ParallelMode::DataParallel);
     let e = plan::estimate(&shape, &req).unwrap_err().to_string();
     assert!(e.contains("memory estimate") && e.contains("64 bits"), "{e}");
