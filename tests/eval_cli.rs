@@ -164,11 +164,7 @@ fn trained_demo_retrieves_its_passkey_and_every_command_writes_its_files() {
     let ev1 = tmp.path().join("eval_one");
     ok(&["eval", "ppl", "--model", &s(&export), "--lengths", "16,33", "--output-dir", &s(&ev1)]);
     let (a, b) = (json(&ev2.join("ppl.json")), json(&ev1.join("ppl.json")));
-    for (p, q) in a["points"].as_array().unwrap().iter().zip(b["points"].as_array().unwrap()) {
-        let (x, y) = (p["ppl"].as_f64().unwrap(), q["ppl"].as_f64().unwrap());
-        assert!((x / y - 1.0).abs() < 1e-5, "zigzag ppl {x} vs one device {y}");
-        assert_eq!(p["tokens"], q["tokens"]);
-    }
+    same_ppl(&a, &b, "zigzag");
 
     // And through two processes under `longctx launch` (CPU transport; rank 0 writes).
     let ev3 = tmp.path().join("eval_launch");
@@ -188,11 +184,7 @@ fn trained_demo_retrieves_its_passkey_and_every_command_writes_its_files() {
         "--output-dir",
         &s(&ev3),
     ]);
-    let c = json(&ev3.join("ppl.json"));
-    for (p, q) in c["points"].as_array().unwrap().iter().zip(b["points"].as_array().unwrap()) {
-        let (x, y) = (p["ppl"].as_f64().unwrap(), q["ppl"].as_f64().unwrap());
-        assert!((x / y - 1.0).abs() < 1e-5, "launched ulysses ppl {x} vs one device {y}:\n{}", o.stderr);
-    }
+    same_ppl(&json(&ev3.join("ppl.json")), &b, &format!("launched ulysses ({})", o.stderr));
 
     // Generation: the default prompt (a passkey sample) and explicit ids.
     let o = ok(&["generate", "--model", &s(&export), "--max-new-tokens", "5"]);
@@ -344,5 +336,17 @@ fn help_documents_every_option() {
             assert!(o.stdout.contains(opt), "{cmd:?} --help lacks {opt}");
         }
         assert!(o.stdout.contains("runs/demo/export"), "{cmd:?}: default model not shown");
+    }
+}
+
+/// The two `ppl.json` reports score the same lengths (two of them), the same tokens, and
+/// perplexities within 1e-5 relative.
+fn same_ppl(a: &serde_json::Value, b: &serde_json::Value, what: &str) {
+    let (pa, pb) = (a["points"].as_array().unwrap(), b["points"].as_array().unwrap());
+    assert_eq!((pa.len(), pb.len()), (2, 2), "{what}: lengths 16 and 33");
+    for (p, q) in pa.iter().zip(pb) {
+        let (x, y) = (p["ppl"].as_f64().unwrap(), q["ppl"].as_f64().unwrap());
+        assert!((x / y - 1.0).abs() < 1e-5, "{what}: ppl {x} vs one device {y}");
+        assert_eq!(p["tokens"], q["tokens"], "{what}");
     }
 }
