@@ -9,6 +9,7 @@
 # of it (that minus the first step), every step's time, tokens/s, MFU and loss, the device
 # peak, the process's peak RSS, and `plan`'s prediction. The process is stopped once its
 # last step is logged (a 7B checkpoint is 95 GB; the machine's disk is 64 GB).
+# Every 5 s the process CPU, RSS, GPU use and host MemAvailable go to OUTDIR/NAME.mon.
 # Each result is appended to OUTDIR/summary.txt as soon as it exists.
 # Usage: scripts/gpu_zero3_check.sh BINARY(.gz) OUTDIR [CASES]
 set -uo pipefail
@@ -39,6 +40,9 @@ run7b() { # name seq steps extra-flags...
       n=$(grep -c '"loss"' "$W/metrics.jsonl" || true)
       if [ -z "$first" ] && [ "$n" -ge 1 ]; then first=$(python3 -c "import time; print(round(time.time()-$t0, 1))"); fi
       if [ "$n" -ge "$steps" ]; then sleep 1; kill $pid 2>/dev/null; break; fi
+    fi
+    if [ $(( ${SECONDS} % 5 )) -eq 0 ]; then
+      echo "t=$(python3 -c "import time; print(round(time.time()-$t0))") cpu=$(ps -o %cpu= -p $pid) rss_kb=$(ps -o rss= -p $pid) gpu=$(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null) $(grep -E '^(MemAvailable|Dirty)' /proc/meminfo | tr -s ' ' | tr '\n' ' ')" >> "$OUTDIR/$name.mon"
     fi
     sleep 0.5
   done

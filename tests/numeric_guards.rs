@@ -221,29 +221,40 @@ fn checkpoint_and_export_writers_refuse_non_finite_values() -> longctx::Result<(
 /// before anything non-finite is written.
 #[test]
 fn the_guards_hold_under_zero_3_with_offloaded_weights() -> longctx::Result<()> {
-    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
-    let zero3 = |dir: &Path, every: u64| {
-        let mut c = config(dir, 2, every);
-        c.train.zero_stage = 3;
-        c.train.offload_params = true;
-        c
-    };
-    let (at2, faulty) = (tmp.path().join("z3-clean-2"), tmp.path().join("z3-faulty"));
-    run_with(&zero3(&at2, 1), false, &opts(Some(2), vec![]))?;
-    let s = run_with(&zero3(&faulty, 1), false, &opts(Some(3), vec![Fault::NanGradient { rank: 1, first: 3, last: 3 }]))?;
-    assert_eq!((s.steps, s.skipped_steps), (3, 1));
-    let (w2, wf) = (load(&at2.join("checkpoint/model.safetensors")), load(&faulty.join("checkpoint/model.safetensors")));
-    for (n, t) in &w2 {
-        assert_eq!(bits(t), bits(&wf[n]), "`{n}`: the skipped update changed the weights");
+    // With the optimizer state on the device, the update is applied at once and guarded
+    // after the step; with it on the host too, the update is deferred into the next
+    // step's forward and guarded when it is settled (here: before the checkpoint).
+    for optimizer_on_host in [false, true] {
+        let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+        let zero3 = |dir: &Path, every: u64| {
+            let mut c = config(dir, 2, every);
+            c.train.zero_stage = 3;
+            c.train.offload_params = true;
+            c.train.optimizer_on_host = optimizer_on_host;
+            c
+        };
+        let (at2, faulty) = (tmp.path().join("z3-clean-2"), tmp.path().join("z3-faulty"));
+        run_with(&zero3(&at2, 1), false, &opts(Some(2), vec![]))?;
+        let s = run_with(&zero3(&faulty, 1), false, &opts(Some(3), vec![Fault::NanGradient { rank: 1, first: 3, last: 3 }]))?;
+        assert_eq!((s.steps, s.skipped_steps), (3, 1));
+        let (w2, wf) = (load(&at2.join("checkpoint/model.safetensors")), load(&faulty.join("checkpoint/model.safetensors")));
+        for (n, t) in &w2 {
+            assert_eq!(bits(t), bits(&wf[n]), "`{n}`: the skipped update changed the weights (optimizer on host: {optimizer_on_host})");
+        }
+        // NaN weights after update 3: with checkpoints every step and every 2 steps (the
+        // deferred update is then guarded in step 4's forward, not by a checkpoint).
+        for every in [1, 2] {
+            let dir = tmp.path().join(format!("z3-nan-weights-{every}"));
+            let e = match run_with(&zero3(&dir, every), false, &opts(None, vec![Fault::NanWeights { step: 3 }])) {
+                Ok(_) => panic!("the run went on with NaN weights (optimizer on host: {optimizer_on_host})"),
+                Err(e) => e.to_string(),
+            };
+            assert!(e.contains("made the weights non-finite") && e.contains("slice of the weights (ZeRO-3)"), "{e}");
+            assert!(e.contains("global step 3"), "the message names the update: {e}");
+            assert_eq!(state(&dir)["global_step"], 2);
+            assert_all_finite(&dir.join("checkpoint"));
+            assert!(!dir.join("export").exists());
+        }
     }
-    let dir = tmp.path().join("z3-nan-weights");
-    let e = match run_with(&zero3(&dir, 1), false, &opts(None, vec![Fault::NanWeights { step: 3 }])) {
-        Ok(_) => panic!("the run went on with NaN weights"),
-        Err(e) => e.to_string(),
-    };
-    assert!(e.contains("made the weights non-finite") && e.contains("slice of the weights (ZeRO-3)"), "{e}");
-    assert_eq!(state(&dir)["global_step"], 2);
-    assert_all_finite(&dir.join("checkpoint"));
-    assert!(!dir.join("export").exists());
     Ok(())
 }

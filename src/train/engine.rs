@@ -334,6 +334,7 @@ impl Engine {
 
         // 1. forward, graph-free; keep layer inputs.
         let pass = LayerPass { rope: &rope, attn, chunks: &chunks, prof: &self.prof, dev: &dev };
+        self.prof.time(Phase::Optimizer, &dev, || hooks.prepare(0))?;
         let mut x = self.prof.time(Phase::Copies, &dev, || match self.unit_weights(hooks, 0)? {
             None => self.plain.embed(ids),
             Some(mut w) => {
@@ -345,6 +346,7 @@ impl Engine {
         for l in 0..n_layers {
             self.prof.trace(&dev, || format!("forward layer {l}"))?;
             // The layer's weights (ZeRO-3: gathered, or brought from the host).
+            self.prof.time(Phase::Optimizer, &dev, || hooks.prepare(layer_unit(l)))?;
             let fetched = self.prof.time(Phase::Copies, &dev, || self.layer_from(hooks, l))?;
             let layer = fetched.as_ref().unwrap_or(&self.plain.layers[l]);
             let (y, sa) = pass.forward(layer, &x)?;
@@ -366,6 +368,7 @@ impl Engine {
         }
 
         self.prof.trace(&dev, || "head and loss".into())?;
+        self.prof.time(Phase::Optimizer, &dev, || hooks.prepare(tail))?;
         // 2. head + loss, chunked; dL/dx_L.
         let (mut gx, loss_sum) = self.prof.time(Phase::Loss, &dev, || match self.opts.layer_backward {
             LayerBackward::Explicit => {

@@ -45,11 +45,47 @@ impl GradBuffer {
 
     /// Set every gradient to zero, in place (the start of an optimizer step).
     pub fn zero(&self) -> Result<()> {
-        Ok(self.flat.zero_set()?)
+        zero_flat(&self.flat)
     }
 
     /// Bytes on the device.
     pub fn bytes(&self) -> usize {
         self.flat.elem_count() * 4
+    }
+}
+
+/// Candle's CUDA element-wise kernels (fill, cast, unary, binary) index with a 32-bit
+/// counter: over 2^32 or more elements the loop never ends (the GPU spins, the step never
+/// finishes). A 7B model's flat f32 gradient is 6.7e9 elements, so every whole-buffer
+/// Candle op on it goes through pieces of at most this many elements.
+pub const CANDLE_MAX_ELEMS: usize = 1 << 30;
+
+/// Set the 1-D tensor `t` to zero in place, [`CANDLE_MAX_ELEMS`] elements at a time.
+pub fn zero_flat(t: &Tensor) -> Result<()> {
+    zero_in_pieces(t, CANDLE_MAX_ELEMS)
+}
+
+fn zero_in_pieces(t: &Tensor, piece: usize) -> Result<()> {
+    let n = t.elem_count();
+    let mut at = 0;
+    while at < n {
+        let len = piece.min(n - at);
+        t.narrow(0, at, len)?.zero_set()?;
+        at += len;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zeroing_in_pieces_reaches_every_element() {
+        for n in [1usize, 6, 7, 9] {
+            let t = Tensor::arange(1f32, n as f32 + 1.0, &Device::Cpu).unwrap();
+            zero_in_pieces(&t, 3).unwrap();
+            assert_eq!(t.to_vec1::<f32>().unwrap(), vec![0.0; n], "n = {n}");
+        }
     }
 }

@@ -105,8 +105,11 @@ impl AdamW {
     }
 
     /// The update of elements `[lo, lo + grad.len())` of the shard (see
-    /// [`AdamW::update_into`]), for a step begun with [`AdamW::begin_step`].
-    pub fn apply_range<P: HostElem>(&mut self, k: &StepConsts, lo: usize, grad: &[f32], copy: Option<&mut [P]>) {
+    /// [`AdamW::update_into`]), for a step begun with [`AdamW::begin_step`]. Returns
+    /// whether every new weight written to `copy` is finite (true without a copy): the
+    /// numeric guard of an update whose weights never leave host memory, checked in the
+    /// same pass rather than by reading them again.
+    pub fn apply_range<P: HostElem>(&mut self, k: &StepConsts, lo: usize, grad: &[f32], copy: Option<&mut [P]>) -> bool {
         let n = grad.len();
         assert!(lo + n <= self.master.len(), "gradient piece past the shard");
         let StepConsts { b1, b2, step_size, bc2_sqrt, eps, wd_lr, gscale } = *k;
@@ -115,7 +118,7 @@ impl AdamW {
         // Written branch-free over zipped slices (no bounds checks, the decay as a select)
         // so that it vectorises; the same f32 operations in the same order as before and
         // as the device kernel (`w − 0` leaves every w, −0 and NaN included, as it is).
-        let body = |c: usize, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], out: Option<&mut [P]>| {
+        let body = |c: usize, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], out: Option<&mut [P]>| -> bool {
             let mut dec = vec![false; w.len()];
             decay_flags(runs, lo + c * CHUNK, &mut dec);
             for ((((w, m), v), &g), &d) in w.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g).zip(&dec) {
@@ -126,11 +129,14 @@ impl AdamW {
                 *w -= if d { wd_lr * *w } else { 0.0 };
                 *w -= step_size * *m / denom;
             }
+            let mut finite = true;
             if let Some(o) = out {
                 for (o, &w) in o.iter_mut().zip(w.iter()) {
                     *o = P::from_f32(w);
+                    finite &= o.to_f64().is_finite();
                 }
             }
+            finite
         };
         let state = self.master[lo..lo + n]
             .par_chunks_mut(CHUNK)
@@ -141,9 +147,17 @@ impl AdamW {
         match copy {
             Some(out) => {
                 assert_eq!(out.len(), n, "weight copy length");
-                state.zip(out.par_chunks_mut(CHUNK)).for_each(|((c, (((w, m), v), g)), o)| body(c, w, m, v, g, Some(o)));
+                state
+                    .zip(out.par_chunks_mut(CHUNK))
+                    .map(|((c, (((w, m), v), g)), o)| body(c, w, m, v, g, Some(o)))
+                    .reduce(|| true, |a, b| a && b)
             }
-            None => state.for_each(|(c, (((w, m), v), g))| body(c, w, m, v, g, None)),
+            None => {
+                state.for_each(|(c, (((w, m), v), g))| {
+                    body(c, w, m, v, g, None);
+                });
+                true
+            }
         }
     }
 }

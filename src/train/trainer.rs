@@ -32,7 +32,7 @@ use crate::train::profile::Phase;
 use crate::train::rundir::{self, RunDirLock};
 pub use crate::train::stop::StopFlag;
 use crate::train::units::{ParamHooks, Partition};
-use crate::train::zero::{all_reduce_scalar, Out, ShardedAdamW};
+use crate::train::zero::{all_reduce_scalar, Deferred, Out, ShardedAdamW};
 use crate::train::zero3::{ParamStore, ShardedGrads, Zero3Hooks};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -399,6 +399,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
             );
         }
     } else {
+        run.settle_update()?;
         let whole = run.whole_weights()?; // gathered on every rank under ZeRO-3
         if is_main {
             run.export(&export_dir, whole)?;
@@ -455,6 +456,19 @@ struct RankRun<'a> {
     /// The global step at which the optimizer state last started fresh (a stage's
     /// `reset_optimizer`; 0 at the run's start), saved in the checkpoint.
     optimizer_since: u64,
+    /// ZeRO-3 with weights and optimizer state in host memory: the last step's update,
+    /// applied unit by unit during the next forward ([`ParamHooks::prepare`]) and settled
+    /// (its numeric guard included) before anything reads the weights or the state.
+    pending: Option<PendingUpdate>,
+}
+
+/// A host update begun at the end of a step, and what its guard's message needs.
+struct PendingUpdate {
+    d: Deferred,
+    /// "stage s step k/n (global step g)".
+    at: String,
+    grad_norm: f64,
+    lr: f64,
 }
 
 /// Where the engine's gradients go.
@@ -626,6 +640,7 @@ impl<'a> RankRun<'a> {
             skipped_in_row,
             last_checkpoint: (Instant::now(), sh.resume.map(|l| l.state.global_step)),
             optimizer_since: sh.resume.map_or(0, |l| l.state.optimizer_since_step),
+            pending: None,
         })
     }
 
@@ -639,6 +654,7 @@ impl<'a> RankRun<'a> {
 
     /// Groups, attention mode, token layout and data of stage `si`.
     fn stage_setup(&mut self, si: usize, stage: &Stage, first_step: u64, data: Option<DataState>) -> Result<StageRun> {
+        self.settle_update()?; // (a stage may reset the optimizer below)
         let (cfg, mcfg) = (self.sh.cfg, &self.sh.model.cfg);
         let mode = stage.parallel_mode.unwrap_or(cfg.parallel.mode);
         let chunk = stage.fpdt_chunk_size.unwrap_or(cfg.parallel.fpdt_chunk_size);
@@ -748,8 +764,11 @@ impl<'a> RankRun<'a> {
                 b
             }
             Grads::Sharded(g) => {
-                g.zero()?;
-                zero3 = Zero3Hooks { store: self.store.as_ref(), grads: g };
+                if self.pending.is_none() {
+                    g.zero()?; // else each unit's slice is zeroed once the pending update read it
+                }
+                let update = self.pending.as_mut().map(|p| std::cell::RefCell::new((&mut self.optim, &mut p.d)));
+                zero3 = Zero3Hooks { store: self.store.as_ref(), grads: g, update };
                 &zero3
             }
         };
@@ -782,6 +801,7 @@ impl<'a> RankRun<'a> {
         let global_count = all_reduce_scalar(&self.world, local_count as f64, &sh.device)?;
         let scale = if global_count > 0.0 { 1.0 / global_count } else { 0.0 };
         let (mut loss_sum, engine_seconds) = self.forward_backward(st, stage, &micro, scale)?;
+        self.settle_update()?; // the previous step's deferred update: applied in the forward, guarded now
         let (rank, next) = (self.world.rank(), self.global_step + 1);
         if sh.opts.faults.contains(&Fault::NanLoss { rank, step: next }) {
             loss_sum = f64::NAN;
@@ -798,8 +818,16 @@ impl<'a> RankRun<'a> {
         self.inject_nan_gradient()?;
         // A non-finite loss (the same on every rank) skips the update like a non-finite
         // gradient norm does inside the optimizer step.
+        let defer = self.store.as_ref().is_some_and(ParamStore::on_host) && self.optim.on_host();
+        let mut deferred = None;
         let (norm, skipped) = if loss.is_finite() {
             let stats = self.engine.profiler().time(Phase::Optimizer, &sh.device, || {
+                if let (true, Grads::Sharded(g)) = (defer, &self.grads) {
+                    // Norm and clip now; the AdamW pass during the next step's forward.
+                    let (stats, d) = self.optim.begin_deferred(&self.world, g.shard(), lr, t.clip_grad)?;
+                    deferred = d;
+                    return Ok(stats);
+                }
                 let gshard = match &self.grads {
                     // Stage 0: every rank sums the whole gradient and updates the whole state.
                     Grads::Full(b) if cfg.train.zero_stage == 0 && self.world.world() > 1 => self.world.all_reduce_sum(b.flat())?,
@@ -817,6 +845,13 @@ impl<'a> RankRun<'a> {
             (f64::NAN, true)
         };
         self.global_step += 1;
+        if let Some(mut d) = deferred {
+            if sh.opts.faults.contains(&Fault::NanWeights { step: self.global_step }) {
+                d.poison();
+            }
+            let at = format!("stage {si} step {}/{} (global step {})", step + 1, stage.steps, self.global_step);
+            self.pending = Some(PendingUpdate { d, at, grad_norm: norm, lr });
+        }
         let s = &st.settings;
         let tokens = (s.batch_size * s.gradient_accumulate_every * st.dp * stage.seq_length) as u64;
         self.total_tokens += tokens;
@@ -887,6 +922,9 @@ impl<'a> RankRun<'a> {
             }
             return Ok(());
         }
+        if self.pending.is_some() {
+            return Ok(()); // guarded when it is settled (`settle_update`)
+        }
         self.inject_nan_weights()?;
         if let Some(bad) = self.first_non_finite_weight()? {
             return Err(Error::Diverged(format!(
@@ -894,6 +932,33 @@ impl<'a> RankRun<'a> {
                  lower the learning rate or raise clipping, then --resume",
                 l.grad_norm,
                 l.lr,
+                self.kept_checkpoint()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Finish the pending deferred update (the units the forward did not reach, if any)
+    /// and apply its guard: a non-finite new weight on any rank aborts the run before
+    /// anything is written, as [`Self::after_update`] does for an update applied at once.
+    fn settle_update(&mut self) -> Result<()> {
+        let Some(mut p) = self.pending.take() else { return Ok(()) };
+        if let (Grads::Sharded(g), Some(store)) = (&self.grads, &self.store) {
+            if !p.d.is_done(g.units()) {
+                let optim = &mut self.optim;
+                self.engine.profiler().time(Phase::Optimizer, &self.sh.device, || {
+                    store.with_host_mut(|h| optim.advance(&mut p.d, usize::MAX, g.shard(), h, |v| g.zero_unit(v)))
+                })?;
+            }
+        }
+        let bad = all_reduce_scalar(&self.world, f64::from(u8::from(!p.d.all_finite())), &self.sh.device)?;
+        if bad > 0.0 {
+            return Err(Error::Diverged(format!(
+                "the update of {} made the weights non-finite (first: {bad} rank(s)' slice of the weights (ZeRO-3); gradient norm {}, \
+                 lr {:.3e}); nothing was written: {}; lower the learning rate or raise clipping, then --resume",
+                p.at,
+                p.grad_norm,
+                p.lr,
                 self.kept_checkpoint()
             )));
         }
@@ -1003,6 +1068,7 @@ impl RankRun<'_> {
     /// optimizer shard and the weights for non-finite values and all agree (all-reduce):
     /// a bad state aborts the run and leaves the previous checkpoint in place.
     fn save_checkpoint(&mut self, stage: usize, stage_step: u64, data: Option<DataState>) -> Result<()> {
+        self.settle_update()?;
         self.optim.sync_to_host()?;
         let rank = self.world.rank();
         let bad_weight = self.first_non_finite_weight()?;

@@ -183,6 +183,12 @@ pub fn layer_unit(l: usize) -> usize {
 /// once unit `u`'s gradients of this micro-batch are complete (top layer first; the
 /// embedding last). The model's own weights and a [`GradBuffer`] are the plain case.
 pub trait ParamHooks {
+    /// Make unit `u`'s weights current before the forward first uses them (ZeRO-3 with the
+    /// weights and optimizer on the host applies the previous step's update here, unit by
+    /// unit, while the GPU runs the units before). The engine times it as the optimizer.
+    fn prepare(&self, _u: usize) -> Result<()> {
+        Ok(())
+    }
     /// Unit `u`'s parameters on the device, in parameter order; `None`: the model's own.
     fn weights(&self, _u: usize) -> Result<Option<Vec<Tensor>>> {
         Ok(None)

@@ -22,7 +22,7 @@ use crate::{Error, Result};
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use longctx_attention::comm::Comm;
 use longctx_attention::stash::Stash;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 /// This rank's part of the optimizer.
@@ -195,22 +195,122 @@ impl ShardedAdamW {
                 return Err(Error::Setting(format!("{} parameters for an optimizer over {}", p.len(), self.part.sizes.len())));
             }
         }
-        // 2. Global norm.
-        let local = sum_sq(gshard)?;
-        let grad_norm = if self.part.world > 1 { all_reduce_scalar(comm, local, gshard.device())? } else { local }.sqrt();
-        if !grad_norm.is_finite() {
-            // The same value on every rank: all skip this update together (the trainer
-            // counts it and aborts after too many in a row).
+        let (grad_norm, coef) = self.norm_and_clip(comm, gshard, clip)?;
+        let Some(coef) = coef else {
             return Ok(StepStats { grad_norm, skipped: true });
-        }
+        };
         // 3. Clip and update; 4. the new weights in the run dtype.
-        let coef = if clip > 0.0 && grad_norm > clip { clip / (grad_norm + 1e-6) } else { 1.0 };
         if self.device.is_some() {
             self.device_update(comm, gshard, out, lr, coef, dtype)?;
         } else {
             self.host_update(comm, gshard, out, lr, coef, (dtype, device))?;
         }
         Ok(StepStats { grad_norm, skipped: false })
+    }
+
+    /// 2. The global norm of the gradient slices, and the clip factor (`None`: the norm
+    /// is not finite — the same value on every rank, so all skip this update together;
+    /// the trainer counts it and aborts after too many in a row).
+    fn norm_and_clip(&self, comm: &Arc<dyn Comm>, gshard: &Tensor, clip: f64) -> Result<(f64, Option<f64>)> {
+        let local = sum_sq(gshard)?;
+        let grad_norm = if self.part.world > 1 { all_reduce_scalar(comm, local, gshard.device())? } else { local }.sqrt();
+        if !grad_norm.is_finite() {
+            return Ok((grad_norm, None));
+        }
+        Ok((grad_norm, Some(if clip > 0.0 && grad_norm > clip { clip / (grad_norm + 1e-6) } else { 1.0 })))
+    }
+
+    /// Steps 1–2 of a host update whose AdamW pass runs later, unit by unit
+    /// ([`Self::advance`]): ZeRO-3 with the weights and the optimizer state both in host
+    /// memory, where nothing of the update goes back to the GPU. The trainer applies unit
+    /// `u` just before the next step's forward needs its weights, so the pass runs while
+    /// the GPU computes the layers before it. The result is exactly [`Self::step`]'s.
+    /// `None` with the stats: the update is skipped (non-finite norm).
+    pub fn begin_deferred(&mut self, comm: &Arc<dyn Comm>, gshard: &Tensor, lr: f64, clip: f64) -> Result<(StepStats, Option<Deferred>)> {
+        self.check(comm)?;
+        if self.device.is_some() {
+            return Err(Error::Setting("a deferred update needs the optimizer state in host memory".into()));
+        }
+        if gshard.elem_count() != self.shard_len {
+            return Err(Error::Setting(format!("gradient slice of {} elements for a shard of {}", gshard.elem_count(), self.shard_len)));
+        }
+        let (grad_norm, coef) = self.norm_and_clip(comm, gshard, clip)?;
+        let Some(coef) = coef else {
+            return Ok((StepStats { grad_norm, skipped: true }, None));
+        };
+        let k = self.host.begin_step(lr, coef as f32);
+        let d = Deferred { k, next: 0, parked_to: 0, parked: VecDeque::new(), finite: true, poison: false };
+        Ok((StepStats { grad_norm, skipped: false }, Some(d)))
+    }
+
+    /// Apply a deferred update ([`Self::begin_deferred`]) to every unit up to `upto`
+    /// (inclusive; units before it that are not yet applied first), writing the new weights
+    /// into this rank's host shard `out`. The gradient pieces of the next
+    /// [`DEFER_LOOKAHEAD`] units start their copies to host memory first, so they arrive
+    /// while this unit is updated; `unit_done(u)` is called once unit `u`'s gradient has
+    /// been read (its slice may then be overwritten).
+    pub fn advance(
+        &mut self,
+        d: &mut Deferred,
+        upto: usize,
+        gshard: &Tensor,
+        mut out: HostWeightsMut<'_>,
+        mut unit_done: impl FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        match &mut out {
+            HostWeightsMut::BF16(v) => self.advance_as(d, upto, gshard, v, &mut unit_done),
+            HostWeightsMut::F16(v) => self.advance_as(d, upto, gshard, v, &mut unit_done),
+            HostWeightsMut::F32(v) => self.advance_as(d, upto, gshard, v, &mut unit_done),
+        }
+    }
+
+    fn advance_as<P: HostElem>(
+        &mut self,
+        d: &mut Deferred,
+        upto: usize,
+        gshard: &Tensor,
+        out: &mut [P],
+        unit_done: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        let units = self.part.units.len();
+        if out.len() != self.shard_len {
+            return Err(Error::Setting(format!(
+                "host weight shard of {} elements for an optimizer shard of {}",
+                out.len(),
+                self.shard_len
+            )));
+        }
+        // Copies outrun the update by a few units: the views stay valid (the gradient is
+        // not touched until `unit_done`), so nothing needs the compute stream to wait.
+        self.stash.set_max_pending(usize::MAX);
+        if d.poison && d.next == 0 {
+            if let Some(w) = self.host.master.first_mut() {
+                *w = f32::NAN; // fault injection: this update's first weight goes NaN
+            }
+        }
+        while d.next <= upto.min(units.saturating_sub(1)) && d.next < units {
+            let u = d.next;
+            while d.parked_to < units && d.parked_to <= u + DEFER_LOOKAHEAD {
+                let unit = &self.part.units[d.parked_to];
+                let mut at = 0;
+                while at < unit.shard {
+                    let len = HOST_PIECE.min(unit.shard - at);
+                    let piece = self.stash.park(&gshard.narrow(0, unit.shard_off + at, len)?)?;
+                    d.parked.push_back((d.parked_to, unit.shard_off + at, len, piece));
+                    at += len;
+                }
+                d.parked_to += 1;
+            }
+            while d.parked.front().is_some_and(|p| p.0 == u) {
+                let (_, lo, len, piece) = d.parked.pop_front().ok_or_else(|| Error::Setting("deferred update: piece missing".into()))?;
+                let host = &mut self.host;
+                let k = &d.k;
+                d.finite &= piece.with_host_f32(|g| host.apply_range(k, lo, g, Some(&mut out[lo..lo + len])))?;
+            }
+            unit_done(u)?;
+            d.next += 1;
+        }
+        Ok(())
     }
 
     fn check(&self, comm: &Arc<dyn Comm>) -> Result<()> {
@@ -294,15 +394,21 @@ impl ShardedAdamW {
         }
     }
 
-    fn host_pass<P: PieceElem>(
+    fn host_pass<P: HostElem>(
         &mut self,
         comm: &Arc<dyn Comm>,
         gshard: &Tensor,
-        mut out: Out<'_>,
+        out: Out<'_>,
         lr: f64,
         coef: f64,
         device: &Device,
     ) -> Result<()> {
+        if let Out::HostShard(h) = out {
+            // Weights and state both on the host: the deferred pass, applied at once.
+            let k = self.host.begin_step(lr, coef as f32);
+            let mut d = Deferred { k, next: 0, parked_to: 0, parked: VecDeque::new(), finite: true, poison: false };
+            return self.advance(&mut d, usize::MAX, gshard, h, |_| Ok(()));
+        }
         let k = self.host.begin_step(lr, coef as f32);
         let part = self.part.clone();
         // (unit, offset in the unit's slice, length), in order.
@@ -331,11 +437,6 @@ impl ShardedAdamW {
             let unit = &part.units[u];
             let lo = unit.shard_off + at;
             let host = &mut self.host;
-            if let Out::HostShard(h) = &mut out {
-                let dst = P::host(h).ok_or_else(|| Error::Setting("host optimizer: shard dtype differs from the run's".into()))?;
-                cur.with_host_f32(|g| host.apply_range(&k, lo, g, Some(&mut dst[lo..lo + len])))?;
-                continue;
-            }
             buf.resize(len, P::from_f32(0.0));
             cur.with_host_f32(|g| host.apply_range(&k, lo, g, Some(&mut buf[..len])))?;
             match &out {
@@ -401,6 +502,11 @@ impl ShardedAdamW {
         Ok(())
     }
 
+    /// The state lives in host memory (the host update), not on a GPU.
+    pub fn on_host(&self) -> bool {
+        self.device.is_none()
+    }
+
     /// AdamW steps taken.
     pub fn steps(&self) -> u64 {
         self.host.step
@@ -410,35 +516,42 @@ impl ShardedAdamW {
 /// Elements the host optimizer updates at a time (64 Mi: 256 MiB of gradient).
 pub const HOST_PIECE: usize = 1 << 26;
 
-/// A run dtype of the host update, and its slice of a host shard.
-trait PieceElem: HostElem {
-    fn host<'s>(w: &'s mut HostWeightsMut<'_>) -> Option<&'s mut [Self]>;
+/// Units whose gradient copies a deferred update starts ahead of the one it applies
+/// (a 7B layer is 0.8 GB of f32 gradient: three units in flight hold 2.4 GB of pinned
+/// memory). Two: the copy of a unit waits for the compute queued before it, so one unit
+/// ahead would make the update wait for the GPU's previous layer.
+pub const DEFER_LOOKAHEAD: usize = 2;
+
+/// A host update begun by [`ShardedAdamW::begin_deferred`] and applied unit by unit by
+/// [`ShardedAdamW::advance`].
+pub struct Deferred {
+    k: crate::train::optim::StepConsts,
+    /// Units `< next` are applied.
+    next: usize,
+    /// Units `< parked_to` have their gradient pieces parked (or applied).
+    parked_to: usize,
+    /// (unit, offset in the shard, length, the piece on its way to host memory), in order.
+    parked: VecDeque<(usize, usize, usize, longctx_attention::stash::Parked)>,
+    /// Every new weight written so far is finite.
+    finite: bool,
+    /// Fault injection: make this rank's first master weight NaN before the first unit.
+    poison: bool,
 }
 
-impl PieceElem for half::bf16 {
-    fn host<'s>(w: &'s mut HostWeightsMut<'_>) -> Option<&'s mut [Self]> {
-        match w {
-            HostWeightsMut::BF16(v) => Some(v),
-            _ => None,
-        }
+impl Deferred {
+    /// Every unit is applied.
+    pub fn is_done(&self, units: usize) -> bool {
+        self.next >= units
     }
-}
 
-impl PieceElem for half::f16 {
-    fn host<'s>(w: &'s mut HostWeightsMut<'_>) -> Option<&'s mut [Self]> {
-        match w {
-            HostWeightsMut::F16(v) => Some(v),
-            _ => None,
-        }
+    /// Every new weight written was finite (the guard of an applied update).
+    pub fn all_finite(&self) -> bool {
+        self.finite
     }
-}
 
-impl PieceElem for f32 {
-    fn host<'s>(w: &'s mut HostWeightsMut<'_>) -> Option<&'s mut [Self]> {
-        match w {
-            HostWeightsMut::F32(v) => Some(v),
-            _ => None,
-        }
+    /// Fault injection ([`crate::train::trainer::Fault::NanWeights`]): this update writes a NaN weight.
+    pub fn poison(&mut self) {
+        self.poison = true;
     }
 }
 
@@ -509,6 +622,69 @@ pub fn all_reduce_scalar(comm: &Arc<dyn Comm>, x: f64, device: &Device) -> Resul
 mod tests {
     use super::*;
     use longctx_attention::comm::thread::run_ranks;
+
+    /// A deferred update applied unit by unit: the units reached so far hold their new
+    /// weights and the rest their old ones, `unit_done` comes once per unit in order, and
+    /// the finished update equals the optimizer-on-device step bit for bit (the same f32
+    /// operations in the same order). A poisoned update reports a non-finite weight.
+    #[test]
+    fn a_deferred_update_applies_unit_by_unit_and_equals_the_step() {
+        let sizes = [6usize, 10, 4];
+        let meta: Vec<(String, Shape)> =
+            vec![("a".into(), Shape::from((2, 3))), ("b".into(), Shape::from((2, 5))), ("c".into(), Shape::from(4))];
+        let start: HashMap<String, Tensor> = meta
+            .iter()
+            .enumerate()
+            .map(|(p, (n, sh))| {
+                let v: Vec<f32> = (0..sh.elem_count()).map(|i| 0.1 * (p as f32 + 1.0) - 0.01 * i as f32).collect();
+                (n.clone(), Tensor::from_vec(v, sh.clone(), &Device::Cpu).unwrap())
+            })
+            .collect();
+        run_ranks(1, |comm| {
+            deferred_case(&comm, &sizes, &meta, &start);
+            Ok(())
+        })
+        .unwrap();
+    }
+
+    fn deferred_case(comm: &Arc<dyn Comm>, sizes: &[usize], meta: &[(String, Shape)], start: &HashMap<String, Tensor>) {
+        let part = || Partition::new(sizes, vec![0..1, 1..2, 2..3], (0, 1)).unwrap();
+        let grad: Vec<f32> = (0..20).map(|i| g(0, i % 3, i, 0)).collect();
+        let gshard = Tensor::from_vec(grad, 20, &Device::Cpu).unwrap();
+        let first: Vec<f32> = meta.iter().flat_map(|(n, _)| start[n].flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect();
+        let (lr, clip) = (1e-2, 0.5); // clipping active
+
+        let mut host = ShardedAdamW::new(AdamWConfig::default(), meta, start, part(), None, None).unwrap();
+        let mut out = first.clone();
+        let (stats, d) = host.begin_deferred(comm, &gshard, lr, clip).unwrap();
+        let mut d = d.expect("a finite norm");
+        assert!(!stats.skipped && stats.grad_norm > clip);
+        let mut done = Vec::new();
+        host.advance(&mut d, 1, &gshard, HostWeightsMut::F32(&mut out), |u| Ok(done.push(u))).unwrap();
+        assert_eq!(done, [0, 1]);
+        assert!(out[..16].iter().zip(&first).all(|(a, b)| a != b), "units 0 and 1 are updated");
+        assert_eq!(out[16..], first[16..], "unit 2 is not updated yet");
+        assert!(!d.is_done(3));
+        host.advance(&mut d, usize::MAX, &gshard, HostWeightsMut::F32(&mut out), |u| Ok(done.push(u))).unwrap();
+        assert_eq!(done, [0, 1, 2]);
+        assert!(d.is_done(3) && d.all_finite());
+
+        let mut dev = ShardedAdamW::new(AdamWConfig::default(), meta, start, part(), Some(&Device::Cpu), None).unwrap();
+        let shard = Tensor::zeros(20, DType::F32, &Device::Cpu).unwrap();
+        let st = dev.step(comm, &gshard, Out::Shard(&shard), lr, clip, (DType::F32, &Device::Cpu)).unwrap();
+        assert_eq!(st.grad_norm, stats.grad_norm);
+        let want = shard.to_vec1::<f32>().unwrap();
+        for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+            assert_eq!(a.to_bits(), b.to_bits(), "element {i}: deferred {a} vs step {b}");
+        }
+
+        let mut bad = ShardedAdamW::new(AdamWConfig::default(), meta, start, part(), None, None).unwrap();
+        let mut out = first.clone();
+        let mut d = bad.begin_deferred(comm, &gshard, lr, clip).unwrap().1.unwrap();
+        d.poison();
+        bad.advance(&mut d, usize::MAX, &gshard, HostWeightsMut::F32(&mut out), |_| Ok(())).unwrap();
+        assert!(!d.all_finite() && out[0].is_nan());
+    }
 
     /// Rank `r`'s gradient of parameter `p`, element `i`, step `s` (deterministic, signed).
     fn g(r: usize, p: usize, i: usize, s: usize) -> f32 {

@@ -119,7 +119,9 @@ fn host_slices<P: crate::train::optim::HostElem>(
 /// Where a rank's slice of the weights lives.
 enum ShardHome {
     Device(Tensor),
-    Host(HostWeights),
+    /// In a cell: a deferred optimizer update writes one unit while the engine reads
+    /// another (`ParamStore::with_host_mut`, one thread).
+    Host(std::cell::RefCell<HostWeights>),
 }
 
 /// This rank's slices of the weights (stage 3).
@@ -158,10 +160,14 @@ impl ParamStore {
             DType::F32 => HostWeights::F32(host_slices(&part, params, weights)?),
             other => return Err(Error::Setting(format!("ZeRO-3: weights of dtype {other:?} are not supported"))),
         };
-        let mut shard = if offload { ShardHome::Host(host) } else { ShardHome::Device(host.to_tensor(0, part.shard_len(), dev)?) };
+        let mut shard = if offload {
+            ShardHome::Host(std::cell::RefCell::new(host))
+        } else {
+            ShardHome::Device(host.to_tensor(0, part.shard_len(), dev)?)
+        };
         let _pin = match &mut shard {
             ShardHome::Host(h) => {
-                let (ptr, len) = h.raw_bytes();
+                let (ptr, len) = h.get_mut().raw_bytes();
                 // SAFETY: the vector is never resized and outlives the guard (field order).
                 match unsafe { longctx_attention::stash::HostPin::register(dev, ptr, len) } {
                     Ok(pin) => pin,
@@ -181,7 +187,19 @@ impl ParamStore {
     pub fn out(&mut self) -> crate::train::zero::Out<'_> {
         match &mut self.shard {
             ShardHome::Device(t) => crate::train::zero::Out::Shard(t),
-            ShardHome::Host(h) => crate::train::zero::Out::HostShard(h.as_mut()),
+            ShardHome::Host(h) => crate::train::zero::Out::HostShard(h.get_mut().as_mut()),
+        }
+    }
+
+    /// The host shard lent to `f` (a deferred optimizer update writing units the engine
+    /// does not read meanwhile); an error when the shard is on the device or already lent.
+    pub fn with_host_mut<R>(&self, f: impl FnOnce(HostWeightsMut<'_>) -> Result<R>) -> Result<R> {
+        match &self.shard {
+            ShardHome::Host(h) => {
+                let mut h = h.try_borrow_mut().map_err(|_| Error::Setting("ZeRO-3: the host weight shard is already lent".into()))?;
+                f(h.as_mut())
+            }
+            ShardHome::Device(_) => Err(Error::Setting("ZeRO-3: a host update of weights that live on the device".into())),
         }
     }
 
@@ -189,7 +207,7 @@ impl ParamStore {
     pub fn any_non_finite(&self) -> Result<bool> {
         match &self.shard {
             ShardHome::Device(t) => Ok(!crate::guard::finite_flags(std::slice::from_ref(t))?.iter().all(|ok| *ok)),
-            ShardHome::Host(h) => Ok(h.any_non_finite()),
+            ShardHome::Host(h) => Ok(h.borrow().any_non_finite()),
         }
     }
 
@@ -197,9 +215,11 @@ impl ParamStore {
     pub fn poison(&mut self) -> Result<()> {
         match &mut self.shard {
             ShardHome::Device(t) => t.slice_set(&t.narrow(0, 0, 1)?.affine(f64::NAN, 0.0)?, 0, 0)?,
-            ShardHome::Host(HostWeights::BF16(v)) => v[0] = half::bf16::NAN,
-            ShardHome::Host(HostWeights::F16(v)) => v[0] = half::f16::NAN,
-            ShardHome::Host(HostWeights::F32(v)) => v[0] = f32::NAN,
+            ShardHome::Host(h) => match h.get_mut() {
+                HostWeights::BF16(v) => v[0] = half::bf16::NAN,
+                HostWeights::F16(v) => v[0] = half::f16::NAN,
+                HostWeights::F32(v) => v[0] = f32::NAN,
+            },
         }
         Ok(())
     }
@@ -210,7 +230,7 @@ impl ParamStore {
         let unit = &self.part.units[u];
         let mine = match &self.shard {
             ShardHome::Device(t) => t.narrow(0, unit.shard_off, unit.shard)?,
-            ShardHome::Host(h) => h.to_tensor(unit.shard_off, unit.shard, &self.dev)?,
+            ShardHome::Host(h) => h.borrow().to_tensor(unit.shard_off, unit.shard, &self.dev)?,
         };
         let full = if self.part.world > 1 { Tensor::cat(&self.comm.all_gather(&mine)?, 0)? } else { mine };
         self.part.split_unit(u, &full)?.into_iter().map(|(p, t)| Ok(t.reshape(self.shapes[p].clone())?)).collect()
@@ -232,7 +252,7 @@ impl ParamStore {
     pub fn bytes(&self) -> usize {
         match &self.shard {
             ShardHome::Device(t) => t.elem_count() * t.dtype().size_in_bytes(),
-            ShardHome::Host(h) => h.bytes(),
+            ShardHome::Host(h) => h.borrow().bytes(),
         }
     }
 
@@ -286,7 +306,18 @@ impl ShardedGrads {
 
     /// Zero the shard (the start of an optimizer step).
     pub fn zero(&self) -> Result<()> {
-        Ok(self.shard.zero_set()?)
+        crate::train::grads::zero_flat(&self.shard)
+    }
+
+    /// Zero unit `u`'s slice of the shard (a deferred update has read it).
+    pub fn zero_unit(&self, u: usize) -> Result<()> {
+        let unit = &self.part.units[u];
+        Ok(self.shard.narrow(0, unit.shard_off, unit.shard)?.zero_set()?)
+    }
+
+    /// Units of the partition.
+    pub fn units(&self) -> usize {
+        self.part.units.len()
     }
 
     /// Bytes on the device: the shard and the two scratch buffers.
@@ -316,9 +347,29 @@ impl ShardedGrads {
 pub struct Zero3Hooks<'a> {
     pub store: Option<&'a ParamStore>,
     pub grads: &'a ShardedGrads,
+    /// The previous step's host update, still to apply (weights and optimizer state in
+    /// host memory): unit `u` is applied when the forward first asks for it
+    /// ([`ParamHooks::prepare`]), and its gradient slice zeroed then.
+    pub update: Option<std::cell::RefCell<(&'a mut crate::train::zero::ShardedAdamW, &'a mut crate::train::zero::Deferred)>>,
+}
+
+impl Zero3Hooks<'_> {
+    /// Apply the pending update to every unit up to `u`.
+    pub fn apply_upto(&self, u: usize) -> Result<()> {
+        let (Some(cell), Some(store)) = (&self.update, self.store) else { return Ok(()) };
+        let mut lent = cell.try_borrow_mut().map_err(|_| Error::Setting("ZeRO-3: the deferred update is already running".into()))?;
+        let (optim, d) = &mut *lent;
+        if d.is_done(self.grads.units()) {
+            return Ok(());
+        }
+        store.with_host_mut(|h| optim.advance(d, u, self.grads.shard(), h, |v| self.grads.zero_unit(v)))
+    }
 }
 
 impl ParamHooks for Zero3Hooks<'_> {
+    fn prepare(&self, u: usize) -> Result<()> {
+        self.apply_upto(u)
+    }
     fn weights(&self, u: usize) -> Result<Option<Vec<Tensor>>> {
         self.store.map(|s| s.fetch(u)).transpose()
     }
@@ -326,6 +377,8 @@ impl ParamHooks for Zero3Hooks<'_> {
         &self.grads.slots
     }
     fn grads_done(&self, u: usize) -> Result<()> {
+        // The backward adds into the shard: every unit's update must have read it first.
+        self.apply_upto(usize::MAX)?;
         self.grads.done(u)
     }
 }
