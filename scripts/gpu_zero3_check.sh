@@ -18,7 +18,9 @@ if [[ $BIN == *.gz ]]; then gunzip -c "$BIN" > /tmp/longctx-z3 && chmod +x /tmp/
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 S=$OUTDIR/summary.txt
 echo "cores $(nproc); $(free -g | awk '/Mem:/ {print $2 " GiB host memory, " $7 " GiB available"}')" >> "$S"
-printf '[train]\nprofile = true\ntrace = true\n' > /tmp/z3-prof.toml
+# TRACE=1 adds train.trace (a line per layer and phase; it waits for the GPU at each, so
+# the host update no longer overlaps the forward: for finding a stall, not for timing).
+printf '[train]\nprofile = true\ntrace = %s\n' "$( [ "${TRACE:-0}" = 1 ] && echo true || echo false )" > /tmp/z3-prof.toml
 M=builtin:llama2-7b-shape
 ZERO=(--zero-stage 3 --offload-params --optimizer-on-host)
 run7b() { # name seq steps extra-flags...
