@@ -346,6 +346,29 @@ fn planner_figures_equal_the_engine_report() -> longctx::Result<()> {
     Ok(())
 }
 
+/// ZeRO-3 hooks that also record each unit asked for and the store's guess of the next.
+struct Recording<'a> {
+    inner: longctx::train::zero3::Zero3Hooks<'a>,
+    store: &'a longctx::train::zero3::ParamStore,
+    seen: std::cell::RefCell<Vec<(usize, Option<usize>)>>,
+}
+
+impl longctx::train::units::ParamHooks for Recording<'_> {
+    fn prepare(&self, u: usize) -> longctx::Result<()> {
+        self.inner.prepare(u)
+    }
+    fn weights(&self, u: usize) -> longctx::Result<Option<Vec<Tensor>>> {
+        self.seen.borrow_mut().push((u, self.store.next_after(u)));
+        self.inner.weights(u)
+    }
+    fn grad_slots(&self) -> &[Tensor] {
+        self.inner.grad_slots()
+    }
+    fn grads_done(&self, u: usize) -> longctx::Result<()> {
+        self.inner.grads_done(u)
+    }
+}
+
 /// The engine over ZeRO-3 hooks (no resident weights: every unit's weights come from a
 /// `ParamStore`, its gradients go to per-unit scratch reduced into a shard) gives the
 /// resident engine's loss and gradients, tied and untied heads, two micro-batches
@@ -381,10 +404,25 @@ fn zero3_hooks_give_the_resident_gradients() -> longctx::Result<()> {
             let store =
                 ParamStore::new(part.clone(), &sharded.meta, &weights, DType::F32, (&Device::Cpu, true), comm.clone()).map_err(e)?;
             let grads = ShardedGrads::new(part, &meta_shapes, &Device::Cpu, comm.clone()).map_err(e)?;
-            let hooks = Zero3Hooks { store: Some(&store), grads: &grads };
+            let hooks = Recording {
+                inner: Zero3Hooks { store: Some(&store), grads: &grads, update: None },
+                store: &store,
+                seen: Default::default(),
+            };
             let mut loss = 0.0;
             for (ids, tg, pos) in &batches {
                 loss += sharded.step_into(ids, tg, pos, 12, &attn, 0.1, &hooks).map_err(e)?.loss_sum;
+                // The store's guess of the next unit (what it copies ahead) is the unit the
+                // engine asks for next: up through the forward and the head, down through
+                // the backward (which never needs the embedding). A tied head also asks for
+                // the embedding at the loss: one miss there, and one after it.
+                let seen = hooks.seen.take();
+                let asked: Vec<usize> = seen.iter().map(|s| s.0).collect();
+                let misses = seen.windows(2).filter(|w| w[0].1 != Some(w[1].0)).count();
+                assert_eq!(misses, if tied { 2 } else { 0 }, "tied {tied}: guesses {seen:?}");
+                assert_eq!(seen.last().map(|s| s.1), Some(None), "nothing guessed after the last layer's backward: {seen:?}");
+                let n = cfg.num_hidden_layers;
+                assert_eq!(asked.len(), 2 * n + 2 + usize::from(tied), "tied {tied}: {asked:?}");
             }
             Ok((loss, grads.shard().to_vec1::<f32>()?))
         })

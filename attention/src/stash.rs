@@ -186,6 +186,38 @@ impl Stash {
         }
     }
 
+    /// Start copying host elements `src` to `dev` as a tensor `[src.len()]`: on CUDA on the
+    /// copy stream (asynchronous when `src` is page-locked, e.g. by a [`HostPin`]), so it
+    /// runs under the compute queued before [`Fetched::ready`]; elsewhere a plain copy.
+    ///
+    /// # Safety
+    /// `src` must stay allocated and unchanged until the copy has run: until the host has
+    /// waited for work the compute stream queued after `ready` (or after dropping the
+    /// `Fetched`).
+    pub unsafe fn upload<T: candle_core::WithDType>(&mut self, src: &[T], dev: &Device) -> Result<Fetched> {
+        match dev {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(cdev) => {
+                if self.gpu.is_none() {
+                    let mut g = gpu::PinnedStash::new(cdev)?;
+                    g.max_pending = self.max_pending;
+                    self.gpu = Some(g);
+                }
+                let g = self.gpu.as_mut().ok_or_else(|| candle_core::Error::Msg("stash: no CUDA state".into()))?;
+                // SAFETY: plain bytes of `src` (any `WithDType` is plain old data); the
+                // caller keeps them unchanged until the copy has run.
+                let bytes = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), std::mem::size_of_val(src)) };
+                let (t, copied) = unsafe { g.upload(bytes, T::DTYPE, src.len(), cdev) }?;
+                Ok(Fetched { t: Some(t), wait: Some(copied) })
+            }
+            _ => Ok(Fetched {
+                t: Some(Tensor::from_slice(src, src.len(), dev)?),
+                #[cfg(feature = "cuda")]
+                wait: None,
+            }),
+        }
+    }
+
     /// Hand every parked tensor's device memory back (the compute stream waits for the
     /// copies first); call when no more parks follow for a while.
     pub fn settle(&mut self) -> Result<()> {
@@ -393,6 +425,22 @@ mod gpu {
             self.copy.memcpy_htod(src, &mut raw::bytes_mut(&mut dst)?).w()?;
             let done = Mark::record(&self.copy, self.compute.clone())?;
             Ok((raw::tensor(dst, p.shape.clone()), done))
+        }
+    }
+
+    impl PinnedStash {
+        /// Starts the copy of the host bytes `src` (`n` elements of `dt`) to `dev`.
+        ///
+        /// # Safety
+        /// As [`super::Stash::upload`]: `src` unchanged until the copy has run.
+        pub unsafe fn upload(&mut self, src: &[u8], dt: DType, n: usize, dev: &CudaDevice) -> Result<(Tensor, Mark)> {
+            // SAFETY: allocated in compute-stream order and written entirely by the copy
+            // below, which the compute stream waits for (`Fetched::ready`) before use.
+            let mut dst = unsafe { raw::alloc(&self.compute, dev, dt, n) }?;
+            self.copy.join(&self.compute).w()?;
+            self.copy.memcpy_htod(src, &mut raw::bytes_mut(&mut dst)?).w()?;
+            let done = Mark::record(&self.copy, self.compute.clone())?;
+            Ok((raw::tensor(dst, n), done))
         }
     }
 

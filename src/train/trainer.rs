@@ -845,6 +845,9 @@ impl<'a> RankRun<'a> {
             (f64::NAN, true)
         };
         self.global_step += 1;
+        if let (Some(_), Some(store)) = (&deferred, &self.store) {
+            store.drop_prefetch(); // a unit copied ahead in the backward holds the old weights
+        }
         if let Some(mut d) = deferred {
             if sh.opts.faults.contains(&Fault::NanWeights { step: self.global_step }) {
                 d.poison();

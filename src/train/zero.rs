@@ -544,6 +544,11 @@ impl Deferred {
         self.next >= units
     }
 
+    /// Unit `u` holds its new weights.
+    pub fn applied(&self, u: usize) -> bool {
+        u < self.next
+    }
+
     /// Every new weight written was finite (the guard of an applied update).
     pub fn all_finite(&self) -> bool {
         self.finite

@@ -19,6 +19,8 @@ use crate::train::units::{ParamHooks, Partition};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Shape, Tensor};
 use longctx_attention::comm::Comm;
+use longctx_attention::stash::{Fetched, Stash};
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -121,13 +123,20 @@ enum ShardHome {
     Device(Tensor),
     /// In a cell: a deferred optimizer update writes one unit while the engine reads
     /// another (`ParamStore::with_host_mut`, one thread).
-    Host(std::cell::RefCell<HostWeights>),
+    Host(RefCell<HostWeights>),
 }
 
 /// This rank's slices of the weights (stage 3).
 pub struct ParamStore {
     part: Partition,
     shapes: Vec<Shape>,
+    /// The unit the engine will ask for next, on its way to the device (host shard only):
+    /// copied on the stash's copy stream while the current unit computes. Declared before
+    /// the stash and the shard: dropped (waited for) before either goes.
+    ahead: RefCell<Option<(usize, Fetched)>>,
+    stash: RefCell<Stash>,
+    /// The layer or head unit fetched last (which way the engine walks the units).
+    last: Cell<Option<usize>>,
     /// The host shard page-locked in place (CUDA): each layer's copy to the GPU runs at
     /// DMA speed. Declared before `shard`, so it is released before the memory is freed.
     /// A copy from page-locked memory is asynchronous: it is queued on the compute stream
@@ -160,11 +169,8 @@ impl ParamStore {
             DType::F32 => HostWeights::F32(host_slices(&part, params, weights)?),
             other => return Err(Error::Setting(format!("ZeRO-3: weights of dtype {other:?} are not supported"))),
         };
-        let mut shard = if offload {
-            ShardHome::Host(std::cell::RefCell::new(host))
-        } else {
-            ShardHome::Device(host.to_tensor(0, part.shard_len(), dev)?)
-        };
+        let mut shard =
+            if offload { ShardHome::Host(RefCell::new(host)) } else { ShardHome::Device(host.to_tensor(0, part.shard_len(), dev)?) };
         let _pin = match &mut shard {
             ShardHome::Host(h) => {
                 let (ptr, len) = h.get_mut().raw_bytes();
@@ -180,11 +186,22 @@ impl ParamStore {
             ShardHome::Device(_) => None,
         };
         let shapes = params.iter().map(|(_, s)| s.clone()).collect();
-        Ok(Self { part, shapes, _pin, shard, dev: dev.clone(), comm })
+        Ok(Self {
+            part,
+            shapes,
+            ahead: RefCell::new(None),
+            stash: RefCell::new(Stash::new()),
+            last: Cell::new(None),
+            _pin,
+            shard,
+            dev: dev.clone(),
+            comm,
+        })
     }
 
     /// Where the optimizer writes its new slices (`[Σ L_u]`, run dtype).
     pub fn out(&mut self) -> crate::train::zero::Out<'_> {
+        self.drop_prefetch(); // the weights change
         match &mut self.shard {
             ShardHome::Device(t) => crate::train::zero::Out::Shard(t),
             ShardHome::Host(h) => crate::train::zero::Out::HostShard(h.get_mut().as_mut()),
@@ -230,10 +247,61 @@ impl ParamStore {
         let unit = &self.part.units[u];
         let mine = match &self.shard {
             ShardHome::Device(t) => t.narrow(0, unit.shard_off, unit.shard)?,
-            ShardHome::Host(h) => h.borrow().to_tensor(unit.shard_off, unit.shard, &self.dev)?,
+            ShardHome::Host(h) => match self.ahead.borrow_mut().take() {
+                Some((v, copy)) if v == u => copy.ready()?,
+                _ => h.borrow().to_tensor(unit.shard_off, unit.shard, &self.dev)?,
+            },
         };
+        if u > 0 {
+            self.last.set(Some(u)); // (a tied head's embedding, fetched at the loss, says nothing of the walk)
+        }
         let full = if self.part.world > 1 { Tensor::cat(&self.comm.all_gather(&mine)?, 0)? } else { mine };
         self.part.split_unit(u, &full)?.into_iter().map(|(p, t)| Ok(t.reshape(self.shapes[p].clone())?)).collect()
+    }
+
+    /// Start copying unit `u`'s slice to the device ahead of its [`Self::fetch`] (host shard
+    /// only; one unit ahead at most). The slice must hold its final weights for the step:
+    /// nothing writes it before that fetch (the caller's word; [`Self::out`] and
+    /// [`Self::drop_prefetch`] discard a copy made before an update).
+    pub fn prefetch(&self, u: usize) -> Result<()> {
+        let ShardHome::Host(h) = &self.shard else { return Ok(()) };
+        let Some(unit) = self.part.units.get(u) else { return Ok(()) };
+        if self.ahead.borrow().as_ref().is_some_and(|(v, _)| *v == u) {
+            return Ok(());
+        }
+        let h = h.try_borrow().map_err(|_| Error::Setting("ZeRO-3: the host weight shard is lent out".into()))?;
+        let (a, n) = (unit.shard_off, unit.shard);
+        let mut stash = self.stash.borrow_mut();
+        // SAFETY: the shard's vector lives as long as `self` (and `ahead` is dropped first);
+        // its slice of unit `u` is not written before the fetch that waits for this copy
+        // (the deferred update writes only units not yet applied, the optimizer's `out`
+        // drops the copy first).
+        let copy = unsafe {
+            match &*h {
+                HostWeights::BF16(v) => stash.upload(&v[a..a + n], &self.dev),
+                HostWeights::F16(v) => stash.upload(&v[a..a + n], &self.dev),
+                HostWeights::F32(v) => stash.upload(&v[a..a + n], &self.dev),
+            }
+        }?;
+        *self.ahead.borrow_mut() = Some((u, copy));
+        Ok(())
+    }
+
+    /// Discard a unit copied ahead (its weights are about to change).
+    pub fn drop_prefetch(&self) {
+        self.ahead.borrow_mut().take();
+    }
+
+    /// The unit the engine most likely asks for after `u`, from the way it walks: the
+    /// forward goes up from the embedding to the head, the backward down from the head to
+    /// the first layer (it never fetches the embedding).
+    pub fn next_after(&self, u: usize) -> Option<usize> {
+        let n = self.part.units.len();
+        let down = u + 1 == n || (u > 0 && self.last.get() == Some(u + 1));
+        match down {
+            true => (u > 1).then(|| u - 1),
+            false => (u + 1 < n).then_some(u + 1),
+        }
     }
 
     /// Every weight, whole, in host memory (collective), named as `names` (model order):
@@ -350,7 +418,7 @@ pub struct Zero3Hooks<'a> {
     /// The previous step's host update, still to apply (weights and optimizer state in
     /// host memory): unit `u` is applied when the forward first asks for it
     /// ([`ParamHooks::prepare`]), and its gradient slice zeroed then.
-    pub update: Option<std::cell::RefCell<(&'a mut crate::train::zero::ShardedAdamW, &'a mut crate::train::zero::Deferred)>>,
+    pub update: Option<RefCell<(&'a mut crate::train::zero::ShardedAdamW, &'a mut crate::train::zero::Deferred)>>,
 }
 
 impl Zero3Hooks<'_> {
@@ -364,14 +432,26 @@ impl Zero3Hooks<'_> {
         }
         store.with_host_mut(|h| optim.advance(d, u, self.grads.shard(), h, |v| self.grads.zero_unit(v)))
     }
+
+    /// Unit `u` holds this step's weights (no update of it still pending).
+    fn applied(&self, u: usize) -> bool {
+        self.update.as_ref().is_none_or(|c| c.try_borrow().is_ok_and(|lent| lent.1.applied(u)))
+    }
 }
 
 impl ParamHooks for Zero3Hooks<'_> {
     fn prepare(&self, u: usize) -> Result<()> {
-        self.apply_upto(u)
+        // One unit further than asked: the next unit is then ready to be copied ahead.
+        self.apply_upto(u.saturating_add(1))
     }
     fn weights(&self, u: usize) -> Result<Option<Vec<Tensor>>> {
-        self.store.map(|s| s.fetch(u)).transpose()
+        let Some(store) = self.store else { return Ok(None) };
+        let next = store.next_after(u);
+        let w = store.fetch(u)?;
+        if let Some(v) = next.filter(|&v| self.applied(v)) {
+            store.prefetch(v)?; // copied while unit `u` computes
+        }
+        Ok(Some(w))
     }
     fn grad_slots(&self) -> &[Tensor] {
         &self.grads.slots
@@ -380,5 +460,53 @@ impl ParamHooks for Zero3Hooks<'_> {
         // The backward adds into the shard: every unit's update must have read it first.
         self.apply_upto(usize::MAX)?;
         self.grads.done(u)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use longctx_attention::comm::thread::run_ranks;
+
+    /// A unit copied ahead is what the next fetch of it returns, the weights as they were
+    /// at the copy; `drop_prefetch` and the optimizer's `out` discard it, so a fetch after
+    /// an update sees the new weights.
+    #[test]
+    fn a_unit_copied_ahead_is_fetched_until_an_update_discards_it() {
+        let names = ["model.embed_tokens.weight", "model.layers.0.w", "model.layers.1.w", "lm_head.weight"];
+        let meta: Vec<(String, Shape)> = names.iter().map(|n| (n.to_string(), Shape::from(3))).collect();
+        let weights: HashMap<String, Tensor> =
+            names.iter().enumerate().map(|(p, n)| (n.to_string(), Tensor::from_vec(vec![p as f32; 3], 3, &Device::Cpu).unwrap())).collect();
+        run_ranks(1, |comm| {
+            let e = |e: Error| candle_core::Error::Msg(e.to_string());
+            let part = Partition::per_layer(&names, &[3, 3, 3, 3], (0, 1)).map_err(e)?;
+            let mut store = ParamStore::new(part.clone(), &meta, &weights, DType::F32, (&Device::Cpu, true), comm).map_err(e)?;
+            let unit = |s: &ParamStore, u: usize| -> Vec<f32> { s.fetch(u).unwrap()[0].to_vec1::<f32>().unwrap() };
+            let write = |s: &ParamStore, u: usize, x: f32| {
+                let at = part.units[u].shard_off;
+                s.with_host_mut(|h| {
+                    if let HostWeightsMut::F32(v) = h {
+                        v[at..at + 3].fill(x);
+                    }
+                    Ok(())
+                })
+                .unwrap()
+            };
+            store.prefetch(1).map_err(e)?;
+            assert_eq!(unit(&store, 1), [1.0; 3]);
+            store.prefetch(2).map_err(e)?;
+            write(&store, 2, 9.0);
+            assert_eq!(unit(&store, 2), [2.0; 3], "the copy made ahead");
+            store.prefetch(2).map_err(e)?;
+            store.drop_prefetch();
+            assert_eq!(unit(&store, 2), [9.0; 3], "dropped: fetched anew");
+            store.prefetch(1).map_err(e)?;
+            if let crate::train::zero::Out::HostShard(HostWeightsMut::F32(v)) = store.out() {
+                v[part.units[1].shard_off] = 7.0;
+            }
+            assert_eq!(unit(&store, 1), [7.0, 1.0, 1.0], "the optimizer's `out` discards the copy");
+            Ok(())
+        })
+        .unwrap();
     }
 }
