@@ -208,9 +208,9 @@ impl ShardedAdamW {
         Ok(StepStats { grad_norm, skipped: false })
     }
 
-    /// 2. The global norm of the gradient slices, and the clip factor (`None`: the norm
-    /// is not finite — the same value on every rank, so all skip this update together;
-    /// the trainer counts it and aborts after too many in a row).
+    /// Step 2: the global norm of the gradient slices, and the clip factor. `None`: the
+    /// norm is not finite, the same value on every rank, so all skip this update together
+    /// (the trainer counts it and aborts after too many in a row).
     fn norm_and_clip(&self, comm: &Arc<dyn Comm>, gshard: &Tensor, clip: f64) -> Result<(f64, Option<f64>)> {
         let local = sum_sq(gshard)?;
         let grad_norm = if self.part.world > 1 { all_reduce_scalar(comm, local, gshard.device())? } else { local }.sqrt();
@@ -665,12 +665,20 @@ mod tests {
         let mut d = d.expect("a finite norm");
         assert!(!stats.skipped && stats.grad_norm > clip);
         let mut done = Vec::new();
-        host.advance(&mut d, 1, &gshard, HostWeightsMut::F32(&mut out), |u| Ok(done.push(u))).unwrap();
+        host.advance(&mut d, 1, &gshard, HostWeightsMut::F32(&mut out), |u| {
+            done.push(u);
+            Ok(())
+        })
+        .unwrap();
         assert_eq!(done, [0, 1]);
         assert!(out[..16].iter().zip(&first).all(|(a, b)| a != b), "units 0 and 1 are updated");
         assert_eq!(out[16..], first[16..], "unit 2 is not updated yet");
         assert!(!d.is_done(3));
-        host.advance(&mut d, usize::MAX, &gshard, HostWeightsMut::F32(&mut out), |u| Ok(done.push(u))).unwrap();
+        host.advance(&mut d, usize::MAX, &gshard, HostWeightsMut::F32(&mut out), |u| {
+            done.push(u);
+            Ok(())
+        })
+        .unwrap();
         assert_eq!(done, [0, 1, 2]);
         assert!(d.is_done(3) && d.all_finite());
 
