@@ -238,8 +238,7 @@ impl ShardedAdamW {
         let Some(coef) = coef else {
             return Ok((StepStats { grad_norm, skipped: true }, None));
         };
-        let k = self.host.begin_step(lr, coef as f32);
-        let d = Deferred { k, next: 0, parked_to: 0, parked: VecDeque::new(), finite: true, poison: false };
+        let d = Deferred::new(self.host.begin_step(lr, coef as f32));
         Ok((StepStats { grad_norm, skipped: false }, Some(d)))
     }
 
@@ -405,8 +404,7 @@ impl ShardedAdamW {
     ) -> Result<()> {
         if let Out::HostShard(h) = out {
             // Weights and state both on the host: the deferred pass, applied at once.
-            let k = self.host.begin_step(lr, coef as f32);
-            let mut d = Deferred { k, next: 0, parked_to: 0, parked: VecDeque::new(), finite: true, poison: false };
+            let mut d = Deferred::new(self.host.begin_step(lr, coef as f32));
             return self.advance(&mut d, usize::MAX, gshard, h, |_| Ok(()));
         }
         let k = self.host.begin_step(lr, coef as f32);
@@ -539,6 +537,10 @@ pub struct Deferred {
 }
 
 impl Deferred {
+    fn new(k: crate::train::optim::StepConsts) -> Self {
+        Self { k, next: 0, parked_to: 0, parked: VecDeque::new(), finite: true, poison: false }
+    }
+
     /// Every unit is applied.
     pub fn is_done(&self, units: usize) -> bool {
         self.next >= units
