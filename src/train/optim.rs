@@ -112,31 +112,21 @@ impl AdamW {
     pub fn apply_range<P: HostElem>(&mut self, k: &StepConsts, lo: usize, grad: &[f32], copy: Option<&mut [P]>) -> bool {
         let n = grad.len();
         assert!(lo + n <= self.master.len(), "gradient piece past the shard");
-        let StepConsts { b1, b2, step_size, bc2_sqrt, eps, wd_lr, gscale } = *k;
         const CHUNK: usize = 1 << 14;
         let runs = &self.decay;
-        // Written branch-free over zipped slices (no bounds checks, the decay as a select)
-        // so that it vectorises; the same f32 operations in the same order as before and
-        // as the device kernel (`w − 0` leaves every w, −0 and NaN included, as it is).
+        // Per chunk, the spans of equal decay (runs last a whole parameter), each updated
+        // by a branch-free loop over zipped slices that vectorises; the same f32 operations
+        // in the same order as the device kernel (a span without decay skips `w − 0`,
+        // which leaves every w as it is, −0 and NaN included). The new weights are then
+        // rounded to `P` and checked finite in one more vectorised pass over the chunk,
+        // still in cache.
         let body = |c: usize, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], out: Option<&mut [P]>| -> bool {
-            let mut dec = vec![false; w.len()];
-            decay_flags(runs, lo + c * CHUNK, &mut dec);
-            for ((((w, m), v), &g), &d) in w.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g).zip(&dec) {
-                let gi = g * gscale;
-                *m = b1 * *m + (1.0 - b1) * gi;
-                *v = b2 * *v + (1.0 - b2) * gi * gi;
-                let denom = v.sqrt() / bc2_sqrt + eps;
-                *w -= if d { wd_lr * *w } else { 0.0 };
-                *w -= step_size * *m / denom;
-            }
-            let mut finite = true;
-            if let Some(o) = out {
-                for (o, &w) in o.iter_mut().zip(w.iter()) {
-                    *o = P::from_f32(w);
-                    finite &= o.to_f64().is_finite();
-                }
-            }
-            finite
+            let a = lo + c * CHUNK;
+            for_decay_spans(runs, a, a + w.len(), |x, y, decay| {
+                let (i, j) = (x - a, y - a);
+                adamw_span(k, decay, &mut w[i..j], &mut m[i..j], &mut v[i..j], &g[i..j]);
+            });
+            out.is_none_or(|o| P::convert(o, w))
         };
         let state = self.master[lo..lo + n]
             .par_chunks_mut(CHUNK)
@@ -165,14 +155,47 @@ impl AdamW {
 /// The scalars of one AdamW step ([`AdamW::begin_step`]), shared with the device kernel.
 pub type StepConsts = longctx_kernels::AdamWScalars;
 
-/// The decay flags of elements `[lo, lo + out.len())` from the runs of [`AdamW::decay`].
-fn decay_flags(runs: &[(usize, bool)], lo: usize, out: &mut [bool]) {
-    let mut r = runs.partition_point(|&(st, _)| st <= lo).saturating_sub(1);
-    for (k, f) in out.iter_mut().enumerate() {
-        while r + 1 < runs.len() && runs[r + 1].0 <= lo + k {
+/// One AdamW update of a span of equal decay (see [`AdamW::apply_range`]).
+#[inline(always)]
+fn adamw_span(k: &StepConsts, decay: bool, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
+    let StepConsts { b1, b2, step_size, bc2_sqrt, eps, wd_lr, gscale } = *k;
+    let (w, m, v) = (&mut w[..g.len()], &mut m[..g.len()], &mut v[..g.len()]);
+    let one = |w: &mut f32, m: &mut f32, v: &mut f32, g: f32, decay: bool| {
+        let gi = g * gscale;
+        *m = b1 * *m + (1.0 - b1) * gi;
+        *v = b2 * *v + (1.0 - b2) * gi * gi;
+        let denom = v.sqrt() / bc2_sqrt + eps;
+        if decay {
+            *w -= wd_lr * *w;
+        }
+        *w -= step_size * *m / denom;
+    };
+    // Two loops, so that neither carries a per-element branch.
+    if decay {
+        for (((w, m), v), &g) in w.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+            one(w, m, v, g, true);
+        }
+    } else {
+        for (((w, m), v), &g) in w.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+            one(w, m, v, g, false);
+        }
+    }
+}
+
+/// Calls `f(x, y, decay)` for the spans `[x, y)` of equal decay that tile `[a, b)`, from
+/// the runs of [`AdamW::decay`] (an element belongs to the last run starting at or before
+/// it; before the first run it does not decay).
+fn for_decay_spans(runs: &[(usize, bool)], a: usize, b: usize, mut f: impl FnMut(usize, usize, bool)) {
+    let mut x = a;
+    let mut r = runs.partition_point(|&(st, _)| st <= x); // runs starting at or before x
+    while x < b {
+        let decay = r > 0 && runs[r - 1].1;
+        let y = runs.get(r).map_or(b, |&(st, _)| st.min(b));
+        f(x, y, decay);
+        x = y;
+        while r < runs.len() && runs[r].0 <= x {
             r += 1;
         }
-        *f = runs.get(r).is_some_and(|&(st, d)| st <= lo + k && d);
     }
 }
 
@@ -180,15 +203,46 @@ fn decay_flags(runs: &[(usize, bool)], lo: usize, out: &mut [bool]) {
 /// as Candle's `to_dtype` and the device kernel do).
 pub trait HostElem: Copy + Send + Sync + candle_core::WithDType {
     fn from_f32(x: f32) -> Self;
+    /// `out[i] = from_f32(src[i])`; whether every converted value is finite.
+    fn convert(out: &mut [Self], src: &[f32]) -> bool {
+        let mut finite = true;
+        for (o, &x) in out.iter_mut().zip(src) {
+            *o = Self::from_f32(x);
+            finite &= o.to_f64().is_finite();
+        }
+        finite
+    }
 }
 impl HostElem for f32 {
     fn from_f32(x: f32) -> Self {
         x
     }
+    fn convert(out: &mut [Self], src: &[f32]) -> bool {
+        let mut finite = true;
+        for (o, &x) in out.iter_mut().zip(src) {
+            *o = x;
+            finite &= x.is_finite();
+        }
+        finite
+    }
 }
 impl HostElem for half::bf16 {
     fn from_f32(x: f32) -> Self {
         half::bf16::from_f32(x)
+    }
+    /// Branch-free (it vectorises), bit for bit `half::bf16::from_f32`: round to nearest
+    /// even; a NaN keeps its sign and top mantissa bits with the quiet bit set.
+    fn convert(out: &mut [Self], src: &[f32]) -> bool {
+        let mut bad = 0u16;
+        for (o, &x) in out.iter_mut().zip(src) {
+            let b = x.to_bits();
+            let rounded = (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
+            let nan = ((b >> 16) | 0x0040) as u16;
+            let h = if b & 0x7FFF_FFFF > 0x7F80_0000 { nan } else { rounded };
+            *o = half::bf16::from_bits(h);
+            bad |= u16::from(h & 0x7F80 == 0x7F80); // exponent all ones: inf or NaN
+        }
+        bad == 0
     }
 }
 impl HostElem for half::f16 {
@@ -316,6 +370,51 @@ pub fn lr_at(schedule: Schedule, base: f64, step: u64, total: u64, warmup: u64, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The spans tile the range in order and carry each element's decay as the per-element
+    /// rule gives it (the last run starting at or before it; none before the first run),
+    /// with runs that start late, share a start, or are empty.
+    #[test]
+    fn decay_spans_tile_the_range_with_each_elements_flag() {
+        let runs = [(3usize, true), (3, false), (7, true), (7, true), (8, false), (20, true)];
+        let flag = |i: usize| runs.iter().rev().find(|&&(st, _)| st <= i).is_some_and(|&(_, d)| d);
+        for a in 0..25 {
+            for b in a..26 {
+                let mut at = a;
+                for_decay_spans(&runs, a, b, |x, y, d| {
+                    assert!(x == at && y > x && y <= b, "[{a}, {b}): span [{x}, {y}) after {at}");
+                    assert!((x..y).all(|i| flag(i) == d), "[{a}, {b}): span [{x}, {y}) decay {d}");
+                    at = y;
+                });
+                assert_eq!(at, b, "[{a}, {b}) not covered");
+            }
+        }
+        for_decay_spans(&[], 0, 5, |x, y, d| assert_eq!((x, y, d), (0, 5, false)));
+    }
+
+    /// The vectorised bf16 rounding equals `half::bf16::from_f32` bit for bit (ties to
+    /// even, overflow to infinity, NaN payloads, signed zeros, subnormals, a sweep of bit
+    /// patterns), and reports a non-finite result exactly when there is one.
+    #[test]
+    fn bf16_conversion_equals_half_and_flags_non_finite_values() {
+        let mut xs: Vec<f32> = vec![0.0, -0.0, 1.0, -1.0, f32::MAX, f32::MIN, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN];
+        xs.extend(
+            [0x3F80_8000u32, 0x3F81_8000, 0x7F7F_8000, 0x7F7F_7FFF, 0xFF7F_8000, 0x0000_8000, 0x0001_8000, 0x7FC1_2345, 0xFF80_0001]
+                .map(f32::from_bits),
+        );
+        xs.extend((0..u32::MAX / 65_521).map(|i| f32::from_bits(i.wrapping_mul(65_521))));
+        let mut out = vec![half::bf16::ZERO; xs.len()];
+        let all_finite = <half::bf16 as HostElem>::convert(&mut out, &xs);
+        for (x, o) in xs.iter().zip(&out) {
+            assert_eq!(o.to_bits(), half::bf16::from_f32(*x).to_bits(), "{x:e} ({:#010x})", x.to_bits());
+        }
+        assert!(!all_finite);
+        for x in [1.5f32, -2.0, f32::MAX, 0x7F7F_7FFF_u32 as f32] {
+            let mut one = [half::bf16::ZERO];
+            let finite = <half::bf16 as HostElem>::convert(&mut one, &[x]);
+            assert_eq!(finite, half::bf16::from_f32(x).is_finite(), "{x:e}");
+        }
+    }
 
     /// The fused device update (its CPU twin here) equals the host update bit for bit,
     /// with the clip factor applied inside.
