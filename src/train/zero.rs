@@ -12,6 +12,11 @@
 //! 3. clip (scale the slice), AdamW on the slice;
 //! 4. the new slice in the run dtype: all-gathered unit by unit into the model's weights
 //!    (ZeRO-1/2), or written into this rank's parameter shard (ZeRO-3).
+//!
+//! With ZeRO-3 and both the weights and the state in host memory, steps 3–4 are deferred
+//! ([`ShardedAdamW::begin_deferred`], [`ShardedAdamW::advance`]): unit by unit, during the
+//! next step's forward, just ahead of the unit the engine runs, so the host pass overlaps
+//! the GPU's work instead of stalling it. Same result, bit for bit.
 
 use crate::train::checkpoint::{Loaded, OptimShard};
 use crate::train::grads::GradBuffer;

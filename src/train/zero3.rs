@@ -139,9 +139,10 @@ pub struct ParamStore {
     last: Cell<Option<usize>>,
     /// The host shard page-locked in place (CUDA): each layer's copy to the GPU runs at
     /// DMA speed. Declared before `shard`, so it is released before the memory is freed.
-    /// A copy from page-locked memory is asynchronous: it is queued on the compute stream
-    /// before the kernels that use it, and the optimizer writes the shard only after it
-    /// has waited for the gradient copies queued after all of them (`zero::host_pass`).
+    /// A copy from page-locked memory is asynchronous (on the compute stream, or on the
+    /// stash's copy stream when made ahead, which the compute stream waits for before
+    /// use); the optimizer writes a unit only after it has waited for that unit's gradient
+    /// copy, which is ordered after the compute that used the weights (`zero::advance`).
     _pin: Option<longctx_attention::stash::HostPin>,
     /// `[Σ L_u]`, run dtype: on the device, or in host memory (`offload_params`).
     shard: ShardHome,
