@@ -191,10 +191,7 @@ impl ShardedAdamW {
         clip: f64,
         (dtype, device): (DType, &Device),
     ) -> Result<StepStats> {
-        self.check(comm)?;
-        if gshard.elem_count() != self.shard_len {
-            return Err(Error::Setting(format!("gradient slice of {} elements for a shard of {}", gshard.elem_count(), self.shard_len)));
-        }
+        self.check_slice(comm, gshard)?;
         if let Out::Params(p) = &out {
             if p.len() != self.part.sizes.len() {
                 return Err(Error::Setting(format!("{} parameters for an optimizer over {}", p.len(), self.part.sizes.len())));
@@ -232,12 +229,9 @@ impl ShardedAdamW {
     /// the GPU computes the layers before it. The result is exactly [`Self::step`]'s.
     /// `None` with the stats: the update is skipped (non-finite norm).
     pub fn begin_deferred(&mut self, comm: &Arc<dyn Comm>, gshard: &Tensor, lr: f64, clip: f64) -> Result<(StepStats, Option<Deferred>)> {
-        self.check(comm)?;
+        self.check_slice(comm, gshard)?;
         if self.device.is_some() {
             return Err(Error::Setting("a deferred update needs the optimizer state in host memory".into()));
-        }
-        if gshard.elem_count() != self.shard_len {
-            return Err(Error::Setting(format!("gradient slice of {} elements for a shard of {}", gshard.elem_count(), self.shard_len)));
         }
         let (grad_norm, coef) = self.norm_and_clip(comm, gshard, clip)?;
         let Some(coef) = coef else {
@@ -313,6 +307,15 @@ impl ShardedAdamW {
             }
             unit_done(u)?;
             d.next += 1;
+        }
+        Ok(())
+    }
+
+    /// This rank's communicator and a gradient slice of this shard's length.
+    fn check_slice(&self, comm: &Arc<dyn Comm>, gshard: &Tensor) -> Result<()> {
+        self.check(comm)?;
+        if gshard.elem_count() != self.shard_len {
+            return Err(Error::Setting(format!("gradient slice of {} elements for a shard of {}", gshard.elem_count(), self.shard_len)));
         }
         Ok(())
     }
