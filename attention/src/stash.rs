@@ -149,19 +149,22 @@ impl Stash {
         Self::default()
     }
 
+    /// The CUDA state, made on first use.
+    #[cfg(feature = "cuda")]
+    fn gpu_for(&mut self, dev: &candle_core::CudaDevice) -> Result<&mut gpu::PinnedStash> {
+        if self.gpu.is_none() {
+            let mut g = gpu::PinnedStash::new(dev)?;
+            g.max_pending = self.max_pending;
+            self.gpu = Some(g);
+        }
+        self.gpu.as_mut().ok_or_else(|| candle_core::Error::Msg("stash: no CUDA state".into()))
+    }
+
     /// Start copying `t` to host memory.
     pub fn park(&mut self, t: &Tensor) -> Result<Parked> {
         match t.device() {
             #[cfg(feature = "cuda")]
-            Device::Cuda(dev) => {
-                if self.gpu.is_none() {
-                    let mut g = gpu::PinnedStash::new(dev)?;
-                    g.max_pending = self.max_pending;
-                    self.gpu = Some(g);
-                }
-                let g = self.gpu.as_mut().ok_or_else(|| candle_core::Error::Msg("stash: no CUDA state".into()))?;
-                Ok(Parked { inner: ParkedInner::Pinned(g.park(t)?) })
-            }
+            Device::Cuda(dev) => Ok(Parked { inner: ParkedInner::Pinned(self.gpu_for(dev)?.park(t)?) }),
             _ => Ok(Parked { inner: ParkedInner::Host(t.to_device(&Device::Cpu)?) }),
         }
     }
@@ -198,16 +201,11 @@ impl Stash {
         match dev {
             #[cfg(feature = "cuda")]
             Device::Cuda(cdev) => {
-                if self.gpu.is_none() {
-                    let mut g = gpu::PinnedStash::new(cdev)?;
-                    g.max_pending = self.max_pending;
-                    self.gpu = Some(g);
-                }
-                let g = self.gpu.as_mut().ok_or_else(|| candle_core::Error::Msg("stash: no CUDA state".into()))?;
+                let g = self.gpu_for(cdev)?;
                 // SAFETY: plain bytes of `src` (any `WithDType` is plain old data); the
                 // caller keeps them unchanged until the copy has run.
                 let bytes = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), std::mem::size_of_val(src)) };
-                let (t, copied) = unsafe { g.upload(bytes, T::DTYPE, src.len(), cdev) }?;
+                let (t, copied) = g.to_device(bytes, T::DTYPE, candle_core::Shape::from(src.len()), cdev)?;
                 Ok(Fetched { t: Some(t), wait: Some(copied) })
             }
             _ => Ok(Fetched {
@@ -260,7 +258,7 @@ impl Stash {
 #[cfg(feature = "cuda")]
 mod gpu {
     use crate::cuda::raw::{self, Mark};
-    use candle_core::cuda::cudarc::driver::{result, sys, CudaStream, PinnedHostSlice};
+    use candle_core::cuda::cudarc::driver::{result, sys, CudaStream, HostSlice, PinnedHostSlice};
     use candle_core::cuda::WrapErr;
     use candle_core::{CudaDevice, DType, Error, Result, Shape, Tensor};
     use std::collections::HashMap;
@@ -418,29 +416,26 @@ mod gpu {
                 return Err(err("a tensor parked by another stash (its copies are ordered on another stream)"));
             }
             let src = p.buf.buf.as_ref().ok_or_else(|| err("empty buffer"))?;
-            // SAFETY: allocated in compute-stream order and written entirely by the copy
-            // below, which the compute stream waits for (`Fetched::ready`) before use.
-            let mut dst = unsafe { raw::alloc(&self.compute, dev, p.dtype, p.shape.elem_count()) }?;
-            self.copy.join(&self.compute).w()?;
-            self.copy.memcpy_htod(src, &mut raw::bytes_mut(&mut dst)?).w()?;
-            let done = Mark::record(&self.copy, self.compute.clone())?;
-            Ok((raw::tensor(dst, p.shape.clone()), done))
+            self.to_device(src, p.dtype, p.shape.clone(), dev)
         }
-    }
 
-    impl PinnedStash {
-        /// Starts the copy of the host bytes `src` (`n` elements of `dt`) to `dev`.
-        ///
-        /// # Safety
-        /// As [`super::Stash::upload`]: `src` unchanged until the copy has run.
-        pub unsafe fn upload(&mut self, src: &[u8], dt: DType, n: usize, dev: &CudaDevice) -> Result<(Tensor, Mark)> {
+        /// A new tensor on `dev` filled from the host bytes `src` by the copy stream, after
+        /// the compute queued so far (its memory is allocated in compute-stream order), and
+        /// the copy the compute stream must wait for before using it.
+        pub(super) fn to_device<S: HostSlice<u8> + ?Sized>(
+            &self,
+            src: &S,
+            dt: DType,
+            shape: Shape,
+            dev: &CudaDevice,
+        ) -> Result<(Tensor, Mark)> {
             // SAFETY: allocated in compute-stream order and written entirely by the copy
             // below, which the compute stream waits for (`Fetched::ready`) before use.
-            let mut dst = unsafe { raw::alloc(&self.compute, dev, dt, n) }?;
+            let mut dst = unsafe { raw::alloc(&self.compute, dev, dt, shape.elem_count()) }?;
             self.copy.join(&self.compute).w()?;
             self.copy.memcpy_htod(src, &mut raw::bytes_mut(&mut dst)?).w()?;
             let done = Mark::record(&self.copy, self.compute.clone())?;
-            Ok((raw::tensor(dst, n), done))
+            Ok((raw::tensor(dst, shape), done))
         }
     }
 

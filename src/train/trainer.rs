@@ -33,7 +33,7 @@ use crate::train::rundir::{self, RunDirLock};
 pub use crate::train::stop::StopFlag;
 use crate::train::units::{ParamHooks, Partition};
 use crate::train::zero::{all_reduce_scalar, Deferred, Out, ShardedAdamW};
-use crate::train::zero3::{ParamStore, ShardedGrads, Zero3Hooks};
+use crate::train::zero3::{apply_deferred, ParamStore, ShardedGrads, Zero3Hooks};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use longctx_attention::comm::Comm;
@@ -852,7 +852,7 @@ impl<'a> RankRun<'a> {
             if sh.opts.faults.contains(&Fault::NanWeights { step: self.global_step }) {
                 d.poison();
             }
-            let at = format!("stage {si} step {}/{} (global step {})", step + 1, stage.steps, self.global_step);
+            let at = step_label(si, step + 1, stage.steps, self.global_step);
             self.pending = Some(PendingUpdate { d, at, grad_norm: norm, lr });
         }
         let s = &st.settings;
@@ -903,7 +903,7 @@ impl<'a> RankRun<'a> {
     /// written. Either way the last good checkpoint stays.
     fn after_update(&mut self, l: &StepLine) -> Result<()> {
         let max = self.sh.cfg.train.max_skipped_steps;
-        let at = format!("stage {} step {}/{} (global step {})", l.stage, l.step, l.steps, l.global_step);
+        let at = step_label(l.stage, l.step, l.steps, l.global_step);
         if l.skipped {
             if self.world.rank() == 0 {
                 eprintln!(
@@ -947,12 +947,8 @@ impl<'a> RankRun<'a> {
     fn settle_update(&mut self) -> Result<()> {
         let Some(mut p) = self.pending.take() else { return Ok(()) };
         if let (Grads::Sharded(g), Some(store)) = (&self.grads, &self.store) {
-            if !p.d.is_done(g.units()) {
-                let optim = &mut self.optim;
-                self.engine.profiler().time(Phase::Optimizer, &self.sh.device, || {
-                    store.with_host_mut(|h| optim.advance(&mut p.d, usize::MAX, g.shard(), h, |v| g.zero_unit(v)))
-                })?;
-            }
+            let optim = &mut self.optim;
+            self.engine.profiler().time(Phase::Optimizer, &self.sh.device, || apply_deferred(optim, &mut p.d, usize::MAX, store, g))?;
         }
         let bad = all_reduce_scalar(&self.world, f64::from(u8::from(!p.d.all_finite())), &self.sh.device)?;
         if bad > 0.0 {
@@ -1054,6 +1050,11 @@ impl<'a> RankRun<'a> {
             .write(export_dir)?;
         Ok(())
     }
+}
+
+/// "stage s step k/n (global step g)": where an update happened, in the guards' messages.
+fn step_label(stage: usize, step: u64, steps: u64, global_step: u64) -> String {
+    format!("stage {stage} step {step}/{steps} (global step {global_step})")
 }
 
 /// Sum of `xs` over ranks, element by element, in f64 (one collective).

@@ -290,12 +290,9 @@ impl ShardedAdamW {
             let u = d.next;
             while d.parked_to < units && d.parked_to <= u + DEFER_LOOKAHEAD {
                 let unit = &self.part.units[d.parked_to];
-                let mut at = 0;
-                while at < unit.shard {
-                    let len = HOST_PIECE.min(unit.shard - at);
+                for (at, len) in host_pieces(unit.shard) {
                     let piece = self.stash.park(&gshard.narrow(0, unit.shard_off + at, len)?)?;
                     d.parked.push_back((d.parked_to, unit.shard_off + at, len, piece));
-                    at += len;
                 }
                 d.parked_to += 1;
             }
@@ -393,6 +390,11 @@ impl ShardedAdamW {
         coef: f64,
         (dtype, device): (DType, &Device),
     ) -> Result<()> {
+        if let Out::HostShard(h) = out {
+            // Weights and state both on the host: the deferred pass, applied at once.
+            let mut d = Deferred::new(self.host.begin_step(lr, coef as f32));
+            return self.advance(&mut d, usize::MAX, gshard, h, |_| Ok(()));
+        }
         match dtype {
             DType::BF16 => self.host_pass::<half::bf16>(comm, gshard, out, lr, coef, device),
             DType::F16 => self.host_pass::<half::f16>(comm, gshard, out, lr, coef, device),
@@ -410,23 +412,11 @@ impl ShardedAdamW {
         coef: f64,
         device: &Device,
     ) -> Result<()> {
-        if let Out::HostShard(h) = out {
-            // Weights and state both on the host: the deferred pass, applied at once.
-            let mut d = Deferred::new(self.host.begin_step(lr, coef as f32));
-            return self.advance(&mut d, usize::MAX, gshard, h, |_| Ok(()));
-        }
         let k = self.host.begin_step(lr, coef as f32);
         let part = self.part.clone();
         // (unit, offset in the unit's slice, length), in order.
-        let mut pieces = Vec::new();
-        for (u, unit) in part.units.iter().enumerate() {
-            let mut at = 0;
-            while at < unit.shard {
-                let len = HOST_PIECE.min(unit.shard - at);
-                pieces.push((u, at, len));
-                at += len;
-            }
-        }
+        let pieces: Vec<(usize, usize, usize)> =
+            part.units.iter().enumerate().flat_map(|(u, unit)| host_pieces(unit.shard).map(move |(at, len)| (u, at, len))).collect();
         let mut stash = std::mem::take(&mut self.stash);
         stash.set_max_pending(2);
         let park = |stash: &mut Stash, (u, at, len): (usize, usize, usize)| -> Result<_> {
@@ -472,7 +462,7 @@ impl ShardedAdamW {
                         }
                     }
                 }
-                Out::HostShard(_) => unreachable!("handled above"),
+                Out::HostShard(_) => unreachable!("handled by `host_update`"),
             }
         }
         self.stash = stash;
@@ -521,6 +511,12 @@ impl ShardedAdamW {
 
 /// Elements the host optimizer updates at a time (64 Mi: 256 MiB of gradient).
 pub const HOST_PIECE: usize = 1 << 26;
+
+/// A unit slice of `len` elements as the host update's pieces: `(offset, length)`, each at
+/// most [`HOST_PIECE`], in order.
+fn host_pieces(len: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..len).step_by(HOST_PIECE).map(move |at| (at, HOST_PIECE.min(len - at)))
+}
 
 /// Units whose gradient copies a deferred update starts ahead of the one it applies
 /// (a 7B layer is 0.8 GB of f32 gradient: three units in flight hold 2.4 GB of pinned
@@ -637,6 +633,17 @@ pub fn all_reduce_scalar(comm: &Arc<dyn Comm>, x: f64, device: &Device) -> Resul
 mod tests {
     use super::*;
     use longctx_attention::comm::thread::run_ranks;
+
+    /// A unit's slice cut into host pieces: in order, none longer than `HOST_PIECE`, the
+    /// last one the rest (the tests' units are all shorter than one piece).
+    #[test]
+    fn host_pieces_cover_a_slice_in_order() {
+        assert_eq!(host_pieces(0).count(), 0);
+        assert_eq!(host_pieces(5).collect::<Vec<_>>(), [(0, 5)]);
+        assert_eq!(host_pieces(HOST_PIECE).collect::<Vec<_>>(), [(0, HOST_PIECE)]);
+        let n = 2 * HOST_PIECE + 3;
+        assert_eq!(host_pieces(n).collect::<Vec<_>>(), [(0, HOST_PIECE), (HOST_PIECE, HOST_PIECE), (2 * HOST_PIECE, 3)]);
+    }
 
     /// A deferred update applied unit by unit: the units reached so far hold their new
     /// weights and the rest their old ones, `unit_done` comes once per unit in order, and

@@ -412,6 +412,22 @@ impl ShardedGrads {
     }
 }
 
+/// Apply the deferred update `d` to every unit up to `upto` (see
+/// [`crate::train::zero::ShardedAdamW::advance`]): the new weights into the host shard of
+/// `store`, each unit's gradient slice in `grads` zeroed once it has been read.
+pub fn apply_deferred(
+    optim: &mut crate::train::zero::ShardedAdamW,
+    d: &mut crate::train::zero::Deferred,
+    upto: usize,
+    store: &ParamStore,
+    grads: &ShardedGrads,
+) -> Result<()> {
+    if d.is_done(grads.units()) {
+        return Ok(());
+    }
+    store.with_host_mut(|h| optim.advance(d, upto, grads.shard(), h, |v| grads.zero_unit(v)))
+}
+
 /// The engine's hooks for stage 2 (`store` None: the model's own weights) and stage 3.
 pub struct Zero3Hooks<'a> {
     pub store: Option<&'a ParamStore>,
@@ -428,10 +444,7 @@ impl Zero3Hooks<'_> {
         let (Some(cell), Some(store)) = (&self.update, self.store) else { return Ok(()) };
         let mut lent = cell.try_borrow_mut().map_err(|_| Error::Setting("ZeRO-3: the deferred update is already running".into()))?;
         let (optim, d) = &mut *lent;
-        if d.is_done(self.grads.units()) {
-            return Ok(());
-        }
-        store.with_host_mut(|h| optim.advance(d, u, self.grads.shard(), h, |v| self.grads.zero_unit(v)))
+        apply_deferred(optim, d, u, store, self.grads)
     }
 
     /// Unit `u` holds this step's weights (no update of it still pending).
