@@ -5,6 +5,10 @@
 #   64k       64K tokens, 5 steps (step 1 has no update to overlap; 2 allocates its pinned buffers), layer inputs on the GPU, attention recomputed
 #   64k-saved the same with the attention kept from the forward (--save-attention)
 #   256k      256K tokens in one sequence, 1 step
+# The cost of each offload, 64K, 3 steps each (step 3 is the steady state):
+#   64k-weights-gpu   ZeRO-3 with the optimizer on the host, the weights kept on the GPU
+#   64k-all-gpu       nothing of the model on the host (stage 0, AdamW on the GPU); the layer
+#                     inputs go to the host instead (--offload-activations), else it does not fit
 # For each training case: seconds from start to the first logged step, the start-up part
 # of it (that minus the first step), every step's time, tokens/s, MFU and loss, the device
 # peak, the process's peak RSS, and `plan`'s prediction. The process is stopped once its
@@ -12,6 +16,8 @@
 # Every 5 s the process CPU, RSS, GPU use and host MemAvailable go to OUTDIR/NAME.mon.
 # Each result is appended to OUTDIR/summary.txt as soon as it exists.
 # Usage: scripts/gpu_zero3_check.sh BINARY(.gz) OUTDIR [CASES]
+# Env: RUN_LIMIT (default 400): seconds after which a training case is stopped, logged as such;
+#      SAME_LOSSES (case names): assert those cases' per-step losses agree (see the end).
 set -uo pipefail
 BIN=$1; OUTDIR=$2; CASES=${3:-"bench 64k 256k"}; mkdir -p "$OUTDIR"
 if [[ $BIN == *.gz ]]; then gunzip -c "$BIN" > /tmp/longctx-z3 && chmod +x /tmp/longctx-z3 && BIN=/tmp/longctx-z3; fi
@@ -23,17 +29,20 @@ echo "cores $(nproc); $(free -g | awk '/Mem:/ {print $2 " GiB host memory, " $7 
 printf '[train]\nprofile = true\ntrace = %s\n' "$( [ "${TRACE:-0}" = 1 ] && echo true || echo false )" > /tmp/z3-prof.toml
 M=builtin:llama2-7b-shape
 ZERO=(--zero-stage 3 --offload-params --optimizer-on-host)
-run7b() { # name seq steps extra-flags...
+run7b() { # name seq steps flags... (the ZeRO flags included)
   local name=$1 seq=$2 steps=$3; shift 3
   local W=/tmp/z3-$name; rm -rf "$W"
-  "$BIN" plan --model $M --seq-length "$seq" --dtype bf16 "${ZERO[@]}" "$@" > "$OUTDIR/plan-$name.txt" 2>&1
+  "$BIN" plan --model $M --seq-length "$seq" --dtype bf16 "$@" > "$OUTDIR/plan-$name.txt" 2>&1
   grep -E "^  peak  |^  host" "$OUTDIR/plan-$name.txt" | sed "s/^/$name plan: /" >> "$S"
   local t0; t0=$(date +%s.%N)
   "$BIN" train --config /tmp/z3-prof.toml --model $M --dataset synthetic:passkey --device cuda --dtype bf16 \
     --seq-length "$seq" --rope-theta 1e6 --max-train-steps "$steps" --batch-size 1 --learning-rate 1e-5 \
-    --output-dir "$W" --skip-memory-check "${ZERO[@]}" "$@" > "$OUTDIR/$name.log" 2>&1 &
+    --output-dir "$W" --skip-memory-check "$@" > "$OUTDIR/$name.log" 2>&1 &
   local pid=$! first="" hwm=0 n=0 ready=""
   while kill -0 $pid 2>/dev/null; do
+    if [ "$(python3 -c "import time; print(int(time.time()-$t0))")" -ge "${RUN_LIMIT:-400}" ]; then
+      echo "$name: stopped after RUN_LIMIT=${RUN_LIMIT:-400} s with $n step(s) logged" >> "$S"; kill $pid 2>/dev/null; break
+    fi
     if [ -z "$ready" ] && grep -q "^stage 0:" "$OUTDIR/$name.log" 2>/dev/null; then
       ready=$(python3 -c "import time; print(round(time.time()-$t0, 1))"); echo "$name: stage header (start-up done) after $ready s" >> "$S"
     fi
@@ -48,7 +57,12 @@ run7b() { # name seq steps extra-flags...
     fi
     sleep 0.5
   done
+  # The stop signal asks for a checkpoint (95 GB for 7B, more than this disk): a second
+  # signal, then a kill, if it has not ended within 15 s.
+  for _ in $(seq 30); do kill -0 $pid 2>/dev/null || break; sleep 0.5; done
+  kill $pid 2>/dev/null; sleep 2; kill -9 $pid 2>/dev/null
   wait $pid 2>/dev/null
+  cp "$W/metrics.jsonl" "$OUTDIR/$name.jsonl" 2>/dev/null
   echo "$name: first step logged ${first:-never} s after start; peak RSS $((hwm / 1024 / 1024)) GiB" >> "$S"
   grep -E "ZeRO stage|start-up|error|Error|panicked" "$OUTDIR/$name.log" | head -5 | sed "s/^/$name log: /" >> "$S"
   grep -E "^trace +[0-9]" "$OUTDIR/$name.log" | tail -4 | sed "s/^/$name last trace: /" >> "$S"
@@ -68,10 +82,33 @@ PY
 for c in $CASES; do
   case $c in
     bench) timeout 120 "$BIN" bench optimizer --params 2e9 --iters 2 >> "$S" 2>&1;;
-    64k) run7b 64k 65536 5 --token-chunk 8192;;
-    64k-saved) run7b 64k-saved 65536 5 --token-chunk 8192 --save-attention;;
-    256k) run7b 256k 262144 1 --token-chunk 8192;;
+    64k) run7b 64k 65536 5 --token-chunk 8192 "${ZERO[@]}";;
+    64k-saved) run7b 64k-saved 65536 5 --token-chunk 8192 --save-attention "${ZERO[@]}";;
+    256k) run7b 256k 262144 1 --token-chunk 8192 "${ZERO[@]}";;
+    64k-weights-gpu) run7b 64k-weights-gpu 65536 3 --token-chunk 8192 --zero-stage 3 --optimizer-on-host;;
+    64k-all-gpu) run7b 64k-all-gpu 65536 3 --token-chunk 8192 --zero-stage 0 --offload-activations;;
     *) echo "unknown case $c" >> "$S";;
   esac
 done
+# SAME_LOSSES="a b ...": these cases compute the same update (the host AdamW equals the
+# device kernel bit for bit), so every step's loss must agree across them (relative 1e-6).
+if [ -n "${SAME_LOSSES:-}" ]; then
+  python3 - "$OUTDIR" $SAME_LOSSES >> "$S" 2>&1 <<'PY'
+import json, sys, os
+out, names = sys.argv[1], sys.argv[2:]
+runs = {}
+for n in names:
+    p = os.path.join(out, n + ".jsonl")
+    runs[n] = {r["step"]: r["loss"] for r in (json.loads(l) for l in open(p)) if "loss" in r} if os.path.exists(p) else {}
+steps = sorted(set.intersection(*(set(r) for r in runs.values()))) if runs else []
+worst = 0.0
+for s in steps:
+    ls = [runs[n][s] for n in names]
+    worst = max(worst, (max(ls) - min(ls)) / max(abs(min(ls)), 1e-30))
+ok = len(steps) >= 2 and worst <= 1e-6
+print("same losses", " / ".join(names), ":", "ok" if ok else "FAIL", f"({len(steps)} common steps, worst relative difference {worst:.2e}, allowed 1e-06)")
+for s in steps:
+    print("  step", s, {n: runs[n][s] for n in names})
+PY
+fi
 cat "$S"

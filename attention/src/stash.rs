@@ -7,7 +7,8 @@
 //!   Fetch early, call `ready` late: the copy then runs under the work queued in between.
 //! - **CUDA**: copies run on a copy stream of the stash, into and out of page-locked
 //!   (pinned) host buffers kept in a pool by size (page-locking is slow; the same sizes
-//!   recur every layer and step). Ordering is by events only, the host never waits: a park
+//!   recur every layer and step). Ordering is by events; the host waits only to read a
+//!   parked tensor in place ([`Parked::with_host_f32`], on that copy's own event). A park
 //!   waits for the kernels that produced the tensor; the stash holds the parked device
 //!   tensor until its copy has finished (checked at later parks), and beyond the newest few
 //!   parks ([`Stash::set_max_pending`], two by default) tells the compute stream to wait
@@ -258,7 +259,7 @@ impl Stash {
 #[cfg(feature = "cuda")]
 mod gpu {
     use crate::cuda::raw::{self, Mark};
-    use candle_core::cuda::cudarc::driver::{result, sys, CudaStream, HostSlice, PinnedHostSlice};
+    use candle_core::cuda::cudarc::driver::{result, sys, CudaEvent, CudaStream, HostSlice, PinnedHostSlice};
     use candle_core::cuda::WrapErr;
     use candle_core::{CudaDevice, DType, Error, Result, Shape, Tensor};
     use std::collections::HashMap;
@@ -296,17 +297,22 @@ mod gpu {
         buf: PooledBuf,
         shape: Shape,
         dtype: DType,
+        /// The end of the copy into `buf`, for a host thread to wait on. (cudarc's own
+        /// event in a `PinnedHostSlice` is recorded only when the context tracks events
+        /// across streams, which ours does not: `as_slice` would not wait.)
+        copied: CudaEvent,
     }
 
     impl PinnedTensor {
-        /// Its f32 elements once the copy into the buffer is done.
+        /// Its f32 elements once the copy into the buffer is done (the host waits for it).
         pub fn with_f32<R>(&self, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
             if self.dtype != DType::F32 {
                 return Err(err("with_f32 on a tensor that is not f32"));
             }
-            let bytes = self.buf.buf.as_ref().ok_or_else(|| err("empty buffer"))?.as_slice().w()?; // waits for the copy
-                                                                                                   // SAFETY: page-locked buffers are page-aligned and hold `elem_count` f32 values
-                                                                                                   // written by the copy just waited for.
+            self.copied.synchronize().w()?;
+            let bytes = self.buf.buf.as_ref().ok_or_else(|| err("empty buffer"))?.as_slice().w()?;
+            // SAFETY: page-locked buffers are page-aligned and hold `elem_count` f32 values
+            // written by the copy just waited for.
             let (pre, xs, _) = unsafe { bytes.align_to::<f32>() };
             if !pre.is_empty() {
                 return Err(err("pinned buffer not aligned for f32"));
@@ -358,7 +364,9 @@ mod gpu {
         }
 
         pub fn trim(&mut self) {
-            // Dropping a pinned buffer waits for its last copy (its own event) first.
+            // A pooled buffer's last copy may still run (its own event is not recorded:
+            // see `PinnedTensor::copied`), so the copy stream finishes before any is freed.
+            let _ = self.copy.synchronize();
             let freed: Vec<PinnedHostSlice<u8>> =
                 self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).drain().flat_map(|(_, v)| v).collect();
             self.pool.allocated.fetch_sub(freed.iter().map(|b| b.len()).sum(), Ordering::Relaxed);
@@ -404,9 +412,10 @@ mod gpu {
                 self.copy.memcpy_dtoh(&raw::bytes(raw::cuda(&st)?, l)?, dst).w()?;
             }
             let done = Mark::record(&self.copy, self.compute.clone())?;
+            let copied = self.copy.record_event(None).w()?;
             let (shape, dtype) = (t.shape().clone(), t.dtype());
             self.pending.push((t, done));
-            Ok(PinnedTensor { buf: pooled, shape, dtype })
+            Ok(PinnedTensor { buf: pooled, shape, dtype, copied })
         }
 
         /// Starts the copy of `p` back to `dev`: the tensor, and the copy the compute stream
