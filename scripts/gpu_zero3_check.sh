@@ -3,6 +3,7 @@
 # (ZeRO-3, weights and optimizer state in host memory), one case after another:
 #   bench     `bench optimizer` on every core (the host AdamW pass, scaled to 7B)
 #   64k       64K tokens, 5 steps (step 1 has no update to overlap; 2 allocates its pinned buffers), layer inputs on the GPU, attention recomputed
+#   64k-again the same once more (run-to-run spread of the losses: see SAME_LOSSES)
 #   64k-saved the same with the attention kept from the forward (--save-attention)
 #   256k      256K tokens in one sequence, 1 step
 # The cost of each offload, 64K, 3 steps each (step 3 is the steady state):
@@ -17,7 +18,8 @@
 # Each result is appended to OUTDIR/summary.txt as soon as it exists.
 # Usage: scripts/gpu_zero3_check.sh BINARY(.gz) OUTDIR [CASES]
 # Env: RUN_LIMIT (default 400): seconds after which a training case is stopped, logged as such;
-#      SAME_LOSSES (case names): assert those cases' per-step losses agree (see the end).
+#      STEPS: steps of the 64k and 64k-again cases (default 5);
+#      SAME_LOSSES (case names), LOSS_TOL: assert those cases' per-step losses agree (see the end).
 set -uo pipefail
 BIN=$1; OUTDIR=$2; CASES=${3:-"bench 64k 256k"}; mkdir -p "$OUTDIR"
 if [[ $BIN == *.gz ]]; then gunzip -c "$BIN" > /tmp/longctx-z3 && chmod +x /tmp/longctx-z3 && BIN=/tmp/longctx-z3; fi
@@ -82,7 +84,8 @@ PY
 for c in $CASES; do
   case $c in
     bench) timeout 120 "$BIN" bench optimizer --params 2e9 --iters 2 >> "$S" 2>&1;;
-    64k) run7b 64k 65536 5 --token-chunk 8192 "${ZERO[@]}";;
+    64k) run7b 64k 65536 "${STEPS:-5}" --token-chunk 8192 "${ZERO[@]}";;
+    64k-again) run7b 64k-again 65536 "${STEPS:-5}" --token-chunk 8192 "${ZERO[@]}";;
     64k-saved) run7b 64k-saved 65536 5 --token-chunk 8192 --save-attention "${ZERO[@]}";;
     256k) run7b 256k 262144 1 --token-chunk 8192 "${ZERO[@]}";;
     64k-weights-gpu) run7b 64k-weights-gpu 65536 3 --token-chunk 8192 --zero-stage 3 --optimizer-on-host;;
@@ -91,11 +94,15 @@ for c in $CASES; do
   esac
 done
 # SAME_LOSSES="a b ...": these cases compute the same update (the host AdamW equals the
-# device kernel bit for bit), so every step's loss must agree across them (relative 1e-6).
+# device kernel bit for bit), so every step's loss must agree across them within LOSS_TOL
+# (relative, default 5e-3). Not 0: two runs of one configuration on the H200 differ (8.5e-5
+# at step 2, 7.4e-5 at step 3 of 64K; some GPU reduction runs in a varying order), while
+# the race fixed in 31b4953 (gradient pieces read before their copy) moved them by 2.7e-2
+# at step 2 and 5.7e-2 at step 3.
 if [ -n "${SAME_LOSSES:-}" ]; then
-  python3 - "$OUTDIR" $SAME_LOSSES >> "$S" 2>&1 <<'PY'
+  python3 - "$OUTDIR" "${LOSS_TOL:-5e-3}" $SAME_LOSSES >> "$S" 2>&1 <<'PY'
 import json, sys, os
-out, names = sys.argv[1], sys.argv[2:]
+out, tol, names = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
 runs = {}
 for n in names:
     p = os.path.join(out, n + ".jsonl")
@@ -105,8 +112,8 @@ worst = 0.0
 for s in steps:
     ls = [runs[n][s] for n in names]
     worst = max(worst, (max(ls) - min(ls)) / max(abs(min(ls)), 1e-30))
-ok = len(steps) >= 2 and worst <= 1e-6
-print("same losses", " / ".join(names), ":", "ok" if ok else "FAIL", f"({len(steps)} common steps, worst relative difference {worst:.2e}, allowed 1e-06)")
+ok = len(steps) >= 2 and worst <= tol
+print("same losses", " / ".join(names), ":", "ok" if ok else "FAIL", f"({len(steps)} common steps, worst relative difference {worst:.2e}, allowed {tol:.0e})")
 for s in steps:
     print("  step", s, {n: runs[n][s] for n in names})
 PY
