@@ -80,6 +80,37 @@ fn total_memory(_idx: usize) -> Option<u64> {
     None
 }
 
+/// Bytes free to an unprivileged writer on the filesystem that holds `path` (or would
+/// hold it: the nearest existing ancestor, the working directory for a relative path with
+/// none), `None` where unknown.
+pub fn disk_free(path: &Path) -> Option<u64> {
+    let mut p = path;
+    while !p.as_os_str().is_empty() && !p.exists() {
+        p = p.parent()?;
+    }
+    let p = if p.as_os_str().is_empty() { Path::new(".") } else { p };
+    statvfs_free(p)
+}
+
+#[cfg(unix)]
+fn statvfs_free(p: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
+    // SAFETY: an all-zero `statvfs` is a valid value of that plain C struct, which the
+    // call fills; `c` is a NUL-terminated path that outlives it.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    #[allow(clippy::unnecessary_cast)] // the field types differ between platforms
+    (st.f_bavail as u64).checked_mul(st.f_frsize as u64)
+}
+
+#[cfg(not(unix))]
+fn statvfs_free(_p: &Path) -> Option<u64> {
+    None
+}
+
 /// Host memory available now (`MemAvailable` of /proc/meminfo), `None` where unknown.
 pub fn host_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -102,6 +133,18 @@ fn gpu_hint() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A directory not made yet is measured on its nearest existing ancestor's
+    /// filesystem (the same one here: equal within 1 GB of concurrent writes), a relative
+    /// one from the working directory.
+    #[test]
+    fn disk_free_of_a_path_not_yet_made() {
+        let tmp = std::env::temp_dir();
+        let there = disk_free(&tmp).expect("free space of the temp directory");
+        let below = disk_free(&tmp.join("longctx-no-such-dir/a/b")).expect("measured on the ancestor");
+        assert!(there.abs_diff(below) < 1 << 30, "{there} vs {below}");
+        assert!(disk_free(Path::new("longctx-no-such-dir/a")).is_some());
+    }
 
     #[test]
     fn device_settings() {

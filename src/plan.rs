@@ -757,6 +757,68 @@ pub fn preflight(cfg: &RunConfig, model: &LlamaConfig, gpu_memory: u64, host_ava
     Ok(())
 }
 
+/// What a run writes to its `output_dir` ([`disk_need`]), in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct DiskNeed {
+    /// One checkpoint: the weights in the run dtype and the f32 AdamW master, m and v.
+    pub checkpoint: u64,
+    /// The Hugging Face export of the final weights (the run dtype).
+    pub export: u64,
+    /// Free space the run needs at its fullest: a checkpoint replaces the previous one
+    /// only once it is complete (atomic swap), and the export is written beside the last.
+    pub peak: u64,
+}
+
+/// The disk space of a run of `model` (`dtype_bytes` per weight, 4 on the CPU): the
+/// checkpoint written at each stage's end and every `train.checkpoint_every` steps,
+/// then the export. `resume`: a checkpoint of the same size is already there (it is
+/// replaced, so it needs no room of its own).
+pub fn disk_need(cfg: &RunConfig, model: &LlamaConfig, dtype_bytes: u64, resume: bool) -> DiskNeed {
+    let params = param_count(model);
+    let checkpoint = params.saturating_mul(dtype_bytes.saturating_add(12));
+    let export = params.saturating_mul(dtype_bytes);
+    let steps: u64 = cfg.stages.iter().map(|s| s.steps).sum();
+    let every = cfg.train.checkpoint_every;
+    let writes = cfg.stages.len() as u64 + steps.checked_div(every).unwrap_or(0);
+    let peak = if resume {
+        checkpoint.max(export) // the new checkpoint beside the old; the export beside the new
+    } else if writes >= 2 {
+        checkpoint.saturating_mul(2).max(checkpoint.saturating_add(export))
+    } else {
+        checkpoint.saturating_add(export)
+    };
+    DiskNeed { checkpoint, export, peak }
+}
+
+/// Before any work: refuses a run whose checkpoints and export cannot fit the `free`
+/// bytes of the filesystem of `cfg.output_dir`, naming the sizes and the fix (a failed
+/// checkpoint write would otherwise end the run after its training steps).
+pub fn preflight_disk(cfg: &RunConfig, model: &LlamaConfig, free: u64, resume: bool, source: &Path) -> Result<()> {
+    let dtype = if cfg.model.device == "cpu" {
+        4
+    } else {
+        crate::train::trainer::parse_dtype(&cfg.model.dtype, source, "model.dtype")?.size_in_bytes() as u64
+    };
+    let need = disk_need(cfg, model, dtype, resume);
+    if need.peak <= free {
+        return Ok(());
+    }
+    Err(Error::config(
+        source,
+        "output_dir",
+        format!(
+            "the run writes checkpoints of {} GB (weights and the f32 AdamW state) and an export of {} GB into {}: it needs {} GB \
+             free at its fullest (a checkpoint replaces the previous one only once complete), the filesystem there has {} GB free; \
+             set output_dir (--output-dir) on a larger disk or free space (--skip-memory-check runs anyway)",
+            gb(need.checkpoint),
+            gb(need.export),
+            cfg.output_dir.display(),
+            gb(need.peak),
+            gb(free)
+        ),
+    ))
+}
+
 /// A suggestion in the words of the config keys.
 pub fn describe_suggestion(s: &Suggestion) -> String {
     let mut out = format!("parallel.mode = \"{}\"", s.mode);

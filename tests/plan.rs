@@ -383,6 +383,45 @@ fn preflight_refuses_with_the_numbers_and_a_fix() {
     plan::preflight(&run_1b(64 * K, false), &cfg, h200, None, src).unwrap();
 }
 
+/// `train`'s disk check before any work: Llama-2-7B (6,738,415,616 parameters) in bf16
+/// writes checkpoints of 14 bytes per parameter (bf16 weights, f32 master, m, v) and an
+/// export of 2. One checkpoint and the export: 107.81 GB at the fullest; a second
+/// checkpoint (two stages, or `checkpoint_every`) is written beside the first: 2 × 94.34
+/// GB; a resumed run replaces the checkpoint it found. On the CPU the weights are f32.
+#[test]
+fn disk_check_counts_the_checkpoint_beside_the_previous_and_the_export() {
+    let m = llama2_7b();
+    let p = 6_738_415_616u64;
+    assert_eq!(plan::param_count(&m), p);
+    let mut one = run_1b(64 * K, false);
+    one.model.device = "cuda".into();
+    let d = plan::disk_need(&one, &m, 2, false);
+    assert_eq!((d.checkpoint, d.export, d.peak), (14 * p, 2 * p, 16 * p));
+    let mut two = one.clone();
+    two.stages.push(longctx::train::Stage::new(128 * K, 1e6, 1));
+    assert_eq!(plan::disk_need(&two, &m, 2, false).peak, 28 * p);
+    let mut every = one.clone();
+    every.stages[0].steps = 10;
+    every.train.checkpoint_every = 5;
+    assert_eq!(plan::disk_need(&every, &m, 2, false).peak, 28 * p);
+    every.train.checkpoint_every = 20; // never reached: only the stage end's checkpoint
+    assert_eq!(plan::disk_need(&every, &m, 2, false).peak, 16 * p);
+    assert_eq!(plan::disk_need(&two, &m, 2, true).peak, 14 * p);
+
+    let src = Path::new("run.toml");
+    one.output_dir = "/data/run".into();
+    let e = plan::preflight_disk(&one, &m, 64_000_000_000, false, src).unwrap_err().to_string();
+    for want in ["output_dir", "94.34 GB", "13.48 GB", "/data/run", "107.81 GB", "64.00 GB free", "--output-dir", "--skip-memory-check"] {
+        assert!(e.contains(want), "missing {want:?}: {e}");
+    }
+    plan::preflight_disk(&one, &m, 16 * p, false, src).unwrap();
+    plan::preflight_disk(&one, &m, 16 * p - 1, false, src).unwrap_err();
+    // On the CPU: f32 weights, 16 + 4 bytes per parameter.
+    one.model.device = "cpu".into();
+    plan::preflight_disk(&one, &m, 20 * p, false, src).unwrap();
+    plan::preflight_disk(&one, &m, 20 * p - 1, false, src).unwrap_err();
+}
+
 /// ZeRO-3 with the weights and optimizer state on the host, one GPU, 64K: the GPU holds
 /// two whole layers of weights (202,383,360 elements each, the largest unit) instead of
 /// the model, and the gradient as this rank's slice (all of it on one rank, 34 units

@@ -377,6 +377,19 @@ pub fn print_run_plan(cfg: &RunConfig, model: Option<&longctx::model::LlamaConfi
         group(u64::try_from(total).unwrap_or(u64::MAX)),
         if cfg.train.optimizer_on_host || cfg.model.device == "cpu" { "host" } else { "GPU" }
     );
+    if let Some(m) = model {
+        let dtype_bytes = if cfg.model.device == "cpu" { 4 } else { parse_dtype(&cfg.model.dtype, "model.dtype")?.size_in_bytes() as u64 };
+        let d = plan::disk_need(cfg, m, dtype_bytes, false);
+        let free =
+            longctx::device::disk_free(&cfg.output_dir).map_or(String::new(), |f| format!(" ({} free there)", super::human_bytes(f)));
+        println!(
+            "#   disk: checkpoint {}, export {}; {} free needed in {}{free}",
+            super::human_bytes(d.checkpoint),
+            super::human_bytes(d.export),
+            super::human_bytes(d.peak),
+            cfg.output_dir.display()
+        );
+    }
     Ok(())
 }
 

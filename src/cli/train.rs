@@ -50,8 +50,10 @@ pub struct TrainArgs {
     #[arg(long)]
     pub dry_run: bool,
     /// Run even when the memory planner estimates that a stage does not fit the GPU (or
-    /// the host memory its offloads need); by default such a run is refused before any
-    /// work, with the largest length that fits and a layout that fits.
+    /// the host memory its offloads need), or that the checkpoints and the export do not
+    /// fit the free space of the output directory's disk; by default such a run is refused
+    /// before any work, with the largest length that fits and a layout that fits (or the
+    /// sizes to write).
     #[arg(long)]
     pub skip_memory_check: bool,
     /// Stop once this many optimizer steps (counted across resumes) are done: write a
@@ -115,6 +117,10 @@ pub fn train(a: TrainArgs) -> Result<()> {
         if !a.skip_memory_check && !a.dry_run {
             if let Some(gpu) = longctx::device::gpu_memory(&cfg.model.device, &src)? {
                 longctx::plan::preflight(&cfg, &m.cfg, gpu, longctx::device::host_available(), &src).context("checking memory")?;
+            }
+            // Disk: the checkpoints and the export must fit the output directory's filesystem.
+            if let Some(free) = longctx::device::disk_free(&cfg.output_dir) {
+                longctx::plan::preflight_disk(&cfg, &m.cfg, free, a.resume, &src).context("checking disk space")?;
             }
         }
     }
