@@ -136,9 +136,14 @@ impl RunDirLock {
 
 impl Drop for RunDirLock {
     fn drop(&mut self) {
-        // Empty the file (a later run then finds no holder), then unlock by closing.
+        // Empty the file (a later run then finds no holder), then unlock explicitly: the
+        // lock belongs to the open file, which a process forked meanwhile by another
+        // thread (a test spawning a child, say) shares until its exec closes it; closing
+        // our descriptor alone would leave the directory locked until then.
         let _ = self.file.set_len(0);
         let _ = self.file.sync_all();
+        // SAFETY: flock on a file descriptor we own.
+        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
     }
 }
 
@@ -190,5 +195,24 @@ mod tests {
         assert_eq!(parse_holder(""), None);
         assert_eq!(parse_holder("pid=-3\n"), None);
         assert!(alive(std::process::id() as i32));
+    }
+
+    /// A copy of the lock's descriptor held elsewhere (as a child forked by another thread
+    /// holds one until its exec) does not keep the directory locked once the run's lock
+    /// is dropped; while the lock lives, a second one is refused.
+    #[test]
+    fn a_dropped_lock_is_released_even_if_its_descriptor_was_copied() {
+        let tmp = tempfile::tempdir().unwrap();
+        let lock = RunDirLock::acquire(tmp.path()).unwrap();
+        let e = RunDirLock::acquire(tmp.path()).unwrap_err().to_string();
+        assert!(e.contains("in use by another longctx run"), "{e}");
+        // SAFETY: dup of a descriptor we own; the copy is closed below.
+        let copy = unsafe { libc::dup(lock.file.as_raw_fd()) };
+        assert!(copy >= 0);
+        drop(lock);
+        let again = RunDirLock::acquire(tmp.path());
+        // SAFETY: the descriptor made by dup above, closed once.
+        unsafe { libc::close(copy) };
+        again.unwrap();
     }
 }
