@@ -570,10 +570,32 @@ impl Shared {
         if bytes.len() > u32::MAX as usize - 4 {
             return Err(format!("a message of {} bytes is too large for the CPU transport (limit 4 GiB)", bytes.len()));
         }
-        let mut ws = self.writers.lock().unwrap_or_else(|p| p.into_inner());
-        let w = ws.get_mut(&via).ok_or_else(|| format!("no connection to rank {via} (it finished or failed)"))?;
-        w.send_parts(DATA, &[&(to as u32).to_be_bytes(), bytes]).map_err(|e| format!("writing to rank {via}: {e}"))
+        let sent = {
+            let mut ws = self.writers.lock().unwrap_or_else(|p| p.into_inner());
+            let w = ws.get_mut(&via).ok_or_else(|| format!("no connection to rank {via} (it finished or failed)"))?;
+            w.send_parts(DATA, &[&(to as u32).to_be_bytes(), bytes])
+        };
+        sent.map_err(|e| match lost_peer(via, &e) {
+            // The peer's end closed: the same failure its reader thread reports when it
+            // sees the close first (which of the two comes first is a race).
+            Some(why) => {
+                self.fail(why.clone(), Some(via));
+                why
+            }
+            None => format!("writing to rank {via}: {e}"),
+        })
     }
+}
+
+/// The failure of a write to rank `peer` whose connection the peer closed (it exited or
+/// was killed): named as its reader thread names it; `None` for other errors.
+fn lost_peer(peer: usize, e: &std::io::Error) -> Option<String> {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+    if !matches!(e.kind(), BrokenPipe | ConnectionReset | ConnectionAborted | UnexpectedEof) {
+        return None;
+    }
+    let who = if peer == 0 { "rank 0 (rendezvous master)".to_string() } else { format!("rank {peer}") };
+    Some(format!("{who} exited without finishing (writing to it: {e})"))
 }
 
 impl Shared {
@@ -831,5 +853,23 @@ fn watch(sh: Arc<Shared>, peer: usize, mut reader: FrameReader, opts: Rendezvous
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Error, ErrorKind};
+
+    /// A write that finds the peer's end closed names the peer as lost, as its reader
+    /// thread does; other write errors stay write errors.
+    #[test]
+    fn a_write_to_a_closed_peer_names_it_lost() {
+        let pipe = Error::from(ErrorKind::BrokenPipe);
+        assert_eq!(lost_peer(1, &pipe).unwrap(), format!("rank 1 exited without finishing (writing to it: {pipe})"));
+        let reset = Error::from(ErrorKind::ConnectionReset);
+        assert!(lost_peer(0, &reset).unwrap().starts_with("rank 0 (rendezvous master) exited without finishing"));
+        assert_eq!(lost_peer(1, &Error::from(ErrorKind::InvalidInput)), None);
+        assert_eq!(lost_peer(1, &Error::from(ErrorKind::TimedOut)), None);
     }
 }
