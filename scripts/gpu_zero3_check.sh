@@ -20,8 +20,14 @@
 # Env: RUN_LIMIT (default 400): seconds after which a training case is stopped, logged as such;
 #      STEPS: steps of the 64k and 64k-again cases (default 5);
 #      SAME_LOSSES (case names), LOSS_TOL: assert those cases' per-step losses agree (see the end).
+# Exit status: 1 when the SAME_LOSSES check fails, else 0.
 set -uo pipefail
-BIN=$1; OUTDIR=$2; CASES=${3:-"bench 64k 256k"}; mkdir -p "$OUTDIR"
+BIN=$1; OUTDIR=$2; CASES=${3:-"bench 64k 64k-weights-gpu 256k"}; mkdir -p "$OUTDIR"
+# By default the deferred update (64k) is checked against the update applied at once
+# (64k-weights-gpu) whenever both run.
+if [ -z "${SAME_LOSSES:-}" ] && [[ " $CASES " == *" 64k "* && " $CASES " == *" 64k-weights-gpu "* ]]; then
+  SAME_LOSSES="64k 64k-weights-gpu"
+fi
 if [[ $BIN == *.gz ]]; then gunzip -c "$BIN" > /tmp/longctx-z3 && chmod +x /tmp/longctx-z3 && BIN=/tmp/longctx-z3; fi
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 S=$OUTDIR/summary.txt
@@ -116,6 +122,9 @@ ok = len(steps) >= 2 and worst <= tol
 print("same losses", " / ".join(names), ":", "ok" if ok else "FAIL", f"({len(steps)} common steps, worst relative difference {worst:.2e}, allowed {tol:.0e})")
 for s in steps:
     print("  step", s, {n: runs[n][s] for n in names})
+sys.exit(0 if ok else 1)
 PY
+  same=$?
 fi
 cat "$S"
+exit "${same:-0}"
