@@ -757,6 +757,14 @@ pub fn preflight(cfg: &RunConfig, model: &LlamaConfig, gpu_memory: u64, host_ava
     Ok(())
 }
 
+/// Bytes per weight of the run's model: `model.dtype`'s, 4 on the CPU (where runs are f32).
+pub fn weight_bytes(cfg: &RunConfig, source: &Path) -> Result<usize> {
+    if cfg.model.device == "cpu" {
+        return Ok(4);
+    }
+    Ok(crate::train::trainer::parse_dtype(&cfg.model.dtype, source, "model.dtype")?.size_in_bytes())
+}
+
 /// What a run writes to its `output_dir` ([`disk_need`]), in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct DiskNeed {
@@ -794,12 +802,7 @@ pub fn disk_need(cfg: &RunConfig, model: &LlamaConfig, dtype_bytes: u64, resume:
 /// bytes of the filesystem of `cfg.output_dir`, naming the sizes and the fix (a failed
 /// checkpoint write would otherwise end the run after its training steps).
 pub fn preflight_disk(cfg: &RunConfig, model: &LlamaConfig, free: u64, resume: bool, source: &Path) -> Result<()> {
-    let dtype = if cfg.model.device == "cpu" {
-        4
-    } else {
-        crate::train::trainer::parse_dtype(&cfg.model.dtype, source, "model.dtype")?.size_in_bytes() as u64
-    };
-    let need = disk_need(cfg, model, dtype, resume);
+    let need = disk_need(cfg, model, weight_bytes(cfg, source)? as u64, resume);
     if need.peak <= free {
         return Ok(());
     }

@@ -8,7 +8,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use longctx::plan::{self, PlanRequest};
 use longctx::train::config::{ParallelMode, RunConfig};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 const MODEL_HELP: &str = "Model: `builtin:NAME`, a Hugging Face model directory (or its config.json), or a hub id \
                           (only config.json is fetched) [default: the --config's model]";
@@ -132,7 +132,7 @@ fn planned_run(a: &PlanArgs, file: Option<RunConfig>) -> Result<RunConfig> {
         c
     });
     if !from_file {
-        for line in longctx::train::deepspeed::resolve(&mut c, a.deepspeed.as_deref(), std::path::Path::new(super::FLAGS))? {
+        for line in longctx::train::deepspeed::resolve(&mut c, a.deepspeed.as_deref(), Path::new(super::FLAGS))? {
             eprintln!("{line}");
         }
     }
@@ -330,10 +330,7 @@ pub fn print_suggestion(p: &plan::Plan) {
 pub fn print_run_plan(cfg: &RunConfig, model: Option<&longctx::model::LlamaConfig>, gpu_memory: Option<u64>) -> Result<()> {
     let gpu = gpu_memory.unwrap_or(141_000_000_000);
     let reqs = match model {
-        Some(_) => {
-            let dtype_bytes = parse_dtype(&cfg.model.dtype, "model.dtype")?.size_in_bytes();
-            plan::run_requests(cfg, gpu, if cfg.model.device == "cpu" { 4 } else { dtype_bytes })
-        }
+        Some(_) => plan::run_requests(cfg, gpu, plan::weight_bytes(cfg, Path::new(super::FLAGS))?),
         None => Vec::new(),
     };
     println!("# plan: {} stage(s) on {} rank(s)", cfg.stages.len(), cfg.parallel.world_size);
@@ -378,8 +375,7 @@ pub fn print_run_plan(cfg: &RunConfig, model: Option<&longctx::model::LlamaConfi
         if cfg.train.optimizer_on_host || cfg.model.device == "cpu" { "host" } else { "GPU" }
     );
     if let Some(m) = model {
-        let dtype_bytes = if cfg.model.device == "cpu" { 4 } else { parse_dtype(&cfg.model.dtype, "model.dtype")?.size_in_bytes() as u64 };
-        let d = plan::disk_need(cfg, m, dtype_bytes, false);
+        let d = plan::disk_need(cfg, m, plan::weight_bytes(cfg, Path::new(super::FLAGS))? as u64, false);
         let free =
             longctx::device::disk_free(&cfg.output_dir).map_or(String::new(), |f| format!(" ({} free there)", super::human_bytes(f)));
         println!(
