@@ -115,7 +115,10 @@ fn no_effect(key: &str) -> Option<&'static str> {
         | "mics_shard_size" => {
             "stage 3 gathers one decoder layer at a time, a layer ahead; checkpoints and exports always hold the full 16-bit weights"
         }
-        "pin_memory" => "offloaded activations are pinned; the host optimizer state is not",
+        "pin_memory" => {
+            "host copies always use page-locked memory: offloaded activations and the offloaded weight slice are pinned, the host \
+             optimizer's gradients arrive through pinned buffers (its own state is not pinned)"
+        }
         "buffer_count" | "fast_init" | "ratio" | "pipeline_read" | "pipeline_write" | "max_in_cpu" | "nvme_path" => {
             "no counterpart in longctx's host offload"
         }

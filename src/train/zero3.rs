@@ -381,7 +381,7 @@ impl ShardedGrads {
     /// Zero unit `u`'s slice of the shard (a deferred update has read it).
     pub fn zero_unit(&self, u: usize) -> Result<()> {
         let unit = &self.part.units[u];
-        Ok(self.shard.narrow(0, unit.shard_off, unit.shard)?.zero_set()?)
+        crate::train::grads::zero_flat(&self.shard.narrow(0, unit.shard_off, unit.shard)?)
     }
 
     /// Units of the partition.
