@@ -178,27 +178,59 @@ fn context_fields_and_other_config_fields() {
     assert_eq!(got["torch_dtype"], "float32");
 }
 
+/// Every side file of the source directory travels with the weights (the tokenizer, an
+/// instruct model's `chat_template.jinja`, files only a tokenizer class reads), and again
+/// through a second export of the export; the source's weights, config, model card,
+/// hidden files and subdirectories do not.
 #[test]
-fn tokenizer_files_are_copied_when_present() {
+fn tokenizer_chat_and_other_side_files_are_copied_and_survive_a_round_trip() {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("src");
-    std::fs::create_dir(&src).unwrap();
+    std::fs::create_dir_all(src.join("original")).unwrap();
+    let template = "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}";
     for (f, body) in [
         ("tokenizer.json", "{\"tok\": 1}"),
         ("tokenizer_config.json", "{\"cfg\": 2}"),
         ("special_tokens_map.json", "{\"sp\": 3}"),
         ("tokenizer.model", "sentencepiece bytes"),
-        ("unrelated.txt", "not copied"),
+        ("chat_template.jinja", template),
+        ("vocab.json", "{\"a\": 0}"),
+        ("merges.txt", "#version: 0.2"),
+        ("generation_config.json", "{\"do_sample\": false}"),
+        ("config.json", "{\"source\": true}"),
+        ("model.safetensors", "source weights"),
+        ("pytorch_model.bin", "source weights"),
+        ("model.safetensors.index.json", "{}"),
+        ("README.md", "card of the source model"),
+        (".gitattributes", "*.bin filter=lfs"),
+        ("original/consolidated.00.pth", "weights"),
     ] {
         std::fs::write(src.join(f), body).unwrap();
     }
     let out = tmp.path().join("out");
     hub::export(&out, &state_dict(), &config(), Some(&src), &ExportOptions::default()).unwrap();
-    assert_eq!(
-        ls(&out),
-        vec!["config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
-    );
-    assert_eq!(std::fs::read_to_string(out.join("tokenizer_config.json")).unwrap(), "{\"cfg\": 2}");
+    let want = vec![
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "merges.txt",
+        "model.safetensors",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+        "vocab.json",
+    ];
+    assert_eq!(ls(&out), want);
+    assert_eq!(std::fs::read_to_string(out.join("chat_template.jinja")).unwrap(), template);
+    assert!(read_json(&out.join("config.json")).get("source").is_none(), "the export's own config.json, not the source's");
+    // The export of an export keeps them all.
+    let again = tmp.path().join("again");
+    hub::ModelExport::from_model_dir(&out).unwrap().write(&again).unwrap();
+    assert_eq!(ls(&again), want);
+    for f in ["chat_template.jinja", "tokenizer.json", "vocab.json"] {
+        assert_eq!(std::fs::read(again.join(f)).unwrap(), std::fs::read(src.join(f)).unwrap(), "{f}");
+    }
 }
 
 #[test]

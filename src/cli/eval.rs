@@ -456,9 +456,8 @@ fn needle_ranks(a: &NeedleArgs, haystack: Option<&str>, ranks: &Ranks, m: &EvalM
     for &l in &lengths {
         m.check_length(l, a.run.allow_extrapolation, "--lengths")?;
     }
-    let bos = cfg.extra.get("bos_token_id").and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok());
     let task = match (&m.tokenizer, format) {
-        (Some(tok), Format::Text) => Some(TextTask::new(tok, haystack, a.passkey, a.digits, a.distractors, bos)?),
+        (Some(tok), Format::Text) => Some(TextTask::new(tok, haystack, a.passkey, a.digits, a.distractors)?),
         _ => None,
     };
     let total = (lengths.len() * a.depths.len() * a.trials) as u64;

@@ -78,9 +78,8 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     let prompt: Vec<u32> = match (&m.tokenizer, text) {
         (Some(tok), t) => {
             let t = t.unwrap_or_else(|| "Once upon a time".into());
-            let mut ids: Vec<u32> = m.cfg().extra.get("bos_token_id").and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok()).into_iter().collect();
-            ids.extend(tok.encode_fast(t.as_str(), false).map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?.get_ids());
-            ids
+            // As transformers' tokenizer(prompt): its own BOS/EOS rule, not config.json's bos_token_id.
+            longctx::hub::tokenizer::encode_text(tok, t.as_str()).map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
         }
         (None, Some(t)) => t
             .split(|c: char| c.is_whitespace() || c == ',')

@@ -133,9 +133,10 @@ impl Iterator for MultiFileDocs {
 #[derive(Clone, Default)]
 pub struct Tokenize {
     pub tokenizer: Option<Arc<Tokenizer>>,
-    /// Prepended to every document (not to raw stream pieces).
+    /// Prepended to every document (not to raw stream pieces) unless it starts with it
+    /// already (text whose tokenizer adds the same BOS, see [`crate::hub::tokenizer`]).
     pub bos: Option<u32>,
-    /// Appended to every document (not to raw stream pieces).
+    /// Appended to every document (not to raw stream pieces) unless it ends with it already.
     pub eos: Option<u32>,
     /// When set, every id must be below it.
     pub vocab_size: Option<usize>,
@@ -158,10 +159,10 @@ impl Tokenize {
                 let Some(tok) = &self.tokenizer else {
                     return Err(Error::data(&*doc.file, format!("{}: the dataset holds text but no tokenizer was given", where_(doc.loc))));
                 };
-                let enc = tok
-                    .encode_fast(text.as_str(), false)
+                // With the special tokens the tokenizer adds, as transformers' tokenizer(text).
+                let ids = crate::hub::tokenizer::encode_text(tok, text.as_str())
                     .map_err(|e| Error::data(&*doc.file, format!("{}: tokenizer failed: {e}", where_(doc.loc))))?;
-                (enc.get_ids().to_vec(), false)
+                (ids, false)
             }
         };
         if let Some(v) = self.vocab_size {
@@ -176,10 +177,11 @@ impl Tokenize {
         if is_stream {
             return Ok(TokenDoc { ids: body, is_stream });
         }
+        // `bos`/`eos` where the tokenizer has not already put the same token there.
         let mut ids = Vec::with_capacity(body.len() + 2);
-        ids.extend(self.bos);
+        ids.extend(self.bos.filter(|b| body.first() != Some(b)));
         ids.extend_from_slice(&body);
-        ids.extend(self.eos);
+        ids.extend(self.eos.filter(|e| body.last() != Some(e)));
         Ok(TokenDoc { ids, is_stream })
     }
 }

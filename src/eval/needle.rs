@@ -114,8 +114,9 @@ pub struct TextTask {
     pub digits: usize,
     /// Distractor needles per case.
     pub distractors: usize,
-    /// Prepended to every case (the model's `bos_token_id`).
-    pub bos: Option<u32>,
+    /// What every case starts with: the special tokens the tokenizer puts before a text
+    /// ([`crate::hub::tokenizer::special_prefix`]: BOS for Llama's, nothing for SmolLM2's).
+    pub prefix: Vec<u32>,
     tok: tokenizers::Tokenizer,
 }
 
@@ -129,15 +130,8 @@ fn encode(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
 
 impl TextTask {
     /// The haystack: `text`, or the generated filler when `None`; an empty one is an error.
-    /// `distractors` and `bos`: see the fields.
-    pub fn new(
-        tok: &tokenizers::Tokenizer,
-        text: Option<&str>,
-        passkey: bool,
-        digits: usize,
-        distractors: usize,
-        bos: Option<u32>,
-    ) -> Result<Self> {
+    /// `distractors`: see the field.
+    pub fn new(tok: &tokenizers::Tokenizer, text: Option<&str>, passkey: bool, digits: usize, distractors: usize) -> Result<Self> {
         let body = match text {
             Some(t) => t.to_string(),
             None if passkey => PASSKEY_FILLER_TEXT.repeat(4),
@@ -154,12 +148,13 @@ impl TextTask {
         if !(1..=18).contains(&digits) {
             return Err(Error::config("--digits", "digits", format!("got {digits}, expected 1 to 18")));
         }
-        Ok(Self { haystack, passkey, digits, distractors, bos, tok: tok.clone() })
+        let prefix = crate::hub::tokenizer::special_prefix(tok).map_err(|e| Error::Setting(format!("tokenizer failed: {e}")))?;
+        Ok(Self { haystack, passkey, digits, distractors, prefix, tok: tok.clone() })
     }
 
     /// A case of `len` inputs with the needle at `depth` of the haystack.
     pub fn case(&self, len: usize, depth: f64, seed: u64, index: u64) -> Result<Case> {
-        let (tok, bos, distractors) = (&self.tok, self.bos, self.distractors);
+        let (tok, distractors) = (&self.tok, self.distractors);
         let mut rng = SplitMix64::from_parts(&[seed, index]);
         let value = number(&mut rng, self.digits);
         let (needle, question) = if self.passkey {
@@ -195,7 +190,7 @@ impl TextTask {
             };
             distractor_ids.push(encode(tok, &s)?);
         }
-        let fixed = bos.iter().count() + needle_ids.len() + q_ids.len() + answer.len() + distractor_ids.iter().map(Vec::len).sum::<usize>();
+        let fixed = self.prefix.len() + needle_ids.len() + q_ids.len() + answer.len() + distractor_ids.iter().map(Vec::len).sum::<usize>();
         if len + 1 < fixed + 1 {
             return Err(Error::config(
                 "--lengths",
@@ -216,7 +211,7 @@ impl TextTask {
             inserts.push((p, d));
         }
         inserts.sort_by_key(|(p, _)| *p);
-        let mut raw: Vec<u32> = bos.into_iter().collect();
+        let mut raw: Vec<u32> = self.prefix.clone();
         let mut prev = 0;
         for (p, ids) in inserts {
             raw.extend_from_slice(&hay[prev..p]);

@@ -39,8 +39,11 @@ const PALETTE: [RGBColor; 6] = [
     RGBColor(140, 86, 75),
 ];
 
-/// A line per series of `(x, y)` points, x on a log2 axis (context lengths), written to
-/// `path` (PNG).
+/// A line per series of `(x, y)` points, written to `path` (PNG), drawn to read at a glance:
+/// x on a log2 axis with ticks at the given x values only (context lengths as 2K, 64K, 1M);
+/// y on a log10 axis when the values span more than a decade (a good and a bad model
+/// both visible), else linear; the legend in a panel right of the data (never over the last
+/// points), each series named by [`short_name`]; the title wrapped to the image width.
 pub fn lines(path: &Path, title: &str, x_desc: &str, y_desc: &str, series: &[(String, Vec<(f64, f64)>)]) -> Result<()> {
     font_ready()?;
     let pts: Vec<(f64, f64)> = series.iter().flat_map(|s| s.1.iter().copied()).filter(|p| p.0 > 0.0 && p.1.is_finite()).collect();
@@ -48,54 +51,144 @@ pub fn lines(path: &Path, title: &str, x_desc: &str, y_desc: &str, series: &[(St
         return Err(Error::Setting(format!("{}: nothing to plot (no finite value)", path.display())));
     }
     let lx = |x: f64| x.log2();
-    let (mut x0, mut x1) = pts.iter().fold((f64::MAX, f64::MIN), |a, p| (a.0.min(lx(p.0)), a.1.max(lx(p.0))));
-    let (mut y0, mut y1) = pts.iter().fold((f64::MAX, f64::MIN), |a, p| (a.0.min(p.1), a.1.max(p.1)));
-    if x1 - x0 < 1e-9 {
-        x0 -= 0.5;
-        x1 += 0.5;
-    }
+    let (x0, x1) = pts.iter().fold((f64::MAX, f64::MIN), |a, p| (a.0.min(lx(p.0)), a.1.max(lx(p.0))));
+    let (x0, x1) = if x1 - x0 < 1e-9 { (x0 - 0.5, x1 + 0.5) } else { (x0, x1) };
+    let (ymin, ymax) = pts.iter().fold((f64::MAX, f64::MIN), |a, p| (a.0.min(p.1), a.1.max(p.1)));
+    let log_y = ymin > 0.0 && ymax / ymin > 10.0;
+    let ty = |y: f64| if log_y { y.log10() } else { y };
+    let (y0, y1) = (ty(ymin), ty(ymax));
     let pad = ((y1 - y0) * 0.08).max(1e-3 * y1.abs().max(1.0));
-    y0 -= pad;
-    y1 += pad;
-    png(path, (900, 560), |root| {
+    let (y0, y1) = (y0 - pad, y1 + pad);
+    let mut ticks: Vec<f64> = pts.iter().map(|p| p.0).collect();
+    ticks.sort_by(f64::total_cmp);
+    ticks.dedup();
+    let names: Vec<String> = series.iter().map(|(n, _)| short_name(n)).collect();
+    let title_lines = wrap(title, 70);
+    let top = 18 + 26 * title_lines.len() as u32;
+    png(path, (1000, 560 + 26 * (title_lines.len() as u32 - 1)), |root| {
         let root = root.clone();
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, (FAMILY, 22))
+        for (i, l) in title_lines.iter().enumerate() {
+            root.draw(&Text::new(l.clone(), (24, 10 + 26 * i as i32), (FAMILY, 22).into_font()))?;
+        }
+        let (body_w, _) = root.dim_in_pixel();
+        let (area, legend) = root.margin(top, 0, 0, 0).split_horizontally(body_w.saturating_sub(250));
+        let mut chart = ChartBuilder::on(&area)
             .margin(16)
             .x_label_area_size(48)
             .y_label_area_size(96)
             .build_cartesian_2d(x0 - 0.15..x1 + 0.15, y0..y1)?;
+        // x: no automatic labels; a grid line and a label at each given length below.
         chart
             .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(0)
             .x_desc(x_desc)
-            .y_desc(y_desc)
-            .x_labels(((x1 - x0).round() as usize + 2).min(14))
-            .x_label_formatter(&|x| format!("{}", 2f64.powf(*x).round()))
-            .y_label_formatter(&|y| match y.abs() {
-                a if a >= 100.0 => format!("{y:.0}"),
-                a if a >= 10.0 => format!("{y:.1}"),
-                _ => format!("{y:.3}"),
+            .y_desc(if log_y { format!("{y_desc} (log scale)") } else { y_desc.to_string() })
+            .y_label_formatter(&|y| {
+                let v = if log_y { 10f64.powf(*y) } else { *y };
+                match v.abs() {
+                    a if a >= 100.0 => format!("{v:.0}"),
+                    a if a >= 10.0 => format!("{v:.1}"),
+                    _ => format!("{v:.3}"),
+                }
             })
             .label_style((FAMILY, 14))
             .draw()?;
-        for (i, (name, s)) in series.iter().enumerate() {
+        for &t in &ticks {
+            chart.draw_series(LineSeries::new(vec![(lx(t), y0), (lx(t), y1)], RGBColor(225, 225, 225)))?;
+            // backend_coord is in the image's pixels; `area` draws relative to its corner.
+            let ((px, py), (bx, by)) = (chart.backend_coord(&(lx(t), y0)), area.get_base_pixel());
+            let (px, py) = (px - bx, py - by);
+            let label = length_label(t);
+            let w = 8 * label.chars().count() as i32;
+            area.draw(&Text::new(label, (px - w / 2, py + 6), (FAMILY, 14).into_font()))?;
+        }
+        for (i, (_, s)) in series.iter().enumerate() {
             let c = PALETTE[i % PALETTE.len()];
-            let line: Vec<(f64, f64)> = s.iter().filter(|p| p.0 > 0.0 && p.1.is_finite()).map(|p| (lx(p.0), p.1)).collect();
-            chart
-                .draw_series(LineSeries::new(line.clone(), c.stroke_width(2)))?
-                .label(name.as_str())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+            let line: Vec<(f64, f64)> = s.iter().filter(|p| p.0 > 0.0 && p.1.is_finite()).map(|p| (lx(p.0), ty(p.1))).collect();
+            chart.draw_series(LineSeries::new(line.clone(), c.stroke_width(2)))?;
             chart.draw_series(line.into_iter().map(|p| Circle::new(p, 4, c.filled())))?;
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font((FAMILY, 14))
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()?;
+        for (i, name) in names.iter().enumerate() {
+            let c = PALETTE[i % PALETTE.len()];
+            let y = 40 + 28 * i as i32;
+            legend.draw(&PathElement::new(vec![(8, y), (30, y)], c.stroke_width(3)))?;
+            for (j, part) in wrap(name, 24).iter().enumerate() {
+                legend.draw(&Text::new(part.clone(), (38, y - 8 + 16 * j as i32), (FAMILY, 14).into_font()))?;
+            }
+        }
         Ok(())
     })
+}
+
+/// A context length as people write it: 2048 → 2K, 65536 → 64K, 1048576 → 1M, 1000 → 1000.
+pub fn length_label(x: f64) -> String {
+    let n = x.round() as u64;
+    match n {
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{}M", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{}K", n >> 10),
+        n => n.to_string(),
+    }
+}
+
+/// A model named by the last two parts of its path (`runs/SmolLM2-64K/export` →
+/// `SmolLM2-64K/export`); hub ids and `builtin:` names as they are.
+pub fn short_name(name: &str) -> String {
+    let parts: Vec<&str> = name.trim_end_matches('/').rsplit('/').take(2).collect();
+    if parts.len() < 2 || name.contains(':') {
+        return name.to_string();
+    }
+    format!("{}/{}", parts[1], parts[0])
+}
+
+/// `text` cut into lines of at most `width` characters at spaces (a longer word alone).
+fn wrap(text: &str, width: usize) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for word in text.split(' ') {
+        match out.last_mut() {
+            Some(l) if l.chars().count() + 1 + word.chars().count() <= width => {
+                l.push(' ');
+                l.push_str(word);
+            }
+            _ => out.push(word.to_string()),
+        }
+    }
+    if out.is_empty() {
+        out.push(String::new());
+    }
+    out
+}
+
+#[cfg(test)]
+mod line_tests {
+    use super::*;
+
+    #[test]
+    fn labels_names_and_wrapping() {
+        assert_eq!(length_label(2048.0), "2K");
+        assert_eq!(length_label(65536.0), "64K");
+        assert_eq!(length_label(1048576.0), "1M");
+        assert_eq!(length_label(1000.0), "1000");
+        assert_eq!(short_name("runs/SmolLM2-135M-64K/export"), "SmolLM2-135M-64K/export");
+        assert_eq!(short_name("/data/models/SmolLM2-135M-Instruct/"), "models/SmolLM2-135M-Instruct");
+        assert_eq!(short_name("builtin:tiny"), "builtin:tiny");
+        assert_eq!(short_name("export"), "export");
+        assert_eq!(wrap("a bb ccc", 4), vec!["a bb", "ccc"]);
+        let long = "Perplexity vs context length (data/longdocs/eval.jsonl, held-out documentation)";
+        assert!(wrap(long, 70).iter().all(|l| l.chars().count() <= 70));
+    }
+
+    #[test]
+    fn a_plot_of_two_models_a_thousand_times_apart_is_drawn() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("ppl.png");
+        let s = vec![
+            ("models/base".to_string(), vec![(2048.0, 9.0), (8192.0, 7.5), (65536.0, 2316.0)]),
+            ("runs/x/export".to_string(), vec![(2048.0, 9.2), (8192.0, 7.4), (65536.0, 6.6)]),
+        ];
+        lines(&p, "Perplexity vs context length of a title long enough to need wrapping at the image width", "length", "ppl", &s).unwrap();
+        assert!(std::fs::metadata(&p).unwrap().len() > 1000);
+    }
 }
 
 /// A PNG of `size` pixels drawn by `draw` on a white page, written atomically to `path`

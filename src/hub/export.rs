@@ -6,7 +6,7 @@
 //!   model.safetensors                when everything fits in one shard, else
 //!   model-00001-of-0000N.safetensors shards, tensors in natural name order
 //!   model.safetensors.index.json     {"metadata": {"total_size": bytes}, "weight_map": {name: shard}}
-//!   tokenizer.json, ...              copied from the source model directory when present
+//!   tokenizer.json, chat_template.jinja, ...  every side file of the source model directory ([`side_files`])
 //! ```
 //! Safetensors metadata is `{"format": "pt"}` (transformers refuses files without it).
 //!
@@ -42,9 +42,48 @@ use crate::{Error, Result};
 /// A training checkpoint's state (next to its `model.safetensors`).
 const STATE_FILE: &str = "state.json";
 
-/// Files copied from the source model directory when they exist there.
-pub const TOKENIZER_FILES: [&str; 5] =
-    ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "generation_config.json"];
+/// The tokenizer, chat and generation files a hub model may have beside its weights
+/// (fetched with a hub model when the repository has them). An export copies these and
+/// any other side file of the source directory ([`side_files`]).
+pub const TOKENIZER_FILES: [&str; 10] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+];
+
+/// Extensions of weight files: never copied as side files (the export writes its own).
+const WEIGHT_EXTENSIONS: [&str; 11] = ["safetensors", "bin", "pt", "pth", "ckpt", "gguf", "h5", "msgpack", "onnx", "npz", "ot"];
+
+/// The files of a model directory that an export copies unchanged: every regular file
+/// (links followed) at its top level except what the export writes itself (`config.json`,
+/// weights and their index), other weight formats, a training checkpoint's `state.json`,
+/// the model card (`README.md`, which describes the source model) and hidden files. So
+/// the tokenizer, `chat_template.jinja` and any file transformers' tokenizer classes
+/// read (`vocab.json`, `merges.txt`, `tokenizer.model`, ...) travel with the weights.
+pub fn side_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let path = entry.map_err(|e| Error::io(dir, e))?.path();
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
+        let ext = Path::new(name).extension().and_then(|e| e.to_str()).unwrap_or("");
+        let skip = name.starts_with('.')
+            || matches!(name, CONFIG_FILE | STATE_FILE | "README.md")
+            || name.ends_with(".index.json")
+            || WEIGHT_EXTENSIONS.contains(&ext);
+        if !skip && path.is_file() {
+            out.push(path);
+        }
+    }
+    out.sort();
+    Ok(out)
+}
 
 /// How to write the checkpoint.
 #[derive(Debug, Clone)]
@@ -128,13 +167,10 @@ pub fn export(
         }
         write_json(&tmp.join(CONFIG_FILE), &config)?;
         if let Some(src) = source_dir {
-            for f in TOKENIZER_FILES {
-                let from = src.join(f);
-                if from.exists() {
-                    let to = tmp.join(f);
-                    std::fs::copy(&from, &to).map_err(|e| Error::io(&from, e))?;
-                    sync_file(&to)?;
-                }
+            for from in side_files(src)? {
+                let to = tmp.join(from.file_name().unwrap_or_default());
+                std::fs::copy(&from, &to).map_err(|e| Error::io(&from, e))?;
+                sync_file(&to)?;
             }
         }
         sync_dir(&tmp);
