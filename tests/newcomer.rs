@@ -1,0 +1,97 @@
+//! Issue #34, a new user's first hour, through the binary: a resume says what it does and
+//! continues the run's own config; a finished run is left as it is; a run that never
+//! stepped leaves nothing that blocks its directory; warmup is honoured in every schedule;
+//! the planner names its flags; paths and lengths are read one way in every command.
+//!
+//! Runs: built-in tiny Llama, passkey data, CPU, a few steps of 32 and 64 tokens.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+mod common;
+use common::longctx_cmd as longctx;
+
+struct Out {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn run_cmd(mut c: Command) -> Out {
+    let o = c.output().expect("cannot run the longctx binary");
+    Out {
+        code: o.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+    }
+}
+
+fn run(args: &[&str]) -> Out {
+    run_cmd(longctx(args))
+}
+
+fn ok(args: &[&str]) -> Out {
+    let o = run(args);
+    assert_eq!(o.code, 0, "longctx {args:?} failed:\n{}", o.stderr);
+    o
+}
+
+/// Exit status 1, exactly one `error:` line, containing every needle; no panic.
+fn fails(o: &Out, needles: &[&str]) -> String {
+    assert_eq!(o.code, 1, "expected exit status 1, got {}; stderr:\n{}", o.code, o.stderr);
+    let errs: Vec<&str> = o.stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(errs.len(), 1, "expected one error line:\n{}", o.stderr);
+    for n in needles {
+        assert!(errs[0].contains(n), "error line lacks `{n}`: {}", errs[0]);
+    }
+    assert!(!o.stderr.contains("panicked"), "{}", o.stderr);
+    errs[0].to_string()
+}
+
+fn assert_has(text: &str, needles: &[&str]) {
+    for n in needles {
+        assert!(text.contains(n), "`{n}` missing from:\n{text}");
+    }
+}
+
+/// Two stages (4 steps of 32 tokens, 2 of 64), batch 2: 256 then 256 tokens per step.
+const TWO_STAGES: &str = "seed = 9\n[model]\nsource = \"builtin:tiny\"\ndevice = \"cpu\"\n[data]\ndataset = \"synthetic:passkey\"\n\
+    [train]\nbatch_size = 2\nlearning_rate = 3e-3\ncheckpoint_interval_min = 0.0\n[parallel]\ntoken_chunk = 32\n\
+    [[stage]]\nseq_length = 32\nrope_theta = 10000.0\nsteps = 4\n[[stage]]\nseq_length = 64\nrope_theta = 100000.0\nsteps = 2\n";
+
+fn write_config(dir: &Path, text: &str) -> PathBuf {
+    let p = dir.join("run.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// `warmup_steps` under the default constant schedule warms up (EasyContext's
+/// constant-with-warmup): the logged learning rate of steps 1 and 2 of 4 warmup steps.
+#[test]
+fn warmup_is_honoured_in_the_constant_schedule() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(tmp.path(), TWO_STAGES);
+    let out = tmp.path().join("run");
+    let o = ok(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--warmup-steps",
+        "4",
+        "--seq-length",
+        "32",
+        "--max-train-steps",
+        "2",
+        "--dry-run",
+    ]);
+    assert_has(&o.stdout, &["lr_schedule = \"constant\"", "warmup 4"]);
+    ok(&["train", "--config", cfg.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--warmup-steps", "4", "--max-train-steps", "2"]);
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let lrs: Vec<f64> = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["lr"].as_f64().unwrap()).collect();
+    assert_eq!(lrs.len(), 4, "{text}");
+    for (got, want) in lrs.iter().zip([3e-3 / 4.0, 3e-3 / 2.0, 3e-3 / 4.0, 3e-3 / 2.0]) {
+        assert!((got - want).abs() < 1e-12, "lr {got}, expected {want} (warmup restarts each stage): {lrs:?}");
+    }
+}
