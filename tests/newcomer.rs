@@ -65,6 +65,50 @@ fn write_config(dir: &Path, text: &str) -> PathBuf {
     p
 }
 
+fn tensorboard_files(out: &Path) -> usize {
+    std::fs::read_dir(out.join("tensorboard")).map_or(0, |d| d.count())
+}
+
+/// `--resume` alone continues with the config saved in the checkpoint (not the demo's),
+/// says where it resumes, and its summary counts the whole run's tokens and names the
+/// stages it ran by their own index. Resumed again once finished, it says so and writes
+/// nothing.
+#[test]
+fn resume_alone_uses_the_saved_config_and_says_where_it_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(tmp.path(), TWO_STAGES);
+    let out = tmp.path().join("run");
+    let (cfg_s, out_s) = (cfg.to_str().unwrap(), out.to_str().unwrap());
+    ok(&["train", "--config", cfg_s, "--output-dir", out_s, "--stop-at-step", "5"]);
+    // Resumed with no --config: the saved config, unchanged, from stage 1 after its step 1.
+    let o = ok(&["train", "--resume", "--output-dir", out_s]);
+    assert!(!o.stderr.contains("changed settings"), "{}", o.stderr);
+    let ckpt = out.join("checkpoint");
+    assert_has(
+        &o.stderr,
+        &[
+            "note: --resume without --config: the run's config as saved in",
+            &format!("resuming stage 1 at step 1/2 (global 5) from {}", ckpt.display()),
+            // 4 × 2 × 32 + 2 × 2 × 64 over the run; 1 step of 2 × 64 in this invocation.
+            "done: 6 steps, 512 tokens over the run; this invocation: 1 steps, 128 tokens in",
+            "  stage 1: loss",
+        ],
+    );
+    assert!(!o.stderr.contains("  stage 0: loss"), "stage 0 did not run in this invocation:\n{}", o.stderr);
+    assert!(out.join("export/model.safetensors").is_file());
+    // Finished: resumed again, it says so, re-exports nothing, adds no TensorBoard file.
+    let tb = tensorboard_files(&out);
+    let export_time = std::fs::metadata(out.join("export/model.safetensors")).unwrap().modified().unwrap();
+    let o = ok(&["train", "--resume", "--output-dir", out_s]);
+    assert_has(&o.stderr, &["is finished (all 2 stage(s), global step 6)", "nothing to do"]);
+    assert_has(&o.stdout, &["already finished"]);
+    assert_eq!(tensorboard_files(&out), tb, "a TensorBoard file was added");
+    assert_eq!(std::fs::metadata(out.join("export/model.safetensors")).unwrap().modified().unwrap(), export_time);
+    // A flag over the saved config is compared as with --config.
+    let o = ok(&["train", "--resume", "--output-dir", out_s, "--learning-rate", "1e-3"]);
+    assert_has(&o.stderr, &["train.learning_rate: 0.003 -> 0.001"]);
+}
+
 /// `warmup_steps` under the default constant schedule warms up (EasyContext's
 /// constant-with-warmup): the logged learning rate of steps 1 and 2 of 4 warmup steps.
 #[test]

@@ -32,9 +32,11 @@ pub struct TrainArgs {
     pub train: TrainFlags,
     #[command(flatten)]
     pub run: RunFlags,
-    /// Continue from <output-dir>/checkpoint. The saved config is compared with this one:
+    /// Continue from <output-dir>/checkpoint, with the config saved there (flags, and a
+    /// --config given with it, override it). The saved config is compared with the new one:
     /// changes that break exactness (model, data, seed, a started stage's length or θ) are
-    /// refused, others (learning rate, steps, cadence...) are listed.
+    /// refused, others (learning rate, steps, cadence...) are listed. A finished run (its
+    /// export in place) is left as it is.
     #[arg(long)]
     pub resume: bool,
     /// Start afresh in an output directory that holds a run (its checkpoint, metrics and
@@ -69,6 +71,8 @@ pub struct TrainArgs {
 pub fn resolve_config(a: &TrainArgs, launched_world: Option<usize>) -> Result<(RunConfig, PathBuf)> {
     let (mut c, src) = match &a.config {
         Some(p) => (RunConfig::from_file(p)?, p.clone()),
+        // `--resume` alone: the config the run was started with, as its checkpoint saved it.
+        None if a.resume => saved_config(a)?,
         // No config file: the embedded demo, unless the user names their own model or
         // data, in which case the demo's hyper-parameters (lr 3e-3, batch 8, warmup)
         // would be wrong: start from the plain defaults (EasyContext-like: batch 1, lr 2e-5).
@@ -101,6 +105,35 @@ pub fn resolve_config(a: &TrainArgs, launched_world: Option<usize>) -> Result<(R
     a.layout.parallel.apply_ring_degree(&mut c)?;
     c.validate(&src)?;
     Ok((c, src))
+}
+
+/// The run config saved in the checkpoint of the output directory that `--resume`
+/// continues (`--output-dir`, or the demo's), and its `state.json` as the source.
+fn saved_config(a: &TrainArgs) -> Result<(RunConfig, PathBuf)> {
+    let out = a.run.output_dir.clone().unwrap_or_else(|| RunConfig::default().output_dir);
+    let dir = longctx::train::checkpoint::resume_dir(&out);
+    let file = dir.join("state.json");
+    if !file.is_file() {
+        bail!(
+            "--resume: {} holds no checkpoint ({} not found), so there is no run to continue; start it without --resume \
+             (with --overwrite if the directory holds a run that stopped before its first checkpoint), or point --output-dir \
+             at the directory of a run that wrote one",
+            out.display(),
+            file.display()
+        );
+    }
+    let state = longctx::train::checkpoint::read_state(&dir)?;
+    let mut c: RunConfig = serde_json::from_value(state.config).map_err(|e| {
+        longctx::Error::checkpoint(
+            &file,
+            format!("field `config` is not a run config of this version ({e}); resume with the longctx that wrote it, or give --config"),
+        )
+    })?;
+    c.output_dir = out; // (the directory may have moved since)
+    if std::env::var("RANK").map_or(true, |r| r == "0") {
+        eprintln!("note: --resume without --config: the run's config as saved in {} (flags override it)", file.display());
+    }
+    Ok((c, file))
 }
 
 pub fn train(a: TrainArgs) -> Result<()> {
@@ -166,6 +199,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
 /// as a failure to it).
 fn finish(s: &RunSummary, launched: bool) {
     match s.stopped {
+        None if s.already_finished => println!("already finished; exported to {}", s.export_dir.display()),
         None => println!("exported to {}", s.export_dir.display()),
         Some(StopReason::Signal(Some(sig))) if !launched => std::process::exit(128 + sig),
         Some(_) => {}

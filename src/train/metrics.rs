@@ -304,14 +304,17 @@ impl Metrics {
         if let Some(b) = self.bar.take() {
             b.finish();
         }
-        eprintln!(
-            "done: {} steps, {} tokens in {:.1} s ({:.0} tok/s)",
-            s.steps,
-            s.tokens,
-            s.seconds,
-            s.tokens as f64 / s.seconds.max(1e-9)
-        );
-        for (i, (a, b)) in s.stage_losses.iter().enumerate() {
+        let rate = format!("{:.0} tok/s", s.run_tokens as f64 / s.seconds.max(1e-9));
+        if s.run_steps == s.steps {
+            eprintln!("done: {} steps, {} tokens in {:.1} s ({rate})", s.steps, s.tokens, s.seconds);
+        } else {
+            // Resumed: the run's totals, and what this invocation did (its rate).
+            eprintln!(
+                "done: {} steps, {} tokens over the run; this invocation: {} steps, {} tokens in {:.1} s ({rate})",
+                s.steps, s.tokens, s.run_steps, s.run_tokens, s.seconds
+            );
+        }
+        for (i, a, b) in &s.stage_losses {
             eprintln!("  stage {i}: loss {a:.4} -> {b:.4}");
         }
         if s.skipped_steps > 0 {
