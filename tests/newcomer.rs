@@ -109,6 +109,43 @@ fn resume_alone_uses_the_saved_config_and_says_where_it_resumes() {
     assert_has(&o.stderr, &["train.learning_rate: 0.003 -> 0.001"]);
 }
 
+/// A run that fails before its first step (here a missing dataset) leaves no metrics or
+/// TensorBoard file: the corrected command runs without --overwrite, and `--resume` there
+/// says there is no checkpoint instead of an OS error.
+#[test]
+fn a_run_that_never_stepped_does_not_block_its_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(tmp.path(), TWO_STAGES);
+    let out = tmp.path().join("run");
+    let (cfg_s, out_s) = (cfg.to_str().unwrap(), out.to_str().unwrap());
+    let missing = tmp.path().join("no-such-data.jsonl");
+    let o = run(&["train", "--config", cfg_s, "--output-dir", out_s, "--dataset", missing.to_str().unwrap()]);
+    assert_eq!(o.code, 1, "{}", o.stderr);
+    for f in ["metrics.jsonl", "tensorboard", "checkpoint", "export"] {
+        assert!(!out.join(f).exists(), "{f} left behind by a run that never stepped");
+    }
+    fails(&run(&["train", "--resume", "--output-dir", out_s]), &["holds no checkpoint", "start it without --resume"]);
+    ok(&["train", "--config", cfg_s, "--output-dir", out_s, "--max-train-steps", "1"]);
+}
+
+/// The same run with a dataset that exists but cannot be read (no such column): it fails
+/// after the trainer set up, before its first step, and leaves no metrics either.
+#[test]
+fn a_run_that_fails_in_its_data_set_up_leaves_no_metrics() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(tmp.path(), TWO_STAGES);
+    let out = tmp.path().join("run");
+    let data = tmp.path().join("bad.jsonl");
+    std::fs::write(&data, "{\"other\": 1}\n").unwrap();
+    let (cfg_s, out_s) = (cfg.to_str().unwrap(), out.to_str().unwrap());
+    let o = run(&["train", "--config", cfg_s, "--output-dir", out_s, "--dataset", data.to_str().unwrap()]);
+    assert_eq!(o.code, 1, "{}", o.stderr);
+    for f in ["metrics.jsonl", "tensorboard"] {
+        assert!(!out.join(f).exists(), "{f} left behind by a run that never stepped:\n{}", o.stderr);
+    }
+    ok(&["train", "--config", cfg_s, "--output-dir", out_s, "--max-train-steps", "1"]);
+}
+
 /// `warmup_steps` under the default constant schedule warms up (EasyContext's
 /// constant-with-warmup): the logged learning rate of steps 1 and 2 of 4 warmup steps.
 #[test]
