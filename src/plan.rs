@@ -706,6 +706,14 @@ pub fn largest_fitting(model: &ModelShape, req: &PlanRequest) -> Option<usize> {
     lens.into_iter().find(|&n| estimate(model, &PlanRequest { seq_len: n, ..req.clone() }).is_ok_and(|e| e.fits))
 }
 
+/// The largest length (as [`largest_fitting`] counts them) at most `req.seq_len` that some
+/// layout of `req`'s GPUs fits ([`suggest`]), with that layout.
+pub fn largest_suggested(model: &ModelShape, req: &PlanRequest) -> Option<(usize, Suggestion)> {
+    let mut lens: Vec<usize> = (10..=40).flat_map(|k| [1usize << k, 3usize << (k - 1)]).filter(|&n| n <= req.seq_len).collect();
+    lens.sort_unstable_by(|a, b| b.cmp(a));
+    lens.into_iter().find_map(|n| suggest(model, &PlanRequest { seq_len: n, ..req.clone() }).map(|s| (n, s)))
+}
+
 /// Before any work: refuses a run whose stage would not fit the GPU's `gpu_memory` or,
 /// when given, the host's `host_available` bytes, naming the numbers, the largest
 /// length that fits as configured and a layout that fits the requested length.

@@ -176,3 +176,46 @@ fn warmup_is_honoured_in_the_constant_schedule() {
         assert!((got - want).abs() < 1e-12, "lr {got}, expected {want} (warmup restarts each stage): {lrs:?}");
     }
 }
+
+/// The GB figure after `label` in a plan's text.
+fn gb_after(text: &str, label: &str) -> f64 {
+    let line = text.lines().find(|l| l.trim_start().starts_with(label)).unwrap_or_else(|| panic!("no `{label}` line:\n{text}"));
+    line.trim_start()[label.len()..].split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// `plan`'s suggestion names every flag it adds: "as requested" only with the request's own
+/// peak, and the saved attention it turns on as `--save-attention`.
+#[test]
+fn plan_suggestion_names_every_flag_it_adds() {
+    let o = ok(&["plan", "--model", "builtin:tinyllama-1.1b-shape", "--seq-length", "64K"]);
+    let peak = gb_after(&o.stdout, "peak   ");
+    let line = o.stdout.lines().find(|l| l.contains("suggestion:")).unwrap();
+    assert!(line.contains("--save-attention"), "{}", o.stdout);
+    assert!(!line.contains("as requested (") || line.contains(&format!("({peak:.2} GB peak)")), "{}", o.stdout);
+    assert_has(&o.stdout, &["optimizer state on the GPU: the default"]);
+}
+
+/// At a length nothing fits, `plan` names the largest length that does on those GPUs.
+#[test]
+fn plan_names_the_largest_length_that_fits() {
+    let o = ok(&["plan", "--model", "builtin:tinyllama-1.1b-shape", "--seq-length", "16M"]);
+    assert_has(&o.stdout, &["none fits 16M tokens on 1 GPU(s)", "the largest length that fits there is", "(with --parallel-mode"]);
+}
+
+/// `inspect` and `plan` assume the same optimizer placement (the GPU, as `train`) and say so.
+#[test]
+fn inspect_and_plan_agree_on_the_optimizer_placement() {
+    let model = ["--model", "builtin:llama2-7b-shape", "--seq-length", "32K"];
+    let i = ok(&[&["inspect"], &model[..]].concat());
+    let p = ok(&[&["plan"], &model[..]].concat());
+    assert_has(&i.stdout, &["optimizer state on the GPU: the default"]);
+    let line = i.stdout.lines().find(|l| l.starts_with("training memory")).unwrap();
+    let inspect_peak: f64 = line.split_whitespace().nth(2).unwrap().parse().unwrap();
+    assert_eq!(inspect_peak, gb_after(&p.stdout, "peak   "), "{line}\n{}", p.stdout);
+    let i = ok(&[&["inspect", "--optimizer-on-host"], &model[..]].concat());
+    let p = ok(&[&["plan", "--optimizer-on-host"], &model[..]].concat());
+    assert_has(&i.stdout, &["optimizer state on the host"]);
+    let line = i.stdout.lines().find(|l| l.starts_with("training memory")).unwrap();
+    let inspect_peak: f64 = line.split_whitespace().nth(2).unwrap().parse().unwrap();
+    assert_eq!(inspect_peak, gb_after(&p.stdout, "peak   "), "{line}\n{}", p.stdout);
+}
