@@ -219,3 +219,36 @@ fn inspect_and_plan_agree_on_the_optimizer_placement() {
     let inspect_peak: f64 = line.split_whitespace().nth(2).unwrap().parse().unwrap();
     assert_eq!(inspect_peak, gb_after(&p.stdout, "peak   "), "{line}\n{}", p.stdout);
 }
+
+/// A relative path that looks like a hub id (`runs/tyni` where `runs/` exists) is reported
+/// as a missing directory, not tried on the network: for models (train, --dry-run too,
+/// export) and datasets.
+#[test]
+fn a_mistyped_local_path_is_not_taken_for_a_hub_id() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(tmp.path().join("runs/tiny")).unwrap();
+    let in_tmp = |args: &[&str]| {
+        let mut c = longctx(args);
+        // Online (no HF_HUB_OFFLINE): the check must come before any download.
+        c.current_dir(tmp.path()).env_remove("HF_HUB_OFFLINE").env("HF_HOME", tmp.path().join("hf")).env("HF_ENDPOINT", "http://127.0.0.1:9");
+        run_cmd(c)
+    };
+    let want = ["runs/tyni", "no such directory (runs holds: tiny)", "as a hub id it is not cached"];
+    fails(&in_tmp(&["train", "--model", "runs/tyni", "--dry-run"]), &want);
+    fails(&in_tmp(&["train", "--model", "runs/tyni", "--output-dir", "out"]), &want);
+    fails(&in_tmp(&["export", "runs/tyni", "--output-dir", "out"]), &want);
+    fails(&in_tmp(&["train", "--dataset", "runs/data.jsonl", "--dry-run"]), &["runs/data.jsonl", "no such file or directory (runs holds: tiny)", "not cached"]);
+    fails(&in_tmp(&["train", "--dataset", "nope.jsonl", "--dry-run"]), &["nope.jsonl", "dataset not found"]);
+}
+
+/// `--model` naming a run's output directory (not its export) says where the model is.
+#[test]
+fn a_run_directory_as_model_points_at_its_export() {
+    let tmp = tempfile::tempdir().unwrap();
+    let export = tmp.path().join("demo/export");
+    std::fs::create_dir_all(&export).unwrap();
+    std::fs::write(export.join("config.json"), "{}").unwrap();
+    let dir = tmp.path().join("demo");
+    let o = run(&["train", "--model", dir.to_str().unwrap(), "--dry-run"]);
+    fails(&o, &["is a run's output directory: its model is", &export.display().to_string()]);
+}

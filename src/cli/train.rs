@@ -136,12 +136,35 @@ fn saved_config(a: &TrainArgs) -> Result<(RunConfig, PathBuf)> {
     Ok((c, file))
 }
 
+/// Before any work (also with --dry-run): every stage's dataset that names a local path
+/// exists, and a hub id that looks like a mistyped local path (`data/tarin.jsonl` where
+/// `data/` exists) is refused as such (a hub dataset itself is fetched by the trainer).
+fn check_datasets(cfg: &RunConfig, opts: &longctx::hub::HubOptions) -> Result<()> {
+    use longctx::data::source::SourceSpec;
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..cfg.stages.len() {
+        let ds = cfg.stage_settings(i).dataset;
+        if ds.starts_with("synthetic:") || !seen.insert(ds.clone()) {
+            continue;
+        }
+        match SourceSpec::parse(&ds) {
+            SourceSpec::Local(p) if !p.exists() => {
+                return Err(longctx::Error::data(p, "dataset not found: no such file or directory (and not a hub id `org/name`)").into())
+            }
+            SourceSpec::Local(_) => {}
+            SourceSpec::Hub { repo_id, .. } => longctx::data::source::check_not_local_looking(&repo_id, opts)?,
+        }
+    }
+    Ok(())
+}
+
 pub fn train(a: TrainArgs) -> Result<()> {
     let dist = DistEnv::from_env().context("reading the distributed environment (RANK, WORLD_SIZE, ...)")?;
     let (cfg, src) = resolve_config(&a, dist.as_ref().map(|d| d.world)).context("resolving the run config")?;
     // The model's head counts against every stage's layout, when its config is at hand
     // without downloading (a hub model not yet cached is checked by the trainer).
     let opts = longctx::hub::HubOptions::from_env();
+    check_datasets(&cfg, &opts).context("checking the data")?;
     let model = longctx::hub::model_config(&cfg.model.source, &opts, false).context("reading the model config")?;
     if let Some(m) = &model {
         longctx::plan::check_run(&cfg, &m.cfg, &src).context("checking the parallel layout against the model")?;
