@@ -926,9 +926,13 @@ pub fn gb(bytes: u64) -> String {
     format!("{:.2}", bytes as f64 / 1e9)
 }
 
-/// A token count as recipes write it (`524288` → `512K`, `1048576` → `1M`).
+/// A token count as recipes write it, the one printer of lengths (K = 1024, M = 1024²,
+/// as [`parse_tokens`] reads them): `524288` → `512K`, `1048576` → `1M`; a count that reads
+/// as a round decimal number is printed as it is (EasyContext's `256000`, not `250K`).
 pub fn tokens_label(n: usize) -> String {
-    if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
+    if n.is_multiple_of(1000) {
+        n.to_string()
+    } else if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
         format!("{}M", n >> 20)
     } else if n >= 1024 && n.is_multiple_of(1024) {
         format!("{}K", n >> 10)

@@ -220,6 +220,18 @@ fn inspect_and_plan_agree_on_the_optimizer_placement() {
     assert_eq!(inspect_peak, gb_after(&p.stdout, "peak   "), "{line}\n{}", p.stdout);
 }
 
+/// One parser of lengths for every command (`train --seq-length 64K`), one printer
+/// (K = 1024; EasyContext's 256000 printed as it is).
+#[test]
+fn lengths_are_read_and_printed_one_way() {
+    let o = ok(&["train", "--model", "builtin:tiny", "--seq-length", "64K", "--dry-run"]);
+    assert_has(&o.stdout, &["seq_length = 65536", "stage 0: 64K tokens"]);
+    let o = ok(&["plan", "--model", "builtin:tinyllama-1.1b-shape", "--seq-length", "256000"]);
+    assert_has(&o.stdout, &["256000 tokens,"]);
+    assert!(!o.stdout.contains("250K"), "{}", o.stdout);
+    fails(&run(&["train", "--model", "builtin:tiny", "--seq-length", "64Q", "--dry-run"]), &["64Q", "64K"]);
+}
+
 /// A relative path that looks like a hub id (`runs/tyni` where `runs/` exists) is reported
 /// as a missing directory, not tried on the network: for models (train, --dry-run too,
 /// export) and datasets.
@@ -251,4 +263,31 @@ fn a_run_directory_as_model_points_at_its_export() {
     let dir = tmp.path().join("demo");
     let o = run(&["train", "--model", dir.to_str().unwrap(), "--dry-run"]);
     fails(&o, &["is a run's output directory: its model is", &export.display().to_string()]);
+}
+
+/// `eval` takes the underscore spellings `train` and `plan` take, and says why perplexity
+/// on synthetic:passkey-answer scores every token.
+#[test]
+fn eval_takes_the_underscore_spellings_and_explains_passkey_answer() {
+    let o = ok(&["eval", "ppl", "--help"]);
+    assert_has(&o.stdout, &["parallel_mode", "world_size", "output_dir", "dataset_column"]);
+    let tmp = tempfile::tempdir().unwrap();
+    let o = ok(&[
+        "eval",
+        "ppl",
+        "--model",
+        "builtin:tiny",
+        "--dataset",
+        "synthetic:passkey-answer",
+        "--parallel_mode",
+        "data_parallel",
+        "--lengths",
+        "16",
+        "--max-tokens",
+        "64",
+        "--output_dir",
+        tmp.path().to_str().unwrap(),
+    ]);
+    assert_has(&o.stderr, &["synthetic:passkey-answer: perplexity scores every token"]);
+    assert!(tmp.path().join("ppl.json").is_file());
 }
