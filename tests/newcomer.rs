@@ -232,6 +232,17 @@ fn lengths_are_read_and_printed_one_way() {
     fails(&run(&["train", "--model", "builtin:tiny", "--seq-length", "64Q", "--dry-run"]), &["64Q", "64K"]);
 }
 
+/// Without --config, naming only --model keeps the demo's stages but not its settings:
+/// the printed config says so.
+#[test]
+fn the_demo_with_a_model_flag_says_what_it_keeps() {
+    let o = ok(&["train", "--model", "builtin:tiny", "--dry-run"]);
+    assert!(o.stdout.starts_with("# no --config: with --model/--dataset the run keeps the demo's 2 stages"), "{}", o.stdout);
+    assert_has(&o.stdout, &["batch 1, learning rate 2e-5"]);
+    let o = ok(&["train", "--dry-run"]);
+    assert!(!o.stdout.contains("no --config"), "{}", o.stdout);
+}
+
 /// A relative path that looks like a hub id (`runs/tyni` where `runs/` exists) is reported
 /// as a missing directory, not tried on the network: for models (train, --dry-run too,
 /// export) and datasets.

@@ -136,6 +136,33 @@ fn saved_config(a: &TrainArgs) -> Result<(RunConfig, PathBuf)> {
     Ok((c, file))
 }
 
+/// What a run without --config starts from, when it is not the demo as is: with --model or
+/// --dataset, plain training settings under the demo's stages (said, so that nobody takes
+/// them for the demo's or their own).
+fn base_note(a: &TrainArgs) -> Option<String> {
+    if a.config.is_some() || a.resume || (a.layout.model.is_none() && a.data.dataset.is_none()) {
+        return None;
+    }
+    let (demo, plain) = (RunConfig::default(), RunConfig::plain());
+    Some(format!(
+        "no --config: with --model/--dataset the run keeps the demo's {} stages ({}) but not its training settings: batch \
+         {}, learning rate {:e}, warmup {}, token chunk {}, dataset {} unless given (the demo's: batch {}, lr {:e}, warmup {}, \
+         token chunk {}, {}); write your own TOML and pass --config for anything else",
+        demo.stages.len(),
+        demo.stages.iter().map(|s| format!("{} tokens × {} steps", longctx::plan::tokens_label(s.seq_length), s.steps)).collect::<Vec<_>>().join(", "),
+        plain.train.batch_size,
+        plain.train.learning_rate,
+        plain.train.warmup_steps,
+        plain.parallel.token_chunk,
+        plain.data.dataset,
+        demo.train.batch_size,
+        demo.train.learning_rate,
+        demo.train.warmup_steps,
+        demo.parallel.token_chunk,
+        demo.data.dataset,
+    ))
+}
+
 /// Before any work (also with --dry-run): every stage's dataset that names a local path
 /// exists, and a hub id that looks like a mistyped local path (`data/tarin.jsonl` where
 /// `data/` exists) is refused as such (a hub dataset itself is fetched by the trainer).
@@ -180,7 +207,11 @@ pub fn train(a: TrainArgs) -> Result<()> {
             }
         }
     }
+    let base = base_note(&a);
     if a.dry_run {
+        if let Some(n) = &base {
+            println!("# {n}");
+        }
         println!("{}", toml::to_string_pretty(&cfg)?);
         let gpu = longctx::device::gpu_memory(&cfg.model.device, &src)?;
         super::plan::print_run_plan(&cfg, model.as_ref().map(|m| &m.cfg), gpu)?;
@@ -208,6 +239,9 @@ pub fn train(a: TrainArgs) -> Result<()> {
     };
     if let Some(env) = dist {
         return train_launched(&env, &cfg, a.resume, &opts);
+    }
+    if let Some(n) = &base {
+        eprintln!("note: {n}");
     }
     eprintln!("longctx train — resolved config (from {}):", src.display());
     eprintln!("{}", toml::to_string(&cfg)?.trim_end());
