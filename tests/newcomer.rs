@@ -302,3 +302,15 @@ fn eval_takes_the_underscore_spellings_and_explains_passkey_answer() {
     assert_has(&o.stderr, &["synthetic:passkey-answer: perplexity scores every token"]);
     assert!(tmp.path().join("ppl.json").is_file());
 }
+
+/// A TOML syntax error says its line and column; a missing config file says its OS error once.
+#[test]
+fn config_file_errors_say_where_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(tmp.path(), "seed = 1\n[train\nbatch_size = 2\n");
+    let e = fails(&run(&["train", "--config", cfg.to_str().unwrap(), "--dry-run"]), &["run.toml: line 2, column", "not valid TOML"]);
+    assert!(!e.contains("field ``"), "{e}");
+    let missing = tmp.path().join("nope.toml");
+    let e = fails(&run(&["train", "--config", missing.to_str().unwrap(), "--dry-run"]), &["nope.toml", "No such file or directory"]);
+    assert_eq!(e.matches("No such file or directory").count(), 1, "{e}");
+}

@@ -256,7 +256,7 @@ pub fn resume_dir(output_dir: &Path) -> PathBuf {
 /// A missing `state.json` said as a resume error, with the fix.
 pub fn cannot_resume(e: Error) -> Error {
     match e {
-        Error::Io { path, source } => Error::checkpoint(
+        Error::Io { path, err: source } => Error::checkpoint(
             path,
             format!("cannot resume: {source}; run without --resume or point --output-dir at a run that wrote a checkpoint"),
         ),
