@@ -314,3 +314,60 @@ fn config_file_errors_say_where_once() {
     let e = fails(&run(&["train", "--config", missing.to_str().unwrap(), "--dry-run"]), &["nope.toml", "No such file or directory"]);
     assert_eq!(e.matches("No such file or directory").count(), 1, "{e}");
 }
+
+/// A second signal before the run wrote any checkpoint does not claim that one stands.
+#[test]
+fn a_second_signal_before_any_checkpoint_says_none_stands() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = TWO_STAGES.replace("steps = 4\n", "steps = 400\n");
+    let cfg = write_config(tmp.path(), &text);
+    let out = tmp.path().join("run");
+    let mut c = longctx(&["train", "--config", cfg.to_str().unwrap(), "--output-dir", out.to_str().unwrap()]);
+    c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    let child = c.spawn().unwrap();
+    let start = std::time::Instant::now();
+    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |t| t.lines().count()) < 2 {
+        assert!(start.elapsed().as_secs() < 120, "no step within 120 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: kill(2) of the child we spawned.
+        unsafe { libc::kill(child.id() as i32, sig) };
+    }
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    if out.join("checkpoint").exists() {
+        return; // the first signal's checkpoint won the race (rare): nothing to check
+    }
+    assert!(err.contains("second stop signal: exiting now; no checkpoint was written yet"), "{err}");
+    assert!(!err.contains("the last complete checkpoint stands"), "{err}");
+}
+
+/// Ctrl-C under `launch` that every rank answers cleanly (exit 0, as a training rank does
+/// after its checkpoint) ends with the interruption's status and no `error:` line.
+#[test]
+fn a_clean_ctrl_c_under_launch_is_no_error() {
+    use std::io::BufRead;
+    let script = "trap 'exit 0' INT TERM; echo ready; while :; do sleep 0.05; done";
+    let mut c = longctx(&["launch", "--nproc-per-node", "2", "--master-port", "0", "--program", "/bin/sh", "--", "-c", script]);
+    c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    let mut ready = 0;
+    while ready < 2 {
+        match lines.next() {
+            Some(Ok(l)) if l.contains("ready") => ready += 1,
+            Some(Ok(_)) => {}
+            _ => panic!("the ranks did not start"),
+        }
+    }
+    // SAFETY: kill(2) of the child we spawned.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    assert!(err.contains("interrupted by signal 2 (SIGINT); every rank stopped cleanly"), "{err}");
+    assert!(!err.lines().any(|l| l.starts_with("error:")), "{err}");
+}

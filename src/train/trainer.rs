@@ -709,6 +709,9 @@ impl<'a> RankRun<'a> {
             );
         }
         let (skipped_steps, skipped_in_row) = sh.resume.map_or((0, 0), |l| (l.state.skipped_steps, l.state.skipped_in_row));
+        if let (Some(_), Some(f)) = (sh.resume, &sh.opts.stop) {
+            f.checkpoint_exists(); // the one resumed from
+        }
         Ok(Self {
             sh,
             world,
@@ -1214,6 +1217,9 @@ impl RankRun<'_> {
         }
         self.world.barrier()?;
         self.last_checkpoint = (Instant::now(), Some(self.global_step));
+        if let Some(f) = &self.sh.opts.stop {
+            f.checkpoint_exists();
+        }
         Ok(())
     }
 }
