@@ -96,6 +96,11 @@ fn resume_alone_uses_the_saved_config_and_says_where_it_resumes() {
     );
     assert!(!o.stderr.contains("  stage 0: loss"), "stage 0 did not run in this invocation:\n{}", o.stderr);
     assert!(out.join("export/model.safetensors").is_file());
+    // Checkpoint and export files get the same permissions (the umask's).
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &str| std::fs::metadata(out.join(p)).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode("checkpoint/model.safetensors"), mode("checkpoint/state.json"));
+    assert_eq!(mode("checkpoint/optimizer-shard0.safetensors"), mode("export/model.safetensors"));
     // Finished: resumed again, it says so, re-exports nothing, adds no TensorBoard file.
     let tb = tensorboard_files(&out);
     let export_time = std::fs::metadata(out.join("export/model.safetensors")).unwrap().modified().unwrap();
@@ -143,7 +148,10 @@ fn a_run_that_fails_in_its_data_set_up_leaves_no_metrics() {
     for f in ["metrics.jsonl", "tensorboard"] {
         assert!(!out.join(f).exists(), "{f} left behind by a run that never stepped:\n{}", o.stderr);
     }
-    ok(&["train", "--config", cfg_s, "--output-dir", out_s, "--max-train-steps", "1"]);
+    // (--quiet: the resolved config is not printed.)
+    let o = ok(&["train", "--config", cfg_s, "--output-dir", out_s, "--max-train-steps", "1", "--quiet"]);
+    assert_has(&o.stderr, &["--quiet: not printed"]);
+    assert!(!o.stderr.contains("[train]") && !o.stderr.contains("resolved config"), "{}", o.stderr);
 }
 
 /// `warmup_steps` under the default constant schedule warms up (EasyContext's

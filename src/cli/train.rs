@@ -63,6 +63,10 @@ pub struct TrainArgs {
     /// preemption, e.g. before a scheduler's time limit).
     #[arg(long)]
     pub stop_at_step: Option<u64>,
+    /// Do not print the resolved config at the start (one line says where it came from;
+    /// --dry-run prints it, and every checkpoint's state.json keeps it).
+    #[arg(long, short)]
+    pub quiet: bool,
 }
 
 /// The run config from `--config` (or the embedded demo) with the flags applied, and
@@ -243,8 +247,12 @@ pub fn train(a: TrainArgs) -> Result<()> {
     if let Some(n) = &base {
         eprintln!("note: {n}");
     }
-    eprintln!("longctx train — resolved config (from {}):", src.display());
-    eprintln!("{}", toml::to_string(&cfg)?.trim_end());
+    if a.quiet {
+        eprintln!("longctx train — config from {} (--quiet: not printed; --dry-run prints it)", src.display());
+    } else {
+        eprintln!("longctx train — resolved config (from {}):", src.display());
+        eprintln!("{}", toml::to_string(&cfg)?.trim_end());
+    }
     let summary = trainer::run_with(&cfg, a.resume, &opts).context("training")?;
     finish(&summary, false);
     Ok(())

@@ -223,7 +223,7 @@ impl Metrics {
 
     pub fn stage_start(&mut self, si: usize, st: &Stage, s: &StageSettings, world: usize, sp: usize, dp: usize) -> Result<()> {
         if let Some(b) = self.bar.take() {
-            b.finish_and_clear();
+            b.finish(); // (the finished stage's bar stays on screen)
         }
         self.step_seconds = None;
         eprintln!(
@@ -243,7 +243,7 @@ impl Metrics {
         if self.tty {
             let bar = ProgressBar::new(st.steps);
             bar.set_style(
-                ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} [{elapsed_precise}] {msg}")
+                ProgressStyle::with_template("{prefix} [{bar:20}] {pos}/{len} [{elapsed_precise}] {wide_msg}")
                     .map_err(|e| Error::Setting(e.to_string()))?
                     .progress_chars("=> "),
             );
