@@ -176,7 +176,17 @@ fn warmup_is_honoured_in_the_constant_schedule() {
         "--dry-run",
     ]);
     assert_has(&o.stdout, &["lr_schedule = \"constant\"", "warmup 4"]);
-    ok(&["train", "--config", cfg.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--warmup-steps", "4", "--max-train-steps", "2"]);
+    ok(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--warmup-steps",
+        "4",
+        "--max-train-steps",
+        "2",
+    ]);
     let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     let lrs: Vec<f64> = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["lr"].as_f64().unwrap()).collect();
     assert_eq!(lrs.len(), 4, "{text}");
@@ -261,14 +271,20 @@ fn a_mistyped_local_path_is_not_taken_for_a_hub_id() {
     let in_tmp = |args: &[&str]| {
         let mut c = longctx(args);
         // Online (no HF_HUB_OFFLINE): the check must come before any download.
-        c.current_dir(tmp.path()).env_remove("HF_HUB_OFFLINE").env("HF_HOME", tmp.path().join("hf")).env("HF_ENDPOINT", "http://127.0.0.1:9");
+        c.current_dir(tmp.path())
+            .env_remove("HF_HUB_OFFLINE")
+            .env("HF_HOME", tmp.path().join("hf"))
+            .env("HF_ENDPOINT", "http://127.0.0.1:9");
         run_cmd(c)
     };
     let want = ["runs/tyni", "no such directory (runs holds: tiny)", "as a hub id it is not cached"];
     fails(&in_tmp(&["train", "--model", "runs/tyni", "--dry-run"]), &want);
     fails(&in_tmp(&["train", "--model", "runs/tyni", "--output-dir", "out"]), &want);
     fails(&in_tmp(&["export", "runs/tyni", "--output-dir", "out"]), &want);
-    fails(&in_tmp(&["train", "--dataset", "runs/data.jsonl", "--dry-run"]), &["runs/data.jsonl", "no such file or directory (runs holds: tiny)", "not cached"]);
+    fails(
+        &in_tmp(&["train", "--dataset", "runs/data.jsonl", "--dry-run"]),
+        &["runs/data.jsonl", "no such file or directory (runs holds: tiny)", "not cached"],
+    );
     fails(&in_tmp(&["train", "--dataset", "nope.jsonl", "--dry-run"]), &["nope.jsonl", "dataset not found"]);
 }
 

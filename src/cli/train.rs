@@ -153,7 +153,11 @@ fn base_note(a: &TrainArgs) -> Option<String> {
          {}, learning rate {:e}, warmup {}, token chunk {}, dataset {} unless given (the demo's: batch {}, lr {:e}, warmup {}, \
          token chunk {}, {}); write your own TOML and pass --config for anything else",
         demo.stages.len(),
-        demo.stages.iter().map(|s| format!("{} tokens × {} steps", longctx::plan::tokens_label(s.seq_length), s.steps)).collect::<Vec<_>>().join(", "),
+        demo.stages
+            .iter()
+            .map(|s| format!("{} tokens × {} steps", longctx::plan::tokens_label(s.seq_length), s.steps))
+            .collect::<Vec<_>>()
+            .join(", "),
         plain.train.batch_size,
         plain.train.learning_rate,
         plain.train.warmup_steps,

@@ -355,7 +355,7 @@ pub fn run_with(cfg: &RunConfig, resume: bool, opts: &RunOptions) -> Result<RunS
     let _lock = RunDirLock::acquire(&cfg.output_dir)?;
     rundir::prepare(&cfg.output_dir, resume, opts.overwrite)?;
     let loaded = match resume.then(|| open_checkpoint(cfg, opts, true)).transpose()? {
-        Some(Resume::Finished(s)) => return Ok(*s),
+        Some(Resume::Finished(s)) => return Ok(s),
         Some(Resume::Continue(l)) => Some(l),
         None => None,
     };
@@ -372,7 +372,7 @@ pub fn run_with(cfg: &RunConfig, resume: bool, opts: &RunOptions) -> Result<RunS
 enum Resume {
     Continue(checkpoint::Loaded),
     /// The checkpoint is after the last stage and the export is in place: nothing to do.
-    Finished(Box<RunSummary>),
+    Finished(RunSummary),
 }
 
 /// The checkpoint to resume from, its state checked against its own saved config and
@@ -400,7 +400,7 @@ fn open_checkpoint(cfg: &RunConfig, opts: &RunOptions, report: bool) -> Result<R
                 );
             }
             let tokens = tokens_done(&state);
-            return Ok(Resume::Finished(Box::new(RunSummary {
+            return Ok(Resume::Finished(RunSummary {
                 stage_losses: Vec::new(),
                 steps: state.global_step,
                 run_steps: 0,
@@ -415,7 +415,7 @@ fn open_checkpoint(cfg: &RunConfig, opts: &RunOptions, report: bool) -> Result<R
                 skipped_steps: state.skipped_steps,
                 resident: Resident::default(),
                 already_finished: true,
-            })));
+            }));
         }
         if report {
             eprintln!(
@@ -1248,7 +1248,7 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistE
             None
         };
         let loaded = match resume.then(|| open_checkpoint(cfg, opts, env.rank == 0)).transpose()? {
-            Some(Resume::Finished(s)) => return Ok((env.rank == 0).then_some(*s)),
+            Some(Resume::Finished(s)) => return Ok((env.rank == 0).then_some(s)),
             Some(Resume::Continue(l)) => Some(l),
             None => None,
         };
