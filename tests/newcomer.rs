@@ -244,6 +244,8 @@ fn inspect_and_plan_agree_on_the_optimizer_placement() {
 fn lengths_are_read_and_printed_one_way() {
     let o = ok(&["train", "--model", "builtin:tiny", "--seq-length", "64K", "--dry-run"]);
     assert_has(&o.stdout, &["seq_length = 65536", "stage 0: 64K tokens"]);
+    let o = ok(&["train", "--model", "builtin:tiny", "--token-chunk", "4K", "--fpdt-chunk-size", "1K", "--dry-run"]);
+    assert_has(&o.stdout, &["token_chunk = 4096", "fpdt_chunk_size = 1024"]);
     let o = ok(&["plan", "--model", "builtin:tinyllama-1.1b-shape", "--seq-length", "256000"]);
     assert_has(&o.stdout, &["256000 tokens,"]);
     assert!(!o.stdout.contains("250K"), "{}", o.stdout);

@@ -40,7 +40,7 @@ pub struct ParallelFlags {
     #[arg(long, visible_alias = "ring_degree", conflicts_with = "ulysses_size")]
     pub ring_degree: Option<usize>,
     /// FPDT chunk size in global tokens, e.g. 65536 or 64K [default: 65536].
-    #[arg(long, visible_alias = "fpdt_chunk_size", value_parser = super::tokens_arg)]
+    #[arg(long, visible_alias = "fpdt_chunk_size", value_parser = super::chunk_arg)]
     pub fpdt_chunk_size: Option<usize>,
     /// FPDT: park kv chunks (and saved q/o/lse, dq partials) in host memory.
     #[arg(long)]
@@ -54,7 +54,7 @@ pub struct ParallelFlags {
     pub save_attention: bool,
     /// Tokens per chunk for the token-wise parts (MLP, norms, head, loss), e.g. 4096 or 4K
     /// [default: 4096].
-    #[arg(long, value_parser = super::tokens_arg)]
+    #[arg(long, value_parser = super::chunk_arg)]
     pub token_chunk: Option<usize>,
 }
 
