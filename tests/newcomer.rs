@@ -288,6 +288,12 @@ fn a_mistyped_local_path_is_not_taken_for_a_hub_id() {
         &["runs/data.jsonl", "no such file or directory (runs holds: tiny)", "not cached"],
     );
     fails(&in_tmp(&["train", "--dataset", "nope.jsonl", "--dry-run"]), &["nope.jsonl", "dataset not found"]);
+    // `hf:` names a hub dataset explicitly: no local-path check (the dry run does not fetch it).
+    ok_in(&in_tmp(&["train", "--dataset", "hf:runs/data.jsonl", "--dry-run"]));
+}
+
+fn ok_in(o: &Out) {
+    assert_eq!(o.code, 0, "{}", o.stderr);
 }
 
 /// `--model` naming a run's output directory (not its export) says where the model is.

@@ -187,6 +187,7 @@ fn check_datasets(cfg: &RunConfig, opts: &longctx::hub::HubOptions) -> Result<()
                 return Err(longctx::Error::data(p, "dataset not found: no such file or directory (and not a hub id `org/name`)").into())
             }
             SourceSpec::Local(_) => {}
+            SourceSpec::Hub { .. } if ds.starts_with("hf:") => {} // explicitly a hub id
             SourceSpec::Hub { repo_id, .. } => longctx::data::source::check_not_local_looking(&repo_id, opts)?,
         }
     }

@@ -173,7 +173,9 @@ pub fn resolve(source: &str, format: Option<Format>, split: Option<&str>, hub: &
     let root = match SourceSpec::parse(source) {
         SourceSpec::Local(p) => p,
         SourceSpec::Hub { repo_id, revision } => {
-            check_not_local_looking(&repo_id, hub)?;
+            if !source.starts_with("hf:") {
+                check_not_local_looking(&repo_id, hub)?; // (`hf:` says it is a hub id)
+            }
             hub_snapshot(&repo_id, &revision, format, split, hub)?
         }
     };

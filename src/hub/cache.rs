@@ -158,10 +158,11 @@ pub fn local_looking(id: &str, what: &str) -> Option<String> {
     };
     Some(format!(
         "no such {} ({} holds: {holds}); as a hub id it is not cached; check the path, or to use the hub {what} `{id}` \
-         download it first (`huggingface-cli download{} {id}`)",
+         download it first (`huggingface-cli download{} {id}`{})",
         if what == "dataset" { "file or directory" } else { "directory" },
         parent.display(),
-        if what == "dataset" { " --repo-type dataset" } else { "" }
+        if what == "dataset" { " --repo-type dataset" } else { "" },
+        if what == "dataset" { ", or name it `hf:ID`" } else { "" }
     ))
 }
 
