@@ -331,8 +331,11 @@ fn eval_takes_the_underscore_spellings_and_explains_passkey_answer() {
         "--output_dir",
         tmp.path().to_str().unwrap(),
     ]);
-    assert_has(&o.stderr, &["synthetic:passkey-answer: perplexity scores every token"]);
-    assert!(tmp.path().join("ppl.json").is_file());
+    assert_has(&o.stderr, &["synthetic:passkey-answer: perplexity of the answer digits only"]);
+    // The answer-only mask is kept: 5 scored digits per 16-token sample, 4 samples (64 tokens).
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("ppl.json")).unwrap()).unwrap();
+    let point = &v["points"][0];
+    assert_eq!((point["tokens"].as_u64(), point["windows"].as_u64()), (Some(5 * 4), Some(4)), "{v}");
 }
 
 /// A TOML syntax error says its line and column; a missing config file says its OS error once.

@@ -219,17 +219,13 @@ fn load_models(specs: &[String], dev: &candle_core::Device, dtype: candle_core::
     specs.iter().map(|s| EvalModel::load(s, &dev, dt, &HubOptions::from_env())).collect()
 }
 
-/// Why perplexity on `synthetic:passkey-answer` scores every token: its answer-only loss
-/// mask is a training choice that a perplexity over windows of every length cannot keep
-/// (a window shorter than the sample cuts its answer off), so the documents are the same
-/// as `synthetic:passkey`'s; a model trained on the answers only (the demo) never learnt
-/// the filler and scores near its vocabulary size there.
+/// What perplexity on `synthetic:passkey-answer` measures: the answer digits only (its
+/// training loss mask), one sample of each length per window, whatever `--method`.
 fn passkey_answer_note(dataset: &str) -> Option<String> {
     (dataset == "synthetic:passkey-answer").then(|| {
-        "synthetic:passkey-answer: perplexity scores every token, as for synthetic:passkey (the answer-only mask is a \
-         training choice: windows shorter than a sample would cut its answer off); a model trained on the answers only, as \
-         the demo is, has not learnt the filler, so expect a perplexity near its vocabulary size; `longctx eval needle` \
-         scores the answers"
+        "synthetic:passkey-answer: perplexity of the answer digits only (the loss mask it trains with), over samples \
+         generated at each length, one window each (--method and --stride do not apply); synthetic:passkey scores every \
+         token, filler included, which a model trained on the answers only (the demo) never learnt"
             .to_string()
     })
 }
@@ -336,11 +332,18 @@ fn ppl_ranks(a: &PplArgs, method: Method, token_width: TokenWidth, ranks: &Ranks
             max_docs: a.max_docs.max(1),
             seed: a.run.seed,
         };
-        let docs = ppl::read_docs(&src, &m.model, m.tokenizer.as_ref(), longest)?;
+        // synthetic:passkey-answer keeps its answer-only mask: samples of each length,
+        // scored on their answer digits (`ppl::passkey_answer_windows`).
+        let answer_only = a.dataset == "synthetic:passkey-answer";
+        let docs = if answer_only { Vec::new() } else { ppl::read_docs(&src, &m.model, m.tokenizer.as_ref(), longest)? };
         let stream: Vec<u32> = docs.concat();
         for &l in &run_lengths {
             let t0 = Instant::now();
             let windows = match method {
+                _ if answer_only => {
+                    let n = src.max_docs.min(src.max_tokens.div_ceil(l + 1)).max(1);
+                    ppl::passkey_answer_windows(m.cfg().vocab_size, src.seed, l, n)?
+                }
                 Method::Sliding => ppl::sliding_windows(&stream, l, a.stride.unwrap_or((l / 2).max(1)), src.max_tokens),
                 Method::Truncate => ppl::truncated_windows(&docs, l, src.max_docs),
             };
