@@ -109,6 +109,12 @@ fn resume_alone_uses_the_saved_config_and_says_where_it_resumes() {
     assert_has(&o.stdout, &["already finished"]);
     assert_eq!(tensorboard_files(&out), tb, "a TensorBoard file was added");
     assert_eq!(std::fs::metadata(out.join("export/model.safetensors")).unwrap().modified().unwrap(), export_time);
+    // Finished but its export gone: written again, still without a TensorBoard file.
+    std::fs::remove_dir_all(out.join("export")).unwrap();
+    let o = ok(&["train", "--resume", "--output-dir", out_s]);
+    assert_has(&o.stderr, &["finished its stages (global step 6) but its export is missing; writing it again"]);
+    assert!(out.join("export/model.safetensors").is_file());
+    assert_eq!(tensorboard_files(&out), tb, "a TensorBoard file was added");
     // A flag over the saved config is compared as with --config.
     let o = ok(&["train", "--resume", "--output-dir", out_s, "--learning-rate", "1e-3"]);
     assert_has(&o.stderr, &["train.learning_rate: 0.003 -> 0.001"]);
