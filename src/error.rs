@@ -21,8 +21,13 @@ pub enum Error {
     /// message says what was kept and what to change.
     #[error("training stopped: {0}")]
     Diverged(String),
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    /// (`err` is not the error's `source()`: the message holds it already, and a source
+    /// would print it a second time in a chain such as `error: ...: {path}: {err}: {err}`.)
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
+    /// A config file that is not valid TOML (or JSON): where, and what.
+    #[error("{file}: line {line}, column {column}: {msg}")]
+    Syntax { file: PathBuf, line: usize, column: usize, msg: String },
     #[error(transparent)]
     Candle(candle_core::Error),
 }
@@ -55,7 +60,7 @@ impl Error {
         Error::Data { file: file.into(), msg: msg.into() }
     }
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io { path: path.into(), source }
+        Error::Io { path: path.into(), err: source }
     }
 }
 

@@ -706,6 +706,14 @@ pub fn largest_fitting(model: &ModelShape, req: &PlanRequest) -> Option<usize> {
     lens.into_iter().find(|&n| estimate(model, &PlanRequest { seq_len: n, ..req.clone() }).is_ok_and(|e| e.fits))
 }
 
+/// The largest length (as [`largest_fitting`] counts them) at most `req.seq_len` that some
+/// layout of `req`'s GPUs fits ([`suggest`]), with that layout.
+pub fn largest_suggested(model: &ModelShape, req: &PlanRequest) -> Option<(usize, Suggestion)> {
+    let mut lens: Vec<usize> = (10..=40).flat_map(|k| [1usize << k, 3usize << (k - 1)]).filter(|&n| n <= req.seq_len).collect();
+    lens.sort_unstable_by(|a, b| b.cmp(a));
+    lens.into_iter().find_map(|n| suggest(model, &PlanRequest { seq_len: n, ..req.clone() }).map(|s| (n, s)))
+}
+
 /// Before any work: refuses a run whose stage would not fit the GPU's `gpu_memory` or,
 /// when given, the host's `host_available` bytes, naming the numbers, the largest
 /// length that fits as configured and a layout that fits the requested length.
@@ -918,9 +926,13 @@ pub fn gb(bytes: u64) -> String {
     format!("{:.2}", bytes as f64 / 1e9)
 }
 
-/// A token count as recipes write it (`524288` → `512K`, `1048576` → `1M`).
+/// A token count as recipes write it, the one printer of lengths (K = 1024, M = 1024²,
+/// as [`parse_tokens`] reads them): `524288` → `512K`, `1048576` → `1M`; a count that reads
+/// as a round decimal number is printed as it is (EasyContext's `256000`, not `250K`).
 pub fn tokens_label(n: usize) -> String {
-    if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
+    if n.is_multiple_of(1000) {
+        n.to_string()
+    } else if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
         format!("{}M", n >> 20)
     } else if n >= 1024 && n.is_multiple_of(1024) {
         format!("{}K", n >> 10)

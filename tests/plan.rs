@@ -323,6 +323,14 @@ fn sizes_and_token_counts() {
     assert_eq!(plan::tokens_label(524288), "512K");
     assert_eq!(plan::tokens_label(1 << 20), "1M");
     assert_eq!(plan::tokens_label(1000), "1000");
+    // One printer for the one parser: K = 1024, and a round decimal count (EasyContext's
+    // 256000, exactly 250K) printed as it is; every label reads back as its count.
+    assert_eq!(plan::tokens_label(256_000), "256000");
+    assert_eq!(plan::tokens_label(65536), "64K");
+    assert_eq!(plan::tokens_label(3 << 19), "1536K");
+    for n in [1, 1000, 4096, 65536, 256_000, 524_288, 1 << 20, 3 << 19, 1_000_000, 16 << 20] {
+        assert_eq!(plan::parse_tokens(&plan::tokens_label(n)), Ok(n), "{n}");
+    }
 }
 
 #[test]

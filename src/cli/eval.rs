@@ -44,17 +44,17 @@ pub struct RunFlags {
     /// Sequence-parallel mode of the forward: data_parallel (one rank), zigzag_ring_attn,
     /// ulysses_attn, fpdt or usp. Lengths the mode cannot split are padded at the end
     /// (ignored tokens; causal attention makes them change nothing before them).
-    #[arg(long, default_value = "data_parallel")]
+    #[arg(long, visible_alias = "parallel_mode", default_value = "data_parallel")]
     pub parallel_mode: String,
     /// Ranks as threads of this process sharing the device (under `longctx launch`: one
     /// rank per process instead).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, visible_alias = "world_size", default_value_t = 1)]
     pub world_size: usize,
     /// USP: Ulysses degree inside a ring group.
-    #[arg(long)]
+    #[arg(long, visible_alias = "ulysses_size")]
     pub ulysses_size: Option<usize>,
     /// FPDT chunk in global tokens (shortened to the sequence when longer).
-    #[arg(long, default_value_t = 65536, value_parser = tokens_arg)]
+    #[arg(long, visible_alias = "fpdt_chunk_size", default_value_t = 65536, value_parser = tokens_arg)]
     pub fpdt_chunk_size: usize,
     /// Tokens per chunk of the head and loss (the [tokens × vocab] logits never exist whole).
     #[arg(long, default_value_t = 4096, value_parser = tokens_arg)]
@@ -110,17 +110,17 @@ pub struct PplArgs {
     #[arg(long, default_value = "synthetic:passkey")]
     pub dataset: String,
     /// Column or field with token ids or text (input_ids or text).
-    #[arg(long)]
+    #[arg(long, visible_alias = "dataset_column")]
     pub dataset_column: Option<String>,
     /// Only the files of this split when the dataset's file names name splits (a hub
     /// dataset's `validation/…`, `test-00000.parquet`); `*` reads every file.
-    #[arg(long, default_value = "test")]
+    #[arg(long, visible_alias = "dataset_split", default_value = "test")]
     pub dataset_split: String,
     /// Width of raw .bin token files: u16 or u32.
     #[arg(long, default_value = "u16")]
     pub token_width: String,
     /// Where ppl.csv, ppl.json and ppl.png go.
-    #[arg(long, default_value = "runs/eval")]
+    #[arg(long, visible_alias = "output_dir", default_value = "runs/eval")]
     pub output_dir: PathBuf,
     /// Context lengths, comma-separated (e.g. 1K,4K,16K) [default: 1/8, 1/4, 1/2 and all
     /// of the largest trained context; a default length beyond a model's context is
@@ -153,7 +153,7 @@ pub struct NeedleArgs {
     #[arg(long, default_value = DEMO_EXPORT)]
     pub model: String,
     /// Where needle.json, needle.png and needle_greedy.png go.
-    #[arg(long, default_value = "runs/eval")]
+    #[arg(long, visible_alias = "output_dir", default_value = "runs/eval")]
     pub output_dir: PathBuf,
     /// Haystack lengths in tokens, comma-separated [default: 1/8, 1/4, 1/2 and all of
     /// the trained context].
@@ -219,6 +219,17 @@ fn load_models(specs: &[String], dev: &candle_core::Device, dtype: candle_core::
     specs.iter().map(|s| EvalModel::load(s, &dev, dt, &HubOptions::from_env())).collect()
 }
 
+/// What perplexity on `synthetic:passkey-answer` measures: the answer digits only (its
+/// training loss mask), one sample of each length per window, whatever `--method`.
+fn passkey_answer_note(dataset: &str) -> Option<String> {
+    (dataset == "synthetic:passkey-answer").then(|| {
+        "synthetic:passkey-answer: perplexity of the answer digits only (the loss mask it trains with), over samples \
+         generated at each length, one window each (--method and --stride do not apply); synthetic:passkey scores every \
+         token, filler included, which a model trained on the answers only (the demo) never learnt"
+            .to_string()
+    })
+}
+
 fn ppl_cmd(a: PplArgs) -> Result<()> {
     let method = match a.method.as_str() {
         "sliding" => Method::Sliding,
@@ -237,6 +248,9 @@ fn ppl_cmd(a: PplArgs) -> Result<()> {
         bail!("--stride: must be at least 1 token");
     }
     let (spec, dtype) = a.run.prepare(&a.output_dir)?;
+    if let (Some(n), true) = (passkey_answer_note(&a.dataset), std::env::var("RANK").map_or(true, |r| r == "0")) {
+        eprintln!("note: {n}");
+    }
     let started = Instant::now();
     let result = with_ranks(
         &spec,
@@ -318,11 +332,18 @@ fn ppl_ranks(a: &PplArgs, method: Method, token_width: TokenWidth, ranks: &Ranks
             max_docs: a.max_docs.max(1),
             seed: a.run.seed,
         };
-        let docs = ppl::read_docs(&src, &m.model, m.tokenizer.as_ref(), longest)?;
+        // synthetic:passkey-answer keeps its answer-only mask: samples of each length,
+        // scored on their answer digits (`ppl::passkey_answer_windows`).
+        let answer_only = a.dataset == "synthetic:passkey-answer";
+        let docs = if answer_only { Vec::new() } else { ppl::read_docs(&src, &m.model, m.tokenizer.as_ref(), longest)? };
         let stream: Vec<u32> = docs.concat();
         for &l in &run_lengths {
             let t0 = Instant::now();
             let windows = match method {
+                _ if answer_only => {
+                    let n = src.max_docs.min(src.max_tokens.div_ceil(l + 1)).max(1);
+                    ppl::passkey_answer_windows(m.cfg().vocab_size, src.seed, l, n)?
+                }
                 Method::Sliding => ppl::sliding_windows(&stream, l, a.stride.unwrap_or((l / 2).max(1)), src.max_tokens),
                 Method::Truncate => ppl::truncated_windows(&docs, l, src.max_docs),
             };

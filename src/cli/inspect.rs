@@ -27,8 +27,12 @@ pub struct InspectArgs {
     #[arg(long, default_value = "141GB", value_parser = size_arg)]
     pub gpu_memory: u64,
     /// Parallel mode of the estimate [default: data_parallel on 1 GPU, zigzag_ring_attn on more].
-    #[arg(long)]
+    #[arg(long, visible_alias = "parallel_mode")]
     pub parallel_mode: Option<String>,
+    /// Keep the AdamW state (f32 master, m, v) in host memory in the estimate [default: on
+    /// the GPU, as `train` and `plan` run it].
+    #[arg(long, alias = "optimizer_on_host")]
+    pub optimizer_on_host: bool,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
@@ -62,7 +66,8 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
         None if a.gpus > 1 => ParallelMode::ZigzagRingAttn,
         None => ParallelMode::DataParallel,
     };
-    let req = PlanRequest::new(seq, a.gpus, a.gpu_memory, mode);
+    let mut req = PlanRequest::new(seq, a.gpus, a.gpu_memory, mode);
+    req.optimizer_on_host = a.optimizer_on_host; // the GPU by default, as `train` and `plan`
     let p = plan::plan(&shape, &req).context("memory estimate")?;
     let arch = c.architectures.as_ref().map(|v| v.join(",")).unwrap_or_else(|| c.arch.model_type().to_string());
     let rope_scaling = c.rope_scaling.as_ref().map(|r| format!("{} (factor {})", r.type_name(), r.factor()));
@@ -135,11 +140,12 @@ fn print_text(i: &Inspection<'_>) {
     println!("tied embeddings          {}", c.tie_word_embeddings);
     let e = &i.plan.estimate;
     println!(
-        "training memory          {} GB per GPU at {} tokens, {} on {} GPU(s) (bf16, optimizer on host): {} in {} GB",
+        "training memory          {} GB per GPU at {} tokens, {} on {} GPU(s) (bf16, {}): {} in {} GB",
         plan::gb(e.device.peak),
         plan::tokens_label(i.seq),
         i.mode,
         a.gpus,
+        super::plan::optimizer_place(a.optimizer_on_host),
         if e.fits { "fits" } else { "does not fit" },
         plan::gb(a.gpu_memory)
     );

@@ -11,7 +11,10 @@ pub fn launch(a: LaunchArgs) -> Result<()> {
         Ok(0) => Ok(()),
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("error: {e}");
+            // A stop signal every rank answered cleanly (training: a checkpoint, then exit 0)
+            // is no error; the status still says the run was interrupted.
+            let clean = matches!(e, longctx::dist::launch::LaunchError::Interrupted { clean: true, .. });
+            eprintln!("{}{e}", if clean { "" } else { "error: " });
             std::process::exit(e.exit_code());
         }
     }

@@ -64,6 +64,15 @@ pub fn tokens_arg(s: &str) -> std::result::Result<usize, String> {
     longctx::plan::parse_tokens(s)
 }
 
+/// clap value parser: [`tokens_arg`], and 0 passed on as it is, for settings whose range
+/// the run config's validation checks with the key's name (`parallel.token_chunk`...).
+pub fn chunk_arg(s: &str) -> std::result::Result<usize, String> {
+    if s.trim() == "0" {
+        return Ok(0);
+    }
+    tokens_arg(s)
+}
+
 /// Bytes in GB, MB or kB (powers of 1000).
 pub fn human_bytes(b: u64) -> String {
     match b {

@@ -27,20 +27,20 @@ pub struct ParallelFlags {
     #[arg(long, visible_alias = "parallel_mode")]
     pub parallel_mode: Option<String>,
     /// Ranks in this process (threads sharing the device) when not started by `launch`.
-    #[arg(long, alias = "world_size")]
+    #[arg(long, visible_alias = "world_size")]
     pub world_size: Option<usize>,
     /// Sequence-parallel degree [default: all ranks for sequence-parallel modes].
-    #[arg(long, alias = "sp_size")]
+    #[arg(long, visible_alias = "sp_size")]
     pub sp_size: Option<usize>,
     /// USP: Ulysses degree within a ring group.
-    #[arg(long, alias = "ulysses_size", alias = "ulysses-degree", alias = "ulysses_degree")]
+    #[arg(long, visible_alias = "ulysses_size", alias = "ulysses-degree", alias = "ulysses_degree")]
     pub ulysses_size: Option<usize>,
     /// USP: ring degree (EasyContext's --ring_degree): the Ulysses degree becomes the
     /// sequence-parallel degree divided by it.
     #[arg(long, visible_alias = "ring_degree", conflicts_with = "ulysses_size")]
     pub ring_degree: Option<usize>,
-    /// FPDT chunk size in global tokens [default: 65536].
-    #[arg(long, alias = "fpdt_chunk_size")]
+    /// FPDT chunk size in global tokens, e.g. 65536 or 64K [default: 65536].
+    #[arg(long, visible_alias = "fpdt_chunk_size", value_parser = super::chunk_arg)]
     pub fpdt_chunk_size: Option<usize>,
     /// FPDT: park kv chunks (and saved q/o/lse, dq partials) in host memory.
     #[arg(long)]
@@ -52,8 +52,9 @@ pub struct ParallelFlags {
     /// (no attention recompute; in host memory with --offload-activations).
     #[arg(long)]
     pub save_attention: bool,
-    /// Tokens per chunk for the token-wise parts (MLP, norms, head, loss) [default: 4096].
-    #[arg(long)]
+    /// Tokens per chunk for the token-wise parts (MLP, norms, head, loss), e.g. 4096 or 4K
+    /// [default: 4096].
+    #[arg(long, value_parser = super::chunk_arg)]
     pub token_chunk: Option<usize>,
 }
 
@@ -106,25 +107,26 @@ pub struct LayoutFlags {
     /// Model dtype on the device: f32, bf16, f16.
     #[arg(long)]
     pub dtype: Option<String>,
-    /// Sequence length (replaces the config's stages by one stage).
-    #[arg(long, alias = "seq_length")]
+    /// Sequence length in tokens, e.g. 65536, 64K or 1M (K = 1024) (replaces the config's
+    /// stages by one stage).
+    #[arg(long, visible_alias = "seq_length", value_parser = super::tokens_arg)]
     pub seq_length: Option<usize>,
     /// Sequences per micro-batch per data-parallel rank (every stage).
-    #[arg(long, alias = "batch_size")]
+    #[arg(long, visible_alias = "batch_size")]
     pub batch_size: Option<usize>,
     /// Keep the AdamW state (f32 master, m, v) and its update in host memory, like
     /// DeepSpeed's offload_optimizer [default: on the GPU] (`train.optimizer_on_host`).
-    #[arg(long, alias = "optimizer_on_host")]
+    #[arg(long, visible_alias = "optimizer_on_host")]
     pub optimizer_on_host: bool,
     /// ZeRO stage, as DeepSpeed numbers them: 0 replicated optimizer state, 1 sharded
     /// optimizer state [default], 2 also sharded gradients (reduced layer by layer), 3 also
     /// sharded weights (gathered layer by layer) (`train.zero_stage`).
-    #[arg(long, alias = "zero_stage", value_parser = clap::value_parser!(u8).range(0..=3))]
+    #[arg(long, visible_alias = "zero_stage", value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero_stage: Option<u8>,
     /// Keep this rank's slice of the weights in host memory, each layer copied to the GPU
     /// only while it runs, like DeepSpeed's offload_param; implies --zero-stage 3
     /// (`train.offload_params`).
-    #[arg(long, alias = "offload_params")]
+    #[arg(long, visible_alias = "offload_params")]
     pub offload_params: bool,
     #[command(flatten)]
     pub parallel: ParallelFlags,
@@ -159,10 +161,10 @@ impl LayoutFlags {
 pub struct StageFlags {
     /// Optimizer steps (with --seq-length/--rope-theta: a single stage of this many steps;
     /// otherwise caps the steps of every stage).
-    #[arg(long, alias = "max_train_steps")]
+    #[arg(long, visible_alias = "max_train_steps")]
     pub max_train_steps: Option<u64>,
     /// RoPE base theta of that stage (without --seq-length: of every stage).
-    #[arg(long, alias = "rope_theta", allow_negative_numbers = true)]
+    #[arg(long, visible_alias = "rope_theta", allow_negative_numbers = true)]
     pub rope_theta: Option<f64>,
 }
 
@@ -193,25 +195,26 @@ impl StageFlags {
 #[derive(Args, Debug, Default, Clone)]
 pub struct TrainFlags {
     /// Micro-batches accumulated per optimizer step (every stage).
-    #[arg(long, alias = "gradient_accumulate_every")]
+    #[arg(long, visible_alias = "gradient_accumulate_every")]
     pub gradient_accumulate_every: Option<usize>,
     /// Peak learning rate (every stage).
-    #[arg(long, alias = "learning_rate", allow_negative_numbers = true)]
+    #[arg(long, visible_alias = "learning_rate", allow_negative_numbers = true)]
     pub learning_rate: Option<f64>,
-    /// Learning-rate schedule: constant, linear (warmup then constant) or cosine.
-    #[arg(long, alias = "lr_schedule")]
+    /// Learning-rate schedule: constant (after the warmup, as EasyContext's
+    /// constant-with-warmup), linear (the same) or cosine (warmup, then decay).
+    #[arg(long, visible_alias = "lr_schedule")]
     pub lr_schedule: Option<String>,
-    /// Linear warmup steps at the start of every stage.
-    #[arg(long, alias = "warmup_steps")]
+    /// Linear warmup steps at the start of every stage (in every schedule).
+    #[arg(long, visible_alias = "warmup_steps")]
     pub warmup_steps: Option<u64>,
     /// Global-norm gradient clipping (0 = off).
-    #[arg(long, alias = "clip_grad", alias = "gradient-clipping", allow_negative_numbers = true)]
+    #[arg(long, visible_alias = "clip_grad", alias = "gradient-clipping", allow_negative_numbers = true)]
     pub clip_grad: Option<f64>,
     /// Start every stage after the first with a fresh AdamW state (EasyContext: a new job per stage).
-    #[arg(long, alias = "reset_optimizer")]
+    #[arg(long, visible_alias = "reset_optimizer")]
     pub reset_optimizer: bool,
     /// Peak dense TFLOP/s of one GPU, for MFU [default: from the GPU's name; 989 if unknown].
-    #[arg(long, alias = "peak_tflops")]
+    #[arg(long, visible_alias = "peak_tflops")]
     pub peak_tflops: Option<f64>,
     /// Do not write TensorBoard event files (`<output-dir>/tensorboard/`).
     #[arg(long)]
@@ -292,10 +295,10 @@ pub struct DataFlags {
     #[arg(long)]
     pub dataset: Option<String>,
     /// Column or field with token ids or text (input_ids or text).
-    #[arg(long, alias = "dataset_column")]
+    #[arg(long, visible_alias = "dataset_column")]
     pub dataset_column: Option<String>,
     /// Split of a hub dataset or dataset directory to read (`*`: every file) [default: train].
-    #[arg(long, alias = "dataset_split")]
+    #[arg(long, visible_alias = "dataset_split")]
     pub dataset_split: Option<String>,
 }
 
@@ -318,7 +321,7 @@ impl DataFlags {
 #[derive(Args, Debug, Default, Clone)]
 pub struct RunFlags {
     /// Where checkpoints, metrics and the final export go.
-    #[arg(long, alias = "output_dir")]
+    #[arg(long, visible_alias = "output_dir")]
     pub output_dir: Option<PathBuf>,
     /// cpu, cuda or cuda:N.
     #[arg(long)]
@@ -328,7 +331,7 @@ pub struct RunFlags {
     #[arg(long)]
     pub seed: Option<u64>,
     /// rope_theta written into the exported config.json (default: last stage's).
-    #[arg(long, alias = "final_rope_theta", allow_negative_numbers = true)]
+    #[arg(long, visible_alias = "final_rope_theta", allow_negative_numbers = true)]
     pub final_rope_theta: Option<f64>,
     /// Seconds a collective waits for the other ranks before every rank aborts naming the
     /// rank and the collective; 0 = no timeout [default: 600] (`parallel.collective_timeout_s`).

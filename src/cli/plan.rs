@@ -187,7 +187,7 @@ fn print_plan(p: &plan::Plan) {
         _ => {}
     }
     println!(
-        "{} tokens, {how} on {} GPU(s) ({} rank(s), sp {} × dp {}): {} tokens per GPU, micro-batch {}, {}-byte weights, token chunk {}{}",
+        "{} tokens, {how} on {} GPU(s) ({} rank(s), sp {} × dp {}): {} tokens per GPU, micro-batch {}, {}-byte weights, token chunk {}{}, {}",
         plan::tokens_label(r.seq_len),
         r.gpus,
         l.world,
@@ -197,11 +197,22 @@ fn print_plan(p: &plan::Plan) {
         r.batch_size,
         r.dtype_bytes,
         r.token_chunk,
-        if r.offload_activations { ", activations offloaded" } else { "" }
+        if r.offload_activations { ", activations offloaded" } else { "" },
+        optimizer_place(r.optimizer_on_host)
     );
     print_device(p);
     print_host(p);
     print_suggestion(p);
+}
+
+/// Where the AdamW state is, and the flag that moves it (the default is the GPU, as for
+/// `train`; `plan` and `inspect` say it in these words).
+pub fn optimizer_place(on_host: bool) -> &'static str {
+    if on_host {
+        "optimizer state on the host: --optimizer-on-host"
+    } else {
+        "optimizer state on the GPU: the default, --optimizer-on-host moves it to the host"
+    }
 }
 
 /// The device memory table.
@@ -281,45 +292,70 @@ fn print_host(p: &plan::Plan) {
     );
 }
 
-/// The suggested layout as flags (also printed by `inspect`).
+/// The suggested layout as flags (also printed by `inspect`): every flag it adds to the
+/// request is named.
 pub fn print_suggestion(p: &plan::Plan) {
+    let r = &p.request;
     match &p.suggestion {
-        Some(s) if s.as_requested => println!("  suggestion: as requested ({} GB peak)", plan::gb(s.peak)),
-        Some(s) => {
-            let mut flags = format!("--parallel-mode {}", s.mode);
-            if s.mode != ParallelMode::DataParallel && s.sp != p.request.world {
-                flags += &format!(" --sp-size {}", s.sp);
-            }
-            if s.mode == ParallelMode::Usp {
-                flags += &format!(" --ulysses-size {}", s.ulysses);
-            }
-            if let Some(c) = s.fpdt_chunk {
-                flags += &format!(" --fpdt-chunk-size {c}");
-            }
-            if s.fpdt_offload {
-                flags += " --fpdt-offload";
-            }
-            if s.offload_activations {
-                flags += " --offload-activations";
-            }
-            let r = &p.request;
-            if s.optimizer_on_host && !r.optimizer_on_host {
-                flags += " --optimizer-on-host";
-            }
-            if s.zero_stage != r.zero_stage {
-                flags += &format!(" --zero-stage {}", s.zero_stage);
-            }
-            if s.offload_params && !r.offload_params {
-                flags += " --offload-params";
-            }
-            println!("  suggestion: {flags} ({} GB peak)", plan::gb(s.peak));
+        Some(s) if s.as_requested && s.save_attention == r.save_attention => {
+            println!("  suggestion: as requested ({} GB peak)", plan::gb(s.peak))
         }
-        None => println!(
-            "  suggestion: none fits on {} GPU(s) of {} GB; add GPUs (the activation terms shrink with sp) or a smaller micro-batch",
-            p.request.gpus,
-            plan::gb(p.request.gpu_memory)
+        Some(s) if s.as_requested => println!(
+            "  suggestion: as requested, with --save-attention (no attention recompute in the backward: faster; {} GB peak)",
+            plan::gb(s.peak)
         ),
+        Some(s) => println!("  suggestion: {} ({} GB peak)", suggestion_flags(s, r), plan::gb(s.peak)),
+        None => {
+            let largest = match plan::largest_suggested(&p.model, r) {
+                Some((n, s)) => format!(
+                    "the largest length that fits there is {} (with {}); for {}, add GPUs (the activation terms shrink with sp) or a smaller micro-batch",
+                    plan::tokens_label(n),
+                    suggestion_flags(&s, &plan::PlanRequest { seq_len: n, ..r.clone() }),
+                    plan::tokens_label(r.seq_len)
+                ),
+                None => "no length from 1K up fits there; add GPUs or a smaller micro-batch".to_string(),
+            };
+            println!(
+                "  suggestion: none fits {} tokens on {} GPU(s) of {} GB; {largest}",
+                plan::tokens_label(r.seq_len),
+                r.gpus,
+                plan::gb(r.gpu_memory)
+            )
+        }
     }
+}
+
+/// The flags that turn request `r` into suggestion `s` (the mode always named).
+fn suggestion_flags(s: &plan::Suggestion, r: &plan::PlanRequest) -> String {
+    let mut flags = format!("--parallel-mode {}", s.mode);
+    if s.mode != ParallelMode::DataParallel && s.sp != r.world {
+        flags += &format!(" --sp-size {}", s.sp);
+    }
+    if s.mode == ParallelMode::Usp {
+        flags += &format!(" --ulysses-size {}", s.ulysses);
+    }
+    if let Some(c) = s.fpdt_chunk {
+        flags += &format!(" --fpdt-chunk-size {c}");
+    }
+    if s.fpdt_offload {
+        flags += " --fpdt-offload";
+    }
+    if s.offload_activations && !r.offload_activations {
+        flags += " --offload-activations";
+    }
+    if s.save_attention && !r.save_attention {
+        flags += " --save-attention";
+    }
+    if s.optimizer_on_host && !r.optimizer_on_host {
+        flags += " --optimizer-on-host";
+    }
+    if s.zero_stage != r.zero_stage {
+        flags += &format!(" --zero-stage {}", s.zero_stage);
+    }
+    if s.offload_params && !r.offload_params {
+        flags += " --offload-params";
+    }
+    flags
 }
 
 /// The stages of a resolved run as `train --dry-run` prints them after the config, as TOML

@@ -32,9 +32,11 @@ pub struct TrainArgs {
     pub train: TrainFlags,
     #[command(flatten)]
     pub run: RunFlags,
-    /// Continue from <output-dir>/checkpoint. The saved config is compared with this one:
+    /// Continue from <output-dir>/checkpoint, with the config saved there (flags, and a
+    /// --config given with it, override it). The saved config is compared with the new one:
     /// changes that break exactness (model, data, seed, a started stage's length or θ) are
-    /// refused, others (learning rate, steps, cadence...) are listed.
+    /// refused, others (learning rate, steps, cadence...) are listed. A finished run (its
+    /// export in place) is left as it is.
     #[arg(long)]
     pub resume: bool,
     /// Start afresh in an output directory that holds a run (its checkpoint, metrics and
@@ -61,6 +63,10 @@ pub struct TrainArgs {
     /// preemption, e.g. before a scheduler's time limit).
     #[arg(long)]
     pub stop_at_step: Option<u64>,
+    /// Do not print the resolved config at the start (one line says where it came from;
+    /// --dry-run prints it, and every checkpoint's state.json keeps it).
+    #[arg(long, short)]
+    pub quiet: bool,
 }
 
 /// The run config from `--config` (or the embedded demo) with the flags applied, and
@@ -69,6 +75,8 @@ pub struct TrainArgs {
 pub fn resolve_config(a: &TrainArgs, launched_world: Option<usize>) -> Result<(RunConfig, PathBuf)> {
     let (mut c, src) = match &a.config {
         Some(p) => (RunConfig::from_file(p)?, p.clone()),
+        // `--resume` alone: the config the run was started with, as its checkpoint saved it.
+        None if a.resume => saved_config(a)?,
         // No config file: the embedded demo, unless the user names their own model or
         // data, in which case the demo's hyper-parameters (lr 3e-3, batch 8, warmup)
         // would be wrong: start from the plain defaults (EasyContext-like: batch 1, lr 2e-5).
@@ -103,12 +111,96 @@ pub fn resolve_config(a: &TrainArgs, launched_world: Option<usize>) -> Result<(R
     Ok((c, src))
 }
 
+/// The run config saved in the checkpoint of the output directory that `--resume`
+/// continues (`--output-dir`, or the demo's), and its `state.json` as the source.
+fn saved_config(a: &TrainArgs) -> Result<(RunConfig, PathBuf)> {
+    let out = a.run.output_dir.clone().unwrap_or_else(|| RunConfig::default().output_dir);
+    let dir = longctx::train::checkpoint::resume_dir(&out);
+    let file = dir.join("state.json");
+    if !file.is_file() {
+        bail!(
+            "--resume: {} holds no checkpoint ({} not found), so there is no run to continue; start it without --resume \
+             (with --overwrite if the directory holds a run that stopped before its first checkpoint), or point --output-dir \
+             at the directory of a run that wrote one",
+            out.display(),
+            file.display()
+        );
+    }
+    let state = longctx::train::checkpoint::read_state(&dir)?;
+    let mut c: RunConfig = serde_json::from_value(state.config).map_err(|e| {
+        longctx::Error::checkpoint(
+            &file,
+            format!("field `config` is not a run config of this version ({e}); resume with the longctx that wrote it, or give --config"),
+        )
+    })?;
+    c.output_dir = out; // (the directory may have moved since)
+    if std::env::var("RANK").map_or(true, |r| r == "0") {
+        eprintln!("note: --resume without --config: the run's config as saved in {} (flags override it)", file.display());
+    }
+    Ok((c, file))
+}
+
+/// What a run without --config starts from, when it is not the demo as is: with --model or
+/// --dataset, plain training settings under the demo's stages (said, so that nobody takes
+/// them for the demo's or their own).
+fn base_note(a: &TrainArgs) -> Option<String> {
+    if a.config.is_some() || a.resume || (a.layout.model.is_none() && a.data.dataset.is_none()) {
+        return None;
+    }
+    let (demo, plain) = (RunConfig::default(), RunConfig::plain());
+    Some(format!(
+        "no --config: with --model/--dataset the run keeps the demo's {} stages ({}) but not its training settings: batch \
+         {}, learning rate {:e}, warmup {}, token chunk {}, dataset {} unless given (the demo's: batch {}, lr {:e}, warmup {}, \
+         token chunk {}, {}); write your own TOML and pass --config for anything else",
+        demo.stages.len(),
+        demo.stages
+            .iter()
+            .map(|s| format!("{} tokens × {} steps", longctx::plan::tokens_label(s.seq_length), s.steps))
+            .collect::<Vec<_>>()
+            .join(", "),
+        plain.train.batch_size,
+        plain.train.learning_rate,
+        plain.train.warmup_steps,
+        plain.parallel.token_chunk,
+        plain.data.dataset,
+        demo.train.batch_size,
+        demo.train.learning_rate,
+        demo.train.warmup_steps,
+        demo.parallel.token_chunk,
+        demo.data.dataset,
+    ))
+}
+
+/// Before any work (also with --dry-run): every stage's dataset that names a local path
+/// exists, and a hub id that looks like a mistyped local path (`data/tarin.jsonl` where
+/// `data/` exists) is refused as such (a hub dataset itself is fetched by the trainer).
+fn check_datasets(cfg: &RunConfig, opts: &longctx::hub::HubOptions) -> Result<()> {
+    use longctx::data::source::SourceSpec;
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..cfg.stages.len() {
+        let ds = cfg.stage_settings(i).dataset;
+        if ds.starts_with("synthetic:") || !seen.insert(ds.clone()) {
+            continue;
+        }
+        match SourceSpec::parse(&ds) {
+            SourceSpec::Local(p) if !p.exists() => {
+                return Err(longctx::Error::data(p, "dataset not found: no such file or directory (and not a hub id `org/name`)").into())
+            }
+            SourceSpec::Local(_) => {}
+            SourceSpec::Hub { .. } if ds.starts_with("hf:") => {} // explicitly a hub id
+            SourceSpec::Hub { repo_id, .. } => longctx::data::source::check_not_local_looking(&repo_id, opts)?,
+        }
+    }
+    Ok(())
+}
+
 pub fn train(a: TrainArgs) -> Result<()> {
     let dist = DistEnv::from_env().context("reading the distributed environment (RANK, WORLD_SIZE, ...)")?;
     let (cfg, src) = resolve_config(&a, dist.as_ref().map(|d| d.world)).context("resolving the run config")?;
     // The model's head counts against every stage's layout, when its config is at hand
     // without downloading (a hub model not yet cached is checked by the trainer).
     let opts = longctx::hub::HubOptions::from_env();
+    check_datasets(&cfg, &opts).context("checking the data")?;
     let model = longctx::hub::model_config(&cfg.model.source, &opts, false).context("reading the model config")?;
     if let Some(m) = &model {
         longctx::plan::check_run(&cfg, &m.cfg, &src).context("checking the parallel layout against the model")?;
@@ -124,7 +216,11 @@ pub fn train(a: TrainArgs) -> Result<()> {
             }
         }
     }
+    let base = base_note(&a);
     if a.dry_run {
+        if let Some(n) = &base {
+            println!("# {n}");
+        }
         println!("{}", toml::to_string_pretty(&cfg)?);
         let gpu = longctx::device::gpu_memory(&cfg.model.device, &src)?;
         super::plan::print_run_plan(&cfg, model.as_ref().map(|m| &m.cfg), gpu)?;
@@ -153,8 +249,15 @@ pub fn train(a: TrainArgs) -> Result<()> {
     if let Some(env) = dist {
         return train_launched(&env, &cfg, a.resume, &opts);
     }
-    eprintln!("longctx train — resolved config (from {}):", src.display());
-    eprintln!("{}", toml::to_string(&cfg)?.trim_end());
+    if let Some(n) = &base {
+        eprintln!("note: {n}");
+    }
+    if a.quiet {
+        eprintln!("longctx train — config from {} (--quiet: not printed; --dry-run prints it)", src.display());
+    } else {
+        eprintln!("longctx train — resolved config (from {}):", src.display());
+        eprintln!("{}", toml::to_string(&cfg)?.trim_end());
+    }
     let summary = trainer::run_with(&cfg, a.resume, &opts).context("training")?;
     finish(&summary, false);
     Ok(())
@@ -166,6 +269,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
 /// as a failure to it).
 fn finish(s: &RunSummary, launched: bool) {
     match s.stopped {
+        None if s.already_finished => println!("already finished; exported to {}", s.export_dir.display()),
         None => println!("exported to {}", s.export_dir.display()),
         Some(StopReason::Signal(Some(sig))) if !launched => std::process::exit(128 + sig),
         Some(_) => {}

@@ -172,7 +172,12 @@ impl SourceSpec {
 pub fn resolve(source: &str, format: Option<Format>, split: Option<&str>, hub: &HubOptions) -> Result<Resolved> {
     let root = match SourceSpec::parse(source) {
         SourceSpec::Local(p) => p,
-        SourceSpec::Hub { repo_id, revision } => hub_snapshot(&repo_id, &revision, format, split, hub)?,
+        SourceSpec::Hub { repo_id, revision } => {
+            if !source.starts_with("hf:") {
+                check_not_local_looking(&repo_id, hub)?; // (`hf:` says it is a hub id)
+            }
+            hub_snapshot(&repo_id, &revision, format, split, hub)?
+        }
     };
     resolve_split(&root, format, split)
 }
@@ -270,6 +275,18 @@ fn dataset_folder(cache_dir: &Path, repo_id: &str) -> PathBuf {
 
 /// The snapshot directory of `repo_id@revision`, downloading the dataset's files of
 /// `format` (all known formats when `None`) first unless offline.
+/// A dataset hub id that is not cached and looks like a mistyped local path
+/// ([`crate::hub::cache::local_looking`]) is an error before any download.
+pub fn check_not_local_looking(repo_id: &str, hub: &HubOptions) -> Result<()> {
+    if dataset_folder(&hub.cache_dir, repo_id).is_dir() {
+        return Ok(());
+    }
+    match crate::hub::cache::local_looking(repo_id, "dataset") {
+        Some(msg) => Err(Error::data(repo_id, msg)),
+        None => Ok(()),
+    }
+}
+
 fn hub_snapshot(repo_id: &str, revision: &str, format: Option<Format>, split: Option<&str>, hub: &HubOptions) -> Result<PathBuf> {
     crate::hub::cache::check_ref_name("revision", &dataset_folder(&hub.cache_dir, repo_id), revision)?;
     if !hub.offline {

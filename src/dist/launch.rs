@@ -147,8 +147,10 @@ pub enum LaunchError {
     Spawn { program: PathBuf, rank: usize, source: std::io::Error },
     #[error("launch: rank {rank} (local rank {local_rank}, pid {pid}) {status}; stopped the other ranks")]
     RankFailed { rank: usize, local_rank: usize, pid: u32, status: String, code: i32 },
-    #[error("launch: interrupted by {signal}; stopped all ranks")]
-    Interrupted { signal: String, code: i32 },
+    /// `clean`: every rank then exited 0 (a training rank checkpoints and exits 0 on a
+    /// stop signal): an interruption, not a failure.
+    #[error("launch: interrupted by {signal}; {}", if *clean { "every rank stopped cleanly" } else { "stopped all ranks" })]
+    Interrupted { signal: String, code: i32, clean: bool },
 }
 
 impl LaunchError {
@@ -446,7 +448,7 @@ fn watch(opts: &LaunchOptions, ranks: &mut [Rank], exited: &Exits) -> Result<i32
             forwarded += 1;
             send = Some(if forwarded > 1 { libc::SIGKILL } else { sig });
             if failures.is_empty() && interrupted.is_none() {
-                interrupted = Some(LaunchError::Interrupted { signal: signal_name(sig), code: 128 + sig });
+                interrupted = Some(LaunchError::Interrupted { signal: signal_name(sig), code: 128 + sig, clean: false });
             }
             // No SIGKILL deadline: the ranks checkpoint and exit (a failure among them still
             // starts one below).
@@ -464,8 +466,8 @@ fn watch(opts: &LaunchOptions, ranks: &mut [Rank], exited: &Exits) -> Result<i32
             }
         }
     }
-    if let Some(e) = interrupted {
-        return Err(e);
+    if let Some(LaunchError::Interrupted { signal, code, .. }) = interrupted {
+        return Err(LaunchError::Interrupted { signal, code, clean: failures.is_empty() });
     }
     match failures.into_iter().enumerate().min_by_key(|(i, (class, _))| (*class, *i)) {
         Some((_, (_, e))) => Err(e),

@@ -75,6 +75,24 @@ pub fn truncated_windows(docs: &[Vec<u32>], len: usize, max_docs: usize) -> Vec<
         .collect()
 }
 
+/// `synthetic:passkey-answer` at length `len`: `n` passkey samples of that length, each its
+/// own window, scored on the answer digits only (the loss mask the dataset trains with:
+/// the perplexity of retrieving the key across the haystack, not of the filler). Samples
+/// `0..n` of the seed, as `read_docs` numbers them.
+pub fn passkey_answer_windows(vocab: usize, seed: u64, len: usize, n: usize) -> Result<Vec<Window>> {
+    let mut pc = PasskeyConfig::new(len);
+    pc.vocab = vocab;
+    pc.seed = seed;
+    pc.loss_on = LossOn::Answer;
+    let gen = Passkey::new(pc)?;
+    Ok((0..n.max(1) as u64)
+        .map(|i| {
+            let s = gen.sample(i).sample;
+            Window { ids: s.ids, targets: s.targets }
+        })
+        .collect())
+}
+
 /// Where documents come from.
 #[derive(Debug, Clone)]
 pub struct DocSource {

@@ -142,6 +142,30 @@ impl ModelSpec {
     }
 }
 
+/// For a hub id (`what`: "model" or "dataset") that is not cached and looks like a
+/// mistyped local path (`dir/name` where `dir` is an existing local directory, as
+/// `runs/tyni` is): the message saying so, listing what `dir` holds, instead of trying the
+/// network. `None` when the id does not look local.
+pub fn local_looking(id: &str, what: &str) -> Option<String> {
+    let parent = Path::new(id).parent().filter(|d| !d.as_os_str().is_empty() && d.is_dir())?;
+    let mut names: Vec<String> =
+        std::fs::read_dir(parent).ok()?.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    let holds = match names.len() {
+        0 => "nothing".to_string(),
+        n if n > 8 => format!("{}, ...", names[..8].join(", ")),
+        _ => names.join(", "),
+    };
+    Some(format!(
+        "no such {} ({} holds: {holds}); as a hub id it is not cached; check the path, or to use the hub {what} `{id}` \
+         download it first (`huggingface-cli download{} {id}`{})",
+        if what == "dataset" { "file or directory" } else { "directory" },
+        parent.display(),
+        if what == "dataset" { " --repo-type dataset" } else { "" },
+        if what == "dataset" { ", or name it `hf:ID`" } else { "" }
+    ))
+}
+
 /// A resolved model: the local directory holding config.json, weights and tokenizer.
 #[derive(Debug, Clone)]
 pub struct ResolvedModel {
@@ -168,6 +192,11 @@ pub fn resolve_model(spec: &str, opts: &HubOptions) -> Result<ResolvedModel> {
             Ok(ResolvedModel { dir, hub: None })
         }
         ModelSpec::Hub { repo_id, revision } => {
+            if !repo_folder(&opts.cache_dir, &repo_id).is_dir() {
+                if let Some(msg) = local_looking(&repo_id, "model") {
+                    return Err(Error::checkpoint(&repo_id, msg));
+                }
+            }
             if opts.offline {
                 resolve_offline(&repo_id, &revision, &opts.cache_dir)
             } else {
@@ -390,6 +419,9 @@ pub fn model_config(spec: &str, opts: &HubOptions, download: bool) -> Result<Opt
         }
         ModelSpec::Hub { repo_id, revision } => match cached_file(&opts.cache_dir, &repo_id, &revision, CONFIG_FILE)? {
             Some(p) => p,
+            None if local_looking(&repo_id, "model").is_some() => {
+                return Err(Error::checkpoint(&repo_id, local_looking(&repo_id, "model").unwrap_or_default()))
+            }
             None if !download => return Ok(None),
             None if opts.offline => {
                 return Err(Error::checkpoint(

@@ -17,10 +17,25 @@ pub const CONFIG_FILE: &str = "config.json";
 pub fn config_path(dir: impl AsRef<Path>) -> Result<PathBuf> {
     let path = dir.as_ref().join(CONFIG_FILE);
     if !path.is_file() {
+        let dir = dir.as_ref();
+        // A run's output directory: its model is the export (or, before the end, the checkpoint).
+        let hint = if dir.join("export").join(CONFIG_FILE).is_file() {
+            format!("; {} is a run's output directory: its model is {}", dir.display(), dir.join("export").display())
+        } else if dir.join("checkpoint").join("state.json").is_file() {
+            format!(
+                "; {} is a run's output directory without an export yet: export its checkpoint with `longctx export {}`",
+                dir.display(),
+                dir.join("checkpoint").display()
+            )
+        } else {
+            String::new()
+        };
         return Err(Error::checkpoint(
             &path,
-            "missing: a model directory needs config.json (the Hugging Face model config, \
-             saved by `save_pretrained` next to the weights)",
+            format!(
+                "missing: a model directory needs config.json (the Hugging Face model config, saved by `save_pretrained` next \
+                 to the weights){hint}"
+            ),
         ));
     }
     Ok(path)

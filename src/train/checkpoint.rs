@@ -199,6 +199,7 @@ pub fn finish(output_dir: &Path, weights: &HashMap<String, Tensor>, state: &Trai
     let sp = tmp.join("state.json");
     std::fs::write(&sp, json).map_err(|e| Error::io(&sp, e))?;
     sync_file(&sp)?;
+    same_mode_as(&sp, &tmp)?;
     sync_dir(&tmp)?;
     let final_dir = checkpoint_dir(output_dir);
     let old = old_dir(output_dir);
@@ -212,6 +213,20 @@ pub fn finish(output_dir: &Path, weights: &HashMap<String, Tensor>, state: &Trai
     sync_dir(output_dir)?;
     if old.exists() {
         std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+    }
+    Ok(())
+}
+
+/// Gives every `.safetensors` file in `dir` the permissions of `reference` (a file made
+/// under the process's umask, as the export's files are): the safetensors writer creates
+/// its files readable by their owner only, which made checkpoints 0600 next to 0644 exports.
+fn same_mode_as(reference: &Path, dir: &Path) -> Result<()> {
+    let perms = std::fs::metadata(reference).map_err(|e| Error::io(reference, e))?.permissions();
+    for e in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let p = e.map_err(|e| Error::io(dir, e))?.path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            std::fs::set_permissions(&p, perms.clone()).map_err(|e| Error::io(&p, e))?;
+        }
     }
     Ok(())
 }
@@ -256,7 +271,7 @@ pub fn resume_dir(output_dir: &Path) -> PathBuf {
 /// A missing `state.json` said as a resume error, with the fix.
 pub fn cannot_resume(e: Error) -> Error {
     match e {
-        Error::Io { path, source } => Error::checkpoint(
+        Error::Io { path, err: source } => Error::checkpoint(
             path,
             format!("cannot resume: {source}; run without --resume or point --output-dir at a run that wrote a checkpoint"),
         ),

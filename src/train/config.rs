@@ -346,6 +346,14 @@ impl RunConfig {
     /// Read a TOML run config; unknown or mistyped fields are errors naming the field.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        // A syntax error names no field: say where it is (line and column).
+        if let Err(e) = text.parse::<toml::Table>() {
+            let start = e.span().map_or(0, |s| s.start).min(text.len());
+            let line = text[..start].matches('\n').count() + 1;
+            let column = text[..start].rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+            let msg = format!("not valid TOML: {}", e.message().trim_end());
+            return Err(Error::Syntax { file: path.to_path_buf(), line, column, msg });
+        }
         let mut cfg: RunConfig = toml::from_str(&text).map_err(|e| {
             let field = e.span().map(|s| toml_field_at(&text, s)).unwrap_or_default();
             Error::config(path, field, e.message().to_string())

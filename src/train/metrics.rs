@@ -104,7 +104,15 @@ pub fn device_memory(dev: &candle_core::Device, reset: bool) -> Result<Option<(u
 
 pub struct Metrics {
     path: PathBuf,
-    file: std::fs::File,
+    /// `metrics.jsonl` and the TensorBoard writer, opened at the first step
+    /// ([`Metrics::open`]): a run that fails before it (a missing dataset, say) leaves
+    /// nothing that would make its directory look like it holds a run.
+    files: Option<(std::fs::File, Option<EventWriter>)>,
+    output_dir: PathBuf,
+    resumed_at: Option<u64>,
+    tensorboard_on: bool,
+    /// The TensorBoard file of this run, once opened.
+    tensorboard_path: Option<PathBuf>,
     bar: Option<ProgressBar>,
     tty: bool,
     n_params: usize,
@@ -114,7 +122,6 @@ pub struct Metrics {
     gpu: bool,
     /// Peak FLOP/s of one device (MFU's denominator per rank).
     peak_flops: f64,
-    tensorboard: Option<EventWriter>,
     /// Per stage: steps, tokens per step, length (the ETA's cost model).
     plan: Vec<(u64, u64, usize)>,
     /// Since this process started the run.
@@ -128,9 +135,8 @@ fn gib(b: usize) -> f64 {
 }
 
 impl Metrics {
-    /// Opens `<output_dir>/metrics.jsonl`: emptied for a fresh run; for a run resumed at
-    /// global step `g`, kept up to step `g` (lines a crashed run wrote after its last
-    /// checkpoint are dropped, since those steps run again) and appended to.
+    /// The metrics of a run in `output_dir`; `<output_dir>/metrics.jsonl` and the
+    /// TensorBoard file are opened at the first step ([`Metrics::open`]).
     pub fn new(
         output_dir: &std::path::Path,
         cfg: &RunConfig,
@@ -138,23 +144,6 @@ impl Metrics {
         mcfg: &LlamaConfig,
         resumed_at: Option<u64>,
     ) -> Result<Self> {
-        std::fs::create_dir_all(output_dir).map_err(|e| Error::io(output_dir, e))?;
-        let path = output_dir.join("metrics.jsonl");
-        let kept: String = match resumed_at {
-            Some(g) if path.is_file() => std::fs::read_to_string(&path)
-                .map_err(|e| Error::io(&path, e))?
-                .lines()
-                .filter(|l| {
-                    serde_json::from_str::<serde_json::Value>(l).ok().and_then(|v| v["global_step"].as_u64()).is_some_and(|s| s <= g)
-                })
-                .map(|l| format!("{l}\n"))
-                .collect(),
-            _ => String::new(),
-        };
-        let tmp = output_dir.join(".metrics.jsonl.tmp");
-        std::fs::write(&tmp, kept).map_err(|e| Error::io(&tmp, e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| Error::io(&path, e))?;
-        let file = std::fs::OpenOptions::new().append(true).open(&path).map_err(|e| Error::io(&path, e))?;
         let gpu = cfg.model.device.starts_with("cuda");
         let peak_tflops = cfg.train.peak_tflops.or_else(|| {
             let name = crate::device::gpu_name(&cfg.model.device)?;
@@ -164,8 +153,6 @@ impl Metrics {
             }
             p
         });
-        let tensorboard =
-            if cfg.train.tensorboard { Some(EventWriter::create(&output_dir.join(TENSORBOARD_DIR), resumed_at)?) } else { None };
         let plan = (0..cfg.stages.len())
             .map(|i| {
                 let s = cfg.stage_settings(i);
@@ -173,8 +160,12 @@ impl Metrics {
             })
             .collect();
         Ok(Self {
-            path,
-            file,
+            path: output_dir.join("metrics.jsonl"),
+            files: None,
+            output_dir: output_dir.to_path_buf(),
+            resumed_at,
+            tensorboard_on: cfg.train.tensorboard,
+            tensorboard_path: None,
             bar: None,
             tty: std::io::stderr().is_terminal(),
             n_params,
@@ -183,11 +174,39 @@ impl Metrics {
             ranks: cfg.parallel.world_size,
             gpu,
             peak_flops: peak_tflops.map_or(PEAK_FLOPS, |t| t * 1e12),
-            tensorboard,
             plan,
             started: Instant::now(),
             step_seconds: None,
         })
+    }
+
+    /// Opens `<output_dir>/metrics.jsonl` (emptied for a fresh run; for a run resumed at
+    /// global step `g`, kept up to step `g`, since lines a crashed run wrote after its last
+    /// checkpoint are of steps that run again, and appended to) and the TensorBoard file.
+    fn open(&mut self) -> Result<&mut (std::fs::File, Option<EventWriter>)> {
+        if self.files.is_none() {
+            let (dir, path) = (&self.output_dir, &self.path);
+            std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+            let kept: String = match self.resumed_at {
+                Some(g) if path.is_file() => std::fs::read_to_string(path)
+                    .map_err(|e| Error::io(path, e))?
+                    .lines()
+                    .filter(|l| {
+                        serde_json::from_str::<serde_json::Value>(l).ok().and_then(|v| v["global_step"].as_u64()).is_some_and(|s| s <= g)
+                    })
+                    .map(|l| format!("{l}\n"))
+                    .collect(),
+                _ => String::new(),
+            };
+            let tmp = dir.join(".metrics.jsonl.tmp");
+            std::fs::write(&tmp, kept).map_err(|e| Error::io(&tmp, e))?;
+            std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))?;
+            let file = std::fs::OpenOptions::new().append(true).open(path).map_err(|e| Error::io(path, e))?;
+            let tb = if self.tensorboard_on { Some(EventWriter::create(&dir.join(TENSORBOARD_DIR), self.resumed_at)?) } else { None };
+            self.tensorboard_path = tb.as_ref().map(|t| t.path().to_path_buf());
+            self.files = Some((file, tb));
+        }
+        self.files.as_mut().ok_or_else(|| Error::Setting("metrics file not open".into()))
     }
 
     /// Seconds left in the run after step `step` of stage `si`: the current stage's
@@ -204,7 +223,7 @@ impl Metrics {
 
     pub fn stage_start(&mut self, si: usize, st: &Stage, s: &StageSettings, world: usize, sp: usize, dp: usize) -> Result<()> {
         if let Some(b) = self.bar.take() {
-            b.finish_and_clear();
+            b.finish(); // (the finished stage's bar stays on screen)
         }
         self.step_seconds = None;
         eprintln!(
@@ -224,7 +243,7 @@ impl Metrics {
         if self.tty {
             let bar = ProgressBar::new(st.steps);
             bar.set_style(
-                ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} [{elapsed_precise}] {msg}")
+                ProgressStyle::with_template("{prefix} [{bar:20}] {pos}/{len} [{elapsed_precise}] {wide_msg}")
                     .map_err(|e| Error::Setting(e.to_string()))?
                     .progress_chars("=> "),
             );
@@ -250,8 +269,11 @@ impl Metrics {
             "transient_bytes": l.memory.transient_bytes, "device_peak_bytes": l.device_peak,
             "profile": l.profile.as_ref().map(|p| p.to_json(l.seconds)),
         });
-        writeln!(self.file, "{line}").map_err(|e| Error::io(&self.path, e))?;
-        if let Some(tb) = self.tensorboard.as_mut() {
+        let path = self.path.clone();
+        let gpu = self.gpu;
+        let (file, tensorboard) = self.open()?;
+        writeln!(file, "{line}").map_err(|e| Error::io(&path, e))?;
+        if let Some(tb) = tensorboard.as_mut() {
             let mut v: Vec<(&str, f64)> = vec![
                 ("train/loss", l.loss),
                 ("train/lr", l.lr),
@@ -264,7 +286,7 @@ impl Metrics {
                 ("memory/saved_host_gib", gib(l.memory.saved_host_bytes)),
                 ("memory/transient_gib", gib(l.memory.transient_bytes)),
             ];
-            if self.gpu {
+            if gpu {
                 v.push(("train/mfu", mfu));
             }
             if let Some(p) = l.device_peak {
@@ -304,14 +326,17 @@ impl Metrics {
         if let Some(b) = self.bar.take() {
             b.finish();
         }
-        eprintln!(
-            "done: {} steps, {} tokens in {:.1} s ({:.0} tok/s)",
-            s.steps,
-            s.tokens,
-            s.seconds,
-            s.tokens as f64 / s.seconds.max(1e-9)
-        );
-        for (i, (a, b)) in s.stage_losses.iter().enumerate() {
+        let rate = format!("{:.0} tok/s", s.run_tokens as f64 / s.seconds.max(1e-9));
+        if s.run_steps == s.steps {
+            eprintln!("done: {} steps, {} tokens in {:.1} s ({rate})", s.steps, s.tokens, s.seconds);
+        } else {
+            // Resumed: the run's totals, and what this invocation did (its rate).
+            eprintln!(
+                "done: {} steps, {} tokens over the run; this invocation: {} steps, {} tokens in {:.1} s ({rate})",
+                s.steps, s.tokens, s.run_steps, s.run_tokens, s.seconds
+            );
+        }
+        for (i, a, b) in &s.stage_losses {
             eprintln!("  stage {i}: loss {a:.4} -> {b:.4}");
         }
         if s.skipped_steps > 0 {
@@ -328,8 +353,8 @@ impl Metrics {
         }
         eprintln!("  export: {}", s.export_dir.display());
         eprintln!("  metrics: {}", self.path.display());
-        if let Some(tb) = &self.tensorboard {
-            eprintln!("  tensorboard: {}", tb.path().display());
+        if let Some(tb) = &self.tensorboard_path {
+            eprintln!("  tensorboard: {}", tb.display());
         }
         Ok(())
     }

@@ -341,9 +341,12 @@ impl DeviceAdamW {
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Schedule {
+    /// Linear warmup over `warmup_steps` (none when 0), then constant: EasyContext's
+    /// `get_constant_schedule_with_warmup`.
     #[default]
     Constant,
-    /// Linear warmup then constant.
+    /// The same: linear warmup then constant (the name of the warmup's shape, kept for the
+    /// configs and DeepSpeed's `WarmupLR` that use it).
     Linear,
     /// Linear warmup then cosine decay to `min_lr_ratio · lr` at the last step.
     Cosine,
@@ -353,8 +356,7 @@ pub enum Schedule {
 pub fn lr_at(schedule: Schedule, base: f64, step: u64, total: u64, warmup: u64, min_ratio: f64) -> f64 {
     let warm = if warmup > 0 && step < warmup { (step + 1) as f64 / warmup as f64 } else { 1.0 };
     match schedule {
-        Schedule::Constant => base,
-        Schedule::Linear => base * warm,
+        Schedule::Constant | Schedule::Linear => base * warm,
         Schedule::Cosine => {
             if step < warmup {
                 return base * warm;
@@ -499,7 +501,10 @@ mod tests {
 
     #[test]
     fn schedules() {
-        assert_eq!(lr_at(Schedule::Constant, 1.0, 0, 10, 5, 0.0), 1.0);
+        // Every schedule warms up (constant: EasyContext's constant-with-warmup).
+        assert!((lr_at(Schedule::Constant, 1.0, 0, 10, 5, 0.0) - 0.2).abs() < 1e-12);
+        assert_eq!(lr_at(Schedule::Constant, 1.0, 5, 10, 5, 0.0), 1.0);
+        assert_eq!(lr_at(Schedule::Constant, 1.0, 0, 10, 0, 0.0), 1.0);
         assert!((lr_at(Schedule::Linear, 1.0, 0, 10, 4, 0.0) - 0.25).abs() < 1e-12);
         assert!((lr_at(Schedule::Cosine, 1.0, 4, 10, 4, 0.0) - 1.0).abs() < 1e-12);
         assert!((lr_at(Schedule::Cosine, 1.0, 10, 10, 4, 0.1) - 0.1).abs() < 1e-12);

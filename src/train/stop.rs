@@ -9,13 +9,14 @@
 //! after the same step (see `trainer.rs`).
 
 use crate::{Error, Result};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 
 /// A stop request shared between signal handlers (or a test) and the trainer: the
-/// number of the first signal received, 0 for none.
+/// number of the first signal received, 0 for none; and whether the run has a complete
+/// checkpoint yet (what a second signal's message says).
 #[derive(Debug, Clone, Default)]
-pub struct StopFlag(Arc<AtomicI32>);
+pub struct StopFlag(Arc<AtomicI32>, Arc<AtomicBool>);
 
 impl StopFlag {
     pub fn new() -> Self {
@@ -25,6 +26,11 @@ impl StopFlag {
     /// Ask for a stop as signal `sig` would (tests, embedders).
     pub fn request(&self, sig: i32) {
         let _ = self.0.compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    /// The run has a complete checkpoint (written by it, or the one it resumed from).
+    pub fn checkpoint_exists(&self) {
+        self.1.store(true, Ordering::SeqCst);
     }
 
     /// The signal that asked for a stop, if any.
@@ -39,15 +45,17 @@ impl StopFlag {
     /// sets it (and says so on stderr), a second exits at once with status 128 + signal.
     pub fn install_signal_handlers(&self) -> Result<()> {
         for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-            let flag = self.0.clone();
+            let (flag, checkpointed) = (self.0.clone(), self.1.clone());
             let handler = move || {
                 const FIRST: &[u8] =
                     b"\nstop requested: a checkpoint is written at the end of the current step (signal again to exit at once)\n";
                 const SECOND: &[u8] = b"\nsecond stop signal: exiting now; the last complete checkpoint stands\n";
+                const SECOND_NONE: &[u8] =
+                    b"\nsecond stop signal: exiting now; no checkpoint was written yet, so this run's steps are lost\n";
                 if flag.compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
                     write_stderr(FIRST);
                 } else {
-                    write_stderr(SECOND);
+                    write_stderr(if checkpointed.load(Ordering::SeqCst) { SECOND } else { SECOND_NONE });
                     signal_hook::low_level::exit(128 + sig);
                 }
             };

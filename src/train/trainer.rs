@@ -46,10 +46,18 @@ use std::time::Instant;
 /// What a run produced.
 #[derive(Debug, Clone)]
 pub struct RunSummary {
-    /// Mean loss of the first and last optimizer step of every stage.
-    pub stage_losses: Vec<(f64, f64)>,
+    /// Mean loss of the first and last optimizer step of every stage this invocation ran
+    /// (a resumed run: from the stage it resumed in), with the stage's index.
+    pub stage_losses: Vec<(usize, f64, f64)>,
+    /// Optimizer steps done over the whole run (counted across resumes).
     pub steps: u64,
+    /// Of them, done by this invocation (less than `steps` when resumed).
+    pub run_steps: u64,
+    /// Tokens trained on over the whole run (counted across resumes).
     pub tokens: u64,
+    /// Of them, by this invocation (what its tokens per second are of).
+    pub run_tokens: u64,
+    /// Seconds of this invocation.
     pub seconds: f64,
     pub export_dir: PathBuf,
     /// Largest memory report seen (rank 0).
@@ -65,6 +73,9 @@ pub struct RunSummary {
     pub skipped_steps: u64,
     /// What rank 0 held of the weights, gradients and optimizer state (ZeRO, offload).
     pub resident: Resident,
+    /// A resume found the run finished (its checkpoint after the last stage, its export in
+    /// place): nothing was trained or written.
+    pub already_finished: bool,
 }
 
 /// Bytes one rank holds of the model's training state, and where (ZeRO and offload
@@ -343,7 +354,11 @@ pub fn run_with(cfg: &RunConfig, resume: bool, opts: &RunOptions) -> Result<RunS
     let dtype = if device.is_cpu() { DType::F32 } else { parse_dtype(&cfg.model.dtype, src, "model.dtype")? };
     let _lock = RunDirLock::acquire(&cfg.output_dir)?;
     rundir::prepare(&cfg.output_dir, resume, opts.overwrite)?;
-    let loaded = if resume { Some(open_checkpoint(cfg, opts, true)?) } else { None };
+    let loaded = match resume.then(|| open_checkpoint(cfg, opts, true)).transpose()? {
+        Some(Resume::Finished(s)) => return Ok(s),
+        Some(Resume::Continue(l)) => Some(l),
+        None => None,
+    };
     let began = Instant::now();
     let mut model = load_start_model(cfg)?;
     let start = StartWeights::new(std::mem::take(&mut model.weights), cfg.parallel.world_size);
@@ -353,17 +368,83 @@ pub fn run_with(cfg: &RunConfig, resume: bool, opts: &RunOptions) -> Result<RunS
     outs.into_iter().next().flatten().ok_or_else(|| Error::Setting("rank 0 returned no summary".into()))
 }
 
+/// What a resume found: a checkpoint to continue from, or a run already finished.
+enum Resume {
+    Continue(checkpoint::Loaded),
+    /// The checkpoint is after the last stage and the export is in place: nothing to do.
+    Finished(RunSummary),
+}
+
 /// The checkpoint to resume from, its state checked against its own saved config and
 /// against `cfg` ([`crate::train::resume_check`]) before any tensor is read; the allowed
-/// changes are printed when `report`.
-fn open_checkpoint(cfg: &RunConfig, opts: &RunOptions, report: bool) -> Result<checkpoint::Loaded> {
+/// changes and where the run resumes are printed when `report`. A run whose checkpoint is
+/// after its last stage and whose export is in place is finished: nothing is loaded.
+fn open_checkpoint(cfg: &RunConfig, opts: &RunOptions, report: bool) -> Result<Resume> {
     let dir = checkpoint::resume_dir(&cfg.output_dir);
     let state = checkpoint::read_state(&dir).map_err(checkpoint::cannot_resume)?;
     let notes = crate::train::resume_check::check(&state, &dir.join("state.json"), cfg, opts.allow_layout_change)?;
     if report && !notes.is_empty() {
         eprintln!("note: resuming with changed settings: {}", notes.join(", "));
     }
-    checkpoint::load(&cfg.output_dir)
+    let export_dir = cfg.output_dir.join("export");
+    let n = cfg.stages.len();
+    if state.stage >= n {
+        if export_dir.join("model.safetensors").is_file() && export_dir.join("config.json").is_file() {
+            if report {
+                eprintln!(
+                    "the run in {} is finished (all {n} stage(s), global step {}); its export is in {}: nothing to do (to train \
+                     further, add a stage to its config and --resume; to start again, --overwrite)",
+                    cfg.output_dir.display(),
+                    state.global_step,
+                    export_dir.display()
+                );
+            }
+            let tokens = tokens_done(&state);
+            return Ok(Resume::Finished(RunSummary {
+                stage_losses: Vec::new(),
+                steps: state.global_step,
+                run_steps: 0,
+                tokens,
+                run_tokens: 0,
+                seconds: 0.0,
+                export_dir,
+                memory: MemoryReport::default(),
+                device_peak: None,
+                completed: true,
+                stopped: None,
+                skipped_steps: state.skipped_steps,
+                resident: Resident::default(),
+                already_finished: true,
+            }));
+        }
+        if report {
+            eprintln!(
+                "note: the run in {} finished its stages (global step {}) but its export is missing; writing it again",
+                cfg.output_dir.display(),
+                state.global_step
+            );
+        }
+    } else if report {
+        eprintln!(
+            "resuming stage {} at step {}/{} (global {}) from {}",
+            state.stage,
+            state.stage_step,
+            cfg.stages[state.stage].steps,
+            state.global_step,
+            dir.display()
+        );
+    }
+    Ok(Resume::Continue(checkpoint::load(&cfg.output_dir)?))
+}
+
+/// Tokens a run had trained on when `state` was saved, by the config saved with it: every
+/// stage before the one in progress whole, and the steps done in that one.
+fn tokens_done(state: &TrainState) -> u64 {
+    let Ok(saved) = serde_json::from_value::<RunConfig>(state.config.clone()) else { return 0 };
+    let per_step = |i: usize| saved.stage_settings(i).tokens_per_step();
+    let whole: u64 = (0..state.stage.min(saved.stages.len())).map(|i| saved.stages[i].steps.saturating_mul(per_step(i))).sum();
+    let current = if state.stage < saved.stages.len() { state.stage_step.saturating_mul(per_step(state.stage)) } else { 0 };
+    whole.saturating_add(current)
 }
 
 /// One rank's whole run: set-up, the stages, the final export. Returns the summary on rank 0.
@@ -375,8 +456,8 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
     let mut stopped = None;
     for (si, stage) in cfg.stages.iter().enumerate().skip(start_stage) {
         let first_step = if si == start_stage { start_step } else { 0 };
-        let (losses, stop) = run.stage(si, stage, first_step, data_state.take())?;
-        stage_losses.push(losses);
+        let ((first, last), stop) = run.stage(si, stage, first_step, data_state.take())?;
+        stage_losses.push((si, first, last));
         if stop.is_some() {
             stopped = stop;
             break;
@@ -409,7 +490,9 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
     let summary = RunSummary {
         stage_losses,
         steps: run.global_step,
-        tokens: run.total_tokens,
+        run_steps: run.global_step - run.steps_before,
+        tokens: run.tokens_before + run.total_tokens,
+        run_tokens: run.total_tokens,
         seconds: run.t0.elapsed().as_secs_f64(),
         export_dir,
         memory: run.memory,
@@ -418,6 +501,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
         stopped,
         skipped_steps: run.skipped_steps,
         resident: run.resident,
+        already_finished: false,
     };
     if let (None, Some(m)) = (stopped, run.metrics.as_mut()) {
         m.finish(&summary)?;
@@ -444,7 +528,11 @@ struct RankRun<'a> {
     /// Largest memory report seen.
     memory: MemoryReport,
     device_peak: Option<u64>,
+    /// Tokens of this invocation.
     total_tokens: u64,
+    /// Steps and tokens the run had done when this invocation resumed it.
+    steps_before: u64,
+    tokens_before: u64,
     global_step: u64,
     t0: Instant,
     /// Steps skipped (non-finite gradient norm or loss) over the run, and in a row now.
@@ -621,6 +709,9 @@ impl<'a> RankRun<'a> {
             );
         }
         let (skipped_steps, skipped_in_row) = sh.resume.map_or((0, 0), |l| (l.state.skipped_steps, l.state.skipped_in_row));
+        if let (Some(_), Some(f)) = (sh.resume, &sh.opts.stop) {
+            f.checkpoint_exists(); // the one resumed from
+        }
         Ok(Self {
             sh,
             world,
@@ -634,6 +725,8 @@ impl<'a> RankRun<'a> {
             memory: MemoryReport::default(),
             device_peak: None,
             total_tokens: 0,
+            steps_before: global_step,
+            tokens_before: sh.resume.map_or(0, |l| tokens_done(&l.state)),
             global_step,
             t0: Instant::now(),
             skipped_steps,
@@ -1124,6 +1217,9 @@ impl RankRun<'_> {
         }
         self.world.barrier()?;
         self.last_checkpoint = (Instant::now(), Some(self.global_step));
+        if let Some(f) = &self.sh.opts.stop {
+            f.checkpoint_exists();
+        }
         Ok(())
     }
 }
@@ -1151,7 +1247,11 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistE
         } else {
             None
         };
-        let loaded = if resume { Some(open_checkpoint(cfg, opts, env.rank == 0)?) } else { None };
+        let loaded = match resume.then(|| open_checkpoint(cfg, opts, env.rank == 0)).transpose()? {
+            Some(Resume::Finished(s)) => return Ok((env.rank == 0).then_some(s)),
+            Some(Resume::Continue(l)) => Some(l),
+            None => None,
+        };
         let began = Instant::now();
         let mut model = load_start_model_for(cfg, 1)?;
         let start = StartWeights::new(std::mem::take(&mut model.weights), 1);
