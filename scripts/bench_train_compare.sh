@@ -7,7 +7,8 @@
 #   SEQS default 16384,65536; STEPS default 4 (the first step of each side is not timed).
 # Env: SHAPE tinyllama (default) or llama2-7b; LONGCTX_FLAGS="--save-attention ..." (appended
 #   to `train`); TOKEN_CHUNK (default 8192) sets --token-chunk; LABEL names the rows;
-#   PEER=0 skips the transformers side (a second longctx row against the same peer).
+#   PEER=0 skips the transformers side (a second longctx row against the same peer);
+#   RUN_ROOT (default /tmp) holds the longctx run directories.
 #
 # The peer runs as its users run it: with the environment this script was started in.
 # The system CUDA libraries the longctx binary needs (LONGCTX_LD_LIBRARY_PATH, default
@@ -29,7 +30,7 @@ esac
 mkdir -p "$OUTDIR"
 if [[ $BIN == *.gz ]]; then gunzip -c "$BIN" > /tmp/longctx && chmod +x /tmp/longctx && BIN=/tmp/longctx; fi
 OUR_LD=${LONGCTX_LD_LIBRARY_PATH:-/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-W=/tmp/btc-$LABEL; rm -rf "$W"; mkdir -p "$W"
+W=${RUN_ROOT:-/tmp}/btc-$LABEL; rm -rf "$W"; mkdir -p "$W"
 RES=$OUTDIR/compare.jsonl; touch "$RES"
 status=0
 for S in ${SEQS//,/ }; do

@@ -125,7 +125,7 @@ def run(seq: int, steps: int, theta: float) -> dict:
         "losses": [round(x, 5) for x in losses],
         "params": params,
         "sdpa_backend": attention_backend(kernels),
-        "attention_kernels": sorted({k for k in kernels if any(w in k.lower() for w in ("attn", "attention", "fmha", "flash", "cudnn", "sdpa"))})[:8],
+        "attention_kernels": sorted({k[:100] for k in kernels if any(w in k.lower() for w in ("attn", "attention", "fmha", "flash", "cudnn", "sdpa"))})[:8],
         **versions(),
     }
 

@@ -82,7 +82,8 @@ fn prompts_documents_and_greedy_generation_match_transformers_with_and_without_a
         // A document as train and eval ppl tokenize it (no data.bos/eos).
         let d = &v["document"];
         let t = Tokenize { tokenizer: Some(Arc::new(tok.clone())), bos: None, eos: None, vocab_size: Some(49152) };
-        let doc = Doc { content: Content::Text(d["text"].as_str().unwrap().into()), file: Arc::from(Path::new("doc.jsonl")), loc: Loc::Line(1) };
+        let doc =
+            Doc { content: Content::Text(d["text"].as_str().unwrap().into()), file: Arc::from(Path::new("doc.jsonl")), loc: Loc::Line(1) };
         assert_eq!(t.apply(doc.clone()).unwrap().ids, ids(&d["input_ids"]), "{name}: document ids");
         // data.bos is not added a second time where the tokenizer put it already.
         let t = Tokenize { bos: Some(bos), ..t };

@@ -298,7 +298,8 @@ fn cross_entropy_cpu_large_vocabulary_against_f64() {
     let logits = rand(&[n, v], 77, 4.0, DType::F32, &Device::Cpu);
     let x = vec32(&logits);
     let tv: Vec<i64> = (0..n).map(|i| ((i * 12_345 + 11) % v) as i64).collect();
-    let loss = vec32(&cross_entropy_inplace(&logits.copy().unwrap(), &Tensor::from_vec(tv.clone(), n, &Device::Cpu).unwrap(), 1.0).unwrap());
+    let loss =
+        vec32(&cross_entropy_inplace(&logits.copy().unwrap(), &Tensor::from_vec(tv.clone(), n, &Device::Cpu).unwrap(), 1.0).unwrap());
     for (i, row) in x.chunks(v).enumerate() {
         let m = row.iter().fold(f64::NEG_INFINITY, |m, &a| m.max(a as f64));
         let lse = m + row.iter().map(|&a| (a as f64 - m).exp()).sum::<f64>().ln();
