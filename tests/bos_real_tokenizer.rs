@@ -120,3 +120,18 @@ fn the_generate_command_continues_as_transformers_does() {
         assert_eq!(String::from_utf8_lossy(&out.stdout).trim_end_matches('\n'), want, "{name}");
     }
 }
+
+/// `generate` checks its arguments before it streams anything: the error is not glued to
+/// a printed prompt, and nothing reaches stdout.
+#[test]
+fn generate_refuses_bad_sampling_before_printing_the_prompt() {
+    let c = cases();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = variant_dir(tmp.path(), "plain", &c["variants"]["plain"]);
+    for (arg, needle) in [("--temperature=-1", "--temperature"), ("--top-p=0", "--top-p"), ("--top-p=1.5", "--top-p")] {
+        let out = common::longctx_cmd(&["generate", "--model", dir.to_str().unwrap(), "--prompt", "Hello", arg]).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{arg}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(out.stdout.is_empty(), "{arg}: stdout {:?}", String::from_utf8_lossy(&out.stdout));
+        assert!(String::from_utf8_lossy(&out.stderr).contains(needle), "{arg}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}

@@ -96,6 +96,13 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
         bail!("--prompt: the prompt is empty");
     }
     let sampling = Sampling { temperature: a.temperature, top_p: a.top_p, seed: a.seed };
+    // Every argument is checked before anything is streamed: an error never follows the
+    // printed prompt on the same line.
+    sampling.check()?;
+    let vocab = m.cfg().vocab_size;
+    if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        bail!("--prompt: token id {bad} is not below the model's vocabulary size {vocab}");
+    }
     let eos = if a.ignore_eos { None } else { m.cfg().eos_token_id() };
     if prompt.len() + a.max_new_tokens > m.max_context() {
         eprintln!(

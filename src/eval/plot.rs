@@ -159,38 +159,6 @@ fn wrap(text: &str, width: usize) -> Vec<String> {
     out
 }
 
-#[cfg(test)]
-mod line_tests {
-    use super::*;
-
-    #[test]
-    fn labels_names_and_wrapping() {
-        assert_eq!(length_label(2048.0), "2K");
-        assert_eq!(length_label(65536.0), "64K");
-        assert_eq!(length_label(1048576.0), "1M");
-        assert_eq!(length_label(1000.0), "1000");
-        assert_eq!(short_name("runs/SmolLM2-135M-64K/export"), "SmolLM2-135M-64K/export");
-        assert_eq!(short_name("/data/models/SmolLM2-135M-Instruct/"), "models/SmolLM2-135M-Instruct");
-        assert_eq!(short_name("builtin:tiny"), "builtin:tiny");
-        assert_eq!(short_name("export"), "export");
-        assert_eq!(wrap("a bb ccc", 4), vec!["a bb", "ccc"]);
-        let long = "Perplexity vs context length (data/longdocs/eval.jsonl, held-out documentation)";
-        assert!(wrap(long, 70).iter().all(|l| l.chars().count() <= 70));
-    }
-
-    #[test]
-    fn a_plot_of_two_models_a_thousand_times_apart_is_drawn() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("ppl.png");
-        let s = vec![
-            ("models/base".to_string(), vec![(2048.0, 9.0), (8192.0, 7.5), (65536.0, 2316.0)]),
-            ("runs/x/export".to_string(), vec![(2048.0, 9.2), (8192.0, 7.4), (65536.0, 6.6)]),
-        ];
-        lines(&p, "Perplexity vs context length of a title long enough to need wrapping at the image width", "length", "ppl", &s).unwrap();
-        assert!(std::fs::metadata(&p).unwrap().len() > 1000);
-    }
-}
-
 /// A PNG of `size` pixels drawn by `draw` on a white page, written atomically to `path`
 /// (nothing is left behind when drawing fails).
 fn png(
@@ -268,4 +236,36 @@ pub fn heatmap(path: &Path, title: &str, lengths: &[usize], depths: &[f64], valu
         root.draw(&centred("depth".into(), 30, top + (ny as i32 * ch) / 2, 15))?;
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod line_tests {
+    use super::*;
+
+    #[test]
+    fn labels_names_and_wrapping() {
+        assert_eq!(length_label(2048.0), "2K");
+        assert_eq!(length_label(65536.0), "64K");
+        assert_eq!(length_label(1048576.0), "1M");
+        assert_eq!(length_label(1000.0), "1000");
+        assert_eq!(short_name("runs/SmolLM2-135M-64K/export"), "SmolLM2-135M-64K/export");
+        assert_eq!(short_name("/data/models/SmolLM2-135M-Instruct/"), "models/SmolLM2-135M-Instruct");
+        assert_eq!(short_name("builtin:tiny"), "builtin:tiny");
+        assert_eq!(short_name("export"), "export");
+        assert_eq!(wrap("a bb ccc", 4), vec!["a bb", "ccc"]);
+        let long = "Perplexity vs context length (data/longdocs/eval.jsonl, held-out documentation)";
+        assert!(wrap(long, 70).iter().all(|l| l.chars().count() <= 70));
+    }
+
+    #[test]
+    fn a_plot_of_two_models_a_thousand_times_apart_is_drawn() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("ppl.png");
+        let s = vec![
+            ("models/base".to_string(), vec![(2048.0, 9.0), (8192.0, 7.5), (65536.0, 2316.0)]),
+            ("runs/x/export".to_string(), vec![(2048.0, 9.2), (8192.0, 7.4), (65536.0, 6.6)]),
+        ];
+        lines(&p, "Perplexity vs context length of a title long enough to need wrapping at the image width", "length", "ppl", &s).unwrap();
+        assert!(std::fs::metadata(&p).unwrap().len() > 1000);
+    }
 }
