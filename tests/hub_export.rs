@@ -260,11 +260,12 @@ fn failing_export_leaves_old_checkpoint_intact() {
     let before = std::fs::read(out.join("model.safetensors")).unwrap();
 
     // The failure happens late: weights are already written when copying tokenizer.json
-    // (a directory here) fails.
+    // (a link to a file that is gone, as a hub cache's deleted blob) fails.
     let src = tmp.path().join("src");
-    std::fs::create_dir_all(src.join("tokenizer.json")).unwrap();
+    std::fs::create_dir_all(&src).unwrap();
+    std::os::unix::fs::symlink(tmp.path().join("gone"), src.join("tokenizer.json")).unwrap();
     let err = hub::export(&out, &state_dict(), &config(), Some(&src), &ExportOptions::default());
-    assert!(err.is_err());
+    assert!(err.as_ref().is_err_and(|e| e.to_string().contains("tokenizer.json")), "{err:?}");
     assert_eq!(ls(tmp.path()), vec!["ckpt", "src"], "temporary directory removed");
     assert_eq!(ls(&out), vec!["config.json", "model.safetensors"]);
     assert_eq!(std::fs::read(out.join("model.safetensors")).unwrap(), before);

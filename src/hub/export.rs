@@ -61,8 +61,8 @@ pub const TOKENIZER_FILES: [&str; 10] = [
 /// Extensions of weight files: never copied as side files (the export writes its own).
 const WEIGHT_EXTENSIONS: [&str; 11] = ["safetensors", "bin", "pt", "pth", "ckpt", "gguf", "h5", "msgpack", "onnx", "npz", "ot"];
 
-/// The files of a model directory that an export copies unchanged: every regular file
-/// (links followed) at its top level except what the export writes itself (`config.json`,
+/// The files of a model directory that an export copies unchanged: every file (links
+/// followed; a dangling link is kept, and its copy fails) at its top level except what the export writes itself (`config.json`,
 /// weights and their index), other weight formats, a training checkpoint's `state.json`,
 /// the model card (`README.md`, which describes the source model) and hidden files. So
 /// the tokenizer, `chat_template.jinja` and any file transformers' tokenizer classes
@@ -77,7 +77,9 @@ pub fn side_files(dir: &Path) -> Result<Vec<PathBuf>> {
             || matches!(name, CONFIG_FILE | STATE_FILE | "README.md")
             || name.ends_with(".index.json")
             || WEIGHT_EXTENSIONS.contains(&ext);
-        if !skip && path.is_file() {
+        // Directories are left out; a link whose target is missing (a hub cache's blob
+        // deleted) stays in, so that copying it fails with the file named.
+        if !skip && !path.is_dir() {
             out.push(path);
         }
     }
