@@ -51,19 +51,7 @@ if [[ "${SKIP_TRAIN:-0}" != 1 ]]; then
     say "train: $((SECONDS - t0)) s wall, start-up and export included"
 fi
 cp "$RUN/metrics.jsonl" "$OUT_DIR/metrics.jsonl"
-"$PYTHON" - "$RUN/metrics.jsonl" <<'EOF' | tee -a "$SUMMARY"
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-by = {}
-for r in rows:
-    by.setdefault((r.get("stage"), r.get("seq_len")), []).append(r)
-for (stage, seq), rs in sorted(by.items(), key=lambda kv: (kv[0][0] or 0)):
-    steady = rs[1:] or rs
-    tok = sum(r["tokens"] for r in steady) / sum(r["seconds"] for r in steady)
-    mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
-    print(f"stage {stage} ({seq} tokens): {len(rs)} steps, loss {rs[0]['loss']:.3f} -> {rs[-1]['loss']:.3f}, "
-          f"{tok:,.0f} tok/s (steps 2..), MFU {100 * sum(mfu) / max(len(mfu), 1):.1f} %")
-EOF
+"$PYTHON" scripts/metrics_summary.py "$RUN/metrics.jsonl" --stages | tee -a "$SUMMARY"
 
 EXPORT="$RUN/export"
 t0=$SECONDS

@@ -3,6 +3,8 @@
 
     metrics_summary.py METRICS_JSONL LABEL   -> "LABEL: N tok/s (steps 2..), step s [...], ..."
     metrics_summary.py METRICS_JSONL --losses -> the per-step losses, space separated
+    metrics_summary.py METRICS_JSONL --stages -> a line per stage: steps, first and last
+           loss, tokens/s over its steps after the first, mean MFU
     metrics_summary.py --compare A_JSONL B_JSONL RTOL LABEL
         -> "LABEL: ok/DIFFER ..."; exit status 1 when the runs logged different step counts
            or any step's loss differs by more than RTOL relative (0: bit-identical)
@@ -50,6 +52,20 @@ def within_noise(cand, lowp, ref, label) -> int:
     return 0 if ok else 1
 
 
+def stages(rows) -> int:
+    by = {}
+    for r in rows:
+        by.setdefault(r.get("stage") or 0, []).append(r)
+    for stage, rs in sorted(by.items()):
+        steady = rs[1:] or rs
+        tps = sum(r["tokens"] for r in steady) / sum(r["seconds"] for r in steady)
+        mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
+        mfu_s = f"{100 * sum(mfu) / len(mfu):.1f} %" if mfu else "-"
+        print(f"stage {stage} ({rs[0]['seq_len']} tokens): {len(rs)} steps, loss {rs[0]['loss']:.3f} -> {rs[-1]['loss']:.3f}, "
+              f"{tps:,.0f} tok/s (steps 2..), MFU {mfu_s}")
+    return 0
+
+
 def main() -> int:
     if sys.argv[1] == "--within-noise":
         return within_noise(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5])
@@ -57,6 +73,8 @@ def main() -> int:
         return compare(sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5])
     path, label = sys.argv[1], sys.argv[2]
     rows = [json.loads(line) for line in open(path)]
+    if label == "--stages":
+        return stages(rows)
     if label == "--losses":
         print(" ".join("%.7f" % r["loss"] for r in rows))
         return 0

@@ -5,51 +5,9 @@
 
 use longctx::train::config::{ParallelMode, RunConfig};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 mod common;
-use common::{longctx_cmd as longctx, repo_root as root};
-
-struct Out {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn run_cmd(mut c: Command) -> Out {
-    let o = c.output().expect("cannot run the longctx binary");
-    Out {
-        code: o.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-    }
-}
-
-fn run(args: &[&str]) -> Out {
-    run_cmd(longctx(args))
-}
-
-fn ok(args: &[&str]) -> Out {
-    let o = run(args);
-    assert_eq!(o.code, 0, "longctx {args:?} failed:\n{}", o.stderr);
-    o
-}
-
-/// Exit status 1, exactly one `error:` line, containing every needle. With `alone`, that
-/// line is all of stderr (nothing else was printed).
-fn fails(o: &Out, needles: &[&str], alone: bool) -> String {
-    assert_eq!(o.code, 1, "expected exit status 1, got {}; stderr:\n{}", o.code, o.stderr);
-    let errs: Vec<&str> = o.stderr.lines().filter(|l| l.starts_with("error:")).collect();
-    assert_eq!(errs.len(), 1, "expected one error line:\n{}", o.stderr);
-    for n in needles {
-        assert!(errs[0].contains(n), "error line lacks `{n}`: {}", errs[0]);
-    }
-    if alone {
-        assert_eq!(o.stderr.trim_end(), errs[0], "more than the error line on stderr");
-    }
-    assert!(!o.stderr.contains("panicked") && !o.stderr.contains("backtrace"), "{}", o.stderr);
-    errs[0].to_string()
-}
+use common::{fails, longctx_cmd as longctx, ok, repo_root as root, run, run_cmd};
 
 fn tmp() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()

@@ -40,7 +40,8 @@ const PALETTE: [RGBColor; 6] = [
 ];
 
 /// A line per series of `(x, y)` points, written to `path` (PNG), drawn to read at a glance:
-/// x on a log2 axis with ticks at the given x values only (context lengths as 2K, 64K, 1M);
+/// x on a log2 axis with ticks at the given x values only, labelled by
+/// [`crate::plan::tokens_label`] (2K, 64K, 1M);
 /// y on a log10 axis when the values span more than a decade (a good and a bad model
 /// both visible), else linear; the legend in a panel right of the data (never over the last
 /// points), each series named by [`short_name`]; the title wrapped to the image width.
@@ -99,7 +100,7 @@ pub fn lines(path: &Path, title: &str, x_desc: &str, y_desc: &str, series: &[(St
             // backend_coord is in the image's pixels; `area` draws relative to its corner.
             let ((px, py), (bx, by)) = (chart.backend_coord(&(lx(t), y0)), area.get_base_pixel());
             let (px, py) = (px - bx, py - by);
-            let label = length_label(t);
+            let label = crate::plan::tokens_label(t.round() as usize);
             let w = 8 * label.chars().count() as i32;
             area.draw(&Text::new(label, (px - w / 2, py + 6), (FAMILY, 14).into_font()))?;
         }
@@ -119,16 +120,6 @@ pub fn lines(path: &Path, title: &str, x_desc: &str, y_desc: &str, series: &[(St
         }
         Ok(())
     })
-}
-
-/// A context length as people write it: 2048 → 2K, 65536 → 64K, 1048576 → 1M, 1000 → 1000.
-pub fn length_label(x: f64) -> String {
-    let n = x.round() as u64;
-    match n {
-        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{}M", n >> 20),
-        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{}K", n >> 10),
-        n => n.to_string(),
-    }
 }
 
 /// A model named by the last two parts of its path (`runs/SmolLM2-64K/export` →
@@ -244,10 +235,11 @@ mod line_tests {
 
     #[test]
     fn labels_names_and_wrapping() {
-        assert_eq!(length_label(2048.0), "2K");
-        assert_eq!(length_label(65536.0), "64K");
-        assert_eq!(length_label(1048576.0), "1M");
-        assert_eq!(length_label(1000.0), "1000");
+        // Ticks are labelled by the one printer of lengths.
+        assert_eq!(crate::plan::tokens_label(2048), "2K");
+        assert_eq!(crate::plan::tokens_label(65536), "64K");
+        assert_eq!(crate::plan::tokens_label(1048576), "1M");
+        assert_eq!(crate::plan::tokens_label(1000), "1000");
         assert_eq!(short_name("runs/SmolLM2-135M-64K/export"), "SmolLM2-135M-64K/export");
         assert_eq!(short_name("/data/models/SmolLM2-135M-Instruct/"), "models/SmolLM2-135M-Instruct");
         assert_eq!(short_name("builtin:tiny"), "builtin:tiny");
