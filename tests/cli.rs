@@ -341,7 +341,16 @@ fn every_preset_and_recipe_passes_dry_run() {
         let mut files: Vec<PathBuf> = std::fs::read_dir(root().join(dir)).unwrap().map(|e| e.unwrap().path()).collect();
         files.sort();
         for f in files.into_iter().filter(|f| f.extension().is_some_and(|e| e == "toml")) {
-            let o = ok(&["train", "--config", f.to_str().unwrap(), "--dry-run"]);
+            let args = ["train", "--config", f.to_str().unwrap(), "--dry-run"];
+            let o = run(&args);
+            // A recipe over a corpus that a script makes (SmolLM2-135M-64K: data/longdocs,
+            // not in a clean clone) names the missing file; with a dataset given it plans.
+            let o = if o.code != 0 {
+                fails(&o, &["dataset not found", "data/", "--dataset"], false);
+                ok(&[&args[..], &["--dataset", "tests/fixtures/arrow_dataset_train.jsonl"]].concat())
+            } else {
+                o
+            };
             let r: RunConfig = toml::from_str(&o.stdout).unwrap();
             assert!(!r.stages.is_empty(), "{}", f.display());
             n += 1;

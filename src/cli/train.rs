@@ -184,7 +184,12 @@ fn check_datasets(cfg: &RunConfig, opts: &longctx::hub::HubOptions) -> Result<()
         }
         match SourceSpec::parse(&ds) {
             SourceSpec::Local(p) if !p.exists() => {
-                return Err(longctx::Error::data(p, "dataset not found: no such file or directory (and not a hub id `org/name`)").into())
+                return Err(longctx::Error::data(
+                    p,
+                    "dataset not found: no such file or directory (and not a hub id `org/name`); \
+                     make the file, or point `dataset` in [data] (or the stage) or --dataset at one",
+                )
+                .into())
             }
             SourceSpec::Local(_) => {}
             SourceSpec::Hub { .. } if ds.starts_with("hf:") => {} // explicitly a hub id
