@@ -135,3 +135,38 @@ fn generate_refuses_bad_sampling_before_printing_the_prompt() {
         assert!(String::from_utf8_lossy(&out.stderr).contains(needle), "{arg}: {}", String::from_utf8_lossy(&out.stderr));
     }
 }
+
+/// A text passkey case on the real tokenizer: exactly `len` inputs, the tokenizer's prefix,
+/// then the sentence stating the task, then the haystack with the needle at its depth (at
+/// depth 0 right after that sentence, not on the first tokens), then the question whose
+/// answer targets are the value's digits.
+#[test]
+fn text_passkey_cases_state_the_task_first_and_place_the_needle_at_its_depth() {
+    use longctx::eval::needle::TextTask;
+    let c = cases();
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["plain", "bos_template"] {
+        let dir = variant_dir(tmp.path(), name, &c["variants"][name]);
+        let tok = tokenizer::load_tokenizer(&dir).unwrap();
+        let prefix = tokenizer::special_prefix(&tok).unwrap();
+        let task = TextTask::new(&tok, None, true, 5, 0).unwrap();
+        for (depth, len) in [(0.0, 300), (0.5, 300), (1.0, 300), (0.25, 1000)] {
+            let case = task.case(len, depth, 3, 1).unwrap();
+            assert_eq!(case.sample.ids.len(), len, "{name}: length");
+            assert_eq!(case.sample.ids[..prefix.len()], prefix[..], "{name}: prefix");
+            let text = tok.decode(&case.prompt()[prefix.len()..], false).unwrap();
+            assert!(text.starts_with("A pass key is hidden"), "{name}: the task comes first: {text:.80}");
+            let needle = format!("The pass key is {}. Remember it.", case.value);
+            let at = text.find(&needle).expect("the needle is in the case");
+            let stated = text.find("at the end.").unwrap() + "at the end.".len();
+            let hay = text.len() - stated - text[text.rfind(" What is the pass key?").unwrap()..].len();
+            let frac = (at - stated) as f64 / hay as f64;
+            assert!((frac - depth).abs() < 0.08, "{name}: needle at {frac:.3} of the haystack, depth {depth}");
+            assert!(text.ends_with("What is the pass key? The pass key is"), "{name}: {text:.80}");
+            let answer = tok.decode(&case.answer, false).unwrap();
+            assert_eq!(answer.trim(), case.value, "{name}: answer");
+            let targets: Vec<u32> = case.sample.targets[case.answer_start..].iter().map(|&t| t as u32).collect();
+            assert_eq!(targets, case.answer, "{name}: answer targets");
+        }
+    }
+}

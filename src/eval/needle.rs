@@ -14,7 +14,7 @@
 //!   vocabulary, place-tagged digits), the needle depth set by the grid. A distractor is
 //!   a run of `k` random digits not framed by the passkey tokens.
 //! - [`Format::Text`], for models with `tokenizer.json`: a haystack from a text file or
-//!   generated filler, a needle sentence with a random number ("the special magic number",
+//!   generated filler after a sentence that states the task, a needle sentence with a random number ("the special magic number",
 //!   or with `--passkey` the classic "pass key" sentence and filler), a question, and the
 //!   number as the answer; distractors are similar sentences with other numbers.
 
@@ -168,6 +168,15 @@ impl TextTask {
                 " What is the special magic number mentioned in the text? The special magic number is".to_string(),
             )
         };
+        // The task is stated first, so that depth 0 puts the needle after it rather than on
+        // the first tokens (without a BOS they are the attention sink, and a model reads
+        // little of what sits there: SmolLM2-135M misses a needle at depth 0 even at 1K).
+        let header = if self.passkey {
+            "A pass key is hidden somewhere in the long text below. Find it and keep it in mind: you will be asked for it at the end."
+        } else {
+            "A special magic number is hidden somewhere in the long text below. Find it and keep it in mind: you will be asked for it at the end."
+        };
+        let header_ids = encode(tok, header)?;
         let needle_ids = encode(tok, &needle)?;
         let q_ids = encode(tok, &question)?;
         let with_answer = encode(tok, &format!("{question} {value}."))?;
@@ -190,7 +199,7 @@ impl TextTask {
             };
             distractor_ids.push(encode(tok, &s)?);
         }
-        let fixed = self.prefix.len() + needle_ids.len() + q_ids.len() + answer.len() + distractor_ids.iter().map(Vec::len).sum::<usize>();
+        let fixed = self.prefix.len() + header_ids.len() + needle_ids.len() + q_ids.len() + answer.len() + distractor_ids.iter().map(Vec::len).sum::<usize>();
         if len + 1 < fixed + 1 {
             return Err(Error::config(
                 "--lengths",
@@ -212,6 +221,7 @@ impl TextTask {
         }
         inserts.sort_by_key(|(p, _)| *p);
         let mut raw: Vec<u32> = self.prefix.clone();
+        raw.extend_from_slice(&header_ids);
         let mut prev = 0;
         for (p, ids) in inserts {
             raw.extend_from_slice(&hay[prev..p]);
