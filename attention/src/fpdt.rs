@@ -21,13 +21,18 @@
 //! (heads → sequence) at the end of step i. Accumulators are rebuilt functionally
 //! (`a + b`), never written in place.
 //!
+//! Under a document mask ([`crate::docs`]) every chunk pair is cut into per-document
+//! pieces by its global ranges, and a pair that shares no document is skipped before its
+//! chunk is fetched (forward) or its q side brought back (backward).
+//!
 //! Parking goes through a [`Stash`]: on CUDA, pinned host buffers with the copies on
 //! their own stream, overlapping the kernels (see [`crate::stash`]).
 
 use crate::comm::Comm;
-use crate::kernel::{self, Mask, Saved};
+use crate::docs::{self, Block, Docs};
+use crate::kernel::{Mask, Saved};
 use crate::merge::{self, add_f32};
-use crate::mode::AttentionMode;
+use crate::mode::{effective, AttentionMode};
 use crate::stash::{Fetched, Parked, Stash};
 use crate::ulysses::{
     check_heads, heads_to_seq, lse_heads_to_seq, lse_seq_to_heads, reduce_replicated_kv_grad, replicate_kv_heads, seq_to_heads,
@@ -214,29 +219,53 @@ impl AttentionMode for Fpdt {
         "fpdt"
     }
 
-    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+    fn forward_docs(&self, q: &Tensor, k: &Tensor, v: &Tensor, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor)> {
         let rep = check_heads(q, k, v, self.comm.world())?;
         let (u, cl) = self.plan(q.dim(1)?)?;
+        let big_c = cl * self.comm.world();
+        docs::check_len(docs, u * big_c, "FPDT")?;
+        let docs = effective(docs);
+        let chunk = |i: usize| [i * big_c..(i + 1) * big_c];
         let (c, dev) = (self.comm.as_ref(), q.device());
         let mut parked: Vec<KvChunk<Held>> = Vec::with_capacity(u);
         let (mut os, mut lses) = (Vec::with_capacity(u), Vec::with_capacity(u));
         for i in 0..u {
+            let qi = chunk(i);
             let qh = seq_to_heads(c, &q.narrow(1, i * cl, cl)?)?;
             let fresh = self.exchange_kv(&k.narrow(1, i * cl, cl)?, &v.narrow(1, i * cl, cl)?, rep)?;
-            // Diagonal block on the fresh chunk, with chunk 0 already on its way.
-            let mut next = if i > 0 { Some(self.fetch_kv(&parked[0], dev)?) } else { None };
-            let (o_b, lse_b) = kernel::fwd(&qh, &fresh.k, &fresh.v, Mask::Causal, scale)?;
-            parked.push(self.park_kv(fresh)?);
-            let mut acc = merge::merge(None, &o_b, &lse_b)?;
+            // The earlier chunks this one sees (all of them without documents).
+            let mut js = Vec::with_capacity(i);
             for j in 0..i {
+                let kj = chunk(j);
+                if docs.map_or(Ok(true), |d| docs::meets(&Block { docs: d, q: &qi, kv: &kj }))? {
+                    js.push(j);
+                }
+            }
+            // Diagonal block on the fresh chunk, with the first earlier chunk already on its way.
+            let mut next = match js.first() {
+                Some(&j) => Some(self.fetch_kv(&parked[j], dev)?),
+                None => None,
+            };
+            let diag = docs::fwd(&qh, &fresh.k, &fresh.v, Mask::Causal, docs.map(|d| Block { docs: d, q: &qi, kv: &qi }), scale)?;
+            parked.push(self.park_kv(fresh)?);
+            let Some((o_b, lse_b)) = diag else { return crate::shape_err!("FPDT: chunk {i} sees no key of its own") };
+            let mut acc = merge::merge(None, &o_b, &lse_b)?;
+            for (n, &j) in js.iter().enumerate() {
                 let cur = match next.take() {
                     Some(kv) => kv.ready()?,
                     None => self.fetch_kv(&parked[j], dev)?.ready()?,
                 };
-                next = if j + 1 < i { Some(self.fetch_kv(&parked[j + 1], dev)?) } else { None };
-                let (o_b, lse_b) = kernel::fwd(&qh, &cur.k, &cur.v, Mask::None, scale)?;
+                next = match js.get(n + 1) {
+                    Some(&jn) => Some(self.fetch_kv(&parked[jn], dev)?),
+                    None => None,
+                };
+                let kj = chunk(j);
+                let blk = docs.map(|d| Block { docs: d, q: &qi, kv: &kj });
+                let part = docs::fwd(&qh, &cur.k, &cur.v, Mask::None, blk, scale)?;
                 drop(cur);
-                acc = merge::merge(Some(acc), &o_b, &lse_b)?;
+                if let Some((o_b, lse_b)) = part {
+                    acc = merge::merge(Some(acc), &o_b, &lse_b)?;
+                }
             }
             let (oh, lseh) = acc.finish(q.dtype())?;
             os.push(heads_to_seq(c, &oh)?);
@@ -247,10 +276,14 @@ impl AttentionMode for Fpdt {
         Ok((Tensor::cat(&os, 1)?, Tensor::cat(&lses, 2)?))
     }
 
-    fn backward(&self, d_o: &Tensor, saved: Saved<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    fn backward_docs(&self, d_o: &Tensor, saved: Saved<'_>, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
         let Saved { q, k, v, o, lse } = saved;
         let rep = check_heads(q, k, v, self.comm.world())?;
         let (u, cl) = self.plan(q.dim(1)?)?;
+        let big_c = cl * self.comm.world();
+        docs::check_len(docs, u * big_c, "FPDT backward")?;
+        let docs = effective(docs);
+        let chunk = |i: usize| [i * big_c..(i + 1) * big_c];
         let (c, dev) = (self.comm.as_ref(), q.device());
         saved.check_do(d_o, "FPDT backward")?;
         // The q side of every chunk, head-sharded and parked.
@@ -279,27 +312,46 @@ impl AttentionMode for Fpdt {
             let kv = self.exchange_kv(&k.narrow(1, i * cl, cl)?, &v.narrow(1, i * cl, cl)?, rep)?;
             let (mut dk_acc, mut dv_acc) = (None, None); // f32 on the device
             let mut dq_done = None; // dq_i, complete after its first (diagonal) block
-            let mut next = Some(fetch(i, &dq_acc)?);
+                                    // The q chunks that see kv chunk i (all of i..u without documents; i itself always).
+            let ki = chunk(i);
+            let mut js = Vec::with_capacity(u - i);
             for j in i..u {
+                let qj = chunk(j);
+                if j == i || docs.map_or(Ok(true), |d| docs::meets(&Block { docs: d, q: &qj, kv: &ki }))? {
+                    js.push(j);
+                }
+            }
+            let mut next = Some(fetch(i, &dq_acc)?);
+            for (n, &j) in js.iter().enumerate() {
                 let (cur, dq_prev) = match next.take() {
-                    Some(n) => n,
+                    Some(x) => x,
                     None => fetch(j, &dq_acc)?,
                 };
                 dq_acc[j] = None; // its content is in `dq_prev`
-                next = if j + 1 < u { Some(fetch(j + 1, &dq_acc)?) } else { None };
+                next = match js.get(n + 1) {
+                    Some(&jn) => Some(fetch(jn, &dq_acc)?),
+                    None => None,
+                };
                 let cur = cur.ready()?;
                 let mask = if j == i { Mask::Causal } else { Mask::None };
-                let (dq_p, dk_p, dv_p) = kernel::bwd(&cur.d_o, Saved::new(&cur.q, &kv.k, &kv.v, &cur.o, &cur.lse), mask, scale)?;
-                dk_acc = Some(add_f32(dk_acc, &dk_p)?);
-                dv_acc = Some(add_f32(dv_acc, &dv_p)?);
+                let qj = chunk(j);
+                let blk = docs.map(|d| Block { docs: d, q: &qj, kv: &ki });
+                let grads = docs::bwd(&cur.d_o, Saved::new(&cur.q, &kv.k, &kv.v, &cur.o, &cur.lse), mask, blk, scale)?;
                 let dq_prev = match dq_prev {
                     Some(cm) => Some(cm.ready()?),
                     None => None,
                 };
-                let dq = add_f32(dq_prev, &dq_p)?;
+                let dq = match grads {
+                    Some((dq_p, dk_p, dv_p)) => {
+                        dk_acc = Some(add_f32(dk_acc, &dk_p)?);
+                        dv_acc = Some(add_f32(dv_acc, &dv_p)?);
+                        Some(add_f32(dq_prev, &dq_p)?)
+                    }
+                    None => dq_prev,
+                };
                 if j == i {
-                    dq_done = Some(dq);
-                } else {
+                    dq_done = dq;
+                } else if let Some(dq) = dq {
                     dq_acc[j] = Some(self.hold(dq)?);
                 }
             }

@@ -9,6 +9,8 @@
 //! Layers:
 //! - [`kernel`]: the block kernel contract `fwd -> (o, lse)`, `bwd(do, Saved { q, k, v, o, lse })`,
 //!   dispatched per device (CPU tiled kernel in [`cpu`], CUDA cuDNN behind `cuda`).
+//! - [`docs`]: document masks (block-diagonal causal over packed documents), cut into
+//!   kernel calls per document; every mode takes them ([`mode::AttentionMode::forward_docs`]).
 //! - [`merge`]: the one stable log-sum-exp merge of partial results.
 //! - [`comm`]: the communicator abstraction and its in-process (threads) backend.
 //! - [`layout`]: zigzag / round-robin token layouts and global position ids.
@@ -17,10 +19,14 @@
 //! - [`op`]: wraps any mode into a differentiable Candle op.
 //! - [`stash`]: parking tensors in (pinned) host memory with copies off the compute stream.
 
+// Lists of token ranges (a block's q and kv rows) often hold one range: meant, not a typo.
+#![allow(clippy::single_range_in_vec_init)]
+
 pub mod comm;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod docs;
 pub mod error;
 pub mod fpdt;
 pub mod kernel;
@@ -37,6 +43,7 @@ pub mod testing;
 pub mod ulysses;
 pub mod usp;
 
+pub use docs::Docs;
 pub use error::AttnError;
 pub use kernel::{Mask, Saved};
 pub use mode::AttentionMode;

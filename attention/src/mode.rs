@@ -1,5 +1,6 @@
 //! The one signature every sequence-parallel mode shares with the single-device kernel.
 
+use crate::docs::Docs;
 use crate::kernel::Saved;
 use candle_core::{Result, Tensor};
 
@@ -11,6 +12,50 @@ use candle_core::{Result, Tensor};
 /// returned, and returns `(dq, dk, dv)` for this rank's inputs. Ranks call both collectively.
 pub trait AttentionMode: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
-    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)>;
-    fn backward(&self, d_o: &Tensor, saved: Saved<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)>;
+    /// The forward under a document mask (`None`: every row one document, plain causal).
+    /// `docs` holds global token indices; every rank of a group passes the same.
+    fn forward_docs(&self, q: &Tensor, k: &Tensor, v: &Tensor, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor)>;
+    /// The backward of [`AttentionMode::forward_docs`] with the same `docs`.
+    fn backward_docs(&self, d_o: &Tensor, saved: Saved<'_>, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor, Tensor)>;
+    /// Causal attention (one document per row).
+    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+        self.forward_docs(q, k, v, None, scale)
+    }
+    fn backward(&self, d_o: &Tensor, saved: Saved<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+        self.backward_docs(d_o, saved, None, scale)
+    }
+}
+
+/// `docs` unless it is trivial (every row one document), which every mode computes as
+/// plain causal attention on its fast path.
+pub fn effective(docs: Option<&Docs>) -> Option<&Docs> {
+    docs.filter(|d| !d.is_trivial())
+}
+
+/// A mode with a fixed document mask: what a trainer hands the model for one batch (the
+/// model calls [`AttentionMode::forward`] and knows nothing of documents).
+#[derive(Debug, Clone)]
+pub struct WithDocs {
+    pub inner: std::sync::Arc<dyn AttentionMode>,
+    pub docs: std::sync::Arc<Docs>,
+}
+
+impl AttentionMode for WithDocs {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn forward_docs(&self, q: &Tensor, k: &Tensor, v: &Tensor, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor)> {
+        self.inner.forward_docs(q, k, v, Some(docs.unwrap_or(&self.docs)), scale)
+    }
+    fn backward_docs(&self, d_o: &Tensor, saved: Saved<'_>, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+        self.inner.backward_docs(d_o, saved, Some(docs.unwrap_or(&self.docs)), scale)
+    }
+}
+
+/// `mode` with `docs` fixed, or `mode` itself when there is no (non-trivial) mask.
+pub fn with_docs(mode: &std::sync::Arc<dyn AttentionMode>, docs: Option<Docs>) -> std::sync::Arc<dyn AttentionMode> {
+    match docs.filter(|d| !d.is_trivial()) {
+        Some(d) => std::sync::Arc::new(WithDocs { inner: mode.clone(), docs: std::sync::Arc::new(d) }),
+        None => mode.clone(),
+    }
 }

@@ -15,6 +15,10 @@
 //! current block is computed and waited after, so communication overlaps compute.
 //! Partial results are merged in f32 with [`crate::merge`]. Only kv heads travel.
 //!
+//! Under a document mask ([`crate::docs`]) each case is cut into per-document pieces by
+//! the global ranges of its chunks (chunk `c` is tokens `[cB, (c+1)B)`); a kv block that
+//! shares no document with the q rows it meets is skipped (no kernel call, no merge).
+//!
 //! Backward: the same three cases with the global `o`/`lse`. `dq` accumulates locally
 //! in f32. The f32 `dk`/`dv` accumulators of a kv block travel with it: at step `s`
 //! this rank adds its contribution to the accumulator of block `j` (received from
@@ -23,10 +27,12 @@
 //! contributions of every rank.
 
 use crate::comm::{Comm, Pending};
+use crate::docs::{self, Block, Docs};
 use crate::kernel::{self, Mask, Saved};
 use crate::merge::{self, add_f32};
-use crate::mode::AttentionMode;
+use crate::mode::{effective, AttentionMode};
 use candle_core::{Result, Tensor};
+use std::ops::Range;
 use std::sync::Arc;
 
 #[derive(Debug, Clone)]
@@ -53,6 +59,13 @@ impl ZigzagRing {
         Ok(s / 2)
     }
 
+    /// The global ranges of rank `j`'s chunks `j` and `2W-1-j` of `half` tokens: (both, lo, hi).
+    fn chunks(&self, j: usize, half: usize) -> [Vec<Range<usize>>; 3] {
+        let w = self.comm.world();
+        let (lo, hi) = (j * half..(j + 1) * half, (2 * w - 1 - j) * half..(2 * w - j) * half);
+        [vec![lo.clone(), hi.clone()], vec![lo], vec![hi]]
+    }
+
     /// Posts the exchange of `ts` around the ring (to next, from prev).
     fn pass(&self, ts: &[Tensor]) -> Result<Pending> {
         self.comm.sendrecv_start(ts.to_vec(), self.comm.next(), self.comm.prev())
@@ -70,26 +83,38 @@ impl AttentionMode for ZigzagRing {
         "zigzag-ring"
     }
 
-    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+    fn forward_docs(&self, q: &Tensor, k: &Tensor, v: &Tensor, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor)> {
         let half = self.half(q, k, v)?;
         let (w, r) = (self.comm.world(), self.comm.rank());
+        docs::check_len(docs, 2 * w * half, "zigzag ring")?;
+        let docs = effective(docs);
+        let [q_both, _, q_hi_r] = self.chunks(r, half);
+
         let q_hi = q.narrow(1, half, half)?;
         let mut acc: Option<merge::Acc> = None;
         let (mut k_j, mut v_j) = (k.clone(), v.clone());
         for s in 0..w {
             let j = (r + w - s) % w;
             let next = if s + 1 < w { Some(self.pass(&[k_j.clone(), v_j.clone()])?) } else { None };
-            acc = Some(if s == 0 {
-                let (o, lse) = kernel::fwd(q, &k_j, &v_j, Mask::Causal, scale)?;
-                merge::merge(acc, &o, &lse)?
+            let [kv_both, kv_lo, _] = self.chunks(j, half);
+            if s == 0 {
+                if let Some((o, lse)) =
+                    docs::fwd(q, &k_j, &v_j, Mask::Causal, docs.map(|d| Block { docs: d, q: &q_both, kv: &kv_both }), scale)?
+                {
+                    acc = Some(merge::merge(acc, &o, &lse)?);
+                }
             } else if j < r {
                 let (k_lo, v_lo) = (k_j.narrow(1, 0, half)?, v_j.narrow(1, 0, half)?);
-                let (o, lse) = kernel::fwd(q, &k_lo, &v_lo, Mask::None, scale)?;
-                merge::merge(acc, &o, &lse)?
-            } else {
-                let (o, lse) = kernel::fwd(&q_hi, &k_j, &v_j, Mask::None, scale)?;
-                merge::merge_at(acc, &o, &lse, half)?
-            });
+                if let Some((o, lse)) =
+                    docs::fwd(q, &k_lo, &v_lo, Mask::None, docs.map(|d| Block { docs: d, q: &q_both, kv: &kv_lo }), scale)?
+                {
+                    acc = Some(merge::merge(acc, &o, &lse)?);
+                }
+            } else if let Some((o, lse)) =
+                docs::fwd(&q_hi, &k_j, &v_j, Mask::None, docs.map(|d| Block { docs: d, q: &q_hi_r, kv: &kv_both }), scale)?
+            {
+                acc = Some(merge::merge_at(acc, &o, &lse, half)?);
+            }
             if let Some(p) = next {
                 [k_j, v_j] = expect::<2>(p.wait()?, "k, v")?;
             }
@@ -100,11 +125,14 @@ impl AttentionMode for ZigzagRing {
         }
     }
 
-    fn backward(&self, d_o: &Tensor, saved: Saved<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    fn backward_docs(&self, d_o: &Tensor, saved: Saved<'_>, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
         let Saved { q, k, v, o, lse } = saved;
         let half = self.half(q, k, v)?;
         let (w, r) = (self.comm.world(), self.comm.rank());
         saved.check_do(d_o, "zigzag ring backward")?;
+        docs::check_len(docs, 2 * w * half, "zigzag ring backward")?;
+        let docs = effective(docs);
+        let [q_both, _, q_hi_r] = self.chunks(r, half);
         let hi = |x: &Tensor, dim: usize| x.narrow(dim, half, half);
         let lo = |x: &Tensor, dim: usize| x.narrow(dim, 0, half);
         let (do_hi, q_hi, o_hi, lse_hi) = (hi(d_o, 1)?, hi(q, 1)?, hi(o, 1)?, hi(lse, 2)?);
@@ -117,16 +145,33 @@ impl AttentionMode for ZigzagRing {
             let j = (r + w - s) % w;
             let next_kv = if s + 1 < w { Some(self.pass(&[k_j.clone(), v_j.clone()])?) } else { None };
             // this rank's contribution to dq and to block j's dk/dv, as (lo, hi) halves
+            let [kv_both, kv_lo, _] = self.chunks(j, half);
+            let none = ((None, None), (None, None), (None, None));
             let (dq_c, dk_c, dv_c) = if s == 0 {
-                let (dq, dk, dv) = kernel::bwd(d_o, Saved { k: &k_j, v: &v_j, ..saved }, Mask::Causal, scale)?;
-                ((Some(lo(&dq, 1)?), Some(hi(&dq, 1)?)), (Some(lo(&dk, 1)?), Some(hi(&dk, 1)?)), (Some(lo(&dv, 1)?), Some(hi(&dv, 1)?)))
+                let blk = docs.map(|d| Block { docs: d, q: &q_both, kv: &kv_both });
+                match docs::bwd(d_o, Saved { k: &k_j, v: &v_j, ..saved }, Mask::Causal, blk, scale)? {
+                    Some((dq, dk, dv)) => (
+                        (Some(lo(&dq, 1)?), Some(hi(&dq, 1)?)),
+                        (Some(lo(&dk, 1)?), Some(hi(&dk, 1)?)),
+                        (Some(lo(&dv, 1)?), Some(hi(&dv, 1)?)),
+                    ),
+                    None => none,
+                }
             } else if j < r {
                 let (k_lo, v_lo) = (lo(&k_j, 1)?, lo(&v_j, 1)?);
-                let (dq, dk, dv) = kernel::bwd(d_o, Saved { k: &k_lo, v: &v_lo, ..saved }, Mask::None, scale)?;
-                ((Some(lo(&dq, 1)?), Some(hi(&dq, 1)?)), (Some(dk), None), (Some(dv), None))
+                let blk = docs.map(|d| Block { docs: d, q: &q_both, kv: &kv_lo });
+                match docs::bwd(d_o, Saved { k: &k_lo, v: &v_lo, ..saved }, Mask::None, blk, scale)? {
+                    Some((dq, dk, dv)) => ((Some(lo(&dq, 1)?), Some(hi(&dq, 1)?)), (Some(dk), None), (Some(dv), None)),
+                    None => none,
+                }
             } else {
-                let (dq, dk, dv) = kernel::bwd(&do_hi, Saved::new(&q_hi, &k_j, &v_j, &o_hi, &lse_hi), Mask::None, scale)?;
-                ((None, Some(dq)), (Some(lo(&dk, 1)?), Some(hi(&dk, 1)?)), (Some(lo(&dv, 1)?), Some(hi(&dv, 1)?)))
+                let blk = docs.map(|d| Block { docs: d, q: &q_hi_r, kv: &kv_both });
+                match docs::bwd(&do_hi, Saved::new(&q_hi, &k_j, &v_j, &o_hi, &lse_hi), Mask::None, blk, scale)? {
+                    Some((dq, dk, dv)) => {
+                        ((None, Some(dq)), (Some(lo(&dk, 1)?), Some(hi(&dk, 1)?)), (Some(lo(&dv, 1)?), Some(hi(&dv, 1)?)))
+                    }
+                    None => none,
+                }
             };
             if let Some(x) = &dq_c.0 {
                 dq_lo = Some(add_f32(dq_lo.take(), x)?);

@@ -9,6 +9,7 @@
 
 use crate::comm::thread::run_ranks;
 use crate::comm::Comm;
+use crate::docs::Docs;
 use crate::kernel::Saved;
 use crate::layout::{gather, gather_seq, take_seq};
 use crate::local::LocalAttention;
@@ -102,6 +103,32 @@ pub fn reference(inp: &Inputs, scale: f64) -> Result<Outputs> {
     Ok(Outputs { o, lse, dq, dk, dv })
 }
 
+/// The independent reference of a document mask: every document of every row run on
+/// its own through single-device causal attention (no document code involved), the
+/// results laid back in place.
+pub fn reference_docs(inp: &Inputs, docs: &Docs, scale: f64) -> Result<Outputs> {
+    let (b, _, _, _) = inp.q.dims4()?;
+    let mut rows: Vec<Outputs> = Vec::with_capacity(b);
+    for r in 0..b {
+        let mut parts: Vec<Outputs> = Vec::new();
+        for d in docs.ranges(r) {
+            let cut = |t: &Tensor| t.narrow(0, r, 1)?.narrow(1, d.start, d.len());
+            let one = Inputs { q: cut(&inp.q)?, k: cut(&inp.k)?, v: cut(&inp.v)?, d_o: cut(&inp.d_o)? };
+            parts.push(reference(&one, scale)?);
+        }
+        let cat = |f: fn(&Outputs) -> &Tensor, dim: usize| Tensor::cat(&parts.iter().map(|p| f(p).clone()).collect::<Vec<_>>(), dim);
+        rows.push(Outputs {
+            o: cat(|x| &x.o, 1)?,
+            lse: cat(|x| &x.lse, 2)?,
+            dq: cat(|x| &x.dq, 1)?,
+            dk: cat(|x| &x.dk, 1)?,
+            dv: cat(|x| &x.dv, 1)?,
+        });
+    }
+    let cat = |f: fn(&Outputs) -> &Tensor| Tensor::cat(&rows.iter().map(|p| f(p).clone()).collect::<Vec<_>>(), 0);
+    Ok(Outputs { o: cat(|x| &x.o)?, lse: cat(|x| &x.lse)?, dq: cat(|x| &x.dq)?, dk: cat(|x| &x.dk)?, dv: cat(|x| &x.dv)? })
+}
+
 /// `max|got - want| / max|want|` in f64 on the host (the absolute difference when `want`
 /// is all zeros; shapes must agree). A NaN anywhere in `got` or `want` gives infinity:
 /// Candle's `max` skips NaNs, which would let a NaN output pass any tolerance.
@@ -157,6 +184,15 @@ pub fn run_mode_with<F>(drive: Drive, indices: &[Vec<usize>], inp: &Inputs, scal
 where
     F: Fn(Arc<dyn Comm>) -> Result<Arc<dyn AttentionMode>> + Sync,
 {
+    run_mode_docs(drive, indices, inp, None, scale, make)
+}
+
+/// [`run_mode_with`] under a document mask (global token indices): `Direct` passes it to
+/// `forward_docs`/`backward_docs`, `Op` wraps the mode with [`crate::mode::with_docs`].
+pub fn run_mode_docs<F>(drive: Drive, indices: &[Vec<usize>], inp: &Inputs, docs: Option<&Docs>, scale: f64, make: F) -> Result<Outputs>
+where
+    F: Fn(Arc<dyn Comm>) -> Result<Arc<dyn AttentionMode>> + Sync,
+{
     let world = indices.len();
     let per_rank = run_ranks(world, |comm| {
         let idx = &indices[comm.rank()];
@@ -164,11 +200,12 @@ where
         let mode = make(comm)?;
         match drive {
             Drive::Direct => {
-                let (o, lse) = mode.forward(&q, &k, &v, scale)?;
-                let (dq, dk, dv) = mode.backward(&d_o, Saved::new(&q, &k, &v, &o, &lse), scale)?;
+                let (o, lse) = mode.forward_docs(&q, &k, &v, docs, scale)?;
+                let (dq, dk, dv) = mode.backward_docs(&d_o, Saved::new(&q, &k, &v, &o, &lse), docs, scale)?;
                 Ok(Outputs { o, lse, dq, dk, dv })
             }
             Drive::Op => {
+                let mode = crate::mode::with_docs(&mode, docs.cloned());
                 let (qv, kv, vv) = (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
                 let (o, lse) = crate::op::attention_with_lse(&mode, qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale)?;
                 let grads = (&o * &d_o)?.sum_all()?.backward()?;

@@ -17,6 +17,7 @@
 //! of replicated kv heads are summed).
 
 use crate::comm::Comm;
+use crate::docs::Docs;
 use crate::kernel::Saved;
 use crate::mode::AttentionMode;
 use crate::ring::ZigzagRing;
@@ -64,11 +65,11 @@ impl AttentionMode for Usp {
         "usp"
     }
 
-    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
-        head_sharded_forward(self.ulysses.as_ref(), &self.ring_mode(), q, k, v, scale)
+    fn forward_docs(&self, q: &Tensor, k: &Tensor, v: &Tensor, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor)> {
+        head_sharded_forward(self.ulysses.as_ref(), &self.ring_mode(), q, k, v, docs, scale)
     }
 
-    fn backward(&self, d_o: &Tensor, saved: Saved<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
-        head_sharded_backward(self.ulysses.as_ref(), &self.ring_mode(), d_o, saved, scale)
+    fn backward_docs(&self, d_o: &Tensor, saved: Saved<'_>, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+        head_sharded_backward(self.ulysses.as_ref(), &self.ring_mode(), d_o, saved, docs, scale)
     }
 }

@@ -1,0 +1,375 @@
+//! Document masks: block-diagonal causal attention over packed documents.
+//!
+//! A packed sample holds several documents; query `i` sees key `j` only when `j ≤ i` and
+//! both lie in the same document. [`Docs`] holds, per batch row, the global index at
+//! which every document starts (the first at 0).
+//!
+//! Every mode describes each block it computes by the global token ranges of its local
+//! q rows and kv rows ([`Block`]: ranges in local order, e.g. a zigzag rank's two chunks).
+//! [`fwd`] / [`bwd`] cut the block into pieces, one per pair (q range ∩ document,
+//! kv range ∩ the same document): a piece whose kv range ends before its q range starts
+//! is unmasked, one on the diagonal (the same range) is causal, one after is dropped.
+//! Each piece is one call of the block kernel ([`crate::kernel`]) with that mask, so the
+//! work is the sum over documents of their own causal blocks, ∝ Σ lenᵢ² and never S²;
+//! a block with no piece at all is skipped (`None`: no kernel call, nothing to merge).
+//!
+//! Shapes (crate legend): `q [b, s, hq, d]`, `k`/`v [b, t, hkv, d]`, `o [b, s, hq, d]`,
+//! `lse [b, hq, s]` f32. A q row that shares no document with any kv row of the block
+//! gets `o = 0`, `lse = -inf` (the merge treats it as "no key seen"); its gradients are 0.
+//! The ranges of the q and kv sides must come from one grid (each pair equal or
+//! disjoint), which every mode's layout guarantees; anything else is an error.
+
+use crate::kernel::{self, Mask, Saved};
+use crate::merge;
+use candle_core::{DType, Result, Tensor};
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+/// Document starts per batch row over a global sequence of `len` tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Docs {
+    rows: Vec<Vec<usize>>,
+    len: usize,
+}
+
+impl Docs {
+    /// `rows[r]`: the start of every document of row `r`, ascending, the first 0, all
+    /// `< len`; an empty row is one document. Errors name the row and the offending start.
+    pub fn new(rows: Vec<Vec<usize>>, len: usize) -> Result<Self> {
+        if len == 0 {
+            return crate::config_err!("document mask: the sequence is empty");
+        }
+        for (r, starts) in rows.iter().enumerate() {
+            if let Some(&first) = starts.first() {
+                if first != 0 {
+                    return crate::config_err!(
+                        "document mask: row {r}'s first document starts at {first}, expected 0 (the spans must cover the sample)"
+                    );
+                }
+            }
+            if let Some(w) = starts.windows(2).find(|w| w[1] <= w[0]) {
+                return crate::config_err!("document mask: row {r}'s document starts must ascend, got {} then {}", w[0], w[1]);
+            }
+            if let Some(&last) = starts.last() {
+                if last >= len {
+                    return crate::config_err!(
+                        "document mask: row {r} has a document starting at {last}, outside the sequence of {len} tokens"
+                    );
+                }
+            }
+        }
+        Ok(Self { rows, len })
+    }
+
+    /// Global sequence length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true (a mask covers at least one token); for clippy's `len` convention.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Batch rows.
+    pub fn rows(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Every row a single document: plain causal attention.
+    pub fn is_trivial(&self) -> bool {
+        self.rows.iter().all(|r| r.len() <= 1)
+    }
+
+    /// The documents of row `r` as global ranges.
+    pub fn ranges(&self, r: usize) -> Vec<Range<usize>> {
+        let starts = self.rows.get(r).map(Vec::as_slice).unwrap_or(&[]);
+        if starts.is_empty() {
+            return vec![0..self.len];
+        }
+        starts.iter().enumerate().map(|(i, &a)| a..starts.get(i + 1).copied().unwrap_or(self.len)).collect()
+    }
+
+    /// Causal attention work (query-key pairs) relative to one document per row:
+    /// Σ lenᵢ(lenᵢ+1) / (rows · S(S+1)).
+    pub fn work_fraction(&self) -> f64 {
+        let pairs = |n: usize| n as f64 * (n as f64 + 1.0) / 2.0;
+        let total: f64 = (0..self.rows()).flat_map(|r| self.ranges(r)).map(|d| pairs(d.len())).sum();
+        total / (self.rows().max(1) as f64 * pairs(self.len))
+    }
+}
+
+/// Checks that `docs` covers the `global` tokens a mode attends over; `what` names the mode.
+pub fn check_len(docs: Option<&Docs>, global: usize, what: &str) -> Result<()> {
+    match docs {
+        Some(d) if d.len() != global => {
+            crate::shape_err!("{what}: the document mask covers {} tokens, the sequence has {global}", d.len())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// One block of a split attention under a document mask: the global token ranges that
+/// the local q rows and kv rows hold, in local order (their lengths sum to `s` and `t`).
+#[derive(Debug, Clone, Copy)]
+pub struct Block<'a> {
+    pub docs: &'a Docs,
+    pub q: &'a [Range<usize>],
+    pub kv: &'a [Range<usize>],
+}
+
+/// A contiguous local run of rows inside one document.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Run {
+    /// Local row offset.
+    at: usize,
+    /// Global range.
+    glob: Range<usize>,
+}
+
+/// A kernel call: q run × kv run with `mask`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Piece {
+    q: Run,
+    kv: Run,
+    mask: Mask,
+}
+
+/// `segs` (global ranges in local order) cut at document boundaries: (document, run).
+fn runs(segs: &[Range<usize>], docs: &[Range<usize>]) -> Vec<(usize, Run)> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    for seg in segs {
+        let first = docs.partition_point(|d| d.end <= seg.start);
+        for (di, d) in docs.iter().enumerate().skip(first) {
+            if d.start >= seg.end {
+                break;
+            }
+            let glob = d.start.max(seg.start)..d.end.min(seg.end);
+            out.push((di, Run { at: at + glob.start - seg.start, glob }));
+        }
+        at += seg.len();
+    }
+    out
+}
+
+/// The kernel calls of row `r` of `blk`, in q-run order.
+fn pieces(blk: &Block<'_>, r: usize) -> Result<Vec<Piece>> {
+    let docs = blk.docs.ranges(r);
+    let (qr, kr) = (runs(blk.q, &docs), runs(blk.kv, &docs));
+    let mut by_doc: BTreeMap<usize, Vec<&Run>> = BTreeMap::new();
+    for (d, run) in &kr {
+        by_doc.entry(*d).or_default().push(run);
+    }
+    let mut out = Vec::new();
+    for (d, q) in &qr {
+        for kv in by_doc.get(d).into_iter().flatten() {
+            let mask = if kv.glob.end <= q.glob.start {
+                Mask::None
+            } else if kv.glob == q.glob {
+                Mask::Causal
+            } else if kv.glob.start >= q.glob.end {
+                continue; // keys after every query: nothing to see
+            } else {
+                return crate::config_err!(
+                    "document mask: q tokens {:?} and kv tokens {:?} overlap without being the same range (the layout's blocks must share one grid)",
+                    q.glob,
+                    kv.glob
+                );
+            };
+            out.push(Piece { q: q.clone(), kv: (*kv).clone(), mask });
+        }
+    }
+    Ok(out)
+}
+
+fn check_block(blk: &Block<'_>, b: usize, s: usize, t: usize) -> Result<()> {
+    let (qs, ks): (usize, usize) = (blk.q.iter().map(|r| r.len()).sum(), blk.kv.iter().map(|r| r.len()).sum());
+    if qs != s || ks != t {
+        return crate::shape_err!("document mask: the block's ranges cover {qs} q and {ks} kv tokens, the tensors hold {s} and {t}");
+    }
+    if blk.docs.rows() != b {
+        return crate::shape_err!("document mask: {} rows of documents for a batch of {b}", blk.docs.rows());
+    }
+    if let Some(r) = blk.q.iter().chain(blk.kv).find(|r| r.end > blk.docs.len()) {
+        return crate::shape_err!("document mask: block range {r:?} lies outside the sequence of {} tokens", blk.docs.len());
+    }
+    Ok(())
+}
+
+/// Whether any q row of `blk` sees a kv row (in any batch row): a block for which this
+/// is false is skipped by the modes before its kv is even fetched.
+pub fn meets(blk: &Block<'_>) -> Result<bool> {
+    for r in 0..blk.docs.rows() {
+        if !pieces(blk, r)?.is_empty() {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// Row `r`, rows `at..at + len` along `dim` (1 for `[b, s, h, d]`, 2 for `lse [b, h, s]`).
+fn cut(x: &Tensor, r: usize, dim: usize, at: usize, len: usize) -> Result<Tensor> {
+    x.narrow(0, r, 1)?.narrow(dim, at, len)
+}
+
+/// `parts` (local offset → tensor along `dim`) laid into `n` rows, `fill` between them.
+fn assemble(parts: BTreeMap<usize, Tensor>, dim: usize, n: usize, fill: impl Fn(usize) -> Result<Tensor>) -> Result<Tensor> {
+    let mut out = Vec::with_capacity(2 * parts.len() + 1);
+    let mut at = 0;
+    for (off, p) in parts {
+        if off > at {
+            out.push(fill(off - at)?);
+        }
+        at = off + p.dim(dim)?;
+        out.push(p);
+    }
+    if at < n {
+        out.push(fill(n - at)?);
+    }
+    Tensor::cat(&out, dim)
+}
+
+/// Block forward, or with `blk = None` the plain kernel with `mask`. `None` back: the
+/// block shares no document between its q and kv rows (nothing computed).
+pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, blk: Option<Block<'_>>, scale: f64) -> Result<Option<(Tensor, Tensor)>> {
+    let Some(blk) = blk else { return kernel::fwd(q, k, v, mask, scale).map(Some) };
+    let (b, s, hq, d) = q.dims4()?;
+    let t = k.dim(1)?;
+    check_block(&blk, b, s, t)?;
+    let (mut os, mut lses, mut any) = (Vec::with_capacity(b), Vec::with_capacity(b), false);
+    for r in 0..b {
+        let mut by_q: BTreeMap<usize, Vec<Piece>> = BTreeMap::new();
+        for p in pieces(&blk, r)? {
+            by_q.entry(p.q.at).or_default().push(p);
+        }
+        let (mut o_parts, mut l_parts) = (BTreeMap::new(), BTreeMap::new());
+        for (at, ps) in by_q {
+            let n = ps[0].q.glob.len();
+            let qp = cut(q, r, 1, at, n)?;
+            let mut acc: Option<merge::Acc> = None;
+            let mut single = None;
+            for p in &ps {
+                let m = p.kv.glob.len();
+                let (o, lse) = kernel::fwd(&qp, &cut(k, r, 1, p.kv.at, m)?, &cut(v, r, 1, p.kv.at, m)?, p.mask, scale)?;
+                if ps.len() == 1 {
+                    single = Some((o, lse));
+                } else {
+                    acc = Some(merge::merge(acc, &o, &lse)?);
+                }
+            }
+            let (o, lse) = match (single, acc) {
+                (Some(x), _) => x,
+                (None, Some(acc)) => acc.finish(q.dtype())?,
+                (None, None) => continue,
+            };
+            any = true;
+            o_parts.insert(at, o);
+            l_parts.insert(at, lse);
+        }
+        os.push(assemble(o_parts, 1, s, |n| Tensor::zeros((1, n, hq, d), q.dtype(), q.device()))?);
+        lses.push(assemble(l_parts, 2, s, |n| Tensor::full(f32::NEG_INFINITY, (1, hq, n), q.device()))?);
+    }
+    if !any {
+        return Ok(None);
+    }
+    Ok(Some((Tensor::cat(&os, 0)?, Tensor::cat(&lses, 0)?)))
+}
+
+/// Block backward with the global `o`/`lse` in `saved`, or with `blk = None` the plain
+/// kernel with `mask`. `None` back: no piece, so no gradient from this block.
+pub fn bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, blk: Option<Block<'_>>, scale: f64) -> Result<Option<(Tensor, Tensor, Tensor)>> {
+    let Some(blk) = blk else { return kernel::bwd(d_o, saved, mask, scale).map(Some) };
+    let Saved { q, k, v, o, lse } = saved;
+    let (b, s, hq, d) = q.dims4()?;
+    let (_, t, hkv, _) = k.dims4()?;
+    check_block(&blk, b, s, t)?;
+    saved.check_do(d_o, "document-masked attention backward")?;
+    let (mut dqs, mut dks, mut dvs, mut any) = (Vec::with_capacity(b), Vec::with_capacity(b), Vec::with_capacity(b), false);
+    let zeros = |n: usize, h: usize| Tensor::zeros((1, n, h, d), DType::F32, q.device());
+    for r in 0..b {
+        let (mut dq, mut dk, mut dv): (BTreeMap<usize, Tensor>, BTreeMap<usize, Tensor>, BTreeMap<usize, Tensor>) =
+            (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
+        for p in pieces(&blk, r)? {
+            let (n, m) = (p.q.glob.len(), p.kv.glob.len());
+            let (qp, op, dop) = (cut(q, r, 1, p.q.at, n)?, cut(o, r, 1, p.q.at, n)?, cut(d_o, r, 1, p.q.at, n)?);
+            let lp = cut(lse, r, 2, p.q.at, n)?.contiguous()?;
+            let (kp, vp) = (cut(k, r, 1, p.kv.at, m)?, cut(v, r, 1, p.kv.at, m)?);
+            let (g_q, g_k, g_v) = kernel::bwd(&dop, Saved::new(&qp, &kp, &vp, &op, &lp), p.mask, scale)?;
+            for (map, at, g) in [(&mut dq, p.q.at, g_q), (&mut dk, p.kv.at, g_k), (&mut dv, p.kv.at, g_v)] {
+                let sum = merge::add_f32(map.remove(&at), &g)?;
+                map.insert(at, sum);
+            }
+            any = true;
+        }
+        dqs.push(assemble(dq, 1, s, |n| zeros(n, hq))?);
+        dks.push(assemble(dk, 1, t, |n| zeros(n, hkv))?);
+        dvs.push(assemble(dv, 1, t, |n| zeros(n, hkv))?);
+    }
+    if !any {
+        return Ok(None);
+    }
+    Ok(Some((
+        Tensor::cat(&dqs, 0)?.to_dtype(q.dtype())?,
+        Tensor::cat(&dks, 0)?.to_dtype(k.dtype())?,
+        Tensor::cat(&dvs, 0)?.to_dtype(v.dtype())?,
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn docs(rows: Vec<Vec<usize>>, len: usize) -> Docs {
+        Docs::new(rows, len).unwrap()
+    }
+
+    #[test]
+    fn runs_cut_ranges_at_documents() {
+        let d = docs(vec![vec![0, 3, 10]], 16);
+        let got = runs(&[0..4, 12..16], &d.ranges(0));
+        let want = vec![(0, Run { at: 0, glob: 0..3 }), (1, Run { at: 3, glob: 3..4 }), (2, Run { at: 4, glob: 12..16 })];
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn pieces_of_a_zigzag_diagonal_block() {
+        // chunks of 4 at 0..4 and 12..16 (rank 0 of 2); a document 2..14 spans both
+        let d = docs(vec![vec![0, 2, 14]], 16);
+        let segs = [0..4, 12..16];
+        let p = pieces(&Block { docs: &d, q: &segs, kv: &segs }, 0).unwrap();
+        let masks: Vec<(Range<usize>, Range<usize>, Mask)> = p.iter().map(|p| (p.q.glob.clone(), p.kv.glob.clone(), p.mask)).collect();
+        assert_eq!(
+            masks,
+            vec![
+                (0..2, 0..2, Mask::Causal),
+                (2..4, 2..4, Mask::Causal),
+                (12..14, 2..4, Mask::None),
+                (12..14, 12..14, Mask::Causal),
+                (14..16, 14..16, Mask::Causal)
+            ]
+        );
+    }
+
+    #[test]
+    fn blocks_sharing_no_document_are_skipped() {
+        let d = docs(vec![vec![0, 4]], 8);
+        let q = Tensor::ones((1, 4, 2, 4), DType::F32, &candle_core::Device::Cpu).unwrap();
+        let (qs, ks) = ([4..8], [0..4]);
+        assert!(fwd(&q, &q, &q, Mask::None, Some(Block { docs: &d, q: &qs, kv: &ks }), 0.5).unwrap().is_none());
+    }
+
+    #[test]
+    fn bad_documents_are_refused() {
+        assert!(Docs::new(vec![vec![1, 4]], 8).unwrap_err().to_string().contains("expected 0"));
+        assert!(Docs::new(vec![vec![0, 4, 4]], 8).unwrap_err().to_string().contains("ascend"));
+        assert!(Docs::new(vec![vec![0, 8]], 8).unwrap_err().to_string().contains("outside"));
+    }
+
+    #[test]
+    fn work_fraction_of_equal_documents() {
+        let d = docs(vec![(0..64).map(|i| i * 16).collect()], 1024);
+        let f = d.work_fraction();
+        assert!((f - 64.0 * 16.0 * 17.0 / (1024.0 * 1025.0)).abs() < 1e-12, "{f}");
+    }
+}
