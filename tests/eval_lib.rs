@@ -20,7 +20,7 @@ use longctx::dist::ParallelMode;
 use longctx::eval::forward::{with_ranks, Ranks, RanksSpec};
 use longctx::eval::generate::{generate, Sampling};
 use longctx::eval::needle::{exact_match, token_accuracy, token_case};
-use longctx::eval::ppl::{perplexity, score_windows, sliding_windows, truncated_windows};
+use longctx::eval::ppl::{document_windows, perplexity, score_windows, sliding_windows, truncated_windows};
 use longctx::model::{KvCache, Llama, LlamaConfig};
 use longctx_attention::local::LocalAttention;
 use longctx_attention::AttentionMode;
@@ -202,6 +202,68 @@ fn every_parallel_mode_gives_the_single_device_losses() {
     let spec = RanksSpec { world_size: 2, ..Default::default() };
     let e = with_ranks(&spec, "cpu", |_| Ok(()), |_| (4, 2), |r, _| r.token_scores(&m, &[1, 2], &[2, 3])).unwrap_err();
     assert!(e.to_string().contains("sequence-parallel mode"), "{e}");
+}
+
+/// `--method documents`: documents packed into windows with their starts, boundary
+/// targets unscored, a long document split; scored under the document mask in every
+/// mode, each token's loss equals that of its document scored alone on one device.
+#[test]
+fn packed_document_windows_score_each_document_alone_in_every_mode() {
+    let docs = vec![vec![1u32, 2, 3, 4, 5], vec![6], vec![7, 8, 9], vec![10, 11, 12, 13, 14, 15, 16, 17]];
+    let w = document_windows(&docs, 6, 100);
+    assert_eq!(w.len(), 3);
+    assert_eq!((w[0].ids.clone(), w[0].doc_starts.clone()), (vec![1, 2, 3, 4, 5, 6], vec![0, 5]));
+    assert_eq!(w[0].targets, vec![2, 3, 4, 5, -100, -100]);
+    assert_eq!((w[1].ids.clone(), w[1].doc_starts.clone()), (vec![7, 8, 9, 10, 11, 12], vec![0, 3]));
+    assert_eq!(w[1].targets, vec![8, 9, -100, 11, 12, -100]);
+    assert_eq!(
+        (w[2].ids.clone(), w[2].doc_starts.clone(), w[2].targets.clone()),
+        (vec![13, 14, 15, 16, 17], vec![0], vec![14, 15, 16, 17, -100])
+    );
+    assert_eq!(document_windows(&docs, 6, 7).iter().map(|w| w.ids.len()).sum::<usize>(), 7, "max_tokens bounds the stream");
+
+    let cfg = common::small_config(false);
+    let m = model(&cfg, 5);
+    let len = 40;
+    let lens = [9usize, 1, 3, 2, 17, 8];
+    let all = stream(len + 1, cfg.vocab_size, 3);
+    let (mut starts, mut at) = (Vec::new(), 0);
+    for l in lens {
+        starts.push(at);
+        at += l;
+    }
+    let x: Vec<u32> = all[..len].to_vec();
+    let y: Vec<i64> = (0..len).map(|i| if starts.contains(&(i + 1)) || i + 1 == len { -100 } else { all[i + 1] as i64 }).collect();
+    // Each document alone, one device.
+    let mut want = vec![0f32; len];
+    for (d, &a) in starts.iter().enumerate() {
+        let b = a + lens[d];
+        let s = Ranks::single(5).token_scores(&m, &x[a..b], &y[a..b]).unwrap();
+        want[a..b].copy_from_slice(&s.loss);
+    }
+    let single = Ranks::single(5).token_scores_docs(&m, &x, &y, &starts).unwrap();
+    let plain = Ranks::single(5).token_scores(&m, &x, &y).unwrap();
+    let diff = |got: &[f32]| got.iter().zip(&want).zip(&y).filter(|(_, t)| **t >= 0).map(|((a, b), _)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(diff(&single.loss) < 1e-5, "one device: {}", diff(&single.loss));
+    assert!(diff(&plain.loss) > 1e-3, "without the mask the losses must differ");
+    for (mode, w, ulysses) in [
+        (ParallelMode::ZigzagRingAttn, 4, None),
+        (ParallelMode::UlyssesAttn, 2, None),
+        (ParallelMode::Fpdt, 4, None),
+        (ParallelMode::Usp, 4, Some(2)),
+    ] {
+        let spec = RanksSpec { mode, world_size: w, ulysses, fpdt_chunk: 8, token_chunk: 5, ..Default::default() };
+        let got = with_ranks(
+            &spec,
+            "cpu",
+            |_| Ok(()),
+            |_| (cfg.num_attention_heads, cfg.num_key_value_heads),
+            |r, _| r.token_scores_docs(&m, &x, &y, &starts),
+        )
+        .unwrap()
+        .unwrap();
+        assert!(diff(&got.loss) < 1e-5, "{mode} W={w}: {}", diff(&got.loss));
+    }
 }
 
 #[test]

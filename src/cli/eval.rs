@@ -129,13 +129,16 @@ pub struct PplArgs {
     pub lengths: Vec<usize>,
     /// sliding: windows over the document stream every --stride tokens, each scoring what
     /// the previous did not (every length scores the same tokens); truncate: each
-    /// document cut to the length, all its tokens scored (shorter documents skipped).
+    /// document cut to the length, all its tokens scored (shorter documents skipped);
+    /// documents: the documents packed into windows of the length, each token attending
+    /// to its own document only, positions restarting per document (what training with
+    /// data.packing = "documents" sees).
     #[arg(long, default_value = "sliding")]
     pub method: String,
     /// Sliding windows start every this many tokens [default: half the length].
     #[arg(long, value_parser = tokens_arg)]
     pub stride: Option<usize>,
-    /// Tokens of the document stream scored (sliding) [default: 4 × the longest length];
+    /// Tokens of the document stream scored (sliding, documents) [default: 4 × the longest length];
     /// with truncate, stop reading documents after this many tokens [default: no limit].
     #[arg(long, value_parser = tokens_arg)]
     pub max_tokens: Option<usize>,
@@ -234,7 +237,8 @@ fn ppl_cmd(a: PplArgs) -> Result<()> {
     let method = match a.method.as_str() {
         "sliding" => Method::Sliding,
         "truncate" => Method::Truncate,
-        m => bail!("--method: unknown method `{m}`, expected sliding or truncate"),
+        "documents" => Method::Documents,
+        m => bail!("--method: unknown method `{m}`, expected sliding, truncate or documents"),
     };
     let token_width = match a.token_width.as_str() {
         "u16" => TokenWidth::U16,
@@ -326,7 +330,7 @@ fn ppl_ranks(a: &PplArgs, method: Method, token_width: TokenWidth, ranks: &Ranks
             token_width,
             // Truncation reads whole documents (up to --max-docs); sliding reads the stream it scores.
             max_tokens: match method {
-                Method::Sliding => a.max_tokens.unwrap_or(4 * longest + 1).max(2),
+                Method::Sliding | Method::Documents => a.max_tokens.unwrap_or(4 * longest + 1).max(2),
                 Method::Truncate => a.max_tokens.unwrap_or(usize::MAX).max(2),
             },
             max_docs: a.max_docs.max(1),
@@ -346,6 +350,7 @@ fn ppl_ranks(a: &PplArgs, method: Method, token_width: TokenWidth, ranks: &Ranks
                 }
                 Method::Sliding => ppl::sliding_windows(&stream, l, a.stride.unwrap_or((l / 2).max(1)), src.max_tokens),
                 Method::Truncate => ppl::truncated_windows(&docs, l, src.max_docs),
+                Method::Documents => ppl::document_windows(&docs, l, src.max_tokens),
             };
             let pb = bar(windows.len() as u64, lead, &format!("ppl {} @{l}", short(&m.name)));
             let (sum, n) = ppl::score_windows(ranks, &m.model, &windows, || {

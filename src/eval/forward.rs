@@ -153,6 +153,13 @@ impl Ranks {
     /// ignored). Every rank calls it with the same sequence; every rank gets the whole
     /// result.
     pub fn token_scores(&self, model: &Llama, ids: &[u32], targets: &[i64]) -> Result<TokenScores> {
+        self.token_scores_docs(model, ids, targets, &[])
+    }
+
+    /// [`Ranks::token_scores`] of a sequence of several documents starting at
+    /// `doc_starts` (ascending, the first 0; empty: one document): attention under the
+    /// document mask, positions restarting at every document.
+    pub fn token_scores_docs(&self, model: &Llama, ids: &[u32], targets: &[i64], doc_starts: &[usize]) -> Result<TokenScores> {
         let len = ids.len();
         if len == 0 || targets.len() != len {
             return Err(Error::Setting(format!("token_scores: {len} ids and {} targets (need equal, at least 1)", targets.len())));
@@ -161,11 +168,20 @@ impl Ranks {
         let (mut ids_p, mut targets_p) = (ids.to_vec(), targets.to_vec());
         ids_p.resize(padded, 0);
         targets_p.resize(padded, loss::IGNORE_INDEX);
+        // The padding joins the last document: causal attention keeps it out of every real token.
+        let docs = longctx_attention::Docs::new(vec![doc_starts.to_vec()], padded)?;
+        let ranges = docs.ranges(0);
+        let mut global_pos = vec![0u32; padded];
+        for d in &ranges {
+            for (i, p) in global_pos[d.clone()].iter_mut().enumerate() {
+                *p = i as u32;
+            }
+        }
         let (dims, sp) = match (&self.dims, &self.sp) {
             (Some(d), Some(c)) => (d, c),
             _ => {
-                let (l, a) =
-                    local_scores(model, &ids_p, &targets_p, &(0..padded as u32).collect::<Vec<_>>(), len, &self.attn, self.token_chunk)?;
+                let attn = longctx_attention::mode::with_docs(&self.attn, Some(docs));
+                let (l, a) = local_scores(model, &ids_p, &targets_p, &global_pos, len, &attn, self.token_chunk)?;
                 return Ok(TokenScores { loss: l[..len].to_vec(), argmax: a[..len].to_vec() });
             }
         };
@@ -175,9 +191,11 @@ impl Ranks {
             (Some(g), ParallelMode::Fpdt) => self.mode.build(g, chunk, false),
             _ => self.attn.clone(),
         };
+        let attn = longctx_attention::mode::with_docs(&attn, Some(docs));
         let all: Vec<Vec<usize>> = (0..sp.world()).map(|r| self.mode.local_indices(dims, r, padded, chunk)).collect::<Result<_>>()?;
         let local = apply_layout(&ids_p, &targets_p, padded, &all[sp.rank()])?;
-        let (l, a) = local_scores(model, &local.ids, &local.targets, &local.positions, len, &attn, self.token_chunk)?;
+        let positions: Vec<u32> = all[sp.rank()].iter().map(|&i| global_pos[i]).collect();
+        let (l, a) = local_scores(model, &local.ids, &local.targets, &positions, len, &attn, self.token_chunk)?;
         // [2, L_local] f32: losses and argmax ids (exact in f32 below 2^24).
         let n = l.len();
         let mut packed = l;

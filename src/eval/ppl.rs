@@ -12,6 +12,14 @@
 //!   tokens and all its targets are scored; documents shorter than that are skipped, so
 //!   each length scores documents that really are that long.
 //!
+//! - [`Method::Documents`]: the documents are packed one after another into windows of
+//!   `L` inputs (the first `max_tokens` tokens of the stream) and each window is scored
+//!   under a document mask: a token sees only its own document, positions restart at
+//!   every document, and the target across a boundary is not scored. A document longer
+//!   than the window continues in the next one as a document of its own. This is what
+//!   training with `data.packing = "documents"` sees; every length scores the same
+//!   tokens except those boundary targets.
+//!
 //! Perplexity = exp(Σ token losses / counted tokens), the same sum over ranks as training.
 
 use serde::{Deserialize, Serialize};
@@ -30,13 +38,53 @@ use crate::{Error, Result};
 pub enum Method {
     Sliding,
     Truncate,
+    Documents,
 }
 
-/// One scoring window: `ids [n]`, `targets [n]` (negative = not scored).
+/// One scoring window: `ids [n]`, `targets [n]` (negative = not scored), and where its
+/// documents start (empty: one document, plain causal attention).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Window {
     pub ids: Vec<u32>,
     pub targets: Vec<i64>,
+    pub doc_starts: Vec<usize>,
+}
+
+/// The documents of the first `max_tokens` tokens packed into windows of `len` inputs
+/// with their starts (see module docs); the last window may be shorter.
+pub fn document_windows(docs: &[Vec<u32>], len: usize, max_tokens: usize) -> Vec<Window> {
+    let mut out = Vec::new();
+    if len == 0 {
+        return out;
+    }
+    let mut cur = Window { ids: Vec::with_capacity(len), targets: Vec::with_capacity(len), doc_starts: Vec::new() };
+    let mut budget = max_tokens;
+    for d in docs {
+        let mut rest = &d[..d.len().min(budget)];
+        budget -= rest.len();
+        while !rest.is_empty() {
+            let take = rest.len().min(len - cur.ids.len());
+            cur.doc_starts.push(cur.ids.len());
+            cur.ids.extend_from_slice(&rest[..take]);
+            // Targets within this piece; its last token's next token is not in it.
+            cur.targets.extend(rest[1..take].iter().map(|&t| t as i64));
+            cur.targets.push(crate::data::IGNORE);
+            rest = &rest[take..];
+            if cur.ids.len() == len {
+                out.push(std::mem::replace(
+                    &mut cur,
+                    Window { ids: Vec::with_capacity(len), targets: Vec::with_capacity(len), doc_starts: Vec::new() },
+                ));
+            }
+        }
+        if budget == 0 {
+            break;
+        }
+    }
+    if !cur.ids.is_empty() {
+        out.push(cur);
+    }
+    out
 }
 
 /// Sliding windows of `len` inputs every `stride` tokens over the first `max_tokens` of
@@ -57,7 +105,7 @@ pub fn sliding_windows(stream: &[u32], len: usize, stride: usize, max_tokens: us
         let ids = stream[begin..end].to_vec();
         let targets = (begin..end).map(|i| if i + 1 > done { stream[i + 1] as i64 } else { crate::data::IGNORE }).collect();
         done = end;
-        out.push(Window { ids, targets });
+        out.push(Window { ids, targets, doc_starts: Vec::new() });
         if end >= total - 1 {
             break;
         }
@@ -71,7 +119,7 @@ pub fn truncated_windows(docs: &[Vec<u32>], len: usize, max_docs: usize) -> Vec<
     docs.iter()
         .filter(|d| d.len() > len)
         .take(max_docs)
-        .map(|d| Window { ids: d[..len].to_vec(), targets: d[1..=len].iter().map(|&t| t as i64).collect() })
+        .map(|d| Window { ids: d[..len].to_vec(), targets: d[1..=len].iter().map(|&t| t as i64).collect(), doc_starts: Vec::new() })
         .collect()
 }
 
@@ -88,7 +136,7 @@ pub fn passkey_answer_windows(vocab: usize, seed: u64, len: usize, n: usize) -> 
     Ok((0..n.max(1) as u64)
         .map(|i| {
             let s = gen.sample(i).sample;
-            Window { ids: s.ids, targets: s.targets }
+            Window { ids: s.ids, targets: s.targets, doc_starts: Vec::new() }
         })
         .collect())
 }
@@ -179,7 +227,7 @@ pub struct PplPoint {
 pub fn score_windows(ranks: &Ranks, model: &Llama, windows: &[Window], mut progress: impl FnMut()) -> Result<(f64, usize)> {
     let (mut sum, mut n) = (0f64, 0usize);
     for w in windows {
-        let s = ranks.token_scores(model, &w.ids, &w.targets)?;
+        let s = ranks.token_scores_docs(model, &w.ids, &w.targets, &w.doc_starts)?;
         for (l, t) in s.loss.iter().zip(&w.targets) {
             if *t >= 0 {
                 sum += *l as f64;
