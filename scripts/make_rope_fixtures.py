@@ -12,8 +12,8 @@ n_tokens, rope.cos, rope.sin and grad.<param> (gradients of the SUM loss). Extra
         (max position + 1 <= original_max_position_embeddings: the SHORT factors; the
         fixture batch reaches position 1023 > 256, so rope.cos/sin use the LONG ones)
   yarn_export/config.json      the config.json a stage `rope = {type = "yarn",
-        factor = 4, original_max_position_embeddings = 256}` at rope_theta 5e5 exports
-        from tests/fixtures/llama_yarn (written by longctx, then copied here by hand, see
+        factor = 4, original_max_position_embeddings = 256}` at rope_theta 5e5, length 1024, exports
+        from tests/fixtures/llama_mha (written by longctx: the ignored test write_yarn_export_fixture in
         tests/stage_rope.rs)
   yarn_export/rope.safetensors  inv_freq [d/2], attention_scaling [], cos/sin
         [1, 8, d] for positions (0, 1, 255, 256, 1000, 4095, 8191, 16383), as

@@ -80,6 +80,7 @@ fn golden(name: &str) {
     let e_logits = rel_err(&logits, &r["logits"]);
     assert!(e_logits <= LOGIT_TOL, "{name}: logits rel err {e_logits:e}");
     let (per_tok, n) = longctx::model::per_token_loss(&logits, &targets).unwrap();
+    assert_eq!(n as i64, r["n_tokens"].to_scalar::<i64>().unwrap(), "{name}: counted tokens");
     let e_tok = rel_err(&per_tok, &r["per_token_loss"]);
     assert!(e_tok <= LOSS_TOL, "{name}: per-token loss rel err {e_tok:e}");
     let loss_sum = per_tok.sum_all().unwrap();

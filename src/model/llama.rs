@@ -263,24 +263,24 @@ impl DecoderLayer {
     /// The layer's parameters with their names relative to `model.layers.N.`.
     pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
-        let mut lin = |name: &str, l: &Linear| {
+        fn lin(out: &mut Vec<(String, Tensor)>, name: &str, l: &Linear) {
             out.push((format!("{name}.weight"), l.weight().clone()));
             if let Some(b) = l.bias() {
                 out.push((format!("{name}.bias"), b.clone()));
             }
-        };
+        }
         let a = &self.self_attn;
-        lin("self_attn.q_proj", &a.q_proj);
-        lin("self_attn.k_proj", &a.k_proj);
-        lin("self_attn.v_proj", &a.v_proj);
-        lin("self_attn.o_proj", &a.o_proj);
+        lin(&mut out, "self_attn.q_proj", &a.q_proj);
+        lin(&mut out, "self_attn.k_proj", &a.k_proj);
+        lin(&mut out, "self_attn.v_proj", &a.v_proj);
+        lin(&mut out, "self_attn.o_proj", &a.o_proj);
         if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
             out.push(("self_attn.q_norm.weight".into(), qn.weight.clone()));
             out.push(("self_attn.k_norm.weight".into(), kn.weight.clone()));
         }
-        lin("mlp.gate_proj", &self.mlp.gate_proj);
-        lin("mlp.up_proj", &self.mlp.up_proj);
-        lin("mlp.down_proj", &self.mlp.down_proj);
+        lin(&mut out, "mlp.gate_proj", &self.mlp.gate_proj);
+        lin(&mut out, "mlp.up_proj", &self.mlp.up_proj);
+        lin(&mut out, "mlp.down_proj", &self.mlp.down_proj);
         out.push(("input_layernorm.weight".into(), self.input_layernorm.weight.clone()));
         out.push(("post_attention_layernorm.weight".into(), self.post_attention_layernorm.weight.clone()));
         out

@@ -375,7 +375,7 @@ impl StageRope {
         Ok(())
     }
 
-    /// The scaling for a model of `head_dim` whose config says `max_position_embeddings`
+    /// The scaling for a model of `head_dim` exported with `max_position_embeddings`
     /// (`None` for `default`); checks the longrope lists' length (head_dim/2). Errors are
     /// `(sub-field, message)`.
     pub fn scaling(
@@ -441,8 +441,11 @@ impl Stage {
     /// `original_max_position_embeddings` when given. `source` names the run config.
     pub fn model_config(&self, model: &crate::model::LlamaConfig, index: usize, source: &Path) -> Result<crate::model::LlamaConfig> {
         let Some(r) = &self.rope else { return Ok(model.with_rope_theta(self.rope_theta)) };
+        // The max_position_embeddings the export writes for this stage (LongRoPE's factor
+        // defaults to it over the original, as transformers computes from that file).
+        let exported_max = self.seq_length.max(model.max_position_embeddings);
         let scaling = r
-            .scaling(model.head_dim, model.max_position_embeddings)
+            .scaling(model.head_dim, exported_max)
             .map_err(|(k, m)| Error::config(source, format!("stage[{index}].rope.{k}"), m))?;
         let mut cfg = model.with_rope(self.rope_theta, scaling);
         if let (Some(crate::model::RopeScaling::Dynamic { .. }), Some(o)) = (&cfg.rope_scaling, r.original_max_position_embeddings) {
