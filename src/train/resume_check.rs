@@ -244,6 +244,9 @@ mod tests {
         assert_eq!(class("stage[0].steps", 1, 0, true), Class::Free);
         assert_eq!(class("stage[0].parallel_mode", 1, 0, true), Class::Layout);
         assert_eq!(class("stage[0].seed", 0, 1, true), Class::Identity);
+        assert_eq!(class("stage[0].rope.factor", 0, 1, true), Class::Identity, "a started stage's RoPE method");
+        assert_eq!(class("stage[0].rope.type", 0, 1, true), Class::Identity);
+        assert_eq!(class("stage[1].rope.type", 0, 1, true), Class::Free, "a stage not started yet");
         assert_eq!(class("stage[1].dataset", 0, 1, true), Class::Free, "a stage not started yet");
         assert_eq!(class("stage[0].batch_size", 0, 1, true), Class::Layout);
         assert_eq!(class("stage[0].reset_optimizer", 0, 1, true), Class::Free, "its reset is done or not, the checkpoint says which");
