@@ -146,7 +146,8 @@ fn longrope_short_and_long_factors() {
     let rope = Rope::new(&f.cfg);
     let pos = Tensor::arange(0u32, 24, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
     let short = rope.table(&pos, None, DType::F32).unwrap();
-    let e = abs_err(&short.cos.squeeze(2).unwrap(), &r["rope_short.cos"]).max(abs_err(&short.sin.squeeze(2).unwrap(), &r["rope_short.sin"]));
+    let e =
+        abs_err(&short.cos.squeeze(2).unwrap(), &r["rope_short.cos"]).max(abs_err(&short.sin.squeeze(2).unwrap(), &r["rope_short.sin"]));
     assert!(e <= ROPE_TOL, "short factors: cos/sin abs err {e:e}");
     // The same positions inside a long sequence (a shard of it) take the long factors.
     let long = rope.table(&pos, Some(257), DType::F32).unwrap();

@@ -82,11 +82,11 @@ fn yarn_stage_trains_and_exports_what_it_trained() {
 /// original_max_position_embeddings = 256 }` at θ 5e5 and length 1024 exports from
 /// tests/fixtures/llama_mha (plain RoPE).
 fn yarn_export_config() -> Value {
-    let mut run = RunConfig::default();
-    run.stages = vec![Stage { rope: Some(yarn(4.0, 256)), ..Stage::new(1024, 5e5, 1) }];
+    let run = RunConfig { stages: vec![Stage { rope: Some(yarn(4.0, 256)), ..Stage::new(1024, 5e5, 1) }], ..RunConfig::default() };
     let src: Value = serde_json::from_str(&std::fs::read_to_string(fixture("llama_mha").join("config.json")).unwrap()).unwrap();
     assert_eq!(src["rope_parameters"]["rope_type"], "default", "the stage adds YaRN");
-    let e = ModelExport::new(Vec::new(), src, None).for_run(&run, RunProgress { stage: 1, stage_step: 0 }, 2048, Path::new("<test>")).unwrap();
+    let e =
+        ModelExport::new(Vec::new(), src, None).for_run(&run, RunProgress { stage: 1, stage_step: 0 }, 2048, Path::new("<test>")).unwrap();
     e.final_config().unwrap()
 }
 
@@ -164,8 +164,7 @@ fn export_writes_the_checkpoints_rope_key() {
         "num_attention_heads": 2, "vocab_size": 64, "rope_theta": 10000.0, "rope_scaling": null,
         "max_position_embeddings": 4096});
     let export = |cfg: &Value, rope: StageRope, len: usize| {
-        let mut run = RunConfig::default();
-        run.stages = vec![Stage { rope: Some(rope), ..Stage::new(len, 5e5, 1) }];
+        let run = RunConfig { stages: vec![Stage { rope: Some(rope), ..Stage::new(len, 5e5, 1) }], ..RunConfig::default() };
         let e = ModelExport::new(Vec::new(), cfg.clone(), None)
             .for_run(&run, RunProgress { stage: 1, stage_step: 0 }, 4096, Path::new("<test>"))
             .unwrap();
@@ -183,7 +182,8 @@ fn export_writes_the_checkpoints_rope_key() {
     let out = export(&scaled, StageRope { kind: "default".into(), ..Default::default() }, 8192);
     assert!(out["rope_scaling"].is_null(), "{out:#}");
 
-    let dynamic = StageRope { kind: "dynamic".into(), factor: Some(2.0), original_max_position_embeddings: Some(2048), ..Default::default() };
+    let dynamic =
+        StageRope { kind: "dynamic".into(), factor: Some(2.0), original_max_position_embeddings: Some(2048), ..Default::default() };
     let out = export(&v4, dynamic, 8192);
     assert_eq!(out["rope_scaling"], json!({"rope_type": "dynamic", "factor": 2.0}));
     assert_eq!(out["max_position_embeddings"], json!(2048), "the length past which transformers grows the base");
@@ -218,7 +218,10 @@ fn bad_stage_rope_is_refused_naming_the_field() {
         let m = refused(rope, None);
         assert!(m.contains("stage[0].rope.factor") && m.contains("> 1"), "{rope}: {m}");
     }
-    let m = refused(r#"{ type = "longrope", factor = 0.5, original_max_position_embeddings = 256, short_factor = [1.0], long_factor = [1.0] }"#, None);
+    let m = refused(
+        r#"{ type = "longrope", factor = 0.5, original_max_position_embeddings = 256, short_factor = [1.0], long_factor = [1.0] }"#,
+        None,
+    );
     assert!(m.contains("stage[0].rope.factor") && m.contains(">= 1"), "{m}");
     let m = refused(r#"{ type = "yarn", factor = 4.0 }"#, None);
     assert!(m.contains("stage[0].rope.original_max_position_embeddings") && m.contains("missing"), "{m}");

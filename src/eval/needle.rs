@@ -199,7 +199,12 @@ impl TextTask {
             };
             distractor_ids.push(encode(tok, &s)?);
         }
-        let fixed = self.prefix.len() + header_ids.len() + needle_ids.len() + q_ids.len() + answer.len() + distractor_ids.iter().map(Vec::len).sum::<usize>();
+        let fixed = self.prefix.len()
+            + header_ids.len()
+            + needle_ids.len()
+            + q_ids.len()
+            + answer.len()
+            + distractor_ids.iter().map(Vec::len).sum::<usize>();
         if len + 1 < fixed + 1 {
             return Err(Error::config(
                 "--lengths",

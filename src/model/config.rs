@@ -23,8 +23,7 @@ pub enum Arch {
 }
 
 /// Supported values, for error messages.
-const SUPPORTED: &str =
-    "llama, mistral, qwen2, qwen3 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)";
+const SUPPORTED: &str = "llama, mistral, qwen2, qwen3 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)";
 
 impl Arch {
     pub fn model_type(self) -> &'static str {
@@ -500,7 +499,9 @@ fn parse_rope_scaling(file: &Path, key: &str, obj: &Map<String, Value>, max_pos:
                         file,
                         field,
                         match v {
-                            None => format!("missing; required by rope type \"longrope\" (a list of head_dim/2 = {} numbers)", head_dim / 2),
+                            None => {
+                                format!("missing; required by rope type \"longrope\" (a list of head_dim/2 = {} numbers)", head_dim / 2)
+                            }
                             Some(o) => format!("expected a list of positive numbers, got {}", show(o)),
                         },
                     ));

@@ -156,11 +156,7 @@ impl Rope {
                 // One set for the whole forward: long once the sequence passes the
                 // pretrained length (transformers: max(position_ids) + 1 > original).
                 let ext = if seq_len > omax { long_factor } else { short_factor };
-                let att = attention_factor.unwrap_or(if *factor <= 1.0 {
-                    1.0
-                } else {
-                    (1.0 + factor.ln() / (omax as f64).ln()).sqrt()
-                });
+                let att = attention_factor.unwrap_or(if *factor <= 1.0 { 1.0 } else { (1.0 + factor.ln() / (omax as f64).ln()).sqrt() });
                 // transformers: 1 / (f32(ext) · base^(2i/d)), all in f32.
                 let inv = pos_freqs(theta, dim).iter().zip(ext).map(|(&p, &e)| 1.0f32 / ((e as f32) * p)).collect();
                 (inv, att as f32)

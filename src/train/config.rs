@@ -267,7 +267,9 @@ impl StageRope {
             "default" => &[],
             "linear" => &["factor"],
             "dynamic" => &["factor", "original_max_position_embeddings"],
-            "yarn" => &["factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"],
+            "yarn" => {
+                &["factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"]
+            }
             "llama3" => &["factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"],
             "longrope" => &["short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor"],
             _ => return None,
@@ -344,7 +346,9 @@ impl StageRope {
                 return bad("factor", format!("must be a number >= 1 for rope type \"longrope\", got {f}"))
             }
             ("longrope", _) => {}
-            (_, None) => return bad("factor", format!("missing; rope type \"{ty}\" needs a factor > 1 (target length / pretrained length)")),
+            (_, None) => {
+                return bad("factor", format!("missing; rope type \"{ty}\" needs a factor > 1 (target length / pretrained length)"))
+            }
             (_, Some(f)) if !(f.is_finite() && f > 1.0) => {
                 return bad("factor", format!("must be a number > 1 for rope type \"{ty}\" (1 leaves RoPE unchanged), got {f}"))
             }
@@ -414,7 +418,11 @@ impl StageRope {
                     if xs.len() != head_dim / 2 {
                         return Err((
                             k.to_string(),
-                            format!("has {} numbers; expected head_dim/2 = {} (one per rotated pair of the model's head_dim {head_dim})", xs.len(), head_dim / 2),
+                            format!(
+                                "has {} numbers; expected head_dim/2 = {} (one per rotated pair of the model's head_dim {head_dim})",
+                                xs.len(),
+                                head_dim / 2
+                            ),
                         ));
                     }
                     Ok(xs)
@@ -444,9 +452,8 @@ impl Stage {
         // The max_position_embeddings the export writes for this stage (LongRoPE's factor
         // defaults to it over the original, as transformers computes from that file).
         let exported_max = self.seq_length.max(model.max_position_embeddings);
-        let scaling = r
-            .scaling(model.head_dim, exported_max)
-            .map_err(|(k, m)| Error::config(source, format!("stage[{index}].rope.{k}"), m))?;
+        let scaling =
+            r.scaling(model.head_dim, exported_max).map_err(|(k, m)| Error::config(source, format!("stage[{index}].rope.{k}"), m))?;
         let mut cfg = model.with_rope(self.rope_theta, scaling);
         if let (Some(crate::model::RopeScaling::Dynamic { .. }), Some(o)) = (&cfg.rope_scaling, r.original_max_position_embeddings) {
             cfg.set_max_position_embeddings(o);

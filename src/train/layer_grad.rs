@@ -324,9 +324,9 @@ impl LayerPass<'_> {
             let (n1, _) = self.t(Phase::NormRopeAct, || rms_forward(&layer.input_layernorm, &self.rows(x, ch)?))?;
             let (qc, kc) = (self.linear(&a.q_proj, &n1)?, self.linear(&a.k_proj, &n1)?);
             let (qc, kc) = match (&a.q_norm, &a.k_norm) {
-                (Some(qn), Some(kn)) => self.t(Phase::NormRopeAct, || {
-                    Ok((head_norm_forward(qn, &qc, d)?.0, head_norm_forward(kn, &kc, d)?.0))
-                })?,
+                (Some(qn), Some(kn)) => {
+                    self.t(Phase::NormRopeAct, || Ok((head_norm_forward(qn, &qc, d)?.0, head_norm_forward(kn, &kc, d)?.0)))?
+                }
                 _ => (qc, kc),
             };
             self.put(&q, &qc, ch)?;
