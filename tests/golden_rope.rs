@@ -3,12 +3,14 @@
 //! batch as tests/golden.rs): RoPE cos/sin, logits, per-token loss, and the gradient of
 //! the SUM loss w.r.t. every parameter through Candle's autograd (the model API) AND
 //! through the training engine's explicit layer backward (`src/train/layer_grad.rs`,
-//! which for Qwen3 differentiates the per-head q/k norms by hand).
+//! which for Qwen3 differentiates the per-head q/k norms by hand); also YaRN (its
+//! attention factor on cos/sin) through the engine, on tests/fixtures/llama_yarn.
 //!
 //! Errors relative to the reference's scale, `max|ours − ref| / max|ref|`, except cos/sin
 //! (absolute). Tolerances as tests/golden.rs (f32 on both sides): cos/sin 1e-6 absolute,
 //! logits and losses 5e-6 relative, gradients 2e-5 relative per parameter. Measured
-//! figures are printed with --nocapture.
+//! (--nocapture prints them): cos/sin ≤ 1.2e-7, logits ≤ 4.6e-7, loss ≤ 3.0e-7, gradients
+//! ≤ 1.0e-6 (autograd) and ≤ 1.6e-6 (engine, explicit: Qwen3's q_norm the worst).
 
 use candle_core::{safetensors, DType, Device, Tensor, Var};
 use longctx::attention::{local::LocalAttention, AttentionMode};
@@ -134,6 +136,16 @@ fn golden_qwen3_tied() {
 #[test]
 fn golden_llama_longrope() {
     golden("llama_longrope");
+}
+
+/// YaRN (tests/fixtures/llama_yarn, made by scripts/make_fixtures.py): its attention
+/// factor scales the cos/sin that the training engine's fused RoPE applies too, so the
+/// engine's gradients match transformers' as the model API's do.
+#[test]
+fn golden_llama_yarn_through_the_engine() {
+    golden("llama_yarn");
+    let (_, att) = Rope::new(&load("llama_yarn").cfg).inv_freq(1024);
+    assert_eq!(att, (0.1 * 4f64.ln() + 1.0) as f32);
 }
 
 /// LongRoPE picks the short factors while the sequence fits the pretrained context and

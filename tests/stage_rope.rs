@@ -11,6 +11,8 @@
 //!   and transformers' RoPE for it (scripts/make_rope_fixtures.py): cos/sin within 1e-6
 //!   absolute, inv_freq within 1 ulp-ish (2e-7 relative), attention factor to 1e-7.
 //! - The v4 form (`rope_theta` + `rope_scaling`) is written back as `rope_scaling`.
+//! - Qwen3 + YaRN trains to the same weights under ZeRO-3 as ZeRO-1 (1e-6 relative) and
+//!   over two sequence-parallel ranks (zigzag ring, Ulysses) as on one (1e-5 relative).
 
 use candle_core::{safetensors, DType, Device, Tensor};
 use longctx::hub::export::{ModelExport, RunProgress};
@@ -105,7 +107,33 @@ fn write_yarn_export_fixture() {
 /// within 1e-6 relative per tensor (f32 on the CPU; only summation order differs).
 #[test]
 fn qwen3_zero3_equals_zero1() {
-    let export = |zero: u8| {
+    let (a, b) = (qwen3_export(1, None), qwen3_export(3, None));
+    assert_eq!(a.len(), b.len());
+    for (name, t) in &a {
+        let e = longctx_attention::testing::rel_err(&b[name], t).unwrap();
+        assert!(e <= 1e-6, "{name}: ZeRO-3 vs ZeRO-1 rel err {e:e}");
+    }
+}
+
+/// Qwen3 with its sequence split over two ranks (zigzag ring, Ulysses: global positions
+/// into the YaRN table, the q/k norms per token) trains to the weights of one rank.
+#[test]
+fn qwen3_sequence_parallel_equals_one_rank() {
+    use longctx::train::config::ParallelMode;
+    let one = qwen3_export(1, None);
+    for mode in [ParallelMode::ZigzagRingAttn, ParallelMode::UlyssesAttn] {
+        let two = qwen3_export(1, Some(mode));
+        for (name, t) in &one {
+            let e = longctx_attention::testing::rel_err(&two[name], t).unwrap();
+            assert!(e <= 1e-5, "{mode:?}: {name}: rel err {e:e} against one rank");
+        }
+    }
+}
+
+/// The export of two YaRN steps on the Qwen3 fixture under ZeRO `zero`, on one rank or,
+/// with `sp`, two sequence-parallel ranks.
+fn qwen3_export(zero: u8, sp: Option<longctx::train::config::ParallelMode>) -> std::collections::HashMap<String, Tensor> {
+    {
         let tmp = tempfile::tempdir().unwrap();
         let mut c = RunConfig { seed: 4, output_dir: tmp.path().to_path_buf(), ..RunConfig::default() };
         c.model.source = fixture("qwen3_tied").to_string_lossy().into_owned();
@@ -115,15 +143,13 @@ fn qwen3_zero3_equals_zero1() {
         c.train.learning_rate = 1e-2; // weights that move visibly in two steps
         c.parallel.token_chunk = 16;
         c.stages = vec![Stage { rope: Some(yarn(2.0, 32)), ..Stage::new(64, 1e6, 2) }];
+        if let Some(mode) = sp {
+            c.parallel.mode = mode;
+            c.parallel.world_size = 2;
+        }
         c.validate(Path::new("<test>")).unwrap();
         run(&c, false).unwrap();
         safetensors::load(tmp.path().join("export/model.safetensors"), &Device::Cpu).unwrap()
-    };
-    let (a, b) = (export(1), export(3));
-    assert_eq!(a.len(), b.len());
-    for (name, t) in &a {
-        let e = longctx_attention::testing::rel_err(&b[name], t).unwrap();
-        assert!(e <= 1e-6, "{name}: ZeRO-3 vs ZeRO-1 rel err {e:e}");
     }
 }
 
