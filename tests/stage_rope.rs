@@ -208,6 +208,18 @@ fn export_writes_the_checkpoints_rope_key() {
     let out = export(&scaled, StageRope { kind: "default".into(), ..Default::default() }, 8192);
     assert!(out["rope_scaling"].is_null(), "{out:#}");
 
+    // A top-level original_max_position_embeddings (Phi-3 style): transformers 5.24 reads
+    // the dict's for a Llama (checked), so does longctx; the export keeps both equal to
+    // the stage's.
+    let mut top = v4.clone();
+    top["original_max_position_embeddings"] = json!(2048);
+    top["rope_scaling"] = json!({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024});
+    let read = LlamaConfig::from_value("config.json", top.clone()).unwrap();
+    assert_eq!(read.rope_scaling.as_ref().and_then(RopeScaling::original_max_position_embeddings), Some(1024));
+    let out = export(&top, yarn(16.0, 4096), 65536);
+    assert_eq!(out["original_max_position_embeddings"], json!(4096));
+    assert_eq!(out["rope_scaling"]["original_max_position_embeddings"], json!(4096));
+
     let dynamic =
         StageRope { kind: "dynamic".into(), factor: Some(2.0), original_max_position_embeddings: Some(2048), ..Default::default() };
     let out = export(&v4, dynamic, 8192);

@@ -366,7 +366,16 @@ fn stage_rope_config(config: &Value, st: &Stage, index: usize, file: &Path) -> R
     let model = crate::model::LlamaConfig::from_value(Path::new(CONFIG_FILE), config.clone())?;
     let staged = st.model_config(&model, index, file)?;
     let dynamic = matches!(staged.rope_scaling, Some(crate::model::RopeScaling::Dynamic { .. }));
-    Ok((staged.to_json_value(), dynamic.then_some(staged.max_position_embeddings)))
+    let mut out = staged.to_json_value();
+    // A top-level original_max_position_embeddings (Phi-3 style; some families read it
+    // over the dict's) is kept equal to the stage's.
+    if let (Some(o), Some(top)) = (
+        staged.rope_scaling.as_ref().and_then(crate::model::RopeScaling::original_max_position_embeddings),
+        out.get_mut("original_max_position_embeddings").filter(|v| !v.is_null()),
+    ) {
+        *top = Value::from(o);
+    }
+    Ok((out, dynamic.then_some(staged.max_position_embeddings)))
 }
 
 /// A training checkpoint opened for export.

@@ -450,6 +450,8 @@ fn check_token_ids(file: &Path, map: &Map<String, Value>) -> Result<()> {
 
 /// Parses the RoPE dictionary (`rope_scaling` of transformers v4, `rope_parameters` of v5,
 /// named by `key`): `None` for the default (unscaled) RoPE.
+/// (A top-level `original_max_position_embeddings` is left in `extra`: transformers 5.24
+/// reads the dict's for the Llama family, checked.)
 fn parse_rope_scaling(file: &Path, key: &str, obj: &Map<String, Value>, max_pos: usize, head_dim: usize) -> Result<Option<RopeScaling>> {
     let ty = match (obj.get("rope_type"), obj.get("type")) {
         (Some(Value::String(s)), _) | (None, Some(Value::String(s))) => s.as_str(),
