@@ -55,8 +55,9 @@ impl Rope {
     }
 
     /// `(inv_freq [d/2], attention_scaling)` for a forward whose largest position id is
-    /// `seq_len - 1`. Only LongRoPE (short or long factors) and dynamic NTK depend on `seq_len`: transformers rescales the base
-    /// when `max(position_ids) + 1 > max_position_embeddings` (here stateless: transformers
+    /// `seq_len - 1`. Only LongRoPE (short or long factors past the original length) and
+    /// dynamic NTK depend on `seq_len`: transformers rescales the base when
+    /// `max(position_ids) + 1 > max_position_embeddings` (here stateless: transformers
     /// also keeps the largest length seen so far until a short batch resets it).
     pub fn inv_freq(&self, seq_len: usize) -> (Vec<f32>, f32) {
         let dim = self.dim;
