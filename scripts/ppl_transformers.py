@@ -35,6 +35,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--rtol", type=float, default=1e-3)
+    ap.add_argument("--device", default="cuda", help="cuda or cpu (tiny models, float32)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -47,7 +48,7 @@ def main():
     if not ours:
         sys.exit(f"{a.longctx_json}: no point for model {a.name!r}")
     tok = AutoTokenizer.from_pretrained(a.model)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype), attn_implementation="sdpa").cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype), attn_implementation="sdpa").to(a.device).eval()
     eos = model.config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
 
@@ -70,7 +71,7 @@ def main():
         for d in docs:
             if len(d) < L + 1:
                 continue
-            ids = torch.tensor([d[: L + 1]], device="cuda")
+            ids = torch.tensor([d[: L + 1]], device=a.device)
             with torch.no_grad():
                 h = model.model(input_ids=ids[:, :L]).last_hidden_state[0]
                 tgt = ids[0, 1 : L + 1]

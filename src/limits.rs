@@ -91,6 +91,7 @@ pub fn layer_param_count(cfg: &LlamaConfig) -> Result<u64> {
             proj(i, h, cfg.has_mlp_bias())?,
             proj(h, i, cfg.has_mlp_bias())?,
             mul(what, &[2, h])?,
+            if cfg.qk_norm() { 2 * d } else { 0 },
         ],
     )
 }

@@ -856,6 +856,7 @@ pub fn describe_suggestion(s: &Suggestion) -> String {
 /// data-parallel size: the optimizer is sharded over all ranks, not over data-parallel
 /// replicas. `source` names the config.
 pub fn check_run(cfg: &RunConfig, model: &LlamaConfig, source: &Path) -> Result<()> {
+    cfg.check_stage_ropes(model, source)?;
     for (i, st) in cfg.stages.iter().enumerate() {
         let mode = st.parallel_mode.unwrap_or(cfg.parallel.mode);
         let field = if st.parallel_mode.is_some() { format!("stage[{i}].parallel_mode") } else { "parallel.mode".to_string() };

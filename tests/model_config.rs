@@ -108,8 +108,11 @@ fn unknown_rope_scaling_type_is_named() {
     let msg = err(with(v4(), "rope_scaling", json!({"type": "spiral", "factor": 2.0})), "rope_scaling.rope_type");
     assert!(msg.contains("\"spiral\"") && msg.contains("yarn") && msg.contains("llama3"), "{msg}");
     // The v5 spelling is checked the same way.
-    let v = with(without(v4(), "rope_scaling"), "rope_parameters", json!({"rope_type": "longrope", "rope_theta": 1e4}));
+    let v = with(without(v4(), "rope_scaling"), "rope_parameters", json!({"rope_type": "spiral", "rope_theta": 1e4}));
     err(v, "rope_parameters.rope_type");
+    // longrope is supported now: its required keys are named.
+    let v = with(without(v4(), "rope_scaling"), "rope_parameters", json!({"rope_type": "longrope", "rope_theta": 1e4}));
+    err(v, "rope_parameters.original_max_position_embeddings");
     // A known type with a missing factor names the sub-field.
     err(with(v4(), "rope_scaling", json!({"rope_type": "linear"})), "rope_scaling.factor");
 }

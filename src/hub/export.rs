@@ -307,7 +307,10 @@ impl ModelExport {
 
     /// As a run exports the weights it trained up to `progress`: `rope_theta` and
     /// `max_position_embeddings` of the last stage that trained (the latter at least the
-    /// start model's `model_max_pos`) or, once finished, `[export]`'s when set; the
+    /// start model's `model_max_pos`) or, once finished, `[export]`'s when set; that
+    /// stage's `rope` method, when it has one, as the RoPE dict of config.json (in the
+    /// key the checkpoint used, `rope_scaling` or `rope_parameters`; transformers reads
+    /// both back), with a dynamic NTK stage's threshold kept as `max_position_embeddings`; the
     /// sliding window off; `[export]` dtype and shard size. `file` names the run config in
     /// errors.
     pub fn for_run(mut self, run: &RunConfig, progress: RunProgress, model_max_pos: usize, file: &Path) -> Result<Self> {
@@ -317,10 +320,20 @@ impl ModelExport {
             (true, Some(t)) => t,
             _ => st.rope_theta,
         };
-        let max_pos = match (finished, run.export.max_position_embeddings) {
+        let mut max_pos = match (finished, run.export.max_position_embeddings) {
             (true, Some(m)) => m,
             _ => st.seq_length.max(model_max_pos),
         };
+        if st.rope.is_some() {
+            let index = run.stages.iter().position(|s| std::ptr::eq(s, st)).unwrap_or(0);
+            let (config, dynamic_threshold) = stage_rope_config(&self.config, st, index, file)?;
+            self.config = config;
+            if let (Some(t), false) = (dynamic_threshold, finished && run.export.max_position_embeddings.is_some()) {
+                // transformers grows a dynamic NTK base past max_position_embeddings: keep
+                // the threshold the stage trained with.
+                max_pos = t;
+            }
+        }
         self.context = Some((theta, max_pos));
         self.full_attention = true;
         self.options.max_shard_bytes = run.export.max_shard_bytes.unwrap_or(ExportOptions::default().max_shard_bytes);
@@ -344,6 +357,25 @@ impl ModelExport {
     pub fn write(&self, out_dir: &Path) -> Result<ExportReport> {
         export(out_dir, &self.tensors, &self.final_config()?, self.tokenizer_dir.as_deref(), &self.options)
     }
+}
+
+/// config.json with stage `st`'s `rope` method written in (its RoPE dict as
+/// [`crate::model::LlamaConfig::to_json_value`] writes it), and, for dynamic NTK, the
+/// `max_position_embeddings` its base grows past.
+fn stage_rope_config(config: &Value, st: &Stage, index: usize, file: &Path) -> Result<(Value, Option<usize>)> {
+    let model = crate::model::LlamaConfig::from_value(Path::new(CONFIG_FILE), config.clone())?;
+    let staged = st.model_config(&model, index, file)?;
+    let dynamic = matches!(staged.rope_scaling, Some(crate::model::RopeScaling::Dynamic { .. }));
+    let mut out = staged.to_json_value();
+    // A top-level original_max_position_embeddings (Phi-3 style; some families read it
+    // over the dict's) is kept equal to the stage's.
+    if let (Some(o), Some(top)) = (
+        staged.rope_scaling.as_ref().and_then(crate::model::RopeScaling::original_max_position_embeddings),
+        out.get_mut("original_max_position_embeddings").filter(|v| !v.is_null()),
+    ) {
+        *top = Value::from(o);
+    }
+    Ok((out, dynamic.then_some(staged.max_position_embeddings)))
 }
 
 /// A training checkpoint opened for export.

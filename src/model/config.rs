@@ -1,4 +1,4 @@
-//! `config.json` of a Llama-family checkpoint (llama, mistral, qwen2), as Hugging Face
+//! `config.json` of a Llama-family checkpoint (llama, mistral, qwen2, qwen3), as Hugging Face
 //! transformers reads it.
 //!
 //! Parsing goes field by field through `serde_json::Value`, so every error names the file,
@@ -17,10 +17,13 @@ pub enum Arch {
     Llama,
     Mistral,
     Qwen2,
+    /// Qwen3: a per-head RMSNorm on q and k (`q_norm`, `k_norm` of size head_dim) before
+    /// RoPE; biases as Llama's `attention_bias`.
+    Qwen3,
 }
 
 /// Supported values, for error messages.
-const SUPPORTED: &str = "llama, mistral, qwen2 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)";
+const SUPPORTED: &str = "llama, mistral, qwen2, qwen3 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)";
 
 impl Arch {
     pub fn model_type(self) -> &'static str {
@@ -28,6 +31,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Mistral => "mistral",
             Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
         }
     }
     fn from_model_type(s: &str) -> Option<Self> {
@@ -35,6 +39,7 @@ impl Arch {
             "llama" => Some(Arch::Llama),
             "mistral" => Some(Arch::Mistral),
             "qwen2" => Some(Arch::Qwen2),
+            "qwen3" => Some(Arch::Qwen3),
             _ => None,
         }
     }
@@ -43,6 +48,7 @@ impl Arch {
             "LlamaForCausalLM" => Some(Arch::Llama),
             "MistralForCausalLM" => Some(Arch::Mistral),
             "Qwen2ForCausalLM" => Some(Arch::Qwen2),
+            "Qwen3ForCausalLM" => Some(Arch::Qwen3),
             _ => None,
         }
     }
@@ -70,7 +76,23 @@ pub enum RopeScaling {
     },
     /// Llama 3.x: low frequencies divided by `factor`, a smooth band in between.
     Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: usize },
+    /// LongRoPE (Phi-3): per-frequency divisors, `short_factor` while the sequence fits in
+    /// `original_max_position_embeddings`, `long_factor` past it (each `head_dim / 2`
+    /// long); cos/sin scaled by `attention_factor` (default
+    /// `sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`, 1 when factor ≤ 1).
+    /// `factor` is resolved at parse time: the one given, else `max_position_embeddings /
+    /// original_max_position_embeddings` as transformers does.
+    LongRope {
+        factor: f64,
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        attention_factor: Option<f64>,
+        original_max_position_embeddings: usize,
+    },
 }
+
+/// The RoPE types [`RopeScaling`] implements (`default` is no scaling), for error messages.
+pub const ROPE_TYPES: &str = "default, linear, dynamic, yarn, llama3, longrope";
 
 impl RopeScaling {
     pub fn type_name(&self) -> &'static str {
@@ -79,6 +101,7 @@ impl RopeScaling {
             RopeScaling::Dynamic { .. } => "dynamic",
             RopeScaling::Yarn { .. } => "yarn",
             RopeScaling::Llama3 { .. } => "llama3",
+            RopeScaling::LongRope { .. } => "longrope",
         }
     }
     pub fn factor(&self) -> f64 {
@@ -86,10 +109,24 @@ impl RopeScaling {
             RopeScaling::Linear { factor }
             | RopeScaling::Dynamic { factor }
             | RopeScaling::Yarn { factor, .. }
-            | RopeScaling::Llama3 { factor, .. } => *factor,
+            | RopeScaling::Llama3 { factor, .. }
+            | RopeScaling::LongRope { factor, .. } => *factor,
+        }
+    }
+
+    /// The pretrained context the method scales from, when it names one.
+    pub fn original_max_position_embeddings(&self) -> Option<usize> {
+        match self {
+            RopeScaling::Linear { .. } | RopeScaling::Dynamic { .. } => None,
+            RopeScaling::Yarn { original_max_position_embeddings, .. } => *original_max_position_embeddings,
+            RopeScaling::Llama3 { original_max_position_embeddings, .. }
+            | RopeScaling::LongRope { original_max_position_embeddings, .. } => Some(*original_max_position_embeddings),
         }
     }
 }
+
+/// `head_dim` of a Qwen3 config that does not set it (transformers' `Qwen3Config` default).
+const QWEN3_HEAD_DIM: usize = 128;
 
 /// The model configuration. Sizes are resolved (defaults applied) at parse time.
 #[derive(Debug, Clone, PartialEq)]
@@ -259,7 +296,7 @@ impl<'a> Fields<'a> {
     }
 
     /// The sizes, with transformers' defaults (`num_key_value_heads`, `head_dim`) and checks.
-    fn shape(&mut self) -> Result<Shape> {
+    fn shape(&mut self, arch: Arch) -> Result<Shape> {
         let (file, f) = (self.file, self);
         let hidden_size = f.req_int("hidden_size")?;
         let intermediate_size = f.req_int("intermediate_size")?;
@@ -269,6 +306,8 @@ impl<'a> Fields<'a> {
         let num_key_value_heads = f.opt_int("num_key_value_heads")?.unwrap_or(num_attention_heads);
         let head_dim = match f.opt_int("head_dim")? {
             Some(d) => d,
+            // Qwen3Config's own default (not hidden / heads).
+            None if arch == Arch::Qwen3 => QWEN3_HEAD_DIM,
             None => {
                 if hidden_size % num_attention_heads != 0 {
                     return Err(Error::config(
@@ -306,7 +345,7 @@ impl<'a> Fields<'a> {
     }
 
     /// RoPE: θ and scaling from `rope_theta` + `rope_scaling` or `rope_parameters`.
-    fn rope(&mut self, max_position_embeddings: usize) -> Result<RopeFields> {
+    fn rope(&mut self, max_position_embeddings: usize, head_dim: usize) -> Result<RopeFields> {
         let (file, f) = (self.file, self);
         // RoPE: transformers v4 writes `rope_theta` + `rope_scaling`, v5 one `rope_parameters`
         // dict holding `rope_theta` and the scaling keys. As in transformers, a non-null
@@ -338,7 +377,7 @@ impl<'a> Fields<'a> {
                     Some(v) => positive_float(file, &format!("{rope_key}.rope_theta"), v)?,
                     None => top_theta.unwrap_or(10000.0),
                 };
-                (parse_rope_scaling(file, rope_key, o, max_position_embeddings)?, theta)
+                (parse_rope_scaling(file, rope_key, o, max_position_embeddings, head_dim)?, theta)
             }
             None => (None, top_theta.unwrap_or(10000.0)),
         };
@@ -411,7 +450,9 @@ fn check_token_ids(file: &Path, map: &Map<String, Value>) -> Result<()> {
 
 /// Parses the RoPE dictionary (`rope_scaling` of transformers v4, `rope_parameters` of v5,
 /// named by `key`): `None` for the default (unscaled) RoPE.
-fn parse_rope_scaling(file: &Path, key: &str, obj: &Map<String, Value>, max_pos: usize) -> Result<Option<RopeScaling>> {
+/// (A top-level `original_max_position_embeddings` is left in `extra`: transformers 5.24
+/// reads the dict's for the Llama family, checked.)
+fn parse_rope_scaling(file: &Path, key: &str, obj: &Map<String, Value>, max_pos: usize, head_dim: usize) -> Result<Option<RopeScaling>> {
     let ty = match (obj.get("rope_type"), obj.get("type")) {
         (Some(Value::String(s)), _) | (None, Some(Value::String(s))) => s.as_str(),
         (Some(other), _) | (None, Some(other)) => {
@@ -448,6 +489,43 @@ fn parse_rope_scaling(file: &Path, key: &str, obj: &Map<String, Value>, max_pos:
                 Some(o) => return Err(Error::config(file, format!("{key}.truncate"), format!("expected true or false, got {}", show(o)))),
             },
         },
+        "longrope" => {
+            let omax = int("original_max_position_embeddings")?.ok_or_else(|| {
+                Error::config(file, format!("{key}.original_max_position_embeddings"), "missing; required by rope type \"longrope\"")
+            })?;
+            let list = |k: &str| -> Result<Vec<f64>> {
+                let field = format!("{key}.{k}");
+                let v = obj.get(k).filter(|v| !v.is_null());
+                let Some(Value::Array(a)) = v else {
+                    return Err(Error::config(
+                        file,
+                        field,
+                        match v {
+                            None => {
+                                format!("missing; required by rope type \"longrope\" (a list of head_dim/2 = {} numbers)", head_dim / 2)
+                            }
+                            Some(o) => format!("expected a list of positive numbers, got {}", show(o)),
+                        },
+                    ));
+                };
+                let xs = a.iter().map(|x| positive_float(file, &field, x)).collect::<Result<Vec<f64>>>()?;
+                if xs.len() != head_dim / 2 {
+                    return Err(Error::config(
+                        file,
+                        field,
+                        format!("has {} numbers; expected head_dim/2 = {} (one per rotated pair)", xs.len(), head_dim / 2),
+                    ));
+                }
+                Ok(xs)
+            };
+            RopeScaling::LongRope {
+                short_factor: list("short_factor")?,
+                long_factor: list("long_factor")?,
+                factor: num("factor")?.unwrap_or(max_pos as f64 / omax as f64),
+                attention_factor: num("attention_factor")?,
+                original_max_position_embeddings: omax,
+            }
+        }
         "llama3" => RopeScaling::Llama3 {
             factor: factor()?,
             low_freq_factor: need("low_freq_factor", num("low_freq_factor")?)?,
@@ -459,7 +537,7 @@ fn parse_rope_scaling(file: &Path, key: &str, obj: &Map<String, Value>, max_pos:
             return Err(Error::config(
                 file,
                 format!("{key}.rope_type"),
-                format!("unsupported rope scaling type \"{other}\"; supported: default, linear, dynamic, yarn, llama3"),
+                format!("unsupported rope scaling type \"{other}\"; supported: {ROPE_TYPES}"),
             ))
         }
     }))
@@ -486,7 +564,7 @@ impl LlamaConfig {
 
         let (arch, architectures) = f.architecture()?;
         let Shape { hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, vocab_size } =
-            f.shape()?;
+            f.shape(arch)?;
         // transformers' defaults for the optional fields.
         let rms_norm_eps = f.opt_float("rms_norm_eps")?.unwrap_or(1e-6);
         let max_position_embeddings = f.opt_int("max_position_embeddings")?.unwrap_or(2048);
@@ -497,7 +575,7 @@ impl LlamaConfig {
             Some(d) => (Some(d), "torch_dtype"),
             None => (f.opt_string("dtype")?, "dtype"),
         };
-        let rope = f.rope(max_position_embeddings)?;
+        let rope = f.rope(max_position_embeddings, head_dim)?;
         check_token_ids(file, &f.map)?;
         if let Some(v) = f.peek("hidden_act") {
             if v.as_str() != Some("silu") {
@@ -564,15 +642,20 @@ impl LlamaConfig {
     /// Mistral never (as transformers builds them).
     pub fn qkv_bias(&self) -> bool {
         match self.arch {
-            Arch::Llama => self.attention_bias,
+            Arch::Llama | Arch::Qwen3 => self.attention_bias,
             Arch::Mistral => false,
             Arch::Qwen2 => true,
         }
     }
 
+    /// Whether q and k go through a per-head RMSNorm before RoPE (Qwen3).
+    pub fn qk_norm(&self) -> bool {
+        self.arch == Arch::Qwen3
+    }
+
     /// Whether o_proj carries a bias (Llama with `attention_bias` only).
     pub fn o_bias(&self) -> bool {
-        self.arch == Arch::Llama && self.attention_bias
+        matches!(self.arch, Arch::Llama | Arch::Qwen3) && self.attention_bias
     }
 
     /// Whether the MLP projections carry a bias (Llama with `mlp_bias` only).
@@ -586,7 +669,7 @@ impl LlamaConfig {
     pub fn sliding_window(&self) -> Option<u64> {
         let w = self.extra.get("sliding_window").and_then(Value::as_u64);
         match self.arch {
-            Arch::Qwen2 => w.filter(|_| self.extra.get("use_sliding_window").and_then(Value::as_bool) == Some(true)),
+            Arch::Qwen2 | Arch::Qwen3 => w.filter(|_| self.extra.get("use_sliding_window").and_then(Value::as_bool) == Some(true)),
             _ => w,
         }
     }
@@ -594,6 +677,13 @@ impl LlamaConfig {
     /// A copy with another RoPE base (context extension raises it stage by stage).
     pub fn with_rope_theta(&self, theta: f64) -> Self {
         LlamaConfig { rope_theta: theta, ..self.clone() }
+    }
+
+    /// A copy with another RoPE base and scaling method (`None`: plain RoPE), as a stage
+    /// with its own `rope` table trains it; written back by [`Self::to_json_value`] in the
+    /// config's own key (`rope_scaling` or `rope_parameters`).
+    pub fn with_rope(&self, theta: f64, scaling: Option<RopeScaling>) -> Self {
+        LlamaConfig { rope_theta: theta, rope_scaling: scaling, ..self.clone() }
     }
 
     pub fn set_max_position_embeddings(&mut self, n: usize) {
@@ -621,7 +711,7 @@ impl LlamaConfig {
             put(k, Value::from(v), None);
         }
         put("num_key_value_heads", Value::from(self.num_key_value_heads), Some(Value::from(self.num_attention_heads)));
-        let derived_head_dim = self.hidden_size / self.num_attention_heads;
+        let derived_head_dim = if self.arch == Arch::Qwen3 { QWEN3_HEAD_DIM } else { self.hidden_size / self.num_attention_heads };
         put("head_dim", Value::from(self.head_dim), Some(Value::from(derived_head_dim)));
         put("max_position_embeddings", Value::from(self.max_position_embeddings), Some(Value::from(2048)));
         put("rms_norm_eps", Value::from(self.rms_norm_eps), Some(Value::from(1e-6)));
@@ -648,7 +738,13 @@ impl LlamaConfig {
     /// The RoPE dict to write: the one read, with the current type, factors and (for the
     /// v5 `rope_parameters` form) `rope_theta`.
     fn rope_dict(&self) -> Value {
-        let raw = self.rope_raw.clone().unwrap_or_default();
+        let mut raw = self.rope_raw.clone().unwrap_or_default();
+        // Another method than the one read (a stage's `rope`): the old method's own keys go.
+        let now = self.rope_scaling.as_ref().map_or("default", RopeScaling::type_name);
+        let was = raw.get("rope_type").or_else(|| raw.get("type")).and_then(Value::as_str).unwrap_or("default");
+        if now != was {
+            raw.retain(|k, _| matches!(k.as_str(), "rope_theta" | "partial_rotary_factor" | "rope_type" | "type"));
+        }
         let mut o = raw.clone();
         let mut put = |k: &str, v: Value| put(&mut o, &raw, k, v, None);
         if self.rope_key == "rope_parameters" {
@@ -661,11 +757,12 @@ impl LlamaConfig {
         };
         put(type_key, Value::from(rs.type_name()));
         put("factor", Value::from(rs.factor()));
-        let mut put_f = |k: &str, v: Option<f64>| {
+        let mut put_v = |k: &str, v: Option<Value>| {
             if let Some(x) = v {
-                put(k, Value::from(x));
+                put(k, x);
             }
         };
+        let f = |x: &Option<f64>| x.map(Value::from);
         match rs {
             RopeScaling::Linear { .. } | RopeScaling::Dynamic { .. } => {}
             RopeScaling::Yarn {
@@ -678,20 +775,24 @@ impl LlamaConfig {
                 truncate,
                 ..
             } => {
-                put_f("original_max_position_embeddings", original_max_position_embeddings.map(|n| n as f64));
-                put_f("beta_fast", *beta_fast);
-                put_f("beta_slow", *beta_slow);
-                put_f("mscale", *mscale);
-                put_f("mscale_all_dim", *mscale_all_dim);
-                put_f("attention_factor", *attention_factor);
-                if let Some(t) = truncate {
-                    o.insert("truncate".into(), Value::from(*t));
-                }
+                put_v("original_max_position_embeddings", original_max_position_embeddings.map(Value::from));
+                put_v("beta_fast", f(beta_fast));
+                put_v("beta_slow", f(beta_slow));
+                put_v("mscale", f(mscale));
+                put_v("mscale_all_dim", f(mscale_all_dim));
+                put_v("attention_factor", f(attention_factor));
+                put_v("truncate", truncate.map(Value::from));
             }
             RopeScaling::Llama3 { low_freq_factor, high_freq_factor, original_max_position_embeddings, .. } => {
-                put_f("low_freq_factor", Some(*low_freq_factor));
-                put_f("high_freq_factor", Some(*high_freq_factor));
-                put_f("original_max_position_embeddings", Some(*original_max_position_embeddings as f64));
+                put_v("low_freq_factor", Some(Value::from(*low_freq_factor)));
+                put_v("high_freq_factor", Some(Value::from(*high_freq_factor)));
+                put_v("original_max_position_embeddings", Some(Value::from(*original_max_position_embeddings)));
+            }
+            RopeScaling::LongRope { short_factor, long_factor, attention_factor, original_max_position_embeddings, .. } => {
+                put_v("attention_factor", f(attention_factor));
+                put_v("original_max_position_embeddings", Some(Value::from(*original_max_position_embeddings)));
+                put_v("short_factor", Some(Value::from(short_factor.clone())));
+                put_v("long_factor", Some(Value::from(long_factor.clone())));
             }
         }
         Value::Object(o)

@@ -1,5 +1,6 @@
-//! The Llama block and model (also Mistral and Qwen2, which differ only in biases),
-//! written as the math of transformers' `LlamaForCausalLM`, with differentiable ops only.
+//! The Llama block and model (also Mistral and Qwen2, which differ only in biases, and
+//! Qwen3, which adds a per-head RMSNorm on q and k before RoPE), written as the math of
+//! transformers' `LlamaForCausalLM`, with differentiable ops only.
 //!
 //! Shapes: `b` batch, `s` tokens (this rank's), `h` hidden, `hq`/`hkv` query/kv heads,
 //! `d` head dim, `i` intermediate, `V` vocabulary.
@@ -8,6 +9,7 @@
 //! `model.embed_tokens.weight`, `model.layers.N.self_attn.{q,k,v,o}_proj.{weight,bias}`,
 //! `model.layers.N.mlp.{gate,up,down}_proj.weight`,
 //! `model.layers.N.{input_layernorm,post_attention_layernorm}.weight`, `model.norm.weight`,
+//! `model.layers.N.self_attn.{q_norm,k_norm}.weight` (Qwen3, `[d]`),
 //! `lm_head.weight` (absent when `tie_word_embeddings`).
 //!
 //! The model knows nothing of ranks: attention goes through an [`AttentionMode`]
@@ -92,6 +94,9 @@ pub struct Attention {
     pub k_proj: Linear, // [hkv·d, h]
     pub v_proj: Linear, // [hkv·d, h]
     pub o_proj: Linear, // [h, hq·d]
+    /// Qwen3: RMSNorm over each head's `d` features of q and of k, before RoPE.
+    pub q_norm: Option<RmsNorm>, // [d]
+    pub k_norm: Option<RmsNorm>, // [d]
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
@@ -100,23 +105,44 @@ pub struct Attention {
 impl Attention {
     fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
         let (h, d, hq, hkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads);
+        let norm = |name: &str| -> Result<Option<RmsNorm>> {
+            if !cfg.qk_norm() {
+                return Ok(None);
+            }
+            Ok(Some(RmsNorm { weight: get(&vb.pp(name), cfg, "weight", &[d])?, eps: cfg.rms_norm_eps }))
+        };
         Ok(Attention {
             q_proj: linear(&vb.pp("q_proj"), cfg, hq * d, h, cfg.qkv_bias())?,
             k_proj: linear(&vb.pp("k_proj"), cfg, hkv * d, h, cfg.qkv_bias())?,
             v_proj: linear(&vb.pp("v_proj"), cfg, hkv * d, h, cfg.qkv_bias())?,
             o_proj: linear(&vb.pp("o_proj"), cfg, h, hq * d, cfg.o_bias())?,
+            q_norm: norm("q_norm")?,
+            k_norm: norm("k_norm")?,
             num_heads: hq,
             num_kv_heads: hkv,
             head_dim: d,
         })
     }
 
+    /// `q [b, s, hq, d]`, `k [b, s, hkv, d]` projected from `x [b, s, h]`, each head
+    /// RMS-normed when the model has q/k norms (Qwen3), before RoPE.
+    pub fn project_qk(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        let (b, s, _) = x.dims3()?;
+        let d = self.head_dim;
+        let q = self.q_proj.forward(x)?.reshape((b, s, self.num_heads, d))?;
+        let k = self.k_proj.forward(x)?.reshape((b, s, self.num_kv_heads, d))?;
+        let norm = |n: &Option<RmsNorm>, t: Tensor| match n {
+            Some(n) => n.forward(&t),
+            None => Ok(t),
+        };
+        Ok((norm(&self.q_norm, q)?, norm(&self.k_norm, k)?))
+    }
+
     /// `x [b, s, h]` (already normed) -> `[b, s, h]`.
     pub fn forward(&self, x: &Tensor, rope: &RopeTable, attn: &Arc<dyn AttentionMode>) -> candle_core::Result<Tensor> {
         let (b, s, _) = x.dims3()?;
         let d = self.head_dim;
-        let q = self.q_proj.forward(x)?.reshape((b, s, self.num_heads, d))?; // [b, s, hq, d]
-        let k = self.k_proj.forward(x)?.reshape((b, s, self.num_kv_heads, d))?; // [b, s, hkv, d]
+        let (q, k) = self.project_qk(x)?; // [b, s, hq, d], [b, s, hkv, d]
         let v = self.v_proj.forward(x)?.reshape((b, s, self.num_kv_heads, d))?; // [b, s, hkv, d]
         let q = rope.apply(&q)?;
         let k = rope.apply(&k)?;
@@ -136,8 +162,9 @@ impl Attention {
         use longctx_attention::merge::merge;
         let (b, s, _) = x.dims3()?;
         let d = self.head_dim;
-        let q = rope.apply(&self.q_proj.forward(x)?.reshape((b, s, self.num_heads, d))?)?.contiguous()?;
-        let k = rope.apply(&self.k_proj.forward(x)?.reshape((b, s, self.num_kv_heads, d))?)?.contiguous()?;
+        let (q, k) = self.project_qk(x)?;
+        let q = rope.apply(&q)?.contiguous()?;
+        let k = rope.apply(&k)?.contiguous()?;
         let v = self.v_proj.forward(x)?.reshape((b, s, self.num_kv_heads, d))?.contiguous()?;
         let scale = 1.0 / (d as f64).sqrt();
         let o = match cache.take() {
@@ -236,20 +263,24 @@ impl DecoderLayer {
     /// The layer's parameters with their names relative to `model.layers.N.`.
     pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
-        let mut lin = |name: &str, l: &Linear| {
+        fn lin(out: &mut Vec<(String, Tensor)>, name: &str, l: &Linear) {
             out.push((format!("{name}.weight"), l.weight().clone()));
             if let Some(b) = l.bias() {
                 out.push((format!("{name}.bias"), b.clone()));
             }
-        };
+        }
         let a = &self.self_attn;
-        lin("self_attn.q_proj", &a.q_proj);
-        lin("self_attn.k_proj", &a.k_proj);
-        lin("self_attn.v_proj", &a.v_proj);
-        lin("self_attn.o_proj", &a.o_proj);
-        lin("mlp.gate_proj", &self.mlp.gate_proj);
-        lin("mlp.up_proj", &self.mlp.up_proj);
-        lin("mlp.down_proj", &self.mlp.down_proj);
+        lin(&mut out, "self_attn.q_proj", &a.q_proj);
+        lin(&mut out, "self_attn.k_proj", &a.k_proj);
+        lin(&mut out, "self_attn.v_proj", &a.v_proj);
+        lin(&mut out, "self_attn.o_proj", &a.o_proj);
+        if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
+            out.push(("self_attn.q_norm.weight".into(), qn.weight.clone()));
+            out.push(("self_attn.k_norm.weight".into(), kn.weight.clone()));
+        }
+        lin(&mut out, "mlp.gate_proj", &self.mlp.gate_proj);
+        lin(&mut out, "mlp.up_proj", &self.mlp.up_proj);
+        lin(&mut out, "mlp.down_proj", &self.mlp.down_proj);
         out.push(("input_layernorm.weight".into(), self.input_layernorm.weight.clone()));
         out.push(("post_attention_layernorm.weight".into(), self.post_attention_layernorm.weight.clone()));
         out

@@ -1,4 +1,4 @@
-//! The Llama family as Hugging Face transformers defines it (llama, mistral, qwen2):
+//! The Llama family as Hugging Face transformers defines it (llama, mistral, qwen2, qwen3):
 //! - [`config`]: `config.json` parsing/validation/write-back ([`LlamaConfig`]).
 //! - [`rope`]: rotary embedding per rope type, cos/sin for global position ids.
 //! - [`llama`]: RMSNorm, attention (through a sequence-parallel [`AttentionMode`]), SwiGLU

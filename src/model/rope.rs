@@ -2,7 +2,7 @@
 //!
 //! Shapes: `b` batch, `s` tokens, `h` heads, `d` head dim, `f = d/2` frequencies.
 //! - `inv_freq [f]` f32, one per rotated pair, per rope type (default, linear, dynamic NTK,
-//!   YaRN, Llama 3), reproducing transformers' f32 arithmetic step by step.
+//!   YaRN, Llama 3, LongRoPE), reproducing transformers' f32 arithmetic step by step.
 //! - [`RopeTable`]: `cos`/`sin [b, s, 1, d]` for explicit GLOBAL position ids, so a shard
 //!   of a long sequence gets the angles of its true positions.
 //! - [`RopeTable::apply`]: `x·cos + rotate_half(x)·sin` on `x [b, s, h, d]` with plain
@@ -55,8 +55,9 @@ impl Rope {
     }
 
     /// `(inv_freq [d/2], attention_scaling)` for a forward whose largest position id is
-    /// `seq_len - 1`. Only dynamic NTK depends on `seq_len`: transformers rescales the base
-    /// when `max(position_ids) + 1 > max_position_embeddings` (here stateless: transformers
+    /// `seq_len - 1`. Only LongRoPE (short or long factors past the original length) and
+    /// dynamic NTK depend on `seq_len`: transformers rescales the base when
+    /// `max(position_ids) + 1 > max_position_embeddings` (here stateless: transformers
     /// also keeps the largest length seen so far until a short batch resets it).
     pub fn inv_freq(&self, seq_len: usize) -> (Vec<f32>, f32) {
         let dim = self.dim;
@@ -151,12 +152,22 @@ impl Rope {
                     .collect();
                 (inv, 1.0)
             }
+            Some(RopeScaling::LongRope { factor, short_factor, long_factor, attention_factor, original_max_position_embeddings }) => {
+                let omax = *original_max_position_embeddings;
+                // One set for the whole forward: long once the sequence passes the
+                // pretrained length (transformers: max(position_ids) + 1 > original).
+                let ext = if seq_len > omax { long_factor } else { short_factor };
+                let att = attention_factor.unwrap_or(if *factor <= 1.0 { 1.0 } else { (1.0 + factor.ln() / (omax as f64).ln()).sqrt() });
+                // transformers: 1 / (f32(ext) · base^(2i/d)), all in f32.
+                let inv = pos_freqs(theta, dim).iter().zip(ext).map(|(&p, &e)| 1.0f32 / ((e as f32) * p)).collect();
+                (inv, att as f32)
+            }
         }
     }
 
-    /// Whether the table depends on the sequence length (dynamic NTK).
+    /// Whether the table depends on the sequence length (dynamic NTK, LongRoPE).
     pub fn depends_on_length(&self) -> bool {
-        matches!(self.scaling, Some(RopeScaling::Dynamic { .. }))
+        matches!(self.scaling, Some(RopeScaling::Dynamic { .. } | RopeScaling::LongRope { .. }))
     }
 
     /// cos/sin for `positions [b, s]` (u32, global ids) in `dtype`.

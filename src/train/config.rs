@@ -214,9 +214,253 @@ pub struct Stage {
     /// `train.reset_optimizer`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reset_optimizer: Option<bool>,
+    /// The RoPE method this stage trains with, beside `rope_theta` [default: the
+    /// checkpoint's own scaling, or none]; the export writes it into config.json.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope: Option<StageRope>,
+}
+
+/// A stage's `rope = { type = .., factor = .., .. }`: the RoPE extension method and its
+/// parameters, with transformers' names and defaults (see docs/config.md).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct StageRope {
+    /// `default`, `linear`, `dynamic`, `yarn`, `llama3` or `longrope`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub factor: Option<f64>,
+    /// The context the model was pretrained at (yarn, llama3, longrope; dynamic: the
+    /// length past which the base grows [default: the model's max_position_embeddings]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub original_max_position_embeddings: Option<usize>,
+    /// YaRN: the ramp's rotation bounds [transformers' defaults 32 and 1].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta_fast: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta_slow: Option<f64>,
+    /// YaRN and LongRoPE: the cos/sin scale [default: from factor, as transformers].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_factor: Option<f64>,
+    /// YaRN: attention_factor = mscale(factor, mscale) / mscale(factor, mscale_all_dim).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mscale: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mscale_all_dim: Option<f64>,
+    /// Llama 3: wavelength band bounds (both required).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub low_freq_factor: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub high_freq_factor: Option<f64>,
+    /// LongRoPE: per-frequency divisors (head_dim/2 each), short up to
+    /// original_max_position_embeddings, long past it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub short_factor: Option<Vec<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub long_factor: Option<Vec<f64>>,
+}
+
+impl StageRope {
+    /// The keys each type takes besides `type` (the first ones it requires: see `check`).
+    fn keys(kind: &str) -> Option<&'static [&'static str]> {
+        Some(match kind {
+            "default" => &[],
+            "linear" => &["factor"],
+            "dynamic" => &["factor", "original_max_position_embeddings"],
+            "yarn" => {
+                &["factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"]
+            }
+            "llama3" => &["factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"],
+            "longrope" => &["short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor"],
+            _ => return None,
+        })
+    }
+
+    /// The keys that are set, by name.
+    fn set_keys(&self) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        let f = [
+            ("factor", self.factor.is_some()),
+            ("original_max_position_embeddings", self.original_max_position_embeddings.is_some()),
+            ("beta_fast", self.beta_fast.is_some()),
+            ("beta_slow", self.beta_slow.is_some()),
+            ("attention_factor", self.attention_factor.is_some()),
+            ("mscale", self.mscale.is_some()),
+            ("mscale_all_dim", self.mscale_all_dim.is_some()),
+            ("low_freq_factor", self.low_freq_factor.is_some()),
+            ("high_freq_factor", self.high_freq_factor.is_some()),
+            ("short_factor", self.short_factor.is_some()),
+            ("long_factor", self.long_factor.is_some()),
+        ];
+        for (k, set) in f {
+            if set {
+                out.push(k);
+            }
+        }
+        out
+    }
+
+    /// Everything that can be checked without the model: a known type, only its keys,
+    /// the keys it requires, factor > 1 (≥ 1 for longrope), positive numbers. Errors are
+    /// `(sub-field, message)`.
+    pub fn check(&self) -> std::result::Result<(), (String, String)> {
+        let ty = self.kind.as_str();
+        let bad = |k: &str, m: String| Err((k.to_string(), m));
+        let Some(keys) = Self::keys(ty) else {
+            return bad("type", format!("unknown rope type \"{ty}\"; supported: {}", crate::model::config::ROPE_TYPES));
+        };
+        for k in self.set_keys() {
+            if !keys.contains(&k) {
+                let takes = if keys.is_empty() { "no other key".to_string() } else { keys.join(", ") };
+                return bad(k, format!("not a parameter of rope type \"{ty}\" (it takes {takes})"));
+            }
+        }
+        let positive = |k: &str, v: Option<f64>| match v {
+            Some(x) if !(x.is_finite() && x > 0.0) => bad(k, format!("must be a positive number, got {x}")),
+            _ => Ok(()),
+        };
+        for (k, v) in [
+            ("beta_fast", self.beta_fast),
+            ("beta_slow", self.beta_slow),
+            ("attention_factor", self.attention_factor),
+            ("mscale", self.mscale),
+            ("mscale_all_dim", self.mscale_all_dim),
+            ("low_freq_factor", self.low_freq_factor),
+            ("high_freq_factor", self.high_freq_factor),
+        ] {
+            positive(k, v)?;
+        }
+        let needs_original = matches!(ty, "yarn" | "llama3" | "longrope");
+        if needs_original && self.original_max_position_embeddings.is_none() {
+            return bad(
+                "original_max_position_embeddings",
+                format!("missing; rope type \"{ty}\" scales from the pretrained context: set it to the model's pretrained length (e.g. 4096 for Llama-2)"),
+            );
+        }
+        if self.original_max_position_embeddings == Some(0) {
+            return bad("original_max_position_embeddings", "must be a positive integer, got 0".into());
+        }
+        match (ty, self.factor) {
+            ("default", _) => {}
+            ("longrope", Some(f)) if !(f.is_finite() && f >= 1.0) => {
+                return bad("factor", format!("must be a number >= 1 for rope type \"longrope\", got {f}"))
+            }
+            ("longrope", _) => {}
+            (_, None) => {
+                return bad("factor", format!("missing; rope type \"{ty}\" needs a factor > 1 (target length / pretrained length)"))
+            }
+            (_, Some(f)) if !(f.is_finite() && f > 1.0) => {
+                return bad("factor", format!("must be a number > 1 for rope type \"{ty}\" (1 leaves RoPE unchanged), got {f}"))
+            }
+            _ => {}
+        }
+        if ty == "llama3" {
+            match (self.low_freq_factor, self.high_freq_factor) {
+                (Some(lo), Some(hi)) if hi <= lo => {
+                    return bad("high_freq_factor", format!("must be larger than low_freq_factor ({lo}), got {hi}"))
+                }
+                (Some(_), Some(_)) => {}
+                (None, _) => return bad("low_freq_factor", "missing; required by rope type \"llama3\" (Llama 3.1 uses 1)".into()),
+                (_, None) => return bad("high_freq_factor", "missing; required by rope type \"llama3\" (Llama 3.1 uses 4)".into()),
+            }
+        }
+        if ty == "longrope" {
+            for (k, v) in [("short_factor", &self.short_factor), ("long_factor", &self.long_factor)] {
+                match v {
+                    None => return bad(k, "missing; required by rope type \"longrope\" (a list of head_dim/2 numbers)".into()),
+                    Some(xs) => {
+                        if let Some(x) = xs.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+                            return bad(k, format!("every entry must be a positive number, got {x}"));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The scaling for a model of `head_dim` exported with `max_position_embeddings`
+    /// (`None` for `default`); checks the longrope lists' length (head_dim/2). Errors are
+    /// `(sub-field, message)`.
+    pub fn scaling(
+        &self,
+        head_dim: usize,
+        max_position_embeddings: usize,
+    ) -> std::result::Result<Option<crate::model::RopeScaling>, (String, String)> {
+        use crate::model::RopeScaling as R;
+        self.check()?;
+        let omax = self.original_max_position_embeddings;
+        let factor = self.factor.unwrap_or(1.0);
+        Ok(Some(match self.kind.as_str() {
+            "default" => return Ok(None),
+            "linear" => R::Linear { factor },
+            "dynamic" => R::Dynamic { factor },
+            "yarn" => R::Yarn {
+                factor,
+                original_max_position_embeddings: omax,
+                beta_fast: self.beta_fast,
+                beta_slow: self.beta_slow,
+                mscale: self.mscale,
+                mscale_all_dim: self.mscale_all_dim,
+                attention_factor: self.attention_factor,
+                truncate: None,
+            },
+            "llama3" => R::Llama3 {
+                factor,
+                low_freq_factor: self.low_freq_factor.unwrap_or(1.0),
+                high_freq_factor: self.high_freq_factor.unwrap_or(4.0),
+                original_max_position_embeddings: omax.unwrap_or(max_position_embeddings),
+            },
+            _ => {
+                let omax = omax.unwrap_or(max_position_embeddings);
+                let list = |k: &str, v: &Option<Vec<f64>>| -> std::result::Result<Vec<f64>, (String, String)> {
+                    let xs = v.clone().unwrap_or_default();
+                    if xs.len() != head_dim / 2 {
+                        return Err((
+                            k.to_string(),
+                            format!(
+                                "has {} numbers; expected head_dim/2 = {} (one per rotated pair of the model's head_dim {head_dim})",
+                                xs.len(),
+                                head_dim / 2
+                            ),
+                        ));
+                    }
+                    Ok(xs)
+                };
+                R::LongRope {
+                    short_factor: list("short_factor", &self.short_factor)?,
+                    long_factor: list("long_factor", &self.long_factor)?,
+                    // Resolved here (transformers: max_position_embeddings / original when
+                    // absent) and written into the export, so that a changed
+                    // max_position_embeddings there cannot change the trained attention factor.
+                    factor: self.factor.unwrap_or(max_position_embeddings as f64 / omax as f64),
+                    attention_factor: self.attention_factor,
+                    original_max_position_embeddings: omax,
+                }
+            }
+        }))
+    }
 }
 
 impl Stage {
+    /// The model config stage `index` trains with: `rope_theta`, and its `rope` method
+    /// when it has one (else the checkpoint's own scaling). Dynamic NTK grows the base past
+    /// `max_position_embeddings`, which is set to the stage's
+    /// `original_max_position_embeddings` when given. `source` names the run config.
+    pub fn model_config(&self, model: &crate::model::LlamaConfig, index: usize, source: &Path) -> Result<crate::model::LlamaConfig> {
+        let Some(r) = &self.rope else { return Ok(model.with_rope_theta(self.rope_theta)) };
+        // The max_position_embeddings the export writes for this stage (LongRoPE's factor
+        // defaults to it over the original, as transformers computes from that file).
+        let exported_max = self.seq_length.max(model.max_position_embeddings);
+        let scaling =
+            r.scaling(model.head_dim, exported_max).map_err(|(k, m)| Error::config(source, format!("stage[{index}].rope.{k}"), m))?;
+        let mut cfg = model.with_rope(self.rope_theta, scaling);
+        if let (Some(crate::model::RopeScaling::Dynamic { .. }), Some(o)) = (&cfg.rope_scaling, r.original_max_position_embeddings) {
+            cfg.set_max_position_embeddings(o);
+        }
+        Ok(cfg)
+    }
+
     /// A stage of `steps` optimizer steps at `seq_length` tokens and RoPE base `rope_theta`,
     /// every other setting from the run.
     pub fn new(seq_length: usize, rope_theta: f64, steps: u64) -> Self {
@@ -234,6 +478,7 @@ impl Stage {
             gradient_accumulate_every: None,
             warmup_steps: None,
             reset_optimizer: None,
+            rope: None,
         }
     }
 }
@@ -550,7 +795,15 @@ impl RunConfig {
         Ok(())
     }
 
-    /// The stages: positive values, non-decreasing length and θ, and each length split
+    /// Every stage's `rope` against the model (the longrope lists' length is head_dim/2).
+    pub fn check_stage_ropes(&self, model: &crate::model::LlamaConfig, source: &Path) -> Result<()> {
+        for (i, st) in self.stages.iter().enumerate() {
+            st.model_config(model, i, source)?;
+        }
+        Ok(())
+    }
+
+    /// The stages: positive values, non-decreasing length and θ, a valid `rope`, and each length split
     /// by its mode ([`ParallelMode::check_seq_len`]).
     fn validate_stages(&self, source: &Path) -> Result<()> {
         let bad = |field: &str, msg: String| Err(Error::config(source, field, msg));
@@ -571,6 +824,9 @@ impl RunConfig {
                 );
             }
             (prev_len, prev_theta) = (st.seq_length, st.rope_theta);
+            if let Some(r) = &st.rope {
+                r.check().or_else(|(k, m)| bad(&f(&format!("rope.{k}")), m))?;
+            }
             let mode = st.parallel_mode.unwrap_or(p.mode);
             let sp = self.sp_size_for(mode);
             if sp == 0 || !p.world_size.is_multiple_of(sp) {

@@ -102,6 +102,10 @@ pub fn parameter_shapes(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
             if bias {
                 out.push((format!("{p}.{name}.bias"), vec![rows]));
             }
+            if name == "self_attn.o_proj" && cfg.qk_norm() {
+                out.push((format!("{p}.self_attn.q_norm.weight"), vec![d]));
+                out.push((format!("{p}.self_attn.k_norm.weight"), vec![d]));
+            }
         }
         out.push((format!("{p}.input_layernorm.weight"), vec![h]));
         out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));

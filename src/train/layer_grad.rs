@@ -7,14 +7,16 @@
 //! only the attention core (`q, k, v, o, lse`, `do, dq, dk, dv`) is whole-sequence,
 //! every other line runs per token chunk `c`, writing its rows into `[b, s, ..]` buffers:
 //! ```text
-//! per c:  n1 = rms(x_c)·w1   q,k,v_c = n1·Wq,k,vᵀ (+b)        then q,k = rope(q,k)
+//! per c:  n1 = rms(x_c)·w1   q,k,v_c = n1·Wq,k,vᵀ (+b)   [Qwen3: q,k = rms_d(q,k)·wq,wk]
+//!         then q,k = rope(q,k)
 //!         o, lse = attn(q, k, v)
 //! per c:  h_c = x_c + o_c·Woᵀ (+b)   n2 = rms(h_c)·w2   g = n2·Wgᵀ   u = n2·Wuᵀ
 //!         m = silu(g)·u   y_c = h_c + m·Wdᵀ
 //! per c:  dm = dy_c·Wd   dg = dm·u·silu'(g)   du = dm·silu(g)   dn2 = dg·Wg + du·Wu
 //!         dh_c = dy_c + rms'(dn2)   (written over dy_c)   do_c = dh_c·Wo
 //!         dq,dk,dv = attn'(do; q,k,v,o,lse)   dq,dk = rope⁻¹(dq,dk)
-//! per c:  dx_c = dh_c + rms'(dq_c·Wq + dk_c·Wk + dv_c·Wv)   (written over dh_c)
+//! per c:  [Qwen3: dq,dk = rms_d'(dq,dk) on the recomputed projections]
+//!         dx_c = dh_c + rms'(dq_c·Wq + dk_c·Wk + dv_c·Wv)   (written over dh_c)
 //! ```
 //! Weight gradients `dW += dyᵀ·x` are accumulated in f32 by the GEMM itself into the
 //! engine's gradient buffer (`longctx_kernels::matmul_acc_f32`, beta = 1). RMSNorm (its
@@ -50,6 +52,9 @@ pub struct LayerSlots {
     pub down: LinSlots,
     pub ln1: usize,
     pub ln2: usize,
+    /// Qwen3's per-head q/k norms, when the layer has them.
+    pub q_norm: Option<usize>,
+    pub k_norm: Option<usize>,
 }
 
 /// A linear layer's weight slot and, when it has one, its bias slot.
@@ -80,6 +85,8 @@ impl LayerSlots {
             down: lin("mlp.down_proj")?,
             ln1: at("input_layernorm.weight")?,
             ln2: at("post_attention_layernorm.weight")?,
+            q_norm: at("self_attn.q_norm.weight").ok(),
+            k_norm: at("self_attn.k_norm.weight").ok(),
         })
     }
 }
@@ -102,6 +109,23 @@ fn rms_backward(norm: &RmsNorm, x: &Tensor, rstd: &Tensor, dy: &Tensor, d_residu
     let dres = d_residual.map(Tensor::contiguous).transpose()?;
     let g = kernels::rms_norm_bwd(&dy.contiguous()?, &x.contiguous()?, &norm.weight, rstd, dres.as_ref())?;
     Ok((g.dx, g.dweight))
+}
+
+/// Qwen3's per-head norm on projected rows `t [n, heads·d]`: each head's `d` features
+/// normed (`norm.weight [d]`); `(normed [n, heads·d], rstd [n·heads] f32)`.
+fn head_norm_forward(norm: &RmsNorm, t: &Tensor, d: usize) -> Result<(Tensor, Tensor)> {
+    let (n, w) = t.dims2()?;
+    let (y, rstd) = rms_forward(norm, &t.reshape((n * w / d, d))?)?;
+    Ok((y.reshape((n, w))?, rstd))
+}
+
+/// The backward of [`head_norm_forward`]: `(dt [n, heads·d], dweight [d] f32)` for the
+/// gradient `dy [n, heads·d]` of its output.
+fn head_norm_backward(norm: &RmsNorm, t: &Tensor, rstd: &Tensor, dy: &Tensor, d: usize) -> Result<(Tensor, Tensor)> {
+    let (n, w) = t.dims2()?;
+    let rows = n * w / d;
+    let (dt, dw) = rms_backward(norm, &t.reshape((rows, d))?, rstd, &dy.contiguous()?.reshape((rows, d))?, None)?;
+    Ok((dt.reshape((n, w))?, dw))
 }
 
 fn scale(d: usize) -> f64 {
@@ -298,8 +322,15 @@ impl LayerPass<'_> {
         let (q, k, v) = (z(hq)?, z(hkv)?, z(hkv)?);
         for &ch in self.chunks {
             let (n1, _) = self.t(Phase::NormRopeAct, || rms_forward(&layer.input_layernorm, &self.rows(x, ch)?))?;
-            self.put(&q, &self.linear(&a.q_proj, &n1)?, ch)?;
-            self.put(&k, &self.linear(&a.k_proj, &n1)?, ch)?;
+            let (qc, kc) = (self.linear(&a.q_proj, &n1)?, self.linear(&a.k_proj, &n1)?);
+            let (qc, kc) = match (&a.q_norm, &a.k_norm) {
+                (Some(qn), Some(kn)) => {
+                    self.t(Phase::NormRopeAct, || Ok((head_norm_forward(qn, &qc, d)?.0, head_norm_forward(kn, &kc, d)?.0)))?
+                }
+                _ => (qc, kc),
+            };
+            self.put(&q, &qc, ch)?;
+            self.put(&k, &kc, ch)?;
             self.put(&v, &self.linear(&a.v_proj, &n1)?, ch)?;
         }
         self.t(Phase::NormRopeAct, || {
@@ -406,8 +437,26 @@ impl LayerPass<'_> {
         for &ch in self.chunks {
             let xc = self.rows(x, ch)?;
             let (n1, rstd1) = self.t(Phase::NormRopeAct, || rms_forward(&layer.input_layernorm, &xc))?;
-            let dn1q = self.linear_backward(&a.q_proj, sl.q, &n1, &self.rows(&dq, ch)?, acc)?;
-            let dn1k = self.linear_backward(&a.k_proj, sl.k, &n1, &self.rows(&dk, ch)?, acc)?;
+            let (dqc, dkc) = (self.rows(&dq, ch)?, self.rows(&dk, ch)?);
+            // Qwen3: through the per-head norms, on the projections recomputed from n1.
+            let (dqc, dkc) = match (&a.q_norm, &a.k_norm, sl.q_norm, sl.k_norm) {
+                (Some(qn), Some(kn), Some(sq), Some(sk)) => {
+                    let (qc, kc) = (self.linear(&a.q_proj, &n1)?, self.linear(&a.k_proj, &n1)?);
+                    self.t(Phase::NormRopeAct, || {
+                        let (_, rq) = head_norm_forward(qn, &qc, d)?;
+                        let (dqc, dwq) = head_norm_backward(qn, &qc, &rq, &dqc, d)?;
+                        let (_, rk) = head_norm_forward(kn, &kc, d)?;
+                        let (dkc, dwk) = head_norm_backward(kn, &kc, &rk, &dkc, d)?;
+                        accumulate(acc, sq, &dwq)?;
+                        accumulate(acc, sk, &dwk)?;
+                        Ok((dqc, dkc))
+                    })?
+                }
+                (None, None, _, _) => (dqc, dkc),
+                _ => return Err(crate::Error::Setting("engine: q/k norm weights without gradient slots".into())),
+            };
+            let dn1q = self.linear_backward(&a.q_proj, sl.q, &n1, &dqc, acc)?;
+            let dn1k = self.linear_backward(&a.k_proj, sl.k, &n1, &dkc, acc)?;
             let dn1v = self.linear_backward(&a.v_proj, sl.v, &n1, &self.rows(&dv, ch)?, acc)?;
             let dn1 = self.t(Phase::Copies, || Ok(((dn1q + dn1k)? + dn1v)?))?;
             // dx = dh (the residual) + the norm's backward, in one kernel.

@@ -5,7 +5,7 @@
 //! config is compared with it key by key:
 //! - **refused** (the run would not continue the same computation): `seed`, the model
 //!   (`model.source`, `model.dtype` on a GPU), the data (`data.*`), and the length, θ
-//!   and data (`stage[i].seq_length`, `rope_theta`, `seed`, `dataset`, `column`) of
+//!   and data (`stage[i].seq_length`, `rope_theta`, `rope`, `seed`, `dataset`, `column`) of
 //!   every stage already started;
 //! - **refused unless `--allow-layout-change`** (the optimizer state is re-cut and the
 //!   sums are rounded in another order: the run continues within rounding, not bit for
@@ -156,6 +156,7 @@ fn class(key: &str, stage: usize, stage_step: u64, cpu: bool) -> Class {
         return match field {
             _ if !started => Class::Free,
             "seq_length" | "rope_theta" | "seed" | "dataset" | "column" => Class::Identity,
+            f if f == "rope" || f.starts_with("rope.") => Class::Identity, // the RoPE method it trains with
             "parallel_mode" | "fpdt_chunk_size" | "batch_size" | "gradient_accumulate_every" => Class::Layout,
             _ => Class::Free,
         };
@@ -243,6 +244,9 @@ mod tests {
         assert_eq!(class("stage[0].steps", 1, 0, true), Class::Free);
         assert_eq!(class("stage[0].parallel_mode", 1, 0, true), Class::Layout);
         assert_eq!(class("stage[0].seed", 0, 1, true), Class::Identity);
+        assert_eq!(class("stage[0].rope.factor", 0, 1, true), Class::Identity, "a started stage's RoPE method");
+        assert_eq!(class("stage[0].rope.type", 0, 1, true), Class::Identity);
+        assert_eq!(class("stage[1].rope.type", 0, 1, true), Class::Free, "a stage not started yet");
         assert_eq!(class("stage[1].dataset", 0, 1, true), Class::Free, "a stage not started yet");
         assert_eq!(class("stage[0].batch_size", 0, 1, true), Class::Layout);
         assert_eq!(class("stage[0].reset_optimizer", 0, 1, true), Class::Free, "its reset is done or not, the checkpoint says which");

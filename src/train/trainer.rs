@@ -216,6 +216,7 @@ pub fn load_start_model(cfg: &RunConfig) -> Result<StartModel> {
 pub fn load_start_model_for(cfg: &RunConfig, ranks: usize) -> Result<StartModel> {
     let m = crate::hub::resolve_model_config(&cfg.model.source, &crate::hub::HubOptions::from_env())?;
     check_host_memory(cfg, &m.cfg, ranks)?;
+    cfg.check_stage_ropes(&m.cfg, Path::new("<run config>"))?; // every stage's `rope` before any work
     let (mcfg, json) = (m.cfg, m.json);
     let Some(dir) = m.dir else {
         let weights = crate::train::init::random_init(&mcfg, cfg.seed, DType::F32, &Device::Cpu)?;
@@ -761,7 +762,8 @@ impl<'a> RankRun<'a> {
         let (_, dims, g) = self.groups.as_ref().ok_or_else(|| Error::Setting("groups".into()))?;
         let attn = mode.build(g, chunk, cfg.parallel.fpdt_offload);
         let (dp_rank, dp) = (g.dp.rank(), g.dp.world());
-        self.engine.set_rope(Rope::new(&mcfg.with_rope_theta(stage.rope_theta)));
+        // θ and, when the stage sets one, its RoPE method (the same table as eval's).
+        self.engine.set_rope(Rope::new(&stage.model_config(mcfg, si, Path::new("<run config>"))?));
         let indices = mode.local_indices(dims, g.sp.rank(), stage.seq_length, chunk)?;
         let settings = cfg.stage_settings(si);
         let spec = data_spec(cfg, self.sh.model, &settings)?;

@@ -1,0 +1,172 @@
+//! Qwen3 and LongRoPE against Hugging Face transformers, on the fixtures that
+//! `scripts/make_rope_fixtures.py` generated (tiny random checkpoints, f32, CPU; the same
+//! batch as tests/golden.rs): RoPE cos/sin, logits, per-token loss, and the gradient of
+//! the SUM loss w.r.t. every parameter through Candle's autograd (the model API) AND
+//! through the training engine's explicit layer backward (`src/train/layer_grad.rs`,
+//! which for Qwen3 differentiates the per-head q/k norms by hand); also YaRN (its
+//! attention factor on cos/sin) through the engine, on tests/fixtures/llama_yarn.
+//!
+//! Errors relative to the reference's scale, `max|ours − ref| / max|ref|`, except cos/sin
+//! (absolute). Tolerances as tests/golden.rs (f32 on both sides): cos/sin 1e-6 absolute,
+//! logits and losses 5e-6 relative, gradients 2e-5 relative per parameter. Measured
+//! (--nocapture prints them): cos/sin ≤ 1.2e-7, logits ≤ 4.6e-7, loss ≤ 3.0e-7, gradients
+//! ≤ 1.0e-6 (autograd) and ≤ 1.6e-6 (engine, explicit: Qwen3's q_norm the worst).
+
+use candle_core::{safetensors, DType, Device, Tensor, Var};
+use longctx::attention::{local::LocalAttention, AttentionMode};
+use longctx::model::{Llama, LlamaConfig, Rope};
+use longctx::train::engine::{Engine, EngineOptions, LayerBackward};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+const ROPE_TOL: f32 = 1e-6;
+const LOGIT_TOL: f32 = 5e-6;
+const LOSS_TOL: f32 = 5e-6;
+const GRAD_TOL: f32 = 2e-5;
+
+fn dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
+    longctx_attention::testing::rel_err(a, b).unwrap() as f32
+}
+
+fn abs_err(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims());
+    a.sub(b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+}
+
+struct Fixture {
+    cfg: LlamaConfig,
+    vars: HashMap<String, Var>,
+    reference: HashMap<String, Tensor>,
+}
+
+fn load(name: &str) -> Fixture {
+    let d = dir(name);
+    let cfg = LlamaConfig::from_file(d.join("config.json")).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let tensors = safetensors::load(d.join("model.safetensors"), &Device::Cpu).unwrap();
+    let vars = tensors.into_iter().map(|(k, t)| (k, Var::from_tensor(&t).unwrap())).collect();
+    let reference = safetensors::load(d.join("reference.safetensors"), &Device::Cpu).unwrap();
+    Fixture { cfg, vars, reference }
+}
+
+fn golden(name: &str) {
+    let f = load(name);
+    let r = &f.reference;
+    let ids = r["input_ids"].to_dtype(DType::U32).unwrap();
+    let pos = r["position_ids"].to_dtype(DType::U32).unwrap();
+    let targets = r["targets"].clone();
+    let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
+    let opts = |lb| EngineOptions { token_chunk: 7, layer_backward: lb, ..Default::default() };
+    let eng = Engine::from_vars(&f.cfg, &f.vars, opts(LayerBackward::Explicit)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let model: &Llama = &eng.tracked;
+    let names: Vec<String> = model.named_parameters().into_iter().map(|(n, _)| n).collect();
+    let mut in_file: Vec<&String> = f.vars.keys().collect();
+    in_file.sort();
+    let mut sorted: Vec<&String> = names.iter().collect();
+    sorted.sort();
+    assert_eq!(sorted, in_file, "{name}: parameters vs checkpoint tensors (export writes these names)");
+
+    let table = model.rope_table(&pos, None).unwrap();
+    let e_cos = abs_err(&table.cos.squeeze(2).unwrap(), &r["rope.cos"]);
+    let e_sin = abs_err(&table.sin.squeeze(2).unwrap(), &r["rope.sin"]);
+    assert!(e_cos <= ROPE_TOL && e_sin <= ROPE_TOL, "{name}: rope cos err {e_cos:e}, sin err {e_sin:e}");
+    // The engine builds its table from the global length (the trainer passes it).
+    let global = model.rope_table(&pos, Some(1024)).unwrap();
+    assert_eq!(abs_err(&global.cos, &table.cos), 0.0, "{name}: the training table is the eval table");
+
+    let logits = model.logits(&model.forward_hidden(&ids, &pos, &attn).unwrap()).unwrap();
+    let e_logits = rel_err(&logits, &r["logits"]);
+    assert!(e_logits <= LOGIT_TOL, "{name}: logits rel err {e_logits:e}");
+    let (per_tok, n) = longctx::model::per_token_loss(&logits, &targets).unwrap();
+    assert_eq!(n as i64, r["n_tokens"].to_scalar::<i64>().unwrap(), "{name}: counted tokens");
+    let e_tok = rel_err(&per_tok, &r["per_token_loss"]);
+    assert!(e_tok <= LOSS_TOL, "{name}: per-token loss rel err {e_tok:e}");
+    let loss_sum = per_tok.sum_all().unwrap();
+    assert!(rel_err(&loss_sum, &r["loss_sum"]) <= LOSS_TOL, "{name}: loss sum");
+
+    // Autograd through the model API.
+    let grads = loss_sum.backward().unwrap();
+    let mut worst_auto = (0f32, String::new());
+    for (pname, t) in model.named_parameters() {
+        let g = grads.get(&t).unwrap_or_else(|| panic!("{name}: no gradient for {pname}"));
+        let e = rel_err(g, &r[&format!("grad.{pname}")]);
+        assert!(e <= GRAD_TOL, "{name}: autograd grad of {pname} rel err {e:e} > {GRAD_TOL:e}");
+        if e > worst_auto.0 {
+            worst_auto = (e, pname);
+        }
+    }
+    // The training engine, explicit and autograd layer backward (scale 1: the SUM loss;
+    // global length 1024 as the trainer would pass for this batch).
+    let mut worst = HashMap::new();
+    for lb in [LayerBackward::Explicit, LayerBackward::Autograd] {
+        let eng = Engine::from_vars(&f.cfg, &f.vars, opts(lb)).unwrap();
+        let out = eng.step(&ids, &targets, &pos, 1024, &attn, 1.0).unwrap();
+        assert!((out.loss_sum as f32 - r["loss_sum"].to_scalar::<f32>().unwrap()).abs() <= LOSS_TOL * out.loss_sum as f32);
+        let mut w = (0f32, String::new());
+        for ((pname, _), g) in eng.params.iter().zip(&out.grads) {
+            let e = rel_err(g, &r[&format!("grad.{pname}")]);
+            assert!(e <= GRAD_TOL, "{name}: engine ({lb:?}) grad of {pname} rel err {e:e} > {GRAD_TOL:e}");
+            if e > w.0 {
+                w = (e, pname.clone());
+            }
+        }
+        worst.insert(format!("{lb:?}"), w);
+    }
+    println!(
+        "{name}: rope cos/sin abs {e_cos:.1e}/{e_sin:.1e}, logits rel {e_logits:.1e}, loss rel {e_tok:.1e}, worst grad rel: \
+         autograd {:.1e} ({}), engine explicit {:.1e} ({}), engine autograd {:.1e} ({})",
+        worst_auto.0, worst_auto.1, worst["Explicit"].0, worst["Explicit"].1, worst["Autograd"].0, worst["Autograd"].1
+    );
+}
+
+#[test]
+fn golden_qwen3_tied() {
+    golden("qwen3_tied");
+    let f = load("qwen3_tied");
+    assert_eq!(f.cfg.arch, longctx::model::Arch::Qwen3);
+    assert_eq!((f.cfg.head_dim, f.cfg.hidden_size / f.cfg.num_attention_heads), (12, 8));
+    assert!(f.vars.contains_key("model.layers.1.self_attn.q_norm.weight"));
+    assert!(!f.vars.contains_key("lm_head.weight"), "tied");
+}
+
+#[test]
+fn golden_llama_longrope() {
+    golden("llama_longrope");
+}
+
+/// YaRN (tests/fixtures/llama_yarn, made by scripts/make_fixtures.py): its attention
+/// factor scales the cos/sin that the training engine's fused RoPE applies too, so the
+/// engine's gradients match transformers' as the model API's do.
+#[test]
+fn golden_llama_yarn_through_the_engine() {
+    golden("llama_yarn");
+    let (_, att) = Rope::new(&load("llama_yarn").cfg).inv_freq(1024);
+    assert_eq!(att, (0.1 * 4f64.ln() + 1.0) as f32);
+}
+
+/// LongRoPE picks the short factors while the sequence fits the pretrained context and
+/// the long ones past it (transformers: max(position_ids) + 1 > original), both scaled by
+/// the same attention factor √(1 + ln 4 / ln 256).
+#[test]
+fn longrope_short_and_long_factors() {
+    let f = load("llama_longrope");
+    let r = &f.reference;
+    let rope = Rope::new(&f.cfg);
+    let pos = Tensor::arange(0u32, 24, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let short = rope.table(&pos, None, DType::F32).unwrap();
+    let e =
+        abs_err(&short.cos.squeeze(2).unwrap(), &r["rope_short.cos"]).max(abs_err(&short.sin.squeeze(2).unwrap(), &r["rope_short.sin"]));
+    assert!(e <= ROPE_TOL, "short factors: cos/sin abs err {e:e}");
+    // The same positions inside a long sequence (a shard of it) take the long factors.
+    let long = rope.table(&pos, Some(257), DType::F32).unwrap();
+    assert!(abs_err(&long.cos, &short.cos) > 1e-3);
+    let (_, att_short) = rope.inv_freq(256);
+    let (_, att_long) = rope.inv_freq(257);
+    let want = (1.0 + 4f64.ln() / 256f64.ln()).sqrt() as f32;
+    assert_eq!((att_short, att_long), (want, want));
+    assert_eq!(short.cos.get(0).unwrap().get(0).unwrap().max_all().unwrap().to_scalar::<f32>().unwrap(), want, "cos(0) = attention factor");
+}
