@@ -60,6 +60,11 @@ pub struct BenchAttentionArgs {
     /// Run the checks and then the benchmark.
     #[arg(long, conflicts_with = "check")]
     pub all: bool,
+    /// Documents per sequence, comma-separated: besides the plain kernel, time attention
+    /// under a document mask of that many equal documents (e.g. 1,16,64) and compare it
+    /// with one document of the whole length.
+    #[arg(long, value_delimiter = ',')]
+    pub docs: Vec<usize>,
     /// Leave the CUDA memory pool's release threshold at the driver default (0), so freed
     /// buffers go back to the driver at every synchronisation (default: retain them).
     #[arg(long)]
@@ -84,6 +89,9 @@ pub fn attention(args: &BenchAttentionArgs) -> anyhow::Result<()> {
     }
     if !args.check {
         throughput(&dev, dtype, args)?;
+        if !args.docs.is_empty() {
+            throughput_docs(&dev, dtype, args)?;
+        }
     }
     Ok(())
 }
@@ -212,6 +220,56 @@ fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs) -> anyhow::Res
             t_fb * 1e3,
             tf(3.5 * f, t_fb)
         );
+    }
+    Ok(())
+}
+
+/// Attention under a document mask of `n` equal documents per sequence (`--docs`), through
+/// the single-device mode (`LocalAttention::forward_docs`), against one document.
+fn throughput_docs(dev: &Device, dtype: DType, a: &BenchAttentionArgs) -> anyhow::Result<()> {
+    use longctx_attention::local::LocalAttention;
+    let (b, h, d) = (a.batch, a.heads, a.head_dim);
+    let hkv = a.kv_heads.unwrap_or(h);
+    let scale = 1.0 / (d as f64).sqrt();
+    println!("\ndocument-masked causal attention (LocalAttention::forward_docs/backward_docs), equal documents per sequence");
+    println!("work = Σ lenᵢ(lenᵢ+1) / S(S+1) of one document; time ratio against one document of the same length\n");
+    println!("| seq | docs | work | fwd ms | bwd ms | fwd+bwd ms | fwd+bwd vs one doc |");
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    for &s in &a.seq {
+        let q = randn(&[b, s, h, d], dtype, dev)?;
+        let k = randn(&[b, s, hkv, d], dtype, dev)?;
+        let v = randn(&[b, s, hkv, d], dtype, dev)?;
+        let d_o = randn(&[b, s, h, d], dtype, dev)?;
+        let mut one = None;
+        let mut ns = a.docs.clone();
+        if !ns.contains(&1) {
+            ns.insert(0, 1);
+        }
+        for n in ns {
+            if n == 0 || n > s {
+                bail!("--docs {n}: expected 1 to the sequence length {s}");
+            }
+            let starts: Vec<usize> = (0..n).map(|i| i * s / n).collect();
+            let docs = longctx_attention::Docs::new(vec![starts; b], s)?;
+            let m = LocalAttention;
+            let (o, lse) = m.forward_docs(&q, &k, &v, Some(&docs), scale)?;
+            let saved = kernel::Saved::new(&q, &k, &v, &o, &lse);
+            let t_f = time(dev, a.warmup, a.iters, || m.forward_docs(&q, &k, &v, Some(&docs), scale).map(|_| ()))?;
+            let t_b = time(dev, a.warmup, a.iters, || m.backward_docs(&d_o, saved, Some(&docs), scale).map(|_| ()))?;
+            let t_fb = time(dev, a.warmup, a.iters, || {
+                let (o, lse) = m.forward_docs(&q, &k, &v, Some(&docs), scale)?;
+                m.backward_docs(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Some(&docs), scale).map(|_| ())
+            })?;
+            let base = *one.get_or_insert(t_fb);
+            println!(
+                "| {s} | {n} | {:.4} | {:.2} | {:.2} | {:.2} | {:.3} |",
+                docs.work_fraction(),
+                t_f * 1e3,
+                t_b * 1e3,
+                t_fb * 1e3,
+                t_fb / base
+            );
+        }
     }
     Ok(())
 }
@@ -413,16 +471,49 @@ fn mode_on(
     Ok((mode.build(&groups, FPDT_CHUNK, true), idx))
 }
 
-/// Every mode at W ∈ {2, 4}, ranks on threads sharing `dev`, vs the local CUDA result.
+/// Every mode at W ∈ {2, 4}, ranks on threads sharing `dev`, vs the local CUDA result;
+/// then the same under a document mask (documents crossing chunks and ranks, documents of
+/// 1–3 tokens, several of one length) vs every document run alone through the kernel.
 fn check_modes(dev: &Device, dtype: DType) -> anyhow::Result<bool> {
     let (b, s, hq, hkv, d) = (1, 1024, 8, 2, 128);
     let scale = 1.0 / (d as f64).sqrt();
     let [q, k, v, d_o] = inputs(b, s, s, hq, hkv, d, dtype, 4242)?;
     let (q, k, v, d_o) = (q.to_device(dev)?, k.to_device(dev)?, v.to_device(dev)?, d_o.to_device(dev)?);
-    let reference = fwd_bwd(&q, &k, &v, &d_o, Mask::Causal, scale)?;
-    println!("\nmodes vs local CUDA kernel (S={s}, heads {hq}/{hkv} × {d}, {dtype:?}, ranks = threads on one GPU stream)\n");
-    println!("| mode | o | lse | dq | dk | dv | |");
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    let plain = fwd_bwd(&q, &k, &v, &d_o, Mask::Causal, scale)?;
+    let docs = longctx_attention::Docs::new(vec![vec![0, 100, 101, 103, 106, 300, 364, 428, 492, 556, 1000]], s)?;
+    let by_doc = {
+        let inp = longctx_attention::testing::Inputs { q: q.clone(), k: k.clone(), v: v.clone(), d_o: d_o.clone() };
+        let r = longctx_attention::testing::reference_docs(&inp, &docs, scale)?;
+        [r.o, r.lse, r.dq, r.dk, r.dv]
+    };
+    let mut ok = true;
+    for (docs, reference) in [(None, &plain), (Some(&docs), &by_doc)] {
+        match docs {
+            None => {
+                println!("\nmodes vs local CUDA kernel (S={s}, heads {hq}/{hkv} × {d}, {dtype:?}, ranks = threads on one GPU stream)\n")
+            }
+            Some(_) => println!("\nmodes under a document mask (11 documents) vs each document alone through the CUDA kernel\n"),
+        }
+        println!("| mode | o | lse | dq | dk | dv | |");
+        println!("| --- | --- | --- | --- | --- | --- | --- |");
+        if let Some(docs) = docs {
+            let m = longctx_attention::local::LocalAttention;
+            let (o, lse) = m.forward_docs(&q, &k, &v, Some(docs), scale)?;
+            let (dq, dk, dv) = m.backward_docs(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Some(docs), scale)?;
+            ok &= compare("local", &[o, lse, dq, dk, dv], reference)?;
+        }
+        ok &= check_modes_on(dev, (&q, &k, &v, &d_o), docs, reference, (s, hq, hkv, scale))?;
+    }
+    Ok(ok)
+}
+
+fn check_modes_on(
+    _dev: &Device,
+    (q, k, v, d_o): (&Tensor, &Tensor, &Tensor, &Tensor),
+    docs: Option<&longctx_attention::Docs>,
+    reference: &Five,
+    (s, hq, hkv, scale): (usize, usize, usize, f64),
+) -> anyhow::Result<bool> {
     let mut ok = true;
     for mode in CHECKED_MODES {
         for w in [2usize, 4] {
@@ -430,9 +521,9 @@ fn check_modes(dev: &Device, dtype: DType) -> anyhow::Result<bool> {
             let parts = run_ranks(w, |comm| {
                 let (attn, idx) = mode_on(&comm, mode, w, hq, hkv, s).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
                 let take = |x: &Tensor| layout::take_seq(x, &idx);
-                let (ql, kl, vl, gl) = (take(&q)?, take(&k)?, take(&v)?, take(&d_o)?);
-                let (o, lse) = attn.forward(&ql, &kl, &vl, scale)?;
-                let (dq, dk, dv) = attn.backward(&gl, kernel::Saved::new(&ql, &kl, &vl, &o, &lse), scale)?;
+                let (ql, kl, vl, gl) = (take(q)?, take(k)?, take(v)?, take(d_o)?);
+                let (o, lse) = attn.forward_docs(&ql, &kl, &vl, docs, scale)?;
+                let (dq, dk, dv) = attn.backward_docs(&gl, kernel::Saved::new(&ql, &kl, &vl, &o, &lse), docs, scale)?;
                 Ok(([o, lse, dq, dk, dv], idx))
             });
             let parts = match parts {
@@ -452,7 +543,7 @@ fn check_modes(dev: &Device, dtype: DType) -> anyhow::Result<bool> {
                 layout::gather_seq(&pick(3), &idx)?,
                 layout::gather_seq(&pick(4), &idx)?,
             ];
-            ok &= compare(&label, &got, &reference)?;
+            ok &= compare(&label, &got, reference)?;
         }
     }
     Ok(ok)

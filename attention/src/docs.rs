@@ -183,6 +183,53 @@ fn pieces(blk: &Block<'_>, r: usize) -> Result<Vec<Piece>> {
     Ok(out)
 }
 
+/// Consecutive lone diagonal pieces of one length: `n` documents of `len` tokens from
+/// local row `at`, computed as one kernel call with the documents as its batch (a view:
+/// `[1, n·len, h, d]` is `[n, len, h, d]`), so 64 documents of 1K cost one launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Group {
+    at: usize,
+    len: usize,
+    n: usize,
+}
+
+/// Splits a row's pieces into batched groups and the rest. A piece joins a group when it
+/// is the only piece of its q run and of its kv run, causal on the diagonal (the same
+/// rows on both sides), and follows the group's last document directly with its length.
+fn batched(ps: Vec<Piece>) -> (Vec<Group>, Vec<Piece>) {
+    let mut uses: BTreeMap<(usize, bool), usize> = BTreeMap::new();
+    for p in &ps {
+        *uses.entry((p.q.at, true)).or_default() += 1;
+        *uses.entry((p.kv.at, false)).or_default() += 1;
+    }
+    let (mut groups, mut rest): (Vec<Group>, Vec<Piece>) = (Vec::new(), Vec::new());
+    for p in ps {
+        let lone = uses[&(p.q.at, true)] == 1 && uses[&(p.kv.at, false)] == 1;
+        if !(lone && p.mask == Mask::Causal && p.q.at == p.kv.at && p.q.glob == p.kv.glob) {
+            rest.push(p);
+            continue;
+        }
+        let len = p.q.glob.len();
+        match groups.last_mut() {
+            Some(g) if g.len == len && g.at + g.n * g.len == p.q.at => g.n += 1,
+            _ => groups.push(Group { at: p.q.at, len, n: 1 }),
+        }
+    }
+    (groups, rest)
+}
+
+/// Row `r`'s rows of a group as its batch: `[n, len, h, d]`.
+fn as_batch(x: &Tensor, r: usize, g: Group) -> Result<Tensor> {
+    let (_, _, h, d) = x.dims4()?;
+    cut(x, r, 1, g.at, g.n * g.len)?.reshape((g.n, g.len, h, d))
+}
+
+/// A group's `[n, len, h, d]` result back to `[1, n·len, h, d]`.
+fn from_batch(x: &Tensor, g: Group) -> Result<Tensor> {
+    let (_, _, h, d) = x.dims4()?;
+    x.reshape((1, g.n * g.len, h, d))
+}
+
 fn check_block(blk: &Block<'_>, b: usize, s: usize, t: usize) -> Result<()> {
     let (qs, ks): (usize, usize) = (blk.q.iter().map(|r| r.len()).sum(), blk.kv.iter().map(|r| r.len()).sum());
     if qs != s || ks != t {
@@ -239,11 +286,20 @@ pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, blk: Option<Block<'_>
     check_block(&blk, b, s, t)?;
     let (mut os, mut lses, mut any) = (Vec::with_capacity(b), Vec::with_capacity(b), false);
     for r in 0..b {
+        let (groups, rest) = batched(pieces(&blk, r)?);
         let mut by_q: BTreeMap<usize, Vec<Piece>> = BTreeMap::new();
-        for p in pieces(&blk, r)? {
+        for p in rest {
             by_q.entry(p.q.at).or_default().push(p);
         }
         let (mut o_parts, mut l_parts) = (BTreeMap::new(), BTreeMap::new());
+        for g in groups {
+            let (o, lse) = kernel::fwd(&as_batch(q, r, g)?, &as_batch(k, r, g)?, &as_batch(v, r, g)?, Mask::Causal, scale)?;
+            // lse [n, hq, len] -> [1, hq, n·len]
+            let lse = lse.transpose(0, 1)?.contiguous()?.reshape((1, hq, g.n * g.len))?;
+            o_parts.insert(g.at, from_batch(&o, g)?);
+            l_parts.insert(g.at, lse);
+            any = true;
+        }
         for (at, ps) in by_q {
             let n = ps[0].q.glob.len();
             let qp = cut(q, r, 1, at, n)?;
@@ -290,7 +346,18 @@ pub fn bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, blk: Option<Block<'_>>, s
     for r in 0..b {
         let (mut dq, mut dk, mut dv): (BTreeMap<usize, Tensor>, BTreeMap<usize, Tensor>, BTreeMap<usize, Tensor>) =
             (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
-        for p in pieces(&blk, r)? {
+        let (groups, rest) = batched(pieces(&blk, r)?);
+        for g in groups {
+            let lg = cut(lse, r, 2, g.at, g.n * g.len)?.reshape((hq, g.n, g.len))?.transpose(0, 1)?.contiguous()?;
+            let (qg, og, dog) = (as_batch(q, r, g)?, as_batch(o, r, g)?, as_batch(d_o, r, g)?);
+            let (g_q, g_k, g_v) =
+                kernel::bwd(&dog, Saved::new(&qg, &as_batch(k, r, g)?, &as_batch(v, r, g)?, &og, &lg), Mask::Causal, scale)?;
+            dq.insert(g.at, from_batch(&g_q.to_dtype(DType::F32)?, g)?);
+            dk.insert(g.at, from_batch(&g_k.to_dtype(DType::F32)?, g)?);
+            dv.insert(g.at, from_batch(&g_v.to_dtype(DType::F32)?, g)?);
+            any = true;
+        }
+        for p in rest {
             let (n, m) = (p.q.glob.len(), p.kv.glob.len());
             let (qp, op, dop) = (cut(q, r, 1, p.q.at, n)?, cut(o, r, 1, p.q.at, n)?, cut(d_o, r, 1, p.q.at, n)?);
             let lp = cut(lse, r, 2, p.q.at, n)?.contiguous()?;
@@ -349,6 +416,22 @@ mod tests {
                 (14..16, 14..16, Mask::Causal)
             ]
         );
+    }
+
+    #[test]
+    fn equal_documents_on_the_diagonal_are_one_batched_call() {
+        // 4 documents of 4, then one of 3 and one of 5 (lengths differ: groups of their own)
+        let d = docs(vec![vec![0, 4, 8, 12, 16, 19]], 24);
+        let all = [0..24];
+        let (groups, rest) = batched(pieces(&Block { docs: &d, q: &all, kv: &all }, 0).unwrap());
+        assert_eq!(groups, vec![Group { at: 0, len: 4, n: 4 }, Group { at: 16, len: 3, n: 1 }, Group { at: 19, len: 5, n: 1 }]);
+        assert!(rest.is_empty());
+        // a document spanning both zigzag chunks has two pieces on its q rows: not batched
+        let d = docs(vec![vec![0, 2, 14]], 16);
+        let segs = [0..4, 12..16];
+        let (groups, rest) = batched(pieces(&Block { docs: &d, q: &segs, kv: &segs }, 0).unwrap());
+        assert_eq!(groups, vec![Group { at: 0, len: 2, n: 1 }, Group { at: 6, len: 2, n: 1 }]);
+        assert_eq!(rest.len(), 3);
     }
 
     #[test]
