@@ -218,6 +218,22 @@ pub struct ArrowDocs {
 type Message = Option<(u8, usize, Span, Span)>;
 
 impl ArrowDocs {
+    /// Like [`ArrowDocs::open`]; per-token labels are not read from Arrow files yet, so a
+    /// label column named by the config is an error here (`Auto` reads none).
+    pub fn open_with_labels(file: Arc<Path>, column: Option<String>, labels: &super::docs::LabelSource) -> Result<Self> {
+        if let Some(col) = labels.pick(|_| false) {
+            return Err(Error::data(
+                &*file,
+                format!(
+                    "labels column `{}`: per-token labels are read from JSON lines and parquet files, not yet from Arrow \
+                     files; convert the dataset to parquet (`Dataset.to_parquet`), or set `data.labels_column = \"none\"`",
+                    col.name
+                ),
+            ));
+        }
+        Self::open(file, column)
+    }
+
     pub fn open(file: Arc<Path>, column: Option<String>) -> Result<Self> {
         let f = File::open(&file).map_err(|e| Error::io(&*file, e))?;
         // SAFETY: the map is read-only and lives in this reader; a file truncated while it
