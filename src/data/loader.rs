@@ -536,7 +536,7 @@ impl Loader {
             for (i, m) in cfg.mixture.iter().enumerate() {
                 m.check(std::path::Path::new("<data config>"), &format!("data.source[{i}]"))?;
             }
-            cfg.mixture.clone()
+            cfg.mixture.iter().map(|m| MixSource { column: m.column.clone().or_else(|| cfg.column.clone()), ..m.clone() }).collect()
         };
         let resolved =
             sources.iter().map(|m| resolve(&m.dataset, cfg.format, cfg.split.as_deref(), hub)).collect::<Result<Vec<_>>>()?;
