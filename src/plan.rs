@@ -976,10 +976,7 @@ pub fn describe_document_peek(p: &DocumentPeek) -> String {
         p.docs_per_sample, p.attention_ratio, p.samples
     );
     if p.long_docs > 0 {
-        out.push_str(&format!(
-            "; note: {} document(s) longer than a sample were split, each piece attending only to itself",
-            p.long_docs
-        ));
+        out.push_str(&format!("; note: {} document(s) longer than a sample were split, each piece attending only to itself", p.long_docs));
     }
     out
 }

@@ -401,7 +401,10 @@ fn label_errors_name_file_row_and_field() {
     let path = dir.path().join("bad.jsonl");
     write_jsonl(
         &path,
-        &[serde_json::json!({ "input_ids": [1, 2, 3], "labels": [1, 2, 3] }), serde_json::json!({ "input_ids": [4, 5, 6], "labels": [5, 6] })],
+        &[
+            serde_json::json!({ "input_ids": [1, 2, 3], "labels": [1, 2, 3] }),
+            serde_json::json!({ "input_ids": [4, 5, 6], "labels": [5, 6] }),
+        ],
     );
     let e = first_error(&files_cfg(&path, 2, Packing::Concat));
     assert!(e.contains("bad.jsonl") && e.contains("line 2") && e.contains("`labels` has 2 values but `input_ids` has 3 tokens"), "{e}");
@@ -609,7 +612,10 @@ fn planner_peek_measures_documents_and_attention_work() {
     // (9 + 1 + 1) / 25, 1, 1 -> mean
     assert!((p.attention_ratio - (11.0 / 25.0 + 2.0) / 3.0).abs() < 1e-12, "{}", p.attention_ratio);
     let line = longctx::plan::describe_document_peek(&p);
-    assert!(line.contains("1.67 documents per sample") && line.contains("0.813×") && line.contains("2 document(s) longer than a sample"), "{line}");
+    assert!(
+        line.contains("1.67 documents per sample") && line.contains("0.813×") && line.contains("2 document(s) longer than a sample"),
+        "{line}"
+    );
     let quiet = longctx::plan::describe_document_peek(&longctx::plan::DocumentPeek { long_docs: 0, ..p });
     assert!(!quiet.contains("longer than"));
 }

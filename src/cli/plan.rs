@@ -425,6 +425,47 @@ pub fn print_run_plan(cfg: &RunConfig, model: Option<&longctx::model::LlamaConfi
     Ok(())
 }
 
+/// Samples the dry run peeks at to describe documents packing.
+pub const DOC_PEEK_SAMPLES: usize = 16;
+
+/// `train --dry-run` with `data.packing = "documents"`: documents per sample and the
+/// attention work relative to one document per sample, on the first samples of stage 0's
+/// data (read through the same pipeline the trainer uses; no shuffle, so it stays fast).
+pub fn print_document_peek(cfg: &RunConfig, model: Option<&longctx::hub::ModelConfig>) {
+    if cfg.data.packing != longctx::train::config::PackingMode::Documents || cfg.stages.is_empty() {
+        return;
+    }
+    match document_peek(cfg, model) {
+        Ok(Some(p)) => println!("#   {}", plan::describe_document_peek(&p)),
+        Ok(None) => println!("#   documents packing: (no peek: the model's config is not at hand)"),
+        Err(e) => println!("#   documents packing: (no peek at the data: {e})"),
+    }
+}
+
+fn document_peek(cfg: &RunConfig, model: Option<&longctx::hub::ModelConfig>) -> longctx::Result<Option<plan::DocumentPeek>> {
+    use longctx::data::{DataSpec, Loader, Shard};
+    let Some(m) = model else { return Ok(None) };
+    let s = cfg.stage_settings(0);
+    let mut spec = longctx::train::trainer::stage_data_spec(cfg, &m.cfg, &s)?;
+    let DataSpec::Files(f) = &mut spec else { return Ok(None) };
+    cfg.data.configure(f, &s);
+    f.shuffle_buffer = 0;
+    f.max_epochs = Some(1);
+    let tokenizer = match &m.dir {
+        Some(d) if d.join("tokenizer.json").is_file() => Some(longctx::hub::load_tokenizer(d)?),
+        _ => None,
+    };
+    let mut loader = Loader::new(&spec, tokenizer.as_ref(), Shard::SINGLE)?;
+    let mut samples = Vec::with_capacity(DOC_PEEK_SAMPLES);
+    while samples.len() < DOC_PEEK_SAMPLES {
+        match loader.next_sample()? {
+            Some(x) => samples.push(x),
+            None => break,
+        }
+    }
+    Ok(Some(plan::document_peek(&samples, s.seq_length, loader.pack_stats().long_docs)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -477,45 +518,4 @@ mod tests {
         let [(label, r)] = &reqs[..] else { panic!("{reqs:?}") };
         assert_eq!((label.as_str(), r.seq_len, r.mode), ("", 512 * 1024, ParallelMode::DataParallel));
     }
-}
-
-/// Samples the dry run peeks at to describe documents packing.
-pub const DOC_PEEK_SAMPLES: usize = 16;
-
-/// `train --dry-run` with `data.packing = "documents"`: documents per sample and the
-/// attention work relative to one document per sample, on the first samples of stage 0's
-/// data (read through the same pipeline the trainer uses; no shuffle, so it stays fast).
-pub fn print_document_peek(cfg: &RunConfig, model: Option<&longctx::hub::ModelConfig>) {
-    if cfg.data.packing != longctx::train::config::PackingMode::Documents || cfg.stages.is_empty() {
-        return;
-    }
-    match document_peek(cfg, model) {
-        Ok(Some(p)) => println!("#   {}", plan::describe_document_peek(&p)),
-        Ok(None) => println!("#   documents packing: (no peek: the model's config is not at hand)"),
-        Err(e) => println!("#   documents packing: (no peek at the data: {e})"),
-    }
-}
-
-fn document_peek(cfg: &RunConfig, model: Option<&longctx::hub::ModelConfig>) -> longctx::Result<Option<plan::DocumentPeek>> {
-    use longctx::data::{DataSpec, Loader, Shard};
-    let Some(m) = model else { return Ok(None) };
-    let s = cfg.stage_settings(0);
-    let mut spec = longctx::train::trainer::stage_data_spec(cfg, &m.cfg, &s)?;
-    let DataSpec::Files(f) = &mut spec else { return Ok(None) };
-    cfg.data.configure(f, &s);
-    f.shuffle_buffer = 0;
-    f.max_epochs = Some(1);
-    let tokenizer = match &m.dir {
-        Some(d) if d.join("tokenizer.json").is_file() => Some(longctx::hub::load_tokenizer(d)?),
-        _ => None,
-    };
-    let mut loader = Loader::new(&spec, tokenizer.as_ref(), Shard::SINGLE)?;
-    let mut samples = Vec::with_capacity(DOC_PEEK_SAMPLES);
-    while samples.len() < DOC_PEEK_SAMPLES {
-        match loader.next_sample()? {
-            Some(x) => samples.push(x),
-            None => break,
-        }
-    }
-    Ok(Some(plan::document_peek(&samples, s.seq_length, loader.pack_stats().long_docs)))
 }

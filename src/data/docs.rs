@@ -129,14 +129,7 @@ impl LabelSource {
 
 /// Pairs a document's ids with the values of its label column (checked: same length,
 /// labels are -100 or ≥ 0, a mask is 0/1); `at` names the file position for errors.
-pub(crate) fn labeled(
-    ids: Vec<u32>,
-    values: Vec<i64>,
-    col: &LabelCol,
-    ids_field: &str,
-    file: &Path,
-    at: &str,
-) -> Result<Content> {
+pub(crate) fn labeled(ids: Vec<u32>, values: Vec<i64>, col: &LabelCol, ids_field: &str, file: &Path, at: &str) -> Result<Content> {
     if values.len() != ids.len() {
         return Err(Error::data(
             file,
@@ -281,10 +274,7 @@ impl Tokenize {
                 return Err(Error::data(&*doc.file, format!("{at}: token id {bad} is not below the vocabulary size {v}")));
             }
             if let Some((i, &bad)) = labels.iter().flatten().enumerate().find(|(_, &l)| l >= v as i64) {
-                return Err(Error::data(
-                    &*doc.file,
-                    format!("{}, token {i}: label {bad} is not below the vocabulary size {v}", doc.loc),
-                ));
+                return Err(Error::data(&*doc.file, format!("{}, token {i}: label {bad} is not below the vocabulary size {v}", doc.loc)));
             }
         }
         if is_stream {

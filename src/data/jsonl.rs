@@ -46,10 +46,7 @@ impl JsonlDocs {
 
     /// The integers of an array field (`what` names it in errors).
     fn ints(&self, field: &str, items: &[Value]) -> Result<Vec<i64>> {
-        items
-            .iter()
-            .map(|item| item.as_i64().ok_or_else(|| self.err(format!("`{field}` must hold integers, found {item}"))))
-            .collect()
+        items.iter().map(|item| item.as_i64().ok_or_else(|| self.err(format!("`{field}` must hold integers, found {item}")))).collect()
     }
 
     fn err(&self, msg: String) -> Error {

@@ -434,7 +434,7 @@ impl Files {
         } else {
             let sources = (0..self.sources.len()).map(|i| (self.source_docs(i), self.sources[i].weight, true)).collect();
             // A stream of its own (the tag keeps it apart from the shuffle's draws).
-            Box::new(MixDocs { sources, rng: SplitMix64::from_parts(&[self.cfg.seed, epoch, 0x6d69_7874_7572_65]) })
+            Box::new(MixDocs { sources, rng: SplitMix64::from_parts(&[self.cfg.seed, epoch, 0x006d_6978_7475_7265]) })
         };
         self.epoch = Some(FilesEpoch {
             packer: Packer::new(docs, self.cfg.seq_len, self.cfg.packing),
@@ -538,8 +538,7 @@ impl Loader {
             }
             cfg.mixture.iter().map(|m| MixSource { column: m.column.clone().or_else(|| cfg.column.clone()), ..m.clone() }).collect()
         };
-        let resolved =
-            sources.iter().map(|m| resolve(&m.dataset, cfg.format, cfg.split.as_deref(), hub)).collect::<Result<Vec<_>>>()?;
+        let resolved = sources.iter().map(|m| resolve(&m.dataset, cfg.format, cfg.split.as_deref(), hub)).collect::<Result<Vec<_>>>()?;
         let tokenize = Tokenize {
             // Documents are tokenized whole: truncation or padding that a tokenizer.json
             // carries (some set max_length 512) would silently cut long documents.

@@ -130,6 +130,7 @@ impl Sample {
 /// (the [`Sample::doc_starts`] convention: empty = one document) as ranges.
 pub fn doc_ranges(doc_starts: &[u32], seq_len: usize) -> Vec<std::ops::Range<usize>> {
     if doc_starts.is_empty() {
+        #[allow(clippy::single_range_in_vec_init)] // one document: the whole row
         return if seq_len == 0 { Vec::new() } else { vec![0..seq_len] };
     }
     let mut out = Vec::with_capacity(doc_starts.len());
@@ -185,16 +186,7 @@ pub struct Packer<I> {
 
 impl<I: Iterator<Item = Result<TokenDoc>>> Packer<I> {
     pub fn new(docs: I, seq_len: usize, packing: Packing) -> Self {
-        Self {
-            docs,
-            seq_len,
-            packing,
-            buf: Vec::new(),
-            labels: None,
-            starts: Default::default(),
-            start: 0,
-            stats: PackStats::default(),
-        }
+        Self { docs, seq_len, packing, buf: Vec::new(), labels: None, starts: Default::default(), start: 0, stats: PackStats::default() }
     }
 
     fn pull(&mut self) -> Result<Option<TokenDoc>> {

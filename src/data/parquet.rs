@@ -126,9 +126,8 @@ impl ParquetDocs {
                 None
             }
             Some(col) => {
-                let found: Vec<usize> = (0..schema.num_columns())
-                    .filter(|&i| schema.column(i).path().parts().first() == Some(&col.name))
-                    .collect();
+                let found: Vec<usize> =
+                    (0..schema.num_columns()).filter(|&i| schema.column(i).path().parts().first() == Some(&col.name)).collect();
                 let bad = |what: String| Error::data(&*file, format!("labels column `{}`: {what}", col.name));
                 let leaf = match found.as_slice() {
                     [one] => *one,
@@ -260,20 +259,27 @@ impl ParquetDocs {
             let (got, levels, vals) = match reader {
                 Col::I32(r) => {
                     let mut v = Vec::new();
-                    let (rec, _, lv) = r.read_records(want, Some(&mut def), Some(&mut rep), &mut v).map_err(|e| e.to_string())
+                    let (rec, _, lv) = r
+                        .read_records(want, Some(&mut def), Some(&mut rep), &mut v)
+                        .map_err(|e| e.to_string())
                         .map_err(|e| Error::data(&*self.file, format!("labels column `{name}`: near row {row}: {e}")))?;
                     (rec, lv, v.into_iter().map(i64::from).collect::<Vec<_>>())
                 }
                 Col::I64(r) => {
                     let mut v = Vec::new();
-                    let (rec, _, lv) = r.read_records(want, Some(&mut def), Some(&mut rep), &mut v).map_err(|e| e.to_string())
+                    let (rec, _, lv) = r
+                        .read_records(want, Some(&mut def), Some(&mut rep), &mut v)
+                        .map_err(|e| e.to_string())
                         .map_err(|e| Error::data(&*self.file, format!("labels column `{name}`: near row {row}: {e}")))?;
                     (rec, lv, v)
                 }
                 Col::Text(_) => return Ok(None),
             };
             if got == 0 {
-                return Err(Error::data(&*self.file, format!("labels column `{name}`: fewer rows than column `{}` near row {row}", self.field)));
+                return Err(Error::data(
+                    &*self.file,
+                    format!("labels column `{name}`: fewer rows than column `{}` near row {row}", self.field),
+                ));
             }
             let mut vi = 0;
             for k in 0..levels {
@@ -281,7 +287,9 @@ impl ParquetDocs {
                     out.push(Vec::new());
                 }
                 if def.get(k).is_none_or(|&d| d == l.max_def) {
-                    let v = *vals.get(vi).ok_or_else(|| Error::data(&*self.file, format!("labels column `{name}`: near row {row}: fewer values than levels")))?;
+                    let v = *vals.get(vi).ok_or_else(|| {
+                        Error::data(&*self.file, format!("labels column `{name}`: near row {row}: fewer values than levels"))
+                    })?;
                     vi += 1;
                     if let Some(last) = out.last_mut() {
                         last.push(v);

@@ -508,11 +508,7 @@ impl RunConfig {
             seq_length: st.seq_length,
             mode,
             seed: st.seed.unwrap_or(self.seed.wrapping_add(index as u64)),
-            dataset: st
-                .dataset
-                .clone()
-                .or_else(|| d.sources.first().map(|m| m.dataset.clone()))
-                .unwrap_or_else(|| d.dataset.clone()),
+            dataset: st.dataset.clone().or_else(|| d.sources.first().map(|m| m.dataset.clone())).unwrap_or_else(|| d.dataset.clone()),
             mixture: st.dataset.is_none() && !d.sources.is_empty(),
             column: st.column.clone().or_else(|| d.column.clone()),
             batch_size: st.batch_size.unwrap_or(t.batch_size),
