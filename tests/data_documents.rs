@@ -619,3 +619,56 @@ fn planner_peek_measures_documents_and_attention_work() {
     let quiet = longctx::plan::describe_document_peek(&longctx::plan::DocumentPeek { long_docs: 0, ..p });
     assert!(!quiet.contains("longer than"));
 }
+
+/// `train --dry-run` with documents packing prints the peek of stage 0's first samples:
+/// the same numbers as the library's peek over the same pipeline, and the split note.
+#[test]
+fn dry_run_reports_documents_per_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("d.jsonl");
+    let mut docs = make_docs(80, 6, 10);
+    docs.insert(3, (100..150).collect()); // longer than a sample of 16 + 1
+    write_jsonl_ids(&data, &docs);
+    let cfg_path = dir.path().join("run.toml");
+    let toml = format!(
+        "output_dir = {:?}\n[model]\nsource = \"builtin:tiny\"\n[data]\ndataset = {data:?}\npacking = \"documents\"\n\
+         [[stage]]\nseq_length = 16\nrope_theta = 1e4\nsteps = 1\n",
+        dir.path().join("out")
+    );
+    fs::write(&cfg_path, toml).unwrap();
+    let o = ok(&["train", "--config", cfg_path.to_str().unwrap(), "--dry-run"]);
+    let line = o.stdout.lines().find(|l| l.contains("documents packing:")).unwrap_or_else(|| panic!("no peek line:\n{}", o.stdout));
+
+    // The library's peek over the trainer's pipeline for stage 0.
+    let c = RunConfig::from_file(&cfg_path).unwrap();
+    let s = c.stage_settings(0);
+    let m = longctx::hub::ModelConfig::builtin("tiny").unwrap();
+    let mut spec = longctx::train::trainer::stage_data_spec(&c, &m.cfg, &s).unwrap();
+    let longctx::data::DataSpec::Files(f) = &mut spec else { panic!("files expected") };
+    c.data.configure(f, &s);
+    f.shuffle_buffer = 0;
+    let mut loader = Loader::new(&spec, None, Shard::SINGLE).unwrap();
+    let samples: Vec<Sample> = (0..16).map(|_| loader.next_sample().unwrap().unwrap()).collect();
+    let p = longctx::plan::document_peek(&samples, 16, loader.pack_stats().long_docs);
+    assert!(p.docs_per_sample > 2.0 && p.attention_ratio < 0.6, "{p:?}");
+    assert_eq!(p.long_docs, 1);
+    assert_eq!(line.trim_start_matches('#').trim(), longctx::plan::describe_document_peek(&p));
+    assert!(line.contains("1 document(s) longer than a sample were split"), "{line}");
+    // The printed config reads back (the peek lines are comments) with the packing kept.
+    let back: RunConfig = toml::from_str(&o.stdout).unwrap();
+    assert_eq!(back.data.packing, PackingMode::Documents);
+}
+
+/// Arrow files: labels are not read from them yet, so naming a label column is an error
+/// saying so; left to `Auto`, the fixture loads as before.
+#[test]
+fn arrow_label_column_is_refused_with_the_fix() {
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/arrow_dataset");
+    let mut cfg = FilesConfig::new(fx.to_str().unwrap(), 7);
+    (cfg.shuffle_buffer, cfg.max_epochs, cfg.split) = (0, Some(1), Some("train".into()));
+    let auto = drain(&mut Loader::files(&cfg, None, &offline_hub(), Shard::SINGLE).unwrap());
+    assert!(!auto.is_empty());
+    cfg.labels = LabelSource::Labels("labels".into());
+    let e = first_error(&cfg);
+    assert!(e.contains(".arrow") && e.contains("labels column `labels`") && e.contains("not yet from Arrow"), "{e}");
+}
