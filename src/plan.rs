@@ -972,7 +972,7 @@ pub fn document_peek(samples: &[crate::data::Sample], seq_len: usize, long_docs:
 pub fn describe_document_peek(p: &DocumentPeek) -> String {
     let mut out = format!(
         "documents packing: {:.2} documents per sample, attention work {:.3}× that of one document per sample \
-         (Σ len² / S², first {} samples of stage 0)",
+         (Σ len² / S², first {} sample(s) of stage 0)",
         p.docs_per_sample, p.attention_ratio, p.samples
     );
     if p.long_docs > 0 {

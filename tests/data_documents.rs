@@ -154,6 +154,15 @@ fn documents_packing_matches_reference_over_lengths() {
             assert!(x.doc_starts.windows(2).all(|w| w[0] < w[1]) && x.doc_starts.iter().all(|&d| (d as usize) < s));
         }
     }
+    // Empty documents (`"input_ids": []`) add no boundary.
+    let mut with_empty = docs.clone();
+    for k in [0, 5, 6, 40] {
+        with_empty.insert(k, Vec::new());
+    }
+    let empty_path = dir.path().join("e.jsonl");
+    write_jsonl_ids(&empty_path, &with_empty);
+    let got = drain(&mut Loader::files(&files_cfg(&empty_path, 16, Packing::Documents), None, &offline_hub(), Shard::SINGLE).unwrap());
+    assert_eq!(got, reference_documents(&docs, None, 16), "empty documents");
     // With BOS/EOS added, the boundaries move with the added tokens.
     let mut cfg = files_cfg(&path, 16, Packing::Documents);
     (cfg.bos, cfg.eos) = (Some(1), Some(2));

@@ -427,6 +427,8 @@ pub fn print_run_plan(cfg: &RunConfig, model: Option<&longctx::model::LlamaConfi
 
 /// Samples the dry run peeks at to describe documents packing.
 pub const DOC_PEEK_SAMPLES: usize = 16;
+/// Tokens the peek reads at most (fewer samples when they are long).
+pub const DOC_PEEK_TOKENS: usize = 4 << 20;
 
 /// `train --dry-run` with `data.packing = "documents"`: documents per sample and the
 /// attention work relative to one document per sample, on the first samples of stage 0's
@@ -443,9 +445,15 @@ pub fn print_document_peek(cfg: &RunConfig, model: Option<&longctx::hub::ModelCo
 }
 
 fn document_peek(cfg: &RunConfig, model: Option<&longctx::hub::ModelConfig>) -> longctx::Result<Option<plan::DocumentPeek>> {
+    use longctx::data::source::SourceSpec;
     use longctx::data::{DataSpec, Loader, Shard};
     let Some(m) = model else { return Ok(None) };
     let s = cfg.stage_settings(0);
+    let datasets: Vec<String> =
+        if s.mixture { cfg.data.sources.iter().map(|m| m.dataset.clone()).collect() } else { vec![s.dataset.clone()] };
+    if datasets.iter().any(|d| matches!(SourceSpec::parse(d), SourceSpec::Hub { .. })) {
+        return Err(longctx::Error::Setting("a dry run does not download a hub dataset; the trainer reads it".into()));
+    }
     let mut spec = longctx::train::trainer::stage_data_spec(cfg, &m.cfg, &s)?;
     let DataSpec::Files(f) = &mut spec else { return Ok(None) };
     cfg.data.configure(f, &s);
@@ -456,8 +464,10 @@ fn document_peek(cfg: &RunConfig, model: Option<&longctx::hub::ModelConfig>) -> 
         _ => None,
     };
     let mut loader = Loader::new(&spec, tokenizer.as_ref(), Shard::SINGLE)?;
-    let mut samples = Vec::with_capacity(DOC_PEEK_SAMPLES);
-    while samples.len() < DOC_PEEK_SAMPLES {
+    // At most DOC_PEEK_TOKENS tokens (one sample at least), so that long samples stay quick.
+    let n = (DOC_PEEK_TOKENS / s.seq_length.max(1)).clamp(1, DOC_PEEK_SAMPLES);
+    let mut samples = Vec::with_capacity(n);
+    while samples.len() < n {
         match loader.next_sample()? {
             Some(x) => samples.push(x),
             None => break,

@@ -239,7 +239,8 @@ impl<I: Iterator<Item = Result<TokenDoc>>> Packer<I> {
             self.starts.retain(|&s| s >= cut);
             self.starts.iter_mut().for_each(|s| *s -= cut);
             self.start = 0;
-            if docs {
+            // (an empty document has no tokens and so no start of its own)
+            if docs && !doc.ids.is_empty() && self.starts.back() != Some(&self.buf.len()) {
                 self.starts.push_back(self.buf.len());
             }
             self.push_labels(&doc);
