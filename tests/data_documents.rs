@@ -668,16 +668,27 @@ fn dry_run_reports_documents_per_sample() {
     assert_eq!(back.data.packing, PackingMode::Documents);
 }
 
-/// Arrow files: labels are not read from them yet, so naming a label column is an error
-/// saying so; left to `Auto`, the fixture loads as before.
+/// Arrow files (the `save_to_disk` fixture, which has no label column of its own): a
+/// label column is read row for row with the ids. Its `input_ids` named as the labels give
+/// the targets of no labels; named as a 0/1 mask they are refused naming file, row and
+/// column; a text column as labels is refused.
 #[test]
-fn arrow_label_column_is_refused_with_the_fix() {
+fn arrow_label_columns_are_read_row_for_row() {
     let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/arrow_dataset");
     let mut cfg = FilesConfig::new(fx.to_str().unwrap(), 7);
     (cfg.shuffle_buffer, cfg.max_epochs, cfg.split) = (0, Some(1), Some("train".into()));
-    let auto = drain(&mut Loader::files(&cfg, None, &offline_hub(), Shard::SINGLE).unwrap());
-    assert!(!auto.is_empty());
-    cfg.labels = LabelSource::Labels("labels".into());
+    for packing in [Packing::Concat, Packing::Documents] {
+        cfg.packing = packing;
+        cfg.labels = LabelSource::Auto;
+        let auto = drain(&mut Loader::files(&cfg, None, &offline_hub(), Shard::SINGLE).unwrap());
+        assert!(!auto.is_empty());
+        cfg.labels = LabelSource::Labels("input_ids".into());
+        assert_eq!(drain(&mut Loader::files(&cfg, None, &offline_hub(), Shard::SINGLE).unwrap()), auto);
+    }
+    cfg.labels = LabelSource::LossMask("input_ids".into());
     let e = first_error(&cfg);
-    assert!(e.contains(".arrow") && e.contains("labels column `labels`") && e.contains("not yet from Arrow"), "{e}");
+    assert!(e.contains(".arrow") && e.contains("row 0") && e.contains("`input_ids` value") && e.contains("is not 0 or 1"), "{e}");
+    cfg.labels = LabelSource::Labels("text".into());
+    let e = first_error(&cfg);
+    assert!(e.contains(".arrow") && e.contains("labels column `text` is text"), "{e}");
 }
