@@ -692,3 +692,59 @@ fn arrow_label_columns_are_read_row_for_row() {
     let e = first_error(&cfg);
     assert!(e.contains(".arrow") && e.contains("labels column `text` is text"), "{e}");
 }
+
+/// Documents packing through the shuffle buffer and two data-parallel ranks: a loader
+/// restored from a saved cursor yields exactly the samples the uninterrupted one does
+/// (the document starts are derived from the data, so they come back too).
+#[test]
+fn documents_packing_resumes_exactly_with_shuffle_and_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("d.jsonl");
+    write_jsonl_ids(&path, &make_docs(150, 20, 10));
+    let mut cfg = files_cfg(&path, 12, Packing::Documents);
+    (cfg.shuffle_buffer, cfg.max_epochs, cfg.seed) = (5, None, 3);
+    for rank in 0..2 {
+        let shard = Shard { rank, world: 2 };
+        let mut whole = Loader::files(&cfg, None, &offline_hub(), shard).unwrap();
+        let all: Vec<Sample> = (0..60).map(|_| whole.next_sample().unwrap().unwrap()).collect();
+        assert!(all.iter().any(|s| s.doc_starts.len() > 2));
+        for k in [1usize, 17, 40] {
+            let mut l = Loader::files(&cfg, None, &offline_hub(), shard).unwrap();
+            (0..k).for_each(|_| drop(l.next_sample().unwrap()));
+            let mut resumed = Loader::files(&cfg, None, &offline_hub(), shard).unwrap();
+            resumed.restore(&l.state()).unwrap();
+            let next: Vec<Sample> = (0..10).map(|_| resumed.next_sample().unwrap().unwrap()).collect();
+            assert_eq!(next, all[k..k + 10], "rank {rank}, resumed after {k}");
+        }
+    }
+}
+
+#[test]
+fn text_with_a_named_label_column_is_refused_and_stages_keep_their_own_dataset() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.jsonl");
+    write_jsonl(&path, &[serde_json::json!({ "text": "a b c", "labels": [1, 2, 3] })]);
+    let mut cfg = files_cfg(&path, 2, Packing::Concat);
+    cfg.labels = LabelSource::Labels("labels".into());
+    let e = first_error(&cfg);
+    assert!(e.contains("t.jsonl") && e.contains("line 1") && e.contains("need pre-tokenized token ids"), "{e}");
+
+    let p = dir.path().join("run.toml");
+    fs::write(
+        &p,
+        "[[data.source]]\ndataset = \"a.jsonl\"\nweight = 1\n[[data.source]]\ndataset = \"b.jsonl\"\nweight = 2\n\
+         [[stage]]\nseq_length = 16\nrope_theta = 1e4\nsteps = 1\n\
+         [[stage]]\nseq_length = 32\nrope_theta = 1e5\nsteps = 1\ndataset = \"own.jsonl\"\n",
+    )
+    .unwrap();
+    let c = RunConfig::from_file(&p).unwrap();
+    c.validate(&p).unwrap();
+    let (s0, s1) = (c.stage_settings(0), c.stage_settings(1));
+    assert!(s0.mixture && !s1.mixture);
+    assert_eq!((s0.dataset.as_str(), s1.dataset.as_str()), ("a.jsonl", "own.jsonl"));
+    let mut f = FilesConfig::new(s1.dataset.clone(), 32);
+    c.data.configure(&mut f, &s1);
+    assert!(f.mixture.is_empty());
+    assert_eq!(c.data.packing(), Packing::Concat);
+    assert!(!f.resets_positions());
+}
