@@ -941,3 +941,43 @@ pub fn tokens_label(n: usize) -> String {
         n.to_string()
     }
 }
+
+/// What a peek at the first samples of documents-packed data says (`train --dry-run`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DocumentPeek {
+    pub samples: usize,
+    /// Documents per sample, averaged over the peeked samples.
+    pub docs_per_sample: f64,
+    /// The attention work (causal, block-diagonal over documents) relative to one
+    /// document per sample: the mean over samples of Σ len_i² / S².
+    pub attention_ratio: f64,
+    /// Documents longer than S+1 tokens seen while packing (split over samples).
+    pub long_docs: u64,
+}
+
+/// Measures `samples` (rows of `seq_len` positions, [`crate::data::Sample::doc_starts`]
+/// convention); `long_docs` from the packer ([`crate::data::Loader::pack_stats`]).
+pub fn document_peek(samples: &[crate::data::Sample], seq_len: usize, long_docs: u64) -> DocumentPeek {
+    let n = samples.len().max(1) as f64;
+    let s2 = (seq_len as f64).powi(2).max(1.0);
+    let (mut docs, mut work) = (0usize, 0f64);
+    for s in samples {
+        let ranges = crate::data::doc_ranges(&s.doc_starts, seq_len);
+        docs += ranges.len();
+        work += ranges.iter().map(|r| (r.len() as f64).powi(2)).sum::<f64>() / s2;
+    }
+    DocumentPeek { samples: samples.len(), docs_per_sample: docs as f64 / n, attention_ratio: work / n, long_docs }
+}
+
+/// The dry run's line for a peek.
+pub fn describe_document_peek(p: &DocumentPeek) -> String {
+    let mut out = format!(
+        "documents packing: {:.2} documents per sample, attention work {:.3}× that of one document per sample \
+         (Σ len² / S², first {} sample(s) of stage 0)",
+        p.docs_per_sample, p.attention_ratio, p.samples
+    );
+    if p.long_docs > 0 {
+        out.push_str(&format!("; note: {} document(s) longer than a sample were split, each piece attending only to itself", p.long_docs));
+    }
+    out
+}

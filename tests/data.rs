@@ -54,7 +54,10 @@ fn reference_concat(docs: &[Vec<u32>], s: usize, bos: Option<u32>, eos: Option<u
         stream.extend_from_slice(d);
         stream.extend(eos);
     }
-    stream.chunks_exact(s + 1).map(|w| Sample { ids: w[..s].to_vec(), targets: w[1..].iter().map(|&t| t as i64).collect() }).collect()
+    stream
+        .chunks_exact(s + 1)
+        .map(|w| Sample { ids: w[..s].to_vec(), targets: w[1..].iter().map(|&t| t as i64).collect(), doc_starts: vec![] })
+        .collect()
 }
 
 fn drain(loader: &mut Loader) -> Vec<Sample> {
@@ -110,10 +113,18 @@ fn truncate_packing_pads_with_ignore() {
     let got = drain(&mut Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard::SINGLE).unwrap());
     // doc [5]+eos has 2 tokens: 1 target. Doc 10..30 is truncated to 9 tokens.
     let want = vec![
-        Sample { ids: vec![5, 2, 0, 0, 0, 0, 0, 0], targets: vec![2, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE] },
-        Sample { ids: (10..18).collect(), targets: (11..19).collect() },
-        Sample { ids: vec![7, 8, 2, 0, 0, 0, 0, 0], targets: vec![8, 2, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE] },
-        Sample { ids: vec![40, 41, 42, 43, 44, 2, 0, 0], targets: vec![41, 42, 43, 44, 2, IGNORE, IGNORE, IGNORE] },
+        Sample {
+            ids: vec![5, 2, 0, 0, 0, 0, 0, 0],
+            targets: vec![2, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE],
+            doc_starts: vec![],
+        },
+        Sample { ids: (10..18).collect(), targets: (11..19).collect(), doc_starts: vec![] },
+        Sample {
+            ids: vec![7, 8, 2, 0, 0, 0, 0, 0],
+            targets: vec![8, 2, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE],
+            doc_starts: vec![],
+        },
+        Sample { ids: vec![40, 41, 42, 43, 44, 2, 0, 0], targets: vec![41, 42, 43, 44, 2, IGNORE, IGNORE, IGNORE], doc_starts: vec![] },
     ];
     assert_eq!(got, want);
     // Without EOS the one-token document has nothing to predict and is skipped.

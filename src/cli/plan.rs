@@ -425,6 +425,57 @@ pub fn print_run_plan(cfg: &RunConfig, model: Option<&longctx::model::LlamaConfi
     Ok(())
 }
 
+/// Samples the dry run peeks at to describe documents packing.
+pub const DOC_PEEK_SAMPLES: usize = 16;
+/// Tokens the peek reads at most (fewer samples when they are long).
+pub const DOC_PEEK_TOKENS: usize = 4 << 20;
+
+/// `train --dry-run` with `data.packing = "documents"`: documents per sample and the
+/// attention work relative to one document per sample, on the first samples of stage 0's
+/// data (read through the same pipeline the trainer uses; no shuffle, so it stays fast).
+pub fn print_document_peek(cfg: &RunConfig, model: Option<&longctx::hub::ModelConfig>) {
+    if cfg.data.packing != longctx::train::config::PackingMode::Documents || cfg.stages.is_empty() {
+        return;
+    }
+    match document_peek(cfg, model) {
+        Ok(Some(p)) => println!("#   {}", plan::describe_document_peek(&p)),
+        Ok(None) => println!("#   documents packing: (no peek: the model's config is not at hand)"),
+        Err(e) => println!("#   documents packing: (no peek at the data: {e})"),
+    }
+}
+
+fn document_peek(cfg: &RunConfig, model: Option<&longctx::hub::ModelConfig>) -> longctx::Result<Option<plan::DocumentPeek>> {
+    use longctx::data::source::SourceSpec;
+    use longctx::data::{DataSpec, Loader, Shard};
+    let Some(m) = model else { return Ok(None) };
+    let s = cfg.stage_settings(0);
+    let datasets: Vec<String> =
+        if s.mixture { cfg.data.sources.iter().map(|m| m.dataset.clone()).collect() } else { vec![s.dataset.clone()] };
+    if datasets.iter().any(|d| matches!(SourceSpec::parse(d), SourceSpec::Hub { .. })) {
+        return Err(longctx::Error::Setting("a dry run does not download a hub dataset; the trainer reads it".into()));
+    }
+    let mut spec = longctx::train::trainer::stage_data_spec(cfg, &m.cfg, &s)?;
+    let DataSpec::Files(f) = &mut spec else { return Ok(None) };
+    cfg.data.configure(f, &s);
+    f.shuffle_buffer = 0;
+    f.max_epochs = Some(1);
+    let tokenizer = match &m.dir {
+        Some(d) if d.join("tokenizer.json").is_file() => Some(longctx::hub::load_tokenizer(d)?),
+        _ => None,
+    };
+    let mut loader = Loader::new(&spec, tokenizer.as_ref(), Shard::SINGLE)?;
+    // At most DOC_PEEK_TOKENS tokens (one sample at least), so that long samples stay quick.
+    let n = (DOC_PEEK_TOKENS / s.seq_length.max(1)).clamp(1, DOC_PEEK_SAMPLES);
+    let mut samples = Vec::with_capacity(n);
+    while samples.len() < n {
+        match loader.next_sample()? {
+            Some(x) => samples.push(x),
+            None => break,
+        }
+    }
+    Ok(Some(plan::document_peek(&samples, s.seq_length, loader.pack_stats().long_docs)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

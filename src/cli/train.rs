@@ -177,8 +177,8 @@ fn base_note(a: &TrainArgs) -> Option<String> {
 fn check_datasets(cfg: &RunConfig, opts: &longctx::hub::HubOptions) -> Result<()> {
     use longctx::data::source::SourceSpec;
     let mut seen = std::collections::BTreeSet::new();
-    for i in 0..cfg.stages.len() {
-        let ds = cfg.stage_settings(i).dataset;
+    let mixture = cfg.data.sources.iter().map(|m| m.dataset.clone());
+    for ds in (0..cfg.stages.len()).map(|i| cfg.stage_settings(i).dataset).chain(mixture) {
         if ds.starts_with("synthetic:") || !seen.insert(ds.clone()) {
             continue;
         }
@@ -229,6 +229,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
         println!("{}", toml::to_string_pretty(&cfg)?);
         let gpu = longctx::device::gpu_memory(&cfg.model.device, &src)?;
         super::plan::print_run_plan(&cfg, model.as_ref().map(|m| &m.cfg), gpu)?;
+        super::plan::print_document_peek(&cfg, model.as_ref());
         return Ok(());
     }
     // SIGINT/SIGTERM: a checkpoint at the next step boundary, then exit (a second one

@@ -2,7 +2,9 @@
 //! beside `dataset_info.json` and `state.json`; the streaming format, the file format's
 //! `ARROW1` magic is skipped too), read by hand: a token-id column (`list<int>` or
 //! `large_list<int>`, e.g. `input_ids`) or a text column (`string` / `large_string`).
-//! The column is configurable; by default `input_ids` if present, else `text`.
+//! The column is configurable; by default `input_ids` if present, else `text`. A
+//! per-token labels or loss-mask column (`list<int>`, see [`LabelSource`]) is read
+//! alongside a token-id column, row for row.
 //!
 //! The file is memory-mapped and read one message at a time: each message is a length,
 //! a flatbuffer (`Message`: a `Schema` first, then `RecordBatch`es; `DictionaryBatch`es
@@ -20,7 +22,7 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
-use super::docs::{token_id, Content, Doc, Loc};
+use super::docs::{labeled, token_id, Content, Doc, LabelCol, LabelSource, Loc};
 use crate::{Error, Result};
 
 /// Reads of a flatbuffer inside `buf`, every access bounds-checked.
@@ -211,6 +213,10 @@ pub struct ArrowDocs {
     batch: Option<BatchCol>,
     row: u64,
     done: bool,
+    /// The label column: which one, its node, first buffer and kind.
+    labels: Option<(LabelCol, usize, usize, Kind)>,
+    /// Its part of the current record batch.
+    label_batch: Option<BatchCol>,
 }
 
 /// One message: (header type, header table position inside the metadata, metadata span,
@@ -219,6 +225,11 @@ type Message = Option<(u8, usize, Span, Span)>;
 
 impl ArrowDocs {
     pub fn open(file: Arc<Path>, column: Option<String>) -> Result<Self> {
+        Self::open_with_labels(file, column, &LabelSource::None)
+    }
+
+    /// Like [`ArrowDocs::open`], with per-token labels as `labels` says ([`LabelSource`]).
+    pub fn open_with_labels(file: Arc<Path>, column: Option<String>, labels: &LabelSource) -> Result<Self> {
         let f = File::open(&file).map_err(|e| Error::io(&*file, e))?;
         // SAFETY: the map is read-only and lives in this reader; a file truncated while it
         // is mapped is the usual memory-map caveat (the same as the raw token files).
@@ -235,6 +246,8 @@ impl ArrowDocs {
             batch: None,
             row: 0,
             done: false,
+            labels: None,
+            label_batch: None,
         };
         let (ty, header, meta, _) = me.message()?.ok_or_else(|| me.bad("no schema message".into()))?;
         if ty != H_SCHEMA {
@@ -253,16 +266,45 @@ impl ArrowDocs {
             None if names.contains(&"input_ids") => "input_ids".into(),
             None => "text".into(),
         };
+        let (node, buffer, kind) = me.locate(&fields, &field, "a string or a list of integers")?;
+        if let Some(col) = labels.pick(|k| names.contains(&k)) {
+            match kind {
+                Kind::Text { .. } if col.explicit => {
+                    return Err(Error::data(
+                        &*me.file,
+                        format!(
+                            "column `{field}` holds text, but labels (`{}`) need pre-tokenized token ids: give `input_ids` with `{}` of the same length",
+                            col.name, col.name
+                        ),
+                    ))
+                }
+                Kind::Text { .. } => {}
+                Kind::Ids { .. } => {
+                    let (n, b, k) = me.locate(&fields, &col.name, "a list of integers (one per token)")?;
+                    if matches!(k, Kind::Text { .. }) {
+                        return Err(Error::data(&*me.file, format!("labels column `{}` is text; expected a list of integers (one per token)", col.name)));
+                    }
+                    me.labels = Some((col, n, b, k));
+                }
+            }
+        }
+        (me.field, me.node, me.buffer, me.kind) = (field, node, buffer, kind);
+        Ok(me)
+    }
+
+    /// Node, first buffer and kind of column `field` (`expected` for the error).
+    fn locate(&self, fields: &[FieldInfo], field: &str, expected: &str) -> Result<(usize, usize, Kind)> {
+        let names: Vec<&str> = fields.iter().map(|f| f.name.as_str()).collect();
         let Some(idx) = fields.iter().position(|f| f.name == field) else {
-            return Err(Error::data(&*me.file, format!("no column `{field}`; the columns are {names:?}")));
+            return Err(Error::data(&*self.file, format!("no column `{field}`; the columns are {names:?}")));
         };
         let (mut node, mut buffer) = (0, 0);
         for f in &fields[..idx] {
-            let (n, b) = f.counts().map_err(|e| me.bad(e))?;
+            let (n, b) = f.counts().map_err(|e| self.bad(e))?;
             (node, buffer) = (node + n, buffer + b);
         }
         let f = &fields[idx];
-        let wrong = |what: &str| Error::data(&*me.file, format!("column `{field}` is {what}; expected a string or a list of integers"));
+        let wrong = |what: &str| Error::data(&*self.file, format!("column `{field}` is {what}; expected {expected}"));
         if f.dictionary {
             return Err(wrong("dictionary-encoded"));
         }
@@ -275,8 +317,7 @@ impl ArrowDocs {
             (T_LIST | T_LARGE_LIST, _) => return Err(wrong("a list of something other than integers")),
             (t, _) => return Err(wrong(&format!("of Arrow type id {t}"))),
         };
-        (me.field, me.node, me.buffer, me.kind) = (field, node, buffer, kind);
-        Ok(me)
+        Ok((node, buffer, kind))
     }
 
     fn bad(&self, what: String) -> Error {
@@ -321,7 +362,13 @@ impl ArrowDocs {
         loop {
             let Some((ty, header, meta, body)) = self.message()? else { return Ok(None) };
             match ty {
-                H_RECORD_BATCH => return self.batch_col(header, meta, body).map(Some),
+                H_RECORD_BATCH => {
+                    self.label_batch = match self.labels.as_ref() {
+                        Some(&(_, node, buffer, kind)) => Some(self.batch_col_of(header, meta, body, node, buffer, kind)?),
+                        None => None,
+                    };
+                    return self.batch_col(header, meta, body).map(Some);
+                }
                 H_DICTIONARY => continue,
                 t => return Err(self.bad(format!("unexpected message type {t} after the schema"))),
             }
@@ -329,6 +376,11 @@ impl ArrowDocs {
     }
 
     fn batch_col(&self, header: usize, meta: Span, body: Span) -> Result<BatchCol> {
+        self.batch_col_of(header, meta, body, self.node, self.buffer, self.kind)
+    }
+
+    /// The column at field node `col_node`, first buffer `b`, of kind `kind`.
+    fn batch_col_of(&self, header: usize, meta: Span, body: Span, col_node: usize, b: usize, kind: Kind) -> Result<BatchCol> {
         let fb = Fb { buf: &self.map[meta.0..meta.1] };
         let r = (|| -> R<BatchCol> {
             if fb.table(header, 3)?.is_some() {
@@ -354,21 +406,20 @@ impl ArrowDocs {
                 let end = start.checked_add(len).filter(|&e| e <= body.1).ok_or(format!("buffer {i} past its message body"))?;
                 Ok((start, end))
             };
-            let (len, nulls) = node(self.node)?;
+            let (len, nulls) = node(col_node)?;
             if usize::try_from(len).ok() != Some(rows) {
                 return Err(format!("column length {len} but {rows} rows"));
             }
-            let b = self.buffer;
             let validity = (nulls > 0).then(|| buf(b)).transpose()?;
             let offsets = buf(b + 1)?;
-            let (values, value_validity) = match self.kind {
+            let (values, value_validity) = match kind {
                 Kind::Text { .. } => (buf(b + 2)?, None),
                 Kind::Ids { .. } => {
-                    let (_, child_nulls) = node(self.node + 1)?;
+                    let (_, child_nulls) = node(col_node + 1)?;
                     ((buf(b + 3)?), (child_nulls > 0).then(|| buf(b + 2)).transpose()?)
                 }
             };
-            let width = match self.kind {
+            let width = match kind {
                 Kind::Text { large } | Kind::Ids { large, .. } => {
                     if large {
                         8
@@ -425,28 +476,53 @@ impl ArrowDocs {
                 Ok((!s.is_empty()).then(|| Content::Text(s.to_string())))
             }
             Kind::Ids { bits, .. } => {
-                let w = bits as usize / 8;
-                let (start, end) = (a.checked_mul(w), b.checked_mul(w));
-                let vals = match (start, end) {
-                    (Some(s), Some(e)) if c.values.0 + e <= c.values.1 => &self.map[c.values.0 + s..c.values.0 + e],
-                    _ => return Err(self.bad(format!("{loc}: token ids past their buffer"))),
-                };
                 let mut ids = Vec::with_capacity(b - a);
-                for (k, v) in vals.chunks_exact(w).enumerate() {
-                    if c.value_validity.is_some_and(|vv| !self.bit(vv, a + k)) {
-                        return Err(Error::data(&*self.file, format!("{loc}: `{}` holds a null token id at position {k}", self.field)));
-                    }
-                    let n = match w {
-                        1 => i64::from(v[0] as i8),
-                        2 => i64::from(i16::from_le_bytes([v[0], v[1]])),
-                        4 => i64::from(i32::from_le_bytes([v[0], v[1], v[2], v[3]])),
-                        _ => i64::from_le_bytes([v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]]),
-                    };
+                for n in self.ints(c, a, b, bits, &self.field)? {
                     ids.push(token_id(n, &self.file, loc, &self.field)?);
                 }
-                Ok((!ids.is_empty()).then_some(Content::Ids(ids)))
+                if ids.is_empty() {
+                    return Ok(None);
+                }
+                match (self.labels.as_ref(), self.label_batch.as_ref()) {
+                    (Some((col, _, _, Kind::Ids { large, bits })), Some(lc)) => {
+                        let values = if lc.validity.is_some_and(|v| !self.bit(v, i)) {
+                            Vec::new()
+                        } else {
+                            match (self.offset(lc.offsets, i, *large), self.offset(lc.offsets, i + 1, *large)) {
+                                (Some(la), Some(lb)) if la <= lb => self.ints(lc, la, lb, *bits, &col.name)?,
+                                _ => return Err(self.bad(format!("{loc}: bad offsets in `{}`", col.name))),
+                            }
+                        };
+                        labeled(ids, values, col, &self.field, &self.file, &loc.to_string()).map(Some)
+                    }
+                    _ => Ok(Some(Content::Ids(ids))),
+                }
             }
         }
+    }
+
+    /// The integers `a..b` of list column `c` (values `bits` wide); `name` for errors.
+    fn ints(&self, c: &BatchCol, a: usize, b: usize, bits: u32, name: &str) -> Result<Vec<i64>> {
+        let loc = Loc::Row(self.row);
+        let w = bits as usize / 8;
+        let (start, end) = (a.checked_mul(w), b.checked_mul(w));
+        let vals = match (start, end) {
+            (Some(s), Some(e)) if c.values.0 + e <= c.values.1 => &self.map[c.values.0 + s..c.values.0 + e],
+            _ => return Err(self.bad(format!("{loc}: `{name}` values past their buffer"))),
+        };
+        let mut out = Vec::with_capacity(b - a);
+        for (k, v) in vals.chunks_exact(w).enumerate() {
+            if c.value_validity.is_some_and(|vv| !self.bit(vv, a + k)) {
+                return Err(Error::data(&*self.file, format!("{loc}: `{name}` holds a null token id at position {k}")));
+            }
+            out.push(match w {
+                1 => i64::from(v[0] as i8),
+                2 => i64::from(i16::from_le_bytes([v[0], v[1]])),
+                4 => i64::from(i32::from_le_bytes([v[0], v[1], v[2], v[3]])),
+                _ => i64::from_le_bytes([v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]]),
+            });
+        }
+        Ok(out)
     }
 }
 

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::docs::{token_id, Content, Doc, Loc};
+use super::docs::{labeled, token_id, Content, Doc, LabelSource, Loc};
 use crate::{Error, Result};
 
 pub struct JsonlDocs {
@@ -21,6 +21,7 @@ pub struct JsonlDocs {
     line_no: u64,
     buf: Vec<u8>,
     done: bool,
+    labels: LabelSource,
 }
 
 impl JsonlDocs {
@@ -34,7 +35,18 @@ impl JsonlDocs {
         } else {
             Box::new(f)
         };
-        Ok(Self { file, reader: BufReader::new(raw), column, line_no: 0, buf: Vec::new(), done: false })
+        Ok(Self { file, reader: BufReader::new(raw), column, line_no: 0, buf: Vec::new(), done: false, labels: LabelSource::None })
+    }
+
+    /// Reads per-token labels as `labels` says (see [`LabelSource`]).
+    pub fn with_labels(mut self, labels: LabelSource) -> Self {
+        self.labels = labels;
+        self
+    }
+
+    /// The integers of an array field (`what` names it in errors).
+    fn ints(&self, field: &str, items: &[Value]) -> Result<Vec<i64>> {
+        items.iter().map(|item| item.as_i64().ok_or_else(|| self.err(format!("`{field}` must hold integers, found {item}")))).collect()
     }
 
     fn err(&self, msg: String) -> Error {
@@ -71,6 +83,26 @@ impl JsonlDocs {
                 Content::Ids(ids)
             }
             other => return Err(self.err(format!("`{field}` must be a string or an array of token ids, found {other}"))),
+        };
+        let content = match (content, self.labels.pick(|k| obj.contains_key(k))) {
+            (Content::Ids(ids), Some(col)) => match obj.get(&col.name) {
+                Some(Value::Array(items)) => {
+                    let values = self.ints(&col.name, items)?;
+                    labeled(ids, values, &col, field, &self.file, &loc.to_string())?
+                }
+                Some(other) => return Err(self.err(format!("`{}` must be an array of integers (one per token), found {other}", col.name))),
+                None if col.explicit => {
+                    return Err(self.err(format!("no field `{}` (the configured labels column) next to `{field}`", col.name)))
+                }
+                None => Content::Ids(ids),
+            },
+            (Content::Text(_), Some(col)) if col.explicit => {
+                return Err(self.err(format!(
+                    "`{field}` holds text, but labels (`{}`) need pre-tokenized token ids: give `input_ids` with `{}` of the same length",
+                    col.name, col.name
+                )))
+            }
+            (c, _) => c,
         };
         Ok(Doc { content, file: self.file.clone(), loc })
     }

@@ -3,7 +3,7 @@
 //! Flow (every stage streams; no dataset is ever loaded whole):
 //! ```text
 //! source (file | dir | hub id) -> documents (jsonl / txt / parquet / raw .bin)
-//!   -> token ids (tokenizer, BOS/EOS, vocab check) -> packing (concat | truncate)
+//!   -> token ids (tokenizer, BOS/EOS, vocab check) -> packing (concat | truncate | documents)
 //!   -> buffered shuffle (seed, epoch) -> data-parallel shard -> Sample / Batch
 //!   -> sequence-parallel layout (ids, targets, positions permuted together)
 //! ```
@@ -29,9 +29,9 @@ pub mod synthetic;
 pub mod text;
 pub mod tokens;
 
-pub use docs::{Content, Doc, Loc, TextSplit};
-pub use layout::{apply_layout, apply_layout_tensors, LocalBatch};
-pub use loader::{Batch, DataSpec, DataState, FilesConfig, Loader, Shard};
-pub use packing::{Packing, Sample, IGNORE};
+pub use docs::{Content, Doc, LabelSource, Loc, TextSplit};
+pub use layout::{apply_layout, apply_layout_docs, apply_layout_tensors, LocalBatch};
+pub use loader::{Batch, DataSpec, DataState, FilesConfig, Loader, MixSource, Shard};
+pub use packing::{doc_ranges, Packing, RawSample, Sample, IGNORE};
 pub use source::{Format, TokenWidth};
 pub use synthetic::{LossOn, Passkey, PasskeyConfig, PasskeyItem};

@@ -21,7 +21,7 @@ use parquet::column::reader::{ColumnReader, ColumnReaderImpl};
 use parquet::data_type::{ByteArrayType, DataType, Int32Type, Int64Type};
 use parquet::file::reader::{FileReader, SerializedFileReader};
 
-use super::docs::{token_id, Content, Doc, Loc};
+use super::docs::{labeled, token_id, Content, Doc, LabelCol, LabelSource, Loc};
 use crate::{Error, Result};
 
 /// Records decoded per read call.
@@ -49,10 +49,25 @@ pub struct ParquetDocs {
     row: u64,
     queue: VecDeque<Doc>,
     done: bool,
+    /// The label column (`labels` / `loss_mask`), read alongside the ids.
+    labels: Option<Labels>,
+}
+
+/// A per-token label column: list<int32|int64>, decoded record for record with the ids.
+struct Labels {
+    col: LabelCol,
+    leaf: usize,
+    max_def: i16,
+    reader: Option<Col>,
 }
 
 impl ParquetDocs {
     pub fn open(file: Arc<Path>, column: Option<String>) -> Result<Self> {
+        Self::open_with_labels(file, column, &LabelSource::None)
+    }
+
+    /// Like [`ParquetDocs::open`], with per-token labels as `labels` says ([`LabelSource`]).
+    pub fn open_with_labels(file: Arc<Path>, column: Option<String>, labels: &LabelSource) -> Result<Self> {
         let f = File::open(&file).map_err(|e| Error::io(&*file, e))?;
         let unreadable = |e: String| Error::data(&*file, format!("not a readable parquet file ({e})"));
         let reader = std::panic::catch_unwind(|| SerializedFileReader::new(f))
@@ -95,6 +110,41 @@ impl ParquetDocs {
             }
         }
         let leaf_optional = desc.self_type().get_basic_info().repetition() == Repetition::OPTIONAL;
+        let is_text = desc.physical_type() == PhysicalType::BYTE_ARRAY;
+        let labels = match labels.pick(|k| top.iter().any(|n| n == k)) {
+            None => None,
+            Some(col) if is_text => {
+                if col.explicit {
+                    return Err(Error::data(
+                        &*file,
+                        format!(
+                            "column `{field}` holds text, but labels (`{}`) need pre-tokenized token ids: give `input_ids` with `{}` of the same length",
+                            col.name, col.name
+                        ),
+                    ));
+                }
+                None
+            }
+            Some(col) => {
+                let found: Vec<usize> =
+                    (0..schema.num_columns()).filter(|&i| schema.column(i).path().parts().first() == Some(&col.name)).collect();
+                let bad = |what: String| Error::data(&*file, format!("labels column `{}`: {what}", col.name));
+                let leaf = match found.as_slice() {
+                    [one] => *one,
+                    [] => return Err(bad(format!("no such column; the columns are {top:?}"))),
+                    _ => return Err(bad("is a struct with several leaves; expected a list of integers".into())),
+                };
+                let d = schema.column(leaf);
+                if !matches!(d.physical_type(), PhysicalType::INT32 | PhysicalType::INT64) || d.max_rep_level() != 1 {
+                    return Err(bad(format!(
+                        "has physical type {} with {} level(s) of repetition; expected a list<int32|int64> (one value per token)",
+                        d.physical_type(),
+                        d.max_rep_level()
+                    )));
+                }
+                Some(Labels { col, leaf, max_def: d.max_def_level(), reader: None })
+            }
+        };
         Ok(Self {
             file,
             reader,
@@ -108,6 +158,7 @@ impl ParquetDocs {
             row: 0,
             queue: VecDeque::new(),
             done: false,
+            labels,
         })
     }
 
@@ -131,6 +182,18 @@ impl ParquetDocs {
             ColumnReader::Int64ColumnReader(r) => Col::I64(r),
             _ => return Err(self.err(format!("row group {i}: unexpected physical type"))),
         });
+        if let Some(leaf) = self.labels.as_ref().map(|l| l.leaf) {
+            self.check_chunk_of(i, leaf)?;
+            let col = rg.get_column_reader(leaf).map_err(|e| self.err(format!("row group {i}: labels: {e}")))?;
+            let reader = match col {
+                ColumnReader::Int32ColumnReader(r) => Col::I32(r),
+                ColumnReader::Int64ColumnReader(r) => Col::I64(r),
+                _ => return Err(self.err(format!("row group {i}: labels: unexpected physical type"))),
+            };
+            if let Some(l) = self.labels.as_mut() {
+                l.reader = Some(reader);
+            }
+        }
         Ok(true)
     }
 
@@ -138,8 +201,12 @@ impl ParquetDocs {
     /// file (the parquet crate asserts on negative ones: found by `fuzz/`'s
     /// dataset_parquet target).
     fn check_chunk(&self, i: usize) -> Result<()> {
+        self.check_chunk_of(i, self.leaf)
+    }
+
+    fn check_chunk_of(&self, i: usize, leaf: usize) -> Result<()> {
         let len = std::fs::metadata(&*self.file).map_err(|e| Error::io(&*self.file, e))?.len();
-        let c = self.reader.metadata().row_group(i).column(self.leaf);
+        let c = self.reader.metadata().row_group(i).column(leaf);
         let start = c.dictionary_page_offset().unwrap_or_else(|| c.data_page_offset());
         let size = c.compressed_size();
         let end = start.checked_add(size);
@@ -168,12 +235,72 @@ impl ParquetDocs {
                 read(r, &mut def, &mut rep, &mut vals).map(|levels| (levels, Vals::Ints(vals)))
             }
         };
-        let (levels, vals) = res.map_err(|e| self.err(format!("near row {}: {e}", self.row)))?;
+        let ((records, levels), vals) = res.map_err(|e| self.err(format!("near row {}: {e}", self.row)))?;
+        let first_row = self.row;
+        let labels = self.read_labels(records)?;
         match vals {
             Vals::Text(v) => self.push_texts(levels, &def, &v)?,
-            Vals::Ints(v) => self.push_lists(levels, &def, &rep, &v)?,
+            Vals::Ints(v) => self.push_lists(levels, &def, &rep, &v, first_row, labels.as_deref())?,
         }
         Ok(levels)
+    }
+
+    /// The label lists of the next `records` records (`None` when there is no label
+    /// column; a null record gives an empty list).
+    fn read_labels(&mut self, records: usize) -> Result<Option<Vec<Vec<i64>>>> {
+        let row = self.row;
+        let Some(l) = self.labels.as_mut() else { return Ok(None) };
+        let name = l.col.name.clone();
+        let Some(reader) = l.reader.as_mut() else { return Ok(None) };
+        let (mut def, mut rep) = (Vec::new(), Vec::new());
+        let mut out: Vec<Vec<i64>> = Vec::with_capacity(records);
+        while out.len() < records {
+            let want = records - out.len();
+            let (got, levels, vals) = match reader {
+                Col::I32(r) => {
+                    let mut v = Vec::new();
+                    let (rec, _, lv) = r
+                        .read_records(want, Some(&mut def), Some(&mut rep), &mut v)
+                        .map_err(|e| e.to_string())
+                        .map_err(|e| Error::data(&*self.file, format!("labels column `{name}`: near row {row}: {e}")))?;
+                    (rec, lv, v.into_iter().map(i64::from).collect::<Vec<_>>())
+                }
+                Col::I64(r) => {
+                    let mut v = Vec::new();
+                    let (rec, _, lv) = r
+                        .read_records(want, Some(&mut def), Some(&mut rep), &mut v)
+                        .map_err(|e| e.to_string())
+                        .map_err(|e| Error::data(&*self.file, format!("labels column `{name}`: near row {row}: {e}")))?;
+                    (rec, lv, v)
+                }
+                Col::Text(_) => return Ok(None),
+            };
+            if got == 0 {
+                return Err(Error::data(
+                    &*self.file,
+                    format!("labels column `{name}`: fewer rows than column `{}` near row {row}", self.field),
+                ));
+            }
+            let mut vi = 0;
+            for k in 0..levels {
+                if rep.get(k) == Some(&0) || out.is_empty() {
+                    out.push(Vec::new());
+                }
+                if def.get(k).is_none_or(|&d| d == l.max_def) {
+                    let v = *vals.get(vi).ok_or_else(|| {
+                        Error::data(&*self.file, format!("labels column `{name}`: near row {row}: fewer values than levels"))
+                    })?;
+                    vi += 1;
+                    if let Some(last) = out.last_mut() {
+                        last.push(v);
+                    }
+                }
+            }
+            def.clear();
+            rep.clear();
+        }
+        out.truncate(records);
+        Ok(Some(out))
     }
 
     fn push_texts(&mut self, levels: usize, def: &[i16], vals: &[parquet::data_type::ByteArray]) -> Result<()> {
@@ -196,13 +323,37 @@ impl ParquetDocs {
         Ok(())
     }
 
-    fn push_lists(&mut self, levels: usize, def: &[i16], rep: &[i16], vals: &[i64]) -> Result<()> {
+    fn push_lists(
+        &mut self,
+        levels: usize,
+        def: &[i16],
+        rep: &[i16],
+        vals: &[i64],
+        first_row: u64,
+        labels: Option<&[Vec<i64>]>,
+    ) -> Result<()> {
+        let mut docs = Vec::new();
+        self.decode_lists(levels, def, rep, vals, &mut docs)?;
+        for (row, ids) in docs {
+            let content = match (labels, self.labels.as_ref()) {
+                (Some(ls), Some(l)) => {
+                    let values = ls.get((row - first_row) as usize).cloned().unwrap_or_default();
+                    labeled(ids, values, &l.col, &self.field, &self.file, &Loc::Row(row).to_string())?
+                }
+                _ => Content::Ids(ids),
+            };
+            self.queue.push_back(Doc { content, file: self.file.clone(), loc: Loc::Row(row) });
+        }
+        Ok(())
+    }
+
+    fn decode_lists(&mut self, levels: usize, def: &[i16], rep: &[i16], vals: &[i64], docs: &mut Vec<(u64, Vec<u32>)>) -> Result<()> {
         let mut vi = 0;
         let mut cur: Option<(u64, Vec<u32>)> = None;
         let short = |me: &Self| me.err(format!("near row {}: fewer levels or values than the column says", me.row));
         for k in 0..levels {
             if self.max_rep == 0 || rep.get(k).ok_or_else(|| short(self))? == &0 {
-                self.flush(cur.take());
+                docs.extend(cur.take().filter(|(_, ids)| !ids.is_empty()));
                 cur = Some((self.row, Vec::new()));
                 self.row += 1;
             }
@@ -218,14 +369,8 @@ impl ParquetDocs {
                 return Err(self.err(format!("row {row}: null token id inside the list")));
             }
         }
-        self.flush(cur);
+        docs.extend(cur.filter(|(_, ids)| !ids.is_empty()));
         Ok(())
-    }
-
-    fn flush(&mut self, doc: Option<(u64, Vec<u32>)>) {
-        if let Some((row, ids)) = doc.filter(|(_, ids)| !ids.is_empty()) {
-            self.queue.push_back(Doc { content: Content::Ids(ids), file: self.file.clone(), loc: Loc::Row(row) });
-        }
     }
 
     fn advance(&mut self) -> Result<Option<Doc>> {
@@ -254,10 +399,10 @@ fn read<T: DataType>(
     def: &mut Vec<i16>,
     rep: &mut Vec<i16>,
     vals: &mut Vec<T::T>,
-) -> parquet::errors::Result<usize> {
+) -> parquet::errors::Result<(usize, usize)> {
     let (records, values, levels) = r.read_records(BATCH, Some(def), Some(rep), vals)?;
     // Non-nullable, non-repeated columns decode no levels: one level per record.
-    Ok(if levels == 0 { records.max(values) } else { levels })
+    Ok((records, if levels == 0 { records.max(values) } else { levels }))
 }
 
 impl Iterator for ParquetDocs {

@@ -6,6 +6,9 @@ use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
+use crate::data::docs::LabelSource;
+use crate::data::loader::{FilesConfig, MixSource};
+use crate::data::packing::Packing;
 use crate::dist::LengthField;
 use crate::limits::{check_range, MAX_BATCH, MAX_BATCH_TOKENS, MAX_SEQ_LEN, MAX_SHUFFLE_BUFFER, MAX_STEPS, MAX_WORLD_SIZE};
 
@@ -43,10 +46,128 @@ pub struct DataSection {
     /// (`train-00000-of-00004.parquet`, `data/train/...`, `train.jsonl.gz`) are read, when
     /// any file names a split; `*` reads every file.
     pub split: String,
+    /// How documents become samples: `concat` (one stream cut into windows of S+1 tokens),
+    /// `truncate` (one document per sample, cut or padded) or `documents` (cut like concat,
+    /// each sample keeping its document boundaries for document-aware attention).
+    pub packing: PackingMode,
+    /// Pad id of `truncate` packing.
+    pub pad_id: u32,
+    /// Positions restart at 0 at each document [default: true with `documents`, false
+    /// otherwise; true with another packing is an error].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reset_positions: Option<bool>,
+    /// Per-token labels column of pre-tokenized data (list of ints, -100 = not counted)
+    /// [default: `labels` when the file has it]; `"none"`: never read labels.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub labels_column: Option<String>,
+    /// A 0/1 loss-mask column instead of labels [default: `loss_mask` when the file has it
+    /// and no labels column was found].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_mask_column: Option<String>,
+    /// A mixture of weighted sources (`[[data.source]]`), read instead of `dataset` by
+    /// every stage that names no dataset of its own.
+    #[serde(rename = "source", skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<MixSource>,
 }
 impl Default for DataSection {
     fn default() -> Self {
-        Self { dataset: "synthetic:passkey".into(), column: None, shuffle_buffer: 64, split: "train".into() }
+        Self {
+            dataset: "synthetic:passkey".into(),
+            column: None,
+            shuffle_buffer: 64,
+            split: "train".into(),
+            packing: PackingMode::Concat,
+            pad_id: 0,
+            reset_positions: None,
+            labels_column: None,
+            loss_mask_column: None,
+            sources: Vec::new(),
+        }
+    }
+}
+
+/// `data.packing` (see [`crate::data::packing`]).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum PackingMode {
+    #[default]
+    Concat,
+    Truncate,
+    Documents,
+}
+
+impl DataSection {
+    /// The packing of the data pipeline.
+    pub fn packing(&self) -> Packing {
+        match self.packing {
+            PackingMode::Concat => Packing::Concat,
+            PackingMode::Truncate => Packing::Truncate { pad_id: self.pad_id },
+            PackingMode::Documents => Packing::Documents,
+        }
+    }
+
+    /// Where labels come from ([`LabelSource`]).
+    pub fn label_source(&self) -> LabelSource {
+        match (self.labels_column.as_deref(), self.loss_mask_column.as_deref()) {
+            (Some("none"), _) => LabelSource::None,
+            (Some(c), _) => LabelSource::Labels(c.to_string()),
+            (None, Some(c)) => LabelSource::LossMask(c.to_string()),
+            (None, None) => LabelSource::Auto,
+        }
+    }
+
+    /// Sets the `[data]` settings of the pipeline on a stage's files config: packing,
+    /// reset_positions, labels, and the mixture when the stage reads it
+    /// ([`StageSettings::mixture`]).
+    pub fn configure(&self, f: &mut FilesConfig, s: &StageSettings) {
+        f.packing = self.packing();
+        f.reset_positions = self.reset_positions;
+        f.labels = self.label_source();
+        if s.mixture {
+            f.mixture = self.sources.clone();
+        }
+    }
+
+    /// The `[data]` checks; `source` names the config for the messages.
+    pub fn validate(&self, source: &Path) -> Result<()> {
+        if self.reset_positions == Some(true) && self.packing != PackingMode::Documents {
+            let mode = self.packing().name();
+            return Err(Error::config(
+                source,
+                "data.reset_positions",
+                format!(
+                    "is true, but packing `{mode}` keeps no document boundaries to restart positions at; \
+                     set data.packing = \"documents\", or remove data.reset_positions"
+                ),
+            ));
+        }
+        if self.labels_column.is_some() && self.loss_mask_column.is_some() {
+            return Err(Error::config(
+                source,
+                "data.loss_mask_column",
+                "both data.labels_column and data.loss_mask_column are set; a dataset's targets come from one of them, keep one",
+            ));
+        }
+        for (key, v) in [("data.labels_column", &self.labels_column), ("data.loss_mask_column", &self.loss_mask_column)] {
+            if v.as_deref().is_some_and(|v| v.trim().is_empty()) {
+                return Err(Error::config(source, key, "is empty; name a column, or leave the key out"));
+            }
+        }
+        if !self.sources.is_empty() && !self.dataset.starts_with("synthetic:") {
+            return Err(Error::config(
+                source,
+                "data.dataset",
+                format!(
+                    "`{}` is set next to {} [[data.source]] entries; the mixture replaces data.dataset: keep one of them",
+                    self.dataset,
+                    self.sources.len()
+                ),
+            ));
+        }
+        for (i, m) in self.sources.iter().enumerate() {
+            m.check(source, &format!("data.source[{i}]"))?;
+        }
+        Ok(())
     }
 }
 
@@ -498,6 +619,9 @@ pub struct StageSettings {
     pub learning_rate: f64,
     pub warmup_steps: u64,
     pub reset_optimizer: bool,
+    /// The stage reads the `[[data.source]]` mixture (it names no dataset of its own and
+    /// the run has sources); `dataset` is then the mixture's first source.
+    pub mixture: bool,
     /// Sequence-parallel and data-parallel degrees under this stage's mode.
     pub sp: usize,
     pub dp: usize,
@@ -629,7 +753,8 @@ impl RunConfig {
             seq_length: st.seq_length,
             mode,
             seed: st.seed.unwrap_or(self.seed.wrapping_add(index as u64)),
-            dataset: st.dataset.clone().unwrap_or_else(|| d.dataset.clone()),
+            dataset: st.dataset.clone().or_else(|| d.sources.first().map(|m| m.dataset.clone())).unwrap_or_else(|| d.dataset.clone()),
+            mixture: st.dataset.is_none() && !d.sources.is_empty(),
             column: st.column.clone().or_else(|| d.column.clone()),
             batch_size: st.batch_size.unwrap_or(t.batch_size),
             gradient_accumulate_every: st.gradient_accumulate_every.unwrap_or(t.gradient_accumulate_every),
@@ -663,6 +788,7 @@ impl RunConfig {
         }
         self.validate_numbers(source)?;
         self.validate_sizes(source)?;
+        self.data.validate(source)?;
         let p = &self.parallel;
         if !p.collective_timeout_s.is_finite() || p.collective_timeout_s < 0.0 {
             return bad(
