@@ -289,7 +289,18 @@ pub fn stage_data_spec(cfg: &RunConfig, mcfg: &LlamaConfig, s: &StageSettings) -
     f.shuffle_buffer = cfg.data.shuffle_buffer;
     f.seed = s.seed;
     f.eos = mcfg.eos_token_id();
+    cfg.data.configure(&mut f, s); // packing, positions, loss masks, mixtures
     Ok(DataSpec::Files(f))
+}
+
+/// One micro-batch on this rank: `ids`, `targets`, `pos [b, s_local]`, the counted
+/// targets, and the attention it runs with (the stage's, under the batch's document mask).
+struct Micro {
+    ids: Tensor,
+    targets: Tensor,
+    pos: Tensor,
+    counted: usize,
+    attn: Arc<dyn AttentionMode>,
 }
 
 /// Per-rank context shared by the threads.
@@ -823,9 +834,8 @@ impl<'a> RankRun<'a> {
         Ok(((first_loss, last_loss), None))
     }
 
-    /// The micro-batches of one step on this rank, localized: (ids, targets, positions,
-    /// counted targets).
-    fn micro_batches(&mut self, st: &mut StageRun, si: usize, step: u64) -> Result<Vec<(Tensor, Tensor, Tensor, usize)>> {
+    /// The micro-batches of one step on this rank, localized.
+    fn micro_batches(&mut self, st: &mut StageRun, si: usize, step: u64) -> Result<Vec<Micro>> {
         let sh = self.sh;
         let mut micro = Vec::new();
         for _ in 0..st.settings.gradient_accumulate_every {
@@ -838,20 +848,23 @@ impl<'a> RankRun<'a> {
             let targets = Tensor::from_slice(&local.targets, (b, s), &sh.device)?;
             let pos = Tensor::from_slice(&local.positions, (b, s), &sh.device)?;
             let counted = local.targets.iter().filter(|&&t| t >= 0).count();
-            micro.push((ids, targets, pos, counted));
+            // Packed documents: the stage's attention under this batch's document mask
+            // (global token indices; the mode itself when every row is one document).
+            let docs = if local.docs.iter().any(|d| d.len() > 1) {
+                let rows = local.docs.iter().map(|d| d.iter().map(|&x| x as usize).collect()).collect();
+                Some(longctx_attention::Docs::new(rows, batch.seq_len)?)
+            } else {
+                None
+            };
+            let attn = longctx_attention::mode::with_docs(&st.attn, docs);
+            micro.push(Micro { ids, targets, pos, counted, attn });
         }
         Ok(micro)
     }
 
     /// Forward and backward of every micro-batch, each adding into the one flat gradient
     /// buffer: (local loss sum, engine seconds).
-    fn forward_backward(
-        &mut self,
-        st: &StageRun,
-        stage: &Stage,
-        micro: &[(Tensor, Tensor, Tensor, usize)],
-        scale: f64,
-    ) -> Result<(f64, f64)> {
+    fn forward_backward(&mut self, stage: &Stage, micro: &[Micro], scale: f64) -> Result<(f64, f64)> {
         let zero3;
         let hooks: &dyn ParamHooks = match &self.grads {
             Grads::Full(b) => {
@@ -869,9 +882,9 @@ impl<'a> RankRun<'a> {
         };
         let (mut loss_sum, mut engine_seconds) = (0f64, 0f64);
         let mut mem = self.memory;
-        for (ids, targets, pos, _) in micro {
+        for m in micro {
             let te = Instant::now();
-            let r = self.engine.step_into(ids, targets, pos, stage.seq_length, &st.attn, scale, hooks)?;
+            let r = self.engine.step_into(&m.ids, &m.targets, &m.pos, stage.seq_length, &m.attn, scale, hooks)?;
             engine_seconds += te.elapsed().as_secs_f64();
             loss_sum += r.loss_sum;
             mem.saved_bytes = mem.saved_bytes.max(r.memory.saved_bytes);
@@ -892,10 +905,10 @@ impl<'a> RankRun<'a> {
         self.engine.profiler().trace_step(&format!("step {} of stage {si}: reading its data", step + 1));
         crate::train::metrics::device_memory(&sh.device, true)?; // reset the high-water mark
         let micro = self.micro_batches(st, si, step)?;
-        let local_count: usize = micro.iter().map(|m| m.3).sum();
+        let local_count: usize = micro.iter().map(|m| m.counted).sum();
         let global_count = all_reduce_scalar(&self.world, local_count as f64, &sh.device)?;
         let scale = if global_count > 0.0 { 1.0 / global_count } else { 0.0 };
-        let (mut loss_sum, engine_seconds) = self.forward_backward(st, stage, &micro, scale)?;
+        let (mut loss_sum, engine_seconds) = self.forward_backward(stage, &micro, scale)?;
         self.settle_update()?; // the previous step's deferred update: applied in the forward, guarded now
         let (rank, next) = (self.world.rank(), self.global_step + 1);
         if sh.opts.faults.contains(&Fault::NanLoss { rank, step: next }) {
