@@ -56,7 +56,8 @@ struct Outcome {
 }
 
 fn engine(cfg: &LlamaConfig, w: &HashMap<String, Tensor>, token_chunk: usize) -> Engine {
-    Engine::from_vars(cfg, &to_vars(w.clone()).unwrap(), EngineOptions { token_chunk, offload_activations: false, ..Default::default() }).unwrap()
+    Engine::from_vars(cfg, &to_vars(w.clone()).unwrap(), EngineOptions { token_chunk, offload_activations: false, ..Default::default() })
+        .unwrap()
 }
 
 fn one_by_one(cfg: &LlamaConfig, w: &HashMap<String, Tensor>, ids: &[u32], targets: &[i64], n: f64) -> Outcome {
@@ -80,7 +81,15 @@ fn one_by_one(cfg: &LlamaConfig, w: &HashMap<String, Tensor>, ids: &[u32], targe
     Outcome { loss, grads: grads.unwrap() }
 }
 
-fn packed(mode: ParallelMode, world: usize, cfg: &LlamaConfig, w: &HashMap<String, Tensor>, ids: &[u32], targets: &[i64], n: f64) -> Outcome {
+fn packed(
+    mode: ParallelMode,
+    world: usize,
+    cfg: &LlamaConfig,
+    w: &HashMap<String, Tensor>,
+    ids: &[u32],
+    targets: &[i64],
+    n: f64,
+) -> Outcome {
     let err = |e: longctx::Error| candle_core::Error::Msg(e.to_string());
     let ulysses = (mode == ParallelMode::Usp).then_some(2);
     let outs = run_ranks(world, |comm| {

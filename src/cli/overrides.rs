@@ -300,6 +300,11 @@ pub struct DataFlags {
     /// Split of a hub dataset or dataset directory to read (`*`: every file) [default: train].
     #[arg(long, visible_alias = "dataset_split")]
     pub dataset_split: Option<String>,
+    /// How documents become samples: concat (one stream cut into samples; EasyContext's),
+    /// truncate (one document per sample) or documents (packed, each token attending to its
+    /// own document only, positions restarting per document) [default: concat].
+    #[arg(long, value_parser = ["concat", "truncate", "documents"])]
+    pub packing: Option<String>,
 }
 
 impl DataFlags {
@@ -314,6 +319,13 @@ impl DataFlags {
             c.stages.iter_mut().for_each(|s| s.column = None);
         }
         set(&mut c.data.split, self.dataset_split.clone());
+        if let Some(p) = &self.packing {
+            c.data.packing = match p.as_str() {
+                "truncate" => longctx::train::config::PackingMode::Truncate,
+                "documents" => longctx::train::config::PackingMode::Documents,
+                _ => longctx::train::config::PackingMode::Concat,
+            };
+        }
     }
 }
 
