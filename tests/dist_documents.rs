@@ -187,6 +187,13 @@ fn the_first_step_loss_is_that_of_the_documents_alone() {
     }
     let want = sum / n as f64;
     assert!(rel(got, want) <= TOL, "first step loss {got} vs the documents alone {want}");
+    // metrics.jsonl reports the attention work under the mask (what MFU counts).
+    let line: serde_json::Value =
+        serde_json::from_str(std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().find(|l| l.contains("\"loss\"")).unwrap())
+            .unwrap();
+    let docs = longctx_attention::Docs::new(vec![starts.iter().map(|&x| x as usize).collect()], s).unwrap();
+    let work = line["attention_work"].as_f64().unwrap();
+    assert!((work - docs.work_fraction()).abs() < 1e-12 && work < 0.5, "attention_work {work} vs {}", docs.work_fraction());
 }
 
 fn set(args: &mut [String], flag: &str, value: &str) {

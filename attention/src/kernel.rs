@@ -77,24 +77,44 @@ pub fn check_shapes(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask) -> Result<(u
     Ok((b, s, t, hq, hkv, d))
 }
 
+/// A block of one query or one key row: what a document of one token (or a one-token
+/// piece of a document cut by a chunk) gives. cuDNN refuses `s_q = s_kv = 1` ("not
+/// supported", H200, cuDNN 9.14), so on the GPU such a block runs the naive kernel in f32:
+/// its score matrix has at most `max(s, t)` entries per head, nothing to speed up.
+fn sliver(s: usize, t: usize) -> bool {
+    s.min(t) == 1
+}
+
 /// Block forward on whatever device the inputs live on.
 pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> Result<(Tensor, Tensor)> {
-    check_shapes(q, k, v, mask)?;
+    let (_, s, t, _, _, _) = check_shapes(q, k, v, mask)?;
+    let _sliver = sliver(s, t); // read by the CUDA arm only
     match q.device() {
         candle_core::Device::Cpu => crate::cpu::fwd(q, k, v, mask, scale),
         #[cfg(feature = "cuda")]
-        candle_core::Device::Cuda(_) => crate::cuda::fwd(q, k, v, mask, scale),
-        _ => crate::naive::fwd(q, k, v, mask, scale),
+        candle_core::Device::Cuda(_) if !_sliver => crate::cuda::fwd(q, k, v, mask, scale),
+        _ => {
+            let f = |x: &Tensor| x.to_dtype(candle_core::DType::F32);
+            let (o, lse) = crate::naive::fwd(&f(q)?, &f(k)?, &f(v)?, mask, scale)?;
+            Ok((o.to_dtype(q.dtype())?, lse))
+        }
     }
 }
 
 /// Block backward with the global `o` and `lse`.
 pub fn bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
-    saved.check(d_o, mask)?;
+    let (_, s, t, _, _, _) = saved.check(d_o, mask)?;
+    let _sliver = sliver(s, t); // read by the CUDA arm only
     match saved.q.device() {
         candle_core::Device::Cpu => crate::cpu::bwd(d_o, saved, mask, scale),
         #[cfg(feature = "cuda")]
-        candle_core::Device::Cuda(_) => crate::cuda::bwd(d_o, saved, mask, scale),
-        _ => crate::naive::bwd(d_o, saved, mask, scale),
+        candle_core::Device::Cuda(_) if !_sliver => crate::cuda::bwd(d_o, saved, mask, scale),
+        _ => {
+            let f = |x: &Tensor| x.to_dtype(candle_core::DType::F32);
+            let Saved { q, k, v, o, lse } = saved;
+            let (q32, k32, v32, o32) = (f(q)?, f(k)?, f(v)?, f(o)?);
+            let (dq, dk, dv) = crate::naive::bwd(&f(d_o)?, Saved::new(&q32, &k32, &v32, &o32, lse), mask, scale)?;
+            Ok((dq.to_dtype(q.dtype())?, dk.to_dtype(k.dtype())?, dv.to_dtype(v.dtype())?))
+        }
     }
 }

@@ -84,6 +84,10 @@ pub struct StepLine {
     /// Of which forward+backward (the rest: data, gradient reduction, optimizer, write-back).
     pub engine_seconds: f64,
     pub seq_len: usize,
+    /// Attention work of the step's samples relative to one document per sample
+    /// (Σ lenᵢ(lenᵢ+1) / S(S+1), averaged; 1 without documents packing): MFU counts only
+    /// the attention that was computed.
+    pub attention_work: f64,
     pub memory: MemoryReport,
     /// Most device memory in use during the step (bytes; CUDA only).
     pub device_peak: Option<u64>,
@@ -218,7 +222,13 @@ impl Metrics {
 
     /// Model FLOPs per token at `seq` (DESIGN.md: 6·params + 6·layers·hidden·seq).
     pub fn flops_per_token(&self, seq: usize) -> f64 {
-        6.0 * self.n_params as f64 + 6.0 * (self.layers * self.hidden * seq) as f64
+        self.flops_per_token_at(seq as f64)
+    }
+
+    /// [`Self::flops_per_token`] with the attention term at an effective length (`seq`
+    /// times the attention work of packed documents).
+    pub fn flops_per_token_at(&self, seq: f64) -> f64 {
+        6.0 * self.n_params as f64 + 6.0 * (self.layers * self.hidden) as f64 * seq
     }
 
     pub fn stage_start(&mut self, si: usize, st: &Stage, s: &StageSettings, world: usize, sp: usize, dp: usize) -> Result<()> {
@@ -255,7 +265,7 @@ impl Metrics {
 
     pub fn step(&mut self, l: &StepLine) -> Result<()> {
         let tok_s = l.tokens as f64 / l.seconds.max(1e-9);
-        let mfu = tok_s * self.flops_per_token(l.seq_len) / (self.peak_flops * self.ranks as f64);
+        let mfu = tok_s * self.flops_per_token_at(l.seq_len as f64 * l.attention_work) / (self.peak_flops * self.ranks as f64);
         // The first step of a stage (warm-up, allocations) counts less once others came.
         self.step_seconds = Some(match self.step_seconds {
             None => l.seconds,
@@ -264,7 +274,7 @@ impl Metrics {
         let line = serde_json::json!({
             "stage": l.stage, "step": l.step, "global_step": l.global_step, "loss": l.loss, "lr": l.lr,
             "grad_norm": l.grad_norm, "skipped": l.skipped, "skipped_steps": l.skipped_steps, "tokens": l.tokens, "seconds": l.seconds, "engine_seconds": l.engine_seconds, "tokens_per_s": tok_s,
-            "mfu": if self.gpu { Some(mfu) } else { None }, "seq_len": l.seq_len,
+            "mfu": if self.gpu { Some(mfu) } else { None }, "seq_len": l.seq_len, "attention_work": l.attention_work,
             "saved_activation_bytes": l.memory.saved_bytes, "saved_host_bytes": l.memory.saved_host_bytes,
             "transient_bytes": l.memory.transient_bytes, "device_peak_bytes": l.device_peak,
             "profile": l.profile.as_ref().map(|p| p.to_json(l.seconds)),

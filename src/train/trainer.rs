@@ -301,6 +301,8 @@ struct Micro {
     pos: Tensor,
     counted: usize,
     attn: Arc<dyn AttentionMode>,
+    /// Attention work under the document mask relative to one document per row.
+    attention_work: f64,
 }
 
 /// Per-rank context shared by the threads.
@@ -856,8 +858,9 @@ impl<'a> RankRun<'a> {
             } else {
                 None
             };
+            let attention_work = docs.as_ref().map_or(1.0, |d| d.work_fraction());
             let attn = longctx_attention::mode::with_docs(&st.attn, docs);
-            micro.push(Micro { ids, targets, pos, counted, attn });
+            micro.push(Micro { ids, targets, pos, counted, attn, attention_work });
         }
         Ok(micro)
     }
@@ -989,6 +992,7 @@ impl<'a> RankRun<'a> {
             seconds: ts.elapsed().as_secs_f64(),
             engine_seconds,
             seq_len: stage.seq_length,
+            attention_work: micro.iter().map(|m| m.attention_work).sum::<f64>() / micro.len().max(1) as f64,
             memory: self.memory,
             device_peak: step_peak,
             profile,
