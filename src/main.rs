@@ -17,9 +17,6 @@
 //! Every failure prints one `error: ...` line (with context; a usage error adds clap's
 //! tips and usage) and exits with status 1.
 
-mod bench;
-mod bench_engine;
-mod bench_optim;
 mod cli;
 
 use clap::{Parser, Subcommand};

@@ -18,11 +18,11 @@
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
 use longctx::dist::{build_groups, DimsRequest, ParallelDims, ParallelMode};
+use longctx::train::profile::Mark;
 use longctx_attention::comm::{thread::run_ranks, Comm};
 use longctx_attention::kernel::{self, Mask};
 use longctx_attention::{layout, AttentionMode};
 use std::sync::Arc;
-use longctx::train::profile::Mark;
 
 /// Arguments of `longctx bench attention`.
 #[derive(clap::Args, Debug, Clone)]
