@@ -56,7 +56,7 @@ fn the_needle_heatmap_has_a_colour_bar_its_trial_count_and_the_trained_context()
     let img = Image::read(&p);
     let lay = heatmap_layout(&format!("{title} (4 trials per cell)"), 4, 3);
     assert_eq!((img.w, img.h), (lay.width, lay.height));
-    assert!(lay.title_lines.concat().contains("4 trials per cell"), "{:?}", lay.title_lines);
+    assert!(lay.title_lines.join(" ").contains("4 trials per cell"), "{:?}", lay.title_lines);
     // The bar lies right of the grid, inside the image.
     let [bx0, by0, bx1, by1] = lay.bar;
     assert!(bx0 > lay.grid.0 + 4 * lay.cell.0 && bx1 < img.w as i32 && by1 < img.h as i32);

@@ -190,7 +190,7 @@ fn the_ruler_command_writes_its_files_through_two_zigzag_ranks() {
     let ev = tmp.path().join("eval");
     let s = |p: &Path| p.to_str().unwrap().to_string();
     let args = |extra: &[&str]| {
-        let mut v: Vec<String> = ["eval", "ruler", "--model", &s(&model), "--lengths", "300,512", "--trials", "2", "--output-dir", &s(&ev)]
+        let mut v: Vec<String> = ["eval", "ruler", "--model", &s(&model), "--lengths", "700,1024", "--trials", "2", "--output-dir", &s(&ev)]
             .iter()
             .map(|x| x.to_string())
             .collect();
@@ -212,7 +212,7 @@ fn the_ruler_command_writes_its_files_through_two_zigzag_ranks() {
     }
     let csv = std::fs::read_to_string(ev.join("ruler.csv")).unwrap();
     assert_eq!(csv.lines().count(), 11);
-    assert!(csv.lines().any(|l| l.starts_with("vt,512,2,")), "{csv}");
+    assert!(csv.lines().any(|l| l.starts_with("vt,1024,2,")), "{csv}");
     for f in ["ruler.png", "ruler_teacher_forced.png"] {
         assert!(std::fs::read(ev.join(f)).unwrap().starts_with(b"\x89PNG"), "{f}");
     }
@@ -238,7 +238,7 @@ fn the_ruler_command_writes_its_files_through_two_zigzag_ranks() {
     for f in ["config.json", "model.safetensors"] {
         std::fs::copy(model.join(f), bare.join(f)).unwrap();
     }
-    let out = run(vec!["eval".into(), "ruler".into(), "--model".into(), s(&bare), "--lengths".into(), "300".into(), "--output-dir".into(), s(&ev)]);
+    let out = run(vec!["eval".into(), "ruler".into(), "--model".into(), s(&bare), "--lengths".into(), "700".into(), "--output-dir".into(), s(&ev)]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no tokenizer.json"), "{}", String::from_utf8_lossy(&out.stderr));
 }
