@@ -100,7 +100,15 @@ fn a_heatmap_without_a_trained_context_draws_no_line_and_refuses_ragged_values()
     let p = dir.path().join("h.png");
     let lengths = [128, 256];
     let values = vec![vec![Some(1.0), Some(1.0)]];
-    let h = Heatmap { title: "t", lengths: &lengths, rows: vec!["single".into()], row_desc: "task", values: &values, trials: 1, trained_context: None };
+    let h = Heatmap {
+        title: "t",
+        lengths: &lengths,
+        rows: vec!["single".into()],
+        row_desc: "task",
+        values: &values,
+        trials: 1,
+        trained_context: None,
+    };
     heatmap(&p, &h).unwrap();
     let img = Image::read(&p);
     let lay = heatmap_layout("t (1 trial per cell)", 2, 1);

@@ -190,10 +190,11 @@ fn the_ruler_command_writes_its_files_through_two_zigzag_ranks() {
     let ev = tmp.path().join("eval");
     let s = |p: &Path| p.to_str().unwrap().to_string();
     let args = |extra: &[&str]| {
-        let mut v: Vec<String> = ["eval", "ruler", "--model", &s(&model), "--lengths", "700,1024", "--trials", "2", "--output-dir", &s(&ev)]
-            .iter()
-            .map(|x| x.to_string())
-            .collect();
+        let mut v: Vec<String> =
+            ["eval", "ruler", "--model", &s(&model), "--lengths", "700,1024", "--trials", "2", "--output-dir", &s(&ev)]
+                .iter()
+                .map(|x| x.to_string())
+                .collect();
         v.extend(extra.iter().map(|x| x.to_string()));
         v
     };
@@ -238,7 +239,16 @@ fn the_ruler_command_writes_its_files_through_two_zigzag_ranks() {
     for f in ["config.json", "model.safetensors"] {
         std::fs::copy(model.join(f), bare.join(f)).unwrap();
     }
-    let out = run(vec!["eval".into(), "ruler".into(), "--model".into(), s(&bare), "--lengths".into(), "700".into(), "--output-dir".into(), s(&ev)]);
+    let out = run(vec![
+        "eval".into(),
+        "ruler".into(),
+        "--model".into(),
+        s(&bare),
+        "--lengths".into(),
+        "700".into(),
+        "--output-dir".into(),
+        s(&ev),
+    ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no tokenizer.json"), "{}", String::from_utf8_lossy(&out.stderr));
 }

@@ -632,15 +632,8 @@ fn needle_cmd(a: NeedleArgs) -> Result<()> {
     let rows: Vec<String> = a.depths.iter().map(|d| format!("{:.0}%", d * 100.0)).collect();
     let (tf_grid, greedy_grid) = (grid(&|c| Some(c.teacher_forced)), grid(&|c| c.greedy));
     let title = format!("{task} retrieval, teacher-forced exact match (%): {}", short(&a.model));
-    let mut map = plot::Heatmap {
-        title: &title,
-        lengths: &lengths,
-        rows,
-        row_desc: "depth",
-        values: &tf_grid,
-        trials: a.trials,
-        trained_context,
-    };
+    let mut map =
+        plot::Heatmap { title: &title, lengths: &lengths, rows, row_desc: "depth", values: &tf_grid, trials: a.trials, trained_context };
     plot::heatmap(&png, &map)?;
     let mut written = vec![json.display().to_string(), png.display().to_string()];
     if !a.no_generate {

@@ -227,8 +227,8 @@ pub fn heatmap_layout(title: &str, nx: usize, ny: usize) -> HeatmapLayout {
     let cw = (760 / nx.max(1) as i32).clamp(40, 140);
     let ch = (440 / ny.max(1) as i32).clamp(24, 80).max(160 / ny.max(1) as i32);
     let width = ((left + cw * nx as i32 + right) as u32).max(480);
-    // DejaVu Sans Mono at 20 px advances 12 px a character.
-    let title_lines = wrap(title, ((width as usize).saturating_sub(24) / 12).max(20));
+    // DejaVu Sans Mono at 20 px advances about 10.3 px a character.
+    let title_lines = wrap(title, ((width as usize).saturating_sub(24) / 11).max(20));
     let top = 16 + 26 * title_lines.len() as i32 + 14;
     let height = (top + ch * ny as i32 + bottom) as u32;
     let bx = left + cw * nx as i32 + 36;
@@ -297,17 +297,18 @@ pub fn heatmap(path: &Path, h: &Heatmap<'_>) -> Result<()> {
             root.draw(&PathElement::new(vec![(bx1, y), (bx1 + 5, y)], BLACK.stroke_width(1)))?;
             root.draw(&anchored(label.into(), bx1 + 8, y, 13, plotters::style::text_anchor::HPos::Left))?;
         }
-        root.draw(&centred("% right".into(), (bx0 + bx1) / 2, by0 - 12, 13))?;
+        root.draw(&centred("% right".into(), (bx0 + bx1) / 2, by0 - 18, 13))?;
         if let Some(ctx) = h.trained_context {
             let x = context_mark_x(&lay, h.lengths, ctx);
-            root.draw(&Rectangle::new([(x - 1, top - 6), (x + 2, grid_bottom + 60)], CONTEXT_MARK.filled()))?;
+            root.draw(&Rectangle::new([(x - 1, top - 6), (x + 2, grid_bottom + 26)], CONTEXT_MARK.filled()))?;
             let text = format!("trained context {}", crate::plan::tokens_label(ctx));
-            let anchor = if x > lay.width as i32 / 2 { plotters::style::text_anchor::HPos::Right } else { plotters::style::text_anchor::HPos::Left };
+            let anchor =
+                if x > lay.width as i32 / 2 { plotters::style::text_anchor::HPos::Right } else { plotters::style::text_anchor::HPos::Left };
             let tx = if x > lay.width as i32 / 2 { x - 6 } else { x + 6 };
             let style = TextStyle::from((FAMILY, 13).into_font())
                 .color(&CONTEXT_MARK)
                 .pos(plotters::style::text_anchor::Pos::new(anchor, plotters::style::text_anchor::VPos::Center));
-            root.draw(&Text::new(text, (tx, grid_bottom + 62), style))?;
+            root.draw(&Text::new(text, (tx, grid_bottom + 64), style))?;
         }
         Ok(())
     })

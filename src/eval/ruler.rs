@@ -101,7 +101,8 @@ impl TaskCase {
 
 /// Words of the keys (`amber-falcon`), our own lists.
 const KEY_ADJ: [&str; 16] = [
-    "amber", "brisk", "calm", "dusty", "eager", "faded", "gentle", "hollow", "icy", "jolly", "keen", "lunar", "misty", "noble", "olive", "proud",
+    "amber", "brisk", "calm", "dusty", "eager", "faded", "gentle", "hollow", "icy", "jolly", "keen", "lunar", "misty", "noble", "olive",
+    "proud",
 ];
 const KEY_NOUN: [&str; 16] = [
     "falcon", "harbor", "meadow", "lantern", "glacier", "orchard", "canyon", "violin", "compass", "pebble", "thistle", "beacon", "saddle",
@@ -202,7 +203,8 @@ impl RulerTask {
     fn pieces(&self, task: Task, rng: &mut SplitMix64) -> (&'static str, Vec<String>, String, String, Vec<String>) {
         let needle = |k: &str, v: &str| format!(" The special magic number for {k} is: {v}. ");
         let niah = "Some special magic numbers are hidden in the long text below, each one for a key. Remember them: you will be asked about them at the end.";
-        let ask_one = |k: &str| format!(" What is the special magic number for {k} mentioned in the text? The special magic number for {k} is:");
+        let ask_one =
+            |k: &str| format!(" What is the special magic number for {k} mentioned in the text? The special magic number for {k} is:");
         match task {
             Task::Single => {
                 let (k, v) = (Self::keys(rng, 1).remove(0), self.values(rng, 1).remove(0));
@@ -243,7 +245,8 @@ impl RulerTask {
                 let v = self.values(rng, 1).remove(0);
                 let mut sentences = vec![format!(" VAR {} = {v}. ", names[0])];
                 sentences.extend(names.windows(2).map(|w| format!(" VAR {} = VAR {}. ", w[1], w[0])));
-                let header = "Variable assignments are hidden in the long text below. Keep track of them: you will be asked about them at the end.";
+                let header =
+                    "Variable assignments are hidden in the long text below. Keep track of them: you will be asked about them at the end.";
                 let q = format!(
                     " Which variables hold the value {v} in the text, assigned directly or through other variables? The variables that hold {v} are:"
                 );
