@@ -780,7 +780,17 @@ impl LlamaConfig {
             return Value::Object(o);
         };
         put(type_key, Value::from(rs.type_name()));
-        put("factor", Value::from(rs.factor()));
+        // LongRoPE without a `factor` (Phi-3's own configs) means max_position_embeddings /
+        // original: left out when it is that, so a config read is written back as it was.
+        let implied = match rs {
+            RopeScaling::LongRope { factor, original_max_position_embeddings: omax, .. } => {
+                !raw.contains_key("factor") && *omax > 0 && *factor == self.max_position_embeddings as f64 / *omax as f64
+            }
+            _ => false,
+        };
+        if !implied {
+            put("factor", Value::from(rs.factor()));
+        }
         let mut put_v = |k: &str, v: Option<Value>| {
             if let Some(x) = v {
                 put(k, x);
