@@ -108,7 +108,8 @@ fn validate_state(s: &TrainState, saved: &RunConfig, file: &Path) -> Result<()> 
         return Err(inconsistent(
             file,
             format!(
-                "field `global_step` is {} but the run is at stage {} step {} (fields `stage`, `stage_step`): with {done}                  finished stage(s) of 1 to {} steps each, expected {min} to {max}",
+                "field `global_step` is {} but the run is at stage {} step {} (fields `stage`, `stage_step`): with {done} \
+                 finished stage(s) of 1 to {} steps each, expected {min} to {max}",
                 s.global_step,
                 s.stage,
                 s.stage_step,
@@ -123,7 +124,8 @@ fn validate_state(s: &TrainState, saved: &RunConfig, file: &Path) -> Result<()> 
         return Err(inconsistent(
             file,
             format!(
-                "field `adam_step` is {} but {since} steps were done since the optimizer started at global step {} (field                  `optimizer_since_step`) and at most {} of them skipped (field `skipped_steps`): expected {} to {since}",
+                "field `adam_step` is {} but {since} steps were done since the optimizer started at global step {} (field \
+                 `optimizer_since_step`) and at most {} of them skipped (field `skipped_steps`): expected {} to {since}",
                 s.adam_step,
                 s.optimizer_since_step,
                 s.skipped_steps,
