@@ -324,7 +324,13 @@ fn ppl_cmd(a: PplArgs) -> Result<()> {
     set.write_json(&json, &doc)?;
     let series: Vec<(String, Vec<(f64, f64)>)> =
         a.model.iter().map(|m| (m.clone(), points.iter().filter(|p| &p.model == m).map(|p| (p.length as f64, p.ppl)).collect())).collect();
-    plot::lines(&set.stage(&png), &format!("Perplexity vs context length ({})", a.dataset), "context length (tokens)", "perplexity", &series)?;
+    plot::lines(
+        &set.stage(&png),
+        &format!("Perplexity vs context length ({})", a.dataset),
+        "context length (tokens)",
+        "perplexity",
+        &series,
+    )?;
     set.commit(&[])?;
     for p in &points {
         println!("{}\tlength {}\tppl {:.4}\t({} tokens, {} windows, {:.1} s)", p.model, p.length, p.ppl, p.tokens, p.windows, p.seconds);
