@@ -61,6 +61,10 @@ fn a_model_file_with_a_nan_or_infinite_weight_is_refused_at_load_naming_the_file
         fails(&run(&["eval", "ppl", "--model", &s(dir), "--lengths", "16", "--max-docs", "1", "--output-dir", &ev]), &needles, false);
         let needle = ["eval", "needle", "--model", &s(dir), "--lengths", "256", "--depths", "0.5", "--trials", "1", "--output-dir", &ev];
         fails(&run(&needle), &needles, false);
+        // train reads its start weights through the same check (it blamed the learning
+        // rate before).
+        let out = s(&tmp.path().join("train"));
+        fails(&run(&["train", "--model", &s(dir), "--seq-length", "32", "--max-train-steps", "2", "--output-dir", &out]), &needles, false);
     }
 }
 
