@@ -223,7 +223,7 @@ fn bar(len: u64, show: bool, what: &str) -> Option<ProgressBar> {
 /// Refuses, before any model is loaded, lengths that cannot run: beyond 32-bit positions,
 /// or a window whose activations (with the weights of every model) exceed the device's
 /// memory (`eval_memory`: a lower bound). Models whose config.json is not at hand without
-/// a download are checked by their load. `min`: the shortest default length.
+/// a download (a hub model not yet cached) are not checked. `min`: the shortest default length.
 fn check_lengths(specs: &[String], lengths: &[usize], run: &RunFlags, dtype: candle_core::DType, min: usize) -> Result<()> {
     use longctx::eval::model::{check_eval_size, eval_memory};
     let hub = HubOptions::from_env();
