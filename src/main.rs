@@ -11,14 +11,12 @@
 //! - `bench attention`: throughput and correctness of the attention kernel (CUDA).
 //! - `bench engine`: step time and memory of the training engine, activation offload on/off.
 //! - `eval ppl`, `eval needle`: perplexity against length, needle/passkey heatmaps (PNG);
-//! - `generate`: greedy or sampled generation with a KV cache.
+//! - `generate`: greedy or sampled generation with a KV cache;
+//! - `check`: a run's parallel layout against one device, step by step, with a verdict.
 //!
 //! Every failure prints one `error: ...` line (with context; a usage error adds clap's
 //! tips and usage) and exits with status 1.
 
-mod bench;
-mod bench_engine;
-mod bench_optim;
 mod cli;
 
 use clap::{Parser, Subcommand};
@@ -61,6 +59,10 @@ enum Cmd {
     /// Generate from a prompt (greedy, or sampled with temperature / top-p / seed) with a
     /// KV cache, streaming tokens; stops at EOS or --max-new-tokens.
     Generate(cli::generate::GenerateArgs),
+    /// Check a run's parallel layout: its first steps (as configured, threads or
+    /// --launch processes) against one device on the same samples, loss and gradient norm
+    /// per step, with a verdict: `longctx check -- --config X.toml --world-size 4`.
+    Check(cli::check::CheckArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -91,6 +93,7 @@ fn main() {
         Cmd::Launch(a) => cli::launch::launch(a),
         Cmd::Eval { what } => cli::eval::eval(what),
         Cmd::Generate(a) => cli::generate::generate_cmd(a),
+        Cmd::Check(a) => cli::check::check(a),
         Cmd::Bench { what } => cli::bench::bench(what),
     };
     if let Err(e) = res {

@@ -641,3 +641,11 @@ fn train_trace_prints_a_line_per_layer_and_phase() {
         assert!(l.contains(" s  ") && l.contains(w), "`{l}` should be `{w}`");
     }
 }
+
+/// The dry run's plan names a stage's RoPE method (the YaRN recipe: factor 16 from 4K).
+#[test]
+fn dry_run_names_a_stages_rope_method() {
+    let o = ok(&["train", "--config", "recipes/YaRN-64K-Llama-2-7B.toml", "--dry-run"]);
+    let all = format!("{}{}", o.stdout, o.stderr);
+    assert!(all.contains("θ 10000, rope yarn ×16 from 4K, 400 steps"), "{all}");
+}

@@ -4,7 +4,9 @@
 //! the SUM loss w.r.t. every parameter through Candle's autograd (the model API) AND
 //! through the training engine's explicit layer backward (`src/train/layer_grad.rs`,
 //! which for Qwen3 differentiates the per-head q/k norms by hand); also YaRN (its
-//! attention factor on cos/sin) through the engine, on tests/fixtures/llama_yarn.
+//! attention factor on cos/sin) through the engine, on tests/fixtures/llama_yarn; and
+//! Phi-3 (scripts/make_phi3_fixture.py: fused qkv_proj/gate_up_proj split at load,
+//! LongRoPE, GQA), whose export fuses them back exactly.
 //!
 //! Errors relative to the reference's scale, `max|ours − ref| / max|ref|`, except cos/sin
 //! (absolute). Tolerances as tests/golden.rs (f32 on both sides): cos/sin 1e-6 absolute,
@@ -47,7 +49,8 @@ struct Fixture {
 fn load(name: &str) -> Fixture {
     let d = dir(name);
     let cfg = LlamaConfig::from_file(d.join("config.json")).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let tensors = safetensors::load(d.join("model.safetensors"), &Device::Cpu).unwrap();
+    // Through the checkpoint reader, which splits Phi-3's fused projections.
+    let tensors = longctx::hub::Checkpoint::open(&d).unwrap().load_all(DType::F32, &Device::Cpu).unwrap();
     let vars = tensors.into_iter().map(|(k, t)| (k, Var::from_tensor(&t).unwrap())).collect();
     let reference = safetensors::load(d.join("reference.safetensors"), &Device::Cpu).unwrap();
     Fixture { cfg, vars, reference }
@@ -169,4 +172,38 @@ fn longrope_short_and_long_factors() {
     let want = (1.0 + 4f64.ln() / 256f64.ln()).sqrt() as f32;
     assert_eq!((att_short, att_long), (want, want));
     assert_eq!(short.cos.get(0).unwrap().get(0).unwrap().max_all().unwrap().to_scalar::<f32>().unwrap(), want, "cos(0) = attention factor");
+}
+
+#[test]
+fn golden_phi3_longrope() {
+    golden("phi3_longrope");
+    let f = load("phi3_longrope");
+    assert_eq!(f.cfg.arch, longctx::model::Arch::Phi3);
+    assert!(f.vars.contains_key("model.layers.0.self_attn.k_proj.weight") && f.vars.contains_key("model.layers.1.mlp.up_proj.weight"));
+    assert!(!f.vars.keys().any(|k| k.contains("qkv_proj") || k.contains("gate_up_proj")), "fused names are split at load");
+}
+
+/// The export of a Phi-3 checkpoint writes the fused tensors transformers loads, equal
+/// to the original bit for bit (split at load, concatenated at export); a partial rotary
+/// factor is refused with the field named.
+#[test]
+fn phi3_export_fuses_the_projections_back() {
+    let src = dir("phi3_longrope");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("export");
+    longctx::hub::export::ModelExport::from_model_dir(&src).unwrap().write(&out).unwrap();
+    let want = safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    let got = safetensors::load(out.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut names: Vec<&String> = got.keys().collect();
+    names.sort();
+    let mut want_names: Vec<&String> = want.keys().collect();
+    want_names.sort();
+    assert_eq!(names, want_names);
+    for (k, t) in &want {
+        assert_eq!(abs_err(&got[k], t), 0.0, "{k}");
+    }
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    cfg["rope_parameters"]["partial_rotary_factor"] = 0.75.into();
+    let e = LlamaConfig::from_value(src.join("config.json"), cfg).unwrap_err().to_string();
+    assert!(e.contains("rope_parameters.partial_rotary_factor") && e.contains("0.75"), "{e}");
 }

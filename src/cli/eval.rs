@@ -15,6 +15,7 @@ use longctx::data::TokenWidth;
 use longctx::eval::forward::{with_ranks, RanksSpec};
 use longctx::eval::needle::{self, Cell, Format, TextTask};
 use longctx::eval::ppl::{self, DocSource, Method, PplPoint};
+use longctx::eval::ruler::{self, RulerTask, Task};
 use longctx::eval::{output, plot, EvalModel, Ranks};
 use longctx::hub::HubOptions;
 
@@ -30,6 +31,11 @@ pub enum EvalCmd {
     /// teacher-forced exact match and greedy generation: needle.json, needle.png
     /// (teacher-forced) and needle_greedy.png in --output-dir.
     Needle(NeedleArgs),
+    /// RULER-style tasks (needles single, multikey, multivalue, multiquery; variable
+    /// tracking) at a grid of lengths, on a model with tokenizer.json, scored by the recall
+    /// of the expected strings in the greedy output and by teacher-forced exact match:
+    /// ruler.json, ruler.csv, ruler.png (greedy recall) and ruler_teacher_forced.png.
+    Ruler(RulerArgs),
 }
 
 /// Where and how the forward runs (shared by both evaluations).
@@ -191,10 +197,48 @@ pub struct NeedleArgs {
     pub run: RunFlags,
 }
 
+#[derive(Args, Debug)]
+pub struct RulerArgs {
+    /// Model: a directory (a run's export), a hub id, or builtin:NAME; it needs tokenizer.json.
+    #[arg(long, default_value = DEMO_EXPORT)]
+    pub model: String,
+    /// Where ruler.json, ruler.csv, ruler.png and ruler_teacher_forced.png go.
+    #[arg(long, visible_alias = "output_dir", default_value = "runs/eval")]
+    pub output_dir: PathBuf,
+    /// Tasks, comma-separated: single, multikey, multivalue, multiquery, vt [default: all].
+    #[arg(long, value_delimiter = ',', default_value = "single,multikey,multivalue,multiquery,vt")]
+    pub tasks: Vec<String>,
+    /// Context lengths in tokens, comma-separated [default: 1/8, 1/4, 1/2 and all of the
+    /// trained context].
+    #[arg(long, value_delimiter = ',', value_parser = tokens_arg)]
+    pub lengths: Vec<usize>,
+    /// Cases per task and length.
+    #[arg(long, default_value_t = 4)]
+    pub trials: usize,
+    /// Digits of the numbers to recall.
+    #[arg(long, default_value_t = 7)]
+    pub digits: usize,
+    /// Needles of multikey (keys), multivalue (values) and multiquery (keys asked).
+    #[arg(long, default_value_t = 4)]
+    pub needles: usize,
+    /// Variable tracking: assignments after the first (hops + 1 variables hold the value).
+    #[arg(long, default_value_t = 4)]
+    pub hops: usize,
+    /// Text file for the haystack (repeated to the length) [default: generated filler].
+    #[arg(long)]
+    pub haystack: Option<PathBuf>,
+    /// Skip greedy generation (teacher-forced scoring only).
+    #[arg(long)]
+    pub no_generate: bool,
+    #[command(flatten)]
+    pub run: RunFlags,
+}
+
 pub fn eval(cmd: EvalCmd) -> Result<()> {
     match cmd {
         EvalCmd::Ppl(a) => ppl_cmd(a),
         EvalCmd::Needle(a) => needle_cmd(a),
+        EvalCmd::Ruler(a) => ruler_cmd(a),
     }
 }
 
@@ -436,6 +480,164 @@ fn short(name: &str) -> String {
     v.join("/")
 }
 
+fn read_haystack(path: Option<&Path>) -> Result<Option<String>> {
+    path.map(|p| {
+        std::fs::read_to_string(p).with_context(|| {
+            format!(
+                "--haystack: cannot read the text file {} (give a UTF-8 text file, or omit --haystack for generated filler)",
+                p.display()
+            )
+        })
+    })
+    .transpose()
+}
+
+fn ruler_cmd(a: RulerArgs) -> Result<()> {
+    let tasks: Vec<Task> = a.tasks.iter().map(|t| Task::parse(t)).collect::<longctx::Result<_>>()?;
+    if tasks.is_empty() {
+        bail!("--tasks: no task given; e.g. --tasks single,multikey,multivalue,multiquery,vt");
+    }
+    if a.trials == 0 {
+        bail!("--trials: must be at least 1");
+    }
+    if a.lengths.contains(&0) {
+        bail!("--lengths: a length must be at least 1 token");
+    }
+    let haystack = read_haystack(a.haystack.as_deref())?;
+    let (spec, dtype) = a.run.prepare(&a.output_dir)?;
+    let started = Instant::now();
+    let result = with_ranks(
+        &spec,
+        &a.run.device,
+        |dev| load_models(std::slice::from_ref(&a.model), dev, dtype),
+        |ms: &Vec<EvalModel>| ms.first().map(|m| (m.cfg().num_attention_heads, m.cfg().num_key_value_heads)).unwrap_or((1, 1)),
+        |ranks: &Ranks, models: &Vec<EvalModel>| ruler_ranks(&a, &tasks, haystack.as_deref(), ranks, &models[0]),
+    )
+    .context("evaluating the RULER-style tasks")?;
+    let Some((cells, lengths, meta)) = result else { return Ok(()) };
+    let (json, csv) = (a.output_dir.join("ruler.json"), a.output_dir.join("ruler.csv"));
+    let (png, png_tf) = (a.output_dir.join("ruler.png"), a.output_dir.join("ruler_teacher_forced.png"));
+    let mut doc = meta;
+    let per_task: serde_json::Map<String, serde_json::Value> = tasks
+        .iter()
+        .map(|t| {
+            let c: Vec<&ruler::TaskCell> = cells.iter().filter(|c| c.task == *t).collect();
+            let mean = |f: &dyn Fn(&ruler::TaskCell) -> Option<f64>| {
+                let v: Vec<f64> = c.iter().filter_map(|c| f(c)).collect();
+                (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+            };
+            (t.name().to_string(), serde_json::json!({"recall": mean(&|c| c.recall), "teacher_forced": mean(&|c| Some(c.teacher_forced))}))
+        })
+        .collect();
+    doc["cells"] = serde_json::to_value(&cells)?;
+    doc["summary"] = serde_json::Value::Object(per_task);
+    doc["seconds"] = serde_json::json!(started.elapsed().as_secs_f64());
+    output::write_json(&json, &doc)?;
+    output::write_atomic(&csv, ruler::to_csv(&cells).as_bytes())?;
+    let grid = |f: &dyn Fn(&ruler::TaskCell) -> Option<f64>| -> Vec<Vec<Option<f64>>> {
+        tasks.iter().map(|t| lengths.iter().map(|&l| cells.iter().find(|c| c.task == *t && c.length == l).and_then(f)).collect()).collect()
+    };
+    let (tf_grid, recall_grid) = (grid(&|c| Some(c.teacher_forced)), grid(&|c| c.recall));
+    let title = format!("RULER-style tasks, teacher-forced exact match (%): {}", short(&a.model));
+    let mut map = plot::Heatmap {
+        title: &title,
+        lengths: &lengths,
+        rows: tasks.iter().map(|t| t.name().to_string()).collect(),
+        row_desc: "task",
+        values: &tf_grid,
+        trials: a.trials,
+        trained_context: doc["trained_context"].as_u64().map(|c| c as usize),
+    };
+    plot::heatmap(&png_tf, &map)?;
+    let mut written = vec![json.display().to_string(), csv.display().to_string(), png_tf.display().to_string()];
+    if !a.no_generate {
+        let title = format!("RULER-style tasks, recall of the expected strings in greedy output (%): {}", short(&a.model));
+        map.title = &title;
+        map.values = &recall_grid;
+        plot::heatmap(&png, &map)?;
+        written.push(png.display().to_string());
+    }
+    let pct = |v: Option<f64>| v.map(|v| format!("{:.1} %", v * 100.0)).unwrap_or_else(|| "-".into());
+    for t in &tasks {
+        let s = &doc["summary"][t.name()];
+        println!("{}\trecall {}\tteacher-forced exact {}", t.name(), pct(s["recall"].as_f64()), pct(s["teacher_forced"].as_f64()));
+    }
+    println!("wrote {}", written.join(", "));
+    Ok(())
+}
+
+type RulerOut = (Vec<ruler::TaskCell>, Vec<usize>, serde_json::Value);
+
+fn ruler_ranks(a: &RulerArgs, tasks: &[Task], haystack: Option<&str>, ranks: &Ranks, m: &EvalModel) -> longctx::Result<RulerOut> {
+    let lead = ranks.rank() == 0;
+    if lead {
+        eprintln!("{}", m.describe());
+    }
+    let Some(tok) = &m.tokenizer else {
+        return Err(longctx::Error::config(
+            "--model",
+            "model",
+            format!("{} has no tokenizer.json; the RULER-style tasks are text (use `eval needle` for the token format)", m.name),
+        ));
+    };
+    let suite = RulerTask::new(tok, haystack, a.digits, a.needles, a.hops)?;
+    let lengths = if a.lengths.is_empty() { default_lengths(m.trained_context(), 256) } else { a.lengths.clone() };
+    for &l in &lengths {
+        m.check_length(l, a.run.allow_extrapolation, "--lengths")?;
+    }
+    let eos = m.cfg().eos_token_id();
+    let total = (lengths.len() * tasks.len() * a.trials) as u64;
+    let pb = bar(total, lead, &format!("ruler {}", short(&m.name)));
+    let mut cells = Vec::new();
+    for &t in tasks {
+        for &l in &lengths {
+            let (mut tf, mut tok_acc, mut rec) = (0usize, 0f64, 0f64);
+            for i in 0..a.trials {
+                let case = suite.case(t, l, a.run.seed, ((l as u64) << 20) ^ i as u64)?;
+                let scores = ranks.token_scores(&m.model, &case.sample.ids, &case.sample.targets)?;
+                let pred = &scores.argmax[case.answer_start..];
+                tf += needle::exact_match(pred, &case.answer) as usize;
+                tok_acc += needle::token_accuracy(pred, &case.answer);
+                if !a.no_generate && lead {
+                    let out = longctx::eval::generate::generate(
+                        &m.model,
+                        &case.prompt(),
+                        case.answer.len() + 8,
+                        eos,
+                        &longctx::eval::generate::Sampling::GREEDY,
+                        true,
+                        |_| Ok(()),
+                    )?;
+                    let text = tok.decode(&out, true).map_err(|e| longctx::Error::Setting(format!("tokenizer failed to decode: {e}")))?;
+                    rec += ruler::recall(&text, &case.expected);
+                }
+                if let Some(b) = &pb {
+                    b.inc(1);
+                }
+            }
+            let n = a.trials as f64;
+            cells.push(ruler::TaskCell {
+                task: t,
+                length: l,
+                trials: a.trials,
+                teacher_forced: tf as f64 / n,
+                token_accuracy: tok_acc / n,
+                recall: (!a.no_generate).then_some(rec / n),
+            });
+        }
+    }
+    if let Some(b) = pb {
+        b.finish_and_clear();
+    }
+    let meta = serde_json::json!({
+        "model": m.name, "trained_context": m.trained_context(), "max_context": m.max_context(),
+        "rope_theta": m.cfg().rope_theta, "tasks": tasks, "digits": a.digits, "needles": a.needles, "hops": a.hops,
+        "trials": a.trials, "lengths": lengths, "haystack": a.haystack.as_ref().map(|p| p.display().to_string()),
+        "parallel_mode": a.run.parallel_mode, "world_size": a.run.world_size,
+    });
+    Ok((cells, lengths, meta))
+}
+
 fn needle_cmd(a: NeedleArgs) -> Result<()> {
     needle::check_depths(&a.depths)?;
     if a.trials == 0 {
@@ -444,15 +646,7 @@ fn needle_cmd(a: NeedleArgs) -> Result<()> {
     if a.lengths.contains(&0) {
         bail!("--lengths: a length must be at least 1 token");
     }
-    let haystack = match &a.haystack {
-        Some(p) => Some(std::fs::read_to_string(p).with_context(|| {
-            format!(
-                "--haystack: cannot read the text file {} (give a UTF-8 text file, or omit --haystack for generated filler)",
-                p.display()
-            )
-        })?),
-        None => None,
-    };
+    let haystack = read_haystack(a.haystack.as_deref())?;
     check_lengths(std::slice::from_ref(&a.model), &a.lengths, &a.run, a.run.dtype()?, 2 * a.digits + 4)?;
     let (spec, dtype) = a.run.prepare(&a.output_dir)?;
     let started = Instant::now();
@@ -485,22 +679,19 @@ fn needle_cmd(a: NeedleArgs) -> Result<()> {
             .collect()
     };
     let task = if a.passkey { "passkey" } else { "needle" };
-    plot::heatmap(
-        &set.stage(&png),
-        &format!("{task} retrieval, teacher-forced exact match (%): {}", short(&a.model)),
-        &lengths,
-        &a.depths,
-        &grid(&|c| Some(c.teacher_forced)),
-    )?;
+    let trained_context = doc["trained_context"].as_u64().map(|c| c as usize);
+    let rows: Vec<String> = a.depths.iter().map(|d| format!("{:.0}%", d * 100.0)).collect();
+    let (tf_grid, greedy_grid) = (grid(&|c| Some(c.teacher_forced)), grid(&|c| c.greedy));
+    let title = format!("{task} retrieval, teacher-forced exact match (%): {}", short(&a.model));
+    let mut map =
+        plot::Heatmap { title: &title, lengths: &lengths, rows, row_desc: "depth", values: &tf_grid, trials: a.trials, trained_context };
+    plot::heatmap(&set.stage(&png), &map)?;
     let mut written = vec![json.display().to_string(), png.display().to_string()];
     if !a.no_generate {
-        plot::heatmap(
-            &set.stage(&png_greedy),
-            &format!("{task} retrieval, greedy generation exact match (%): {}", short(&a.model)),
-            &lengths,
-            &a.depths,
-            &grid(&|c| c.greedy),
-        )?;
+        let title = format!("{task} retrieval, greedy generation exact match (%): {}", short(&a.model));
+        map.title = &title;
+        map.values = &greedy_grid;
+        plot::heatmap(&set.stage(&png_greedy), &map)?;
         written.push(png_greedy.display().to_string());
     }
     set.commit(if a.no_generate { std::slice::from_ref(&png_greedy) } else { &[] })?;

@@ -13,6 +13,7 @@
 //! - [`generate`]: generation with a KV cache, streamed.
 
 pub mod bench;
+pub mod check;
 pub mod eval;
 pub mod export;
 pub mod generate;

@@ -387,9 +387,18 @@ pub fn print_run_plan(cfg: &RunConfig, model: Option<&longctx::model::LlamaConfi
             _ => String::new(),
         };
         println!(
-            "#   stage {i}: {} tokens, θ {}, {} steps, {} (sp {} × dp {}), batch {} × accumulate {} × dp {} = {} tokens/step, lr {:e}{}, data {} seed {}{}{mem}",
+            "#   stage {i}: {} tokens, θ {}{}, {} steps, {} (sp {} × dp {}), batch {} × accumulate {} × dp {} = {} tokens/step, lr {:e}{}, data {} seed {}{}{mem}",
             plan::tokens_label(st.seq_length),
             st.rope_theta,
+            match &st.rope {
+                Some(r) => format!(
+                    ", rope {}{}{}",
+                    r.kind,
+                    r.factor.map_or(String::new(), |f| format!(" ×{f}")),
+                    r.original_max_position_embeddings.map_or(String::new(), |o| format!(" from {}", plan::tokens_label(o)))
+                ),
+                None => String::new(),
+            },
             st.steps,
             s.mode,
             s.sp,

@@ -111,12 +111,25 @@ impl ParallelMode {
         }
     }
 
+    /// The multiple a sequence length must be of to split under this mode over `sp`
+    /// ranks (`chunk`: FPDT's chunk in global tokens, itself a multiple of `sp`): the one
+    /// rule that config validation ([`Self::check_seq_len`]) and eval's padding use.
+    pub fn seq_multiple(self, sp: usize, chunk: usize) -> usize {
+        match self {
+            ParallelMode::DataParallel => 1,
+            ParallelMode::ZigzagRingAttn | ParallelMode::Usp => 2 * sp,
+            ParallelMode::UlyssesAttn => sp,
+            ParallelMode::Fpdt => chunk,
+        }
+    }
+
     /// Checks that a sequence of `seq` tokens splits under this mode over `sp` ranks
     /// (`ulysses` of them in a Ulysses group; `chunk`: FPDT's chunk in global tokens).
     /// The error names the setting at fault and the multiple that would work.
     pub fn check_seq_len(self, seq: usize, sp: usize, ulysses: usize, chunk: usize) -> std::result::Result<(), (LengthField, String)> {
         // `shown`: how the multiple is made up, for the message.
-        let need = |multiple: usize, what: String, shown: String| {
+        let multiple = self.seq_multiple(sp, chunk);
+        let need = |what: String, shown: String| {
             if seq.is_multiple_of(multiple) {
                 Ok(())
             } else {
@@ -125,8 +138,8 @@ impl ParallelMode {
         };
         match self {
             ParallelMode::DataParallel => Ok(()),
-            ParallelMode::ZigzagRingAttn => need(2 * sp, format!("zigzag ring over {sp} ranks"), format!("2·{sp} = {}", 2 * sp)),
-            ParallelMode::UlyssesAttn => need(sp, format!("ulysses over {sp} ranks"), sp.to_string()),
+            ParallelMode::ZigzagRingAttn => need(format!("zigzag ring over {sp} ranks"), format!("2·{sp} = {multiple}")),
+            ParallelMode::UlyssesAttn => need(format!("ulysses over {sp} ranks"), multiple.to_string()),
             ParallelMode::Fpdt => {
                 if chunk == 0 || !chunk.is_multiple_of(sp) {
                     return Err((
@@ -134,7 +147,7 @@ impl ParallelMode {
                         format!("fpdt chunk size {chunk} must be a positive multiple of sp_size {sp}"),
                     ));
                 }
-                if !seq.is_multiple_of(chunk) {
+                if !seq.is_multiple_of(multiple) {
                     return Err((
                         LengthField::SeqLength,
                         format!("fpdt needs seq_length to be a multiple of the chunk size {chunk}, got {seq}; use --fpdt-chunk-size dividing it"),
@@ -147,7 +160,7 @@ impl ParallelMode {
                 if !sp.is_multiple_of(u) {
                     return Err((LengthField::UlyssesSize, format!("usp: sp_size {sp} is not a multiple of ulysses_size {u}")));
                 }
-                need(2 * sp, format!("usp ({u} ulysses × {} ring)", sp / u), (2 * sp).to_string())
+                need(format!("usp ({u} ulysses × {} ring)", sp / u), multiple.to_string())
             }
         }
     }

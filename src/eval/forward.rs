@@ -139,12 +139,9 @@ impl Ranks {
 
     /// The length `len` is padded to so that the mode can split it.
     pub fn padded_len(&self, len: usize) -> usize {
-        let sp = self.world();
-        let multiple = match (self.mode, &self.dims) {
-            (_, None) | (ParallelMode::DataParallel, _) => 1,
-            (ParallelMode::ZigzagRingAttn | ParallelMode::Usp, _) => 2 * sp,
-            (ParallelMode::UlyssesAttn, _) => sp,
-            (ParallelMode::Fpdt, _) => self.chunk_for(len),
+        let multiple = match &self.dims {
+            None => 1,
+            Some(_) => self.mode.seq_multiple(self.world(), self.chunk_for(len)),
         };
         len.div_ceil(multiple) * multiple
     }

@@ -8,6 +8,8 @@
 //! - [`ppl`]: perplexity against context length (sliding windows or truncation).
 //! - [`needle`]: needle / passkey retrieval over a depth × length grid, teacher-forced and
 //!   greedy scoring.
+//! - [`ruler`]: RULER-style tasks (multi-key, multi-value, multi-query needles, variable
+//!   tracking) over a grid of lengths, scored by recall of the expected strings.
 //! - [`generate`]: greedy and sampled generation with a KV cache.
 //! - [`plot`]: PNG plots (plotters, embedded font).
 //! - [`output`]: files written atomically (temp file, then rename).
@@ -19,6 +21,7 @@ pub mod needle;
 pub mod output;
 pub mod plot;
 pub mod ppl;
+pub mod ruler;
 
 pub use forward::{Ranks, RanksSpec, TokenScores};
 pub use model::EvalModel;

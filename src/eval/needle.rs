@@ -120,11 +120,11 @@ pub struct TextTask {
     tok: tokenizers::Tokenizer,
 }
 
-fn number(rng: &mut SplitMix64, digits: usize) -> String {
+pub(crate) fn number(rng: &mut SplitMix64, digits: usize) -> String {
     (0..digits).map(|i| char::from(b'0' + if i == 0 { 1 + rng.below(9) as u8 } else { rng.below(10) as u8 })).collect()
 }
 
-fn encode(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
+pub(crate) fn encode(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
     tok.encode_fast(text, false).map(|e| e.get_ids().to_vec()).map_err(|e| Error::Setting(format!("tokenizer failed on `{text}`: {e}")))
 }
 

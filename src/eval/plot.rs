@@ -172,8 +172,8 @@ fn png(
     commit(&tmp, path)
 }
 
-/// Red (0) → yellow (0.5) → green (1).
-fn score_colour(v: f64) -> RGBColor {
+/// Red (0) → yellow (0.5) → green (1): the colour of a heatmap cell and of its colour bar.
+pub fn score_colour(v: f64) -> RGBColor {
     let v = v.clamp(0.0, 1.0);
     let lerp = |a: f64, b: f64, t: f64| (a + (b - a) * t).round() as u8;
     if v < 0.5 {
@@ -185,31 +185,91 @@ fn score_colour(v: f64) -> RGBColor {
     }
 }
 
-/// A heatmap: `values[d][l]` in [0, 1] (depth row `d`, length column `l`), each cell
-/// coloured and labelled with its value in percent; `None` cells are grey.
-pub fn heatmap(path: &Path, title: &str, lengths: &[usize], depths: &[f64], values: &[Vec<Option<f64>>]) -> Result<()> {
+/// The colour of the trained-context line of a heatmap.
+pub const CONTEXT_MARK: RGBColor = RGBColor(20, 60, 200);
+
+/// What a heatmap shows: `values[r][c]` in [0, 1] (row `r`, column `c`), each cell coloured
+/// and labelled with its value in percent; `None` cells are grey.
+#[derive(Debug, Clone)]
+pub struct Heatmap<'a> {
+    pub title: &'a str,
+    /// Column labels, left to right (the context lengths).
+    pub lengths: &'a [usize],
+    /// Row labels, top to bottom (depths such as `25%`, or task names).
+    pub rows: Vec<String>,
+    /// The rows' axis name (`depth`, `task`).
+    pub row_desc: &'a str,
+    pub values: &'a [Vec<Option<f64>>],
+    /// Trials behind every cell, said in the title.
+    pub trials: usize,
+    /// The model's trained context: a vertical line after the last column of at most that
+    /// length (the columns left of it are within the context), labelled below the axis.
+    pub trained_context: Option<usize>,
+}
+
+/// Where a heatmap's parts lie, in pixels of the image (for drawing and for tests that
+/// read the PNG back).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeatmapLayout {
+    pub width: u32,
+    pub height: u32,
+    pub title_lines: Vec<String>,
+    /// Top-left corner of the grid, and a cell's width and height.
+    pub grid: (i32, i32),
+    pub cell: (i32, i32),
+    /// The colour bar `[x0, y0, x1, y1)`: 100 % at the top row, 0 % at the bottom row.
+    pub bar: [i32; 4],
+}
+
+/// Heatmap geometry for `nx` columns and `ny` rows under `title` (wrapped to the width).
+pub fn heatmap_layout(title: &str, nx: usize, ny: usize) -> HeatmapLayout {
+    let (left, right, bottom) = (110i32, 150i32, 104i32);
+    let cw = (760 / nx.max(1) as i32).clamp(40, 140);
+    let ch = (440 / ny.max(1) as i32).clamp(24, 80).max(160 / ny.max(1) as i32);
+    let width = ((left + cw * nx as i32 + right) as u32).max(480);
+    // DejaVu Sans Mono at 20 px advances about 10.3 px a character.
+    let title_lines = wrap(title, ((width as usize).saturating_sub(24) / 11).max(20));
+    let top = 16 + 26 * title_lines.len() as i32 + 14;
+    let height = (top + ch * ny as i32 + bottom) as u32;
+    let bx = left + cw * nx as i32 + 36;
+    HeatmapLayout { width, height, title_lines, grid: (left, top), cell: (cw, ch), bar: [bx, top, bx + 22, top + ch * ny as i32] }
+}
+
+/// The x pixel of the trained-context line: the right edge of the last column whose
+/// length is at most `ctx` (the grid's left edge when every length is beyond it).
+pub fn context_mark_x(layout: &HeatmapLayout, lengths: &[usize], ctx: usize) -> i32 {
+    let within = lengths.iter().take_while(|&&l| l <= ctx).count() as i32;
+    layout.grid.0 + within * layout.cell.0
+}
+
+/// A heatmap PNG (see [`Heatmap`]): the cells with their percent, a colour bar with its
+/// scale (0–100 %) right of the grid, the trials per cell in the title and the trained
+/// context marked on the length axis; laid out by [`heatmap_layout`].
+pub fn heatmap(path: &Path, h: &Heatmap<'_>) -> Result<()> {
     font_ready()?;
-    let (nx, ny) = (lengths.len(), depths.len());
-    if nx == 0 || ny == 0 || values.len() != ny || values.iter().any(|r| r.len() != nx) {
+    let (nx, ny) = (h.lengths.len(), h.rows.len());
+    if nx == 0 || ny == 0 || h.values.len() != ny || h.values.iter().any(|r| r.len() != nx) {
         return Err(Error::Setting(format!("{}: heatmap needs {ny} rows of {nx} values", path.display())));
     }
-    let (left, top, right, bottom) = (110i32, 60i32, 40i32, 80i32);
-    let cw = (760 / nx as i32).clamp(40, 140);
-    let ch = (440 / ny as i32).clamp(24, 80);
-    let (w, h) = ((left + cw * nx as i32 + right) as u32, (top + ch * ny as i32 + bottom) as u32);
-    png(path, (w.max(420), h), |root| {
+    let trials = if h.trials == 1 { "1 trial per cell".to_string() } else { format!("{} trials per cell", h.trials) };
+    let title = format!("{} ({trials})", h.title);
+    let lay = heatmap_layout(&title, nx, ny);
+    let ((left, top), (cw, ch)) = (lay.grid, lay.cell);
+    let grid_bottom = top + ch * ny as i32;
+    png(path, (lay.width, lay.height), |root| {
         let root = root.clone();
-        let centred = |s: String, x: i32, y: i32, size: i32| {
-            let style = TextStyle::from((FAMILY, size).into_font()).pos(plotters::style::text_anchor::Pos::new(
-                plotters::style::text_anchor::HPos::Center,
-                plotters::style::text_anchor::VPos::Center,
-            ));
+        let anchored = |s: String, x: i32, y: i32, size: i32, h: plotters::style::text_anchor::HPos| {
+            let style = TextStyle::from((FAMILY, size).into_font())
+                .pos(plotters::style::text_anchor::Pos::new(h, plotters::style::text_anchor::VPos::Center));
             Text::new(s, (x, y), style)
         };
-        root.draw(&centred(title.to_string(), (w.max(420) / 2) as i32, top / 2, 20))?;
-        for (d, row) in values.iter().enumerate() {
-            for (l, v) in row.iter().enumerate() {
-                let (x, y) = (left + l as i32 * cw, top + d as i32 * ch);
+        let centred = |s: String, x: i32, y: i32, size: i32| anchored(s, x, y, size, plotters::style::text_anchor::HPos::Center);
+        for (i, l) in lay.title_lines.iter().enumerate() {
+            root.draw(&Text::new(l.clone(), (12, 16 + 26 * i as i32), (FAMILY, 20).into_font()))?;
+        }
+        for (r, row) in h.values.iter().enumerate() {
+            for (c, v) in row.iter().enumerate() {
+                let (x, y) = (left + c as i32 * cw, top + r as i32 * ch);
                 let fill = v.map(score_colour).unwrap_or(RGBColor(200, 200, 200));
                 root.draw(&Rectangle::new([(x, y), (x + cw, y + ch)], fill.filled()))?;
                 root.draw(&Rectangle::new([(x, y), (x + cw, y + ch)], WHITE.stroke_width(1)))?;
@@ -217,14 +277,39 @@ pub fn heatmap(path: &Path, title: &str, lengths: &[usize], depths: &[f64], valu
                 root.draw(&centred(label, x + cw / 2, y + ch / 2, 14))?;
             }
         }
-        for (l, len) in lengths.iter().enumerate() {
-            root.draw(&centred(len.to_string(), left + l as i32 * cw + cw / 2, top + ny as i32 * ch + 14, 13))?;
+        for (c, len) in h.lengths.iter().enumerate() {
+            root.draw(&centred(crate::plan::tokens_label(*len), left + c as i32 * cw + cw / 2, grid_bottom + 14, 13))?;
         }
-        root.draw(&centred("context length (tokens)".into(), left + (nx as i32 * cw) / 2, top + ny as i32 * ch + 40, 15))?;
-        for (d, depth) in depths.iter().enumerate() {
-            root.draw(&centred(format!("{:.0}%", depth * 100.0), left - 28, top + d as i32 * ch + ch / 2, 13))?;
+        root.draw(&centred("context length (tokens)".into(), left + (nx as i32 * cw) / 2, grid_bottom + 38, 15))?;
+        for (r, label) in h.rows.iter().enumerate() {
+            root.draw(&anchored(label.clone(), left - 8, top + r as i32 * ch + ch / 2, 13, plotters::style::text_anchor::HPos::Right))?;
         }
-        root.draw(&centred("depth".into(), 30, top + (ny as i32 * ch) / 2, 15))?;
+        root.draw(&centred(h.row_desc.to_string(), left / 2 - 16, top - 12, 15))?;
+        // The colour bar, 100 % at the top, with its scale.
+        let [bx0, by0, bx1, by1] = lay.bar;
+        for y in by0..by1 {
+            let v = 1.0 - (y - by0) as f64 / ((by1 - by0 - 1).max(1)) as f64;
+            root.draw(&Rectangle::new([(bx0, y), (bx1, y + 1)], score_colour(v).filled()))?;
+        }
+        root.draw(&Rectangle::new([(bx0 - 1, by0 - 1), (bx1, by1)], BLACK.stroke_width(1)))?;
+        for (v, label) in [(1.0, "100 %"), (0.5, "50 %"), (0.0, "0 %")] {
+            let y = by0 + ((1.0 - v) * (by1 - by0 - 1) as f64).round() as i32;
+            root.draw(&PathElement::new(vec![(bx1, y), (bx1 + 5, y)], BLACK.stroke_width(1)))?;
+            root.draw(&anchored(label.into(), bx1 + 8, y, 13, plotters::style::text_anchor::HPos::Left))?;
+        }
+        root.draw(&centred("% right".into(), (bx0 + bx1) / 2, by0 - 18, 13))?;
+        if let Some(ctx) = h.trained_context {
+            let x = context_mark_x(&lay, h.lengths, ctx);
+            root.draw(&Rectangle::new([(x - 1, top - 6), (x + 2, grid_bottom + 26)], CONTEXT_MARK.filled()))?;
+            let text = format!("trained context {}", crate::plan::tokens_label(ctx));
+            let anchor =
+                if x > lay.width as i32 / 2 { plotters::style::text_anchor::HPos::Right } else { plotters::style::text_anchor::HPos::Left };
+            let tx = if x > lay.width as i32 / 2 { x - 6 } else { x + 6 };
+            let style = TextStyle::from((FAMILY, 13).into_font())
+                .color(&CONTEXT_MARK)
+                .pos(plotters::style::text_anchor::Pos::new(anchor, plotters::style::text_anchor::VPos::Center));
+            root.draw(&Text::new(text, (tx, grid_bottom + 64), style))?;
+        }
         Ok(())
     })
 }

@@ -22,7 +22,7 @@
 //! set it up with [`ModelExport::for_run`], so a run's export is the same either way.
 
 use std::cmp::Ordering;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
@@ -134,7 +134,8 @@ pub fn export(
     if !config.is_object() {
         return Err(Error::Setting("export: the model config must be a JSON object".into()));
     }
-    let items = export_items(tensors, opts)?;
+    let fused = fuse_projections(tensors, &config)?;
+    let items = export_items(fused.as_deref().unwrap_or(tensors), opts)?;
     check_finite(&items, out_dir)?;
     let dtypes: Vec<DType> = items.iter().map(|it| it.dtype).collect();
     if let Some(&first) = dtypes.first() {
@@ -187,6 +188,40 @@ pub fn export(
     };
     swap_into_place(&tmp, out_dir, &parent, &base)?;
     Ok(ExportReport { dir: out_dir.to_path_buf(), weight_files: names, total_size })
+}
+
+/// A Phi-3 checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`
+/// (what transformers' Phi3ForCausalLM loads): the split projections longctx trains are
+/// concatenated back, rows in the order `crate::hub::Checkpoint` split them. `None` for
+/// every other family (nothing to fuse).
+fn fuse_projections(tensors: &[(String, Tensor)], config: &Value) -> Result<Option<Vec<(String, Tensor)>>> {
+    if config.get("model_type").and_then(Value::as_str) != Some("phi3") {
+        return Ok(None);
+    }
+    let groups: [(&str, &[&str]); 2] = [
+        ("self_attn.qkv_proj.weight", &["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
+        ("mlp.gate_up_proj.weight", &["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+    ];
+    let by_name: HashMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let mut taken = std::collections::HashSet::new();
+    let mut out = Vec::with_capacity(tensors.len());
+    for (name, _) in tensors {
+        for (fused, parts) in groups {
+            let Some(prefix) = name.strip_suffix(parts[0]) else { continue };
+            let mut pieces = Vec::with_capacity(parts.len());
+            for p in parts {
+                let full = format!("{prefix}{p}");
+                let t = by_name.get(full.as_str()).ok_or_else(|| {
+                    Error::Setting(format!("export: Phi-3 fuses `{prefix}{}` from {parts:?}, but `{full}` is missing", fused))
+                })?;
+                pieces.push((*t).clone());
+                taken.insert(full);
+            }
+            out.push((format!("{prefix}{fused}"), Tensor::cat(&pieces, 0)?));
+        }
+    }
+    out.extend(tensors.iter().filter(|(n, _)| !taken.contains(n)).cloned());
+    Ok(Some(out))
 }
 
 /// The tensors in natural name order with their written dtype and size; errors for

@@ -29,6 +29,42 @@ pub struct Checkpoint {
     files: Vec<SafetensorsFile>,
     /// tensor name -> position in `files`.
     routing: BTreeMap<String, usize>,
+    /// Tensors a file stores fused (Phi-3's `qkv_proj`, `gate_up_proj`), by the split
+    /// names the model uses: rows `start..start + shape[0]` of `fused`.
+    parts: BTreeMap<String, Part>,
+}
+
+/// Rows of a fused tensor, under the name of the projection they are.
+#[derive(Debug, Clone)]
+struct Part {
+    fused: String,
+    start: usize,
+    shape: Vec<usize>,
+}
+
+/// The fused projections a checkpoint may store, and how they split: (suffix of the
+/// fused tensor, the split names' suffixes). Row counts come from config.json.
+const FUSED: [(&str, [&str; 3]); 2] = [
+    ("self_attn.qkv_proj.weight", ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
+    ("mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight", ""]),
+];
+
+/// Row counts of the split projections of `FUSED[i]`, from the model directory's config.json.
+fn fused_rows(dir: &Path) -> Result<[[usize; 3]; 2]> {
+    let file = dir.join("config.json");
+    let text = std::fs::read_to_string(&file).map_err(|e| Error::io(&file, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::checkpoint(&file, format!("not valid JSON ({e}); the fused weights need it to split")))?;
+    let int = |k: &str| v.get(k).and_then(serde_json::Value::as_u64).map(|x| x as usize);
+    let need = |k: &str| int(k).ok_or_else(|| Error::config(&file, k, "missing: needed to split the checkpoint's fused projections"));
+    let (hidden, hq, inter) = (need("hidden_size")?, need("num_attention_heads")?, need("intermediate_size")?);
+    let hkv = int("num_key_value_heads").unwrap_or(hq);
+    let hd = match int("head_dim") {
+        Some(d) => d,
+        None if hq > 0 => hidden / hq,
+        None => return Err(Error::config(&file, "num_attention_heads", "must be positive")),
+    };
+    Ok([[hq * hd, hkv * hd, hkv * hd], [inter, inter, 0]])
 }
 
 #[derive(serde::Deserialize)]
@@ -48,7 +84,7 @@ impl Checkpoint {
         if single.is_file() {
             let file = SafetensorsFile::open(&single)?;
             let routing = file.names().into_iter().map(|n| (n.to_string(), 0)).collect();
-            return Ok(Self { dir: dir.to_path_buf(), index: None, files: vec![file], routing });
+            return Self { dir: dir.to_path_buf(), index: None, files: vec![file], routing, parts: BTreeMap::new() }.split_fused();
         }
         let index = dir.join(INDEX_FILE);
         if index.is_file() {
@@ -110,7 +146,47 @@ impl Checkpoint {
             }
             routing.insert(name.clone(), pos);
         }
-        Ok(Self { dir: dir.to_path_buf(), index: Some(index.to_path_buf()), files, routing })
+        Self { dir: dir.to_path_buf(), index: Some(index.to_path_buf()), files, routing, parts: BTreeMap::new() }.split_fused()
+    }
+
+    /// Registers the split names of every fused projection (Phi-3), checking the fused
+    /// tensor's rows against config.json; a checkpoint without fused tensors is unchanged.
+    fn split_fused(mut self) -> Result<Self> {
+        let fused: Vec<(String, usize)> = self
+            .routing
+            .keys()
+            .filter_map(|n| FUSED.iter().position(|(suffix, _)| n.ends_with(&format!(".{suffix}"))).map(|i| (n.clone(), i)))
+            .collect();
+        if fused.is_empty() {
+            return Ok(self);
+        }
+        let rows = fused_rows(&self.dir)?;
+        for (name, i) in fused {
+            let (suffix, parts) = FUSED[i];
+            let prefix = &name[..name.len() - suffix.len()];
+            let f = &self.files[self.routing[&name]];
+            let shape = f.entry(&name).map(|e| e.shape.clone()).unwrap_or_default();
+            let want: usize = rows[i].iter().sum();
+            if shape.len() != 2 || shape[0] != want {
+                return Err(Error::checkpoint(
+                    f.path(),
+                    format!("fused tensor `{name}` has shape {shape:?}, config.json implies {want} rows ({:?}); do config.json and the weights belong together?", rows[i]),
+                ));
+            }
+            let mut start = 0;
+            for (part, &n) in parts.iter().zip(&rows[i]).filter(|(p, _)| !p.is_empty()) {
+                let split = format!("{prefix}{part}");
+                if self.routing.contains_key(&split) {
+                    return Err(Error::checkpoint(
+                        f.path(),
+                        format!("holds both `{name}` and `{split}`: a checkpoint stores a projection once"),
+                    ));
+                }
+                self.parts.insert(split, Part { fused: name.clone(), start, shape: vec![n, shape[1]] });
+                start += n;
+            }
+        }
+        Ok(self)
     }
 
     pub fn dir(&self) -> &Path {
@@ -127,17 +203,33 @@ impl Checkpoint {
         self.files.iter().map(|f| f.path()).collect()
     }
 
-    /// All tensor names, sorted.
+    /// All tensor names as the model names them, sorted: a fused projection appears as
+    /// its parts (`q_proj`, `k_proj`, `v_proj`; `gate_proj`, `up_proj`).
     pub fn names(&self) -> Vec<&str> {
-        self.routing.keys().map(String::as_str).collect()
+        let split: std::collections::BTreeSet<&str> = self.parts.values().map(|p| p.fused.as_str()).collect();
+        let mut v: Vec<&str> =
+            self.routing.keys().map(String::as_str).filter(|n| !split.contains(n)).chain(self.parts.keys().map(String::as_str)).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The file that holds tensor `name` (its fused tensor's, for a part); the directory
+    /// when there is none.
+    pub fn file_of(&self, name: &str) -> &Path {
+        let fused = self.parts.get(name).map_or(name, |p| p.fused.as_str());
+        self.routing.get(fused).map_or(self.dir.as_path(), |&i| self.files[i].path())
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.routing.contains_key(name)
+        self.parts.contains_key(name) || (self.routing.contains_key(name) && !self.parts.values().any(|p| p.fused == name))
     }
 
-    /// On-disk dtype string and shape of tensor `name`.
+    /// On-disk dtype string and shape of tensor `name` (a part: its rows of the fused one).
     pub fn info(&self, name: &str) -> Option<(&str, &[usize])> {
+        if let Some(p) = self.parts.get(name) {
+            let f = &self.files[*self.routing.get(&p.fused)?];
+            return f.entry(&p.fused).map(|e| (e.dtype.as_str(), p.shape.as_slice()));
+        }
         let f = &self.files[*self.routing.get(name)?];
         f.entry(name).map(|e| (e.dtype.as_str(), e.shape.as_slice()))
     }
@@ -145,6 +237,10 @@ impl Checkpoint {
     /// Reads one tensor converted to `dtype` on `device`; a tensor holding NaN or an
     /// infinity (as stored, or after the conversion) is an error naming the file and it.
     pub fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
+        if let Some(p) = self.parts.get(name) {
+            let fused = self.files[self.routing[&p.fused]].load(&p.fused, dtype, device)?;
+            return Ok(fused.narrow(0, p.start, p.shape[0])?.contiguous()?);
+        }
         let Some(&pos) = self.routing.get(name) else {
             let at = self.index.as_deref().unwrap_or_else(|| self.files[0].path());
             return Err(Error::checkpoint(at, format!("tensor `{name}` not found in the checkpoint")));
@@ -169,8 +265,8 @@ impl Checkpoint {
     /// Reads every tensor converted to `dtype` on `device`.
     pub fn load_all(&self, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
         let mut out = HashMap::with_capacity(self.routing.len());
-        for name in self.routing.keys() {
-            out.insert(name.clone(), self.load(name, dtype, device)?);
+        for name in self.names() {
+            out.insert(name.to_string(), self.load(name, dtype, device)?);
         }
         Ok(out)
     }
@@ -187,7 +283,7 @@ impl candle_nn::var_builder::SimpleBackend for Checkpoint {
     fn get(&self, s: Shape, name: &str, _h: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
         let t = self.get_unchecked(name, dtype, dev)?;
         if t.shape() != &s {
-            let file = self.files[self.routing[name]].path();
+            let file = self.file_of(name);
             return Err(candle_core::Error::Msg(format!(
                 "{}: tensor `{name}` has shape {:?} but the model expects {:?}; does config.json match these weights?",
                 file.display(),
@@ -231,7 +327,7 @@ pub fn load_into_varmap(dir: impl AsRef<Path>, varmap: &VarMap, dtype: DType, de
             Some(var) => {
                 if var.shape() != t.shape() {
                     return Err(Error::checkpoint(
-                        ckpt.files[ckpt.routing[name]].path(),
+                        ckpt.file_of(name),
                         format!("tensor `{name}` has shape {:?} but the VarMap already holds {:?}", t.dims(), var.dims()),
                     ));
                 }

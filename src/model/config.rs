@@ -20,10 +20,15 @@ pub enum Arch {
     /// Qwen3: a per-head RMSNorm on q and k (`q_norm`, `k_norm` of size head_dim) before
     /// RoPE; biases as Llama's `attention_bias`.
     Qwen3,
+    /// Phi-3 / Phi-3.5: a Llama block without biases whose checkpoint fuses q/k/v into
+    /// `qkv_proj` and gate/up into `gate_up_proj` (split at load by [`crate::hub::Checkpoint`],
+    /// fused again at export); LongRoPE in its config. `partial_rotary_factor` must be 1.
+    Phi3,
 }
 
 /// Supported values, for error messages.
-const SUPPORTED: &str = "llama, mistral, qwen2, qwen3 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)";
+const SUPPORTED: &str =
+    "llama, mistral, qwen2, qwen3, phi3 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM)";
 
 impl Arch {
     pub fn model_type(self) -> &'static str {
@@ -32,6 +37,7 @@ impl Arch {
             Arch::Mistral => "mistral",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Phi3 => "phi3",
         }
     }
     fn from_model_type(s: &str) -> Option<Self> {
@@ -40,6 +46,7 @@ impl Arch {
             "mistral" => Some(Arch::Mistral),
             "qwen2" => Some(Arch::Qwen2),
             "qwen3" => Some(Arch::Qwen3),
+            "phi3" => Some(Arch::Phi3),
             _ => None,
         }
     }
@@ -49,6 +56,7 @@ impl Arch {
             "MistralForCausalLM" => Some(Arch::Mistral),
             "Qwen2ForCausalLM" => Some(Arch::Qwen2),
             "Qwen3ForCausalLM" => Some(Arch::Qwen3),
+            "Phi3ForCausalLM" => Some(Arch::Phi3),
             _ => None,
         }
     }
@@ -575,6 +583,22 @@ impl LlamaConfig {
             Some(d) => (Some(d), "torch_dtype"),
             None => (f.opt_string("dtype")?, "dtype"),
         };
+        // A partial rotary embedding (Phi-4-mini's 0.75, at the top level or in the RoPE
+        // dict) rotates only part of each head: not implemented, refused rather than wrong.
+        for dict in [None, Some("rope_parameters"), Some("rope_scaling")] {
+            let v = match dict {
+                None => f.peek("partial_rotary_factor"),
+                Some(d) => f.peek(d).and_then(|r| r.get("partial_rotary_factor")),
+            };
+            if let Some(v) = v.filter(|v| v.as_f64() != Some(1.0)) {
+                let field = dict.map_or("partial_rotary_factor".to_string(), |d| format!("{d}.partial_rotary_factor"));
+                return Err(Error::config(
+                    file,
+                    &field,
+                    format!("longctx rotates the whole head (1.0), got {}; partial rotary embeddings are not supported", show(v)),
+                ));
+            }
+        }
         let rope = f.rope(max_position_embeddings, head_dim)?;
         check_token_ids(file, &f.map)?;
         if let Some(v) = f.peek("hidden_act") {
@@ -643,7 +667,7 @@ impl LlamaConfig {
     pub fn qkv_bias(&self) -> bool {
         match self.arch {
             Arch::Llama | Arch::Qwen3 => self.attention_bias,
-            Arch::Mistral => false,
+            Arch::Mistral | Arch::Phi3 => false,
             Arch::Qwen2 => true,
         }
     }

@@ -52,15 +52,17 @@ impl Phase {
     }
 }
 
-/// A recorded point in time: a CUDA event on the compute stream, or the wall clock.
-enum Mark {
+/// A recorded point in time: a CUDA event on the compute stream, or the wall clock (the
+/// one timer of the crate: the step profiler and `longctx bench` use it).
+pub enum Mark {
     #[cfg(feature = "cuda")]
     Event(candle_core::cuda::cudarc::driver::CudaEvent),
     Wall(Instant),
 }
 
 impl Mark {
-    fn now(dev: &Device) -> Result<Self> {
+    /// Records now on `dev`'s stream (CUDA), or reads the clock.
+    pub fn now(dev: &Device) -> Result<Self> {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(cd) = dev {
             use candle_core::cuda::cudarc::driver::sys::CUevent_flags;
@@ -72,7 +74,7 @@ impl Mark {
     }
 
     /// Seconds from `self` to `end` (waits for the end event).
-    fn seconds_to(&self, end: &Mark) -> Result<f64> {
+    pub fn seconds_to(&self, end: &Mark) -> Result<f64> {
         match (self, end) {
             #[cfg(feature = "cuda")]
             (Mark::Event(a), Mark::Event(b)) => Ok(a.elapsed_ms(b).map_err(candle_core::Error::wrap)? as f64 / 1e3),

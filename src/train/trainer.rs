@@ -142,7 +142,7 @@ pub struct RunOptions {
 }
 
 /// A fault injected into a run, to test the numeric guards (`tests/numeric_guards.rs`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Fault {
     /// Rank `rank`'s gradient of the first parameter is NaN in the optimizer steps
     /// `first..=last` (global step numbers, from 1).
@@ -152,17 +152,24 @@ pub enum Fault {
     NanWeights { step: u64 },
     /// Rank `rank`'s loss of optimizer step `step` is NaN (its gradients stay finite).
     NanLoss { rank: usize, step: u64 },
+    /// Rank `rank`'s share of every step's loss and gradients is scaled by `factor`: a
+    /// deliberately broken parallel run (what `longctx check` must catch).
+    Skew { rank: usize, factor: f64 },
 }
 
 /// Environment variable the `longctx` binary reads faults from, for tests of real
 /// processes: a comma-separated list of `nan-grad:RANK:FIRST-LAST`, `nan-weights:STEP`
-/// and `nan-loss:RANK:STEP` ([`Fault::parse_list`]). Not for production runs.
+/// `nan-loss:RANK:STEP` and `skew:RANK:FACTOR` ([`Fault::parse_list`]). Not for production runs.
 pub const FAULT_ENV: &str = "LONGCTX_FAULT";
 
 impl Fault {
     /// Faults from the [`FAULT_ENV`] syntax; the error names the bad item.
     pub fn parse_list(s: &str) -> Result<Vec<Fault>> {
-        let bad = |item: &str| Error::Setting(format!("{FAULT_ENV}: `{item}` is not `nan-grad:RANK:FIRST-LAST` or `nan-weights:STEP`"));
+        let bad = |item: &str| {
+            Error::Setting(format!(
+                "{FAULT_ENV}: `{item}` is not `nan-grad:RANK:FIRST-LAST`, `nan-weights:STEP`, `nan-loss:RANK:STEP` or `skew:RANK:FACTOR`"
+            ))
+        };
         let mut out = Vec::new();
         for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
             let parts: Vec<&str> = item.split(':').collect();
@@ -174,6 +181,10 @@ impl Fault {
                 }
                 ["nan-weights", step] => Fault::NanWeights { step: num(step)? },
                 ["nan-loss", rank, step] => Fault::NanLoss { rank: num(rank)? as usize, step: num(step)? },
+                ["skew", rank, factor] => {
+                    let factor = factor.parse::<f64>().ok().filter(|f| f.is_finite()).ok_or_else(|| bad(item))?;
+                    Fault::Skew { rank: num(rank)? as usize, factor }
+                }
                 _ => return Err(bad(item)),
             });
         }
@@ -885,11 +896,17 @@ impl<'a> RankRun<'a> {
         };
         let (mut loss_sum, mut engine_seconds) = (0f64, 0f64);
         let mut mem = self.memory;
+        let rank = self.world.rank();
+        let skew = self.sh.opts.faults.iter().find_map(|f| match f {
+            Fault::Skew { rank: r, factor } if *r == rank => Some(*factor),
+            _ => None,
+        });
+        let skew = skew.unwrap_or(1.0);
         for m in micro {
             let te = Instant::now();
-            let r = self.engine.step_into(&m.ids, &m.targets, &m.pos, stage.seq_length, &m.attn, scale, hooks)?;
+            let r = self.engine.step_into(&m.ids, &m.targets, &m.pos, stage.seq_length, &m.attn, scale * skew, hooks)?;
             engine_seconds += te.elapsed().as_secs_f64();
-            loss_sum += r.loss_sum;
+            loss_sum += r.loss_sum * skew;
             mem.saved_bytes = mem.saved_bytes.max(r.memory.saved_bytes);
             mem.saved_host_bytes = mem.saved_host_bytes.max(r.memory.saved_host_bytes);
             mem.transient_bytes = mem.transient_bytes.max(r.memory.transient_bytes);

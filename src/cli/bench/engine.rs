@@ -15,7 +15,7 @@
 //! change nothing). A race in the copies would show as a difference of order 1. One JSON
 //! line per setting goes to stdout; the table to stderr.
 
-use crate::bench::median;
+use super::attention::median;
 use anyhow::{bail, Context};
 use candle_core::{DType, Tensor, Var};
 use longctx::model::LlamaConfig;

@@ -5,7 +5,7 @@
 //! written; the copy written) and that time scaled to the Llama-2-7B shape's 6.74e9
 //! parameters. The host↔device copies of a GPU run are not part of it.
 
-use crate::bench::median;
+use super::attention::median;
 use anyhow::bail;
 use longctx::train::optim::{AdamW, AdamWConfig};
 use std::time::Instant;

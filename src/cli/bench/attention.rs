@@ -18,11 +18,11 @@
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
 use longctx::dist::{build_groups, DimsRequest, ParallelDims, ParallelMode};
+use longctx::train::profile::Mark;
 use longctx_attention::comm::{thread::run_ranks, Comm};
 use longctx_attention::kernel::{self, Mask};
 use longctx_attention::{layout, AttentionMode};
 use std::sync::Arc;
-use std::time::Instant;
 
 /// Arguments of `longctx bench attention`.
 #[derive(clap::Args, Debug, Clone)]
@@ -138,46 +138,12 @@ fn time(dev: &Device, warmup: usize, iters: usize, mut f: impl FnMut() -> candle
     dev.synchronize()?;
     let mut ts = Vec::with_capacity(iters);
     for _ in 0..iters.max(1) {
-        let mark = Mark::start(dev)?;
+        let start = Mark::now(dev)?;
         f()?;
-        ts.push(mark.stop(dev)?);
+        let end = Mark::now(dev)?;
+        ts.push(start.seconds_to(&end)?);
     }
     Ok(median(ts))
-}
-
-/// A started timing: a recorded CUDA event, or the wall clock on other devices.
-enum Mark {
-    #[cfg(feature = "cuda")]
-    Event(candle_core::cuda::cudarc::driver::CudaEvent),
-    Wall(Instant),
-}
-
-impl Mark {
-    fn start(dev: &Device) -> anyhow::Result<Self> {
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda(cd) = dev {
-            use candle_core::cuda::cudarc::driver::sys::CUevent_flags;
-            return Ok(Mark::Event(cd.cuda_stream().record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?));
-        }
-        dev.synchronize()?;
-        Ok(Mark::Wall(Instant::now()))
-    }
-
-    /// Seconds since `start`, once the work queued since then has finished.
-    fn stop(self, dev: &Device) -> anyhow::Result<f64> {
-        match self {
-            #[cfg(feature = "cuda")]
-            Mark::Event(start) => {
-                use candle_core::cuda::cudarc::driver::sys::CUevent_flags;
-                let end = dev.as_cuda_device()?.cuda_stream().record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-                Ok(start.elapsed_ms(&end)? as f64 / 1e3)
-            }
-            Mark::Wall(t0) => {
-                dev.synchronize()?;
-                Ok(t0.elapsed().as_secs_f64())
-            }
-        }
-    }
 }
 
 fn randn(shape: &[usize], dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {

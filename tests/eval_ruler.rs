@@ -1,0 +1,254 @@
+//! RULER-style tasks (`longctx eval ruler`, `src/eval/ruler.rs`): each task's scoring on
+//! hand-made outputs (all right, one wrong, empty), each task's case layout on SmolLM2's
+//! real tokenizer (tests/fixtures/bos_smollm2; with and without a BOS-adding
+//! post-processor): the exact length, the expected strings in the prompt, the question
+//! at its end, the answer as the last targets; and the command's files on a small model.
+
+mod common;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use longctx::eval::ruler::{recall, to_csv, RulerTask, Task, TaskCase, TaskCell};
+use longctx::hub::tokenizer;
+use serde_json::Value;
+
+const FIXTURE: &str = "tests/fixtures/bos_smollm2";
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// SmolLM2's tokenizer, with the fixture's BOS-adding post-processor when `bos`.
+fn smollm2(tmp: &Path, bos: bool) -> tokenizers::Tokenizer {
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(std::fs::File::open(root().join(FIXTURE).join("tokenizer.json.gz")).unwrap())
+        .read_to_string(&mut text)
+        .unwrap();
+    let mut tok: Value = serde_json::from_str(&text).unwrap();
+    if bos {
+        let cases: Value = serde_json::from_str(&std::fs::read_to_string(root().join(FIXTURE).join("cases.json")).unwrap()).unwrap();
+        tok["post_processor"] = cases["variants"]["bos_template"]["post_processor"].clone();
+    }
+    let dir = tmp.join(if bos { "bos" } else { "plain" });
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), serde_json::to_string(&tok).unwrap()).unwrap();
+    tokenizer::load_tokenizer(&dir).unwrap()
+}
+
+fn decode(tok: &tokenizers::Tokenizer, ids: &[u32]) -> String {
+    tok.decode(ids, false).unwrap()
+}
+
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn recall_counts_each_expected_string_found() {
+    let e = strings(&["1234567", "7654321", "5555555"]);
+    assert_eq!(recall(" 1234567, 7654321, 5555555.", &e), 1.0);
+    assert_eq!(recall("5555555 then 1234567 and 7654321", &e), 1.0, "order does not matter");
+    assert!((recall(" 1234567, 7654320, 5555555.", &e) - 2.0 / 3.0).abs() < 1e-12);
+    assert_eq!(recall("", &e), 0.0);
+    assert_eq!(recall("anything", &[]), 0.0);
+    assert_eq!(recall("the variables are abcde", &strings(&["ABCDE"])), 1.0, "case-insensitive");
+}
+
+/// A case's output when every expected string is given, when one is wrong, and empty.
+fn check_scoring(c: &TaskCase) {
+    let n = c.expected.len() as f64;
+    let all = c.expected.join(", ");
+    assert_eq!(recall(&all, &c.expected), 1.0, "{:?}: all right", c.task);
+    let mut wrong = c.expected.clone();
+    wrong[0] = if wrong[0].chars().all(|ch| ch.is_ascii_digit()) { "0".repeat(wrong[0].len()) } else { "QQQQQ".into() };
+    assert!(!c.expected.contains(&wrong[0]));
+    let got = recall(&wrong.join(", "), &c.expected);
+    assert!((got - (n - 1.0) / n).abs() < 1e-12, "{:?}: one wrong gives {got}, expected {}", c.task, (n - 1.0) / n);
+    assert_eq!(recall("", &c.expected), 0.0, "{:?}: empty", c.task);
+}
+
+#[test]
+fn every_task_is_laid_out_exactly_and_scored_by_recall_on_the_real_tokenizer() {
+    let tmp = tempfile::tempdir().unwrap();
+    for bos in [false, true] {
+        let tok = smollm2(tmp.path(), bos);
+        let prefix = tokenizer::special_prefix(&tok).unwrap();
+        assert_eq!(prefix.is_empty(), !bos);
+        let suite = RulerTask::new(&tok, None, 7, 4, 4).unwrap();
+        for task in Task::ALL {
+            for len in [300usize, 777, 2048] {
+                for index in 0..3u64 {
+                    let c = suite.case(task, len, 11, index).unwrap();
+                    let what = format!("{task:?} len {len} #{index} bos {bos}");
+                    // Exact length; the answer is the last targets; the prompt ends with the question.
+                    assert_eq!(c.sample.ids.len(), len, "{what}");
+                    assert_eq!(c.sample.targets.len(), len, "{what}");
+                    assert_eq!(c.answer_start + c.answer.len(), len, "{what}");
+                    let tail: Vec<u32> = c.sample.targets[c.answer_start..].iter().map(|&t| t as u32).collect();
+                    assert_eq!(tail, c.answer, "{what}");
+                    assert!(c.sample.targets.iter().all(|&t| t >= 0), "{what}: every target is a token");
+                    let prompt = c.prompt();
+                    assert_eq!(prompt.len(), len + 1 - c.answer.len(), "{what}");
+                    assert!(prompt.starts_with(&prefix), "{what}: the tokenizer's prefix first");
+                    let q = tok.encode_fast(c.question.as_str(), false).unwrap().get_ids().to_vec();
+                    assert!(prompt.ends_with(&q), "{what}: the question at the end");
+                    let text = decode(&tok, &prompt[prefix.len()..]);
+                    let body = decode(&tok, &prompt[prefix.len()..prompt.len() - q.len()]);
+                    let body = body.as_str();
+                    // The task is stated first.
+                    let first = if task == Task::Vt { "Variable assignments are hidden" } else { "Some special magic numbers are hidden" };
+                    assert!(text.starts_with(first), "{what}: {}", &text[..80]);
+                    // The expected strings are in the text before the question, the answer holds them all.
+                    assert!(!c.expected.is_empty());
+                    for e in &c.expected {
+                        assert!(body.contains(e.as_str()), "{what}: {e} not in the haystack");
+                    }
+                    assert_eq!(recall(&decode(&tok, &c.answer), &c.expected), 1.0, "{what}: answer {:?}", decode(&tok, &c.answer));
+                    match task {
+                        Task::Single | Task::MultiKey => {
+                            assert_eq!(c.expected.len(), 1, "{what}");
+                            assert!(c.expected[0].len() == 7 && c.expected[0].chars().all(|ch| ch.is_ascii_digit()));
+                            let needles = body.matches("The special magic number for ").count();
+                            assert_eq!(needles, if task == Task::Single { 1 } else { 4 }, "{what}");
+                            // The asked key's own needle holds the expected value.
+                            let key = c.question.split("number for ").nth(1).unwrap().split(' ').next().unwrap();
+                            assert!(body.contains(&format!("for {key} is: {}.", c.expected[0])), "{what}");
+                        }
+                        Task::MultiValue => {
+                            assert_eq!(c.expected.len(), 4, "{what}");
+                            let key = c.question.split("numbers for ").nth(1).unwrap().split(' ').next().unwrap();
+                            for v in &c.expected {
+                                assert!(body.contains(&format!("for {key} is: {v}.")), "{what}");
+                            }
+                        }
+                        Task::MultiQuery => {
+                            assert_eq!(c.expected.len(), 4, "{what}");
+                            // Every key is asked, each value in the text after its key.
+                            let asked = c.question.split(" mentioned").next().unwrap();
+                            let n_keys = body.matches("The special magic number for ").count();
+                            assert_eq!(n_keys, 4, "{what}");
+                            for v in &c.expected {
+                                let key = body.split(&format!(" is: {v}.")).next().unwrap().rsplit("number for ").next().unwrap();
+                                assert!(asked.contains(key), "{what}: key {key} of {v} not asked in {asked}");
+                            }
+                        }
+                        Task::Vt => {
+                            assert_eq!(c.expected.len(), 5, "{what}: hops + 1 variables");
+                            let value = c.question.split("the value ").nth(1).unwrap().split(' ').next().unwrap();
+                            assert!(body.contains(&format!("VAR {} = {value}.", c.expected[0])), "{what}");
+                            // The chain in text order.
+                            let mut at = body.find(&format!("VAR {} =", c.expected[0])).unwrap();
+                            for w in c.expected.windows(2) {
+                                let p = body.find(&format!("VAR {} = VAR {}.", w[1], w[0])).unwrap_or_else(|| panic!("{what}: {w:?}"));
+                                assert!(p > at, "{what}: chain out of order");
+                                at = p;
+                            }
+                        }
+                    }
+                    check_scoring(&c);
+                }
+            }
+        }
+        // Cases are reproducible and differ by index.
+        let a = suite.case(Task::MultiKey, 500, 3, 1).unwrap();
+        assert_eq!(a, suite.case(Task::MultiKey, 500, 3, 1).unwrap());
+        assert_ne!(a.sample.ids, suite.case(Task::MultiKey, 500, 3, 2).unwrap().sample.ids);
+    }
+}
+
+#[test]
+fn a_user_haystack_is_used_and_short_lengths_and_bad_settings_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = smollm2(tmp.path(), false);
+    let hay = "It was a bright cold day in April, and the clocks were striking thirteen. ";
+    let suite = RulerTask::new(&tok, Some(hay), 5, 3, 2).unwrap();
+    let c = suite.case(Task::MultiQuery, 400, 0, 0).unwrap();
+    let text = decode(&tok, &c.prompt());
+    assert!(text.contains("the clocks were striking thirteen"));
+    assert!(!text.contains("The river runs past the old mill"));
+    assert_eq!(c.expected.len(), 3);
+    assert!(c.expected.iter().all(|v| v.len() == 5));
+    assert_eq!(suite.case(Task::Vt, 400, 0, 0).unwrap().expected.len(), 3);
+    let e = suite.case(Task::MultiQuery, 40, 0, 0).unwrap_err().to_string();
+    assert!(e.contains("too short") && e.contains("multiquery"), "{e}");
+    assert!(RulerTask::new(&tok, Some("   "), 5, 3, 2).is_err());
+    assert!(RulerTask::new(&tok, None, 0, 3, 2).is_err());
+    assert!(RulerTask::new(&tok, None, 5, 1, 2).is_err());
+    assert!(RulerTask::new(&tok, None, 5, 3, 0).is_err());
+    assert_eq!(Task::parse("niah_multikey").unwrap(), Task::MultiKey);
+    assert_eq!(Task::parse("variable_tracking").unwrap(), Task::Vt);
+    assert!(Task::parse("cwe").unwrap_err().to_string().contains("unknown task"));
+    let cells = vec![TaskCell { task: Task::Vt, length: 256, trials: 2, teacher_forced: 0.5, token_accuracy: 0.75, recall: None }];
+    assert_eq!(to_csv(&cells), "task,length,trials,teacher_forced,token_accuracy,recall\nvt,256,2,0.500000,0.750000,\n");
+}
+
+#[test]
+fn the_ruler_command_writes_its_files_through_two_zigzag_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = root().join("tests/fixtures/llama_mha");
+    let ev = tmp.path().join("eval");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let args = |extra: &[&str]| {
+        let mut v: Vec<String> =
+            ["eval", "ruler", "--model", &s(&model), "--lengths", "700,1024", "--trials", "2", "--output-dir", &s(&ev)]
+                .iter()
+                .map(|x| x.to_string())
+                .collect();
+        v.extend(extra.iter().map(|x| x.to_string()));
+        v
+    };
+    let run = |a: Vec<String>| {
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        common::longctx_cmd(&a).output().unwrap()
+    };
+    let out = run(args(&[]));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: Value = serde_json::from_str(&std::fs::read_to_string(ev.join("ruler.json")).unwrap()).unwrap();
+    assert_eq!(j["cells"].as_array().unwrap().len(), 10, "5 tasks × 2 lengths");
+    assert_eq!(j["trained_context"], 2048);
+    for c in j["cells"].as_array().unwrap() {
+        let r = c["recall"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&r) && c["trials"] == 2);
+    }
+    let csv = std::fs::read_to_string(ev.join("ruler.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 11);
+    assert!(csv.lines().any(|l| l.starts_with("vt,1024,2,")), "{csv}");
+    for f in ["ruler.png", "ruler_teacher_forced.png"] {
+        assert!(std::fs::read(ev.join(f)).unwrap().starts_with(b"\x89PNG"), "{f}");
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("multiquery\trecall"), "{stdout}");
+    // The teacher-forced forward through 2 zigzag ranks scores as one device does.
+    let ev2 = tmp.path().join("eval2");
+    let mut a = args(&["--no-generate", "--parallel-mode", "zigzag_ring_attn", "--world-size", "2", "--tasks", "single,vt"]);
+    let i = a.iter().position(|x| x == &s(&ev)).unwrap();
+    a[i] = s(&ev2);
+    let out = run(a);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j2: Value = serde_json::from_str(&std::fs::read_to_string(ev2.join("ruler.json")).unwrap()).unwrap();
+    assert!(!ev2.join("ruler.png").exists(), "no greedy plot with --no-generate");
+    for c in j2["cells"].as_array().unwrap() {
+        assert!(c["recall"].is_null());
+        let one = j["cells"].as_array().unwrap().iter().find(|d| d["task"] == c["task"] && d["length"] == c["length"]).unwrap();
+        assert_eq!(one["token_accuracy"], c["token_accuracy"], "{c}");
+    }
+    // A model without tokenizer.json is refused with a clear error.
+    let bare = tmp.path().join("bare");
+    std::fs::create_dir_all(&bare).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(model.join(f), bare.join(f)).unwrap();
+    }
+    let out = run(vec![
+        "eval".into(),
+        "ruler".into(),
+        "--model".into(),
+        s(&bare),
+        "--lengths".into(),
+        "700".into(),
+        "--output-dir".into(),
+        s(&ev),
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no tokenizer.json"), "{}", String::from_utf8_lossy(&out.stderr));
+}
