@@ -154,3 +154,14 @@ fn negative_numbers_reach_the_range_checks() {
         fails(&o, &["--collective-timeout", "got -5", "seconds ≥ 0"], true);
     }
 }
+
+#[test]
+fn eval_ruler_checks_sizes_too() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = s(&model_copy(tmp.path(), "m", |_, t| t));
+    let ev = s(&tmp.path().join("eval"));
+    for n in ["10000000000", "2147483648"] {
+        let o = run(&["eval", "ruler", "--model", &m, "--lengths", n, "--allow-extrapolation", "--output-dir", &ev]);
+        fails(&o, &["--lengths", n, "use shorter --lengths"], true);
+    }
+}

@@ -504,6 +504,7 @@ fn ruler_cmd(a: RulerArgs) -> Result<()> {
         bail!("--lengths: a length must be at least 1 token");
     }
     let haystack = read_haystack(a.haystack.as_deref())?;
+    check_lengths(std::slice::from_ref(&a.model), &a.lengths, &a.run, a.run.dtype()?, 256)?;
     let (spec, dtype) = a.run.prepare(&a.output_dir)?;
     let started = Instant::now();
     let result = with_ranks(
@@ -532,8 +533,10 @@ fn ruler_cmd(a: RulerArgs) -> Result<()> {
     doc["cells"] = serde_json::to_value(&cells)?;
     doc["summary"] = serde_json::Value::Object(per_task);
     doc["seconds"] = serde_json::json!(started.elapsed().as_secs_f64());
-    output::write_json(&json, &doc)?;
-    output::write_atomic(&csv, ruler::to_csv(&cells).as_bytes())?;
+    // The files are replaced together; with --no-generate an earlier run's recall map goes.
+    let mut set = output::OutputSet::default();
+    set.write_json(&json, &doc)?;
+    set.write(&csv, ruler::to_csv(&cells).as_bytes())?;
     let grid = |f: &dyn Fn(&ruler::TaskCell) -> Option<f64>| -> Vec<Vec<Option<f64>>> {
         tasks.iter().map(|t| lengths.iter().map(|&l| cells.iter().find(|c| c.task == *t && c.length == l).and_then(f)).collect()).collect()
     };
@@ -548,15 +551,16 @@ fn ruler_cmd(a: RulerArgs) -> Result<()> {
         trials: a.trials,
         trained_context: doc["trained_context"].as_u64().map(|c| c as usize),
     };
-    plot::heatmap(&png_tf, &map)?;
+    plot::heatmap(&set.stage(&png_tf), &map)?;
     let mut written = vec![json.display().to_string(), csv.display().to_string(), png_tf.display().to_string()];
     if !a.no_generate {
         let title = format!("RULER-style tasks, recall of the expected strings in greedy output (%): {}", short(&a.model));
         map.title = &title;
         map.values = &recall_grid;
-        plot::heatmap(&png, &map)?;
+        plot::heatmap(&set.stage(&png), &map)?;
         written.push(png.display().to_string());
     }
+    set.commit(if a.no_generate { std::slice::from_ref(&png) } else { &[] })?;
     let pct = |v: Option<f64>| v.map(|v| format!("{:.1} %", v * 100.0)).unwrap_or_else(|| "-".into());
     for t in &tasks {
         let s = &doc["summary"][t.name()];
