@@ -143,6 +143,19 @@ fn an_inconsistent_saved_state_is_an_error_not_a_finished_run() {
         (Box::new(|v| v["adam_step"] = 5.into()), "5 optimizer updates but 2 steps in the run"),
         (Box::new(|v| v["optimizer_shards"] = 0.into()), "`optimizer_shards` is 0"),
         (Box::new(|v| v["skipped_steps"] = 3.into()), "3 skipped steps"),
+        // Counters cross-checked (issue #33): fewer AdamW updates than steps done, a global
+        // step no run of these stages reaches.
+        (Box::new(|v| v["adam_step"] = 1.into()), "field `adam_step` is 1 but 2 steps were done"),
+        (Box::new(|v| v["global_step"] = 1_000_000_000_000_000u64.into()), "field `global_step` is 1000000000000000"),
+        (
+            Box::new(|v| {
+                v["global_step"] = 1.into();
+                v["stage_step"] = 1.into();
+                v["adam_step"] = 1.into();
+                v["stage"] = 1.into();
+            }),
+            "with 1 finished stage(s)",
+        ),
     ];
     for (edit, needle) in cases {
         edit_state(tmp.path(), edit);

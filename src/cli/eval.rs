@@ -66,7 +66,7 @@ pub struct RunFlags {
     #[arg(long, default_value_t = 4096, value_parser = tokens_arg)]
     pub token_chunk: usize,
     /// Seconds a collective waits for the other ranks before every rank aborts; 0 = no limit.
-    #[arg(long, default_value_t = 600.0)]
+    #[arg(long, default_value_t = 600.0, allow_negative_numbers = true)]
     pub collective_timeout: f64,
     /// Allow lengths beyond what a model's config.json says it handles (its
     /// max_position_embeddings, or more with rope scaling); refused otherwise.
@@ -83,6 +83,9 @@ impl RunFlags {
             bail!("--world-size: must be at least 1");
         }
         let t = self.collective_timeout;
+        if !(t >= 0.0 && t.is_finite()) {
+            bail!("--collective-timeout: got {t}, expected seconds ≥ 0 (0 = no limit)");
+        }
         Ok(RanksSpec {
             mode: parse_mode(&self.parallel_mode, "parallel-mode")?,
             world_size: self.world_size,
@@ -261,6 +264,38 @@ fn bar(len: u64, show: bool, what: &str) -> Option<ProgressBar> {
     Some(b)
 }
 
+/// Refuses, before any model is loaded, lengths that cannot run: beyond 32-bit positions,
+/// or a window whose activations (with the weights of every model) exceed the device's
+/// memory (`eval_memory`: a lower bound). Models whose config.json is not at hand without
+/// a download (a hub model not yet cached) are not checked. `min`: the shortest default length.
+fn check_lengths(specs: &[String], lengths: &[usize], run: &RunFlags, dtype: candle_core::DType, min: usize) -> Result<()> {
+    use longctx::eval::model::{check_eval_size, eval_memory};
+    let hub = HubOptions::from_env();
+    let dt = if run.device.trim() == "cpu" { candle_core::DType::F32 } else { dtype };
+    let mut cfgs = Vec::new();
+    for spec in specs {
+        if let Some(m) = longctx::hub::model_config(spec, &hub, false)? {
+            cfgs.push(m.cfg);
+        }
+    }
+    let Some(ctx) = cfgs.iter().map(|c| c.max_position_embeddings).max() else { return Ok(()) };
+    let lengths = if lengths.is_empty() { default_lengths(ctx, min) } else { lengths.to_vec() };
+    // Ranks as processes each hold a share of the window; threads share one process.
+    let world = longctx::dist::DistEnv::from_env()?.map_or(1, |e| e.world as u64).max(1);
+    let have = longctx::eval::model::eval_memory_available(&run.device)?;
+    for &l in &lengths {
+        let (mut weights, mut act) = (0u64, 0u64);
+        for c in &cfgs {
+            let m = eval_memory(c, dt, l as u64, 0)?;
+            weights = weights.saturating_add(m.weights);
+            act = act.max(m.activations.div_ceil(world));
+        }
+        let parts = [("weights", weights), ("activations of one window", act)];
+        check_eval_size(l as u64, &parts, have, &run.device, "--lengths", "use shorter --lengths, or more ranks (longctx launch)")?;
+    }
+    Ok(())
+}
+
 fn load_models(specs: &[String], dev: &candle_core::Device, dtype: candle_core::DType) -> longctx::Result<Vec<EvalModel>> {
     let (dev, dt) = if dev.is_cpu() { (dev.clone(), candle_core::DType::F32) } else { (dev.clone(), dtype) };
     specs.iter().map(|s| EvalModel::load(s, &dev, dt, &HubOptions::from_env())).collect()
@@ -292,9 +327,13 @@ fn ppl_cmd(a: PplArgs) -> Result<()> {
     if a.lengths.contains(&0) {
         bail!("--lengths: a length must be at least 1 token");
     }
+    if a.max_docs == 0 {
+        bail!("--max-docs: got 0, expected at least 1 document (it caps how many documents are read)");
+    }
     if a.stride == Some(0) {
         bail!("--stride: must be at least 1 token");
     }
+    check_lengths(&a.model, &a.lengths, &a.run, a.run.dtype()?, 16)?;
     let (spec, dtype) = a.run.prepare(&a.output_dir)?;
     if let (Some(n), true) = (passkey_answer_note(&a.dataset), std::env::var("RANK").map_or(true, |r| r == "0")) {
         eprintln!("note: {n}");
@@ -312,7 +351,9 @@ fn ppl_cmd(a: PplArgs) -> Result<()> {
     let csv = a.output_dir.join("ppl.csv");
     let json = a.output_dir.join("ppl.json");
     let png = a.output_dir.join("ppl.png");
-    output::write_atomic(&csv, ppl::to_csv(&points).as_bytes())?;
+    // The three files are replaced together (see `OutputSet`).
+    let mut set = output::OutputSet::default();
+    set.write(&csv, ppl::to_csv(&points).as_bytes())?;
     let doc = serde_json::json!({
         "models": models_meta,
         "dataset": a.dataset,
@@ -324,10 +365,17 @@ fn ppl_cmd(a: PplArgs) -> Result<()> {
         "points": points,
         "seconds": started.elapsed().as_secs_f64(),
     });
-    output::write_json(&json, &doc)?;
+    set.write_json(&json, &doc)?;
     let series: Vec<(String, Vec<(f64, f64)>)> =
         a.model.iter().map(|m| (m.clone(), points.iter().filter(|p| &p.model == m).map(|p| (p.length as f64, p.ppl)).collect())).collect();
-    plot::lines(&png, &format!("Perplexity vs context length ({})", a.dataset), "context length (tokens)", "perplexity", &series)?;
+    plot::lines(
+        &set.stage(&png),
+        &format!("Perplexity vs context length ({})", a.dataset),
+        "context length (tokens)",
+        "perplexity",
+        &series,
+    )?;
+    set.commit(&[])?;
     for p in &points {
         println!("{}\tlength {}\tppl {:.4}\t({} tokens, {} windows, {:.1} s)", p.model, p.length, p.ppl, p.tokens, p.windows, p.seconds);
     }
@@ -374,7 +422,7 @@ fn ppl_ranks(a: &PplArgs, method: Method, token_width: TokenWidth, ranks: &Ranks
             token_width,
             // Truncation reads whole documents (up to --max-docs); sliding reads the stream it scores.
             max_tokens: match method {
-                Method::Sliding | Method::Documents => a.max_tokens.unwrap_or(4 * longest + 1).max(2),
+                Method::Sliding | Method::Documents => a.max_tokens.unwrap_or(longest.saturating_mul(4).saturating_add(1)).max(2),
                 Method::Truncate => a.max_tokens.unwrap_or(usize::MAX).max(2),
             },
             max_docs: a.max_docs.max(1),
@@ -389,7 +437,7 @@ fn ppl_ranks(a: &PplArgs, method: Method, token_width: TokenWidth, ranks: &Ranks
             let t0 = Instant::now();
             let windows = match method {
                 _ if answer_only => {
-                    let n = src.max_docs.min(src.max_tokens.div_ceil(l + 1)).max(1);
+                    let n = src.max_docs.min(src.max_tokens.div_ceil(l.saturating_add(1))).max(1);
                     ppl::passkey_answer_windows(m.cfg().vocab_size, src.seed, l, n)?
                 }
                 Method::Sliding => ppl::sliding_windows(&stream, l, a.stride.unwrap_or((l / 2).max(1)), src.max_tokens),
@@ -456,6 +504,7 @@ fn ruler_cmd(a: RulerArgs) -> Result<()> {
         bail!("--lengths: a length must be at least 1 token");
     }
     let haystack = read_haystack(a.haystack.as_deref())?;
+    check_lengths(std::slice::from_ref(&a.model), &a.lengths, &a.run, a.run.dtype()?, 256)?;
     let (spec, dtype) = a.run.prepare(&a.output_dir)?;
     let started = Instant::now();
     let result = with_ranks(
@@ -484,8 +533,10 @@ fn ruler_cmd(a: RulerArgs) -> Result<()> {
     doc["cells"] = serde_json::to_value(&cells)?;
     doc["summary"] = serde_json::Value::Object(per_task);
     doc["seconds"] = serde_json::json!(started.elapsed().as_secs_f64());
-    output::write_json(&json, &doc)?;
-    output::write_atomic(&csv, ruler::to_csv(&cells).as_bytes())?;
+    // The files are replaced together; with --no-generate an earlier run's recall map goes.
+    let mut set = output::OutputSet::default();
+    set.write_json(&json, &doc)?;
+    set.write(&csv, ruler::to_csv(&cells).as_bytes())?;
     let grid = |f: &dyn Fn(&ruler::TaskCell) -> Option<f64>| -> Vec<Vec<Option<f64>>> {
         tasks.iter().map(|t| lengths.iter().map(|&l| cells.iter().find(|c| c.task == *t && c.length == l).and_then(f)).collect()).collect()
     };
@@ -500,15 +551,16 @@ fn ruler_cmd(a: RulerArgs) -> Result<()> {
         trials: a.trials,
         trained_context: doc["trained_context"].as_u64().map(|c| c as usize),
     };
-    plot::heatmap(&png_tf, &map)?;
+    plot::heatmap(&set.stage(&png_tf), &map)?;
     let mut written = vec![json.display().to_string(), csv.display().to_string(), png_tf.display().to_string()];
     if !a.no_generate {
         let title = format!("RULER-style tasks, recall of the expected strings in greedy output (%): {}", short(&a.model));
         map.title = &title;
         map.values = &recall_grid;
-        plot::heatmap(&png, &map)?;
+        plot::heatmap(&set.stage(&png), &map)?;
         written.push(png.display().to_string());
     }
+    set.commit(if a.no_generate { std::slice::from_ref(&png) } else { &[] })?;
     let pct = |v: Option<f64>| v.map(|v| format!("{:.1} %", v * 100.0)).unwrap_or_else(|| "-".into());
     for t in &tasks {
         let s = &doc["summary"][t.name()];
@@ -599,6 +651,7 @@ fn needle_cmd(a: NeedleArgs) -> Result<()> {
         bail!("--lengths: a length must be at least 1 token");
     }
     let haystack = read_haystack(a.haystack.as_deref())?;
+    check_lengths(std::slice::from_ref(&a.model), &a.lengths, &a.run, a.run.dtype()?, 2 * a.digits + 4)?;
     let (spec, dtype) = a.run.prepare(&a.output_dir)?;
     let started = Instant::now();
     let result = with_ranks(
@@ -620,7 +673,9 @@ fn needle_cmd(a: NeedleArgs) -> Result<()> {
     doc["cells"] = serde_json::to_value(&cells)?;
     doc["summary"] = serde_json::json!({"teacher_forced": tf, "token_accuracy": tok, "greedy": greedy});
     doc["seconds"] = serde_json::json!(started.elapsed().as_secs_f64());
-    output::write_json(&json, &doc)?;
+    // The files are replaced together; with --no-generate an earlier run's greedy map goes.
+    let mut set = output::OutputSet::default();
+    set.write_json(&json, &doc)?;
     let grid = |f: &dyn Fn(&Cell) -> Option<f64>| -> Vec<Vec<Option<f64>>> {
         a.depths
             .iter()
@@ -634,15 +689,16 @@ fn needle_cmd(a: NeedleArgs) -> Result<()> {
     let title = format!("{task} retrieval, teacher-forced exact match (%): {}", short(&a.model));
     let mut map =
         plot::Heatmap { title: &title, lengths: &lengths, rows, row_desc: "depth", values: &tf_grid, trials: a.trials, trained_context };
-    plot::heatmap(&png, &map)?;
+    plot::heatmap(&set.stage(&png), &map)?;
     let mut written = vec![json.display().to_string(), png.display().to_string()];
     if !a.no_generate {
         let title = format!("{task} retrieval, greedy generation exact match (%): {}", short(&a.model));
         map.title = &title;
         map.values = &greedy_grid;
-        plot::heatmap(&png_greedy, &map)?;
+        plot::heatmap(&set.stage(&png_greedy), &map)?;
         written.push(png_greedy.display().to_string());
     }
+    set.commit(if a.no_generate { std::slice::from_ref(&png_greedy) } else { &[] })?;
     let pct = |v: Option<f64>| v.map(|v| format!("{:.1} %", v * 100.0)).unwrap_or_else(|| "-".into());
     println!("teacher-forced exact match {}, answer tokens right {}, greedy exact match {}", pct(tf), pct(tok), pct(greedy));
     println!("wrote {}", written.join(", "));

@@ -10,7 +10,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use longctx::data::synthetic;
 use longctx::eval::generate::{generate, Sampling};
-use longctx::eval::{model::device_and_dtype, EvalModel};
+use longctx::eval::model::{self as memory, device_and_dtype};
+use longctx::eval::EvalModel;
 use longctx::hub::HubOptions;
 
 #[derive(Args, Debug)]
@@ -30,10 +31,10 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 64)]
     pub max_new_tokens: usize,
     /// 0 = greedy; otherwise sample from softmax(logits / temperature).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f64,
     /// Sample only among the most likely tokens whose probabilities add up to this.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub top_p: f64,
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
@@ -68,7 +69,17 @@ fn token_name(t: u32) -> String {
 
 pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     let (dev, dtype) = device_and_dtype(&a.device, parse_dtype(&a.dtype, "dtype")?)?;
-    let m = EvalModel::load(&a.model, &dev, dtype, &HubOptions::from_env()).with_context(|| format!("loading the model {}", a.model))?;
+    // Sizes first, before any weight is read: the KV cache of --max-new-tokens tokens (and
+    // the weights) must fit the device, and the positions must fit 32 bits.
+    let hub = HubOptions::from_env();
+    let fix = "lower --max-new-tokens";
+    let have = memory::eval_memory_available(&a.device)?;
+    if let Some(mc) = longctx::hub::model_config(&a.model, &hub, false)? {
+        let need = memory::eval_memory(&mc.cfg, dtype, 1, a.max_new_tokens as u64)?;
+        let parts = [("weights", need.weights), ("KV cache", need.kv_cache)];
+        memory::check_eval_size(a.max_new_tokens as u64, &parts, have, &a.device, "--max-new-tokens", fix)?;
+    }
+    let m = EvalModel::load(&a.model, &dev, dtype, &hub).with_context(|| format!("loading the model {}", a.model))?;
     eprintln!("{}", m.describe());
     let text = match (&a.prompt, &a.prompt_file) {
         (Some(p), _) => Some(p.clone()),
@@ -103,6 +114,16 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
         bail!("--prompt: token id {bad} is not below the model's vocabulary size {vocab}");
     }
+    // With the prompt known, the whole sequence: its forward and cache (the weights are
+    // loaded already, so on the CPU they are no longer in the available memory).
+    let total = (prompt.len() as u64).saturating_add(a.max_new_tokens as u64);
+    let need = memory::eval_memory(m.cfg(), dtype, prompt.len() as u64, total)?;
+    let have = match (memory::eval_memory_available(&a.device)?, a.device.trim() == "cpu") {
+        (Some(h), false) => Some(h.saturating_sub(need.weights)),
+        (h, _) => h,
+    };
+    let parts = [("prompt activations", need.activations), ("KV cache", need.kv_cache)];
+    memory::check_eval_size(total, &parts, have, &a.device, "--max-new-tokens", "lower --max-new-tokens or shorten the prompt")?;
     let eos = if a.ignore_eos { None } else { m.cfg().eos_token_id() };
     if prompt.len() + a.max_new_tokens > m.max_context() {
         eprintln!(

@@ -107,7 +107,8 @@ pub fn generate(
     }
     let dev: Device = model.embed_tokens.embeddings().device().clone();
     let mut rng = rand::rngs::StdRng::seed_from_u64(sampling.seed);
-    let mut out = Vec::with_capacity(max_new);
+    // Grown as tokens come: generation may stop at EOS long before `max_new`.
+    let mut out = Vec::with_capacity(max_new.min(4096));
     let mut cache = KvCache::new(model);
     let mut all = prompt.to_vec();
     let attn: std::sync::Arc<dyn longctx_attention::AttentionMode> = std::sync::Arc::new(longctx_attention::local::LocalAttention);

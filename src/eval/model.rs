@@ -112,3 +112,74 @@ pub fn device_and_dtype(device: &str, dtype: DType) -> Result<(Device, DType)> {
     let dt = if dev.is_cpu() { DType::F32 } else { dtype };
     Ok((dev, dt))
 }
+
+/// What an evaluation of one model keeps in memory at least (bytes): its weights, the
+/// activations of one layer over one window, and the KV cache of a generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EvalMemory {
+    pub weights: u64,
+    pub activations: u64,
+    pub kv_cache: u64,
+}
+
+/// [`EvalMemory`] of `cfg` in `dtype` for a forward over `window` tokens and a KV cache of
+/// `kv_tokens` tokens, with checked arithmetic. A lower bound: per token, the ids and
+/// targets, the residual stream in and out of a layer, q/k/v/o and the three MLP
+/// activations of one layer; per cached token, k and v of every layer. The per-token
+/// and weight counts are checked (an error on overflow), the token products saturate.
+pub fn eval_memory(cfg: &LlamaConfig, dtype: DType, window: u64, kv_tokens: u64) -> Result<EvalMemory> {
+    use crate::limits::{add, mul};
+    let what = "the evaluation's memory estimate";
+    let b = dtype.size_in_bytes() as u64;
+    let w = |x: usize| x as u64;
+    let (h, i, d) = (w(cfg.hidden_size), w(cfg.intermediate_size), w(cfg.head_dim));
+    let (hq, hkv) = (w(cfg.num_attention_heads), w(cfg.num_key_value_heads));
+    let qkvo = add(what, &[mul(what, &[2, hq, d])?, mul(what, &[2, hkv, d])?])?;
+    let per_token = add(what, &[12, mul(what, &[b, add(what, &[mul(what, &[2, h])?, qkvo, mul(what, &[3, i])?])?])?])?;
+    let kv_per_token = mul(what, &[w(cfg.num_hidden_layers), 2, hkv, d, b])?;
+    Ok(EvalMemory {
+        weights: mul(what, &[crate::limits::param_count(cfg)?, b])?,
+        // Saturating: a count past 64 bits is past any memory (and past the positions,
+        // which `check_eval_size` reports first).
+        activations: window.saturating_mul(per_token),
+        kv_cache: kv_tokens.saturating_mul(kv_per_token),
+    })
+}
+
+/// The memory an evaluation can use on `device` (`cpu`: host memory available now;
+/// a GPU: its total memory), `None` where unknown.
+pub fn eval_memory_available(device: &str) -> Result<Option<u64>> {
+    if device.trim() == "cpu" {
+        return Ok(crate::device::host_available());
+    }
+    crate::device::gpu_memory(device, std::path::Path::new("--device"))
+}
+
+/// Refuses, before anything is allocated, an evaluation that cannot run: `tokens` (a
+/// window, or prompt + new tokens) beyond the positions a model can take (u32, 2³¹), or
+/// `need` beyond `have` bytes. `flag` is the option that set the size, `fix` how to
+/// lower it.
+pub fn check_eval_size(tokens: u64, need: &[(&str, u64)], have: Option<u64>, device: &str, flag: &str, fix: &str) -> Result<()> {
+    let key = flag.trim_start_matches("--");
+    let max = crate::limits::MAX_SEQ_LEN as u64;
+    if tokens > max {
+        return Err(Error::config(
+            flag,
+            key,
+            format!("{tokens} tokens is beyond {max}, the most one sequence can hold (positions are 32-bit); {fix}"),
+        ));
+    }
+    let total = need.iter().fold(0u64, |acc, p| acc.saturating_add(p.1));
+    let Some(have) = have else { return Ok(()) };
+    if total > have {
+        let gb = |b: u64| format!("{:.1} GB", b as f64 / 1e9);
+        let parts = need.iter().filter(|p| p.1 > 0).map(|(n, b)| format!("{n} {}", gb(*b))).collect::<Vec<_>>().join(", ");
+        let on = if device.trim() == "cpu" { "host memory available".to_string() } else { format!("memory on {device}") };
+        return Err(Error::config(
+            flag,
+            key,
+            format!("{tokens} tokens need at least {} ({parts}) but there are {} of {on}; {fix}", gb(total), gb(have)),
+        ));
+    }
+    Ok(())
+}

@@ -174,7 +174,7 @@ pub fn read_docs(src: &DocSource, model: &Llama, tokenizer: Option<&tokenizers::
         pc.seed = src.seed;
         pc.loss_on = LossOn::All;
         let gen = Passkey::new(pc)?;
-        let n = src.max_docs.min(src.max_tokens.div_ceil(longest + 1)).max(1);
+        let n = src.max_docs.min(src.max_tokens.div_ceil(longest.saturating_add(1))).max(1);
         return Ok((0..n as u64)
             .map(|i| {
                 let s = gen.sample(i).sample;

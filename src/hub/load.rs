@@ -5,6 +5,8 @@
 //! Like transformers, a single `model.safetensors` wins when both exist.
 //! Files are memory-mapped; a tensor is read (and converted to the run dtype) only when
 //! asked for, so [`Checkpoint::var_builder`] streams weights straight into the model.
+//! Every tensor read is checked for NaN and infinities (`eval`, `generate`, `train` and
+//! `export` all refuse such a model at load, naming the file and the tensor).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -232,7 +234,8 @@ impl Checkpoint {
         f.entry(name).map(|e| (e.dtype.as_str(), e.shape.as_slice()))
     }
 
-    /// Reads one tensor converted to `dtype` on `device`.
+    /// Reads one tensor converted to `dtype` on `device`; a tensor holding NaN or an
+    /// infinity (as stored, or after the conversion) is an error naming the file and it.
     pub fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
         if let Some(p) = self.parts.get(name) {
             let fused = self.files[self.routing[&p.fused]].load(&p.fused, dtype, device)?;
@@ -242,7 +245,21 @@ impl Checkpoint {
             let at = self.index.as_deref().unwrap_or_else(|| self.files[0].path());
             return Err(Error::checkpoint(at, format!("tensor `{name}` not found in the checkpoint")));
         };
-        self.files[pos].load(name, dtype, device)
+        let file = &self.files[pos];
+        let t = file.load(name, dtype, device)?;
+        // Every weight is checked as it is read: a NaN or infinite weight would make
+        // `generate` print padding and `eval` score 0 % without an error.
+        if !crate::guard::all_finite(&t)? {
+            let stored = file.entry(name).and_then(|e| float_dtype(&e.dtype)).filter(|&d| d != dtype);
+            let why = match stored {
+                Some(sd) if crate::guard::all_finite(&file.load(name, sd, &Device::Cpu)?)? => format!(
+                    "tensor `{name}` is finite as stored ({sd:?}) but overflows to infinity in {dtype:?}; load it in a wider dtype (--dtype f32 or bf16)"
+                ),
+                _ => format!("tensor `{name}` holds NaN or infinite values; the file is damaged or was written by a run that diverged: re-download or re-export the model"),
+            };
+            return Err(Error::checkpoint(file.path(), why));
+        }
+        Ok(t)
     }
 
     /// Reads every tensor converted to `dtype` on `device`.

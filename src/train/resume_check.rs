@@ -98,6 +98,41 @@ fn validate_state(s: &TrainState, saved: &RunConfig, file: &Path) -> Result<()> 
             format!("{} skipped steps ({} in a row) in {} steps", s.skipped_steps, s.skipped_in_row, s.global_step),
         ));
     }
+    // The run's steps against its stages: each finished stage did at least 1 and at most
+    // `MAX_STEPS` steps (the limit of `stage[i].steps`). Not an equality with the saved
+    // stages' `steps`: a finished stage's `steps` may be changed on a resume.
+    let done = s.stage as u64;
+    let max = crate::limits::MAX_STEPS.saturating_mul(done).saturating_add(s.stage_step);
+    let min = done.saturating_add(s.stage_step);
+    if s.global_step < min || s.global_step > max {
+        return Err(inconsistent(
+            file,
+            format!(
+                "field `global_step` is {} but the run is at stage {} step {} (fields `stage`, `stage_step`): with {done} \
+                 finished stage(s) of 1 to {} steps each, expected {min} to {max}",
+                s.global_step,
+                s.stage,
+                s.stage_step,
+                crate::limits::MAX_STEPS
+            ),
+        ));
+    }
+    // Every step since the optimizer's last reset updated it unless it was skipped: fewer
+    // updates than that would resume with a wrong bias correction.
+    let since = s.global_step - s.optimizer_since_step;
+    if s.adam_step < since.saturating_sub(s.skipped_steps) {
+        return Err(inconsistent(
+            file,
+            format!(
+                "field `adam_step` is {} but {since} steps were done since the optimizer started at global step {} (field \
+                 `optimizer_since_step`) and at most {} of them skipped (field `skipped_steps`): expected {} to {since}",
+                s.adam_step,
+                s.optimizer_since_step,
+                s.skipped_steps,
+                since.saturating_sub(s.skipped_steps)
+            ),
+        ));
+    }
     Ok(())
 }
 
