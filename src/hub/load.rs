@@ -238,7 +238,7 @@ impl Checkpoint {
     /// infinity (as stored, or after the conversion) is an error naming the file and it.
     pub fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
         if let Some(p) = self.parts.get(name) {
-            let fused = self.files[self.routing[&p.fused]].load(&p.fused, dtype, device)?;
+            let fused = self.load(&p.fused, dtype, device)?; // read and checked as stored
             return Ok(fused.narrow(0, p.start, p.shape[0])?.contiguous()?);
         }
         let Some(&pos) = self.routing.get(name) else {
