@@ -91,7 +91,18 @@ fn unknown_keys_are_named_and_bad_values_are_errors() {
     bad(json!({"bf16": {"enabled": true}, "fp16": {"enabled": true}}), &["enable one"]);
     bad(json!({"gradient_accumulation_steps": "many"}), &["gradient_accumulation_steps", "auto"]);
     bad(json!({"optimizer": {"params": {"betas": [0.9]}}}), &["optimizer.params.betas", "[beta1, beta2]"]);
+    bad(json!({"optimizer": {"params": {"betas": "sometimes"}}}), &["optimizer.params.betas", "\"auto\""]);
     bad(json!([1, 2]), &["one JSON object"]);
+}
+
+/// `"betas": "auto"` (Hugging Face's standard ZeRO-3 JSON) keeps longctx's betas, as
+/// "auto" does for lr and eps.
+#[test]
+fn auto_betas_keep_longctx_values() {
+    let mut cfg = RunConfig::plain();
+    let (b1, b2) = (cfg.train.adamw.beta1, cfg.train.adamw.beta2);
+    apply(&json!({"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto"}}}), Path::new("ds.json"), &mut cfg).unwrap();
+    assert_eq!((cfg.train.adamw.beta1, cfg.train.adamw.beta2), (b1, b2));
 }
 
 #[test]

@@ -283,7 +283,11 @@ fn optimizer(r: &mut Report, v: &Value, cfg: &mut RunConfig) -> Result<()> {
                                     (a.beta1, a.beta2) = (*b1, *b2);
                                     r.push(Level::Set, &key, format!("train.adamw.beta1 = {b1}, beta2 = {b2}"));
                                 }
-                                _ => return Err(r.err(&key, format!("expected [beta1, beta2], got {pv}"))),
+                                // Hugging Face's ZeRO-3 JSONs say "auto" here as for lr and eps.
+                                _ if pv.as_str() == Some("auto") => {
+                                    r.push(Level::Note, &key, format!("\"auto\": stays beta1 = {}, beta2 = {}", a.beta1, a.beta2))
+                                }
+                                _ => return Err(r.err(&key, format!("expected [beta1, beta2] or \"auto\", got {pv}"))),
                             }
                         }
                         "eps" | "weight_decay" => match r.num(&key, pv)? {
