@@ -649,3 +649,13 @@ fn dry_run_names_a_stages_rope_method() {
     let all = format!("{}{}", o.stdout, o.stderr);
     assert!(all.contains("θ 10000, rope yarn ×16 from 4K, 400 steps"), "{all}");
 }
+
+/// An integer beyond TOML's 64 bits is named with its line and the limit.
+#[test]
+fn an_integer_too_large_for_toml_is_named() {
+    let d = tmp();
+    let f = d.path().join("big.toml");
+    std::fs::write(&f, "[[stage]]\nseq_length = 64\nrope_theta = 1e4\nsteps = 99999999999999999999\n").unwrap();
+    let o = run(&["train", "--config", f.to_str().unwrap(), "--dry-run"]);
+    fails(&o, &["big.toml", "line 4", "9223372036854775807"], true);
+}

@@ -101,7 +101,12 @@ fn unknown_keys_are_named_and_bad_values_are_errors() {
 fn auto_betas_keep_longctx_values() {
     let mut cfg = RunConfig::plain();
     let (b1, b2) = (cfg.train.adamw.beta1, cfg.train.adamw.beta2);
-    apply(&json!({"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto"}}}), Path::new("ds.json"), &mut cfg).unwrap();
+    apply(
+        &json!({"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto"}}}),
+        Path::new("ds.json"),
+        &mut cfg,
+    )
+    .unwrap();
     assert_eq!((cfg.train.adamw.beta1, cfg.train.adamw.beta2), (b1, b2));
 }
 

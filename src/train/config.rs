@@ -720,7 +720,10 @@ impl RunConfig {
             let start = e.span().map_or(0, |s| s.start).min(text.len());
             let line = text[..start].matches('\n').count() + 1;
             let column = text[..start].rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
-            let msg = format!("not valid TOML: {}", e.message().trim_end());
+            let mut msg = format!("not valid TOML: {}", e.message().trim_end());
+            if msg.contains("as i128") {
+                msg.push_str(&format!(" (TOML integers must lie within ±{}; use a smaller number)", i64::MAX));
+            }
             return Err(Error::Syntax { file: path.to_path_buf(), line, column, msg });
         }
         let mut cfg: RunConfig = toml::from_str(&text).map_err(|e| {
