@@ -216,3 +216,59 @@ mod tests {
         again.unwrap();
     }
 }
+
+/// Marker rank 0 writes for [`check_shared`].
+const SHARED_CHECK: &str = ".longctx-shared-check";
+
+/// Every rank of a launched run must see rank 0's output directory: each writes its
+/// optimizer shard into the checkpoint there, and a node-local directory would fail only
+/// at the first checkpoint, after hours. Rank 0 writes a marker with a fresh number, the
+/// number goes to every rank by an all-reduce (a barrier after the write), and each rank
+/// reads the marker; a rank that does not find it says so, and every rank stops.
+/// `look_in`: where this rank looks (the output directory; another in the test of a
+/// node-local directory).
+pub fn check_shared(
+    output_dir: &Path,
+    look_in: &Path,
+    comm: &std::sync::Arc<dyn longctx_attention::comm::Comm>,
+    device: &candle_core::Device,
+) -> Result<()> {
+    use crate::train::zero::all_reduce_scalar;
+    if comm.world() == 1 {
+        return Ok(());
+    }
+    let rank = comm.rank();
+    let mine = if rank == 0 {
+        // Below 2^53: exact in the f64 all-reduce.
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        let n = ((t as u64) ^ ((std::process::id() as u64) << 32)) & ((1 << 52) - 1);
+        let path = output_dir.join(SHARED_CHECK);
+        let tmp = output_dir.join(format!("{SHARED_CHECK}.tmp"));
+        std::fs::write(&tmp, n.to_string()).map_err(|e| Error::io(&tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| Error::io(&path, e))?;
+        n as f64
+    } else {
+        0.0
+    };
+    let want = all_reduce_scalar(comm, mine, device)?;
+    let seen = std::fs::read_to_string(look_in.join(SHARED_CHECK)).ok().and_then(|s| s.trim().parse::<f64>().ok());
+    let ok = seen == Some(want);
+    let missing = all_reduce_scalar(comm, if ok { 0.0 } else { 1.0 }, device)?;
+    if rank == 0 {
+        let _ = std::fs::remove_file(output_dir.join(SHARED_CHECK));
+    }
+    if !ok {
+        return Err(Error::Setting(format!(
+            "rank {rank} does not see rank 0's output directory {} (no {SHARED_CHECK} written by rank 0 there): every rank writes its \
+             checkpoint shard into it, so it must be one shared directory (a network file system) on every node; set --output-dir to a shared path",
+            output_dir.display()
+        )));
+    }
+    if missing > 0.0 {
+        return Err(Error::Setting(format!(
+            "{missing} rank(s) do not see the output directory {}: it must be one shared directory on every node (see their errors); set --output-dir to a shared path",
+            output_dir.display()
+        )));
+    }
+    Ok(())
+}

@@ -155,11 +155,14 @@ pub enum Fault {
     /// Rank `rank`'s share of every step's loss and gradients is scaled by `factor`: a
     /// deliberately broken parallel run (what `longctx check` must catch).
     Skew { rank: usize, factor: f64 },
+    /// Rank `rank` looks for the output directory in a place of its own, as a rank on
+    /// another node with a node-local directory would (the start-up check must stop it).
+    PrivateDir { rank: usize },
 }
 
 /// Environment variable the `longctx` binary reads faults from, for tests of real
 /// processes: a comma-separated list of `nan-grad:RANK:FIRST-LAST`, `nan-weights:STEP`
-/// `nan-loss:RANK:STEP` and `skew:RANK:FACTOR` ([`Fault::parse_list`]). Not for production runs.
+/// `nan-loss:RANK:STEP`, `skew:RANK:FACTOR` and `private-dir:RANK` ([`Fault::parse_list`]). Not for production runs.
 pub const FAULT_ENV: &str = "LONGCTX_FAULT";
 
 impl Fault {
@@ -167,7 +170,7 @@ impl Fault {
     pub fn parse_list(s: &str) -> Result<Vec<Fault>> {
         let bad = |item: &str| {
             Error::Setting(format!(
-                "{FAULT_ENV}: `{item}` is not `nan-grad:RANK:FIRST-LAST`, `nan-weights:STEP`, `nan-loss:RANK:STEP` or `skew:RANK:FACTOR`"
+                "{FAULT_ENV}: `{item}` is not `nan-grad:RANK:FIRST-LAST`, `nan-weights:STEP`, `nan-loss:RANK:STEP`, `skew:RANK:FACTOR` or `private-dir:RANK`"
             ))
         };
         let mut out = Vec::new();
@@ -181,6 +184,7 @@ impl Fault {
                 }
                 ["nan-weights", step] => Fault::NanWeights { step: num(step)? },
                 ["nan-loss", rank, step] => Fault::NanLoss { rank: num(rank)? as usize, step: num(step)? },
+                ["private-dir", rank] => Fault::PrivateDir { rank: num(rank)? as usize },
                 ["skew", rank, factor] => {
                     let factor = factor.parse::<f64>().ok().filter(|f| f.is_finite()).ok_or_else(|| bad(item))?;
                     Fault::Skew { rank: num(rank)? as usize, factor }
@@ -1283,6 +1287,10 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistE
         } else {
             None
         };
+        // Every rank writes into the output directory: it must be the same one on every node.
+        let private = opts.faults.iter().any(|f| matches!(f, Fault::PrivateDir { rank } if *rank == env.rank));
+        let look_in = if private { cfg.output_dir.join("node-local") } else { cfg.output_dir.clone() };
+        rundir::check_shared(&cfg.output_dir, &look_in, &joined.comm, &joined.device)?;
         let loaded = match resume.then(|| open_checkpoint(cfg, opts, env.rank == 0)).transpose()? {
             Some(Resume::Finished(s)) => return Ok((env.rank == 0).then_some(s)),
             Some(Resume::Continue(l)) => Some(l),
