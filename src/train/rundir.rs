@@ -185,38 +185,6 @@ pub fn prepare(output_dir: &Path, resume: bool, overwrite: bool) -> Result<()> {
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn holder_lines_parse() {
-        assert_eq!(parse_holder("pid=12\nhost=a\n"), Some(Holder { pid: 12, host: "a".into() }));
-        assert_eq!(parse_holder(""), None);
-        assert_eq!(parse_holder("pid=-3\n"), None);
-        assert!(alive(std::process::id() as i32));
-    }
-
-    /// A copy of the lock's descriptor held elsewhere (as a child forked by another thread
-    /// holds one until its exec) does not keep the directory locked once the run's lock
-    /// is dropped; while the lock lives, a second one is refused.
-    #[test]
-    fn a_dropped_lock_is_released_even_if_its_descriptor_was_copied() {
-        let tmp = tempfile::tempdir().unwrap();
-        let lock = RunDirLock::acquire(tmp.path()).unwrap();
-        let e = RunDirLock::acquire(tmp.path()).unwrap_err().to_string();
-        assert!(e.contains("in use by another longctx run"), "{e}");
-        // SAFETY: dup of a descriptor we own; the copy is closed below.
-        let copy = unsafe { libc::dup(lock.file.as_raw_fd()) };
-        assert!(copy >= 0);
-        drop(lock);
-        let again = RunDirLock::acquire(tmp.path());
-        // SAFETY: the descriptor made by dup above, closed once.
-        unsafe { libc::close(copy) };
-        again.unwrap();
-    }
-}
-
 /// Marker rank 0 writes for [`check_shared`].
 const SHARED_CHECK: &str = ".longctx-shared-check";
 
@@ -271,4 +239,36 @@ pub fn check_shared(
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holder_lines_parse() {
+        assert_eq!(parse_holder("pid=12\nhost=a\n"), Some(Holder { pid: 12, host: "a".into() }));
+        assert_eq!(parse_holder(""), None);
+        assert_eq!(parse_holder("pid=-3\n"), None);
+        assert!(alive(std::process::id() as i32));
+    }
+
+    /// A copy of the lock's descriptor held elsewhere (as a child forked by another thread
+    /// holds one until its exec) does not keep the directory locked once the run's lock
+    /// is dropped; while the lock lives, a second one is refused.
+    #[test]
+    fn a_dropped_lock_is_released_even_if_its_descriptor_was_copied() {
+        let tmp = tempfile::tempdir().unwrap();
+        let lock = RunDirLock::acquire(tmp.path()).unwrap();
+        let e = RunDirLock::acquire(tmp.path()).unwrap_err().to_string();
+        assert!(e.contains("in use by another longctx run"), "{e}");
+        // SAFETY: dup of a descriptor we own; the copy is closed below.
+        let copy = unsafe { libc::dup(lock.file.as_raw_fd()) };
+        assert!(copy >= 0);
+        drop(lock);
+        let again = RunDirLock::acquire(tmp.path());
+        // SAFETY: the descriptor made by dup above, closed once.
+        unsafe { libc::close(copy) };
+        again.unwrap();
+    }
 }
