@@ -128,27 +128,46 @@ pub(crate) fn encode(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>
     tok.encode_fast(text, false).map(|e| e.get_ids().to_vec()).map_err(|e| Error::Setting(format!("tokenizer failed on `{text}`: {e}")))
 }
 
+/// What every text task (needle, `eval ruler`) starts from: the haystack ids (`text`, or
+/// `filler` repeated when `None`; an empty one is an error), the digits checked (1 to 18),
+/// and the tokenizer's special prefix.
+pub(crate) fn text_basics(tok: &tokenizers::Tokenizer, text: Option<&str>, filler: &str, digits: usize) -> Result<(Vec<u32>, Vec<u32>)> {
+    let body = text.map_or_else(|| filler.repeat(4), str::to_string);
+    let haystack = encode(tok, &body)?;
+    if haystack.is_empty() || body.trim().is_empty() {
+        return Err(Error::config(
+            "--haystack",
+            "haystack",
+            "the haystack text is empty; give a file with text in it, or omit --haystack for the generated filler",
+        ));
+    }
+    if !(1..=18).contains(&digits) {
+        return Err(Error::config("--digits", "digits", format!("got {digits}, expected 1 to 18")));
+    }
+    let prefix = crate::hub::tokenizer::special_prefix(tok).map_err(|e| Error::Setting(format!("tokenizer failed: {e}")))?;
+    Ok((haystack, prefix))
+}
+
+/// The answer tokens as the tokenizer cuts them after `q_ids` in `question + answer + "."`
+/// (the final "." not asked for); `answer_text` encoded alone when the cut differs.
+pub(crate) fn answer_after(tok: &tokenizers::Tokenizer, q_ids: &[u32], question: &str, answer_text: &str) -> Result<Vec<u32>> {
+    let with_answer = encode(tok, &format!("{question}{answer_text}."))?;
+    if with_answer.len() > q_ids.len() && with_answer[..q_ids.len()] == *q_ids {
+        let a = &with_answer[q_ids.len()..];
+        let dot = encode(tok, ".")?;
+        let keep = if a.len() > dot.len() && a.ends_with(&dot) { a.len() - dot.len() } else { a.len() };
+        Ok(a[..keep].to_vec())
+    } else {
+        encode(tok, answer_text)
+    }
+}
+
 impl TextTask {
     /// The haystack: `text`, or the generated filler when `None`; an empty one is an error.
     /// `distractors`: see the field.
     pub fn new(tok: &tokenizers::Tokenizer, text: Option<&str>, passkey: bool, digits: usize, distractors: usize) -> Result<Self> {
-        let body = match text {
-            Some(t) => t.to_string(),
-            None if passkey => PASSKEY_FILLER_TEXT.repeat(4),
-            None => FILLER_TEXT.repeat(4),
-        };
-        let haystack = encode(tok, &body)?;
-        if haystack.is_empty() || body.trim().is_empty() {
-            return Err(Error::config(
-                "--haystack",
-                "haystack",
-                "the haystack text is empty; give a file with text in it, or omit --haystack for the generated filler",
-            ));
-        }
-        if !(1..=18).contains(&digits) {
-            return Err(Error::config("--digits", "digits", format!("got {digits}, expected 1 to 18")));
-        }
-        let prefix = crate::hub::tokenizer::special_prefix(tok).map_err(|e| Error::Setting(format!("tokenizer failed: {e}")))?;
+        let filler = if passkey { PASSKEY_FILLER_TEXT } else { FILLER_TEXT };
+        let (haystack, prefix) = text_basics(tok, text, filler, digits)?;
         Ok(Self { haystack, passkey, digits, distractors, prefix, tok: tok.clone() })
     }
 
@@ -179,16 +198,7 @@ impl TextTask {
         let header_ids = encode(tok, header)?;
         let needle_ids = encode(tok, &needle)?;
         let q_ids = encode(tok, &question)?;
-        let with_answer = encode(tok, &format!("{question} {value}."))?;
-        // The answer as the tokenizer cuts it after the question; its final "." is not asked for.
-        let answer: Vec<u32> = if with_answer.len() > q_ids.len() && with_answer[..q_ids.len()] == q_ids[..] {
-            let a = &with_answer[q_ids.len()..];
-            let dot = encode(tok, ".")?;
-            let keep = if a.len() > dot.len() && a.ends_with(&dot) { a.len() - dot.len() } else { a.len() };
-            a[..keep].to_vec()
-        } else {
-            encode(tok, &format!(" {value}"))?
-        };
+        let answer = answer_after(tok, &q_ids, &question, &format!(" {value}"))?;
         let mut distractor_ids = Vec::new();
         for _ in 0..distractors {
             let other = number(&mut rng, self.digits);

@@ -135,28 +135,13 @@ fn join_and(items: &[String]) -> String {
 impl RulerTask {
     /// The haystack: `text`, or [`FILLER_TEXT`] when `None`; an empty one is an error.
     pub fn new(tok: &tokenizers::Tokenizer, text: Option<&str>, digits: usize, needles: usize, hops: usize) -> Result<Self> {
-        let body = match text {
-            Some(t) => t.to_string(),
-            None => FILLER_TEXT.repeat(4),
-        };
-        let haystack = encode(tok, &body)?;
-        if haystack.is_empty() || body.trim().is_empty() {
-            return Err(Error::config(
-                "--haystack",
-                "haystack",
-                "the haystack text is empty; give a file with text in it, or omit --haystack for the generated filler",
-            ));
-        }
-        if !(1..=18).contains(&digits) {
-            return Err(Error::config("--digits", "digits", format!("got {digits}, expected 1 to 18")));
-        }
+        let (haystack, prefix) = crate::eval::needle::text_basics(tok, text, FILLER_TEXT, digits)?;
         if !(2..=KEY_ADJ.len() * KEY_NOUN.len()).contains(&needles) {
             return Err(Error::config("--needles", "needles", format!("got {needles}, expected 2 to 256")));
         }
         if !(1..=64).contains(&hops) {
             return Err(Error::config("--hops", "hops", format!("got {hops}, expected 1 to 64")));
         }
-        let prefix = crate::hub::tokenizer::special_prefix(tok).map_err(|e| Error::Setting(format!("tokenizer failed: {e}")))?;
         Ok(Self { haystack, digits, needles, hops, prefix, tok: tok.clone() })
     }
 
@@ -264,16 +249,7 @@ impl RulerTask {
         let header_ids = encode(tok, header)?;
         let sentence_ids: Vec<Vec<u32>> = sentences.iter().map(|s| encode(tok, s)).collect::<Result<_>>()?;
         let q_ids = encode(tok, &question)?;
-        let with_answer = encode(tok, &format!("{question}{answer_text}."))?;
-        // The answer as the tokenizer cuts it after the question; its final "." is not asked for.
-        let answer: Vec<u32> = if with_answer.len() > q_ids.len() && with_answer[..q_ids.len()] == q_ids[..] {
-            let a = &with_answer[q_ids.len()..];
-            let dot = encode(tok, ".")?;
-            let keep = if a.len() > dot.len() && a.ends_with(&dot) { a.len() - dot.len() } else { a.len() };
-            a[..keep].to_vec()
-        } else {
-            encode(tok, &answer_text)?
-        };
+        let answer = crate::eval::needle::answer_after(tok, &q_ids, &question, &answer_text)?;
         let fixed = self.prefix.len() + header_ids.len() + sentence_ids.iter().map(Vec::len).sum::<usize>() + q_ids.len() + answer.len();
         if len < fixed {
             return Err(Error::config(
