@@ -54,6 +54,14 @@ cp "$RUN/metrics.jsonl" "$OUT_DIR/metrics.jsonl"
 "$PYTHON" scripts/metrics_summary.py "$RUN/metrics.jsonl" --stages | tee -a "$SUMMARY"
 
 EXPORT="$RUN/export"
+# Passkey first (the cheapest measure, and the one a visit must not lose), then perplexity.
+for m in "$MODEL" "$EXPORT"; do
+    tag=$(basename "$(dirname "$m")")_$(basename "$m")
+    t0=$SECONDS
+    "$LONGCTX" eval needle --model "$m" --passkey --lengths "$NEEDLE_LENGTHS" --depths 0,0.25,0.5,0.75,1 --trials "$TRIALS" \
+        --device cuda --dtype bf16 --allow-extrapolation --output-dir "$OUT_DIR/needle_$tag" 2>&1 | grep -v -E "^\s*$" | tail -n 20 | tee -a "$SUMMARY"
+    say "eval needle $m: $((SECONDS - t0)) s"
+done
 t0=$SECONDS
 "$LONGCTX" eval ppl --model "$MODEL" --model "$EXPORT" --dataset "$DATA/eval.jsonl" --dataset-split '*' --method truncate \
     --lengths "$LENGTHS" --max-docs 16 --device cuda --dtype bf16 --allow-extrapolation --token-chunk 16384 \
@@ -63,12 +71,5 @@ grep -E "length" "$OUT_DIR/ppl.log" >>"$SUMMARY" || true
 
 "$PYTHON" scripts/ppl_transformers.py --model "$EXPORT" --dataset "$DATA/eval.jsonl" --longctx-json "$OUT_DIR/ppl.json" \
     --name "$EXPORT" --max-docs 16 --rtol "$RTOL" --out "$OUT_DIR/ppl_transformers.json" 2>&1 | grep -v -E "Warning|it/s\]" | tee -a "$SUMMARY"
-for m in "$MODEL" "$EXPORT"; do
-    tag=$(basename "$(dirname "$m")")_$(basename "$m")
-    t0=$SECONDS
-    "$LONGCTX" eval needle --model "$m" --passkey --lengths "$NEEDLE_LENGTHS" --depths 0,0.25,0.5,0.75,1 --trials "$TRIALS" \
-        --device cuda --dtype bf16 --allow-extrapolation --output-dir "$OUT_DIR/needle_$tag" 2>&1 | grep -v -E "^\s*$" | tail -n 20 | tee -a "$SUMMARY"
-    say "eval needle $m: $((SECONDS - t0)) s"
-done
 
 say "done: $OUT_DIR"
