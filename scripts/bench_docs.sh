@@ -38,10 +38,13 @@ PY
 }
 train() { # label, extra flags...
     local label=$1; shift
+    rm -rf "/tmp/bd-$label" # --overwrite would too, but only after the disk check counted the old run
     timeout 150 "$BIN" train --model builtin:tinyllama-1.1b-shape --seq-length $S --rope-theta 1e6 --max-train-steps "$STEPS" \
         --batch-size 1 --device cuda --dtype bf16 --token-chunk 16384 --learning-rate 1e-5 --save-attention \
         --output-dir "/tmp/bd-$label" --overwrite "$@" > "$OUT_DIR/train-$label.log" 2>&1
-    echo "train $label rc=$?" | tee -a "$OUT_DIR/summary.txt"
+    local rc=$?
+    echo "train $label rc=$rc" | tee -a "$OUT_DIR/summary.txt"
+    if [[ $rc != 0 ]]; then tail -3 "$OUT_DIR/train-$label.log" | tee -a "$OUT_DIR/summary.txt"; return; fi
     python3 - "/tmp/bd-$label/metrics.jsonl" "$label" >> "$OUT_DIR/train.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
@@ -49,6 +52,7 @@ t = rows[1:] or rows
 print(json.dumps({"label": sys.argv[2], "tokens_per_s": sum(r["tokens"] for r in t) / sum(r["seconds"] for r in t),
                   "step_seconds": [round(r["seconds"], 3) for r in rows], "losses": [round(r["loss"], 4) for r in rows]}))
 PY
+    rm -rf "/tmp/bd-$label" # 17.6 GB of checkpoint and export per run
 }
 train one-doc --dataset synthetic:passkey
 make_docs /tmp/docs4k.jsonl 4095 && train docs-16x4K --dataset /tmp/docs4k.jsonl --packing documents
