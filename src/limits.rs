@@ -62,7 +62,7 @@ fn overflow(what: &str) -> Error {
 }
 
 /// Parameters of `cfg` (biases included, a tied head counted once), with checked
-/// arithmetic: the count [`crate::train::init::parameter_shapes`] lists, without listing.
+/// arithmetic: the count [`crate::model::init::parameter_shapes`] lists, without listing.
 pub fn param_count(cfg: &LlamaConfig) -> Result<u64> {
     let what = "the parameter count";
     let (h, v) = (cfg.hidden_size as u64, cfg.vocab_size as u64);
@@ -180,8 +180,8 @@ mod tests {
     #[test]
     fn param_count_matches_the_shapes_of_the_builtin_models() {
         for name in ["tiny", "tinyllama-1.1b-shape", "llama2-7b-shape"] {
-            let cfg = crate::train::init::builtin_config(name).unwrap();
-            let listed: u64 = crate::train::init::parameter_shapes(&cfg).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum();
+            let cfg = crate::model::init::builtin_config(name).unwrap();
+            let listed: u64 = crate::model::init::parameter_shapes(&cfg).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum();
             assert_eq!(param_count(&cfg).unwrap(), listed, "{name}");
         }
     }

@@ -29,7 +29,7 @@ impl EvalModel {
     pub fn load(spec: &str, device: &Device, dtype: DType, hub: &HubOptions) -> Result<Self> {
         let m = resolve_model_config(spec, hub)?;
         let Some(dir) = m.dir else {
-            let w = crate::train::init::random_init(&m.cfg, 0, dtype, device)?;
+            let w = crate::model::init::random_init(&m.cfg, 0, dtype, device)?;
             let model = Llama::load(VarBuilder::from_tensors(w, dtype, device), &m.cfg)?;
             return Ok(Self { name: spec.to_string(), model, tokenizer: None, dir: None });
         };

@@ -103,7 +103,7 @@ fn dirs_home() -> Option<PathBuf> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModelSpec {
     /// `builtin:NAME`: a model the trainer builds with seeded random weights, no files
-    /// (see [`crate::train::init`]).
+    /// (see [`crate::model::init`]).
     Builtin(String),
     /// A path: a model directory (or, for [`model_config`], a config.json).
     Local(PathBuf),
@@ -388,9 +388,9 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
-    /// The config of `builtin:NAME` (see [`crate::train::init`]).
+    /// The config of `builtin:NAME` (see [`crate::model::init`]).
     pub fn builtin(name: &str) -> Result<Self> {
-        Ok(Self { cfg: crate::train::init::builtin_config(name)?, json: crate::train::init::builtin_config_json(name)?, dir: None })
+        Ok(Self { cfg: crate::model::init::builtin_config(name)?, json: crate::model::init::builtin_config_json(name)?, dir: None })
     }
 
     /// A config.json file.
@@ -488,7 +488,7 @@ mod tests {
         std::fs::create_dir_all(&snap).unwrap();
         std::fs::create_dir_all(folder.join("refs")).unwrap();
         std::fs::write(folder.join("refs/main"), commit).unwrap();
-        let json = crate::train::init::builtin_config_json("tiny").unwrap();
+        let json = crate::model::init::builtin_config_json("tiny").unwrap();
         std::fs::write(snap.join(CONFIG_FILE), json.to_string()).unwrap();
         let opts = HubOptions::offline_in(cache.path());
         for spec in ["org/tiny", "org/tiny@main"].into_iter().map(String::from).chain([format!("org/tiny@{commit}")]) {

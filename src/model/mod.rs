@@ -4,10 +4,12 @@
 //! - [`llama`]: RMSNorm, attention (through a sequence-parallel [`AttentionMode`]), SwiGLU
 //!   MLP, decoder layer, whole model; differentiable with Candle's autograd.
 //! - [`loss`]: masked token cross-entropy (sum), in f32.
+//! - [`init`]: built-in model configs (`builtin:NAME`) and seeded random initialisation.
 //!
 //! [`AttentionMode`]: longctx_attention::AttentionMode
 
 pub mod config;
+pub mod init;
 pub mod llama;
 pub mod loss;
 pub mod rope;

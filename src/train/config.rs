@@ -2,6 +2,7 @@
 //! values command-line flags override. Resolved once at start-up, validated, printed.
 
 use crate::train::optim::{AdamWConfig, Schedule};
+use crate::train::stage_eval::EvalSection;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -672,6 +673,10 @@ pub struct RunConfig {
     pub stages: Vec<Stage>,
     #[serde(default)]
     pub export: ExportSection,
+    /// Evaluation at stage ends (and every `eval.every` steps) while training; off unless
+    /// `eval.dataset` is set ([`crate::train::stage_eval`]).
+    #[serde(default, skip_serializing_if = "EvalSection::is_off")]
+    pub eval: EvalSection,
     /// A DeepSpeed config's keys, as in its JSON (`[deepspeed]` with `[deepspeed.zero_optimization]`
     /// etc.), mapped onto the sections above at start-up ([`crate::train::deepspeed`]);
     /// `--deepspeed FILE` replaces it.
@@ -695,6 +700,7 @@ impl Default for RunConfig {
             parallel: ParallelSection { token_chunk: 256, ..Default::default() },
             stages: vec![stage(32, 10_000.0, 200), stage(1024, 100_000.0, 60)],
             export: ExportSection::default(),
+            eval: EvalSection::default(),
             deepspeed: None,
         }
     }
@@ -800,6 +806,7 @@ impl RunConfig {
             );
         }
         self.validate_stages(source)?;
+        self.eval.validate(source)?;
         if let Some(t) = self.export.final_rope_theta {
             if !t.is_finite() || t <= 0.0 {
                 return bad("export.final_rope_theta", format!("must be a positive number, got {t}"));

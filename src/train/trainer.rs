@@ -234,7 +234,7 @@ pub fn load_start_model_for(cfg: &RunConfig, ranks: usize) -> Result<StartModel>
     cfg.check_stage_ropes(&m.cfg, Path::new("<run config>"))?; // every stage's `rope` before any work
     let (mcfg, json) = (m.cfg, m.json);
     let Some(dir) = m.dir else {
-        let weights = crate::train::init::random_init(&mcfg, cfg.seed, DType::F32, &Device::Cpu)?;
+        let weights = crate::model::init::random_init(&mcfg, cfg.seed, DType::F32, &Device::Cpu)?;
         return Ok(StartModel { cfg: mcfg, config_json: json, weights, source_dir: None, tokenizer: None });
     };
     let weights = crate::hub::load_weights(&dir, DType::F32, &Device::Cpu)?;
