@@ -208,6 +208,7 @@ fn a_user_haystack_is_used_and_short_lengths_and_bad_settings_are_refused() {
 
 #[test]
 fn the_ruler_command_writes_its_files_through_two_zigzag_ranks() {
+    // Every task, cwe and fwe included, end to end on the tiny test model.
     let tmp = tempfile::tempdir().unwrap();
     let model = root().join("tests/fixtures/llama_mha");
     let ev = tmp.path().join("eval");
@@ -228,34 +229,78 @@ fn the_ruler_command_writes_its_files_through_two_zigzag_ranks() {
     let out = run(args(&[]));
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let j: Value = serde_json::from_str(&std::fs::read_to_string(ev.join("ruler.json")).unwrap()).unwrap();
-    assert_eq!(j["cells"].as_array().unwrap().len(), 10, "5 tasks × 2 lengths");
+    assert_eq!(j["cells"].as_array().unwrap().len(), 14, "7 tasks × 2 lengths");
+    assert_eq!(j["common_words"], 10);
     assert_eq!(j["trained_context"], 2048);
     for c in j["cells"].as_array().unwrap() {
         let r = c["recall"].as_f64().unwrap();
         assert!((0.0..=1.0).contains(&r) && c["trials"] == 2);
     }
     let csv = std::fs::read_to_string(ev.join("ruler.csv")).unwrap();
-    assert_eq!(csv.lines().count(), 11);
-    assert!(csv.lines().any(|l| l.starts_with("vt,1024,2,")), "{csv}");
+    assert_eq!(csv.lines().count(), 15);
+    for row in ["vt,1024,2,", "cwe,700,2,", "cwe,1024,2,", "fwe,700,2,", "fwe,1024,2,"] {
+        assert!(csv.lines().any(|l| l.starts_with(row)), "{row} not in {csv}");
+    }
     for f in ["ruler.png", "ruler_teacher_forced.png"] {
         assert!(std::fs::read(ev.join(f)).unwrap().starts_with(b"\x89PNG"), "{f}");
     }
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("multiquery\trecall"), "{stdout}");
+    assert!(stdout.contains("multiquery\trecall") && stdout.contains("cwe\trecall") && stdout.contains("fwe\trecall"), "{stdout}");
     // The teacher-forced forward through 2 zigzag ranks scores as one device does.
     let ev2 = tmp.path().join("eval2");
-    let mut a = args(&["--no-generate", "--parallel-mode", "zigzag_ring_attn", "--world-size", "2", "--tasks", "single,vt"]);
+    let mut a = args(&["--no-generate", "--parallel-mode", "zigzag_ring_attn", "--world-size", "2", "--tasks", "single,vt,cwe,fwe"]);
     let i = a.iter().position(|x| x == &s(&ev)).unwrap();
     a[i] = s(&ev2);
     let out = run(a);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let j2: Value = serde_json::from_str(&std::fs::read_to_string(ev2.join("ruler.json")).unwrap()).unwrap();
+    assert_eq!(j2["cells"].as_array().unwrap().len(), 8, "4 tasks × 2 lengths");
     assert!(!ev2.join("ruler.png").exists(), "no greedy plot with --no-generate");
     for c in j2["cells"].as_array().unwrap() {
         assert!(c["recall"].is_null());
         let one = j["cells"].as_array().unwrap().iter().find(|d| d["task"] == c["task"] && d["length"] == c["length"]).unwrap();
         assert_eq!(one["token_accuracy"], c["token_accuracy"], "{c}");
     }
+    // The help names every task; an unknown one and a bad --common-words are refused.
+    let out = run(vec!["eval".into(), "ruler".into(), "--help".into()]);
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("cwe (common-words extraction)") && help.contains("fwe (frequent-words extraction)"), "{help}");
+    assert!(help.contains("--common-words"), "{help}");
+    let out = run(args(&["--tasks", "cwe,qa"]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("unknown task `qa`") && err.contains("vt, cwe, fwe"), "{err}");
+    let out = run(args(&["--tasks", "cwe", "--common-words", "0"]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--common-words") && err.contains("expected 1 to 100"), "{err}");
+    // The default grid (256, 512, 1024, 2048 for this model): lengths too short for cwe on
+    // this character-level tokenizer (about 530 tokens) are skipped with a note; given with
+    // --lengths, they are an error.
+    let ev3 = tmp.path().join("eval3");
+    let out = run(vec![
+        "eval".into(),
+        "ruler".into(),
+        "--model".into(),
+        s(&model),
+        "--tasks".into(),
+        "cwe,fwe".into(),
+        "--trials".into(),
+        "1".into(),
+        "--no-generate".into(),
+        "--output-dir".into(),
+        s(&ev3),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("note: cwe skipped at length 256") && err.contains("note: cwe skipped at length 512"), "{err}");
+    let j3: Value = serde_json::from_str(&std::fs::read_to_string(ev3.join("ruler.json")).unwrap()).unwrap();
+    let cells: Vec<(String, u64)> =
+        j3["cells"].as_array().unwrap().iter().map(|c| (c["task"].as_str().unwrap().to_string(), c["length"].as_u64().unwrap())).collect();
+    let want: Vec<(String, u64)> =
+        [("cwe", 1024), ("cwe", 2048), ("fwe", 512), ("fwe", 1024), ("fwe", 2048)].iter().map(|(t, l)| (t.to_string(), *l)).collect();
+    assert_eq!(cells, want, "{err}");
+    let out = run(args(&["--tasks", "cwe", "--lengths", "512"]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("length 512 is too short for task cwe"), "{err}");
     // A model without tokenizer.json is refused with a clear error.
     let bare = tmp.path().join("bare");
     std::fs::create_dir_all(&bare).unwrap();
