@@ -32,9 +32,10 @@ pub enum EvalCmd {
     /// (teacher-forced) and needle_greedy.png in --output-dir.
     Needle(NeedleArgs),
     /// RULER-style tasks (needles single, multikey, multivalue, multiquery; variable
-    /// tracking) at a grid of lengths, on a model with tokenizer.json, scored by the recall
-    /// of the expected strings in the greedy output and by teacher-forced exact match:
-    /// ruler.json, ruler.csv, ruler.png (greedy recall) and ruler_teacher_forced.png.
+    /// tracking; common- and frequent-words extraction) at a grid of lengths, on a model
+    /// with tokenizer.json, scored by the recall of the expected strings in the greedy
+    /// output and by teacher-forced exact match: ruler.json, ruler.csv, ruler.png (greedy
+    /// recall) and ruler_teacher_forced.png.
     Ruler(RulerArgs),
 }
 
@@ -205,8 +206,9 @@ pub struct RulerArgs {
     /// Where ruler.json, ruler.csv, ruler.png and ruler_teacher_forced.png go.
     #[arg(long, visible_alias = "output_dir", default_value = "runs/eval")]
     pub output_dir: PathBuf,
-    /// Tasks, comma-separated: single, multikey, multivalue, multiquery, vt [default: all].
-    #[arg(long, value_delimiter = ',', default_value = "single,multikey,multivalue,multiquery,vt")]
+    /// Tasks, comma-separated: single, multikey, multivalue, multiquery, vt (variable
+    /// tracking), cwe (common-words extraction), fwe (frequent-words extraction) [default: all].
+    #[arg(long, value_delimiter = ',', default_value = "single,multikey,multivalue,multiquery,vt,cwe,fwe")]
     pub tasks: Vec<String>,
     /// Context lengths in tokens, comma-separated [default: 1/8, 1/4, 1/2 and all of the
     /// trained context].
@@ -224,6 +226,9 @@ pub struct RulerArgs {
     /// Variable tracking: assignments after the first (hops + 1 variables hold the value).
     #[arg(long, default_value_t = 4)]
     pub hops: usize,
+    /// Common-words extraction: the common words asked for (RULER's 10).
+    #[arg(long, default_value_t = ruler::COMMON_WORDS)]
+    pub common_words: usize,
     /// Text file for the haystack (repeated to the length) [default: generated filler].
     #[arg(long)]
     pub haystack: Option<PathBuf>,
@@ -495,7 +500,7 @@ fn read_haystack(path: Option<&Path>) -> Result<Option<String>> {
 fn ruler_cmd(a: RulerArgs) -> Result<()> {
     let tasks: Vec<Task> = a.tasks.iter().map(|t| Task::parse(t)).collect::<longctx::Result<_>>()?;
     if tasks.is_empty() {
-        bail!("--tasks: no task given; e.g. --tasks single,multikey,multivalue,multiquery,vt");
+        bail!("--tasks: no task given; e.g. --tasks single,multikey,multivalue,multiquery,vt,cwe,fwe");
     }
     if a.trials == 0 {
         bail!("--trials: must be at least 1");
@@ -584,7 +589,7 @@ fn ruler_ranks(a: &RulerArgs, tasks: &[Task], haystack: Option<&str>, ranks: &Ra
             format!("{} has no tokenizer.json; the RULER-style tasks are text (use `eval needle` for the token format)", m.name),
         ));
     };
-    let suite = RulerTask::new(tok, haystack, a.digits, a.needles, a.hops)?;
+    let suite = RulerTask::new(tok, haystack, a.digits, a.needles, a.hops)?.with_common_words(a.common_words)?;
     let lengths = if a.lengths.is_empty() { default_lengths(m.trained_context(), 256) } else { a.lengths.clone() };
     for &l in &lengths {
         m.check_length(l, a.run.allow_extrapolation, "--lengths")?;
@@ -596,8 +601,23 @@ fn ruler_ranks(a: &RulerArgs, tasks: &[Task], haystack: Option<&str>, ranks: &Ra
     for &t in tasks {
         for &l in &lengths {
             let (mut tf, mut tok_acc, mut rec) = (0usize, 0f64, 0f64);
-            for i in 0..a.trials {
-                let case = suite.case(t, l, a.run.seed, ((l as u64) << 20) ^ i as u64)?;
+            let cases: longctx::Result<Vec<_>> =
+                (0..a.trials).map(|i| suite.case(t, l, a.run.seed, ((l as u64) << 20) ^ i as u64)).collect();
+            // A length of the default grid too short for a task is skipped for that task
+            // (the same on every rank); a length given with --lengths is an error.
+            let cases = match cases {
+                Err(e) if a.lengths.is_empty() && ruler::is_too_short(&e) => {
+                    if lead {
+                        eprintln!("note: {} skipped at length {l} of the default grid: {e}", t.name());
+                    }
+                    if let Some(b) = &pb {
+                        b.inc(a.trials as u64);
+                    }
+                    continue;
+                }
+                c => c?,
+            };
+            for case in cases {
                 let scores = ranks.token_scores(&m.model, &case.sample.ids, &case.sample.targets)?;
                 let pred = &scores.argmax[case.answer_start..];
                 tf += needle::exact_match(pred, &case.answer) as usize;
@@ -636,6 +656,7 @@ fn ruler_ranks(a: &RulerArgs, tasks: &[Task], haystack: Option<&str>, ranks: &Ra
     let meta = serde_json::json!({
         "model": m.name, "trained_context": m.trained_context(), "max_context": m.max_context(),
         "rope_theta": m.cfg().rope_theta, "tasks": tasks, "digits": a.digits, "needles": a.needles, "hops": a.hops,
+        "common_words": a.common_words,
         "trials": a.trials, "lengths": lengths, "haystack": a.haystack.as_ref().map(|p| p.display().to_string()),
         "parallel_mode": a.run.parallel_mode, "world_size": a.run.world_size,
     });

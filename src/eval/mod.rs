@@ -9,7 +9,9 @@
 //! - [`needle`]: needle / passkey retrieval over a depth × length grid, teacher-forced and
 //!   greedy scoring.
 //! - [`ruler`]: RULER-style tasks (multi-key, multi-value, multi-query needles, variable
-//!   tracking) over a grid of lengths, scored by recall of the expected strings.
+//!   tracking, common- and frequent-words extraction) over a grid of lengths, scored by
+//!   recall of the expected strings.
+//! - [`words`]: the bodies of the common- and frequent-words extraction tasks of `ruler`.
 //! - [`generate`]: greedy and sampled generation with a KV cache.
 //! - [`plot`]: PNG plots (plotters, embedded font).
 //! - [`output`]: files written atomically (temp file, then rename).
@@ -22,6 +24,7 @@ pub mod output;
 pub mod plot;
 pub mod ppl;
 pub mod ruler;
+pub mod words;
 
 pub use forward::{Ranks, RanksSpec, TokenScores};
 pub use model::EvalModel;

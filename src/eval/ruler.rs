@@ -9,7 +9,16 @@
 //! - `multivalue`: several needles with one key and different numbers, all asked for;
 //! - `multiquery`: several needles with different keys, all keys asked at once;
 //! - `vt` (variable tracking): a chain `VAR A = N.`, `VAR B = VAR A.`, … in that order in
-//!   the text, asked for every variable that holds N.
+//!   the text, asked for every variable that holds N;
+//! - `cwe` (common-words extraction): no haystack but a numbered list of words in which
+//!   a few common words occur many times and many uncommon words a few times, asked for
+//!   the common words ([`crate::eval::words::common_list`]);
+//! - `fwe` (frequent-words extraction): no haystack but coded words with Zipf counts,
+//!   asked for the three most frequent ones after the noise word `...`
+//!   ([`crate::eval::words::frequent_text`]).
+//!
+//! The list or text of `cwe` and `fwe` fills the length; what one more item would not fit
+//! into is filled with a pad token after the task's sentence ([`crate::eval::words::pad_token`]).
 //!
 //! Scores per case: teacher-forced exact match and share of answer tokens right (one
 //! forward, any parallel mode), and the recall of the expected strings in the greedy
@@ -19,6 +28,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::needle::{encode, number, FILLER_TEXT};
+use super::words;
 use crate::data::shuffle::SplitMix64;
 use crate::data::Sample;
 use crate::{Error, Result};
@@ -32,11 +42,14 @@ pub enum Task {
     MultiValue,
     MultiQuery,
     Vt,
+    Cwe,
+    Fwe,
 }
 
 impl Task {
-    pub const ALL: [Task; 5] = [Task::Single, Task::MultiKey, Task::MultiValue, Task::MultiQuery, Task::Vt];
+    pub const ALL: [Task; 7] = [Task::Single, Task::MultiKey, Task::MultiValue, Task::MultiQuery, Task::Vt, Task::Cwe, Task::Fwe];
 
+    /// The task's name in `--tasks`, the files and the plots.
     pub fn name(self) -> &'static str {
         match self {
             Task::Single => "single",
@@ -44,10 +57,13 @@ impl Task {
             Task::MultiValue => "multivalue",
             Task::MultiQuery => "multiquery",
             Task::Vt => "vt",
+            Task::Cwe => "cwe",
+            Task::Fwe => "fwe",
         }
     }
 
-    /// A task by its name (also `niah_single`, `niah_multikey`, …, `variable_tracking`).
+    /// A task by its name (also `niah_single`, `niah_multikey`, …, `variable_tracking`,
+    /// `common_words_extraction`, `freq_words_extraction`, `frequent_words_extraction`).
     pub fn parse(s: &str) -> Result<Task> {
         let t = s.trim().to_ascii_lowercase().replace(['-', '_'], "");
         let t = t.strip_prefix("niah").unwrap_or(&t);
@@ -57,12 +73,11 @@ impl Task {
             "multivalue" => Task::MultiValue,
             "multiquery" => Task::MultiQuery,
             "vt" | "variabletracking" => Task::Vt,
+            "cwe" | "commonwords" | "commonwordsextraction" => Task::Cwe,
+            "fwe" | "freqwords" | "frequentwords" | "freqwordsextraction" | "frequentwordsextraction" => Task::Fwe,
             _ => {
-                return Err(Error::config(
-                    "--tasks",
-                    "tasks",
-                    format!("unknown task `{s}`, expected single, multikey, multivalue, multiquery or vt"),
-                ))
+                let names: Vec<&str> = Task::ALL.iter().map(|t| t.name()).collect();
+                return Err(Error::config("--tasks", "tasks", format!("unknown task `{s}`, expected one of {}", names.join(", "))));
             }
         })
     }
@@ -119,11 +134,17 @@ pub struct RulerTask {
     pub needles: usize,
     /// Variable tracking: assignments after the first one (the chain has `hops + 1` variables).
     pub hops: usize,
+    /// Common-words extraction: the common words asked for ([`RulerTask::with_common_words`]).
+    pub common_words: usize,
     /// The special tokens the tokenizer puts before a text.
     pub prefix: Vec<u32>,
     tok: tokenizers::Tokenizer,
 }
 
+/// RULER's number of common words.
+pub const COMMON_WORDS: usize = 10;
+
+/// `a, b and c`.
 fn join_and(items: &[String]) -> String {
     match items {
         [] => String::new(),
@@ -142,7 +163,16 @@ impl RulerTask {
         if !(1..=64).contains(&hops) {
             return Err(Error::config("--hops", "hops", format!("got {hops}, expected 1 to 64")));
         }
-        Ok(Self { haystack, digits, needles, hops, prefix, tok: tok.clone() })
+        Ok(Self { haystack, digits, needles, hops, common_words: COMMON_WORDS, prefix, tok: tok.clone() })
+    }
+
+    /// Sets the common words of `cwe` (1 to 100; [`COMMON_WORDS`] unless set).
+    pub fn with_common_words(mut self, n: usize) -> Result<Self> {
+        if !(1..=100).contains(&n) {
+            return Err(Error::config("--common-words", "common_words", format!("got {n}, expected 1 to 100 (RULER asks for 10)")));
+        }
+        self.common_words = n;
+        Ok(self)
     }
 
     /// `n` distinct keys.
@@ -184,7 +214,7 @@ impl RulerTask {
     }
 
     /// The task's header, its sentences (in text order), the question, the answer text and
-    /// the expected strings.
+    /// the expected strings (the haystack tasks; `cwe` and `fwe` are [`RulerTask::words_case`]).
     fn pieces(&self, task: Task, rng: &mut SplitMix64) -> (&'static str, Vec<String>, String, String, Vec<String>) {
         let needle = |k: &str, v: &str| format!(" The special magic number for {k} is: {v}. ");
         let niah = "Some special magic numbers are hidden in the long text below, each one for a key. Remember them: you will be asked about them at the end.";
@@ -237,49 +267,118 @@ impl RulerTask {
                 );
                 (header, sentences, q, format!(" {}", names.join(", ")), names)
             }
+            Task::Cwe | Task::Fwe => unreachable!("the words tasks have no haystack pieces"),
         }
     }
 
+    /// The tokens left for the body of a case of `len` inputs once `fixed` tokens are taken
+    /// (`len + 1 - fixed`); an error naming the task when there are none.
+    fn budget(task: Task, len: usize, fixed: usize) -> Result<usize> {
+        if len < fixed {
+            return Err(too_short(task, len, format!("its sentences, question and answer take {fixed} tokens")));
+        }
+        Ok(len + 1 - fixed)
+    }
+
+    /// The case from its parts: prefix, header, body, question, answer (`len + 1` tokens).
+    fn assemble(&self, task: Task, len: usize, parts: [&[u32]; 4], expected: Vec<String>, question: String) -> TaskCase {
+        let mut raw: Vec<u32> = self.prefix.clone();
+        for p in parts {
+            raw.extend_from_slice(p);
+        }
+        debug_assert_eq!(raw.len(), len + 1);
+        let answer = parts[3];
+        let answer_start = len - answer.len();
+        TaskCase { task, sample: Sample::from_tokens(&raw, len, 0), answer_start, answer: answer.to_vec(), expected, question }
+    }
+
     /// A case of `task` with `len` inputs: the sentences at random places of the haystack,
-    /// in their order (the chain of `vt` in order).
+    /// in their order (the chain of `vt` in order); `cwe` and `fwe` fill the length with
+    /// their list or text instead ([`RulerTask::words_case`]).
     pub fn case(&self, task: Task, len: usize, seed: u64, index: u64) -> Result<TaskCase> {
         let tok = &self.tok;
         let mut rng = SplitMix64::from_parts(&[seed, index, 0x7275_6c65]);
+        if matches!(task, Task::Cwe | Task::Fwe) {
+            return self.words_case(task, len, &mut rng);
+        }
         let (header, sentences, question, answer_text, expected) = self.pieces(task, &mut rng);
         let header_ids = encode(tok, header)?;
         let sentence_ids: Vec<Vec<u32>> = sentences.iter().map(|s| encode(tok, s)).collect::<Result<_>>()?;
         let q_ids = encode(tok, &question)?;
         let answer = crate::eval::needle::answer_after(tok, &q_ids, &question, &answer_text)?;
         let fixed = self.prefix.len() + header_ids.len() + sentence_ids.iter().map(Vec::len).sum::<usize>() + q_ids.len() + answer.len();
-        if len < fixed {
-            return Err(Error::config(
-                "--lengths",
-                "lengths",
-                format!(
-                    "length {len} is too short for task {} (its sentences, question and answer take {fixed} tokens); use longer lengths",
-                    task.name()
-                ),
-            ));
-        }
-        let hay_len = len + 1 - fixed;
+        let hay_len = Self::budget(task, len, fixed)?;
         let hay: Vec<u32> = self.haystack.iter().cycle().take(hay_len).copied().collect();
         let mut at: Vec<usize> = (0..sentence_ids.len()).map(|_| rng.below(hay_len + 1)).collect();
         at.sort_unstable();
-        let mut raw: Vec<u32> = self.prefix.clone();
-        raw.extend_from_slice(&header_ids);
+        let mut body: Vec<u32> = Vec::with_capacity(hay_len + fixed);
         let mut prev = 0;
         for (p, ids) in at.into_iter().zip(sentence_ids) {
-            raw.extend_from_slice(&hay[prev..p]);
-            raw.extend(ids);
+            body.extend_from_slice(&hay[prev..p]);
+            body.extend(ids);
             prev = p;
         }
-        raw.extend_from_slice(&hay[prev..]);
-        raw.extend_from_slice(&q_ids);
-        raw.extend_from_slice(&answer);
-        debug_assert_eq!(raw.len(), len + 1);
-        let answer_start = len - answer.len();
-        Ok(TaskCase { task, sample: Sample::from_tokens(&raw, len, 0), answer_start, answer, expected, question })
+        body.extend_from_slice(&hay[prev..]);
+        Ok(self.assemble(task, len, [&header_ids, &body, &q_ids, &answer], expected, question))
     }
+
+    /// A case of `cwe` or `fwe`: the task's sentence, pad tokens for what no further item
+    /// fits into, the list (`cwe`) or coded text (`fwe`) filling the rest, the question.
+    fn words_case(&self, task: Task, len: usize, rng: &mut SplitMix64) -> Result<TaskCase> {
+        let tok = &self.tok;
+        let n = self.common_words;
+        // The words: the shuffled pool (`cwe`, the first `n` common) or the coded vocabulary
+        // in rank order (`fwe`, the noise word first).
+        let (header, question, expected, pool, coded) = if task == Task::Cwe {
+            let mut pool = words::WORDS.to_vec();
+            words::shuffle(&mut pool, rng);
+            let header = "Below is a numbered list of words. Some words appear in it more often than the others: \
+                          remember the ones that appear most often, you will be asked for them at the end.";
+            let question = format!(
+                " Question: What are the {n} most common words in the numbered list above? Answer: The {n} words that appear most often in the list are:"
+            );
+            (header, question, pool.iter().take(n).map(|w| w.to_string()).collect::<Vec<_>>(), pool, Vec::new())
+        } else {
+            let vocab = words::coded_vocab(rng, (len / 50).max(16));
+            let header = "Read the coded text below and keep count of how often each coded word appears: you will be asked \
+                          for the three most frequent ones at the end. Ignore the dots '...'.";
+            let question = " Question: Ignoring the dots '...', what are the three most frequent coded words in the text above? \
+                            Answer: The three most frequent coded words in the text are:"
+                .to_string();
+            (header, question, vocab[1..=words::FREQUENT].to_vec(), Vec::new(), vocab)
+        };
+        let header_ids = encode(tok, header)?;
+        let q_ids = encode(tok, &question)?;
+        let answer = crate::eval::needle::answer_after(tok, &q_ids, &question, &format!(" {}", expected.join(", ")))?;
+        let budget = Self::budget(task, len, self.prefix.len() + header_ids.len() + q_ids.len() + answer.len())?;
+        let body = if task == Task::Cwe {
+            words::common_list(tok, &pool[..n], &pool[n..], budget, rng)?.map(|l| l.ids)
+        } else {
+            words::frequent_text(tok, &coded, budget, rng)?
+        };
+        let Some(list) = body else {
+            let what = if task == Task::Cwe {
+                format!("its {n} common words, each twice, and as many uncommon words do not fit into {budget} tokens")
+            } else {
+                format!("{budget} tokens leave the three most frequent coded words no more frequent than the others")
+            };
+            return Err(too_short(task, len, what));
+        };
+        let mut body = vec![words::pad_token(tok)?; budget - list.len()];
+        body.extend(list);
+        Ok(self.assemble(task, len, [&header_ids, &body, &q_ids, &answer], expected, question))
+    }
+}
+
+/// `true` for the error of a length too short for a task ([`RulerTask::case`]).
+pub fn is_too_short(e: &Error) -> bool {
+    matches!(e, Error::Config { field, msg, .. } if field == "lengths" && msg.contains("is too short for task"))
+}
+
+/// The error of a length too short for a task: `what` says why.
+fn too_short(task: Task, len: usize, what: String) -> Error {
+    let hint = if task == Task::Cwe { "use longer lengths, or fewer --common-words" } else { "use longer lengths" };
+    Error::config("--lengths", "lengths", format!("length {len} is too short for task {} ({what}); {hint}", task.name()))
 }
 
 /// The result of one task at one length.
