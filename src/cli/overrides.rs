@@ -201,7 +201,8 @@ pub struct TrainFlags {
     #[arg(long, visible_alias = "learning_rate", allow_negative_numbers = true)]
     pub learning_rate: Option<f64>,
     /// Learning-rate schedule: constant (after the warmup, as EasyContext's
-    /// constant-with-warmup), linear (the same) or cosine (warmup, then decay).
+    /// constant-with-warmup), linear (the same), cosine (warmup, then decay), or
+    /// DeepSpeed's warmup_lr, warmup_decay_lr, warmup_cosine_lr (docs/config.md).
     #[arg(long, visible_alias = "lr_schedule")]
     pub lr_schedule: Option<String>,
     /// Linear warmup steps at the start of every stage (in every schedule).
@@ -269,15 +270,10 @@ impl TrainFlags {
             );
         }
         if let Some(v) = &self.lr_schedule {
-            t.lr_schedule = match v.as_str() {
-                "constant" => Schedule::Constant,
-                "linear" => Schedule::Linear,
-                "cosine" => Schedule::Cosine,
-                _ => {
-                    let msg = format!("expected constant, linear or cosine, got `{v}`");
-                    return Err(longctx::Error::config(FLAGS, "--lr-schedule", msg).into());
-                }
-            };
+            t.lr_schedule = Schedule::from_name(v).ok_or_else(|| {
+                let msg = format!("expected constant, linear, cosine, warmup_lr, warmup_decay_lr or warmup_cosine_lr, got `{v}`");
+                longctx::Error::config(FLAGS, "--lr-schedule", msg)
+            })?;
         }
         set(&mut t.clip_grad, self.clip_grad);
         set(&mut t.checkpoint_every, self.checkpoint_every);

@@ -8,6 +8,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use longctx::plan::{self, PlanRequest};
 use longctx::train::config::{ParallelMode, RunConfig};
+use longctx::train::deepspeed::{Applied, BatchFlags};
 use std::path::{Path, PathBuf};
 
 const MODEL_HELP: &str = "Model: `builtin:NAME`, a Hugging Face model directory (or its config.json), or a hub id \
@@ -67,28 +68,27 @@ pub fn plan_cmd(a: PlanArgs) -> Result<()> {
     let file = match &a.config {
         Some(p) => {
             let mut c = RunConfig::from_file(p)?;
-            for line in longctx::train::deepspeed::resolve(&mut c, a.deepspeed.as_deref(), p)? {
-                eprintln!("{line}");
-            }
-            c.validate(p)?;
-            Some((c, p.clone()))
+            let ds = longctx::train::deepspeed::resolve(&mut c, a.deepspeed.as_deref(), p)?;
+            ds.lines.iter().for_each(|l| eprintln!("{l}"));
+            ds.validate(&c, p)?;
+            Some((c, p.clone(), ds))
         }
         None => None,
     };
     let spec = match (&a.layout.model, &file) {
         (Some(m), _) => m.clone(),
-        (None, Some((c, _))) => c.model.source.clone(),
+        (None, Some((c, _, _))) => c.model.source.clone(),
         (None, None) => bail!("--model is required (or --config with a model.source)"),
     };
     let info = longctx::hub::model_config(&spec, &longctx::hub::HubOptions::from_env(), true)?
         .ok_or_else(|| anyhow!("model `{spec}` not found"))?;
     let shape = plan::ModelShape::from_config(&info.cfg);
     // The config as written must suit the model; the flags are checked by the planner.
-    if let Some((c, p)) = &file {
+    if let Some((c, p, _)) = &file {
         plan::check_run(c, &info.cfg, p)?;
     }
     let from_file = file.is_some();
-    let run = planned_run(&a, file.map(|(c, _)| c))?;
+    let run = planned_run(&a, file.map(|(c, _, ds)| (c, ds)))?;
     let mut plans = Vec::new();
     for (label, r) in requests(&a, &run, from_file)? {
         let p =
@@ -123,19 +123,20 @@ pub fn plan_cmd(a: PlanArgs) -> Result<()> {
 /// GPU, else the zigzag ring), with the flags applied as `train` applies them. A config's
 /// f32 (the CPU default) counts as bf16 unless `--dtype` says otherwise, and the flags
 /// also beat a stage's own `parallel_mode` / `fpdt_chunk_size`.
-fn planned_run(a: &PlanArgs, file: Option<RunConfig>) -> Result<RunConfig> {
+/// `file`: the config and its DeepSpeed settings (applied and checked already).
+fn planned_run(a: &PlanArgs, file: Option<(RunConfig, Applied)>) -> Result<RunConfig> {
     let from_file = file.is_some();
-    let mut c = file.unwrap_or_else(|| {
-        let mut c = RunConfig::plain();
-        c.parallel.world_size = a.layout.parallel.world_size.or(a.gpus).unwrap_or(1);
-        c.parallel.mode = if c.parallel.world_size > 1 { ParallelMode::ZigzagRingAttn } else { ParallelMode::DataParallel };
-        c
-    });
-    if !from_file {
-        for line in longctx::train::deepspeed::resolve(&mut c, a.deepspeed.as_deref(), Path::new(super::FLAGS))? {
-            eprintln!("{line}");
+    let (mut c, ds) = match file {
+        Some(f) => f,
+        None => {
+            let mut c = RunConfig::plain();
+            c.parallel.world_size = a.layout.parallel.world_size.or(a.gpus).unwrap_or(1);
+            c.parallel.mode = if c.parallel.world_size > 1 { ParallelMode::ZigzagRingAttn } else { ParallelMode::DataParallel };
+            let ds = longctx::train::deepspeed::resolve(&mut c, a.deepspeed.as_deref(), Path::new(super::FLAGS))?;
+            ds.lines.iter().for_each(|l| eprintln!("{l}"));
+            (c, ds)
         }
-    }
+    };
     if matches!(c.model.dtype.as_str(), "f32" | "float32") {
         c.model.dtype = "bf16".into();
     }
@@ -145,6 +146,9 @@ fn planned_run(a: &PlanArgs, file: Option<RunConfig>) -> Result<RunConfig> {
         bail!("--seq-length is required (or --config with stages)");
     }
     StageFlags::default().apply(a.layout.seq_length, &mut c);
+    // DeepSpeed's batch rule, on the layout planned.
+    let flags = BatchFlags { batch_size: a.layout.batch_size.is_some(), gradient_accumulate_every: false };
+    ds.finish(&mut c, flags)?.iter().for_each(|l| eprintln!("{l}"));
     Ok(c)
 }
 
@@ -502,7 +506,7 @@ mod tests {
 
     fn planned(a: &PlanArgs, file: Option<RunConfig>) -> Vec<(String, PlanRequest)> {
         let from_file = file.is_some();
-        requests(a, &planned_run(a, file).unwrap(), from_file).unwrap()
+        requests(a, &planned_run(a, file.map(|c| (c, Applied::default()))).unwrap(), from_file).unwrap()
     }
 
     /// Without a config: one rank per GPU, the ring on several, bf16, the planner's defaults.

@@ -83,12 +83,10 @@ pub fn resolve_config(a: &TrainArgs, launched_world: Option<usize>) -> Result<(R
         None if a.layout.model.is_some() || a.data.dataset.is_some() => (RunConfig::plain(), PathBuf::from(super::FLAGS)),
         None => (RunConfig::default(), PathBuf::from(super::FLAGS)),
     };
-    let ds_lines = longctx::train::deepspeed::resolve(&mut c, a.deepspeed.as_deref(), &src)?;
-    if std::env::var("RANK").map_or(true, |r| r == "0") {
-        for line in &ds_lines {
-            eprintln!("{line}");
-        }
-    }
+    let ds = longctx::train::deepspeed::resolve(&mut c, a.deepspeed.as_deref(), &src)?;
+    let rank0 = std::env::var("RANK").map_or(true, |r| r == "0");
+    let print = |lines: &[longctx::train::deepspeed::Line]| lines.iter().filter(|_| rank0).for_each(|l| eprintln!("{l}"));
+    print(&ds.lines);
     a.run.apply(&mut c);
     a.data.apply(&mut c);
     a.train.apply(&mut c)?;
@@ -107,7 +105,13 @@ pub fn resolve_config(a: &TrainArgs, launched_world: Option<usize>) -> Result<(R
     }
     a.stages.apply(a.layout.seq_length, &mut c);
     a.layout.parallel.apply_ring_degree(&mut c)?;
-    c.validate(&src)?;
+    // DeepSpeed's batch rule needs the final layout; its values are blamed on its keys.
+    let flags = longctx::train::deepspeed::BatchFlags {
+        batch_size: a.layout.batch_size.is_some(),
+        gradient_accumulate_every: a.train.gradient_accumulate_every.is_some(),
+    };
+    print(&ds.finish(&mut c, flags)?);
+    ds.validate(&c, &src)?;
     Ok((c, src))
 }
 

@@ -1,7 +1,7 @@
 //! The run configuration: a TOML file (every field optional, see `configs/`) whose
 //! values command-line flags override. Resolved once at start-up, validated, printed.
 
-use crate::train::optim::{AdamWConfig, Schedule};
+use crate::train::optim::{AdamWConfig, LrSchedule, Schedule, WarmupType};
 use crate::train::stage_eval::EvalSection;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -180,7 +180,17 @@ pub struct TrainSection {
     pub learning_rate: f64,
     pub lr_schedule: Schedule,
     pub warmup_steps: u64,
+    /// The warm-up's shape: `linear` (longctx's schedules) or `log` (DeepSpeed's schedules
+    /// only) [default: linear; log for DeepSpeed's, as DeepSpeed's default].
+    pub warmup_type: Option<WarmupType>,
+    /// Where the warm-up starts, as a fraction of the learning rate (DeepSpeed's
+    /// `warmup_min_ratio`, or `warmup_min_lr / warmup_max_lr`); also where
+    /// `warmup_decay_lr` decays back to.
+    pub warmup_min_ratio: f64,
     pub min_lr_ratio: f64,
+    /// The step at which the decay ends, counted from each stage's start (DeepSpeed's
+    /// `total_num_steps`) [default: each stage's `steps`].
+    pub schedule_steps: Option<u64>,
     /// Global-norm gradient clipping (0 = off).
     pub clip_grad: f64,
     pub adamw: AdamWConfig,
@@ -233,7 +243,10 @@ impl Default for TrainSection {
             learning_rate: 2e-5,
             lr_schedule: Schedule::Constant,
             warmup_steps: 0,
+            warmup_type: None,
+            warmup_min_ratio: 0.0,
             min_lr_ratio: 0.1,
+            schedule_steps: None,
             clip_grad: 1.0,
             adamw: AdamWConfig::default(),
             checkpoint_every: 0,
@@ -248,6 +261,22 @@ impl Default for TrainSection {
             reset_optimizer: false,
             peak_tflops: None,
             tensorboard: true,
+        }
+    }
+}
+
+impl TrainSection {
+    /// The learning-rate schedule of a stage that starts at `base`, warms up over `warmup`
+    /// steps and runs `stage_steps` steps.
+    pub fn lr_schedule_for(&self, base: f64, warmup: u64, stage_steps: u64) -> LrSchedule {
+        LrSchedule {
+            schedule: self.lr_schedule,
+            base,
+            warmup_steps: warmup,
+            warmup_type: self.warmup_type.unwrap_or(self.lr_schedule.default_warmup_type()),
+            warmup_min_ratio: self.warmup_min_ratio,
+            min_lr_ratio: self.min_lr_ratio,
+            total_steps: self.schedule_steps.unwrap_or(stage_steps),
         }
     }
 }
@@ -775,6 +804,12 @@ impl RunConfig {
         }
     }
 
+    /// The learning-rate schedule stage `index` runs with ([`RunConfig::stage_settings`]).
+    pub fn lr_schedule(&self, index: usize) -> LrSchedule {
+        let s = self.stage_settings(index);
+        self.train.lr_schedule_for(s.learning_rate, s.warmup_steps, self.stages.get(index).map_or(0, |st| st.steps))
+    }
+
     /// `parallel.collective_timeout_s` as a duration; `None` = no timeout.
     pub fn collective_timeout(&self) -> Option<std::time::Duration> {
         let s = self.parallel.collective_timeout_s;
@@ -835,6 +870,18 @@ impl RunConfig {
             }
         }
         real("train.min_lr_ratio", t.min_lr_ratio, 0.0, false, 1.0, false)?;
+        real("train.warmup_min_ratio", t.warmup_min_ratio, 0.0, false, 1.0, false)?;
+        if t.warmup_type == Some(WarmupType::Log) && !t.lr_schedule.is_deepspeed() {
+            return Err(Error::config(
+                source,
+                "train.warmup_type",
+                format!(
+                    "\"log\" is the warm-up of DeepSpeed's schedules (warmup_lr, warmup_decay_lr, warmup_cosine_lr); \
+                     lr_schedule \"{}\" warms up linearly: remove warmup_type or choose one of those schedules",
+                    t.lr_schedule.name()
+                ),
+            ));
+        }
         real("train.clip_grad", t.clip_grad, 0.0, false, f64::MAX, false)?;
         real("train.adamw.beta1", t.adamw.beta1, 0.0, false, 1.0, true)?;
         real("train.adamw.beta2", t.adamw.beta2, 0.0, false, 1.0, true)?;
@@ -867,6 +914,9 @@ impl RunConfig {
         }
         let steps = |field: &str, v: u64, lo: u64| check_range(source, field, v, lo, MAX_STEPS);
         steps("train.warmup_steps", t.warmup_steps, 0)?;
+        if let Some(n) = t.schedule_steps {
+            steps("train.schedule_steps", n, 1)?;
+        }
         steps("train.max_skipped_steps", t.max_skipped_steps, 1)?;
         for (i, st) in self.stages.iter().enumerate() {
             if let Some(w) = st.warmup_steps {

@@ -337,7 +337,9 @@ impl DeviceAdamW {
     }
 }
 
-/// Learning-rate schedule.
+/// Learning-rate schedule. The first three are longctx's own (EasyContext's); the last
+/// three are DeepSpeed's schedulers of the same names, step for step
+/// (`deepspeed/runtime/lr_schedules.py`), as a DeepSpeed JSON's `scheduler` selects them.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Schedule {
@@ -346,25 +348,127 @@ pub enum Schedule {
     #[default]
     Constant,
     /// The same: linear warmup then constant (the name of the warmup's shape, kept for the
-    /// configs and DeepSpeed's `WarmupLR` that use it).
+    /// configs that use it).
     Linear,
     /// Linear warmup then cosine decay to `min_lr_ratio · lr` at the last step.
     Cosine,
+    /// DeepSpeed's `WarmupLR`: from `warmup_min_ratio · lr` to `lr` over the warm-up (log or
+    /// linear), then constant.
+    WarmupLr,
+    /// DeepSpeed's `WarmupDecayLR`: the same warm-up, then linear decay back to
+    /// `warmup_min_ratio · lr` at `total_steps`.
+    WarmupDecayLr,
+    /// DeepSpeed's `WarmupCosineLR`: the same warm-up, then cosine decay to
+    /// `min_lr_ratio · lr` at `total_steps`.
+    WarmupCosineLr,
 }
 
-/// Learning rate at `step` (0-based) of `total` steps.
-pub fn lr_at(schedule: Schedule, base: f64, step: u64, total: u64, warmup: u64, min_ratio: f64) -> f64 {
-    let warm = if warmup > 0 && step < warmup { (step + 1) as f64 / warmup as f64 } else { 1.0 };
-    match schedule {
-        Schedule::Constant | Schedule::Linear => base * warm,
-        Schedule::Cosine => {
-            if step < warmup {
-                return base * warm;
+impl Schedule {
+    /// The name a config spells it with (`lr_schedule = "..."`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Schedule::Constant => "constant",
+            Schedule::Linear => "linear",
+            Schedule::Cosine => "cosine",
+            Schedule::WarmupLr => "warmup_lr",
+            Schedule::WarmupDecayLr => "warmup_decay_lr",
+            Schedule::WarmupCosineLr => "warmup_cosine_lr",
+        }
+    }
+
+    /// The schedule a config or flag names (see [`Schedule::name`]).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::Constant, Self::Linear, Self::Cosine, Self::WarmupLr, Self::WarmupDecayLr, Self::WarmupCosineLr]
+            .into_iter()
+            .find(|s| s.name() == name)
+    }
+
+    /// One of DeepSpeed's schedules (`warmup_type` applies, and DeepSpeed's step count).
+    pub fn is_deepspeed(self) -> bool {
+        matches!(self, Schedule::WarmupLr | Schedule::WarmupDecayLr | Schedule::WarmupCosineLr)
+    }
+
+    /// The warm-up shape when the config names none: DeepSpeed's default is log.
+    pub fn default_warmup_type(self) -> WarmupType {
+        if self.is_deepspeed() {
+            WarmupType::Log
+        } else {
+            WarmupType::Linear
+        }
+    }
+}
+
+/// How DeepSpeed's schedules warm up (their `warmup_type`): at iteration `i` of `w`, the
+/// fraction `ln(i + 1) / ln(w)` (log) or `i / w` (linear) of the way up.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum WarmupType {
+    Log,
+    Linear,
+}
+
+/// A stage's learning-rate schedule: everything [`LrSchedule::lr`] needs besides the step
+/// (see `TrainSection::lr_schedule_for`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LrSchedule {
+    pub schedule: Schedule,
+    /// The peak rate.
+    pub base: f64,
+    pub warmup_steps: u64,
+    pub warmup_type: WarmupType,
+    /// Where the warm-up starts, as a fraction of `base`.
+    pub warmup_min_ratio: f64,
+    /// Where the cosine decay ends, as a fraction of `base`.
+    pub min_lr_ratio: f64,
+    /// The step at which the decay ends (counted from the stage's start).
+    pub total_steps: u64,
+}
+
+impl LrSchedule {
+    /// Learning rate of optimizer step `step` (0-based, counted from the stage's start).
+    pub fn lr(&self, step: u64) -> f64 {
+        if self.schedule.is_deepspeed() {
+            return self.deepspeed_lr(step);
+        }
+        let (w, s0) = (self.warmup_steps, self.warmup_min_ratio);
+        let warm = if w > 0 && step < w { s0 + (1.0 - s0) * (step + 1) as f64 / w as f64 } else { 1.0 };
+        if self.schedule != Schedule::Cosine || step < w {
+            return self.base * warm;
+        }
+        let span = self.total_steps.saturating_sub(w).max(1) as f64;
+        let t = ((step - w) as f64 / span).min(1.0);
+        let cos = 0.5 * (1.0 + (std::f64::consts::PI * t).cos());
+        self.base * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cos)
+    }
+
+    /// DeepSpeed's rate for optimizer step `step`. DeepSpeed's engine steps the scheduler
+    /// after each optimizer step, so step k runs at the rate of the scheduler's iteration
+    /// k − 1; step 0 at the rate it set when built (`warmup_min_lr` for WarmupLR and
+    /// WarmupDecayLR, 0 for WarmupCosineLR). The warm-up spans at least 2 iterations.
+    /// Past `total_steps` the decay stays at its end (DeepSpeed's clamp).
+    fn deepspeed_lr(&self, step: u64) -> f64 {
+        let s0 = self.warmup_min_ratio;
+        let Some(i) = step.checked_sub(1) else {
+            return if self.schedule == Schedule::WarmupCosineLr { 0.0 } else { self.base * s0 };
+        };
+        let w = self.warmup_steps.max(2);
+        if i < w {
+            let up = match self.warmup_type {
+                WarmupType::Log => ((i + 1) as f64).ln() / (w as f64).ln(),
+                WarmupType::Linear => i as f64 / w as f64,
+            };
+            return self.base * (s0 + (1.0 - s0) * up);
+        }
+        let (i, w, total) = (i as f64, w as f64, self.total_steps as f64);
+        let span = (total - w).max(1.0);
+        match self.schedule {
+            Schedule::WarmupDecayLr => self.base * (s0 + (1.0 - s0) * ((total - i) / span).max(0.0)),
+            Schedule::WarmupCosineLr => {
+                let progress = ((i - w + 1.0) / span).min(1.0);
+                let f = self.min_lr_ratio;
+                self.base * (f + (1.0 - f) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())).max(0.0)
             }
-            let span = total.saturating_sub(warmup).max(1) as f64;
-            let t = ((step - warmup) as f64 / span).min(1.0);
-            let cos = 0.5 * (1.0 + (std::f64::consts::PI * t).cos());
-            base * (min_ratio + (1.0 - min_ratio) * cos)
+            _ => self.base,
         }
     }
 }
@@ -501,12 +605,42 @@ mod tests {
 
     #[test]
     fn schedules() {
+        let at = |schedule, step, total, warmup, min_lr_ratio| {
+            let s = LrSchedule {
+                schedule,
+                base: 1.0,
+                warmup_steps: warmup,
+                warmup_type: WarmupType::Linear,
+                warmup_min_ratio: 0.0,
+                min_lr_ratio,
+                total_steps: total,
+            };
+            s.lr(step)
+        };
         // Every schedule warms up (constant: EasyContext's constant-with-warmup).
-        assert!((lr_at(Schedule::Constant, 1.0, 0, 10, 5, 0.0) - 0.2).abs() < 1e-12);
-        assert_eq!(lr_at(Schedule::Constant, 1.0, 5, 10, 5, 0.0), 1.0);
-        assert_eq!(lr_at(Schedule::Constant, 1.0, 0, 10, 0, 0.0), 1.0);
-        assert!((lr_at(Schedule::Linear, 1.0, 0, 10, 4, 0.0) - 0.25).abs() < 1e-12);
-        assert!((lr_at(Schedule::Cosine, 1.0, 4, 10, 4, 0.0) - 1.0).abs() < 1e-12);
-        assert!((lr_at(Schedule::Cosine, 1.0, 10, 10, 4, 0.1) - 0.1).abs() < 1e-12);
+        assert!((at(Schedule::Constant, 0, 10, 5, 0.0) - 0.2).abs() < 1e-12);
+        assert_eq!(at(Schedule::Constant, 5, 10, 5, 0.0), 1.0);
+        assert_eq!(at(Schedule::Constant, 0, 10, 0, 0.0), 1.0);
+        assert!((at(Schedule::Linear, 0, 10, 4, 0.0) - 0.25).abs() < 1e-12);
+        assert!((at(Schedule::Cosine, 4, 10, 4, 0.0) - 1.0).abs() < 1e-12);
+        assert!((at(Schedule::Cosine, 10, 10, 4, 0.1) - 0.1).abs() < 1e-12);
+    }
+
+    /// A warm-up start above 0 lifts longctx's own linear warm-up: from
+    /// `s0 + (1 − s0)/w` at step 0 to 1 at step w − 1.
+    #[test]
+    fn own_warmup_starts_at_its_ratio() {
+        let s = LrSchedule {
+            schedule: Schedule::Cosine,
+            base: 2.0,
+            warmup_steps: 4,
+            warmup_type: WarmupType::Linear,
+            warmup_min_ratio: 0.2,
+            min_lr_ratio: 0.0,
+            total_steps: 8,
+        };
+        assert!((s.lr(0) - 2.0 * (0.2 + 0.8 * 0.25)).abs() < 1e-12);
+        assert!((s.lr(3) - 2.0).abs() < 1e-12);
+        assert!(s.lr(8).abs() < 1e-12);
     }
 }

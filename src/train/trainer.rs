@@ -27,7 +27,6 @@ use crate::train::config::{RunConfig, Stage, StageSettings};
 use crate::train::engine::{Engine, EngineOptions, MemoryReport};
 use crate::train::grads::GradBuffer;
 use crate::train::metrics::{Metrics, StepLine};
-use crate::train::optim::lr_at;
 use crate::train::profile::Phase;
 use crate::train::rundir::{self, RunDirLock};
 pub use crate::train::stop::StopFlag;
@@ -945,7 +944,7 @@ impl<'a> RankRun<'a> {
         let agreed = self.engine.profiler().time(Phase::Comm, &sh.device, || all_reduce_f64s(&self.world, &flags, &sh.device))?;
         let loss = agreed[0] / global_count.max(1.0);
         let t = &cfg.train;
-        let lr = lr_at(t.lr_schedule, st.settings.learning_rate, step, stage.steps, st.settings.warmup_steps, t.min_lr_ratio);
+        let lr = t.lr_schedule_for(st.settings.learning_rate, st.settings.warmup_steps, stage.steps).lr(step);
         self.engine.profiler().trace(&sh.device, || "optimizer".into())?;
         self.inject_nan_gradient()?;
         // A non-finite loss (the same on every rank) skips the update like a non-finite
