@@ -301,6 +301,15 @@ pub struct DataFlags {
     /// own document only, positions restarting per document) [default: concat].
     #[arg(long, value_parser = ["concat", "truncate", "documents"])]
     pub packing: Option<String>,
+    /// Held-out documents to evaluate at every stage end (`eval.dataset`): perplexity at
+    /// the stage's length and the model's original context, and a passkey grid, logged to
+    /// metrics.jsonl and TensorBoard, plotted in eval.png; `synthetic:passkey` for fresh
+    /// synthetic samples.
+    #[arg(long)]
+    pub eval_dataset: Option<String>,
+    /// Also evaluate every N global steps (`eval.every`; 0: at stage ends only).
+    #[arg(long)]
+    pub eval_every: Option<u64>,
 }
 
 impl DataFlags {
@@ -322,6 +331,8 @@ impl DataFlags {
                 _ => longctx::train::config::PackingMode::Concat,
             };
         }
+        set(&mut c.eval.dataset, self.eval_dataset.clone());
+        set(&mut c.eval.every, self.eval_every);
     }
 }
 

@@ -120,6 +120,23 @@ impl Ranks {
         })
     }
 
+    /// The ranks of an existing layout (training's): this rank's sequence-parallel group
+    /// of `groups` under `mode`. A group of one rank is one device.
+    pub fn from_groups(mode: ParallelMode, dims: ParallelDims, groups: &Groups, fpdt_chunk: usize, token_chunk: usize) -> Self {
+        if groups.sp.world() == 1 {
+            return Self::single(token_chunk);
+        }
+        Self {
+            mode,
+            dims: Some(dims),
+            sp: Some(groups.sp.clone()),
+            groups: Some(groups.clone()),
+            attn: mode.build(groups, fpdt_chunk, false),
+            fpdt_chunk,
+            token_chunk: token_chunk.max(1),
+        }
+    }
+
     /// Rank within the sequence-parallel group (0 on one device): rank 0 reports.
     pub fn rank(&self) -> usize {
         self.sp.as_ref().map_or(0, |c| c.rank())

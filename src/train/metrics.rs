@@ -7,6 +7,7 @@
 use crate::model::LlamaConfig;
 use crate::train::config::{RunConfig, Stage, StageSettings};
 use crate::train::engine::MemoryReport;
+use crate::train::stage_eval::EvalLine;
 use crate::train::tensorboard::EventWriter;
 use crate::train::trainer::RunSummary;
 use crate::{Error, Result};
@@ -328,6 +329,37 @@ impl Metrics {
                     eprintln!("stage {} step {}/{}: {msg}", l.stage, l.step, l.steps);
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// An evaluation during training ([`crate::train::stage_eval`]): its metrics.jsonl
+    /// line, TensorBoard scalars `eval/ppl@L` and `eval/passkey@L`, and a console line.
+    pub fn eval(&mut self, e: &EvalLine) -> Result<()> {
+        let line = serde_json::to_string(e).map_err(|err| Error::Setting(format!("eval line: {err}")))?;
+        let path = self.path.clone();
+        let (file, tensorboard) = self.open()?;
+        writeln!(file, "{line}").map_err(|err| Error::io(&path, err))?;
+        if let Some(tb) = tensorboard.as_mut() {
+            let mut names = Vec::new();
+            for p in &e.ppl {
+                if let Some(v) = p.ppl {
+                    names.push((format!("eval/ppl@{}", crate::plan::tokens_label(p.length)), v));
+                }
+            }
+            for &len in e.passkey.iter().map(|c| &c.length).collect::<std::collections::BTreeSet<_>>() {
+                let cells = e.passkey.iter().filter(|c| c.length == len);
+                let (right, total) = cells.fold((0, 0), |(r, t), c| (r + c.right, t + c.trials));
+                names.push((format!("eval/passkey@{}", crate::plan::tokens_label(len)), right as f64 / total.max(1) as f64));
+            }
+            let v: Vec<(&str, f64)> = names.iter().map(|(n, v)| (n.as_str(), *v)).collect();
+            tb.scalars(e.global_step, &v)?;
+        }
+        let msg =
+            format!("eval after stage {} step {} (global step {}, {:.1} s): {}", e.stage, e.step, e.global_step, e.seconds, e.summary());
+        match &self.bar {
+            Some(b) => b.println(msg),
+            None => eprintln!("{msg}"),
         }
         Ok(())
     }

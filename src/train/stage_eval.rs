@@ -7,7 +7,9 @@
 //! - Perplexity at the stage's length and at the model's original context (or at
 //!   `eval.lengths`): `sliding` scores the first `eval.tokens` tokens of the held-out
 //!   stream in windows of L (the same targets at every length), `truncate` each document
-//!   of more than L tokens cut to L + 1 (`eval.max_docs` of them).
+//!   of more than L tokens cut to L + 1 (`eval.max_docs` of them);
+//!   `synthetic:passkey-answer` scores fresh passkey samples on their answer digits only
+//!   (what that dataset trains, as `eval ppl` scores it).
 //! - Passkey: `eval.passkey_trials` cases per (length, depth), teacher-forced exact match
 //!   of the answer (one forward per case, exact in every mode): the text passkey task of
 //!   `eval needle --passkey` when the model has a tokenizer, the demo's token format
@@ -210,9 +212,24 @@ pub struct StageEval {
 }
 
 impl StageEval {
-    /// `original`: the start model's trained context (max_position_embeddings).
-    pub fn new(section: EvalSection, original: usize, seed: u64) -> Self {
-        Self { section, original, seed, docs: None }
+    /// `original`: the start model's trained context (max_position_embeddings). The
+    /// dataset is looked up now, so that a wrong path fails before training, not at the
+    /// first stage's end.
+    pub fn new(section: EvalSection, original: usize, seed: u64) -> Result<Self> {
+        let d = section.dataset.trim();
+        match d.strip_prefix("synthetic:") {
+            Some("passkey" | "passkey-answer") => {}
+            Some(_) => {
+                return Err(Error::Setting(format!(
+                    "eval.dataset `{d}`: unknown synthetic dataset; use synthetic:passkey or synthetic:passkey-answer, or held-out files"
+                )))
+            }
+            None => {
+                crate::data::source::resolve(d, None, Some(section.split.as_str()), &crate::hub::HubOptions::from_env())
+                    .map_err(|e| Error::Setting(format!("eval.dataset (--eval-dataset) `{d}`: {e}")))?;
+            }
+        }
+        Ok(Self { section, original, seed, docs: None })
     }
 
     pub fn section(&self) -> &EvalSection {
@@ -232,11 +249,19 @@ impl StageEval {
         let lengths = self.section.lengths_for(at.seq_len, self.original);
         let longest = lengths.iter().copied().max().unwrap_or(at.seq_len);
         let section = self.section.clone();
-        let docs = self.docs(model, tokenizer, longest)?;
+        let answers_only = section.dataset.trim() == "synthetic:passkey-answer";
+        let (seed, vocab) = (self.seed ^ 0x5eed_e7a1, model.cfg.vocab_size);
+        let docs = if answers_only { &Vec::new() } else { self.docs(model, tokenizer, longest)? };
         let device = model.embed_tokens.embeddings().device().clone();
         let mut ppl_out = Vec::with_capacity(lengths.len());
         for &len in &lengths {
-            let windows = windows(&section, docs, len, longest);
+            let windows = if answers_only {
+                // the answer digits only, as that dataset trains (and `eval ppl` scores it)
+                let tokens = if section.tokens == 0 { 2 * longest } else { section.tokens };
+                ppl::passkey_answer_windows(vocab, seed, len, tokens.div_ceil(len))?
+            } else {
+                windows(&section, docs, len, longest)
+            };
             let mine: Vec<Window> = windows.into_iter().enumerate().filter(|(i, _)| i % dp.world() == dp.rank()).map(|(_, w)| w).collect();
             let (sum, n) = ppl::score_windows(ranks, model, &mine, || {})?;
             let total = sum_over(dp, &[sum, n as f64], &device)?;
@@ -360,15 +385,12 @@ fn sum_over(comm: &Arc<dyn Comm>, xs: &[f64], device: &Device) -> Result<Vec<f64
 /// The evaluation lines of `<output_dir>/metrics.jsonl`, in order.
 pub fn read_lines(metrics: &Path) -> Result<Vec<EvalLine>> {
     let text = std::fs::read_to_string(metrics).map_err(|e| Error::io(metrics, e))?;
-    Ok(text
-        .lines()
-        .filter(|l| l.contains("\"event\":\"eval\""))
-        .filter_map(|l| serde_json::from_str::<EvalLine>(l).ok())
-        .collect())
+    Ok(text.lines().filter(|l| l.contains("\"event\":\"eval\"")).filter_map(|l| serde_json::from_str::<EvalLine>(l).ok()).collect())
 }
 
-/// `eval.png`: perplexity against length, one line per evaluation (every stage's model).
-pub fn plot(lines: &[EvalLine], path: &Path) -> Result<()> {
+/// `eval.png`: perplexity against length, one line per evaluation (every stage's model);
+/// `false` (nothing written) when no line has a perplexity.
+pub fn plot(lines: &[EvalLine], path: &Path) -> Result<bool> {
     let series: Vec<(String, Vec<(f64, f64)>)> = lines
         .iter()
         .map(|l| {
@@ -380,7 +402,7 @@ pub fn plot(lines: &[EvalLine], path: &Path) -> Result<()> {
         .filter(|(_, p): &(String, Vec<(f64, f64)>)| !p.is_empty())
         .collect();
     if series.is_empty() {
-        return Ok(());
+        return Ok(false);
     }
     crate::eval::plot::lines(
         path,
@@ -388,5 +410,19 @@ pub fn plot(lines: &[EvalLine], path: &Path) -> Result<()> {
         "context length (tokens)",
         "perplexity",
         &series,
-    )
+    )?;
+    Ok(true)
+}
+
+/// `<output_dir>/eval.png` from the run's metrics.jsonl (written atomically); nothing
+/// when no evaluation has a perplexity.
+pub fn write_plot(output_dir: &Path) -> Result<()> {
+    let lines = read_lines(&output_dir.join("metrics.jsonl"))?;
+    let path = output_dir.join("eval.png");
+    let tmp = crate::eval::output::temp_sibling(&path);
+    if plot(&lines, &tmp)? {
+        crate::eval::output::commit(&tmp, &path)?;
+        eprintln!("evaluations during training: {} (perplexity against length, one line per evaluated model)", path.display());
+    }
+    Ok(())
 }

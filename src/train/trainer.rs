@@ -21,6 +21,7 @@
 use crate::data::loader::{DataSpec, DataState, FilesConfig, Loader, Shard};
 use crate::data::synthetic::{LossOn, PasskeyConfig};
 use crate::dist::dims::{build_groups, Groups, ParallelDims, ParallelMode};
+use crate::eval::forward::Ranks;
 use crate::model::{LlamaConfig, Rope};
 use crate::train::checkpoint::{self, TrainState};
 use crate::train::config::{RunConfig, Stage, StageSettings};
@@ -29,6 +30,7 @@ use crate::train::grads::GradBuffer;
 use crate::train::metrics::{Metrics, StepLine};
 use crate::train::profile::Phase;
 use crate::train::rundir::{self, RunDirLock};
+use crate::train::stage_eval::{EvalAt, StageEval};
 pub use crate::train::stop::StopFlag;
 use crate::train::units::{ParamHooks, Partition};
 use crate::train::zero::{all_reduce_scalar, Deferred, Out, ShardedAdamW};
@@ -533,6 +535,9 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
     };
     if let (None, Some(m)) = (stopped, run.metrics.as_mut()) {
         m.finish(&summary)?;
+        if cfg.eval.is_on() {
+            crate::train::stage_eval::write_plot(&cfg.output_dir)?;
+        }
     }
     Ok(if is_main { Some(summary) } else { None })
 }
@@ -576,6 +581,8 @@ struct RankRun<'a> {
     /// applied unit by unit during the next forward ([`ParamHooks::prepare`]) and settled
     /// (its numeric guard included) before anything reads the weights or the state.
     pending: Option<PendingUpdate>,
+    /// `[eval]`: what is evaluated at stage ends (and every `eval.every` steps).
+    eval: Option<StageEval>,
 }
 
 /// A host update begun at the end of a step, and what its guard's message needs.
@@ -762,6 +769,7 @@ impl<'a> RankRun<'a> {
             last_checkpoint: (Instant::now(), sh.resume.map(|l| l.state.global_step)),
             optimizer_since: sh.resume.map_or(0, |l| l.state.optimizer_since_step),
             pending: None,
+            eval: if cfg.eval.is_on() { Some(StageEval::new(cfg.eval.clone(), mcfg.max_position_embeddings, cfg.seed)?) } else { None },
         })
     }
 
@@ -838,6 +846,11 @@ impl<'a> RankRun<'a> {
             } else {
                 None
             };
+            if self.sh.cfg.eval.due(stage_end, self.global_step) {
+                // (before the checkpoint: a run resumed from it has this line, one resumed
+                // from an earlier one evaluates again)
+                self.evaluate(si, stage, &st, step + 1, stage_end)?;
+            }
             if (every > 0 && self.global_step.is_multiple_of(every)) || stage_end || stop.is_some() || out.checkpoint_due {
                 let (ns, nst) = if stage_end { (si + 1, 0) } else { (si, step + 1) };
                 let data = if stage_end { None } else { Some(st.loader.state()) };
@@ -848,6 +861,30 @@ impl<'a> RankRun<'a> {
             }
         }
         Ok(((first_loss, last_loss), None))
+    }
+
+    /// Scores the model as it stands ([`StageEval`]); rank 0 logs the line. Every rank
+    /// calls it (the weights are gathered under ZeRO-3, the forward is collective).
+    fn evaluate(&mut self, si: usize, stage: &Stage, st: &StageRun, step: u64, stage_end: bool) -> Result<()> {
+        let Some(mut ev) = self.eval.take() else { return Ok(()) };
+        self.settle_update()?;
+        let res = (|| {
+            let mcfg = stage.model_config(&self.sh.model.cfg, si, Path::new("<run config>"))?;
+            let weights: HashMap<String, Tensor> = self.whole_weights()?.into_iter().collect();
+            let dtype = weights.values().next().map_or(DType::F32, Tensor::dtype);
+            let model = crate::model::Llama::load(candle_nn::VarBuilder::from_tensors(weights, dtype, &self.sh.device), &mcfg)?;
+            let (mode, dims, g) = self.groups.as_ref().ok_or_else(|| Error::Setting("groups".into()))?;
+            let chunk = stage.fpdt_chunk_size.unwrap_or(self.sh.cfg.parallel.fpdt_chunk_size);
+            let ranks = Ranks::from_groups(*mode, *dims, g, chunk, self.sh.cfg.parallel.token_chunk);
+            let at = EvalAt { stage: si, step, global_step: self.global_step, stage_end, seq_len: st.settings.seq_length };
+            ev.run(&model, self.sh.model.tokenizer.as_ref(), &ranks, &g.dp, at)
+        })();
+        self.eval = Some(ev);
+        let line = res?;
+        if let Some(m) = self.metrics.as_mut() {
+            m.eval(&line)?;
+        }
+        Ok(())
     }
 
     /// The micro-batches of one step on this rank, localized.
