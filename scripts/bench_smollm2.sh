@@ -47,7 +47,7 @@ say "longctx: $("$LONGCTX" --version 2>/dev/null || echo unknown); GPU: $(nvidia
 if [[ "${SKIP_TRAIN:-0}" != 1 ]]; then
     t0=$SECONDS
     "$LONGCTX" train --config recipes/SmolLM2-135M-64K.toml --model "$MODEL" --dataset "$DATA/train.jsonl" \
-        --output-dir "$RUN" --overwrite 2>&1 | tr '\r' '\n' | grep -v -E "^\s*$" | tail -n 40 | tee "$OUT_DIR/train.log"
+        --eval-dataset "$DATA/eval.jsonl" --output-dir "$RUN" --overwrite 2>&1 | tr '\r' '\n' | grep -v -E "^\s*$" | tail -n 40 | tee "$OUT_DIR/train.log"
     say "train: $((SECONDS - t0)) s wall, start-up and export included"
 fi
 cp "$RUN/metrics.jsonl" "$OUT_DIR/metrics.jsonl"
