@@ -196,7 +196,8 @@ fn the_last_line_is_the_exported_models_perplexity() {
 fn bad_eval_settings_are_refused_naming_the_field() {
     let dir = tmp("bad");
     let base = config(&dir, 1, ParallelMode::DataParallel, 1);
-    let cases: Vec<(Box<dyn Fn(&mut EvalSection)>, &str)> = vec![
+    type Edit = Box<dyn Fn(&mut EvalSection)>;
+    let cases: Vec<(Edit, &str)> = vec![
         (Box::new(|e| e.method = Method::Documents), "eval.method"),
         (Box::new(|e| e.passkey_depths = vec![1.5]), "eval.passkey_depths"),
         (Box::new(|e| e.lengths = vec![1]), "eval.lengths"),
