@@ -321,3 +321,31 @@ fn unsupported_family_and_bad_longrope_config() {
     let m = LlamaConfig::from_value("config.json", v).unwrap_err().to_string();
     assert!(m.contains("rope_scaling.short_factor") && m.contains("head_dim/2 = 8"), "{m}");
 }
+
+/// `recipes/LongRoPE-128K-Phi-3-mini.toml` holds the factors its header derives: per stage of
+/// scale s = length / 4096, factor_i = 1 / (g_i + (1 − g_i)/s), g_i the NTK-by-parts ramp
+/// clamp((r_i − 1)/31, 0, 1) of r_i = 4096 · 10000^(−2i/96) / 2π rotations (4 significant
+/// digits in the file); short factors all 1; 48 of each (Phi-3-mini's head dim 96 / 2).
+#[test]
+fn longrope_phi3_recipe_holds_the_factors_its_header_derives() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("recipes/LongRoPE-128K-Phi-3-mini.toml");
+    let c = RunConfig::from_file(&path).unwrap();
+    c.validate(&path).unwrap();
+    assert_eq!(c.stages.len(), 2);
+    for st in &c.stages {
+        let r = st.rope.as_ref().expect("a longrope stage");
+        assert_eq!((r.kind.as_str(), r.original_max_position_embeddings), ("longrope", Some(4096)));
+        let s = st.seq_length as f64 / 4096.0;
+        assert_eq!(r.factor, Some(s), "factor = length / 4096");
+        let short = r.short_factor.as_ref().unwrap();
+        let long = r.long_factor.as_ref().unwrap();
+        assert_eq!((short.len(), long.len()), (48, 48));
+        assert!(short.iter().all(|&f| f == 1.0));
+        for (i, &got) in long.iter().enumerate() {
+            let rot = 4096.0 * 10000f64.powf(-2.0 * i as f64 / 96.0) / (2.0 * std::f64::consts::PI);
+            let g = ((rot - 1.0) / 31.0).clamp(0.0, 1.0);
+            let want = 1.0 / (g + (1.0 - g) / s);
+            assert!((got - want).abs() <= 5e-4 * want, "stage {} factor {i}: {got} vs {want}", st.seq_length);
+        }
+    }
+}
