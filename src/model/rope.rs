@@ -80,78 +80,8 @@ impl Rope {
                 let scaled = ((a as f64).powf(p as f64) as f32) * theta;
                 (default_inv_freq(scaled, dim), 1.0)
             }
-            Some(RopeScaling::Yarn {
-                factor,
-                original_max_position_embeddings,
-                beta_fast,
-                beta_slow,
-                mscale,
-                mscale_all_dim,
-                attention_factor,
-                truncate,
-            }) => {
-                let factor = *factor;
-                let omax = original_max_position_embeddings.unwrap_or(self.max_position_embeddings) as f64;
-                let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
-                let att = match (attention_factor, mscale, mscale_all_dim) {
-                    (Some(a), _, _) => *a,
-                    (None, Some(m), Some(ma)) => get_mscale(factor, *m) / get_mscale(factor, *ma),
-                    _ => get_mscale(factor, 1.0),
-                };
-                let beta_fast = beta_fast.unwrap_or(32.0);
-                let beta_slow = beta_slow.unwrap_or(1.0);
-                let base = self.theta;
-                let corr = |rot: f64| (dim as f64 * (omax / (rot * 2.0 * PI)).ln()) / (2.0 * base.ln());
-                let (mut low, mut high) = (corr(beta_fast), corr(beta_slow));
-                if truncate.unwrap_or(true) {
-                    low = low.floor();
-                    high = high.ceil();
-                }
-                let low = low.max(0.0);
-                let mut high = high.min((dim - 1) as f64);
-                if low == high {
-                    high += 0.001;
-                }
-                let span = (high - low) as f32;
-                let pos = pos_freqs(theta, dim);
-                let fac = factor as f32;
-                let inv = pos
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &p)| {
-                        let extrap = 1.0f32 / p;
-                        let interp = 1.0f32 / (fac * p);
-                        let ramp = ((i as f32 - low as f32) / span).clamp(0.0, 1.0);
-                        let ef = 1.0f32 - ramp;
-                        interp * (1.0 - ef) + extrap * ef
-                    })
-                    .collect();
-                (inv, att as f32)
-            }
-            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
-                let old = *original_max_position_embeddings as f64;
-                let low_wl = (old / low_freq_factor) as f32;
-                let high_wl = (old / high_freq_factor) as f32;
-                let fac = *factor as f32;
-                let two_pi = (2.0 * PI) as f32;
-                let inv = default_inv_freq(theta, dim)
-                    .into_iter()
-                    .map(|f| {
-                        let wl = two_pi / f;
-                        let scaled = if wl > low_wl { f / fac } else { f };
-                        let smooth = (old as f32 / wl - *low_freq_factor as f32) / (high_freq_factor - low_freq_factor) as f32;
-                        let smoothed = (1.0f32 - smooth) * scaled / fac + smooth * scaled;
-                        // transformers: ~(wl < high) * ~(wl > low); wl is finite, so:
-                        let medium = wl >= high_wl && wl <= low_wl;
-                        if medium {
-                            smoothed
-                        } else {
-                            scaled
-                        }
-                    })
-                    .collect();
-                (inv, 1.0)
-            }
+            Some(y @ RopeScaling::Yarn { .. }) => self.yarn_inv_freq(y),
+            Some(l @ RopeScaling::Llama3 { .. }) => (self.llama3_inv_freq(l), 1.0),
             Some(RopeScaling::LongRope { factor, short_factor, long_factor, attention_factor, original_max_position_embeddings }) => {
                 let omax = *original_max_position_embeddings;
                 // One set for the whole forward: long once the sequence passes the
@@ -163,6 +93,94 @@ impl Rope {
                 (inv, att as f32)
             }
         }
+    }
+
+    /// YaRN: high frequencies kept, low ones divided by `factor`, a linear ramp between
+    /// (bounds from `beta_fast`/`beta_slow` rotations over the original context); the
+    /// attention factor beside. The scaling given is this table's.
+    fn yarn_inv_freq(&self, scaling: &RopeScaling) -> (Vec<f32>, f32) {
+        let (dim, theta) = (self.dim, self.theta as f32);
+        let RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            mscale,
+            mscale_all_dim,
+            attention_factor,
+            truncate,
+        } = scaling
+        else {
+            return (default_inv_freq(theta, dim), 1.0);
+        };
+        let factor = *factor;
+        let omax = original_max_position_embeddings.unwrap_or(self.max_position_embeddings) as f64;
+        let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+        let att = match (attention_factor, mscale, mscale_all_dim) {
+            (Some(a), _, _) => *a,
+            (None, Some(m), Some(ma)) => get_mscale(factor, *m) / get_mscale(factor, *ma),
+            _ => get_mscale(factor, 1.0),
+        };
+        let beta_fast = beta_fast.unwrap_or(32.0);
+        let beta_slow = beta_slow.unwrap_or(1.0);
+        let base = self.theta;
+        let corr = |rot: f64| (dim as f64 * (omax / (rot * 2.0 * PI)).ln()) / (2.0 * base.ln());
+        let (mut low, mut high) = (corr(beta_fast), corr(beta_slow));
+        if truncate.unwrap_or(true) {
+            low = low.floor();
+            high = high.ceil();
+        }
+        let low = low.max(0.0);
+        let mut high = high.min((dim - 1) as f64);
+        if low == high {
+            high += 0.001;
+        }
+        let span = (high - low) as f32;
+        let pos = pos_freqs(theta, dim);
+        let fac = factor as f32;
+        let inv = pos
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| {
+                let extrap = 1.0f32 / p;
+                let interp = 1.0f32 / (fac * p);
+                let ramp = ((i as f32 - low as f32) / span).clamp(0.0, 1.0);
+                let ef = 1.0f32 - ramp;
+                interp * (1.0 - ef) + extrap * ef
+            })
+            .collect();
+        (inv, att as f32)
+    }
+
+    /// Llama 3.1: wavelengths longer than original/low divided by `factor`, shorter than
+    /// original/high kept, smoothed between. The scaling given is this table's.
+    fn llama3_inv_freq(&self, scaling: &RopeScaling) -> Vec<f32> {
+        let (dim, theta) = (self.dim, self.theta as f32);
+        let RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } = scaling else {
+            return default_inv_freq(theta, dim);
+        };
+        let old = *original_max_position_embeddings as f64;
+        let low_wl = (old / low_freq_factor) as f32;
+        let high_wl = (old / high_freq_factor) as f32;
+        let fac = *factor as f32;
+        let two_pi = (2.0 * PI) as f32;
+        let inv = default_inv_freq(theta, dim)
+            .into_iter()
+            .map(|f| {
+                let wl = two_pi / f;
+                let scaled = if wl > low_wl { f / fac } else { f };
+                let smooth = (old as f32 / wl - *low_freq_factor as f32) / (high_freq_factor - low_freq_factor) as f32;
+                let smoothed = (1.0f32 - smooth) * scaled / fac + smooth * scaled;
+                // transformers: ~(wl < high) * ~(wl > low); wl is finite, so:
+                let medium = wl >= high_wl && wl <= low_wl;
+                if medium {
+                    smoothed
+                } else {
+                    scaled
+                }
+            })
+            .collect();
+        inv
     }
 
     /// Whether the table depends on the sequence length (dynamic NTK, LongRoPE).
