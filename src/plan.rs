@@ -438,9 +438,7 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let u = |x: usize| x as u128;
     let p = model.params as u128;
     let l = u(model.layers);
-    let (hq, d) = (u(model.heads), u(model.head_dim));
-    let (b, a) = (u(req.batch_size), u(req.dtype_bytes));
-    let (seq, s, w) = (u(req.seq_len), u(lay.local_tokens), u(lay.world));
+    let (a, w) = (u(req.dtype_bytes), u(lay.world));
     // ZeRO (`train::units`): stage 0 keeps the whole optimizer state on every rank; from
     // stage 2 the units are the layers, the embedding and the head, each cut in `w`.
     let (h, v) = (u(model.hidden), u(model.vocab));
@@ -449,8 +447,6 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let zero = req.zero_stage;
     let shard = if zero >= 2 { p.div_ceil(w) + units } else { p.div_ceil(w) };
     let opt_elems = if zero == 0 { p } else { shard };
-    let e_q = b * s * hq * d;
-    let e_kv = b * s * u(model.kv_heads) * d;
     // The engine's own byte counts for these shapes.
     let shape = LayerShape {
         batch: req.batch_size,
@@ -468,7 +464,6 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let saved_attn = if req.save_attention { l * core } else { 0 };
     let group = input + if req.save_attention { core } else { 0 };
     let (off, on_host) = (req.offload_activations, req.optimizer_on_host);
-    let (hkv_u, uly, r) = (u128::from(kv_heads_per_rank(model.kv_heads, lay.ulysses)), u(lay.ulysses), u(lay.ring));
     let piece = opt_elems.min(1 << 26); // the host optimizer's piece (`zero::HOST_PIECE`)
     let offload_params = zero == 3 && req.offload_params;
     let mut host = HostMemory {
@@ -479,24 +474,7 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
         weights: cvt(if offload_params { shard * a } else { 0 })?,
         ..Default::default()
     };
-    let attention_mode = match lay.mode {
-        ParallelMode::DataParallel => 0,
-        ParallelMode::ZigzagRingAttn => ring_bytes(e_q, e_kv, a),
-        ParallelMode::UlyssesAttn => heads_bytes(e_q, b * seq * hkv_u * d, a),
-        ParallelMode::Usp => {
-            let e_h = b * (seq / r) * hkv_u * d;
-            heads_bytes(e_q, e_h, a) + ring_bytes(e_q, e_h, a)
-        }
-        ParallelMode::Fpdt => {
-            let (resident, parked) = fpdt_bytes(b, seq, s, u(req.fpdt_chunk), hq, hkv_u, uly, d, a);
-            if req.fpdt_offload {
-                host.fpdt_parked = cvt(parked)?;
-                resident
-            } else {
-                resident + parked
-            }
-        }
-    };
+    let attention_mode = attention_mode_bytes(model, req, lay, &mut host)?;
     // Stage 3: this rank's slice (unless offloaded) and two whole units (the one running,
     // the next coming); below, the whole model.
     let weights = match (zero, offload_params) {
@@ -550,6 +528,40 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
         pool_peak: cvt(pool_peak)?,
         peak: cvt(pool_peak + ov)?,
     };
+    host_totals(&mut host, req)?;
+    Some((dev, host))
+}
+
+/// The sequence-parallel mode's own transient bytes (exchange buffers, FPDT's resident
+/// chunks); FPDT's parked chunks go to `host` when offloaded.
+fn attention_mode_bytes(model: &ModelShape, req: &PlanRequest, lay: &Layout, host: &mut HostMemory) -> Option<u128> {
+    let u = |x: usize| x as u128;
+    let (hq, d, a, b) = (u(model.heads), u(model.head_dim), u(req.dtype_bytes), u(req.batch_size));
+    let (seq, s) = (u(req.seq_len), u(lay.local_tokens));
+    let (e_q, e_kv) = (b * s * hq * d, b * s * u(model.kv_heads) * d);
+    let (hkv_u, uly, r) = (u128::from(kv_heads_per_rank(model.kv_heads, lay.ulysses)), u(lay.ulysses), u(lay.ring));
+    Some(match lay.mode {
+        ParallelMode::DataParallel => 0,
+        ParallelMode::ZigzagRingAttn => ring_bytes(e_q, e_kv, a),
+        ParallelMode::UlyssesAttn => heads_bytes(e_q, b * seq * hkv_u * d, a),
+        ParallelMode::Usp => {
+            let e_h = b * (seq / r) * hkv_u * d;
+            heads_bytes(e_q, e_h, a) + ring_bytes(e_q, e_h, a)
+        }
+        ParallelMode::Fpdt => {
+            let (resident, parked) = fpdt_bytes(b, seq, s, u(req.fpdt_chunk), hq, hkv_u, uly, d, a);
+            if req.fpdt_offload {
+                host.fpdt_parked = cvt(parked)?;
+                resident
+            } else {
+                resident + parked
+            }
+        }
+    })
+}
+
+/// Host memory per rank and per node from its terms.
+fn host_totals(host: &mut HostMemory, req: &PlanRequest) -> Option<()> {
     host.per_rank = cvt(u128::from(host.optimizer)
         + u128::from(host.saved_activations)
         + u128::from(host.fpdt_parked)
@@ -558,7 +570,7 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
         + u128::from(host.weights))?;
     host.ranks_per_node = req.world / req.nnodes.max(1);
     host.per_node = cvt(u128::from(host.per_rank) * host.ranks_per_node as u128)?;
-    Some((dev, host))
+    Some(())
 }
 
 fn cvt(x: u128) -> Option<u64> {
