@@ -81,28 +81,7 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     }
     let m = EvalModel::load(&a.model, &dev, dtype, &hub).with_context(|| format!("loading the model {}", a.model))?;
     eprintln!("{}", m.describe());
-    let text = match (&a.prompt, &a.prompt_file) {
-        (Some(p), _) => Some(p.clone()),
-        (None, Some(f)) => Some(std::fs::read_to_string(f).with_context(|| format!("--prompt-file: cannot read {}", f.display()))?),
-        (None, None) => None,
-    };
-    let prompt: Vec<u32> = match (&m.tokenizer, text) {
-        (Some(tok), t) => {
-            let t = t.unwrap_or_else(|| "Once upon a time".into());
-            // As transformers' tokenizer(prompt): its own BOS/EOS rule, not config.json's bos_token_id.
-            longctx::hub::tokenizer::encode_text(tok, t.as_str()).map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
-        }
-        (None, Some(t)) => t
-            .split(|c: char| c.is_whitespace() || c == ',')
-            .filter(|s| !s.is_empty())
-            .map(|s| s.parse::<u32>().map_err(|_| anyhow::anyhow!("--prompt: the model has no tokenizer.json, so the prompt must be token ids separated by spaces or commas; `{s}` is not one")))
-            .collect::<Result<_>>()?,
-        (None, None) => {
-            let case = longctx::eval::needle::token_case(64, 0.5, 5, m.cfg().vocab_size, a.seed, 0, 0)?;
-            eprintln!("prompt: a synthetic passkey sample of 64 tokens (no tokenizer.json); the passkey is {}", case.value);
-            case.prompt()
-        }
-    };
+    let prompt = prompt_ids(&a, &m)?;
     if prompt.is_empty() {
         bail!("--prompt: the prompt is empty");
     }
@@ -169,4 +148,32 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
         if a.no_cache { ", no KV cache" } else { "" }
     );
     Ok(())
+}
+
+/// The prompt as token ids: `--prompt` / `--prompt-file` through the model's tokenizer (as
+/// transformers' `tokenizer(prompt)`), token ids without one, or a synthetic passkey
+/// sample when neither is given.
+fn prompt_ids(a: &GenerateArgs, m: &EvalModel) -> Result<Vec<u32>> {
+    let text = match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => Some(p.clone()),
+        (None, Some(f)) => Some(std::fs::read_to_string(f).with_context(|| format!("--prompt-file: cannot read {}", f.display()))?),
+        (None, None) => None,
+    };
+    Ok(match (&m.tokenizer, text) {
+        (Some(tok), t) => {
+            let t = t.unwrap_or_else(|| "Once upon a time".into());
+            // As transformers' tokenizer(prompt): its own BOS/EOS rule, not config.json's bos_token_id.
+            longctx::hub::tokenizer::encode_text(tok, t.as_str()).map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
+        }
+        (None, Some(t)) => t
+            .split(|c: char| c.is_whitespace() || c == ',')
+            .filter(|s| !s.is_empty())
+            .map(|s| s.parse::<u32>().map_err(|_| anyhow::anyhow!("--prompt: the model has no tokenizer.json, so the prompt must be token ids separated by spaces or commas; `{s}` is not one")))
+            .collect::<Result<_>>()?,
+        (None, None) => {
+            let case = longctx::eval::needle::token_case(64, 0.5, 5, m.cfg().vocab_size, a.seed, 0, 0)?;
+            eprintln!("prompt: a synthetic passkey sample of 64 tokens (no tokenizer.json); the passkey is {}", case.value);
+            case.prompt()
+        }
+    })
 }
