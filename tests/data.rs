@@ -805,3 +805,35 @@ fn passkey_is_learnable() {
     assert!(before < 0.3, "untrained accuracy {before} should be near chance (0.1)");
     assert!(after >= 0.9, "digit accuracy after 150 steps: {after} (expected ≥ 0.9)");
 }
+
+/// An Arrow file truncated or rewritten while a run reads it (#33): the next document is
+/// an error naming the file and saying what changed, never a SIGBUS on a vanished page of
+/// the memory map; the untouched file reads to its end.
+#[test]
+fn an_arrow_file_changed_under_a_reader_is_an_error_naming_it() {
+    use longctx::data::arrow::ArrowDocs;
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/arrow_dataset/train/data-00000-of-00002.arrow");
+    let dir = std::env::temp_dir().join(format!("longctx-arrow-changed-{}", std::process::id()));
+    fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("data-00000-of-00001.arrow");
+    let count = |p: &Path| ArrowDocs::open(Arc::from(p), Some("input_ids".into())).unwrap().map(|d| d.unwrap()).count();
+    fs::copy(&fx, &path).unwrap();
+    let all = count(&path);
+    assert!(all >= 3, "{all} documents");
+    // truncated after the first document was read
+    let mut r = ArrowDocs::open(Arc::from(path.as_path()), Some("input_ids".into())).unwrap();
+    r.next().unwrap().unwrap();
+    let f = fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.set_len(64).unwrap();
+    let e = r.find_map(|d| d.err()).expect("an error, not the rest of the documents").to_string();
+    assert!(e.contains("data-00000-of-00001.arrow") && e.contains("changed while the run was reading it") && e.contains("64 bytes"), "{e}");
+    // rewritten in place with the same size (only its modification time tells)
+    fs::copy(&fx, &path).unwrap();
+    let mut r = ArrowDocs::open(Arc::from(path.as_path()), Some("input_ids".into())).unwrap();
+    r.next().unwrap().unwrap();
+    let later = fs::metadata(&path).unwrap().modified().unwrap() + std::time::Duration::from_secs(5);
+    fs::OpenOptions::new().write(true).open(&path).unwrap().set_modified(later).unwrap();
+    let e = r.find_map(|d| d.err()).expect("an error").to_string();
+    assert!(e.contains("it was modified") && e.contains("--resume"), "{e}");
+    let _ = fs::remove_dir_all(&dir);
+}

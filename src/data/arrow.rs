@@ -204,6 +204,11 @@ struct BatchCol {
 pub struct ArrowDocs {
     file: Arc<Path>,
     map: Mmap,
+    /// The open file and its size and modification time when mapped: checked before
+    /// every message and row, so a file truncated or rewritten under a run is an error
+    /// naming it instead of a SIGBUS on a vanished page.
+    handle: File,
+    opened: (u64, Option<std::time::SystemTime>),
     pos: usize,
     field: String,
     /// Index of the column among the top-level fields, its node and first buffer index.
@@ -231,13 +236,18 @@ impl ArrowDocs {
     /// Like [`ArrowDocs::open`], with per-token labels as `labels` says ([`LabelSource`]).
     pub fn open_with_labels(file: Arc<Path>, column: Option<String>, labels: &LabelSource) -> Result<Self> {
         let f = File::open(&file).map_err(|e| Error::io(&*file, e))?;
-        // SAFETY: the map is read-only and lives in this reader; a file truncated while it
-        // is mapped is the usual memory-map caveat (the same as the raw token files).
+        let meta = f.metadata().map_err(|e| Error::io(&*file, e))?;
+        // SAFETY: the map is read-only and lives in this reader. A file truncated while it
+        // is mapped would fault on access: `unchanged` checks the size and modification
+        // time before every message and row (a change between that check and the read of
+        // one row remains the memory-map caveat).
         let map = unsafe { Mmap::map(&f) }.map_err(|e| Error::io(&*file, e))?;
         let pos = if map.starts_with(b"ARROW1") { 8 } else { 0 };
         let mut me = Self {
             file,
             map,
+            handle: f,
+            opened: (meta.len(), meta.modified().ok()),
             pos,
             field: String::new(),
             node: 0,
@@ -324,8 +334,30 @@ impl ArrowDocs {
         Error::data(&*self.file, format!("not a readable Arrow IPC file ({what})"))
     }
 
+    /// An error when the file is no longer what was mapped (size or modification time).
+    fn unchanged(&self) -> Result<()> {
+        let meta = self.handle.metadata().map_err(|e| Error::io(&*self.file, e))?;
+        let (len, modified) = (meta.len(), meta.modified().ok());
+        if (len, modified) == self.opened {
+            return Ok(());
+        }
+        let what = if len != self.opened.0 {
+            format!("its size went from {} to {len} bytes", self.opened.0)
+        } else {
+            "it was modified".to_string()
+        };
+        Err(Error::data(
+            &*self.file,
+            format!(
+                "the file changed while the run was reading it ({what}); a dataset must not change under a run: \
+                 put the original back (or point the run at a copy) and resume with --resume"
+            ),
+        ))
+    }
+
     /// The message at `pos`, and `pos` moved past it.
     fn message(&mut self) -> Result<Message> {
+        self.unchanged()?;
         let m = &self.map[..];
         let word = |at: usize| -> Option<u32> { m.get(at..at + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])) };
         let Some(first) = word(self.pos) else { return Ok(None) };
@@ -543,7 +575,7 @@ impl Iterator for ArrowDocs {
             }
             let Some(c) = self.batch.take() else { continue };
             let i = c.next;
-            let doc = self.row_doc(&c, i);
+            let doc = self.unchanged().and_then(|_| self.row_doc(&c, i));
             self.batch = Some(BatchCol { next: i + 1, ..c });
             let loc = Loc::Row(self.row);
             self.row += 1;
