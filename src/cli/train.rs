@@ -221,7 +221,9 @@ pub fn train(a: TrainArgs) -> Result<()> {
             }
             // Disk: the checkpoints and the export must fit the output directory's filesystem.
             if let Some(free) = longctx::device::disk_free(&cfg.output_dir) {
-                longctx::plan::preflight_disk(&cfg, &m.cfg, free, a.resume, &src).context("checking disk space")?;
+                // --overwrite removes the previous run first: its bytes count as free
+                let freed = if a.overwrite { longctx::train::rundir::run_bytes(&cfg.output_dir) } else { 0 };
+                longctx::plan::preflight_disk(&cfg, &m.cfg, free.saturating_add(freed), a.resume, &src).context("checking disk space")?;
             }
         }
     }

@@ -152,6 +152,19 @@ pub fn run_files(output_dir: &Path) -> Vec<&'static str> {
     RUN_FILES.iter().copied().filter(|f| output_dir.join(f).exists()).collect()
 }
 
+/// Bytes the previous run's files in `output_dir` take (what `--overwrite` frees before
+/// the new run writes): every file under the entries of [`run_files`], links not followed.
+pub fn run_bytes(output_dir: &Path) -> u64 {
+    fn walk(p: &Path) -> u64 {
+        match std::fs::symlink_metadata(p) {
+            Ok(m) if m.is_dir() => std::fs::read_dir(p).map_or(0, |rd| rd.flatten().map(|e| walk(&e.path())).sum()),
+            Ok(m) if m.is_file() => m.len(),
+            _ => 0,
+        }
+    }
+    run_files(output_dir).iter().map(|f| walk(&output_dir.join(f))).sum()
+}
+
 /// Before a run starts writing into `output_dir` (call with the lock held): a resumed run
 /// uses what is there; a fresh run refuses a directory holding a run unless `overwrite`,
 /// which removes the previous run's checkpoint, metrics and export first.
@@ -243,6 +256,18 @@ pub fn check_shared(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn run_bytes_counts_the_previous_runs_files_only() {
+        let d = std::env::temp_dir().join(format!("longctx-run-bytes-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(d.join(super::CHECKPOINT_DIR).join("sub")).unwrap();
+        std::fs::write(d.join(super::CHECKPOINT_DIR).join("a"), [0u8; 100]).unwrap();
+        std::fs::write(d.join(super::CHECKPOINT_DIR).join("sub/b"), [0u8; 20]).unwrap();
+        std::fs::write(d.join("notes.txt"), [0u8; 7]).unwrap(); // not a run file: kept, not counted
+        assert_eq!(super::run_bytes(&d), 120);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
     use super::*;
 
     #[test]
