@@ -842,6 +842,13 @@ impl RunConfig {
         }
         self.validate_stages(source)?;
         self.eval.validate(source)?;
+        let longest = self.stages.iter().map(|s| s.seq_length).max().unwrap_or(0);
+        if let Some(&l) = self.eval.lengths.iter().find(|&&l| l > longest) {
+            return bad(
+                "eval.lengths",
+                format!("{l} is longer than every stage (the longest trains {longest} tokens); evaluate longer contexts with `longctx eval ppl` on the export"),
+            );
+        }
         if let Some(t) = self.export.final_rope_theta {
             if !t.is_finite() || t <= 0.0 {
                 return bad("export.final_rope_theta", format!("must be a positive number, got {t}"));

@@ -53,7 +53,7 @@ pub struct EvalSection {
     pub lengths: Vec<usize>,
     /// `sliding` or `truncate` (see the module docs).
     pub method: Method,
-    /// Tokens scored per length by `sliding` (0: twice the longest length).
+    /// Tokens scored per length by `sliding` (0: twice the longest stage's length).
     pub tokens: usize,
     /// Documents scored per length by `truncate`.
     pub max_docs: usize,
@@ -79,6 +79,9 @@ impl Default for EvalSection {
         }
     }
 }
+
+/// Most tokens `eval.tokens` may ask for (1 GiB of ids held while evaluating).
+const MAX_EVAL_TOKENS: usize = 1 << 28;
 
 /// Digits of the passkey (as `eval needle`'s default).
 const PASSKEY_DIGITS: usize = 5;
@@ -106,7 +109,7 @@ impl EvalSection {
         for &l in &self.lengths {
             crate::limits::check_range(source, "eval.lengths", l, 2, crate::limits::MAX_SEQ_LEN)?;
         }
-        crate::limits::check_range(source, "eval.tokens", self.tokens, 0, crate::limits::MAX_SEQ_LEN.saturating_mul(64))?;
+        crate::limits::check_range(source, "eval.tokens", self.tokens, 0, MAX_EVAL_TOKENS)?;
         crate::limits::check_range(source, "eval.max_docs", self.max_docs, 1, 1 << 20)?;
         crate::limits::check_range(source, "eval.passkey_trials", self.passkey_trials, 0, 1000)?;
         crate::limits::check_range(source, "eval.every", self.every, 0, crate::limits::MAX_STEPS)?;
@@ -125,9 +128,14 @@ impl EvalSection {
     }
 
     /// The lengths scored for a stage of `stage_len` tokens of a model trained for
-    /// `original` (ascending, distinct).
+    /// `original` (ascending, distinct). Lengths of `eval.lengths` beyond the stage's are
+    /// left for the stages that train that long (this stage's layout is sized for its own).
     pub fn lengths_for(&self, stage_len: usize, original: usize) -> Vec<usize> {
-        let mut l = if self.lengths.is_empty() { vec![original.min(stage_len), stage_len] } else { self.lengths.clone() };
+        let mut l = if self.lengths.is_empty() {
+            vec![original.min(stage_len), stage_len]
+        } else {
+            self.lengths.iter().copied().filter(|&l| l <= stage_len).collect()
+        };
         l.sort_unstable();
         l.dedup();
         l
@@ -206,16 +214,19 @@ pub struct EvalAt {
 pub struct StageEval {
     section: EvalSection,
     original: usize,
+    /// The longest stage: sizes the held-out stream (and synthetic documents) once, so
+    /// that every evaluation of the run scores the same tokens.
+    longest: usize,
     seed: u64,
     /// The documents and the token count they were read for.
     docs: Option<(usize, Vec<Vec<u32>>)>,
 }
 
 impl StageEval {
-    /// `original`: the start model's trained context (max_position_embeddings). The
-    /// dataset is looked up now, so that a wrong path fails before training, not at the
-    /// first stage's end.
-    pub fn new(section: EvalSection, original: usize, seed: u64) -> Result<Self> {
+    /// `original`: the start model's trained context (max_position_embeddings);
+    /// `longest`: the run's longest stage. The dataset is looked up now, so that a wrong
+    /// path fails before training, not at the first stage's end.
+    pub fn new(section: EvalSection, original: usize, longest: usize, seed: u64) -> Result<Self> {
         let d = section.dataset.trim();
         match d.strip_prefix("synthetic:") {
             Some("passkey" | "passkey-answer") => {}
@@ -229,11 +240,7 @@ impl StageEval {
                     .map_err(|e| Error::Setting(format!("eval.dataset (--eval-dataset) `{d}`: {e}")))?;
             }
         }
-        Ok(Self { section, original, seed, docs: None })
-    }
-
-    pub fn section(&self) -> &EvalSection {
-        &self.section
+        Ok(Self { section, original, longest: longest.max(2), seed, docs: None })
     }
 
     /// Scores `model` (every rank calls it alike; `dp` sums the replicas' shares).
@@ -247,7 +254,7 @@ impl StageEval {
     ) -> Result<EvalLine> {
         let t0 = Instant::now();
         let lengths = self.section.lengths_for(at.seq_len, self.original);
-        let longest = lengths.iter().copied().max().unwrap_or(at.seq_len);
+        let longest = self.longest;
         let section = self.section.clone();
         let answers_only = section.dataset.trim() == "synthetic:passkey-answer";
         let (seed, vocab) = (self.seed ^ 0x5eed_e7a1, model.cfg.vocab_size);
@@ -287,13 +294,13 @@ impl StageEval {
         })
     }
 
-    /// The held-out documents, read again only when a longer length needs more tokens.
+    /// The held-out documents, read at the first evaluation for the run's longest stage.
     fn docs(&mut self, model: &Llama, tokenizer: Option<&tokenizers::Tokenizer>, longest: usize) -> Result<&Vec<Vec<u32>>> {
         let want = match self.section.method {
             Method::Truncate => longest,
             _ => (if self.section.tokens == 0 { 2 * longest } else { self.section.tokens }) + 1,
         };
-        if self.docs.as_ref().is_none_or(|(read_for, _)| *read_for < want) {
+        if self.docs.is_none() {
             let truncate = self.section.method == Method::Truncate;
             let src = DocSource {
                 dataset: self.section.dataset.clone(),

@@ -769,7 +769,13 @@ impl<'a> RankRun<'a> {
             last_checkpoint: (Instant::now(), sh.resume.map(|l| l.state.global_step)),
             optimizer_since: sh.resume.map_or(0, |l| l.state.optimizer_since_step),
             pending: None,
-            eval: if cfg.eval.is_on() { Some(StageEval::new(cfg.eval.clone(), mcfg.max_position_embeddings, cfg.seed)?) } else { None },
+            eval: match cfg.eval.is_on() {
+                true => {
+                    let longest = cfg.stages.iter().map(|s| s.seq_length).max().unwrap_or(0);
+                    Some(StageEval::new(cfg.eval.clone(), mcfg.max_position_embeddings, longest, cfg.seed)?)
+                }
+                false => None,
+            },
         })
     }
 
