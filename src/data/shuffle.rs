@@ -45,6 +45,13 @@ impl SplitMix64 {
     pub fn below(&mut self, n: usize) -> usize {
         ((self.next_u64() as u128 * n as u128) >> 64) as usize
     }
+
+    /// Fisher–Yates shuffle of `v` in place (last index first).
+    pub fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            v.swap(i, self.below(i + 1));
+        }
+    }
 }
 
 /// Streaming buffered shuffle (see module docs).

@@ -244,9 +244,7 @@ impl RulerTask {
                 let sentences = ks.iter().zip(&vs).map(|(k, v)| needle(k, v)).collect();
                 // Asked in another order than the text's.
                 let mut order: Vec<usize> = (0..self.needles).collect();
-                for i in (1..order.len()).rev() {
-                    order.swap(i, rng.below(i + 1));
-                }
+                rng.shuffle(&mut order);
                 let asked: Vec<String> = order.iter().map(|&i| ks[i].clone()).collect();
                 let want: Vec<String> = order.iter().map(|&i| vs[i].clone()).collect();
                 let keys = join_and(&asked);
@@ -331,7 +329,7 @@ impl RulerTask {
         // in rank order (`fwe`, the noise word first).
         let (header, question, expected, pool, coded) = if task == Task::Cwe {
             let mut pool = words::WORDS.to_vec();
-            words::shuffle(&mut pool, rng);
+            rng.shuffle(&mut pool);
             let header = "Below is a numbered list of words. Some words appear in it more often than the others: \
                           remember the ones that appear most often, you will be asked for them at the end.";
             let question = format!(

@@ -54,13 +54,6 @@ pub const CODED_LEN: usize = 6;
 /// Words asked for in frequent-words extraction (RULER's three).
 pub const FREQUENT: usize = 3;
 
-/// Fisher–Yates shuffle from `rng`.
-pub(crate) fn shuffle<T>(v: &mut [T], rng: &mut SplitMix64) {
-    for i in (1..v.len()).rev() {
-        v.swap(i, rng.below(i + 1));
-    }
-}
-
 /// A token that fills a gap: the first of a newline, a space and a full stop that the
 /// tokenizer encodes alone as one token, else the last token of a full stop when it
 /// decodes to ".". An error when there is none.
@@ -163,7 +156,7 @@ pub fn common_list(
     if used < nc {
         return Ok(None);
     }
-    shuffle(&mut items, rng);
+    rng.shuffle(&mut items);
     let mut ids = Vec::with_capacity(budget);
     for (i, &w) in items.iter().enumerate() {
         ids.extend_from_slice(numbers.get(i + 1)?);
@@ -220,7 +213,7 @@ pub fn frequent_text(tok: &tokenizers::Tokenizer, vocab: &[String], budget: usiz
         return Ok(None);
     }
     let mut words: Vec<usize> = counts.iter().enumerate().flat_map(|(w, &c)| std::iter::repeat_n(w, c)).collect();
-    shuffle(&mut words, rng);
+    rng.shuffle(&mut words);
     let out: Vec<u32> = words.iter().flat_map(|&w| ids[w].iter().copied()).collect();
     debug_assert!(out.len() <= budget);
     Ok(Some(out))
