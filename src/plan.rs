@@ -441,7 +441,7 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let (hq, d) = (u(model.heads), u(model.head_dim));
     let (b, a) = (u(req.batch_size), u(req.dtype_bytes));
     let (seq, s, w) = (u(req.seq_len), u(lay.local_tokens), u(lay.world));
-    // ZeRO (`train::units`): stage 0 keeps the whole optimizer state on every rank; from
+    // ZeRO (`train::zero::units`): stage 0 keeps the whole optimizer state on every rank; from
     // stage 2 the units are the layers, the embedding and the head, each cut in `w`.
     let (h, v) = (u(model.hidden), u(model.vocab));
     let units = l + 2;
