@@ -145,7 +145,7 @@ enum Weights {
     Model(Vec<(String, Var)>),
     /// This rank's slices (stage 3; the engine has none), and every parameter's name in
     /// the model's order.
-    Sharded { store: ParamStore, names: Vec<String> },
+    Sharded { store: Box<ParamStore>, names: Vec<String> },
 }
 
 /// A host update begun at the end of a step, and what its guard's message needs.
@@ -191,7 +191,7 @@ impl ZeroState {
         };
         let weights = match &start.sliced {
             Some(w) => Weights::Sharded {
-                store: ParamStore::new(part.clone(), start.meta, w, dtype, (device, cfg.offload_params), world.clone())?,
+                store: Box::new(ParamStore::new(part.clone(), start.meta, w, dtype, (device, cfg.offload_params), world.clone())?),
                 names: names.iter().map(|n| n.to_string()).collect(),
             },
             None => Weights::Model(start.params.to_vec()),
@@ -240,7 +240,7 @@ impl ZeroState {
                 }
                 let update = self.pending.as_mut().map(|p| std::cell::RefCell::new((&mut self.optim, &mut p.d)));
                 let store = match &self.weights {
-                    Weights::Sharded { store, .. } => Some(store),
+                    Weights::Sharded { store, .. } => Some(&**store),
                     Weights::Model(_) => None,
                 };
                 Ok(Hooks::Sharded(Zero3Hooks { store, grads: g, update }))
