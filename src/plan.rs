@@ -439,7 +439,7 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let p = model.params as u128;
     let l = u(model.layers);
     let (a, w) = (u(req.dtype_bytes), u(lay.world));
-    // ZeRO (`train::units`): stage 0 keeps the whole optimizer state on every rank; from
+    // ZeRO (`train::zero::units`): stage 0 keeps the whole optimizer state on every rank; from
     // stage 2 the units are the layers, the embedding and the head, each cut in `w`.
     let (h, v) = (u(model.hidden), u(model.vocab));
     let units = l + 2;

@@ -348,12 +348,12 @@ fn planner_figures_equal_the_engine_report() -> longctx::Result<()> {
 
 /// ZeRO-3 hooks that also record each unit asked for and the store's guess of the next.
 struct Recording<'a> {
-    inner: longctx::train::zero3::Zero3Hooks<'a>,
-    store: &'a longctx::train::zero3::ParamStore,
+    inner: longctx::train::zero::Zero3Hooks<'a>,
+    store: &'a longctx::train::zero::ParamStore,
     seen: std::cell::RefCell<Vec<(usize, Option<usize>)>>,
 }
 
-impl longctx::train::units::ParamHooks for Recording<'_> {
+impl longctx::train::zero::ParamHooks for Recording<'_> {
     fn prepare(&self, u: usize) -> longctx::Result<()> {
         self.inner.prepare(u)
     }
@@ -375,8 +375,8 @@ impl longctx::train::units::ParamHooks for Recording<'_> {
 /// accumulated. One rank: the shard is every unit in order, so it equals the flat gradient.
 #[test]
 fn zero3_hooks_give_the_resident_gradients() -> longctx::Result<()> {
-    use longctx::train::units::Partition;
-    use longctx::train::zero3::{ParamStore, ShardedGrads, Zero3Hooks};
+    use longctx::train::zero::Partition;
+    use longctx::train::zero::{ParamStore, ShardedGrads, Zero3Hooks};
     use std::collections::HashMap;
     for tied in [false, true] {
         let cfg = config(4, 2, tied, false, 2);

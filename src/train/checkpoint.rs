@@ -48,7 +48,7 @@ pub struct TrainState {
     /// older checkpoints: 0).
     #[serde(default)]
     pub optimizer_since_step: u64,
-    /// Elements of each unit the optimizer shards were cut by (`train::units`): each
+    /// Elements of each unit the optimizer shards were cut by (`train::zero::units`): each
     /// shard file holds its slice of every unit, in order. Empty (older checkpoints, and
     /// ZeRO-1): one unit, the whole model.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -293,7 +293,7 @@ impl Loaded {
     pub fn optimizer_range(&self, n_params: usize, lo: usize, hi: usize) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         let shards = self.state.optimizer_shards.max(1);
         let lens = if self.state.optimizer_units.is_empty() { vec![n_params] } else { self.state.optimizer_units.clone() };
-        let part = crate::train::units::Partition::from_lens(&lens, shards)?;
+        let part = crate::train::zero::Partition::from_lens(&lens, shards)?;
         if part.n() != n_params {
             return Err(Error::checkpoint(
                 self.dir.join("state.json"),

@@ -25,7 +25,7 @@
 //! derives. A value from the config that fails the run config's checks is blamed on its
 //! key ([`Applied::validate`]).
 //!
-//! What ZeRO means here (`train::units`, `train::zero`, `train::zero3`): `stage` sets
+//! What ZeRO means here (`train::zero`: `units`, `stage12`, `stage3`): `stage` sets
 //! `train.zero_stage` (0 replicated optimizer, 1 sharded optimizer state, 2 also the
 //! gradients, reduce-scattered layer by layer, 3 also the 16-bit weights, all-gathered
 //! layer by layer); `offload_optimizer.device = "cpu"` moves the optimizer state and its

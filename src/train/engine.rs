@@ -21,11 +21,10 @@
 //! Shapes: `b` batch, `s` local tokens, `h` hidden, `V` vocabulary, `c` tokens per chunk.
 
 use crate::model::{DecoderLayer, Llama, RopeTable};
-use crate::train::grads::GradBuffer;
 use crate::train::layer_grad::{accumulate, chunk_rows, put_rows, row_buffer, LayerPass, LayerShape, LayerSlots, SavedAttention};
 use crate::train::offload::ActivationStore;
 use crate::train::profile::{Phase, PhaseTimes, Profiler};
-use crate::train::units::{layer_unit, ParamHooks};
+use crate::train::zero::{layer_unit, GradBuffer, ParamHooks};
 use crate::Result;
 use candle_core::{DType, Module, Shape, Tensor, Var};
 use candle_nn::VarBuilder;
@@ -131,7 +130,7 @@ pub struct Engine {
     embed_slot: usize,
     head_slot: usize,
     norm_slot: usize,
-    /// The parameter index range of each unit (`train::units`: embedding, layers, head).
+    /// The parameter index range of each unit (`train::zero::units`: embedding, layers, head).
     units: Vec<std::ops::Range<usize>>,
 }
 
@@ -170,7 +169,7 @@ impl Engine {
         let embed_slot = slot("model.embed_tokens.weight")?;
         let head_slot = if plain.cfg.tie_word_embeddings { embed_slot } else { slot("lm_head.weight")? };
         let norm_slot = slot("model.norm.weight")?;
-        let units = crate::train::units::layer_groups(&names)?;
+        let units = crate::train::zero::layer_groups(&names)?;
         let store = Mutex::new(ActivationStore::new(opts.offload_activations));
         let prof = Profiler::new(opts.profile).with_trace(opts.trace);
         Ok(Self { tracked, plain, params, meta, opts, store, slots, prof, embed_slot, head_slot, norm_slot, units })
@@ -334,30 +333,7 @@ impl Engine {
 
         // 1. forward, graph-free; keep layer inputs.
         let pass = LayerPass { rope: &rope, attn, chunks: &chunks, prof: &self.prof, dev: &dev };
-        self.prof.time(Phase::Optimizer, &dev, || hooks.prepare(0))?;
-        let mut x = self.prof.time(Phase::Copies, &dev, || match self.unit_weights(hooks, 0)? {
-            None => self.plain.embed(ids),
-            Some(mut w) => {
-                let e = w.remove("model.embed_tokens.weight").ok_or_else(|| crate::Error::Setting("engine: no embedding".into()))?;
-                Ok(candle_nn::Embedding::new(e, self.plain.cfg.hidden_size).forward(ids)?)
-            }
-        })?; // [b, s, h]
-        let keep_attention = self.opts.save_attention && self.opts.layer_backward == LayerBackward::Explicit;
-        for l in 0..n_layers {
-            self.prof.trace(&dev, || format!("forward layer {l}"))?;
-            // The layer's weights (ZeRO-3: gathered, or brought from the host).
-            self.prof.time(Phase::Optimizer, &dev, || hooks.prepare(layer_unit(l)))?;
-            let fetched = self.prof.time(Phase::Copies, &dev, || self.layer_from(hooks, l))?;
-            let layer = fetched.as_ref().unwrap_or(&self.plain.layers[l]);
-            let (y, sa) = pass.forward(layer, &x)?;
-            // The layer's input, and its attention's tensors when they are kept (both
-            // parked in host memory when offloading).
-            self.prof.time(Phase::Copies, &dev, || match keep_attention {
-                true => store.push(&[&x, &sa.q, &sa.k, &sa.v, &sa.o, &sa.lse]),
-                false => store.push(&[&x]),
-            })?;
-            x = y;
-        }
+        let x = self.forward_layers(ids, hooks, &pass, &mut store)?; // [b, s, h]
         let shape = self.layer_shape(&x, chunks.first().map_or(0, |c| c.1))?;
         mem.transient_bytes = usize::try_from(shape.backward_bytes().max(shape.head_bytes())).unwrap_or(usize::MAX);
         store.end_forward()?;
@@ -370,7 +346,7 @@ impl Engine {
         self.prof.trace(&dev, || "head and loss".into())?;
         self.prof.time(Phase::Optimizer, &dev, || hooks.prepare(tail))?;
         // 2. head + loss, chunked; dL/dx_L.
-        let (mut gx, loss_sum) = self.prof.time(Phase::Loss, &dev, || match self.opts.layer_backward {
+        let (gx, loss_sum) = self.prof.time(Phase::Loss, &dev, || match self.opts.layer_backward {
             LayerBackward::Explicit => {
                 let (norm_w, head_w) = self.head_weights(hooks)?;
                 self.head_backward_fused(&x, targets, &chunks, scale, acc, (&norm_w, &head_w))
@@ -381,27 +357,7 @@ impl Engine {
         self.prof.time(Phase::GradAccum, &dev, || hooks.grads_done(tail))?;
 
         // 3. layers, top first, each recomputed from its saved input.
-        for l in (0..n_layers).rev() {
-            self.prof.trace(&dev, || format!("backward layer {l}"))?;
-            let group = self.prof.time(Phase::Copies, &dev, || {
-                let group = store.take(l, &dev)?;
-                if l > 0 {
-                    store.prefetch(l - 1, &dev)?; // its copy overlaps this layer's backward
-                }
-                Ok(group)
-            })?;
-            let (x_in, sa) = SavedAttention::split(group)?;
-            gx = match self.opts.layer_backward {
-                LayerBackward::Explicit => {
-                    let fetched = self.prof.time(Phase::Copies, &dev, || self.layer_from(hooks, l))?;
-                    let layer = fetched.as_ref().unwrap_or(&self.plain.layers[l]);
-                    pass.backward(layer, &self.slots[l], &x_in, sa, gx, acc)?
-                }
-                LayerBackward::Autograd => self.autograd_layer_backward(l, &x_in, &gx, &rope, attn, &chunks, acc)?,
-            };
-            self.prof.time(Phase::GradAccum, &dev, || hooks.grads_done(layer_unit(l)))?;
-            // ZeRO-2/3: reduce-scattered now
-        }
+        let gx = self.backward_layers(hooks, &pass, &mut store, gx, acc)?;
 
         self.prof.trace(&dev, || "embedding backward".into())?;
         // 4. embedding: rows of dL/dx_0 added into the rows of their token ids.
@@ -411,6 +367,73 @@ impl Engine {
         })?;
 
         Ok(StepOutcome { loss_sum, n_tokens, memory: mem })
+    }
+
+    /// Step 1 of [`Self::step_into`]: the forward, graph-free, unit by unit, each layer's
+    /// input kept in `store` (with its attention's tensors when they are saved). Returns
+    /// the last layer's output `[b, s, h]`.
+    fn forward_layers(&self, ids: &Tensor, hooks: &dyn ParamHooks, pass: &LayerPass<'_>, store: &mut ActivationStore) -> Result<Tensor> {
+        let dev = pass.dev;
+        self.prof.time(Phase::Optimizer, dev, || hooks.prepare(0))?;
+        let mut x = self.prof.time(Phase::Copies, dev, || match self.unit_weights(hooks, 0)? {
+            None => self.plain.embed(ids),
+            Some(mut w) => {
+                let e = w.remove("model.embed_tokens.weight").ok_or_else(|| crate::Error::Setting("engine: no embedding".into()))?;
+                Ok(candle_nn::Embedding::new(e, self.plain.cfg.hidden_size).forward(ids)?)
+            }
+        })?; // [b, s, h]
+        let keep_attention = self.opts.save_attention && self.opts.layer_backward == LayerBackward::Explicit;
+        for l in 0..self.plain.layers.len() {
+            self.prof.trace(dev, || format!("forward layer {l}"))?;
+            // The layer's weights (ZeRO-3: gathered, or brought from the host).
+            self.prof.time(Phase::Optimizer, dev, || hooks.prepare(layer_unit(l)))?;
+            let fetched = self.prof.time(Phase::Copies, dev, || self.layer_from(hooks, l))?;
+            let layer = fetched.as_ref().unwrap_or(&self.plain.layers[l]);
+            let (y, sa) = pass.forward(layer, &x)?;
+            // The layer's input, and its attention's tensors when they are kept (both
+            // parked in host memory when offloading).
+            self.prof.time(Phase::Copies, dev, || match keep_attention {
+                true => store.push(&[&x, &sa.q, &sa.k, &sa.v, &sa.o, &sa.lse]),
+                false => store.push(&[&x]),
+            })?;
+            x = y;
+        }
+        Ok(x)
+    }
+
+    /// Step 3 of [`Self::step_into`]: the layers' backward, top first, each recomputed
+    /// from its saved input, from `gx = dL/dx_L`; each unit's gradients reported done (ZeRO-2/3:
+    /// reduce-scattered then). Returns `dL/dx_0`.
+    fn backward_layers(
+        &self,
+        hooks: &dyn ParamHooks,
+        pass: &LayerPass<'_>,
+        store: &mut ActivationStore,
+        mut gx: Tensor,
+        acc: &[Tensor],
+    ) -> Result<Tensor> {
+        let dev = pass.dev;
+        for l in (0..self.plain.layers.len()).rev() {
+            self.prof.trace(dev, || format!("backward layer {l}"))?;
+            let group = self.prof.time(Phase::Copies, dev, || {
+                let group = store.take(l, dev)?;
+                if l > 0 {
+                    store.prefetch(l - 1, dev)?; // its copy overlaps this layer's backward
+                }
+                Ok(group)
+            })?;
+            let (x_in, sa) = SavedAttention::split(group)?;
+            gx = match self.opts.layer_backward {
+                LayerBackward::Explicit => {
+                    let fetched = self.prof.time(Phase::Copies, dev, || self.layer_from(hooks, l))?;
+                    let layer = fetched.as_ref().unwrap_or(&self.plain.layers[l]);
+                    pass.backward(layer, &self.slots[l], &x_in, sa, gx, acc)?
+                }
+                LayerBackward::Autograd => self.autograd_layer_backward(l, &x_in, &gx, pass.rope, pass.attn, pass.chunks, acc)?,
+            };
+            self.prof.time(Phase::GradAccum, dev, || hooks.grads_done(layer_unit(l)))?;
+        }
+        Ok(gx)
     }
 
     /// Layer `l`'s backward by Candle autograd over the recomputed layer (tracked

@@ -93,7 +93,7 @@ impl LayerSlots {
 
 /// Adds `g` into the f32 gradient slot `i` (a view of the step's [`GradBuffer`]) in place.
 ///
-/// [`GradBuffer`]: crate::train::grads::GradBuffer
+/// [`GradBuffer`]: crate::train::zero::GradBuffer
 pub(crate) fn accumulate(acc: &[Tensor], i: usize, g: &Tensor) -> Result<()> {
     Ok(kernels::accumulate_f32(&acc[i], &g.contiguous()?, 1.0)?)
 }

@@ -8,7 +8,6 @@ pub mod optim;
 
 pub use config::{ParallelMode, RunConfig, Stage, StageSettings};
 pub mod engine;
-pub mod grads;
 /// Built-in model configs and random initialisation live under `model/` (below the data,
 /// hub and eval layers that need them); re-exported here for existing callers.
 pub use crate::model::init;
@@ -22,6 +21,4 @@ pub mod stage_eval;
 pub mod stop;
 pub mod tensorboard;
 pub mod trainer;
-pub mod units;
 pub mod zero;
-pub mod zero3;

@@ -26,15 +26,13 @@ use crate::model::{LlamaConfig, Rope};
 use crate::train::checkpoint::{self, TrainState};
 use crate::train::config::{RunConfig, Stage, StageSettings};
 use crate::train::engine::{Engine, EngineOptions, MemoryReport};
-use crate::train::grads::GradBuffer;
 use crate::train::metrics::{Metrics, StepLine};
 use crate::train::profile::Phase;
 use crate::train::rundir::{self, RunDirLock};
 use crate::train::stage_eval::{EvalAt, StageEval};
 pub use crate::train::stop::StopFlag;
-use crate::train::units::{ParamHooks, Partition};
-use crate::train::zero::{all_reduce_scalar, Deferred, Out, ShardedAdamW};
-use crate::train::zero3::{apply_deferred, ParamStore, ShardedGrads, Zero3Hooks};
+pub use crate::train::zero::Resident;
+use crate::train::zero::{all_reduce_scalar, Guard, Start, StepStats, Update, ZeroConfig, ZeroState};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use longctx_attention::comm::Comm;
@@ -77,38 +75,6 @@ pub struct RunSummary {
     /// A resume found the run finished (its checkpoint after the last stage, its export in
     /// place): nothing was trained or written.
     pub already_finished: bool,
-}
-
-/// Bytes one rank holds of the model's training state, and where (ZeRO and offload
-/// shrink them: stage 1 the optimizer state, 2 the gradients, 3 the weights).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Resident {
-    /// The 16-bit (run dtype) weights: the whole model, or this rank's slice (stage 3).
-    pub weights: usize,
-    /// Of them kept in host memory by `offload_params` (whatever the device).
-    pub weights_host: usize,
-    /// The f32 gradient buffers (the whole padded model below stage 2; this rank's slice
-    /// and one unit's scratch from stage 2).
-    pub grads: usize,
-    /// The f32 master weights and AdamW moments of this rank.
-    pub optimizer: usize,
-    /// Of them in host memory (`optimizer_on_host`, and always on a CPU device).
-    pub optimizer_host: usize,
-}
-
-impl std::fmt::Display for Resident {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let size = |b: usize| if b >= 1_000_000_000 { format!("{:.3} GB", b as f64 / 1e9) } else { format!("{:.3} MB", b as f64 / 1e6) };
-        write!(
-            f,
-            "weights {} ({} on the host), gradients {}, optimizer {} ({} on the host)",
-            size(self.weights),
-            size(self.weights_host),
-            size(self.grads),
-            size(self.optimizer),
-            size(self.optimizer_host)
-        )
-    }
 }
 
 /// Why a run stopped before its last step (a checkpoint was written there).
@@ -510,7 +476,6 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
             );
         }
     } else {
-        run.settle_update()?;
         let whole = run.whole_weights()?; // gathered on every rank under ZeRO-3
         if is_main {
             run.export(&export_dir, whole)?;
@@ -547,11 +512,8 @@ struct RankRun<'a> {
     sh: &'a Shared<'a>,
     world: Arc<dyn Comm>,
     engine: Engine,
-    optim: ShardedAdamW,
-    /// This rank's gradients of the current step.
-    grads: Grads,
-    /// ZeRO-3: this rank's slice of the weights (the engine has none of its own).
-    store: Option<ParamStore>,
+    /// The optimizer, the gradients, the weights under ZeRO-3 and a deferred update.
+    zero: ZeroState,
     /// What this rank holds (reported at start-up and in the summary).
     resident: Resident,
     /// Rank 0 only.
@@ -577,29 +539,8 @@ struct RankRun<'a> {
     /// The global step at which the optimizer state last started fresh (a stage's
     /// `reset_optimizer`; 0 at the run's start), saved in the checkpoint.
     optimizer_since: u64,
-    /// ZeRO-3 with weights and optimizer state in host memory: the last step's update,
-    /// applied unit by unit during the next forward ([`ParamHooks::prepare`]) and settled
-    /// (its numeric guard included) before anything reads the weights or the state.
-    pending: Option<PendingUpdate>,
     /// `[eval]`: what is evaluated at stage ends (and every `eval.every` steps).
     eval: Option<StageEval>,
-}
-
-/// A host update begun at the end of a step, and what its guard's message needs.
-struct PendingUpdate {
-    d: Deferred,
-    /// "stage s step k/n (global step g)".
-    at: String,
-    grad_norm: f64,
-    lr: f64,
-}
-
-/// Where the engine's gradients go.
-enum Grads {
-    /// The whole model's, `[Σ W·L_u]` f32 (stages 0 and 1).
-    Full(GradBuffer),
-    /// This rank's slices, reduce-scattered unit by unit during the backward (stage ≥ 2).
-    Sharded(ShardedGrads),
 }
 
 /// What one optimizer step decided, the same on every rank.
@@ -622,63 +563,97 @@ struct StageRun {
     settings: StageSettings,
 }
 
+/// The weights a rank starts from, by name: the start model's, or the checkpoint's when
+/// resuming (each checked against the model's shape).
+fn start_tensors<'w>(sh: &'w Shared<'_>, start_weights: &'w HashMap<String, Tensor>) -> Result<Vec<(&'w String, &'w Tensor)>> {
+    let mut picked = Vec::with_capacity(start_weights.len());
+    for (n, start) in start_weights.iter() {
+        let t = match sh.resume {
+            Some(l) => {
+                let file = l.dir.join("model.safetensors");
+                let t = l.weights.get(n).ok_or_else(|| Error::checkpoint(&file, format!("tensor `{n}` missing")))?;
+                if t.dims() != start.dims() {
+                    return Err(Error::checkpoint(
+                        &file,
+                        format!(
+                            "tensor `{n}` has shape {:?}, the model's is {:?}: this checkpoint is of another model",
+                            t.dims(),
+                            start.dims()
+                        ),
+                    ));
+                }
+                t
+            }
+            None => start,
+        };
+        picked.push((n, t));
+    }
+    Ok(picked)
+}
+
+/// The engine over the weights on the device; under ZeRO-3 no rank holds the whole weights
+/// (the engine has only their shapes): the weights come back for each rank to keep its
+/// slices of ([`ZeroState::new`]).
+fn build_engine(sh: &Shared<'_>, zc: &ZeroConfig, picked: Vec<(&String, &Tensor)>) -> Result<(Engine, Option<HashMap<String, Tensor>>)> {
+    let (cfg, mcfg) = (sh.cfg, &sh.model.cfg);
+    let opts = EngineOptions {
+        token_chunk: cfg.parallel.token_chunk,
+        offload_activations: cfg.parallel.offload_activations,
+        profile: cfg.train.profile,
+        trace: cfg.train.trace,
+        save_attention: cfg.parallel.save_attention,
+        layer_backward: cfg.train.layer_backward,
+    };
+    if zc.shards_weights() {
+        let shapes: HashMap<String, candle_core::Shape> = picked.iter().map(|(n, t)| ((*n).clone(), t.shape().clone())).collect();
+        let weights: HashMap<String, Tensor> = picked.iter().map(|(n, t)| ((*n).clone(), (*t).clone())).collect();
+        return Ok((Engine::for_shapes(mcfg, &shapes, sh.dtype, &sh.device, opts)?, Some(weights)));
+    }
+    // Rounded to the run dtype on the host in parallel (one core per tensor), then
+    // copied to the device one by one.
+    let converted: Vec<(&String, Tensor)> = {
+        use rayon::prelude::*;
+        picked.into_par_iter().map(|(n, t)| Ok((n, t.to_dtype(sh.dtype)?))).collect::<Result<_>>()?
+    };
+    let mut vars: HashMap<String, Var> = HashMap::new();
+    for (n, t) in converted {
+        vars.insert(n.clone(), Var::from_tensor(&t.to_device(&sh.device)?)?);
+    }
+    Ok((Engine::from_vars(mcfg, &vars, opts)?, None))
+}
+
+/// The ZeRO settings of a run's `[train]` section.
+fn zero_config(t: &crate::train::config::TrainSection) -> ZeroConfig {
+    ZeroConfig {
+        stage: t.zero_stage,
+        offload_params: t.offload_params,
+        optimizer_on_host: t.optimizer_on_host,
+        adamw: t.adamw.clone(),
+        clip_grad: t.clip_grad,
+    }
+}
+
+/// Rank 0's start-up lines: what each rank holds, and how long the start took.
+fn report_start(sh: &Shared<'_>, wsize: usize, resident: &Resident) {
+    let t = &sh.cfg.train;
+    eprintln!(
+        "ZeRO stage {} over {wsize} rank(s){}{}: each rank holds {resident}",
+        t.zero_stage,
+        if t.offload_params { ", weights offloaded" } else { "" },
+        if t.optimizer_on_host { ", optimizer offloaded" } else { "" },
+    );
+    let total = sh.began.elapsed().as_secs_f64();
+    eprintln!("start-up: {total:.1} s (start model {:.1} s, weights and optimizer state {:.1} s)", sh.loaded_in, total - sh.loaded_in);
+}
+
 impl<'a> RankRun<'a> {
     /// Weights on the device (from the start model, or the checkpoint when resuming), the
     /// engine, this rank's optimizer slice and, on rank 0, the metrics log.
     fn new(sh: &'a Shared<'a>, world: Arc<dyn Comm>) -> Result<Self> {
         let (cfg, mcfg) = (sh.cfg, &sh.model.cfg);
+        let zc = zero_config(&cfg.train);
         let start_weights = sh.start.lend()?;
-        let mut picked: Vec<(&String, &Tensor)> = Vec::with_capacity(start_weights.len());
-        for (n, start) in start_weights.iter() {
-            let t = match sh.resume {
-                Some(l) => {
-                    let file = l.dir.join("model.safetensors");
-                    let t = l.weights.get(n).ok_or_else(|| Error::checkpoint(&file, format!("tensor `{n}` missing")))?;
-                    if t.dims() != start.dims() {
-                        return Err(Error::checkpoint(
-                            &file,
-                            format!(
-                                "tensor `{n}` has shape {:?}, the model's is {:?}: this checkpoint is of another model",
-                                t.dims(),
-                                start.dims()
-                            ),
-                        ));
-                    }
-                    t
-                }
-                None => start,
-            };
-            picked.push((n, t));
-        }
-        let opts = EngineOptions {
-            token_chunk: cfg.parallel.token_chunk,
-            offload_activations: cfg.parallel.offload_activations,
-            profile: cfg.train.profile,
-            trace: cfg.train.trace,
-            save_attention: cfg.parallel.save_attention,
-            layer_backward: cfg.train.layer_backward,
-        };
-        let (rank, wsize) = (world.rank(), world.world());
-        let stage = cfg.train.zero_stage;
-        // ZeRO-3: no rank holds the whole weights (the engine has only their shapes); each
-        // keeps its slices (on the host with `offload_params`), built below.
-        let (engine, zero3_weights) = if stage == 3 {
-            let shapes: HashMap<String, candle_core::Shape> = picked.iter().map(|(n, t)| ((*n).clone(), t.shape().clone())).collect();
-            let weights: HashMap<String, Tensor> = picked.iter().map(|(n, t)| ((*n).clone(), (*t).clone())).collect();
-            (Engine::for_shapes(mcfg, &shapes, sh.dtype, &sh.device, opts)?, Some(weights))
-        } else {
-            // Rounded to the run dtype on the host in parallel (one core per tensor), then
-            // copied to the device one by one.
-            let converted: Vec<(&String, Tensor)> = {
-                use rayon::prelude::*;
-                picked.into_par_iter().map(|(n, t)| Ok((n, t.to_dtype(sh.dtype)?))).collect::<Result<_>>()?
-            };
-            let mut vars: HashMap<String, Var> = HashMap::new();
-            for (n, t) in converted {
-                vars.insert(n.clone(), Var::from_tensor(&t.to_device(&sh.device)?)?);
-            }
-            (Engine::from_vars(mcfg, &vars, opts)?, None)
-        };
+        let (engine, sliced) = build_engine(sh, &zc, start_tensors(sh, &start_weights)?)?;
         let n_params: usize = engine.meta.iter().map(|(_, s)| s.elem_count()).sum();
         let is_main = world.rank() == 0;
         let resumed_at = sh.resume.map(|l| l.state.global_step);
@@ -690,59 +665,14 @@ impl<'a> RankRun<'a> {
                  transformers runs the attention that was trained"
             );
         }
-        // ZeRO over every rank of the world (`train.zero_stage`; `train::units`). On a GPU
-        // (unless `optimizer_on_host`) the state lives and updates on the device. Masters
-        // start from the f32 host copy of the start weights (not from weights already
-        // rounded to the run dtype), or from the checkpoint's optimizer state when resuming.
-        let on_device = (!sh.device.is_cpu() && !cfg.train.optimizer_on_host).then_some(&sh.device);
-        let resume_opt = sh.resume.map(|l| (l.state.adam_step, l));
-        let names: Vec<&str> = engine.meta.iter().map(|(n, _)| n.as_str()).collect();
-        let sizes: Vec<usize> = engine.meta.iter().map(|(_, s)| s.elem_count()).collect();
-        let part = match stage {
-            0 => Partition::whole(&sizes, (0, 1))?, // every rank the whole state
-            1 => Partition::whole(&sizes, (rank, wsize))?,
-            _ => Partition::per_layer(&names, &sizes, (rank, wsize))?,
-        };
-        let store = match zero3_weights {
-            Some(w) => {
-                Some(ParamStore::new(part.clone(), &engine.meta, &w, sh.dtype, (&sh.device, cfg.train.offload_params), world.clone())?)
-            }
-            None => None,
-        };
-        let optim = ShardedAdamW::new(cfg.train.adamw.clone(), &engine.meta, &start_weights, part.clone(), on_device, resume_opt)?;
-        drop(start_weights);
-        let global_step = sh.resume.map_or(0, |l| l.state.global_step);
-        let grads = if stage >= 2 {
-            let shapes: Vec<candle_core::Shape> = engine.meta.iter().map(|(_, s)| s.clone()).collect();
-            Grads::Sharded(ShardedGrads::new(part, &shapes, &sh.device, world.clone())?)
-        } else {
-            Grads::Full(GradBuffer::new(&engine.params, optim.padded_len(), &sh.device)?)
-        };
-        let elem = sh.dtype.size_in_bytes();
-        let (opt_dev, opt_host) = optim.resident_bytes();
-        let resident = Resident {
-            weights: store.as_ref().map_or(n_params * elem, |s| s.bytes()),
-            weights_host: store.as_ref().filter(|s| s.on_host()).map_or(0, |s| s.bytes()),
-            grads: match &grads {
-                Grads::Full(b) => b.bytes(),
-                Grads::Sharded(g) => g.bytes(),
-            },
-            optimizer: opt_dev + opt_host,
-            optimizer_host: opt_host,
-        };
+        // ZeRO over every rank of the world (`train.zero_stage`; `train::zero`).
+        let start = Start { meta: &engine.meta, params: &engine.params, masters: start_weights, sliced, resume: sh.resume };
+        let zero = ZeroState::new(zc, start, world.clone(), (&sh.device, sh.dtype))?;
+        let resident = zero.resident();
         if is_main {
-            eprintln!(
-                "ZeRO stage {stage} over {wsize} rank(s){}{}: each rank holds {resident}",
-                if cfg.train.offload_params { ", weights offloaded" } else { "" },
-                if cfg.train.optimizer_on_host { ", optimizer offloaded" } else { "" },
-            );
-            let total = sh.began.elapsed().as_secs_f64();
-            eprintln!(
-                "start-up: {total:.1} s (start model {:.1} s, weights and optimizer state {:.1} s)",
-                sh.loaded_in,
-                total - sh.loaded_in
-            );
+            report_start(sh, world.world(), &resident);
         }
+        let global_step = sh.resume.map_or(0, |l| l.state.global_step);
         let (skipped_steps, skipped_in_row) = sh.resume.map_or((0, 0), |l| (l.state.skipped_steps, l.state.skipped_in_row));
         if let (Some(_), Some(f)) = (sh.resume, &sh.opts.stop) {
             f.checkpoint_exists(); // the one resumed from
@@ -751,9 +681,7 @@ impl<'a> RankRun<'a> {
             sh,
             world,
             engine,
-            optim,
-            grads,
-            store,
+            zero,
             resident,
             metrics,
             groups: None,
@@ -768,7 +696,6 @@ impl<'a> RankRun<'a> {
             skipped_in_row,
             last_checkpoint: (Instant::now(), sh.resume.map(|l| l.state.global_step)),
             optimizer_since: sh.resume.map_or(0, |l| l.state.optimizer_since_step),
-            pending: None,
             eval: match cfg.eval.is_on() {
                 true => {
                     let longest = cfg.stages.iter().map(|s| s.seq_length).max().unwrap_or(0);
@@ -789,7 +716,6 @@ impl<'a> RankRun<'a> {
 
     /// Groups, attention mode, token layout and data of stage `si`.
     fn stage_setup(&mut self, si: usize, stage: &Stage, first_step: u64, data: Option<DataState>) -> Result<StageRun> {
-        self.settle_update()?; // (a stage may reset the optimizer below)
         let (cfg, mcfg) = (self.sh.cfg, &self.sh.model.cfg);
         let mode = stage.parallel_mode.unwrap_or(cfg.parallel.mode);
         let chunk = stage.fpdt_chunk_size.unwrap_or(cfg.parallel.fpdt_chunk_size);
@@ -817,7 +743,8 @@ impl<'a> RankRun<'a> {
         // stage's end holds the moments before the reset, so the resumed run resets the
         // same way. The step it happened at is recorded in the checkpoint.
         if settings.reset_optimizer && first_step == 0 {
-            self.optim.reset()?;
+            let g = Guard { prof: self.engine.profiler(), kept: self.kept_checkpoint() };
+            self.zero.reset_optimizer(&g)?;
             self.optimizer_since = self.global_step;
         }
         if let Some(m) = self.metrics.as_mut() {
@@ -873,7 +800,6 @@ impl<'a> RankRun<'a> {
     /// calls it (the weights are gathered under ZeRO-3, the forward is collective).
     fn evaluate(&mut self, si: usize, stage: &Stage, st: &StageRun, step: u64, stage_end: bool) -> Result<()> {
         let Some(mut ev) = self.eval.take() else { return Ok(()) };
-        self.settle_update()?;
         let res = (|| {
             let mcfg = stage.model_config(&self.sh.model.cfg, si, Path::new("<run config>"))?;
             let weights: HashMap<String, Tensor> = self.whole_weights()?.into_iter().collect();
@@ -925,21 +851,7 @@ impl<'a> RankRun<'a> {
     /// Forward and backward of every micro-batch, each adding into the one flat gradient
     /// buffer: (local loss sum, engine seconds).
     fn forward_backward(&mut self, stage: &Stage, micro: &[Micro], scale: f64) -> Result<(f64, f64)> {
-        let zero3;
-        let hooks: &dyn ParamHooks = match &self.grads {
-            Grads::Full(b) => {
-                b.zero()?;
-                b
-            }
-            Grads::Sharded(g) => {
-                if self.pending.is_none() {
-                    g.zero()?; // else each unit's slice is zeroed once the pending update read it
-                }
-                let update = self.pending.as_mut().map(|p| std::cell::RefCell::new((&mut self.optim, &mut p.d)));
-                zero3 = Zero3Hooks { store: self.store.as_ref(), grads: g, update };
-                &zero3
-            }
-        };
+        let hooks = self.zero.hooks()?;
         let (mut loss_sum, mut engine_seconds) = (0f64, 0f64);
         let mut mem = self.memory;
         let rank = self.world.rank();
@@ -950,7 +862,7 @@ impl<'a> RankRun<'a> {
         let skew = skew.unwrap_or(1.0);
         for m in micro {
             let te = Instant::now();
-            let r = self.engine.step_into(&m.ids, &m.targets, &m.pos, stage.seq_length, &m.attn, scale * skew, hooks)?;
+            let r = self.engine.step_into(&m.ids, &m.targets, &m.pos, stage.seq_length, &m.attn, scale * skew, &hooks)?;
             engine_seconds += te.elapsed().as_secs_f64();
             loss_sum += r.loss_sum * skew;
             mem.saved_bytes = mem.saved_bytes.max(r.memory.saved_bytes);
@@ -974,70 +886,16 @@ impl<'a> RankRun<'a> {
         let local_count: usize = micro.iter().map(|m| m.counted).sum();
         let global_count = all_reduce_scalar(&self.world, local_count as f64, &sh.device)?;
         let scale = if global_count > 0.0 { 1.0 / global_count } else { 0.0 };
-        let (mut loss_sum, engine_seconds) = self.forward_backward(stage, &micro, scale)?;
-        self.settle_update()?; // the previous step's deferred update: applied in the forward, guarded now
-        let (rank, next) = (self.world.rank(), self.global_step + 1);
-        if sh.opts.faults.contains(&Fault::NanLoss { rank, step: next }) {
-            loss_sum = f64::NAN;
-        }
-        let stop_local = sh.opts.stop.as_ref().is_some_and(|f| f.requested().is_some());
-        let interval = cfg.train.checkpoint_interval_min * 60.0;
-        let due_local = interval > 0.0 && self.last_checkpoint.0.elapsed().as_secs_f64() >= interval;
-        let flags = [loss_sum, f64::from(u8::from(stop_local)), f64::from(u8::from(due_local))];
-        let agreed = self.engine.profiler().time(Phase::Comm, &sh.device, || all_reduce_f64s(&self.world, &flags, &sh.device))?;
+        let (loss_sum, engine_seconds) = self.forward_backward(stage, &micro, scale)?;
+        // The previous step's deferred update: applied in the forward, guarded now.
+        self.zero.settle(&Guard { prof: self.engine.profiler(), kept: self.kept_checkpoint() })?;
+        let agreed = self.agree(loss_sum)?;
         let loss = agreed[0] / global_count.max(1.0);
-        let t = &cfg.train;
-        let lr = t.lr_schedule_for(st.settings.learning_rate, st.settings.warmup_steps, stage.steps).lr(step);
-        self.engine.profiler().trace(&sh.device, || "optimizer".into())?;
-        self.inject_nan_gradient()?;
-        // A non-finite loss (the same on every rank) skips the update like a non-finite
-        // gradient norm does inside the optimizer step.
-        let defer = self.store.as_ref().is_some_and(ParamStore::on_host) && self.optim.on_host();
-        let mut deferred = None;
-        let (norm, skipped) = if loss.is_finite() {
-            let stats = self.engine.profiler().time(Phase::Optimizer, &sh.device, || {
-                if let (true, Grads::Sharded(g)) = (defer, &self.grads) {
-                    // Norm and clip now; the AdamW pass during the next step's forward.
-                    let (stats, d) = self.optim.begin_deferred(&self.world, g.shard(), lr, t.clip_grad)?;
-                    deferred = d;
-                    return Ok(stats);
-                }
-                let gshard = match &self.grads {
-                    // Stage 0: every rank sums the whole gradient and updates the whole state.
-                    Grads::Full(b) if cfg.train.zero_stage == 0 && self.world.world() > 1 => self.world.all_reduce_sum(b.flat())?,
-                    Grads::Full(b) => self.optim.reduce(&self.world, b)?,
-                    Grads::Sharded(g) => g.shard().clone(),
-                };
-                let out = match self.store.as_mut() {
-                    Some(s) => s.out(),
-                    None => Out::Params(&self.engine.params),
-                };
-                self.optim.step(&self.world, &gshard, out, lr, t.clip_grad, (sh.dtype, &sh.device))
-            })?;
-            (stats.grad_norm, stats.skipped)
-        } else {
-            (f64::NAN, true)
-        };
-        self.global_step += 1;
-        if let (Some(_), Some(store)) = (&deferred, &self.store) {
-            store.drop_prefetch(); // a unit copied ahead in the backward holds the old weights
-        }
-        if let Some(mut d) = deferred {
-            if sh.opts.faults.contains(&Fault::NanWeights { step: self.global_step }) {
-                d.poison();
-            }
-            let at = step_label(si, step + 1, stage.steps, self.global_step);
-            self.pending = Some(PendingUpdate { d, at, grad_norm: norm, lr });
-        }
+        let lr = cfg.train.lr_schedule_for(st.settings.learning_rate, st.settings.warmup_steps, stage.steps).lr(step);
+        let stats = self.update(lr, loss, step_label(si, step + 1, stage.steps, self.global_step + 1))?;
         let s = &st.settings;
         let tokens = (s.batch_size * s.gradient_accumulate_every * st.dp * stage.seq_length) as u64;
         self.total_tokens += tokens;
-        if skipped {
-            self.skipped_steps += 1;
-            self.skipped_in_row += 1;
-        } else {
-            self.skipped_in_row = 0;
-        }
         let step_peak = crate::train::metrics::device_memory(&sh.device, false)?.map(|(_, high)| high);
         let profile = if cfg.train.profile { Some(self.engine.take_profile()?) } else { None };
         self.device_peak = self.device_peak.max(step_peak);
@@ -1048,8 +906,8 @@ impl<'a> RankRun<'a> {
             global_step: self.global_step,
             loss,
             lr,
-            grad_norm: norm,
-            skipped,
+            grad_norm: stats.grad_norm,
+            skipped: stats.skipped,
             skipped_steps: self.skipped_steps,
             tokens,
             seconds: ts.elapsed().as_secs_f64(),
@@ -1070,6 +928,41 @@ impl<'a> RankRun<'a> {
         }
         guarded?;
         Ok(StepOut { loss, stop: agreed[1] > 0.0, checkpoint_due: agreed[2] > 0.0 })
+    }
+
+    /// The step's loss sum (made NaN by [`Fault::NanLoss`]), this rank's stop request and
+    /// whether its checkpoint interval has passed, all-reduced in one collective:
+    /// `[loss sum, stop, checkpoint due]`, the same on every rank.
+    fn agree(&self, mut loss_sum: f64) -> Result<Vec<f64>> {
+        let (sh, rank, next) = (self.sh, self.world.rank(), self.global_step + 1);
+        if sh.opts.faults.contains(&Fault::NanLoss { rank, step: next }) {
+            loss_sum = f64::NAN;
+        }
+        let stop_local = sh.opts.stop.as_ref().is_some_and(|f| f.requested().is_some());
+        let interval = sh.cfg.train.checkpoint_interval_min * 60.0;
+        let due_local = interval > 0.0 && self.last_checkpoint.0.elapsed().as_secs_f64() >= interval;
+        let flags = [loss_sum, f64::from(u8::from(stop_local)), f64::from(u8::from(due_local))];
+        self.engine.profiler().time(Phase::Comm, &sh.device, || all_reduce_f64s(&self.world, &flags, &sh.device))
+    }
+
+    /// The step's optimizer update (`at`: the step's label for a deferred update's guard),
+    /// counted: the global step advances, a skipped update counts towards the abort. A
+    /// non-finite loss (the same on every rank) skips the update like a non-finite
+    /// gradient norm does inside the optimizer step.
+    fn update(&mut self, lr: f64, loss: f64, at: String) -> Result<StepStats> {
+        self.engine.profiler().trace(&self.sh.device, || "optimizer".into())?;
+        self.inject_nan_gradient()?;
+        let next = self.global_step + 1;
+        let poison = self.sh.opts.faults.contains(&Fault::NanWeights { step: next });
+        let stats = self.zero.update(self.engine.profiler(), Update { lr, skip: !loss.is_finite(), at, poison })?;
+        self.global_step = next;
+        if stats.skipped {
+            self.skipped_steps += 1;
+            self.skipped_in_row += 1;
+        } else {
+            self.skipped_in_row = 0;
+        }
+        Ok(stats)
     }
 
     /// The numeric guards after a step (the same outcome on every rank): a skipped step is
@@ -1100,11 +993,9 @@ impl<'a> RankRun<'a> {
             }
             return Ok(());
         }
-        if self.pending.is_some() {
-            return Ok(()); // guarded when it is settled (`settle_update`)
-        }
-        self.inject_nan_weights()?;
-        if let Some(bad) = self.first_non_finite_weight()? {
+        // (a deferred update is guarded when it is settled: `ZeroState::settle`)
+        let poison = self.sh.opts.faults.contains(&Fault::NanWeights { step: self.global_step });
+        if let Some(bad) = self.zero.check_weights(poison)? {
             return Err(Error::Diverged(format!(
                 "the update of {at} made the weights non-finite (first: {bad}; gradient norm {}, lr {:.3e}); nothing was written: {}; \
                  lower the learning rate or raise clipping, then --resume",
@@ -1116,60 +1007,11 @@ impl<'a> RankRun<'a> {
         Ok(())
     }
 
-    /// Finish the pending deferred update (the units the forward did not reach, if any)
-    /// and apply its guard: a non-finite new weight on any rank aborts the run before
-    /// anything is written, as [`Self::after_update`] does for an update applied at once.
-    fn settle_update(&mut self) -> Result<()> {
-        let Some(mut p) = self.pending.take() else { return Ok(()) };
-        if let (Grads::Sharded(g), Some(store)) = (&self.grads, &self.store) {
-            let optim = &mut self.optim;
-            self.engine.profiler().time(Phase::Optimizer, &self.sh.device, || apply_deferred(optim, &mut p.d, usize::MAX, store, g))?;
-        }
-        let bad = all_reduce_scalar(&self.world, f64::from(u8::from(!p.d.all_finite())), &self.sh.device)?;
-        if bad > 0.0 {
-            return Err(Error::Diverged(format!(
-                "the update of {} made the weights non-finite (first: {bad} rank(s)' slice of the weights (ZeRO-3); gradient norm {}, \
-                 lr {:.3e}); nothing was written: {}; lower the learning rate or raise clipping, then --resume",
-                p.at,
-                p.grad_norm,
-                p.lr,
-                self.kept_checkpoint()
-            )));
-        }
-        Ok(())
-    }
-
-    /// The first weight this rank holds that is NaN or infinite (by name, or this rank's
-    /// slice under ZeRO-3); the same verdict on every rank (all-reduced under ZeRO-3).
-    fn first_non_finite_weight(&self) -> Result<Option<String>> {
-        match &self.store {
-            None => {
-                let tensors: Vec<Tensor> = self.engine.params.iter().map(|(_, v)| v.as_tensor().clone()).collect();
-                let flags = crate::guard::finite_flags(&tensors)?;
-                Ok(flags.iter().position(|ok| !ok).map(|i| format!("`{}`", self.engine.params[i].0)))
-            }
-            Some(s) => {
-                let mine = s.any_non_finite()?;
-                let bad = all_reduce_scalar(&self.world, f64::from(u8::from(mine)), &self.sh.device)?;
-                Ok((bad > 0.0).then(|| format!("{bad} rank(s)' slice of the weights (ZeRO-3)")))
-            }
-        }
-    }
-
     /// Every weight, whole, on the host or where it lives (collective under ZeRO-3: every
-    /// rank calls it), for checkpoints and the export.
-    fn whole_weights(&self) -> Result<Vec<(String, Tensor)>> {
-        match &self.store {
-            None => Ok(self.engine.params.iter().map(|(n, v)| (n.clone(), v.as_tensor().detach())).collect()),
-            Some(s) => {
-                let names: Vec<String> = self.engine.meta.iter().map(|(n, _)| n.clone()).collect();
-                let mut all = s.gather_all(&names)?;
-                names
-                    .iter()
-                    .map(|n| Ok((n.clone(), all.remove(n).ok_or_else(|| Error::Setting(format!("ZeRO-3: `{n}` not gathered")))?)))
-                    .collect()
-            }
-        }
+    /// rank calls it), for checkpoints, evaluations and the export.
+    fn whole_weights(&mut self) -> Result<Vec<(String, Tensor)>> {
+        let g = Guard { prof: self.engine.profiler(), kept: self.kept_checkpoint() };
+        self.zero.whole_weights(&g)
     }
 
     /// Where the last good checkpoint is, for the messages of an abort.
@@ -1185,30 +1027,9 @@ impl<'a> RankRun<'a> {
     fn inject_nan_gradient(&self) -> Result<()> {
         let g = self.global_step + 1;
         for f in &self.sh.opts.faults {
-            let first_grad = match &self.grads {
-                Grads::Full(b) => b.views().first().cloned(),
-                Grads::Sharded(g) => Some(g.shard().clone()),
-            };
-            if let (Fault::NanGradient { rank, first, last }, Some(t)) = (f, first_grad) {
+            if let Fault::NanGradient { rank, first, last } = f {
                 if *rank == self.world.rank() && (*first..=*last).contains(&g) {
-                    t.slice_set(&t.affine(f64::NAN, 0.0)?, 0, 0)?; // in place: the buffer is what the optimizer reads
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// [`Fault::NanWeights`]: the first parameter made NaN after the chosen update.
-    fn inject_nan_weights(&mut self) -> Result<()> {
-        for f in &self.sh.opts.faults {
-            if let Fault::NanWeights { step } = f {
-                if *step != self.global_step {
-                    continue;
-                }
-                match (self.store.as_mut(), self.engine.params.first()) {
-                    (Some(s), _) => s.poison()?,
-                    (None, Some((_, v))) => v.set(&v.as_tensor().affine(f64::NAN, 0.0)?)?,
-                    (None, None) => {}
+                    self.zero.poison_gradient()?;
                 }
             }
         }
@@ -1247,11 +1068,9 @@ impl RankRun<'_> {
     /// optimizer shard and the weights for non-finite values and all agree (all-reduce):
     /// a bad state aborts the run and leaves the previous checkpoint in place.
     fn save_checkpoint(&mut self, stage: usize, stage_step: u64, data: Option<DataState>) -> Result<()> {
-        self.settle_update()?;
-        self.optim.sync_to_host()?;
+        let g = Guard { prof: self.engine.profiler(), kept: self.kept_checkpoint() };
+        let (bad_weight, bad_shard) = self.zero.checkpoint_check(&g)?;
         let rank = self.world.rank();
-        let bad_weight = self.first_non_finite_weight()?;
-        let bad_shard = self.optim.shard().first_non_finite();
         let bad_ranks = all_reduce_scalar(&self.world, f64::from(u8::from(bad_shard.is_some())), &self.sh.device)?;
         if bad_weight.is_some() || bad_ranks > 0.0 {
             let what = match (bad_weight, bad_shard) {
@@ -1272,24 +1091,19 @@ impl RankRun<'_> {
             checkpoint::begin(out)?;
         }
         self.world.barrier()?;
-        // Stage 0: every rank holds the same whole state; rank 0 writes it as one shard.
-        let shards = self.optim.part.world;
-        if rank < shards {
-            checkpoint::write_shard(&checkpoint::tmp_dir(out), rank, &self.optim.shard())?;
-        }
-        self.optim.release_host(); // a device-resident state keeps no host copy between checkpoints
+        self.zero.write_shard(&checkpoint::tmp_dir(out))?;
         self.world.barrier()?;
-        let whole = self.whole_weights()?; // gathered on every rank under ZeRO-3
+        let whole = self.zero.whole_weights(&g)?; // gathered on every rank under ZeRO-3
         if rank == 0 {
             let weights: HashMap<String, Tensor> = whole.into_iter().collect();
             let state = TrainState {
                 stage,
                 stage_step,
                 global_step: self.global_step,
-                adam_step: self.optim.steps(),
+                adam_step: self.zero.adam_step(),
                 data: serde_json::to_value(&data).map_err(|e| Error::Setting(e.to_string()))?,
-                optimizer_shards: shards,
-                optimizer_units: if self.optim.part.units.len() > 1 { self.optim.part.lens() } else { Vec::new() },
+                optimizer_shards: self.zero.optimizer_shards(),
+                optimizer_units: self.zero.optimizer_units(),
                 config: serde_json::to_value(self.sh.cfg).map_err(|e| Error::Setting(e.to_string()))?,
                 skipped_steps: self.skipped_steps,
                 skipped_in_row: self.skipped_in_row,

@@ -12,7 +12,7 @@
 //! Shapes: `n` parameters' elements; `W` ranks; per unit `len_u`, `L_u`; this rank's
 //! shard `[Σ L_u]`; the padded flat buffer `[Σ W·L_u]` (unit `u` at `Σ_{u'<u} W·L_u'`).
 
-use crate::train::grads::GradBuffer;
+use super::grads::GradBuffer;
 use crate::{Error, Result};
 use candle_core::Tensor;
 use std::ops::Range;

@@ -15,7 +15,8 @@
 //!
 //! Shapes: `W` ranks; unit `u` of `len_u` elements, `L_u = ⌈len_u/W⌉`; shard `[Σ L_u]`.
 
-use crate::train::units::{ParamHooks, Partition};
+use super::units::Partition;
+use super::weights::{HostWeights, HostWeightsMut, Out};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Shape, Tensor};
 use longctx_attention::comm::Comm;
@@ -23,69 +24,6 @@ use longctx_attention::stash::{Fetched, Stash};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::Arc;
-
-/// Weights in host memory, in the run dtype (a plain vector: the optimizer writes its
-/// new values straight into it, and a unit goes to the device from a slice of it).
-pub enum HostWeights {
-    BF16(Vec<half::bf16>),
-    F16(Vec<half::f16>),
-    F32(Vec<f32>),
-}
-
-/// [`HostWeights`] lent to the optimizer for one step.
-pub enum HostWeightsMut<'a> {
-    BF16(&'a mut [half::bf16]),
-    F16(&'a mut [half::f16]),
-    F32(&'a mut [f32]),
-}
-
-impl HostWeights {
-    /// Address and length in bytes of the elements.
-    fn raw_bytes(&mut self) -> (*mut u8, usize) {
-        let len = self.bytes();
-        let ptr = match self {
-            Self::BF16(v) => v.as_mut_ptr().cast(),
-            Self::F16(v) => v.as_mut_ptr().cast(),
-            Self::F32(v) => v.as_mut_ptr().cast(),
-        };
-        (ptr, len)
-    }
-
-    fn bytes(&self) -> usize {
-        match self {
-            Self::BF16(v) => v.len() * 2,
-            Self::F16(v) => v.len() * 2,
-            Self::F32(v) => v.len() * 4,
-        }
-    }
-
-    /// Elements `[a, a + len)` as a tensor on `dev` (copied from the slice, nothing else).
-    fn to_tensor(&self, a: usize, len: usize, dev: &Device) -> Result<Tensor> {
-        Ok(match self {
-            Self::BF16(v) => Tensor::from_slice(&v[a..a + len], len, dev)?,
-            Self::F16(v) => Tensor::from_slice(&v[a..a + len], len, dev)?,
-            Self::F32(v) => Tensor::from_slice(&v[a..a + len], len, dev)?,
-        })
-    }
-
-    /// Some element is NaN or infinite (all cores).
-    fn any_non_finite(&self) -> bool {
-        use rayon::prelude::*;
-        match self {
-            Self::BF16(v) => v.par_iter().any(|x| !x.is_finite()),
-            Self::F16(v) => v.par_iter().any(|x| !x.is_finite()),
-            Self::F32(v) => v.par_iter().any(|x| !x.is_finite()),
-        }
-    }
-
-    pub fn as_mut(&mut self) -> HostWeightsMut<'_> {
-        match self {
-            Self::BF16(v) => HostWeightsMut::BF16(v),
-            Self::F16(v) => HostWeightsMut::F16(v),
-            Self::F32(v) => HostWeightsMut::F32(v),
-        }
-    }
-}
 
 /// This rank's slices of `weights` (every parameter, host tensors of any float dtype),
 /// `[Σ L_u]` in `P`, zero-padded; converted in parallel.
@@ -201,11 +139,11 @@ impl ParamStore {
     }
 
     /// Where the optimizer writes its new slices (`[Σ L_u]`, run dtype).
-    pub fn out(&mut self) -> crate::train::zero::Out<'_> {
+    pub fn out(&mut self) -> Out<'_> {
         self.drop_prefetch(); // the weights change
         match &mut self.shard {
-            ShardHome::Device(t) => crate::train::zero::Out::Shard(t),
-            ShardHome::Host(h) => crate::train::zero::Out::HostShard(h.get_mut().as_mut()),
+            ShardHome::Device(t) => Out::Shard(t),
+            ShardHome::Host(h) => Out::HostShard(h.get_mut().as_mut()),
         }
     }
 
@@ -339,7 +277,7 @@ pub struct ShardedGrads {
     embed_scratch: Tensor,
     scratch: Tensor,
     /// Every parameter's slot: a view of its unit's scratch, shaped like the parameter.
-    slots: Vec<Tensor>,
+    pub(super) slots: Vec<Tensor>,
     /// `[Σ L_u]` f32: Σ over micro-batches of this rank's slices of the summed gradient.
     shard: Tensor,
     comm: Arc<dyn Comm>,
@@ -375,13 +313,13 @@ impl ShardedGrads {
 
     /// Zero the shard (the start of an optimizer step).
     pub fn zero(&self) -> Result<()> {
-        crate::train::grads::zero_flat(&self.shard)
+        super::grads::zero_flat(&self.shard)
     }
 
     /// Zero unit `u`'s slice of the shard (a deferred update has read it).
     pub fn zero_unit(&self, u: usize) -> Result<()> {
         let unit = &self.part.units[u];
-        crate::train::grads::zero_flat(&self.shard.narrow(0, unit.shard_off, unit.shard)?)
+        super::grads::zero_flat(&self.shard.narrow(0, unit.shard_off, unit.shard)?)
     }
 
     /// Units of the partition.
@@ -395,7 +333,7 @@ impl ShardedGrads {
     }
 
     /// Reduce-scatter unit `u`'s scratch, add this rank's slice into the shard, zero it.
-    fn done(&self, u: usize) -> Result<()> {
+    pub(super) fn done(&self, u: usize) -> Result<()> {
         let unit = &self.part.units[u];
         let buf = if u == 0 { &self.embed_scratch } else { &self.scratch };
         let w = self.part.world;
@@ -409,71 +347,6 @@ impl ShardedGrads {
         longctx_kernels::accumulate_f32(&dst, &mine, 1.0)?;
         buf.narrow(0, 0, unit.shard * w)?.zero_set()?;
         Ok(())
-    }
-}
-
-/// Apply the deferred update `d` to every unit up to `upto` (see
-/// [`crate::train::zero::ShardedAdamW::advance`]): the new weights into the host shard of
-/// `store`, each unit's gradient slice in `grads` zeroed once it has been read.
-pub fn apply_deferred(
-    optim: &mut crate::train::zero::ShardedAdamW,
-    d: &mut crate::train::zero::Deferred,
-    upto: usize,
-    store: &ParamStore,
-    grads: &ShardedGrads,
-) -> Result<()> {
-    if d.is_done(grads.units()) {
-        return Ok(());
-    }
-    store.with_host_mut(|h| optim.advance(d, upto, grads.shard(), h, |v| grads.zero_unit(v)))
-}
-
-/// The engine's hooks for stage 2 (`store` None: the model's own weights) and stage 3.
-pub struct Zero3Hooks<'a> {
-    pub store: Option<&'a ParamStore>,
-    pub grads: &'a ShardedGrads,
-    /// The previous step's host update, still to apply (weights and optimizer state in
-    /// host memory): unit `u` is applied when the forward first asks for it
-    /// ([`ParamHooks::prepare`]), and its gradient slice zeroed then.
-    pub update: Option<RefCell<(&'a mut crate::train::zero::ShardedAdamW, &'a mut crate::train::zero::Deferred)>>,
-}
-
-impl Zero3Hooks<'_> {
-    /// Apply the pending update to every unit up to `u`.
-    pub fn apply_upto(&self, u: usize) -> Result<()> {
-        let (Some(cell), Some(store)) = (&self.update, self.store) else { return Ok(()) };
-        let mut lent = cell.try_borrow_mut().map_err(|_| Error::Setting("ZeRO-3: the deferred update is already running".into()))?;
-        let (optim, d) = &mut *lent;
-        apply_deferred(optim, d, u, store, self.grads)
-    }
-
-    /// Unit `u` holds this step's weights (no update of it still pending).
-    fn applied(&self, u: usize) -> bool {
-        self.update.as_ref().is_none_or(|c| c.try_borrow().is_ok_and(|lent| lent.1.applied(u)))
-    }
-}
-
-impl ParamHooks for Zero3Hooks<'_> {
-    fn prepare(&self, u: usize) -> Result<()> {
-        // One unit further than asked: the next unit is then ready to be copied ahead.
-        self.apply_upto(u.saturating_add(1))
-    }
-    fn weights(&self, u: usize) -> Result<Option<Vec<Tensor>>> {
-        let Some(store) = self.store else { return Ok(None) };
-        let next = store.next_after(u);
-        let w = store.fetch(u)?;
-        if let Some(v) = next.filter(|&v| self.applied(v)) {
-            store.prefetch(v)?; // copied while unit `u` computes
-        }
-        Ok(Some(w))
-    }
-    fn grad_slots(&self) -> &[Tensor] {
-        &self.grads.slots
-    }
-    fn grads_done(&self, u: usize) -> Result<()> {
-        // The backward adds into the shard: every unit's update must have read it first.
-        self.apply_upto(usize::MAX)?;
-        self.grads.done(u)
     }
 }
 
@@ -515,7 +388,7 @@ mod tests {
             store.drop_prefetch();
             assert_eq!(unit(&store, 2), [9.0; 3], "dropped: fetched anew");
             store.prefetch(1).map_err(e)?;
-            if let crate::train::zero::Out::HostShard(HostWeightsMut::F32(v)) = store.out() {
+            if let Out::HostShard(HostWeightsMut::F32(v)) = store.out() {
                 v[part.units[1].shard_off] = 7.0;
             }
             assert_eq!(unit(&store, 1), [7.0, 1.0, 1.0], "the optimizer's `out` discards the copy");

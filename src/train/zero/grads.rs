@@ -2,7 +2,7 @@
 //!
 //! The parameters, in `Engine::params` order, are laid end to end in one f32 vector of
 //! `n` elements, zero-padded to a length the optimizer chooses (`W·L` for ZeRO over `W`
-//! ranks, see `super::zero`). Each parameter's gradient is a view of its range, shaped
+//! ranks, see `super::stage12`). Each parameter's gradient is a view of its range, shaped
 //! like the parameter: the engine accumulates into the views in place (the weight-gradient
 //! GEMMs write into them with `beta = 1`), micro-batches add into the same buffer, and the
 //! optimizer reads the flat vector as it is — no per-step allocation, no flattening copy.

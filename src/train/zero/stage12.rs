@@ -7,7 +7,7 @@
 //! step, every rank in lockstep:
 //! 1. this rank's slice of the summed gradient: reduce-scattered here, unit by unit, from
 //!    the engine's padded flat [`GradBuffer`] (ZeRO-1), or already reduce-scattered layer by
-//!    layer during the backward (ZeRO-2/3, `super::zero3`);
+//!    layer during the backward (ZeRO-2/3, `super::stage3`);
 //! 2. gradient norm over the world: √(all-reduce Σ slice²), in f64;
 //! 3. clip (scale the slice), AdamW on the slice;
 //! 4. the new slice in the run dtype: all-gathered unit by unit into the model's weights
@@ -18,11 +18,11 @@
 //! next step's forward, just ahead of the unit the engine runs, so the host pass overlaps
 //! the GPU's work instead of stalling it. Same result, bit for bit.
 
+use super::grads::GradBuffer;
+use super::units::Partition;
+use super::weights::{HostWeightsMut, Out};
 use crate::train::checkpoint::{Loaded, OptimShard};
-use crate::train::grads::GradBuffer;
 use crate::train::optim::{AdamW, AdamWConfig, DeviceAdamW, HostElem, Segment};
-use crate::train::units::Partition;
-use crate::train::zero3::HostWeightsMut;
 use crate::{Error, Result};
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use longctx_attention::comm::Comm;
@@ -45,16 +45,6 @@ pub struct ShardedAdamW {
     /// The host update's gradient pieces on their way to pinned host memory (its buffers
     /// are reused step after step).
     stash: Stash,
-}
-
-/// Where a step's new weights go.
-pub enum Out<'a> {
-    /// Into the model's weights (all-gathered over the ranks first).
-    Params(&'a [(String, Var)]),
-    /// Into this rank's parameter shard `[Σ L_u]` in the run dtype (ZeRO-3) on the device.
-    Shard(&'a Tensor),
-    /// Into this rank's parameter shard in host memory (ZeRO-3 with `offload_params`).
-    HostShard(HostWeightsMut<'a>),
 }
 
 /// What one step measured.
@@ -560,7 +550,7 @@ impl Deferred {
         self.finite
     }
 
-    /// Fault injection ([`crate::train::trainer::Fault::NanWeights`]): this update writes a NaN weight.
+    /// Fault injection (the trainer's `Fault::NanWeights`): this update writes a NaN weight.
     pub fn poison(&mut self) {
         self.poison = true;
     }
@@ -736,6 +726,19 @@ mod tests {
         }
     }
 
+    /// This rank's slice of the summed gradients `grads`, reduce-scattered unit by unit as
+    /// the ZeRO-2/3 backward does (each parameter its own unit).
+    fn reduce_per_unit(comm: &Arc<dyn Comm>, part: &Partition, grads: &[Tensor]) -> candle_core::Result<Tensor> {
+        let world = part.world;
+        let mut mine = Vec::new();
+        for (u, gr) in grads.iter().enumerate() {
+            let l = part.units[u].shard;
+            let padded = Tensor::cat(&[gr.flatten_all()?, Tensor::zeros(l * world - gr.elem_count(), DType::F32, &Device::Cpu)?], 0)?;
+            mine.push(comm.reduce_scatter_sum((0..world).map(|i| padded.narrow(0, i * l, l)).collect::<candle_core::Result<_>>()?)?);
+        }
+        Tensor::cat(&mine, 0)
+    }
+
     /// `per_unit`: each parameter is its own unit (sliced on its own, ZeRO-3's layout) and
     /// the new weights go into a parameter shard; else one unit and the model's weights.
     fn sharded_step_layout(on_device: bool, per_unit: bool) {
@@ -774,17 +777,7 @@ mod tests {
                     })
                     .collect::<candle_core::Result<Vec<_>>>()?;
                 let gshard = if per_unit {
-                    // Reduce-scatter unit by unit, as the ZeRO-2/3 backward does.
-                    let mut mine = Vec::new();
-                    for (u, gr) in grads.iter().enumerate() {
-                        let l = part.units[u].shard;
-                        let padded =
-                            Tensor::cat(&[gr.flatten_all()?, Tensor::zeros(l * world - gr.elem_count(), DType::F32, &Device::Cpu)?], 0)?;
-                        mine.push(
-                            comm.reduce_scatter_sum((0..world).map(|i| padded.narrow(0, i * l, l)).collect::<candle_core::Result<_>>()?)?,
-                        );
-                    }
-                    Tensor::cat(&mine, 0)?
+                    reduce_per_unit(&comm, &part, &grads)?
                 } else {
                     let buf = GradBuffer::new(&params, opt.padded_len(), &Device::Cpu).map_err(e)?;
                     for (view, g) in buf.views().iter().zip(&grads) {
@@ -821,7 +814,18 @@ mod tests {
             Ok((w, norms))
         })
         .unwrap();
-        // The naive reference, in f64.
+        check_naive(&out, &shapes, &init, (world, lr, clip), &cfg);
+    }
+
+    /// Every rank's weights and norms (`out`, after two steps) against a naive f64 AdamW
+    /// over the summed gradient.
+    fn check_naive(
+        out: &[(Vec<Vec<f32>>, Vec<f64>)],
+        shapes: &[&[usize]],
+        init: &dyn Fn(usize, usize) -> f32,
+        (world, lr, clip): (usize, f64, f64),
+        cfg: &AdamWConfig,
+    ) {
         let (b1, b2, eps, wd) = (cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay);
         for (p, sh) in shapes.iter().enumerate() {
             let n: usize = sh.iter().product();
