@@ -164,7 +164,7 @@ impl Rope {
         let high_wl = (old / high_freq_factor) as f32;
         let fac = *factor as f32;
         let two_pi = (2.0 * PI) as f32;
-        let inv = default_inv_freq(theta, dim)
+        default_inv_freq(theta, dim)
             .into_iter()
             .map(|f| {
                 let wl = two_pi / f;
@@ -179,8 +179,7 @@ impl Rope {
                     scaled
                 }
             })
-            .collect();
-        inv
+            .collect()
     }
 
     /// Whether the table depends on the sequence length (dynamic NTK, LongRoPE).
