@@ -9,7 +9,6 @@
 //!   products computed with checked arithmetic (an overflow is an error), compared with
 //!   the machine's physical memory.
 
-use crate::model::LlamaConfig;
 use crate::{Error, Result};
 use std::path::Path;
 
@@ -59,41 +58,6 @@ fn overflow(what: &str) -> Error {
     Error::Setting(format!(
         "{what} does not fit in 64 bits: some size (layers, width, vocabulary, length, batch or ranks) is far too large"
     ))
-}
-
-/// Parameters of `cfg` (biases included, a tied head counted once), with checked
-/// arithmetic: the count [`crate::model::init::parameter_shapes`] lists, without listing.
-pub fn param_count(cfg: &LlamaConfig) -> Result<u64> {
-    let what = "the parameter count";
-    let (h, v) = (cfg.hidden_size as u64, cfg.vocab_size as u64);
-    let layer = layer_param_count(cfg)?;
-    let embed = mul(what, &[v, h])?;
-    let head = if cfg.tie_word_embeddings { 0 } else { embed };
-    add(what, &[embed, mul(what, &[cfg.num_hidden_layers as u64, layer])?, h, head])
-}
-
-/// Parameters of one decoder layer (projections with their biases, two norms).
-pub fn layer_param_count(cfg: &LlamaConfig) -> Result<u64> {
-    let w = |x: usize| x as u64;
-    let (h, i, d) = (w(cfg.hidden_size), w(cfg.intermediate_size), w(cfg.head_dim));
-    let (hq, hkv) = (w(cfg.num_attention_heads), w(cfg.num_key_value_heads));
-    let what = "the parameter count";
-    let (q, kv) = (mul(what, &[hq, d])?, mul(what, &[hkv, d])?);
-    let proj = |rows: u64, cols: u64, bias: bool| -> Result<u64> { add(what, &[mul(what, &[rows, cols])?, if bias { rows } else { 0 }]) };
-    add(
-        what,
-        &[
-            proj(q, h, cfg.qkv_bias())?,
-            proj(kv, h, cfg.qkv_bias())?,
-            proj(kv, h, cfg.qkv_bias())?,
-            proj(h, q, cfg.o_bias())?,
-            proj(i, h, cfg.has_mlp_bias())?,
-            proj(i, h, cfg.has_mlp_bias())?,
-            proj(h, i, cfg.has_mlp_bias())?,
-            mul(what, &[2, h])?,
-            if cfg.qk_norm() { 2 * d } else { 0 },
-        ],
-    )
 }
 
 /// Physical memory of this machine, bytes (`None` when the OS does not say).
@@ -173,18 +137,44 @@ pub fn check_host_memory(need: &HostNeed, have: Option<u64>, source: &Path) -> R
     ))
 }
 
+/// A token count: an integer or a number with `K` (×1024) or `M` (×1024²), as long-context
+/// recipes name lengths (`512K` = 524288).
+pub fn parse_tokens(s: &str) -> std::result::Result<usize, String> {
+    let t = s.trim();
+    let (num, mult) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 1024usize),
+        Some('M') => (&t[..t.len() - 1], 1024 * 1024),
+        _ => (t, 1),
+    };
+    match num.parse::<usize>() {
+        Ok(n) if n > 0 => n.checked_mul(mult).ok_or_else(|| format!("`{s}`: too large")),
+        _ => Err(format!("`{s}`: expected a positive token count such as 65536, 64K or 1M")),
+    }
+}
+
+/// `bytes` in GB (10⁹ bytes) with two decimals.
+pub fn gb(bytes: u64) -> String {
+    format!("{:.2}", bytes as f64 / 1e9)
+}
+
+/// A token count as recipes write it, the one printer of lengths (K = 1024, M = 1024²,
+/// as [`parse_tokens`] reads them): `524288` → `512K`, `1048576` → `1M`; a count that reads
+/// as a round decimal number is printed as it is (EasyContext's `256000`, not `250K`).
+pub fn tokens_label(n: usize) -> String {
+    if n.is_multiple_of(1000) {
+        n.to_string()
+    } else if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
+        format!("{}M", n >> 20)
+    } else if n >= 1024 && n.is_multiple_of(1024) {
+        format!("{}K", n >> 10)
+    } else {
+        n.to_string()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn param_count_matches_the_shapes_of_the_builtin_models() {
-        for name in ["tiny", "tinyllama-1.1b-shape", "llama2-7b-shape"] {
-            let cfg = crate::model::init::builtin_config(name).unwrap();
-            let listed: u64 = crate::model::init::parameter_shapes(&cfg).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum();
-            assert_eq!(param_count(&cfg).unwrap(), listed, "{name}");
-        }
-    }
 
     #[test]
     fn checked_products_fail_on_overflow() {

@@ -127,7 +127,7 @@ impl ModelShape {
     pub fn from_config(cfg: &LlamaConfig) -> Self {
         Self {
             params: param_count(cfg),
-            layer_params: crate::limits::layer_param_count(cfg).unwrap_or(u64::MAX),
+            layer_params: cfg.layer_param_count().unwrap_or(u64::MAX),
             layers: cfg.num_hidden_layers,
             hidden: cfg.hidden_size,
             intermediate: cfg.intermediate_size,
@@ -140,10 +140,10 @@ impl ModelShape {
 }
 
 /// Parameters of a config, biases included, a tied head counted once (checked
-/// arithmetic: [`crate::limits::param_count`]; a config that parsed is within
+/// arithmetic: [`LlamaConfig::param_count`]; a config that parsed is within
 /// [`crate::limits::MAX_PARAMS`], so the saturation never shows).
 pub fn param_count(cfg: &LlamaConfig) -> u64 {
-    crate::limits::param_count(cfg).unwrap_or(u64::MAX)
+    cfg.param_count().unwrap_or(u64::MAX)
 }
 
 /// What to plan for. [`PlanRequest::new`] fills the defaults of `longctx plan`.
@@ -919,40 +919,8 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     Ok(bytes.round() as u64)
 }
 
-/// A token count: an integer or a number with `K` (×1024) or `M` (×1024²), as long-context
-/// recipes name lengths (`512K` = 524288).
-pub fn parse_tokens(s: &str) -> std::result::Result<usize, String> {
-    let t = s.trim();
-    let (num, mult) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&t[..t.len() - 1], 1024usize),
-        Some('M') => (&t[..t.len() - 1], 1024 * 1024),
-        _ => (t, 1),
-    };
-    match num.parse::<usize>() {
-        Ok(n) if n > 0 => n.checked_mul(mult).ok_or_else(|| format!("`{s}`: too large")),
-        _ => Err(format!("`{s}`: expected a positive token count such as 65536, 64K or 1M")),
-    }
-}
-
-/// `bytes` in GB (10⁹ bytes) with two decimals.
-pub fn gb(bytes: u64) -> String {
-    format!("{:.2}", bytes as f64 / 1e9)
-}
-
-/// A token count as recipes write it, the one printer of lengths (K = 1024, M = 1024²,
-/// as [`parse_tokens`] reads them): `524288` → `512K`, `1048576` → `1M`; a count that reads
-/// as a round decimal number is printed as it is (EasyContext's `256000`, not `250K`).
-pub fn tokens_label(n: usize) -> String {
-    if n.is_multiple_of(1000) {
-        n.to_string()
-    } else if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
-        format!("{}M", n >> 20)
-    } else if n >= 1024 && n.is_multiple_of(1024) {
-        format!("{}K", n >> 10)
-    } else {
-        n.to_string()
-    }
-}
+// Token counts are read and printed by `limits` (below every layer that names lengths).
+pub use crate::limits::{gb, parse_tokens, tokens_label};
 
 /// What a peek at the first samples of documents-packed data says (`train --dry-run`).
 #[derive(Debug, Clone, Copy, PartialEq)]

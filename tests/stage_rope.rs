@@ -15,9 +15,10 @@
 //!   over two sequence-parallel ranks (zigzag ring, Ulysses) as on one (1e-5 relative).
 
 use candle_core::{safetensors, DType, Device, Tensor};
-use longctx::hub::export::{ModelExport, RunProgress};
+use longctx::hub::export::ModelExport;
 use longctx::model::{LlamaConfig, Rope, RopeScaling};
 use longctx::train::config::{RunConfig, Stage, StageRope};
+use longctx::train::export::RunProgress;
 use longctx::train::trainer::run;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};

@@ -6,8 +6,9 @@
 use super::{human_bytes, parse_dtype, positive_theta, size_arg, FLAGS};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use longctx::hub::{HubOptions, ModelExport, TrainingCheckpoint};
+use longctx::hub::{HubOptions, ModelExport};
 use longctx::model::LlamaConfig;
+use longctx::train::export::TrainingCheckpoint;
 use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug)]

@@ -138,7 +138,7 @@ pub fn eval_memory(cfg: &LlamaConfig, dtype: DType, window: u64, kv_tokens: u64)
     let per_token = add(what, &[12, mul(what, &[b, add(what, &[mul(what, &[2, h])?, qkvo, mul(what, &[3, i])?])?])?])?;
     let kv_per_token = mul(what, &[w(cfg.num_hidden_layers), 2, hkv, d, b])?;
     Ok(EvalMemory {
-        weights: mul(what, &[crate::limits::param_count(cfg)?, b])?,
+        weights: mul(what, &[cfg.param_count()?, b])?,
         // Saturating: a count past 64 bits is past any memory (and past the positions,
         // which `check_eval_size` reports first).
         activations: window.saturating_mul(per_token),

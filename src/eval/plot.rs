@@ -41,7 +41,7 @@ const PALETTE: [RGBColor; 6] = [
 
 /// A line per series of `(x, y)` points, written to `path` (PNG), drawn to read at a glance:
 /// x on a log2 axis with ticks at the given x values only, labelled by
-/// [`crate::plan::tokens_label`] (2K, 64K, 1M);
+/// [`crate::limits::tokens_label`] (2K, 64K, 1M);
 /// y on a log10 axis when the values span more than a decade (a good and a bad model
 /// both visible), else linear; the legend in a panel right of the data (never over the last
 /// points), each series named by [`short_name`]; the title wrapped to the image width.
@@ -100,7 +100,7 @@ pub fn lines(path: &Path, title: &str, x_desc: &str, y_desc: &str, series: &[(St
             // backend_coord is in the image's pixels; `area` draws relative to its corner.
             let ((px, py), (bx, by)) = (chart.backend_coord(&(lx(t), y0)), area.get_base_pixel());
             let (px, py) = (px - bx, py - by);
-            let label = crate::plan::tokens_label(t.round() as usize);
+            let label = crate::limits::tokens_label(t.round() as usize);
             let w = 8 * label.chars().count() as i32;
             area.draw(&Text::new(label, (px - w / 2, py + 6), (FAMILY, 14).into_font()))?;
         }
@@ -278,7 +278,7 @@ pub fn heatmap(path: &Path, h: &Heatmap<'_>) -> Result<()> {
             }
         }
         for (c, len) in h.lengths.iter().enumerate() {
-            root.draw(&centred(crate::plan::tokens_label(*len), left + c as i32 * cw + cw / 2, grid_bottom + 14, 13))?;
+            root.draw(&centred(crate::limits::tokens_label(*len), left + c as i32 * cw + cw / 2, grid_bottom + 14, 13))?;
         }
         root.draw(&centred("context length (tokens)".into(), left + (nx as i32 * cw) / 2, grid_bottom + 38, 15))?;
         for (r, label) in h.rows.iter().enumerate() {
@@ -301,7 +301,7 @@ pub fn heatmap(path: &Path, h: &Heatmap<'_>) -> Result<()> {
         if let Some(ctx) = h.trained_context {
             let x = context_mark_x(&lay, h.lengths, ctx);
             root.draw(&Rectangle::new([(x - 1, top - 6), (x + 2, grid_bottom + 26)], CONTEXT_MARK.filled()))?;
-            let text = format!("trained context {}", crate::plan::tokens_label(ctx));
+            let text = format!("trained context {}", crate::limits::tokens_label(ctx));
             let anchor =
                 if x > lay.width as i32 / 2 { plotters::style::text_anchor::HPos::Right } else { plotters::style::text_anchor::HPos::Left };
             let tx = if x > lay.width as i32 / 2 { x - 6 } else { x + 6 };
@@ -321,10 +321,10 @@ mod line_tests {
     #[test]
     fn labels_names_and_wrapping() {
         // Ticks are labelled by the one printer of lengths.
-        assert_eq!(crate::plan::tokens_label(2048), "2K");
-        assert_eq!(crate::plan::tokens_label(65536), "64K");
-        assert_eq!(crate::plan::tokens_label(1048576), "1M");
-        assert_eq!(crate::plan::tokens_label(1000), "1000");
+        assert_eq!(crate::limits::tokens_label(2048), "2K");
+        assert_eq!(crate::limits::tokens_label(65536), "64K");
+        assert_eq!(crate::limits::tokens_label(1048576), "1M");
+        assert_eq!(crate::limits::tokens_label(1000), "1000");
         assert_eq!(short_name("runs/SmolLM2-135M-64K/export"), "SmolLM2-135M-64K/export");
         assert_eq!(short_name("/data/models/SmolLM2-135M-Instruct/"), "models/SmolLM2-135M-Instruct");
         assert_eq!(short_name("builtin:tiny"), "builtin:tiny");

@@ -10,7 +10,7 @@
 //! - [`config`] — `config.json` as JSON; update `rope_theta` / `max_position_embeddings`.
 //! - [`tokenizer`] — `tokenizer.json`.
 //! - [`export`] — atomic export in the HF layout (sharded like transformers); what a run's
-//!   export writes ([`ModelExport`], also for a [`TrainingCheckpoint`]).
+//!   export writes ([`ModelExport`]; a run's side, `for_run` and training checkpoints, in `train::export`).
 
 pub mod cache;
 pub mod config;
@@ -21,6 +21,6 @@ pub mod tokenizer;
 
 pub use cache::{model_config, resolve_model, resolve_model_config, HubOptions, ModelConfig, ModelSpec, ResolvedModel};
 pub use config::{config_path, disable_sliding_window, read_config, set_context_fields, set_torch_dtype};
-pub use export::{export, export_map, side_files, ExportOptions, ExportReport, ModelExport, RunProgress, TrainingCheckpoint};
+pub use export::{export, export_map, side_files, ExportOptions, ExportReport, ModelExport};
 pub use load::{load_into_varmap, load_stored, load_weights, Checkpoint};
 pub use tokenizer::load_tokenizer;

@@ -552,6 +552,43 @@ fn parse_rope_scaling(file: &Path, key: &str, obj: &Map<String, Value>, max_pos:
 }
 
 impl LlamaConfig {
+    /// Parameters of the model (biases included, a tied head counted once), with checked
+    /// arithmetic: the count [`super::init::parameter_shapes`] lists, without listing.
+    pub fn param_count(&self) -> Result<u64> {
+        let what = "the parameter count";
+        let (h, v) = (self.hidden_size as u64, self.vocab_size as u64);
+        let layer = self.layer_param_count()?;
+        let embed = crate::limits::mul(what, &[v, h])?;
+        let head = if self.tie_word_embeddings { 0 } else { embed };
+        crate::limits::add(what, &[embed, crate::limits::mul(what, &[self.num_hidden_layers as u64, layer])?, h, head])
+    }
+
+    /// Parameters of one decoder layer (projections with their biases, two norms).
+    pub fn layer_param_count(&self) -> Result<u64> {
+        let w = |x: usize| x as u64;
+        let (h, i, d) = (w(self.hidden_size), w(self.intermediate_size), w(self.head_dim));
+        let (hq, hkv) = (w(self.num_attention_heads), w(self.num_key_value_heads));
+        let what = "the parameter count";
+        let (q, kv) = (crate::limits::mul(what, &[hq, d])?, crate::limits::mul(what, &[hkv, d])?);
+        let proj = |rows: u64, cols: u64, bias: bool| -> Result<u64> {
+            crate::limits::add(what, &[crate::limits::mul(what, &[rows, cols])?, if bias { rows } else { 0 }])
+        };
+        crate::limits::add(
+            what,
+            &[
+                proj(q, h, self.qkv_bias())?,
+                proj(kv, h, self.qkv_bias())?,
+                proj(kv, h, self.qkv_bias())?,
+                proj(h, q, self.o_bias())?,
+                proj(i, h, self.has_mlp_bias())?,
+                proj(i, h, self.has_mlp_bias())?,
+                proj(h, i, self.has_mlp_bias())?,
+                crate::limits::mul(what, &[2, h])?,
+                if self.qk_norm() { 2 * d } else { 0 },
+            ],
+        )
+    }
+
     /// Reads and validates `config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
@@ -632,7 +669,7 @@ impl LlamaConfig {
             source: file.to_path_buf(),
             original,
         };
-        let params = crate::limits::param_count(&cfg).map_err(|e| Error::config(file, "num_hidden_layers", format!("{e}")))?;
+        let params = cfg.param_count().map_err(|e| Error::config(file, "num_hidden_layers", format!("{e}")))?;
         if params > crate::limits::MAX_PARAMS {
             return Err(Error::config(
                 file,
@@ -860,5 +897,17 @@ impl<'de> Deserialize<'de> for LlamaConfig {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         let v = Value::deserialize(d)?;
         LlamaConfig::from_value("config.json", v).map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod param_tests {
+    #[test]
+    fn param_count_matches_the_shapes_of_the_builtin_models() {
+        for name in ["tiny", "tinyllama-1.1b-shape", "llama2-7b-shape"] {
+            let cfg = crate::model::init::builtin_config(name).unwrap();
+            let listed: u64 = crate::model::init::parameter_shapes(&cfg).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum();
+            assert_eq!(cfg.param_count().unwrap(), listed, "{name}");
+        }
     }
 }

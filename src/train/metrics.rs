@@ -344,13 +344,13 @@ impl Metrics {
             let mut names = Vec::new();
             for p in &e.ppl {
                 if let Some(v) = p.ppl {
-                    names.push((format!("eval/ppl@{}", crate::plan::tokens_label(p.length)), v));
+                    names.push((format!("eval/ppl@{}", crate::limits::tokens_label(p.length)), v));
                 }
             }
             for &len in e.passkey.iter().map(|c| &c.length).collect::<std::collections::BTreeSet<_>>() {
                 let cells = e.passkey.iter().filter(|c| c.length == len);
                 let (right, total) = cells.fold((0, 0), |(r, t), c| (r + c.right, t + c.trials));
-                names.push((format!("eval/passkey@{}", crate::plan::tokens_label(len)), right as f64 / total.max(1) as f64));
+                names.push((format!("eval/passkey@{}", crate::limits::tokens_label(len)), right as f64 / total.max(1) as f64));
             }
             let v: Vec<(&str, f64)> = names.iter().map(|(n, v)| (n.as_str(), *v)).collect();
             tb.scalars(e.global_step, &v)?;

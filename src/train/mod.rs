@@ -8,6 +8,7 @@ pub mod optim;
 
 pub use config::{ParallelMode, RunConfig, Stage, StageSettings};
 pub mod engine;
+pub mod export;
 /// Built-in model configs and random initialisation live under `model/` (below the data,
 /// hub and eval layers that need them); re-exported here for existing callers.
 pub use crate::model::init;

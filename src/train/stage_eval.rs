@@ -188,8 +188,8 @@ impl EvalLine {
             .ppl
             .iter()
             .map(|p| match p.ppl {
-                Some(v) => format!("{v:.3} at {}", crate::plan::tokens_label(p.length)),
-                None => format!("- at {} (no document that long)", crate::plan::tokens_label(p.length)),
+                Some(v) => format!("{v:.3} at {}", crate::limits::tokens_label(p.length)),
+                None => format!("- at {} (no document that long)", crate::limits::tokens_label(p.length)),
             })
             .collect();
         let right: usize = self.passkey.iter().map(|c| c.right).sum();

@@ -224,7 +224,7 @@ fn check_host_memory(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Resul
             act = act.max(mul(what, &[l, b, local, h, 4])?);
         }
     }
-    let params = crate::limits::param_count(mcfg)?;
+    let params = mcfg.param_count()?;
     let offloaded = if cfg.train.zero_stage == 3 && cfg.train.offload_params && !cpu { mul(what, &[params, 2])? } else { 0 };
     let need = crate::limits::host_need(params, ranks as u64, cpu, cfg.train.optimizer_on_host, act, offloaded)?;
     crate::limits::check_host_memory(&need, crate::limits::physical_memory(), Path::new("<run config>"))
@@ -1040,7 +1040,7 @@ impl<'a> RankRun<'a> {
     /// final checkpoint writes it ([`crate::hub::ModelExport::for_run`]).
     fn export(&self, export_dir: &Path, tensors: Vec<(String, Tensor)>) -> Result<()> {
         let (sh, cfg) = (self.sh, self.sh.cfg);
-        let finished = crate::hub::RunProgress::finished(cfg);
+        let finished = crate::train::export::RunProgress::finished(cfg);
         crate::hub::ModelExport::new(tensors, sh.model.config_json.clone(), sh.model.source_dir.clone())
             .for_run(cfg, finished, sh.model.cfg.max_position_embeddings, Path::new("<run config>"))?
             .write(export_dir)?;
