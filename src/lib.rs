@@ -15,13 +15,13 @@
 
 pub mod data;
 pub mod device;
-pub mod dist;
 pub mod error;
 pub mod eval;
 pub mod guard;
 pub mod hub;
 pub mod limits;
 pub mod model;
+pub mod parallel;
 pub mod plan;
 pub mod train;
 

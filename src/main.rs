@@ -49,7 +49,7 @@ enum Cmd {
     Plan(cli::plan::PlanArgs),
     /// Start one process per GPU running a longctx command (torchrun-style environment):
     /// `longctx launch --nproc-per-node 8 -- train --config recipes/X.toml`.
-    Launch(longctx::dist::LaunchArgs),
+    Launch(longctx::parallel::LaunchArgs),
     /// Evaluate a checkpoint: perplexity against context length (`eval ppl`), needle /
     /// passkey retrieval over depth × length (`eval needle`); JSON/CSV and PNG plots.
     Eval {

@@ -93,8 +93,8 @@
 //! zigzag 2W divisibility, FPDT chunk layout, ...; [`ParallelDims::new`]: head split)
 //! and no more ranks than GPUs ([`ParallelDims::check_devices`]).
 
-use crate::dist::dims::{ParallelDims, ParallelMode};
 use crate::model::LlamaConfig;
+use crate::parallel::dims::{ParallelDims, ParallelMode};
 use crate::train::config::{RunConfig, Stage};
 use crate::train::layer_grad::LayerShape;
 use crate::{Error, Result};

@@ -5,9 +5,9 @@
 //! the test), so a hang is a failure, never a stuck suite. Time bounds asserted:
 //! failure paths must end within 15 s (kill grace 1-2 s, rendezvous timeouts 2 s).
 
-use longctx::dist::env::{first_host, tasks_on_node};
-use longctx::dist::launch::PEER_FAILED_EXIT_CODE;
-use longctx::dist::DistEnv;
+use longctx::parallel::env::{first_host, tasks_on_node};
+use longctx::parallel::launch::PEER_FAILED_EXIT_CODE;
+use longctx::parallel::DistEnv;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -395,7 +395,7 @@ fn slurm_host_lists_and_task_counts() {
 /// change nothing (no echo of the first failure as a new one).
 #[test]
 fn monitor_callbacks_run_once_and_late_reports_are_silent() {
-    use longctx::dist::{rendezvous, RendezvousOptions};
+    use longctx::parallel::{rendezvous, RendezvousOptions};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     let port = free_port();

@@ -7,7 +7,7 @@
 //! Tolerance: exact (small integers in f32 sum exactly).
 
 use candle_core::{Device, Tensor};
-use longctx::dist::{build_groups, DimsRequest, ParallelDims, ParallelMode};
+use longctx::parallel::{build_groups, DimsRequest, ParallelDims, ParallelMode};
 use longctx_attention::comm::thread::run_ranks;
 use std::collections::BTreeSet;
 

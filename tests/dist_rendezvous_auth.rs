@@ -13,7 +13,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 const SECRET: &str = "test-secret-0123456789abcdef";
-/// Frame kinds of the rendezvous (src/dist/wire.rs).
+/// Frame kinds of the rendezvous (src/parallel/wire.rs).
 const HELLO: u8 = 1;
 const ERROR: u8 = 3;
 const CHALLENGE: u8 = 7;

@@ -313,7 +313,7 @@ fn engine_reused_across_steps() -> longctx::Result<()> {
 /// held, and its layer/head transient equals what the engine reports (f32 on the CPU).
 #[test]
 fn planner_figures_equal_the_engine_report() -> longctx::Result<()> {
-    use longctx::dist::ParallelMode;
+    use longctx::parallel::ParallelMode;
     use longctx::plan::{self, ModelShape, PlanRequest};
     let cfg = config(4, 2, false, false, 3);
     let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);

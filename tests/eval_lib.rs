@@ -16,12 +16,12 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use longctx::data::synthetic;
-use longctx::dist::ParallelMode;
 use longctx::eval::forward::{with_ranks, Ranks, RanksSpec};
 use longctx::eval::generate::{generate, Sampling};
 use longctx::eval::needle::{exact_match, token_accuracy, token_case};
 use longctx::eval::ppl::{document_windows, perplexity, score_windows, sliding_windows, truncated_windows};
 use longctx::model::{KvCache, Llama, LlamaConfig};
+use longctx::parallel::ParallelMode;
 use longctx_attention::local::LocalAttention;
 use longctx_attention::AttentionMode;
 

@@ -23,8 +23,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use longctx::data::layout::apply_layout_tensors;
-use longctx::dist::dims::ParallelMode;
 use longctx::model::LlamaConfig;
+use longctx::parallel::dims::ParallelMode;
 use longctx::train::config::{RunConfig, Stage};
 use longctx::train::engine::{Engine, EngineOptions};
 use longctx::train::init::{random_init, to_vars};

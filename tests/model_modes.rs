@@ -13,8 +13,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use longctx::data::layout::apply_layout_tensors;
-use longctx::dist::dims::{build_groups, DimsRequest, ParallelDims, ParallelMode};
 use longctx::model::LlamaConfig;
+use longctx::parallel::dims::{build_groups, DimsRequest, ParallelDims, ParallelMode};
 use longctx::train::engine::{Engine, EngineOptions};
 use longctx::train::init::{random_init, to_vars};
 use longctx_attention::comm::thread::run_ranks;

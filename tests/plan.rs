@@ -4,8 +4,8 @@
 //!
 //! All comparisons are exact (integer bytes): the formulas are integer arithmetic.
 
-use longctx::dist::ParallelMode;
 use longctx::model::LlamaConfig;
+use longctx::parallel::ParallelMode;
 use longctx::plan::{self, ModelShape, PlanRequest};
 use std::path::Path;
 

@@ -13,7 +13,7 @@
 //! are re-cut): not bitwise then, its losses must agree within 1e-4 relative.
 
 use candle_core::{DType, Device, Tensor};
-use longctx::dist::dims::ParallelMode;
+use longctx::parallel::dims::ParallelMode;
 use longctx::train::config::{RunConfig, Stage};
 use longctx::train::optim::Schedule;
 use longctx::train::trainer::{run, run_with, RunOptions};

@@ -4,7 +4,7 @@
 //! refused before anything is allocated (config.json shapes, batch × length, ranks, the
 //! host memory a run needs); the planner's and `inspect`'s arithmetic is checked.
 
-use longctx::dist::dims::ParallelMode;
+use longctx::parallel::dims::ParallelMode;
 use longctx::plan::{self, ModelShape, PlanRequest};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

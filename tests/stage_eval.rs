@@ -10,8 +10,8 @@
 //! Runs: built-in tiny Llama, passkey data, two stages (32 tokens θ 1e4 × 4 steps, then
 //! 64 tokens θ 1e5 × 4 steps), checkpoints every step, CPU.
 
-use longctx::dist::dims::ParallelMode;
 use longctx::eval::ppl::Method;
+use longctx::parallel::dims::ParallelMode;
 use longctx::train::config::{RunConfig, Stage};
 use longctx::train::stage_eval::{read_lines, EvalLine, EvalSection};
 use longctx::train::trainer::{run, run_with, RunOptions};

@@ -13,7 +13,7 @@
 //! state is re-cut from the units recorded in `state.json`). And the same runs as real
 //! processes (`longctx launch`) equal the thread runs.
 
-use longctx::dist::dims::ParallelMode;
+use longctx::parallel::dims::ParallelMode;
 use longctx::train::config::{RunConfig, Stage};
 use longctx::train::optim::Schedule;
 use longctx::train::trainer::{run, run_with, Resident, RunOptions, RunSummary};

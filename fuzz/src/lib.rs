@@ -97,7 +97,7 @@ pub fn config_json(data: &[u8]) {
         let _ = cfg.to_json_value();
         let _ = longctx::limits::param_count(&cfg);
         let shape = longctx::plan::ModelShape::from_config(&cfg);
-        let req = longctx::plan::PlanRequest::new(65536, 8, 80_000_000_000, longctx::dist::dims::ParallelMode::ZigzagRingAttn);
+        let req = longctx::plan::PlanRequest::new(65536, 8, 80_000_000_000, longctx::parallel::dims::ParallelMode::ZigzagRingAttn);
         let _ = longctx::plan::plan(&shape, &req);
     }
     let _ = longctx::hub::set_context_fields(&mut v, 1e6, 65536);

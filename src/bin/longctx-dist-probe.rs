@@ -7,7 +7,7 @@
 //! on request to exercise the failure paths.
 
 use clap::{Parser, Subcommand};
-use longctx::dist::{self, DistEnv, LaunchArgs, RendezvousOptions};
+use longctx::parallel::{self, DistEnv, LaunchArgs, RendezvousOptions};
 use rand::Rng;
 use std::time::Duration;
 
@@ -51,7 +51,7 @@ struct RunArgs {
     #[arg(long)]
     nccl_fail_rank: Option<usize>,
     /// After the rendezvous, wait until the monitor reports a failure, then exit with
-    /// `dist::launch::PEER_FAILED_EXIT_CODE`.
+    /// `parallel::launch::PEER_FAILED_EXIT_CODE`.
     #[arg(long)]
     sleep: bool,
 }
@@ -76,7 +76,7 @@ fn run(a: RunArgs) -> anyhow::Result<i32> {
     }
     let opts = RendezvousOptions::from_env()?;
     let nccl = a.nccl_selftest;
-    let rdzv = dist::rendezvous(
+    let rdzv = parallel::rendezvous(
         &env,
         || {
             if nccl {
@@ -107,7 +107,7 @@ fn run(a: RunArgs) -> anyhow::Result<i32> {
     if a.sleep {
         let reason = rdzv.monitor.wait_failure(None).unwrap_or_default();
         eprintln!("rank {me}: stopping: {reason}");
-        return Ok(dist::launch::PEER_FAILED_EXIT_CODE);
+        return Ok(parallel::launch::PEER_FAILED_EXIT_CODE);
     }
     rdzv.monitor.finish();
     Ok(0)
@@ -119,7 +119,7 @@ fn nccl_id() -> longctx::Result<Vec<u8>> {
 }
 
 #[cfg(not(feature = "nccl"))]
-fn nccl_selftest(_: &DistEnv, _: &dist::Rendezvous, _: Option<usize>) -> anyhow::Result<i32> {
+fn nccl_selftest(_: &DistEnv, _: &parallel::Rendezvous, _: Option<usize>) -> anyhow::Result<i32> {
     anyhow::bail!("--nccl-selftest needs a build with --features nccl")
 }
 
@@ -132,7 +132,7 @@ fn nccl_id() -> longctx::Result<Vec<u8>> {
 /// integers: sums are exact in f32 and bf16, so the checks are equalities), the
 /// groups of `build_groups`, bus bandwidths, and optionally the failure path.
 #[cfg(feature = "nccl")]
-fn nccl_selftest(env: &DistEnv, rdzv: &dist::Rendezvous, fail_rank: Option<usize>) -> anyhow::Result<i32> {
+fn nccl_selftest(env: &DistEnv, rdzv: &parallel::Rendezvous, fail_rank: Option<usize>) -> anyhow::Result<i32> {
     use longctx::attention::comm::nccl::{Family, NcclComm, NcclOptions};
     use longctx::attention::comm::Comm;
     use std::sync::Arc;
@@ -140,7 +140,7 @@ fn nccl_selftest(env: &DistEnv, rdzv: &dist::Rendezvous, fail_rank: Option<usize
 
     let (r, w) = (env.rank, env.world);
     let dev = longctx::device::open_cuda(env.local_rank)?;
-    // Failure wiring before the communicator, as `dist::world::join` does.
+    // Failure wiring before the communicator, as `parallel::world::join` does.
     let family = Family::new(r, w);
     {
         let f = family.clone();
@@ -207,15 +207,15 @@ fn collective_checks(
     ensure!(vals(&got[0])?.iter().chain(vals(&got[1])?.iter()).all(|&v| v == prev as f32), "sendrecv values");
     comm.barrier()?;
     // Groups: data parallel (sp groups are single ranks: split), and a split of the whole world.
-    let dims = dist::ParallelDims::new(&dist::DimsRequest {
-        mode: dist::ParallelMode::DataParallel,
+    let dims = parallel::ParallelDims::new(&parallel::DimsRequest {
+        mode: parallel::ParallelMode::DataParallel,
         world: w,
         sp: None,
         ulysses: None,
         hq: 8,
         hkv: 8,
     })?;
-    let g = dist::build_groups(comm, &dims)?;
+    let g = parallel::build_groups(comm, &dims)?;
     ensure!(g.sp.world() == 1 && g.dp.world() == w && g.dp.rank() == r, "group sizes");
     let one = full(1.0, &[1], DType::F32)?;
     ensure!(vals(&g.sp.all_reduce_sum(&one)?)? == [1.0], "sp group sum");
@@ -271,7 +271,7 @@ fn bandwidth(
 fn dead_peer(
     comm: &std::sync::Arc<dyn longctx::attention::comm::Comm>,
     dev: &candle_core::Device,
-    rdzv: &dist::Rendezvous,
+    rdzv: &parallel::Rendezvous,
     r: usize,
     f: usize,
 ) -> anyhow::Result<i32> {
@@ -295,13 +295,13 @@ fn dead_peer(
     );
     let again = comm.all_reduce_sum(&one).map(|_| ());
     println!("rank {r}: next call: {again:?}");
-    Ok(dist::launch::PEER_FAILED_EXIT_CODE)
+    Ok(parallel::launch::PEER_FAILED_EXIT_CODE)
 }
 
 fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
-        Cmd::Launch(args) => match args.into_options().and_then(dist::launch) {
+        Cmd::Launch(args) => match args.into_options().and_then(parallel::launch) {
             Ok(c) => c,
             Err(e) => {
                 eprintln!("{e}");

@@ -286,7 +286,7 @@ fn check_lengths(specs: &[String], lengths: &[usize], run: &RunFlags, dtype: can
     let Some(ctx) = cfgs.iter().map(|c| c.max_position_embeddings).max() else { return Ok(()) };
     let lengths = if lengths.is_empty() { default_lengths(ctx, min) } else { lengths.to_vec() };
     // Ranks as processes each hold a share of the window; threads share one process.
-    let world = longctx::dist::DistEnv::from_env()?.map_or(1, |e| e.world as u64).max(1);
+    let world = longctx::parallel::DistEnv::from_env()?.map_or(1, |e| e.world as u64).max(1);
     let have = longctx::eval::model::eval_memory_available(&run.device)?;
     for &l in &lengths {
         let (mut weights, mut act) = (0u64, 0u64);

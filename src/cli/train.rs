@@ -4,7 +4,7 @@
 use super::overrides::{DataFlags, LayoutFlags, RunFlags, StageFlags, TrainFlags};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use longctx::dist::DistEnv;
+use longctx::parallel::DistEnv;
 use longctx::train::config::RunConfig;
 use longctx::train::trainer::{self, RunOptions, RunSummary, StopFlag, StopReason};
 use std::path::PathBuf;

@@ -22,9 +22,9 @@ use longctx_attention::local::LocalAttention;
 use longctx_attention::AttentionMode;
 
 use crate::data::layout::apply_layout;
-use crate::dist::dims::{build_groups, DimsRequest, Groups, ParallelDims};
-use crate::dist::ParallelMode;
 use crate::model::{loss, Llama};
+use crate::parallel::dims::{build_groups, DimsRequest, Groups, ParallelDims};
+use crate::parallel::ParallelMode;
 use crate::{Error, Result};
 
 /// What the user asked for: mode, in-process ranks, Ulysses degree (USP), FPDT chunk.
@@ -270,8 +270,8 @@ pub fn with_ranks<M: Sync, T: Send>(
     heads: impl Fn(&M) -> (usize, usize),
     f: impl Fn(&Ranks, &M) -> Result<T> + Sync,
 ) -> Result<Option<T>> {
-    if let Some(env) = crate::dist::DistEnv::from_env()? {
-        let joined = crate::dist::world::join(&env, device, spec.collective_timeout)?;
+    if let Some(env) = crate::parallel::DistEnv::from_env()? {
+        let joined = crate::parallel::world::join(&env, device, spec.collective_timeout)?;
         let res = load(&joined.device).and_then(|m| {
             let (hq, hkv) = heads(&m);
             let r = Ranks::new(spec, joined.comm.clone(), hq, hkv)?;
@@ -295,7 +295,7 @@ pub fn with_ranks<M: Sync, T: Send>(
         ));
     }
     let (hq, hkv) = heads(&m);
-    let mut outs = crate::dist::world::run_threads(spec.world_size, spec.collective_timeout, |comm| {
+    let mut outs = crate::parallel::world::run_threads(spec.world_size, spec.collective_timeout, |comm| {
         let r = Ranks::new(spec, comm, hq, hkv)?;
         f(&r, &m)
     })?;

@@ -10,13 +10,13 @@ use std::path::{Path, PathBuf};
 use crate::data::docs::LabelSource;
 use crate::data::loader::{FilesConfig, MixSource};
 use crate::data::packing::Packing;
-use crate::dist::LengthField;
 use crate::limits::{check_range, MAX_BATCH, MAX_BATCH_TOKENS, MAX_SEQ_LEN, MAX_SHUFFLE_BUFFER, MAX_STEPS, MAX_WORLD_SIZE};
+use crate::parallel::LengthField;
 
 /// Largest learning rate accepted (AdamW moves each weight by about the learning rate
 /// per step: anything above 1 destroys the model in one step).
 pub const MAX_LEARNING_RATE: f64 = 1.0;
-pub use crate::dist::ParallelMode;
+pub use crate::parallel::ParallelMode;
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]

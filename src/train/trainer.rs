@@ -20,9 +20,9 @@
 
 use crate::data::loader::{DataSpec, DataState, FilesConfig, Loader, Shard};
 use crate::data::synthetic::{LossOn, PasskeyConfig};
-use crate::dist::dims::{build_groups, Groups, ParallelDims, ParallelMode};
 use crate::eval::forward::Ranks;
 use crate::model::{LlamaConfig, Rope};
+use crate::parallel::dims::{build_groups, Groups, ParallelDims, ParallelMode};
 use crate::train::checkpoint::{self, TrainState};
 use crate::train::config::{RunConfig, Stage, StageSettings};
 use crate::train::engine::{Engine, EngineOptions, MemoryReport};
@@ -360,7 +360,7 @@ pub fn run_with(cfg: &RunConfig, resume: bool, opts: &RunOptions) -> Result<RunS
     let start = StartWeights::new(std::mem::take(&mut model.weights), cfg.parallel.world_size);
     let loaded_in = began.elapsed().as_secs_f64();
     let shared = Shared { cfg, model: &model, start, device, dtype, resume: loaded.as_ref(), opts, began, loaded_in };
-    let outs = crate::dist::world::run_threads(cfg.parallel.world_size, cfg.collective_timeout(), |comm| rank_main(&shared, comm))?;
+    let outs = crate::parallel::world::run_threads(cfg.parallel.world_size, cfg.collective_timeout(), |comm| rank_main(&shared, comm))?;
     outs.into_iter().next().flatten().ok_or_else(|| Error::Setting("rank 0 returned no summary".into()))
 }
 
@@ -877,7 +877,7 @@ impl<'a> RankRun<'a> {
     /// request and whether its checkpoint interval has passed are all-reduced together, so
     /// every rank takes the same decisions: skip a non-finite step, stop, checkpoint.
     fn step(&mut self, st: &mut StageRun, si: usize, stage: &Stage, step: u64) -> Result<StepOut> {
-        crate::dist::world::test_stall(self.world.rank(), self.global_step)?;
+        crate::parallel::world::test_stall(self.world.rank(), self.global_step)?;
         let (sh, cfg) = (self.sh, self.sh.cfg);
         let ts = Instant::now();
         self.engine.profiler().trace_step(&format!("step {} of stage {si}: reading its data", step + 1));
@@ -1121,17 +1121,17 @@ impl RankRun<'_> {
 }
 
 /// Run as one process of a launched world (`longctx launch`, torchrun, Slurm): the
-/// world comes from [`crate::dist::world::join`] (NCCL on `cuda:LOCAL_RANK`, or the CPU
+/// world comes from [`crate::parallel::world::join`] (NCCL on `cuda:LOCAL_RANK`, or the CPU
 /// process transport with `model.device = cpu`); then the same rank loop as in-process
 /// runs. A failing rank tells the others, which stop within a bounded time.
-pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::dist::env::DistEnv, opts: &RunOptions) -> Result<Option<RunSummary>> {
+pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::parallel::env::DistEnv, opts: &RunOptions) -> Result<Option<RunSummary>> {
     if env.world != cfg.parallel.world_size {
         return Err(Error::Setting(format!(
             "WORLD_SIZE is {} but parallel.world_size is {}; leave --world-size unset under a launcher",
             env.world, cfg.parallel.world_size
         )));
     }
-    let joined = crate::dist::world::join(env, &cfg.model.device, cfg.collective_timeout())?;
+    let joined = crate::parallel::world::join(env, &cfg.model.device, cfg.collective_timeout())?;
     let result = (|| {
         let dtype =
             if joined.device.is_cpu() { DType::F32 } else { parse_dtype(&cfg.model.dtype, Path::new("<run config>"), "model.dtype")? };

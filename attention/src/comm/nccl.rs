@@ -1,7 +1,7 @@
 //! NCCL backend (feature `nccl`): one process per GPU, tensors on that GPU.
 //!
 //! Creation: rank 0 calls [`NcclComm::unique_id`], the id reaches every rank out of
-//! band (`longctx::dist::rendezvous`), then every rank calls [`NcclComm::new`] with its
+//! band (`longctx::parallel::rendezvous`), then every rank calls [`NcclComm::new`] with its
 //! rank, the world size and the id (`ncclCommInitRank`, blocks until all ranks joined).
 //!
 //! Operations:
@@ -14,7 +14,7 @@
 //! - `sub`: `ncclCommSplit` with colour = smallest member, key = position. Unlike the
 //!   thread backend, a split is collective over *all* ranks of the parent: every rank
 //!   calls `sub` at the same point with its own group, and the groups of one call
-//!   partition the parent (what `longctx::dist::build_groups` does).
+//!   partition the parent (what `longctx::parallel::build_groups` does).
 //!
 //! Receive sizes: NCCL cannot learn the size of an incoming message, so receives are
 //! posted with the shapes and dtypes of what this rank sends (to `to` in

@@ -17,7 +17,7 @@
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
-use longctx::dist::{build_groups, DimsRequest, ParallelDims, ParallelMode};
+use longctx::parallel::{build_groups, DimsRequest, ParallelDims, ParallelMode};
 use longctx::train::profile::Mark;
 use longctx_attention::comm::{thread::run_ranks, Comm};
 use longctx_attention::kernel::{self, Mask};
