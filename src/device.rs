@@ -130,6 +130,17 @@ fn gpu_hint() -> String {
     "this build has no CUDA: build with scripts/build_cuda.sh (see README, GPU build)".into()
 }
 
+/// A dtype name (`f32`/`float32`, `bf16`/`bfloat16`, `f16`/`float16`); errors name
+/// `file` and `field`.
+pub fn parse_dtype(s: &str, file: &Path, field: &str) -> Result<candle_core::DType> {
+    match s {
+        "f32" | "float32" => Ok(candle_core::DType::F32),
+        "bf16" | "bfloat16" => Ok(candle_core::DType::BF16),
+        "f16" | "float16" => Ok(candle_core::DType::F16),
+        _ => Err(Error::config(file, field, format!("expected f32, bf16 or f16, got `{s}`"))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -119,7 +119,7 @@ pub fn begin(output_dir: &Path) -> Result<PathBuf> {
     Ok(tmp)
 }
 
-fn shard_name(d: usize) -> String {
+pub(crate) fn shard_name(d: usize) -> String {
     format!("optimizer-shard{d}.safetensors")
 }
 
@@ -236,7 +236,7 @@ fn old_dir(output_dir: &Path) -> PathBuf {
 }
 
 /// A loaded checkpoint: weights and state; the optimizer is read per rank with
-/// [`Loaded::optimizer_range`].
+/// `Loaded::optimizer_range` (in `zero/stage12.rs`, which owns the partition).
 pub struct Loaded {
     pub weights: HashMap<String, Tensor>,
     pub state: TrainState,
@@ -284,65 +284,4 @@ pub fn read_state(dir: &Path) -> Result<TrainState> {
     let sp = dir.join("state.json");
     let text = std::fs::read_to_string(&sp).map_err(|e| Error::io(&sp, e))?;
     serde_json::from_str(&text).map_err(|e| Error::checkpoint(&sp, format!("corrupt state: {e}")))
-}
-
-impl Loaded {
-    /// Elements `[lo, hi)` of the flat f32 `(master, m, v)` over `n_params` parameters, read
-    /// from the shard files that hold them, whatever partition and world size wrote them
-    /// (shard `d` holds slice `d` of every unit); zero past `n_params`.
-    pub fn optimizer_range(&self, n_params: usize, lo: usize, hi: usize) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-        let shards = self.state.optimizer_shards.max(1);
-        let lens = if self.state.optimizer_units.is_empty() { vec![n_params] } else { self.state.optimizer_units.clone() };
-        let part = crate::train::zero::Partition::from_lens(&lens, shards)?;
-        if part.n() != n_params {
-            return Err(Error::checkpoint(
-                self.dir.join("state.json"),
-                format!("optimizer state over {} parameters, the model has {n_params}: this checkpoint is of another model", part.n()),
-            ));
-        }
-        let shard_len = part.shard_len();
-        let (mut w, mut m, mut v) = (Vec::with_capacity(hi - lo), Vec::with_capacity(hi - lo), Vec::with_capacity(hi - lo));
-        let end = hi.min(n_params);
-        // Pieces in increasing flat order: unit by unit, shard by shard.
-        let mut files: HashMap<usize, crate::hub::st_file::SafetensorsFile> = HashMap::new();
-        for (u, unit) in part.units.iter().enumerate() {
-            for d in 0..shards {
-                let piece = part.piece(u, d);
-                let (a, b) = (piece.start.max(lo), piece.end.min(end));
-                if a >= b {
-                    continue;
-                }
-                if let std::collections::hash_map::Entry::Vacant(slot) = files.entry(d) {
-                    let mut p = self.dir.join(shard_name(d));
-                    let older = self.dir.join(format!("optimizer-dp{d}.safetensors"));
-                    if !p.exists() && older.exists() {
-                        p = older;
-                    }
-                    // Memory-mapped: only the range's bytes are read, not the whole shard.
-                    slot.insert(crate::hub::st_file::SafetensorsFile::open(&p)?);
-                }
-                let f = &files[&d];
-                let p = self.dir.join(shard_name(d));
-                let at = unit.shard_off + (a - piece.start);
-                for (name, out) in [("master", &mut w), ("m", &mut m), ("v", &mut v)] {
-                    let e = f.entry(name).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{name}` missing")))?;
-                    if e.dtype != "F32" || e.shape != [shard_len] {
-                        return Err(Error::checkpoint(
-                            &p,
-                            format!(
-                                "`{name}` is {} {:?}, expected F32 [{shard_len}] ({n_params} parameters in {shards} shards)",
-                                e.dtype, e.shape
-                            ),
-                        ));
-                    }
-                    let bytes = f.bytes(name).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{name}` missing")))?;
-                    out.extend(bytes[at * 4..(at + b - a) * 4].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
-                }
-            }
-        }
-        for x in [&mut w, &mut m, &mut v] {
-            x.resize(hi - lo, 0.0);
-        }
-        Ok((w, m, v))
-    }
 }

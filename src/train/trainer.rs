@@ -174,18 +174,7 @@ pub struct StartModel {
     pub tokenizer: Option<tokenizers::Tokenizer>,
 }
 
-/// A dtype name (`f32`/`float32`, `bf16`/`bfloat16`, `f16`/`float16`); errors name
-/// `file` and `field`.
-pub fn parse_dtype(s: &str, file: &Path, field: &str) -> Result<DType> {
-    match s {
-        "f32" | "float32" => Ok(DType::F32),
-        "bf16" | "bfloat16" => Ok(DType::BF16),
-        "f16" | "float16" => Ok(DType::F16),
-        _ => Err(Error::config(file, field, format!("expected f32, bf16 or f16, got `{s}`"))),
-    }
-}
-
-pub use crate::device::parse_device;
+pub use crate::device::{parse_device, parse_dtype};
 
 /// Resolve `model.source` into a config and initial weights (seeded random ones for a
 /// built-in model), for a process running all `parallel.world_size` ranks.

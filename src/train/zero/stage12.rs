@@ -619,6 +619,69 @@ pub fn all_reduce_scalar(comm: &Arc<dyn Comm>, x: f64, device: &Device) -> Resul
     Ok(comm.all_reduce_sum(&t)?.to_device(&Device::Cpu)?.to_vec1::<f64>()?[0])
 }
 
+/// Reading optimizer state back for a partition: the zero side of a checkpoint (the
+/// checkpoint module knows the files, this one the partition that cut them).
+impl Loaded {
+    /// Elements `[lo, hi)` of the flat f32 `(master, m, v)` over `n_params` parameters, read
+    /// from the shard files that hold them, whatever partition and world size wrote them
+    /// (shard `d` holds slice `d` of every unit); zero past `n_params`.
+    pub fn optimizer_range(&self, n_params: usize, lo: usize, hi: usize) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let shards = self.state.optimizer_shards.max(1);
+        let lens = if self.state.optimizer_units.is_empty() { vec![n_params] } else { self.state.optimizer_units.clone() };
+        let part = Partition::from_lens(&lens, shards)?;
+        if part.n() != n_params {
+            return Err(Error::checkpoint(
+                self.dir.join("state.json"),
+                format!("optimizer state over {} parameters, the model has {n_params}: this checkpoint is of another model", part.n()),
+            ));
+        }
+        let shard_len = part.shard_len();
+        let (mut w, mut m, mut v) = (Vec::with_capacity(hi - lo), Vec::with_capacity(hi - lo), Vec::with_capacity(hi - lo));
+        let end = hi.min(n_params);
+        // Pieces in increasing flat order: unit by unit, shard by shard.
+        let mut files: std::collections::HashMap<usize, crate::hub::st_file::SafetensorsFile> = HashMap::new();
+        for (u, unit) in part.units.iter().enumerate() {
+            for d in 0..shards {
+                let piece = part.piece(u, d);
+                let (a, b) = (piece.start.max(lo), piece.end.min(end));
+                if a >= b {
+                    continue;
+                }
+                if let std::collections::hash_map::Entry::Vacant(slot) = files.entry(d) {
+                    let mut p = self.dir.join(crate::train::checkpoint::shard_name(d));
+                    let older = self.dir.join(format!("optimizer-dp{d}.safetensors"));
+                    if !p.exists() && older.exists() {
+                        p = older;
+                    }
+                    // Memory-mapped: only the range's bytes are read, not the whole shard.
+                    slot.insert(crate::hub::st_file::SafetensorsFile::open(&p)?);
+                }
+                let f = &files[&d];
+                let p = self.dir.join(crate::train::checkpoint::shard_name(d));
+                let at = unit.shard_off + (a - piece.start);
+                for (name, out) in [("master", &mut w), ("m", &mut m), ("v", &mut v)] {
+                    let e = f.entry(name).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{name}` missing")))?;
+                    if e.dtype != "F32" || e.shape != [shard_len] {
+                        return Err(Error::checkpoint(
+                            &p,
+                            format!(
+                                "`{name}` is {} {:?}, expected F32 [{shard_len}] ({n_params} parameters in {shards} shards)",
+                                e.dtype, e.shape
+                            ),
+                        ));
+                    }
+                    let bytes = f.bytes(name).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{name}` missing")))?;
+                    out.extend(bytes[at * 4..(at + b - a) * 4].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+                }
+            }
+        }
+        for x in [&mut w, &mut m, &mut v] {
+            x.resize(hi - lo, 0.0);
+        }
+        Ok((w, m, v))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
