@@ -556,16 +556,10 @@ fn ruler_cmd(a: RulerArgs) -> Result<()> {
         trials: a.trials,
         trained_context: doc["trained_context"].as_u64().map(|c| c as usize),
     };
-    plot::heatmap(&set.stage(&png_tf), &map)?;
-    let mut written = vec![json.display().to_string(), csv.display().to_string(), png_tf.display().to_string()];
-    if !a.no_generate {
-        let title = format!("RULER-style tasks, recall of the expected strings in greedy output (%): {}", short(&a.model));
-        map.title = &title;
-        map.values = &recall_grid;
-        plot::heatmap(&set.stage(&png), &map)?;
-        written.push(png.display().to_string());
-    }
-    set.commit(if a.no_generate { std::slice::from_ref(&png) } else { &[] })?;
+    let title = format!("RULER-style tasks, recall of the expected strings in greedy output (%): {}", short(&a.model));
+    let generated = (!a.no_generate).then_some((title.as_str(), recall_grid.as_slice()));
+    let mut written = vec![json.display().to_string(), csv.display().to_string()];
+    written.extend(write_maps(set, &mut map, &png_tf, &png, generated)?);
     let pct = |v: Option<f64>| v.map(|v| format!("{:.1} %", v * 100.0)).unwrap_or_else(|| "-".into());
     for t in &tasks {
         let s = &doc["summary"][t.name()];
@@ -710,20 +704,38 @@ fn needle_cmd(a: NeedleArgs) -> Result<()> {
     let title = format!("{task} retrieval, teacher-forced exact match (%): {}", short(&a.model));
     let mut map =
         plot::Heatmap { title: &title, lengths: &lengths, rows, row_desc: "depth", values: &tf_grid, trials: a.trials, trained_context };
-    plot::heatmap(&set.stage(&png), &map)?;
-    let mut written = vec![json.display().to_string(), png.display().to_string()];
-    if !a.no_generate {
-        let title = format!("{task} retrieval, greedy generation exact match (%): {}", short(&a.model));
-        map.title = &title;
-        map.values = &greedy_grid;
-        plot::heatmap(&set.stage(&png_greedy), &map)?;
-        written.push(png_greedy.display().to_string());
-    }
-    set.commit(if a.no_generate { std::slice::from_ref(&png_greedy) } else { &[] })?;
+    let title = format!("{task} retrieval, greedy generation exact match (%): {}", short(&a.model));
+    let generated = (!a.no_generate).then_some((title.as_str(), greedy_grid.as_slice()));
+    let mut written = vec![json.display().to_string()];
+    written.extend(write_maps(set, &mut map, &png, &png_greedy, generated)?);
     let pct = |v: Option<f64>| v.map(|v| format!("{:.1} %", v * 100.0)).unwrap_or_else(|| "-".into());
     println!("teacher-forced exact match {}, answer tokens right {}, greedy exact match {}", pct(tf), pct(tok), pct(greedy));
     println!("wrote {}", written.join(", "));
     Ok(())
+}
+
+/// The heatmaps of a grid command, then the whole output set committed: `map` (the
+/// teacher-forced one) at `first`; with `generated` (its title and values) the generation
+/// map at `second`, else an earlier run's map there is removed. The paths written.
+fn write_maps<'a>(
+    mut set: output::OutputSet,
+    map: &mut plot::Heatmap<'a>,
+    first: &Path,
+    second: &Path,
+    generated: Option<(&'a str, &'a [Vec<Option<f64>>])>,
+) -> longctx::Result<Vec<String>> {
+    plot::heatmap(&set.stage(first), map)?;
+    let mut written = vec![first.display().to_string()];
+    match generated {
+        Some((title, values)) => {
+            (map.title, map.values) = (title, values);
+            plot::heatmap(&set.stage(second), map)?;
+            written.push(second.display().to_string());
+            set.commit(&[])?;
+        }
+        None => set.commit(&[second.to_path_buf()])?,
+    }
+    Ok(written)
 }
 
 type NeedleOut = (Vec<Cell>, Vec<usize>, serde_json::Value);
