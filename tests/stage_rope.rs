@@ -311,10 +311,10 @@ fn bad_stage_rope_is_refused_naming_the_field() {
 #[test]
 fn unsupported_family_and_bad_longrope_config() {
     let base = json!({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 64});
-    let mut gemma = base.clone();
-    gemma["model_type"] = json!("gemma3_text");
-    let m = LlamaConfig::from_value("config.json", gemma).unwrap_err().to_string();
-    assert!(m.contains("gemma3_text") && m.contains("phi3") && m.contains("Qwen3ForCausalLM"), "{m}");
+    let mut gemma2 = base.clone();
+    gemma2["model_type"] = json!("gemma2");
+    let m = LlamaConfig::from_value("config.json", gemma2).unwrap_err().to_string();
+    assert!(m.contains("\"gemma2\"") && m.contains("gemma3_text") && m.contains("phi3") && m.contains("Qwen3ForCausalLM"), "{m}");
     let mut v = base;
     v["model_type"] = json!("llama");
     v["rope_scaling"] = json!({"rope_type": "longrope", "original_max_position_embeddings": 256,

@@ -55,6 +55,7 @@ mod cross_entropy;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod gemm_acc;
+mod gemma;
 mod multi;
 mod reduce;
 mod rmsnorm;
@@ -65,6 +66,7 @@ pub use accumulate::accumulate_f32;
 pub use adamw::{adamw_step, AdamWStep, Scalars as AdamWScalars};
 pub use cross_entropy::{cross_entropy_inplace, linear_cross_entropy, LinearCe};
 pub use gemm_acc::matmul_acc_f32;
+pub use gemma::{geglu_tanh_bwd, geglu_tanh_fwd, rms_norm_1p_bwd, rms_norm_1p_fwd};
 pub use reduce::{count_non_finite, sum_squares};
 pub use rmsnorm::{rms_norm_bwd, rms_norm_fwd, RmsNormGrads, RmsNormOut};
 pub use rope::{rope_bwd_inplace, rope_fwd_inplace};

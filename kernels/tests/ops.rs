@@ -240,6 +240,59 @@ fn swiglu_cpu() {
     swiglu_case(&Device::Cpu, DType::BF16);
 }
 
+// ---------------------------------------------------------------- Gemma: (1 + w) RMSNorm, GeGLU-tanh
+
+/// transformers' `Gemma3RMSNorm`, written out: f32 math, `· (1 + w)`, cast last.
+fn rms_1p_ref(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let x32 = x.to_dtype(DType::F32)?;
+    let inv = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    x32.broadcast_mul(&inv)?.broadcast_mul(&(w.to_dtype(DType::F32)? + 1.0)?)?.to_dtype(x.dtype())
+}
+
+fn gemma_case(dev: &Device, dtype: DType) {
+    let (n, h, eps) = (37, 83, 1e-6);
+    let tag = format!("{:?} {dtype:?}", dev.location());
+    let xs = rand(&[n, h], 41, 2.0, dtype, dev);
+    let w = rand(&[h], 42, 0.5, dtype, dev); // centred on 0: the norm scales by 1 + w
+    let dy = rand(&[n, h], 43, 1.0, dtype, dev);
+    let dres = rand(&[n, h], 44, 1.0, dtype, dev);
+    let (y, rstd) = rms_norm_1p_fwd(&xs, &w, eps).unwrap();
+    let (rt, at) = tol(dtype, true);
+    assert_close(&format!("gemma rmsnorm fwd {tag}"), &y, &rms_1p_ref(&xs, &w, eps).unwrap(), rt, at);
+    let xv = Var::from_tensor(&xs.to_dtype(DType::F32).unwrap()).unwrap();
+    let wv = Var::from_tensor(&w.to_dtype(DType::F32).unwrap()).unwrap();
+    let yr = rms_1p_ref(xv.as_tensor(), wv.as_tensor(), eps).unwrap();
+    let grads = yr.mul(&dy.to_dtype(DType::F32).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+    let (dx, dw) = rms_norm_1p_bwd(&dy, &xs, &w, &rstd, Some(&dres)).unwrap();
+    let (rt, at) = tol(dtype, false);
+    let want_dx = (grads.get(xv.as_tensor()).unwrap() + dres.to_dtype(DType::F32).unwrap()).unwrap();
+    assert_close(&format!("gemma rmsnorm bwd dx+dres {tag}"), &dx, &want_dx, rt, at);
+    assert_close(&format!("gemma rmsnorm bwd dw {tag}"), &dw, grads.get(wv.as_tensor()).unwrap(), rt, at);
+
+    // GeGLU-tanh against Candle's `gelu` (the tanh approximation) and its autograd.
+    let shape = [3, 7, 41];
+    let g = rand(&shape, 45, 4.0, dtype, dev);
+    let u = rand(&shape, 46, 2.0, dtype, dev);
+    let (rt, at) = tol(dtype, true);
+    let want = g.to_dtype(DType::F32).unwrap().gelu().unwrap().mul(&u.to_dtype(DType::F32).unwrap()).unwrap();
+    assert_close(&format!("geglu fwd {tag}"), &geglu_tanh_fwd(&g, &u).unwrap(), &want, rt, at);
+    let dout = rand(&shape, 47, 1.0, dtype, dev);
+    let gv = Var::from_tensor(&g.to_dtype(DType::F32).unwrap()).unwrap();
+    let uv = Var::from_tensor(&u.to_dtype(DType::F32).unwrap()).unwrap();
+    let yr = gv.as_tensor().gelu().unwrap().mul(uv.as_tensor()).unwrap();
+    let grads = yr.mul(&dout.to_dtype(DType::F32).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+    let (dg, du) = geglu_tanh_bwd(&dout, &g, &u).unwrap();
+    let (rt, at) = tol(dtype, false);
+    assert_close(&format!("geglu bwd dgate {tag}"), &dg, grads.get(gv.as_tensor()).unwrap(), rt, at);
+    assert_close(&format!("geglu bwd dup {tag}"), &du, grads.get(uv.as_tensor()).unwrap(), rt, at);
+}
+
+#[test]
+fn gemma_ops_cpu() {
+    gemma_case(&Device::Cpu, DType::F32);
+    gemma_case(&Device::Cpu, DType::BF16);
+}
+
 // ---------------------------------------------------------------- cross-entropy
 
 fn targets(n: usize, v: usize, dev: &Device) -> (Tensor, Vec<i64>) {
@@ -595,6 +648,15 @@ mod cuda {
             let bc = rms_norm_bwd(&cpu(&dy), &oc.x_sum, &cpu(&w), &oc.rstd, Some(&cpu(&r))).unwrap();
             assert_close(&format!("cuda vs twin rmsnorm dx {dt:?}"), &cpu(&bg.dx), &bc.dx, rt, at);
             assert_close(&format!("cuda vs twin rmsnorm dw {dt:?}"), &cpu(&bg.dweight), &bc.dweight, 1e-4, 1e-5);
+        }
+    }
+
+    /// The composed Gemma ops on the GPU against the same references (any device).
+    #[test]
+    fn cuda_gemma_ops() {
+        if let Some(dev) = gpu() {
+            super::gemma_case(&dev, DType::F32);
+            super::gemma_case(&dev, DType::BF16);
         }
     }
 

@@ -238,7 +238,7 @@ fn local_scores(
     let n = ids.len();
     let ids_t = Tensor::from_slice(ids, (1, n), &dev)?;
     let pos_t = Tensor::from_slice(positions, (1, n), &dev)?;
-    let rope = model.rope_table(&pos_t, Some(seq_len))?;
+    let rope = model.rope_tables(&pos_t, Some(seq_len))?;
     let mut x = model.embed(&ids_t)?;
     for layer in &model.layers {
         x = layer.forward(&x, &rope, attn)?;

@@ -61,7 +61,9 @@ const ROPE_TYPES_WITH_ORIGINAL_MAX: [&str; 3] = ["llama3", "yarn", "longrope"];
 /// trained context length `max_position_embeddings`, in every place transformers reads them:
 /// - transformers < 5: top-level `rope_theta` (next to an optional `rope_scaling` dict);
 /// - transformers >= 5: `rope_parameters.rope_theta`, which takes priority over the top
-///   level (or one dict per layer type, e.g. `rope_parameters.full_attention`).
+///   level (or one dict per layer type, e.g. `rope_parameters.full_attention`; for Gemma 3
+///   that one only: its `sliding_attention` base stays; in the transformers 4 form its
+///   `rope_local_base_freq` is not touched either).
 ///
 /// For llama3 / yarn / longrope scaling without an explicit
 /// `original_max_position_embeddings`, the old `max_position_embeddings` is pinned there
@@ -70,6 +72,7 @@ pub fn set_context_fields(config: &mut Value, rope_theta: f64, max_position_embe
     let obj = config.as_object_mut().ok_or_else(|| Error::Setting("model config must be a JSON object".into()))?;
     let old_max = obj.get("max_position_embeddings").and_then(Value::as_u64);
     let top_level_original = obj.contains_key("original_max_position_embeddings");
+    let gemma = obj.get("model_type").and_then(Value::as_str) == Some("gemma3_text");
 
     let fix_rope_dict = |d: &mut serde_json::Map<String, Value>, set_theta: bool| {
         if set_theta || d.contains_key("rope_theta") {
@@ -87,6 +90,10 @@ pub fn set_context_fields(config: &mut Value, rope_theta: f64, max_position_embe
         let flat = rp.contains_key("rope_type") || rp.contains_key("rope_theta") || rp.contains_key("type");
         if flat {
             fix_rope_dict(rp, true);
+        } else if let (Some(Value::Object(d)), true) = (rp.get_mut("full_attention"), gemma) {
+            // Gemma 3: a context extension is the full-attention layers' (the sliding
+            // layers keep their base, as longctx trains them).
+            fix_rope_dict(d, true);
         } else {
             for nested in rp.values_mut() {
                 if let Value::Object(d) = nested {
@@ -120,8 +127,19 @@ pub fn torch_dtype_name(dtype: DType) -> Option<&'static str> {
 /// `use_sliding_window` (Qwen2) false where present, and every `layer_types` entry
 /// `full_attention`. The trainer applies it to its exports because it trains full causal
 /// attention, so transformers must run the same. Returns whether anything changed.
+/// Gemma 3 (`model_type` gemma3_text) keeps its `layer_types`, which also pick each
+/// layer's RoPE: its window becomes `max_position_embeddings` (as wide as any sequence the
+/// model takes, i.e. full causal attention).
 pub fn disable_sliding_window(config: &mut Value) -> Result<bool> {
     let obj = config.as_object_mut().ok_or_else(|| Error::Setting("model config must be a JSON object".into()))?;
+    if obj.get("model_type").and_then(Value::as_str) == Some("gemma3_text") {
+        let widest = obj.get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(131_072);
+        let narrower = obj.get("sliding_window").and_then(Value::as_u64).is_some_and(|w| w < widest);
+        if narrower {
+            obj.insert("sliding_window".into(), Value::from(widest));
+        }
+        return Ok(narrower);
+    }
     let mut changed = false;
     if obj.get("sliding_window").is_some_and(|v| !v.is_null()) {
         obj.insert("sliding_window".into(), Value::Null);

@@ -314,11 +314,12 @@ impl ModelExport {
     /// The config.json to write (the weights' dtype is recorded by [`export`]).
     pub fn final_config(&self) -> Result<Value> {
         let mut config = self.config.clone();
-        if self.full_attention {
-            disable_sliding_window(&mut config)?;
-        }
         if let Some((theta, max_pos)) = self.context {
             set_context_fields(&mut config, theta, max_pos)?;
+        }
+        // After the context: Gemma 3's window grows to the final max_position_embeddings.
+        if self.full_attention {
+            disable_sliding_window(&mut config)?;
         }
         Ok(config)
     }

@@ -1,5 +1,5 @@
-//! `config.json` of a Llama-family checkpoint (llama, mistral, qwen2, qwen3), as Hugging Face
-//! transformers reads it.
+//! `config.json` of a Llama-family checkpoint (llama, mistral, qwen2, qwen3, phi3, gemma3_text),
+//! as Hugging Face transformers reads it.
 //!
 //! Parsing goes field by field through `serde_json::Value`, so every error names the file,
 //! the field and what was expected. Fields this crate does not use are kept verbatim in
@@ -24,11 +24,16 @@ pub enum Arch {
     /// `qkv_proj` and gate/up into `gate_up_proj` (split at load by [`crate::hub::Checkpoint`],
     /// fused again at export); LongRoPE in its config. `partial_rotary_factor` must be 1.
     Phi3,
+    /// Gemma 3 text (`gemma3_text`, `Gemma3ForCausalLM`): RMSNorms that scale by `1 + w` in
+    /// f32, four of them per layer (around attention and MLP), per-head q/k norms, GeGLU
+    /// with the tanh GELU, the embedding scaled by `sqrt(hidden_size)`, attention scale
+    /// `query_pre_attn_scalar^-1/2`, and sliding-window layers with their own RoPE base.
+    Gemma3,
 }
 
 /// Supported values, for error messages.
-const SUPPORTED: &str =
-    "llama, mistral, qwen2, qwen3, phi3 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM)";
+const SUPPORTED: &str = "llama, mistral, qwen2, qwen3, phi3, gemma3_text (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, \
+     Qwen3ForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM)";
 
 impl Arch {
     pub fn model_type(self) -> &'static str {
@@ -38,6 +43,7 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Phi3 => "phi3",
+            Arch::Gemma3 => "gemma3_text",
         }
     }
     fn from_model_type(s: &str) -> Option<Self> {
@@ -47,6 +53,7 @@ impl Arch {
             "qwen2" => Some(Arch::Qwen2),
             "qwen3" => Some(Arch::Qwen3),
             "phi3" => Some(Arch::Phi3),
+            "gemma3_text" => Some(Arch::Gemma3),
             _ => None,
         }
     }
@@ -57,6 +64,7 @@ impl Arch {
             "Qwen2ForCausalLM" => Some(Arch::Qwen2),
             "Qwen3ForCausalLM" => Some(Arch::Qwen3),
             "Phi3ForCausalLM" => Some(Arch::Phi3),
+            "Gemma3ForCausalLM" => Some(Arch::Gemma3),
             _ => None,
         }
     }
@@ -136,6 +144,24 @@ impl RopeScaling {
 /// `head_dim` of a Qwen3 config that does not set it (transformers' `Qwen3Config` default).
 const QWEN3_HEAD_DIM: usize = 128;
 
+/// Gemma3TextConfig's defaults: `head_dim`, `max_position_embeddings`, the RoPE bases of
+/// the full-attention and the sliding layers, `query_pre_attn_scalar`, the layer pattern
+/// (every 6th layer global) when `layer_types` is absent.
+const GEMMA3_HEAD_DIM: usize = 256;
+const GEMMA3_MAX_POS: usize = 131_072;
+const GEMMA3_THETA: f64 = 1_000_000.0;
+const GEMMA3_LOCAL_THETA: f64 = 10_000.0;
+const GEMMA3_QUERY_PRE_ATTN_SCALAR: f64 = 256.0;
+const GEMMA3_PATTERN: usize = 6;
+
+/// The RoPE of Gemma 3's sliding-window layers (`rope_local_base_freq`, or
+/// `rope_parameters.sliding_attention` as transformers 5 writes it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LocalRope {
+    pub theta: f64,
+    pub scaling: Option<RopeScaling>,
+}
+
 /// The model configuration. Sizes are resolved (defaults applied) at parse time.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaConfig {
@@ -160,6 +186,13 @@ pub struct LlamaConfig {
     pub attention_bias: bool,
     pub mlp_bias: bool,
     pub torch_dtype: Option<String>,
+    /// Gemma 3: the RoPE of the sliding-window layers (the fields above are the
+    /// full-attention layers', which a stage's θ and `rope` change); `None` otherwise.
+    pub rope_local: Option<LocalRope>,
+    /// Gemma 3: per layer, whether it is a sliding-window layer (`layer_types`, or every
+    /// layer but each 6th as transformers derives it), i.e. takes [`Self::rope_local`].
+    /// Empty for the other families (one RoPE for all layers).
+    pub local_rope_layers: Vec<bool>,
     /// Every other field of config.json, written back unchanged.
     pub extra: Map<String, Value>,
     /// Key `torch_dtype` came from (`torch_dtype`, or `dtype` as transformers v5 writes).
@@ -170,6 +203,9 @@ pub struct LlamaConfig {
     /// `rope_scaling` (transformers v4) or `rope_parameters` (v5).
     rope_raw: Option<Map<String, Value>>,
     rope_key: &'static str,
+    /// Gemma 3 in the transformers 5 form: `rope_parameters` holds one dict per layer type;
+    /// `rope_raw` is then its `full_attention` dict and this the `sliding_attention` one.
+    rope_local_raw: Option<Map<String, Value>>,
     /// Where the config came from (for error messages); `config.json` when parsed from memory.
     source: PathBuf,
     /// The JSON object as read (to write unchanged values back with their original spelling).
@@ -194,6 +230,9 @@ struct RopeFields {
     theta_on_top: bool,
     raw: Option<Map<String, Value>>,
     key: &'static str,
+    /// Gemma 3: the sliding layers' RoPE and, in the per-layer-type form, its dict.
+    local: Option<LocalRope>,
+    local_raw: Option<Map<String, Value>>,
 }
 
 /// Field-checking helpers over one JSON object, each error naming file and field.
@@ -316,6 +355,7 @@ impl<'a> Fields<'a> {
             Some(d) => d,
             // Qwen3Config's own default (not hidden / heads).
             None if arch == Arch::Qwen3 => QWEN3_HEAD_DIM,
+            None if arch == Arch::Gemma3 => GEMMA3_HEAD_DIM,
             None => {
                 if hidden_size % num_attention_heads != 0 {
                     return Err(Error::config(
@@ -389,7 +429,136 @@ impl<'a> Fields<'a> {
             }
             None => (None, top_theta.unwrap_or(10000.0)),
         };
-        Ok(RopeFields { theta: rope_theta, scaling: rope_scaling, theta_on_top, raw: rope_raw, key: rope_key })
+        Ok(RopeFields {
+            theta: rope_theta,
+            scaling: rope_scaling,
+            theta_on_top,
+            raw: rope_raw,
+            key: rope_key,
+            local: None,
+            local_raw: None,
+        })
+    }
+
+    /// Gemma 3's two RoPEs. transformers 5 writes `rope_parameters = { full_attention = {..},
+    /// sliding_attention = {..} }`; transformers 4 (and Google's configs) `rope_theta` +
+    /// `rope_scaling` for the full-attention layers and `rope_local_base_freq` for the
+    /// sliding ones (kept in `extra`, written back as read). Defaults θ 1e6 and 1e4.
+    fn gemma_rope(&mut self, max_pos: usize, head_dim: usize) -> Result<RopeFields> {
+        let (file, f) = (self.file, self);
+        let top_theta = f.opt_float("rope_theta")?;
+        let local_base = f.peek("rope_local_base_freq").map(|v| positive_float(file, "rope_local_base_freq", v)).transpose()?;
+        let params = match f.take("rope_parameters") {
+            None => None,
+            Some(Value::Object(o)) if o.is_empty() => {
+                f.map.insert("rope_parameters".into(), Value::Object(o));
+                None
+            }
+            Some(Value::Object(o)) => Some(o),
+            Some(o) => return Err(Error::config(file, "rope_parameters", format!("expected an object or null, got {}", show(&o)))),
+        };
+        let Some(params) = params else {
+            let mut v4 = f.rope(max_pos, head_dim)?;
+            v4.theta = top_theta.unwrap_or(GEMMA3_THETA);
+            v4.theta_on_top = top_theta.is_some();
+            v4.local = Some(LocalRope { theta: local_base.unwrap_or(GEMMA3_LOCAL_THETA), scaling: None });
+            return Ok(v4);
+        };
+        if f.peek("rope_scaling").is_some() {
+            return Err(Error::config(
+                file,
+                "rope_scaling",
+                "set together with rope_parameters; keep one (rope_parameters, as transformers 5 writes)",
+            ));
+        }
+        let part = |kind: &str, theta_default: f64| -> Result<(Map<String, Value>, LocalRope)> {
+            let field = format!("rope_parameters.{kind}");
+            let o = match params.get(kind) {
+                None | Some(Value::Null) => Map::new(),
+                Some(Value::Object(o)) => o.clone(),
+                Some(o) => return Err(Error::config(file, &field, format!("expected an object, got {}", show(o)))),
+            };
+            let theta = match o.get("rope_theta").filter(|v| !v.is_null()) {
+                Some(v) => positive_float(file, &format!("{field}.rope_theta"), v)?,
+                None => theta_default,
+            };
+            let scaling = parse_rope_scaling(file, &field, &o, max_pos, head_dim)?;
+            Ok((o, LocalRope { theta, scaling }))
+        };
+        if let Some(k) = params.keys().find(|k| !matches!(k.as_str(), "full_attention" | "sliding_attention")) {
+            return Err(Error::config(
+                file,
+                format!("rope_parameters.{k}"),
+                "Gemma 3 takes one RoPE dict per layer type: expected only `full_attention` and `sliding_attention`",
+            ));
+        }
+        let (full_raw, full) = part("full_attention", top_theta.unwrap_or(GEMMA3_THETA))?;
+        let (local_raw, local) = part("sliding_attention", local_base.unwrap_or(GEMMA3_LOCAL_THETA))?;
+        Ok(RopeFields {
+            theta: full.theta,
+            scaling: full.scaling,
+            theta_on_top: top_theta.is_some(),
+            raw: Some(full_raw),
+            key: "rope_parameters",
+            local: Some(local),
+            local_raw: Some(local_raw),
+        })
+    }
+
+    /// Gemma 3's own fields: the activation, no soft-capping, causal attention,
+    /// `query_pre_attn_scalar`, and which layers slide (`layer_types`, else every layer
+    /// but each `sliding_window_pattern`-th, 6 by default). Everything stays in `extra`.
+    fn gemma_fields(&self, n_layers: usize) -> Result<Vec<bool>> {
+        let file = self.file;
+        if let Some(v) = self.peek("hidden_activation") {
+            if v.as_str() != Some("gelu_pytorch_tanh") {
+                return Err(Error::config(file, "hidden_activation", format!("only \"gelu_pytorch_tanh\" is supported, got {}", show(v))));
+            }
+        }
+        for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+            if let Some(v) = self.peek(key) {
+                return Err(Error::config(
+                    file,
+                    key,
+                    format!(
+                        "soft-capping ({}) is not supported by longctx's fused attention and loss kernels; \
+                         set it to null (Gemma 3's default) or use another tool for this checkpoint",
+                        show(v)
+                    ),
+                ));
+            }
+        }
+        if self.peek("use_bidirectional_attention").is_some_and(|v| v.as_bool() != Some(false)) {
+            return Err(Error::config(file, "use_bidirectional_attention", "longctx trains causal language models; expected false"));
+        }
+        if let Some(v) = self.peek("query_pre_attn_scalar") {
+            positive_float(file, "query_pre_attn_scalar", v)?;
+        }
+        let Some(types) = self.peek("layer_types") else {
+            let pattern = match self.peek("sliding_window_pattern").or_else(|| self.peek("_sliding_window_pattern")) {
+                Some(v) => positive_int(file, "sliding_window_pattern", v)?,
+                None => GEMMA3_PATTERN,
+            };
+            return Ok((0..n_layers).map(|i| (i + 1) % pattern != 0).collect());
+        };
+        let bad = || {
+            Error::config(
+                file,
+                "layer_types",
+                format!(
+                    "expected a list of {n_layers} entries (num_hidden_layers), each \"sliding_attention\" or \"full_attention\", got {}",
+                    show(types)
+                ),
+            )
+        };
+        let list = types.as_array().filter(|a| a.len() == n_layers).ok_or_else(bad)?;
+        list.iter()
+            .map(|t| match t.as_str() {
+                Some("sliding_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                _ => Err(bad()),
+            })
+            .collect()
     }
 
     /// Removes `key` (null counts as absent).
@@ -428,6 +597,15 @@ impl<'a> Fields<'a> {
             Some(Value::String(s)) => Ok(Some(s)),
             Some(v) => Err(Error::config(self.file, key, format!("expected a string, got {}", show(&v)))),
         }
+    }
+}
+
+/// `max_position_embeddings` of a config that does not set it (transformers' defaults).
+fn default_max_pos(arch: Arch) -> usize {
+    if arch == Arch::Gemma3 {
+        GEMMA3_MAX_POS
+    } else {
+        2048
     }
 }
 
@@ -563,7 +741,8 @@ impl LlamaConfig {
         crate::limits::add(what, &[embed, crate::limits::mul(what, &[self.num_hidden_layers as u64, layer])?, h, head])
     }
 
-    /// Parameters of one decoder layer (projections with their biases, two norms).
+    /// Parameters of one decoder layer (projections with their biases, two norms, four
+    /// for Gemma 3, and the q/k norms).
     pub fn layer_param_count(&self) -> Result<u64> {
         let w = |x: usize| x as u64;
         let (h, i, d) = (w(self.hidden_size), w(self.intermediate_size), w(self.head_dim));
@@ -583,7 +762,7 @@ impl LlamaConfig {
                 proj(i, h, self.has_mlp_bias())?,
                 proj(i, h, self.has_mlp_bias())?,
                 proj(h, i, self.has_mlp_bias())?,
-                crate::limits::mul(what, &[2, h])?,
+                crate::limits::mul(what, &[if self.gemma_block() { 4 } else { 2 }, h])?,
                 if self.qk_norm() { 2 * d } else { 0 },
             ],
         )
@@ -611,9 +790,10 @@ impl LlamaConfig {
         let Shape { hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, vocab_size } =
             f.shape(arch)?;
         // transformers' defaults for the optional fields.
+        let gemma = arch == Arch::Gemma3;
         let rms_norm_eps = f.opt_float("rms_norm_eps")?.unwrap_or(1e-6);
-        let max_position_embeddings = f.opt_int("max_position_embeddings")?.unwrap_or(2048);
-        let tie_word_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(false);
+        let max_position_embeddings = f.opt_int("max_position_embeddings")?.unwrap_or(default_max_pos(arch));
+        let tie_word_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(gemma);
         let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
         let mlp_bias = f.opt_bool("mlp_bias")?.unwrap_or(false);
         let (torch_dtype, dtype_key) = match f.opt_string("torch_dtype")? {
@@ -636,12 +816,12 @@ impl LlamaConfig {
                 ));
             }
         }
-        let rope = f.rope(max_position_embeddings, head_dim)?;
+        let rope = if gemma { f.gemma_rope(max_position_embeddings, head_dim)? } else { f.rope(max_position_embeddings, head_dim)? };
         check_token_ids(file, &f.map)?;
-        if let Some(v) = f.peek("hidden_act") {
-            if v.as_str() != Some("silu") {
-                return Err(Error::config(file, "hidden_act", format!("only \"silu\" is supported, got {}", show(v))));
-            }
+        let local_rope_layers = if gemma { f.gemma_fields(num_hidden_layers)? } else { Vec::new() };
+        // Gemma 3 reads `hidden_activation` (checked above); a stray `hidden_act` is ignored there too.
+        if let Some(v) = f.peek("hidden_act").filter(|v| !gemma && v.as_str() != Some("silu")) {
+            return Err(Error::config(file, "hidden_act", format!("only \"silu\" is supported, got {}", show(v))));
         }
         let cfg = LlamaConfig {
             arch,
@@ -661,11 +841,14 @@ impl LlamaConfig {
             attention_bias,
             mlp_bias,
             torch_dtype,
+            rope_local: rope.local,
+            local_rope_layers,
             extra: f.map,
             dtype_key,
             theta_on_top: rope.theta_on_top,
             rope_raw: rope.raw,
             rope_key: rope.key,
+            rope_local_raw: rope.local_raw,
             source: file.to_path_buf(),
             original,
         };
@@ -703,20 +886,48 @@ impl LlamaConfig {
     /// Mistral never (as transformers builds them).
     pub fn qkv_bias(&self) -> bool {
         match self.arch {
-            Arch::Llama | Arch::Qwen3 => self.attention_bias,
+            Arch::Llama | Arch::Qwen3 | Arch::Gemma3 => self.attention_bias,
             Arch::Mistral | Arch::Phi3 => false,
             Arch::Qwen2 => true,
         }
     }
 
-    /// Whether q and k go through a per-head RMSNorm before RoPE (Qwen3).
+    /// Whether q and k go through a per-head RMSNorm before RoPE (Qwen3, Gemma 3).
     pub fn qk_norm(&self) -> bool {
-        self.arch == Arch::Qwen3
+        matches!(self.arch, Arch::Qwen3 | Arch::Gemma3)
     }
 
-    /// Whether o_proj carries a bias (Llama with `attention_bias` only).
+    /// Whether o_proj carries a bias (Llama, Qwen3, Gemma 3 with `attention_bias`).
     pub fn o_bias(&self) -> bool {
-        matches!(self.arch, Arch::Llama | Arch::Qwen3) && self.attention_bias
+        matches!(self.arch, Arch::Llama | Arch::Qwen3 | Arch::Gemma3) && self.attention_bias
+    }
+
+    /// Gemma 3: every RMSNorm scales by `1 + w` (weights stored centred on 0) in f32, each
+    /// layer has four of them (attention input and output, MLP input and output), the MLP
+    /// is GeGLU with the tanh GELU, and the embedding output is scaled by `sqrt(hidden)`.
+    pub fn gemma_block(&self) -> bool {
+        self.arch == Arch::Gemma3
+    }
+
+    /// The factor on q·k: `query_pre_attn_scalar^-1/2` for Gemma 3 (256 by default),
+    /// `head_dim^-1/2` otherwise.
+    pub fn attention_scale(&self) -> f64 {
+        if self.arch != Arch::Gemma3 {
+            return 1.0 / (self.head_dim as f64).sqrt();
+        }
+        let s = self.extra.get("query_pre_attn_scalar").and_then(Value::as_f64).unwrap_or(GEMMA3_QUERY_PRE_ATTN_SCALAR);
+        1.0 / s.sqrt()
+    }
+
+    /// The factor on the embedding output, `sqrt(hidden_size)` for Gemma 3 (transformers
+    /// rounds it to the weights' dtype first; the caller does).
+    pub fn embed_scale(&self) -> Option<f64> {
+        self.gemma_block().then(|| (self.hidden_size as f64).sqrt())
+    }
+
+    /// Whether layer `l` takes the sliding layers' RoPE ([`Self::rope_local`]).
+    pub fn layer_rope_is_local(&self, l: usize) -> bool {
+        self.local_rope_layers.get(l).copied().unwrap_or(false)
     }
 
     /// Whether the MLP projections carry a bias (Llama with `mlp_bias` only).
@@ -772,11 +983,15 @@ impl LlamaConfig {
             put(k, Value::from(v), None);
         }
         put("num_key_value_heads", Value::from(self.num_key_value_heads), Some(Value::from(self.num_attention_heads)));
-        let derived_head_dim = if self.arch == Arch::Qwen3 { QWEN3_HEAD_DIM } else { self.hidden_size / self.num_attention_heads };
+        let derived_head_dim = match self.arch {
+            Arch::Qwen3 => QWEN3_HEAD_DIM,
+            Arch::Gemma3 => GEMMA3_HEAD_DIM,
+            _ => self.hidden_size / self.num_attention_heads,
+        };
         put("head_dim", Value::from(self.head_dim), Some(Value::from(derived_head_dim)));
-        put("max_position_embeddings", Value::from(self.max_position_embeddings), Some(Value::from(2048)));
+        put("max_position_embeddings", Value::from(self.max_position_embeddings), Some(Value::from(default_max_pos(self.arch))));
         put("rms_norm_eps", Value::from(self.rms_norm_eps), Some(Value::from(1e-6)));
-        put("tie_word_embeddings", Value::from(self.tie_word_embeddings), Some(Value::from(false)));
+        put("tie_word_embeddings", Value::from(self.tie_word_embeddings), Some(Value::from(self.gemma_block())));
         put("attention_bias", Value::from(self.attention_bias), Some(Value::from(false)));
         put("mlp_bias", Value::from(self.mlp_bias), Some(Value::from(false)));
         if let Some(d) = &self.torch_dtype {
@@ -787,9 +1002,15 @@ impl LlamaConfig {
             if self.theta_on_top {
                 put("rope_theta", theta, None);
             }
-            put("rope_parameters", self.rope_dict(), None);
+            let dict = match &self.rope_local_raw {
+                // Gemma 3 (transformers 5): the stage's RoPE is the full-attention layers'.
+                Some(local) => serde_json::json!({ "full_attention": self.rope_dict(), "sliding_attention": local }),
+                None => self.rope_dict(),
+            };
+            put("rope_parameters", dict, None);
         } else {
-            put("rope_theta", theta, Some(Value::from(10000.0)));
+            let default_theta = if self.gemma_block() { GEMMA3_THETA } else { 10000.0 };
+            put("rope_theta", theta, Some(Value::from(default_theta)));
             let rope = if self.rope_scaling.is_some() { self.rope_dict() } else { Value::Null };
             put("rope_scaling", rope, Some(Value::Null));
         }

@@ -109,6 +109,10 @@ pub fn parameter_shapes(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
         }
         out.push((format!("{p}.input_layernorm.weight"), vec![h]));
         out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+        if cfg.gemma_block() {
+            out.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![h]));
+            out.push((format!("{p}.post_feedforward_layernorm.weight"), vec![h]));
+        }
     }
     out.push(("model.norm.weight".to_string(), vec![h]));
     if !cfg.tie_word_embeddings {
@@ -136,7 +140,8 @@ pub fn random_init(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) 
         .map(|(i, (name, shape))| {
             let n: usize = shape.iter().product();
             let data: Vec<f32> = if name.ends_with("norm.weight") {
-                vec![1.0; n]
+                // Gemma's norms apply 1 + w: the unit norm is w = 0 (as transformers initialises).
+                vec![if cfg.gemma_block() { 0.0 } else { 1.0 }; n]
             } else if name.ends_with(".bias") {
                 vec![0.0; n]
             } else {

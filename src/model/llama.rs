@@ -1,6 +1,10 @@
 //! The Llama block and model (also Mistral and Qwen2, which differ only in biases, and
 //! Qwen3, which adds a per-head RMSNorm on q and k before RoPE), written as the math of
-//! transformers' `LlamaForCausalLM`, with differentiable ops only.
+//! transformers' `LlamaForCausalLM`, with differentiable ops only. Gemma 3 text is the
+//! same block with its own pieces (`LlamaConfig::gemma_block`): RMSNorms scaling by
+//! `1 + w` in f32, a norm on the attention output and on the MLP output besides the two
+//! input norms, GeGLU (tanh GELU), the embedding times `sqrt(h)`, q/k norms, attention
+//! scale `query_pre_attn_scalar^-1/2`, and a second RoPE for its sliding-window layers.
 //!
 //! Shapes: `b` batch, `s` tokens (this rank's), `h` hidden, `hq`/`hkv` query/kv heads,
 //! `d` head dim, `i` intermediate, `V` vocabulary.
@@ -9,7 +13,8 @@
 //! `model.embed_tokens.weight`, `model.layers.N.self_attn.{q,k,v,o}_proj.{weight,bias}`,
 //! `model.layers.N.mlp.{gate,up,down}_proj.weight`,
 //! `model.layers.N.{input_layernorm,post_attention_layernorm}.weight`, `model.norm.weight`,
-//! `model.layers.N.self_attn.{q_norm,k_norm}.weight` (Qwen3, `[d]`),
+//! `model.layers.N.self_attn.{q_norm,k_norm}.weight` (Qwen3, Gemma 3, `[d]`),
+//! `model.layers.N.{pre_feedforward_layernorm,post_feedforward_layernorm}.weight` (Gemma 3),
 //! `lm_head.weight` (absent when `tie_word_embeddings`).
 //!
 //! The model knows nothing of ranks: attention goes through an [`AttentionMode`]
@@ -17,7 +22,7 @@
 
 use super::config::LlamaConfig;
 use super::loss;
-use super::rope::{Rope, RopeTable};
+use super::rope::{Rope, RopeTable, RopeTables};
 use crate::error::{Error, Result};
 use candle_core::{DType, Module, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
@@ -70,20 +75,32 @@ fn linear(vb: &VarBuilder, cfg: &LlamaConfig, out_dim: usize, in_dim: usize, bia
 }
 
 /// RMSNorm as transformers computes it: in f32, `x · rsqrt(mean(x²) + eps)`, cast back
-/// to the input dtype, times the weight.
+/// to the input dtype, times the weight; Gemma's (`one_plus`) multiplies by `1 + w` in f32
+/// and casts after.
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
     pub weight: Tensor, // [h]
     pub eps: f64,
+    /// Gemma: the weight is stored centred on 0 and applied as `1 + w`, before the cast.
+    pub one_plus: bool,
 }
 
 impl RmsNorm {
+    /// The norm named `name` under `vb`, of `dim` features, in the family's style.
+    fn load(vb: &VarBuilder, cfg: &LlamaConfig, name: &str, dim: usize) -> Result<Self> {
+        Ok(RmsNorm { weight: get(&vb.pp(name), cfg, "weight", &[dim])?, eps: cfg.rms_norm_eps, one_plus: cfg.gemma_block() })
+    }
+
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let dtype = x.dtype();
         let x32 = x.to_dtype(DType::F32)?;
         let var = x32.sqr()?.mean_keepdim(D::Minus1)?; // [.., 1]
         let inv = (var + self.eps)?.sqrt()?.recip()?;
-        x32.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(&self.weight)
+        let n = x32.broadcast_mul(&inv)?;
+        if self.one_plus {
+            return n.broadcast_mul(&(self.weight.to_dtype(DType::F32)? + 1.0)?)?.to_dtype(dtype);
+        }
+        n.to_dtype(dtype)?.broadcast_mul(&self.weight)
     }
 }
 
@@ -100,17 +117,14 @@ pub struct Attention {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// The factor on q·k ([`LlamaConfig::attention_scale`]).
+    pub scale: f64,
 }
 
 impl Attention {
     fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
         let (h, d, hq, hkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads);
-        let norm = |name: &str| -> Result<Option<RmsNorm>> {
-            if !cfg.qk_norm() {
-                return Ok(None);
-            }
-            Ok(Some(RmsNorm { weight: get(&vb.pp(name), cfg, "weight", &[d])?, eps: cfg.rms_norm_eps }))
-        };
+        let norm = |name: &str| -> Result<Option<RmsNorm>> { cfg.qk_norm().then(|| RmsNorm::load(&vb, cfg, name, d)).transpose() };
         Ok(Attention {
             q_proj: linear(&vb.pp("q_proj"), cfg, hq * d, h, cfg.qkv_bias())?,
             k_proj: linear(&vb.pp("k_proj"), cfg, hkv * d, h, cfg.qkv_bias())?,
@@ -121,6 +135,7 @@ impl Attention {
             num_heads: hq,
             num_kv_heads: hkv,
             head_dim: d,
+            scale: cfg.attention_scale(),
         })
     }
 
@@ -146,8 +161,7 @@ impl Attention {
         let v = self.v_proj.forward(x)?.reshape((b, s, self.num_kv_heads, d))?; // [b, s, hkv, d]
         let q = rope.apply(&q)?;
         let k = rope.apply(&k)?;
-        let scale = 1.0 / (d as f64).sqrt();
-        let o = longctx_attention::op::attention(attn, &q, &k, &v, scale)?; // [b, s, hq, d]
+        let o = longctx_attention::op::attention(attn, &q, &k, &v, self.scale)?; // [b, s, hq, d]
         self.o_proj.forward(&o.reshape((b, s, self.num_heads * d))?)
     }
 
@@ -166,7 +180,7 @@ impl Attention {
         let q = rope.apply(&q)?.contiguous()?;
         let k = rope.apply(&k)?.contiguous()?;
         let v = self.v_proj.forward(x)?.reshape((b, s, self.num_kv_heads, d))?.contiguous()?;
-        let scale = 1.0 / (d as f64).sqrt();
+        let scale = self.scale;
         let o = match cache.take() {
             // One new token (decoding): it sees every key, so no mask; scores `[b, hq, 1, t]`
             // are small, and the plain f32 matmul path has no per-shape set-up (the fused
@@ -196,12 +210,15 @@ impl Attention {
     }
 }
 
-/// SwiGLU MLP: `down(silu(gate(x)) · up(x))` (Candle's `silu` has a backward).
+/// SwiGLU MLP: `down(silu(gate(x)) · up(x))` (Candle's `silu` has a backward); Gemma's
+/// GeGLU takes the tanh GELU instead of silu (Candle's `gelu` is that one, with a backward).
 #[derive(Debug, Clone)]
 pub struct Mlp {
     pub gate_proj: Linear, // [i, h]
     pub up_proj: Linear,   // [i, h]
     pub down_proj: Linear, // [h, i]
+    /// GeGLU with `gelu_pytorch_tanh` (Gemma 3) instead of SwiGLU.
+    pub gelu_tanh: bool,
 }
 
 impl Mlp {
@@ -211,53 +228,103 @@ impl Mlp {
             gate_proj: linear(&vb.pp("gate_proj"), cfg, i, h, bias)?,
             up_proj: linear(&vb.pp("up_proj"), cfg, i, h, bias)?,
             down_proj: linear(&vb.pp("down_proj"), cfg, h, i, bias)?,
+            gelu_tanh: cfg.gemma_block(),
         })
     }
 
     /// `[.., h] -> [.., h]`; token-wise, so it may be run on any chunk of tokens.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let g = self.gate_proj.forward(x)?.silu()?;
+        let g = self.gate_proj.forward(x)?;
+        let g = if self.gelu_tanh { g.gelu()? } else { g.silu()? };
         self.down_proj.forward(&g.mul(&self.up_proj.forward(x)?)?)
     }
 }
 
-/// One pre-norm decoder block: `x + attn(norm(x))`, then `+ mlp(norm(·))`.
+/// One pre-norm decoder block: `x + attn(norm(x))`, then `+ mlp(norm(·))`; Gemma 3's
+/// sandwich: `h = x + norm(attn(norm(x)))`, `y = h + norm(mlp(norm(h)))`.
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
     pub self_attn: Attention,
     pub mlp: Mlp,
     pub input_layernorm: RmsNorm,
+    /// Llama: the norm of the MLP input. Gemma 3: the norm of the attention output.
     pub post_attention_layernorm: RmsNorm,
+    /// Gemma 3: `(pre_feedforward_layernorm, post_feedforward_layernorm)`, the norms of
+    /// the MLP input and output.
+    pub feedforward_norms: Option<(RmsNorm, RmsNorm)>,
+    /// Whether the layer takes the local RoPE table (Gemma 3's sliding-window layers).
+    pub rope_local: bool,
 }
 
 impl DecoderLayer {
-    pub fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+    /// Layer `l` of the model (`l` picks its RoPE: Gemma 3's sliding layers have their own).
+    pub fn load(vb: VarBuilder, cfg: &LlamaConfig, l: usize) -> Result<Self> {
         let h = cfg.hidden_size;
-        let norm =
-            |name: &str| -> Result<RmsNorm> { Ok(RmsNorm { weight: get(&vb.pp(name), cfg, "weight", &[h])?, eps: cfg.rms_norm_eps }) };
+        let norm = |name: &str| RmsNorm::load(&vb, cfg, name, h);
+        let feedforward_norms = match cfg.gemma_block() {
+            true => Some((norm("pre_feedforward_layernorm")?, norm("post_feedforward_layernorm")?)),
+            false => None,
+        };
         Ok(DecoderLayer {
             self_attn: Attention::load(vb.pp("self_attn"), cfg)?,
             mlp: Mlp::load(vb.pp("mlp"), cfg)?,
             input_layernorm: norm("input_layernorm")?,
             post_attention_layernorm: norm("post_attention_layernorm")?,
+            feedforward_norms,
+            rope_local: cfg.layer_rope_is_local(l),
         })
     }
 
-    /// `x [b, s, h]` -> `[b, s, h]`; `rope` holds cos/sin for exactly these tokens.
-    pub fn forward(&self, x: &Tensor, rope: &RopeTable, attn: &Arc<dyn AttentionMode>) -> Result<Tensor> {
-        let a = self.self_attn.forward(&self.input_layernorm.forward(x)?, rope, attn)?;
-        let x = x.add(&a)?;
-        let m = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
-        Ok(x.add(&m)?)
+    /// The norm of the MLP input.
+    pub fn mlp_norm(&self) -> &RmsNorm {
+        self.feedforward_norms.as_ref().map_or(&self.post_attention_layernorm, |(pre, _)| pre)
+    }
+
+    /// Gemma 3: the norm of the attention output, before the residual add.
+    pub fn attn_out_norm(&self) -> Option<&RmsNorm> {
+        self.feedforward_norms.as_ref().map(|_| &self.post_attention_layernorm)
+    }
+
+    /// Gemma 3: the norm of the MLP output, before the residual add.
+    pub fn mlp_out_norm(&self) -> Option<&RmsNorm> {
+        self.feedforward_norms.as_ref().map(|(_, post)| post)
+    }
+
+    /// `x + a`, `a` the attention output (normed first where the family does).
+    fn attn_residual(&self, x: &Tensor, a: Tensor) -> Result<Tensor> {
+        let a = match self.attn_out_norm() {
+            Some(n) => n.forward(&a)?,
+            None => a,
+        };
+        Ok(x.add(&a)?)
+    }
+
+    /// The attention half `h [b, s, h]` of the layer for its input `x [b, s, h]`.
+    pub fn attn_half(&self, x: &Tensor, ropes: &RopeTables, attn: &Arc<dyn AttentionMode>) -> Result<Tensor> {
+        let a = self.self_attn.forward(&self.input_layernorm.forward(x)?, ropes.get(self.rope_local), attn)?;
+        self.attn_residual(x, a)
+    }
+
+    /// The MLP half `y` for the attention half's output `h` (token-wise: any chunk of tokens).
+    pub fn mlp_half(&self, h: &Tensor) -> Result<Tensor> {
+        let m = self.mlp.forward(&self.mlp_norm().forward(h)?)?;
+        let m = match self.mlp_out_norm() {
+            Some(n) => n.forward(&m)?,
+            None => m,
+        };
+        Ok(h.add(&m)?)
+    }
+
+    /// `x [b, s, h]` -> `[b, s, h]`; `ropes` hold cos/sin for exactly these tokens.
+    pub fn forward(&self, x: &Tensor, ropes: &RopeTables, attn: &Arc<dyn AttentionMode>) -> Result<Tensor> {
+        self.mlp_half(&self.attn_half(x, ropes, attn)?)
     }
 
     /// [`Self::forward`] with the attention's keys and values cached (see
     /// [`Attention::forward_cached`]).
-    pub fn forward_cached(&self, x: &Tensor, rope: &RopeTable, cache: &mut Option<(Tensor, Tensor)>) -> Result<Tensor> {
-        let a = self.self_attn.forward_cached(&self.input_layernorm.forward(x)?, rope, cache)?;
-        let x = x.add(&a)?;
-        let m = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
-        Ok(x.add(&m)?)
+    pub fn forward_cached(&self, x: &Tensor, ropes: &RopeTables, cache: &mut Option<(Tensor, Tensor)>) -> Result<Tensor> {
+        let a = self.self_attn.forward_cached(&self.input_layernorm.forward(x)?, ropes.get(self.rope_local), cache)?;
+        self.mlp_half(&self.attn_residual(x, a)?)
     }
 
     /// The layer's parameters with their names relative to `model.layers.N.`.
@@ -283,6 +350,10 @@ impl DecoderLayer {
         lin(&mut out, "mlp.down_proj", &self.mlp.down_proj);
         out.push(("input_layernorm.weight".into(), self.input_layernorm.weight.clone()));
         out.push(("post_attention_layernorm.weight".into(), self.post_attention_layernorm.weight.clone()));
+        if let Some((pre, post)) = &self.feedforward_norms {
+            out.push(("pre_feedforward_layernorm.weight".into(), pre.weight.clone()));
+            out.push(("post_feedforward_layernorm.weight".into(), post.weight.clone()));
+        }
         out
     }
 }
@@ -291,7 +362,9 @@ impl DecoderLayer {
 #[derive(Debug, Clone)]
 pub struct Llama {
     pub cfg: LlamaConfig,
+    /// The RoPE of every layer but Gemma 3's sliding ones (which take `local_rope`).
     pub rope: Rope,
+    pub local_rope: Option<Rope>,
     pub embed_tokens: Embedding, // [V, h]
     pub layers: Vec<DecoderLayer>,
     pub norm: RmsNorm,
@@ -308,15 +381,23 @@ impl Llama {
         let emb = get(&m.pp("embed_tokens"), cfg, "weight", &[v, h])?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
-            layers.push(DecoderLayer::load(m.pp(format!("layers.{i}")), cfg)?);
+            layers.push(DecoderLayer::load(m.pp(format!("layers.{i}")), cfg, i)?);
         }
-        let norm = RmsNorm { weight: get(&m.pp("norm"), cfg, "weight", &[h])?, eps: cfg.rms_norm_eps };
+        let norm = RmsNorm::load(&m, cfg, "norm", h)?;
         let lm_head = if cfg.tie_word_embeddings {
             Linear::new(emb.clone(), None)
         } else {
             Linear::new(get(&vb.pp("lm_head"), cfg, "weight", &[v, h])?, None)
         };
-        Ok(Llama { cfg: cfg.clone(), rope: Rope::new(cfg), embed_tokens: Embedding::new(emb, h), layers, norm, lm_head })
+        Ok(Llama {
+            cfg: cfg.clone(),
+            rope: Rope::new(cfg),
+            local_rope: Rope::local(cfg),
+            embed_tokens: Embedding::new(emb, h),
+            layers,
+            norm,
+            lm_head,
+        })
     }
 
     /// Dtype of the weights (and of hidden states).
@@ -330,14 +411,38 @@ impl Llama {
         Ok(self.rope.table(positions, seq_len, self.dtype())?)
     }
 
+    /// [`Self::rope_table`] for every layer: the global table and Gemma 3's local one.
+    pub fn rope_tables(&self, positions: &Tensor, seq_len: Option<usize>) -> Result<RopeTables> {
+        let local = self.local_rope.as_ref().map(|r| r.table(positions, seq_len, self.dtype())).transpose()?;
+        Ok(RopeTables { global: self.rope_table(positions, seq_len)?, local })
+    }
+
     /// `ids [b, s]` u32 -> `[b, s, h]`.
     pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
-        Ok(self.embed_tokens.forward(ids)?)
+        self.embed_with(self.embed_tokens.embeddings(), ids)
+    }
+
+    /// [`Self::embed`] with the embedding `weight [V, h]` given (ZeRO-3 brings it per
+    /// step): the rows of `ids`, times Gemma 3's `sqrt(h)` rounded to the weight's dtype.
+    pub fn embed_with(&self, weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
+        let x = Embedding::new(weight.clone(), self.cfg.hidden_size).forward(ids)?;
+        match self.embed_factor(weight.dtype())? {
+            Some(f) => Ok(x.broadcast_mul(&Tensor::new(f as f32, x.device())?.to_dtype(x.dtype())?)?),
+            None => Ok(x),
+        }
+    }
+
+    /// Gemma 3's embedding factor as the model applies it: `sqrt(h)` as f32, rounded to
+    /// `dtype` (transformers: `embed_scale.to(weight.dtype)`); `None` for the others.
+    pub fn embed_factor(&self, dtype: DType) -> Result<Option<f64>> {
+        let Some(s) = self.cfg.embed_scale() else { return Ok(None) };
+        let t = Tensor::new(s as f32, &candle_core::Device::Cpu)?.to_dtype(dtype)?;
+        Ok(Some(t.to_dtype(DType::F64)?.to_scalar::<f64>()?))
     }
 
     /// Final hidden states `[b, s, h]`, after the last norm (input of `lm_head`).
     pub fn forward_hidden(&self, ids: &Tensor, positions: &Tensor, attn: &Arc<dyn AttentionMode>) -> Result<Tensor> {
-        let rope = self.rope_table(positions, None)?;
+        let rope = self.rope_tables(positions, None)?;
         let mut x = self.embed(ids)?;
         for layer in &self.layers {
             x = layer.forward(&x, &rope, attn)?;
@@ -362,7 +467,7 @@ impl Llama {
         let start = u32::try_from(cache.len).map_err(|_| Error::Setting("kv cache position does not fit u32".into()))?;
         let end = u32::try_from(cache.len + s).map_err(|_| Error::Setting("kv cache position does not fit u32".into()))?;
         let positions = Tensor::arange(start, end, ids.device())?.unsqueeze(0)?.repeat((b, 1))?;
-        let rope = self.rope_table(&positions, None)?;
+        let rope = self.rope_tables(&positions, None)?;
         let mut x = self.embed(ids)?;
         for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
             x = layer.forward_cached(&x, &rope, slot)?;

@@ -1,4 +1,5 @@
-//! The Llama family as Hugging Face transformers defines it (llama, mistral, qwen2, qwen3):
+//! The Llama family as Hugging Face transformers defines it (llama, mistral, qwen2, qwen3, phi3,
+//! gemma3_text):
 //! - [`config`]: `config.json` parsing/validation/write-back ([`LlamaConfig`]).
 //! - [`rope`]: rotary embedding per rope type, cos/sin for global position ids.
 //! - [`llama`]: RMSNorm, attention (through a sequence-parallel [`AttentionMode`]), SwiGLU
@@ -14,7 +15,7 @@ pub mod llama;
 pub mod loss;
 pub mod rope;
 
-pub use config::{Arch, LlamaConfig, RopeScaling};
+pub use config::{Arch, LlamaConfig, LocalRope, RopeScaling};
 pub use llama::{Attention, DecoderLayer, KvCache, Llama, Mlp, RmsNorm};
 pub use loss::{count_targets, cross_entropy_sum, cross_entropy_sum_checked, per_token_loss, IGNORE_INDEX};
-pub use rope::{Rope, RopeTable};
+pub use rope::{Rope, RopeTable, RopeTables};

@@ -50,6 +50,13 @@ impl Rope {
         }
     }
 
+    /// Gemma 3: the RoPE of the sliding-window layers (their own base, and scaling where
+    /// `rope_parameters.sliding_attention` sets one); `None` for the other families.
+    pub fn local(cfg: &LlamaConfig) -> Option<Self> {
+        let l = cfg.rope_local.as_ref()?;
+        Some(Rope { theta: l.theta, dim: cfg.head_dim, max_position_embeddings: cfg.max_position_embeddings, scaling: l.scaling.clone() })
+    }
+
     pub fn head_dim(&self) -> usize {
         self.dim
     }
@@ -218,6 +225,23 @@ impl Rope {
 pub struct RopeTable {
     pub cos: Tensor, // [b, s, 1, d]
     pub sin: Tensor, // [b, s, 1, d]
+}
+
+/// The cos/sin tables of every layer: the model's, and (Gemma 3) the sliding layers' own.
+#[derive(Debug, Clone)]
+pub struct RopeTables {
+    pub global: RopeTable,
+    pub local: Option<RopeTable>,
+}
+
+impl RopeTables {
+    /// The table of a layer that takes the local RoPE (`local`) or the global one.
+    pub fn get(&self, local: bool) -> &RopeTable {
+        match (&self.local, local) {
+            (Some(t), true) => t,
+            _ => &self.global,
+        }
+    }
 }
 
 /// `cat(−x2, x1)` over the last dim, where `x1`, `x2` are its two halves.

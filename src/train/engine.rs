@@ -20,13 +20,15 @@
 //!
 //! Shapes: `b` batch, `s` local tokens, `h` hidden, `V` vocabulary, `c` tokens per chunk.
 
-use crate::model::{DecoderLayer, Llama, RopeTable};
-use crate::train::layer_grad::{accumulate, chunk_rows, put_rows, row_buffer, LayerPass, LayerShape, LayerSlots, SavedAttention};
+use crate::model::{DecoderLayer, Llama, RmsNorm, RopeTables};
+use crate::train::layer_grad::{
+    accumulate, chunk_rows, put_rows, rms_backward, rms_forward, row_buffer, LayerPass, LayerShape, LayerSlots, SavedAttention,
+};
 use crate::train::offload::ActivationStore;
 use crate::train::profile::{Phase, PhaseTimes, Profiler};
 use crate::train::zero::{layer_unit, GradBuffer, ParamHooks};
 use crate::Result;
-use candle_core::{DType, Module, Shape, Tensor, Var};
+use candle_core::{DType, Shape, Tensor, Var};
 use candle_nn::VarBuilder;
 use longctx_attention::AttentionMode;
 use std::collections::HashMap;
@@ -154,6 +156,7 @@ impl Engine {
         let vb = VarBuilder::from_tensors(plain_map, tracked.dtype(), &dev);
         let mut plain = Llama::load(vb, &tracked.cfg)?;
         plain.rope = tracked.rope.clone();
+        plain.local_rope = tracked.local_rope.clone();
         let meta = params.iter().map(|(n, v)| (n.clone(), v.as_tensor().shape().clone())).collect();
         Self::assemble(tracked, plain, params, meta, opts)
     }
@@ -216,7 +219,7 @@ impl Engine {
         let local: HashMap<String, Tensor> =
             map.into_iter().map(|(n, t)| (n.strip_prefix(&prefix).map(str::to_string).unwrap_or(n), t)).collect();
         let dev = self.plain.embed_tokens.embeddings().device().clone();
-        Ok(Some(DecoderLayer::load(VarBuilder::from_tensors(local, self.plain.dtype(), &dev), &self.plain.cfg)?))
+        Ok(Some(DecoderLayer::load(VarBuilder::from_tensors(local, self.plain.dtype(), &dev), &self.plain.cfg, l)?))
     }
 
     /// The final norm's and `lm_head`'s weights (from the hooks, or the model's own).
@@ -262,7 +265,8 @@ impl Engine {
         &self.prof
     }
 
-    /// Use `rope_theta` from now on (a new stage); both views.
+    /// Use `rope_theta` from now on (a new stage); both views. (Gemma 3's sliding layers
+    /// keep their own RoPE: a stage extends the full-attention layers'.)
     pub fn set_rope(&mut self, rope: crate::model::Rope) {
         self.tracked.rope = rope.clone();
         self.plain.rope = rope;
@@ -321,7 +325,7 @@ impl Engine {
         let dev = ids.device().clone();
         // Checked and counted once here (a read-back), not per loss chunk.
         let n_tokens = crate::model::count_targets(targets, self.tracked.cfg.vocab_size)?;
-        let rope: RopeTable = self.plain.rope_table(positions, Some(global_len))?;
+        let rope: RopeTables = self.plain.rope_tables(positions, Some(global_len))?;
         let mut mem = MemoryReport::default();
         let acc = hooks.grad_slots();
         let chunks = self.chunks(s);
@@ -379,7 +383,7 @@ impl Engine {
             None => self.plain.embed(ids),
             Some(mut w) => {
                 let e = w.remove("model.embed_tokens.weight").ok_or_else(|| crate::Error::Setting("engine: no embedding".into()))?;
-                Ok(candle_nn::Embedding::new(e, self.plain.cfg.hidden_size).forward(ids)?)
+                self.plain.embed_with(&e, ids)
             }
         })?; // [b, s, h]
         let keep_attention = self.opts.save_attention && self.opts.layer_backward == LayerBackward::Explicit;
@@ -444,20 +448,19 @@ impl Engine {
         l: usize,
         x_in: &Tensor,
         gx: &Tensor,
-        rope: &RopeTable,
+        rope: &RopeTables,
         attn: &Arc<dyn AttentionMode>,
         chunks: &[(usize, usize)],
         acc: &[Tensor],
     ) -> Result<Tensor> {
         let layer = &self.tracked.layers[l];
         let x_in = Var::from_tensor(x_in)?;
-        let a = layer.self_attn.forward(&layer.input_layernorm.forward(x_in.as_tensor())?, rope, attn)?;
-        let hmid = x_in.as_tensor().add(&a)?; // tracked graph of the attention half
+        let hmid = layer.attn_half(x_in.as_tensor(), rope, attn)?; // tracked graph of the attention half
         let hplain = hmid.detach();
         let mut gh_chunks = Vec::with_capacity(chunks.len());
         for &(st, len) in chunks {
             let hc = Var::from_tensor(&hplain.narrow(1, st, len)?.contiguous()?)?;
-            let y = hc.as_tensor().add(&layer.mlp.forward(&layer.post_attention_layernorm.forward(hc.as_tensor())?)?)?;
+            let y = layer.mlp_half(hc.as_tensor())?;
             let seed = y.mul(&gx.narrow(1, st, len)?)?.sum_all()?;
             let grads = seed.backward()?;
             self.collect(&grads, acc)?;
@@ -489,18 +492,18 @@ impl Engine {
         acc: &[Tensor],
         (norm_w, w): (&Tensor, &Tensor),
     ) -> Result<(Tensor, f64)> {
-        let eps = self.plain.norm.eps;
+        let norm = RmsNorm { weight: norm_w.clone(), ..self.plain.norm.clone() };
         // SAFETY: the loop below writes every chunk's rows of gx.
         let gx = unsafe { row_buffer(x.shape(), x.dtype(), x.device()) }?;
         let mut losses = Vec::with_capacity(chunks.len()); // f32 scalars, read once below
         for &ch in chunks {
             let xc = chunk_rows(x, ch)?; // [n, h]
             let tc = targets.narrow(1, ch.0, ch.1)?.contiguous()?.flatten_all()?; // [n]
-            let n = longctx_kernels::rms_norm_fwd(&xc, None, norm_w, eps)?;
-            let ce = longctx_kernels::linear_cross_entropy(&n.y, w, &tc, scale, ch.1.max(1), Some(&acc[self.head_slot]))?;
-            let g = longctx_kernels::rms_norm_bwd(&ce.dhidden, &xc, norm_w, &n.rstd, None)?;
-            accumulate(acc, self.norm_slot, &g.dweight)?;
-            put_rows(&gx, &g.dx, ch)?;
+            let (y, rstd) = rms_forward(&norm, &xc)?;
+            let ce = longctx_kernels::linear_cross_entropy(&y, w, &tc, scale, ch.1.max(1), Some(&acc[self.head_slot]))?;
+            let (dx, dw) = rms_backward(&norm, &xc, &rstd, &ce.dhidden, None)?;
+            accumulate(acc, self.norm_slot, &dw)?;
+            put_rows(&gx, &dx, ch)?;
             losses.push(ce.loss_sum);
         }
         let loss_sum =
@@ -545,8 +548,14 @@ impl Engine {
         let h = self.tracked.cfg.hidden_size;
         let slot = &acc[self.embed_slot];
         let mut de = slot.clone();
+        // Gemma 3 scales the embedding output: its gradient flows back times the same factor.
+        let factor = self.plain.embed_factor(gx.dtype())?;
         for &(st, len) in chunks {
             let rows = gx.narrow(1, st, len)?.to_dtype(DType::F32)?.reshape(((), h))?;
+            let rows = match factor {
+                Some(f) => (rows * f)?,
+                None => rows,
+            };
             de = de.index_add(&ids.narrow(1, st, len)?.flatten_all()?, &rows, 0)?;
         }
         if !chunks.is_empty() {
@@ -586,7 +595,7 @@ impl Engine {
         scale: f64,
     ) -> Result<StepResult> {
         let m = &self.tracked;
-        let rope = m.rope_table(positions, Some(global_len))?;
+        let rope = m.rope_tables(positions, Some(global_len))?;
         let mut x = m.embed(ids)?; // [b, s, h]
         for layer in &m.layers {
             x = layer.forward(&x, &rope, attn)?;

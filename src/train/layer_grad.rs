@@ -18,6 +18,13 @@
 //! per c:  [Qwen3: dq,dk = rms_d'(dq,dk) on the recomputed projections]
 //!         dx_c = dh_c + rms'(dq_c·Wq + dk_c·Wk + dv_c·Wv)   (written over dh_c)
 //! ```
+//! Gemma 3 (`LlamaConfig::gemma_block`) adds a norm on the attention output before its
+//! residual add (`h_c = x_c + rms_a(o_c·Woᵀ)`) and one on the MLP output
+//! (`y_c = h_c + rms_m(m·Wdᵀ)`), differentiated on the recomputed outputs; its norms scale
+//! by `1 + w` in f32 and its MLP is GeGLU-tanh: those two come from
+//! `longctx_kernels::{rms_norm_1p_*, geglu_tanh_*}`, composed from Candle ops (any
+//! device), not fused kernels.
+//!
 //! Weight gradients `dW += dyᵀ·x` are accumulated in f32 by the GEMM itself into the
 //! engine's gradient buffer (`longctx_kernels::matmul_acc_f32`, beta = 1). RMSNorm (its
 //! residual add fused into the backward), RoPE (in place), SwiGLU and the accumulation
@@ -36,7 +43,7 @@ use longctx_attention::kernel::Saved;
 use longctx_attention::AttentionMode;
 use longctx_kernels as kernels;
 
-use crate::model::{DecoderLayer, RmsNorm, RopeTable};
+use crate::model::{DecoderLayer, RmsNorm, RopeTable, RopeTables};
 use crate::train::profile::{Phase, Profiler};
 use crate::Result;
 
@@ -51,10 +58,13 @@ pub struct LayerSlots {
     pub up: LinSlots,
     pub down: LinSlots,
     pub ln1: usize,
+    /// `post_attention_layernorm`: Llama's MLP-input norm, Gemma 3's attention-output norm.
     pub ln2: usize,
-    /// Qwen3's per-head q/k norms, when the layer has them.
+    /// Qwen3's and Gemma 3's per-head q/k norms, when the layer has them.
     pub q_norm: Option<usize>,
     pub k_norm: Option<usize>,
+    /// Gemma 3's `pre_feedforward_layernorm` and `post_feedforward_layernorm`.
+    pub ff: Option<(usize, usize)>,
 }
 
 /// A linear layer's weight slot and, when it has one, its bias slot.
@@ -87,7 +97,13 @@ impl LayerSlots {
             ln2: at("post_attention_layernorm.weight")?,
             q_norm: at("self_attn.q_norm.weight").ok(),
             k_norm: at("self_attn.k_norm.weight").ok(),
+            ff: at("pre_feedforward_layernorm.weight").ok().zip(at("post_feedforward_layernorm.weight").ok()),
         })
+    }
+
+    /// The slot of the MLP-input norm.
+    fn mlp_norm(&self) -> usize {
+        self.ff.map_or(self.ln2, |(pre, _)| pre)
     }
 }
 
@@ -98,17 +114,47 @@ pub(crate) fn accumulate(acc: &[Tensor], i: usize, g: &Tensor) -> Result<()> {
     Ok(kernels::accumulate_f32(&acc[i], &g.contiguous()?, 1.0)?)
 }
 
-/// RMSNorm forward keeping `rstd [..]` f32: `y = w·round(x·rstd)` (fused kernel).
-fn rms_forward(norm: &RmsNorm, x: &Tensor) -> Result<(Tensor, Tensor)> {
+/// RMSNorm forward keeping `rstd` f32: `y = w·round(x·rstd)` (fused kernel), or Gemma's
+/// `round(x·rstd·(1 + w))` (composed).
+pub(crate) fn rms_forward(norm: &RmsNorm, x: &Tensor) -> Result<(Tensor, Tensor)> {
+    if norm.one_plus {
+        return Ok(kernels::rms_norm_1p_fwd(x, &norm.weight, norm.eps)?);
+    }
     let o = kernels::rms_norm_fwd(&x.contiguous()?, None, &norm.weight, norm.eps)?;
     Ok((o.y, o.rstd))
 }
 
-/// RMSNorm backward: `(dx + d_residual [.., h], dw [h] f32)` for `dy [.., h]` (fused kernel).
-fn rms_backward(norm: &RmsNorm, x: &Tensor, rstd: &Tensor, dy: &Tensor, d_residual: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+/// RMSNorm backward: `(dx + d_residual [.., h], dw [h] f32)` for `dy [.., h]` (fused
+/// kernel, or Gemma's composed one).
+pub(crate) fn rms_backward(
+    norm: &RmsNorm,
+    x: &Tensor,
+    rstd: &Tensor,
+    dy: &Tensor,
+    d_residual: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    if norm.one_plus {
+        return Ok(kernels::rms_norm_1p_bwd(dy, x, &norm.weight, rstd, d_residual)?);
+    }
     let dres = d_residual.map(Tensor::contiguous).transpose()?;
     let g = kernels::rms_norm_bwd(&dy.contiguous()?, &x.contiguous()?, &norm.weight, rstd, dres.as_ref())?;
     Ok((g.dx, g.dweight))
+}
+
+/// The MLP's gated activation: SwiGLU (fused kernel) or Gemma's GeGLU-tanh (composed).
+fn act_forward(layer: &DecoderLayer, g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    match layer.mlp.gelu_tanh {
+        true => Ok(kernels::geglu_tanh_fwd(g, u)?),
+        false => Ok(kernels::swiglu_fwd(g, u)?),
+    }
+}
+
+/// The backward of [`act_forward`]: `(dgate, dup)`.
+fn act_backward(layer: &DecoderLayer, dm: &Tensor, g: &Tensor, u: &Tensor) -> Result<(Tensor, Tensor)> {
+    match layer.mlp.gelu_tanh {
+        true => Ok(kernels::geglu_tanh_bwd(dm, g, u)?),
+        false => Ok(kernels::swiglu_bwd(dm, g, u)?),
+    }
 }
 
 /// Qwen3's per-head norm on projected rows `t [n, heads·d]`: each head's `d` features
@@ -126,10 +172,6 @@ fn head_norm_backward(norm: &RmsNorm, t: &Tensor, rstd: &Tensor, dy: &Tensor, d:
     let rows = n * w / d;
     let (dt, dw) = rms_backward(norm, &t.reshape((rows, d))?, rstd, &dy.contiguous()?.reshape((rows, d))?, None)?;
     Ok((dt.reshape((n, w))?, dw))
-}
-
-fn scale(d: usize) -> f64 {
-    1.0 / (d as f64).sqrt()
 }
 
 /// What the forward may keep of a layer's attention so that the backward does not rerun
@@ -194,7 +236,8 @@ pub(crate) fn put_rows(dst: &Tensor, rows: &Tensor, (st, len): (usize, usize)) -
 /// layer's transient memory is the attention core plus two `[b, s, h]` tensors plus one
 /// chunk's intermediates ([`LayerPass::transient_bytes`] counts it for the planner).
 pub struct LayerPass<'a> {
-    pub rope: &'a RopeTable,
+    /// The layers' cos/sin (each layer takes its own: Gemma 3's sliding layers the local).
+    pub rope: &'a RopeTables,
     pub attn: &'a Arc<dyn AttentionMode>,
     /// Token chunks `(start, len)` of the token-wise parts.
     pub chunks: &'a [(usize, usize)],
@@ -303,6 +346,10 @@ impl LayerPass<'_> {
         self.t(Phase::Gemm, || Ok(dy.matmul(lin.weight())?))
     }
 
+    fn rope_of(&self, layer: &DecoderLayer) -> &RopeTable {
+        self.rope.get(layer.rope_local)
+    }
+
     fn rows(&self, t: &Tensor, ch: (usize, usize)) -> Result<Tensor> {
         self.t(Phase::Copies, || chunk_rows(t, ch))
     }
@@ -333,28 +380,48 @@ impl LayerPass<'_> {
             self.put(&k, &kc, ch)?;
             self.put(&v, &self.linear(&a.v_proj, &n1)?, ch)?;
         }
+        let rope = self.rope_of(layer);
         self.t(Phase::NormRopeAct, || {
-            kernels::rope_fwd_inplace(&q, &self.rope.cos, &self.rope.sin)?;
-            Ok(kernels::rope_fwd_inplace(&k, &self.rope.cos, &self.rope.sin)?)
+            kernels::rope_fwd_inplace(&q, &rope.cos, &rope.sin)?;
+            Ok(kernels::rope_fwd_inplace(&k, &rope.cos, &rope.sin)?)
         })?;
-        let (o, lse) = self.t(Phase::Attention, || Ok(self.attn.forward(&q, &k, &v, scale(d))?))?;
+        let (o, lse) = self.t(Phase::Attention, || Ok(self.attn.forward(&q, &k, &v, a.scale)?))?;
         Ok(SavedAttention { q, k, v, o, lse })
     }
 
-    /// `h_c = x_c + o_c·Woᵀ` for one chunk, rows `[n, h]`.
-    fn residual_chunk(&self, layer: &DecoderLayer, x: &Tensor, o: &Tensor, ch: (usize, usize)) -> Result<Tensor> {
+    /// `h_c = x_c + o_c·Woᵀ` for one chunk, rows `[n, h]` (Gemma 3: `x_c + rms_a(o_c·Woᵀ)`),
+    /// and the branch before its norm with the norm's `rstd` (Gemma 3, for the backward).
+    fn residual_chunk(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        o: &Tensor,
+        ch: (usize, usize),
+    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         let a_out = self.linear(&layer.self_attn.o_proj, &self.rows(o, ch)?)?;
-        self.t(Phase::Copies, || Ok(self.rows(x, ch)?.add(&a_out)?))
+        let (a, pre) = match layer.attn_out_norm() {
+            Some(norm) => {
+                let (a, rstd) = self.t(Phase::NormRopeAct, || rms_forward(norm, &a_out))?;
+                (a, Some((a_out, rstd)))
+            }
+            None => (a_out, None),
+        };
+        Ok((self.t(Phase::Copies, || Ok(self.rows(x, ch)?.add(&a)?))?, pre))
     }
 
-    /// `y_c = h_c + down(silu(gate(n2))·up(n2))`, `n2 = rms(h_c)·w2`, rows `[n, h]`.
+    /// `y_c = h_c + down(act(gate(n2), up(n2)))`, `n2 = rms(h_c)·w2`, rows `[n, h]`
+    /// (Gemma 3: the branch normed before the add).
     fn mlp_chunk(&self, layer: &DecoderLayer, hc: &Tensor) -> Result<Tensor> {
         let m = &layer.mlp;
-        let (n2, _) = self.t(Phase::NormRopeAct, || rms_forward(&layer.post_attention_layernorm, hc))?;
+        let (n2, _) = self.t(Phase::NormRopeAct, || rms_forward(layer.mlp_norm(), hc))?;
         let g = self.linear(&m.gate_proj, &n2)?;
         let u = self.linear(&m.up_proj, &n2)?;
-        let gu = self.t(Phase::NormRopeAct, || Ok(kernels::swiglu_fwd(&g, &u)?))?;
+        let gu = self.t(Phase::NormRopeAct, || act_forward(layer, &g, &u))?;
         let y = self.linear(&m.down_proj, &gu)?;
+        let y = match layer.mlp_out_norm() {
+            Some(norm) => self.t(Phase::NormRopeAct, || Ok(rms_forward(norm, &y)?.0))?,
+            None => y,
+        };
         self.t(Phase::Copies, || Ok(hc.add(&y)?))
     }
 
@@ -366,7 +433,7 @@ impl LayerPass<'_> {
         // SAFETY: the loop below writes every chunk's rows of y.
         let y = unsafe { row_buffer(x.shape(), x.dtype(), x.device()) }?;
         for &ch in self.chunks {
-            let hc = self.residual_chunk(layer, x, &core.o, ch)?;
+            let (hc, _) = self.residual_chunk(layer, x, &core.o, ch)?;
             self.put(&y, &self.mlp_chunk(layer, &hc)?, ch)?;
         }
         Ok((y, core))
@@ -376,21 +443,53 @@ impl LayerPass<'_> {
     /// the branch's gradient. Weight gradients into their slots.
     fn mlp_chunk_backward(&self, layer: &DecoderLayer, sl: &LayerSlots, hc: &Tensor, dyc: &Tensor, acc: &[Tensor]) -> Result<Tensor> {
         let m = &layer.mlp;
-        let (n2, rstd2) = self.t(Phase::NormRopeAct, || rms_forward(&layer.post_attention_layernorm, hc))?;
+        let (n2, rstd2) = self.t(Phase::NormRopeAct, || rms_forward(layer.mlp_norm(), hc))?;
         let g = self.linear(&m.gate_proj, &n2)?; // [n, i]
         let u = self.linear(&m.up_proj, &n2)?; // [n, i]
-        let gu = self.t(Phase::NormRopeAct, || Ok(kernels::swiglu_fwd(&g, &u)?))?;
-        let dm = self.linear_backward(&m.down_proj, sl.down, &gu, dyc, acc)?; // [n, i]
-        drop(gu);
-        let (dg, du) = self.t(Phase::NormRopeAct, || Ok(kernels::swiglu_bwd(&dm, &g, &u)?))?;
+        let gu = self.t(Phase::NormRopeAct, || act_forward(layer, &g, &u))?;
+        // Gemma 3: through the MLP-output norm, on the recomputed branch.
+        let dbranch = match (layer.mlp_out_norm(), sl.ff) {
+            (Some(norm), Some((_, slot))) => {
+                let y = self.linear(&m.down_proj, &gu)?;
+                self.t(Phase::NormRopeAct, || {
+                    let (_, rstd) = rms_forward(norm, &y)?;
+                    let (dbranch, dw) = rms_backward(norm, &y, &rstd, dyc, None)?;
+                    accumulate(acc, slot, &dw)?;
+                    Ok(dbranch)
+                })?
+            }
+            _ => dyc.clone(),
+        };
+        let dm = self.linear_backward(&m.down_proj, sl.down, &gu, &dbranch, acc)?; // [n, i]
+        drop((gu, dbranch));
+        let (dg, du) = self.t(Phase::NormRopeAct, || act_backward(layer, &dm, &g, &u))?;
         drop((dm, g, u));
         let dn2g = self.linear_backward(&m.gate_proj, sl.gate, &n2, &dg, acc)?;
         let dn2u = self.linear_backward(&m.up_proj, sl.up, &n2, &du, acc)?;
         let dn2 = self.t(Phase::Copies, || Ok((dn2g + dn2u)?))?;
         // dh_c = dy_c (the residual) + the norm's backward, in one kernel.
-        let (dh, dw2) = self.t(Phase::NormRopeAct, || rms_backward(&layer.post_attention_layernorm, hc, &rstd2, &dn2, Some(dyc)))?;
-        self.t(Phase::GradAccum, || accumulate(acc, sl.ln2, &dw2))?;
+        let (dh, dw2) = self.t(Phase::NormRopeAct, || rms_backward(layer.mlp_norm(), hc, &rstd2, &dn2, Some(dyc)))?;
+        self.t(Phase::GradAccum, || accumulate(acc, sl.mlp_norm(), &dw2))?;
         Ok(dh)
+    }
+
+    /// The gradient of the attention branch (o_proj's output) for `dh`, the gradient of the
+    /// residual stream after it: `dh` itself, or (Gemma 3) through the attention-output norm
+    /// at the branch `pre = (a_out, rstd)` that [`Self::residual_chunk`] recomputed.
+    fn attn_out_backward(
+        &self,
+        layer: &DecoderLayer,
+        sl: &LayerSlots,
+        pre: Option<(Tensor, Tensor)>,
+        dh: &Tensor,
+        acc: &[Tensor],
+    ) -> Result<Tensor> {
+        let (Some(norm), Some((a_out, rstd))) = (layer.attn_out_norm(), pre) else { return Ok(dh.clone()) };
+        self.t(Phase::NormRopeAct, || {
+            let (da, dw) = rms_backward(norm, &a_out, &rstd, dh, None)?;
+            accumulate(acc, sl.ln2, &dw)?;
+            Ok(da)
+        })
     }
 
     /// Gradient of the layer's input for the gradient of its output `dy [b, s, h]`, which
@@ -417,21 +516,23 @@ impl LayerPass<'_> {
         let d_o = unsafe { row_buffer(core.o.shape(), core.o.dtype(), core.o.device()) }?;
         // MLP half and o_proj, chunk by chunk: dy_c → dh_c (written over dy_c), d_o_c.
         for &ch in self.chunks {
-            let hc = self.residual_chunk(layer, x, &core.o, ch)?;
+            let (hc, pre) = self.residual_chunk(layer, x, &core.o, ch)?;
             let dh = self.mlp_chunk_backward(layer, sl, &hc, &self.rows(&dy, ch)?, acc)?;
             drop(hc);
-            let doc = self.linear_backward(&a.o_proj, sl.o, &self.rows(&core.o, ch)?, &dh, acc)?;
+            let da = self.attn_out_backward(layer, sl, pre, &dh, acc)?;
+            let doc = self.linear_backward(&a.o_proj, sl.o, &self.rows(&core.o, ch)?, &da, acc)?;
             self.put(&d_o, &doc, ch)?;
             self.put(&dy, &dh, ch)?;
         }
         let d = a.head_dim;
         let SavedAttention { q, k, v, o, lse } = core;
-        let (dq, dk, dv) = self.t(Phase::Attention, || Ok(self.attn.backward(&d_o, Saved::new(&q, &k, &v, &o, &lse), scale(d))?))?;
+        let (dq, dk, dv) = self.t(Phase::Attention, || Ok(self.attn.backward(&d_o, Saved::new(&q, &k, &v, &o, &lse), a.scale)?))?;
         drop((q, k, v, o, lse, d_o));
         let (dq, dk, dv) = self.t(Phase::Copies, || Ok((dq.contiguous()?, dk.contiguous()?, dv.contiguous()?)))?;
+        let rope = self.rope_of(layer);
         self.t(Phase::NormRopeAct, || {
-            kernels::rope_bwd_inplace(&dq, &self.rope.cos, &self.rope.sin)?;
-            Ok(kernels::rope_bwd_inplace(&dk, &self.rope.cos, &self.rope.sin)?)
+            kernels::rope_bwd_inplace(&dq, &rope.cos, &rope.sin)?;
+            Ok(kernels::rope_bwd_inplace(&dk, &rope.cos, &rope.sin)?)
         })?;
         // q/k/v projections and the input norm, chunk by chunk: dh_c → dx_c (over dy_c).
         for &ch in self.chunks {

@@ -650,8 +650,8 @@ impl<'a> RankRun<'a> {
         if let (true, Some(w)) = (is_main, mcfg.sliding_window()) {
             eprintln!(
                 "note: the model's config asks for a sliding attention window of {w} tokens; longctx trains full causal \
-                 attention over each sequence and exports with the window turned off (sliding_window: null), so \
-                 transformers runs the attention that was trained"
+                 attention over each sequence and exports with the window turned off (sliding_window: null; Gemma 3: \
+                 as wide as max_position_embeddings), so transformers runs the attention that was trained"
             );
         }
         // ZeRO over every rank of the world (`train.zero_stage`; `train::zero`).
