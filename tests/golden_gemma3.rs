@@ -12,6 +12,11 @@
 //!   transformers 4 form (`rope_theta`, `rope_scaling`, `rope_local_base_freq`,
 //!   `sliding_window_pattern`), whose RoPE tables are checked now.
 //!
+//! Also: the config in both forms and its write-back, a stage's RoPE landing on the
+//! full-attention layers, bad configs refused naming the field, generation's cached forward
+//! against the full one, and a short training run whose export transformers loads with
+//! the logits longctx computes.
+//!
 //! Errors relative to the reference's scale, `max|ours − ref| / max|ref|`, except cos/sin
 //! (absolute). Tolerances as tests/golden_rope.rs (f32 on both sides): cos/sin 1e-6
 //! absolute, logits and losses 5e-6 relative, gradients 2e-5 relative per parameter
@@ -189,6 +194,27 @@ fn gemma3_stage_rope_goes_to_the_full_attention_layers() {
     assert!(longctx::hub::disable_sliding_window(&mut c).unwrap());
     assert_eq!(c["sliding_window"], json!(4096), "as wide as max_position_embeddings");
     assert_eq!(c["layer_types"], json!(["sliding_attention", "full_attention", "sliding_attention"]));
+}
+
+/// Generation's cached forward (the attention-output norm, per-layer RoPE and embedding
+/// scale on its own path) equals the whole-sequence forward: a prompt of 10 tokens, a
+/// block of 13, then one decoding step, against one pass over the 24 tokens (f32, 1e-5).
+#[test]
+fn gemma3_cached_forward_equals_the_full_forward() {
+    let f = load("gemma3_text");
+    let model = Engine::from_vars(&f.cfg, &f.vars, EngineOptions::default()).unwrap().tracked;
+    let ids = f.reference["input_ids"].to_dtype(DType::U32).unwrap().narrow(0, 0, 1).unwrap();
+    let pos = Tensor::arange(0u32, 24, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
+    let full = model.forward_hidden(&ids, &pos, &attn).unwrap();
+    let mut cache = longctx::model::KvCache::new(&model);
+    let parts: Vec<Tensor> = [(0, 10), (10, 13), (23, 1)]
+        .iter()
+        .map(|&(st, n)| model.forward_hidden_cached(&ids.narrow(1, st, n).unwrap(), &mut cache).unwrap())
+        .collect();
+    let cached = Tensor::cat(&parts, 1).unwrap();
+    let e = rel_err(&cached, &full);
+    assert!(e <= 1e-5, "cached vs full forward rel err {e:e}");
 }
 
 /// A change to the fixture's config.json, parsed: the error text.
