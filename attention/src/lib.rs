@@ -9,6 +9,7 @@
 //! Layers:
 //! - [`kernel`]: the block kernel contract `fwd -> (o, lse)`, `bwd(do, Saved { q, k, v, o, lse })`,
 //!   dispatched per device (CPU tiled kernel in [`cpu`], CUDA cuDNN behind `cuda`).
+//! - [`band`]: sliding-window band blocks cut into calls every kernel takes.
 //! - [`docs`]: document masks (block-diagonal causal over packed documents), cut into
 //!   kernel calls per document; every mode takes them ([`mode::AttentionMode::forward_docs`]).
 //! - [`merge`]: the one stable log-sum-exp merge of partial results.
@@ -22,6 +23,7 @@
 // Lists of token ranges (a block's q and kv rows) often hold one range: meant, not a typo.
 #![allow(clippy::single_range_in_vec_init)]
 
+pub mod band;
 pub mod comm;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -43,7 +45,7 @@ pub mod testing;
 pub mod ulysses;
 pub mod usp;
 
-pub use docs::Docs;
+pub use docs::{Docs, Masking};
 pub use error::AttnError;
 pub use kernel::{Mask, Saved};
 pub use mode::AttentionMode;

@@ -13,7 +13,9 @@
 //! `lm_head.weight` (absent when `tie_word_embeddings`).
 //!
 //! The model knows nothing of ranks: attention goes through an [`AttentionMode`]
-//! (`LocalAttention` on one device) and RoPE takes global position ids.
+//! (`LocalAttention` on one device) and RoPE takes global position ids. A layer's sliding
+//! window ([`LlamaConfig::layer_windows`]) goes with each attention call; the mode joins it
+//! to whatever document mask it carries.
 
 use super::config::LlamaConfig;
 use super::loss;
@@ -100,10 +102,12 @@ pub struct Attention {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// Sliding window: query `i` sees keys `j` with `i − j < window` (`None`: full causal).
+    pub window: Option<usize>,
 }
 
 impl Attention {
-    fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &LlamaConfig, window: Option<usize>) -> Result<Self> {
         let (h, d, hq, hkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads);
         let norm = |name: &str| -> Result<Option<RmsNorm>> {
             if !cfg.qk_norm() {
@@ -121,6 +125,7 @@ impl Attention {
             num_heads: hq,
             num_kv_heads: hkv,
             head_dim: d,
+            window,
         })
     }
 
@@ -147,7 +152,7 @@ impl Attention {
         let q = rope.apply(&q)?;
         let k = rope.apply(&k)?;
         let scale = 1.0 / (d as f64).sqrt();
-        let o = longctx_attention::op::attention(attn, &q, &k, &v, scale)?; // [b, s, hq, d]
+        let (o, _) = longctx_attention::op::attention_windowed(attn, &q, &k, &v, self.window, scale)?; // [b, s, hq, d]
         self.o_proj.forward(&o.reshape((b, s, self.num_heads * d))?)
     }
 
@@ -156,7 +161,8 @@ impl Attention {
     /// queries see every cached key and the new keys causally (the two blocks merged by
     /// log-sum-exp; a single new token after a cache, the decoding step, takes a plain f32
     /// attention over all keys instead); the new keys and values are appended to `cache`.
-    /// No graph is meant.
+    /// Under a sliding window each block is masked to it (the cached keys as a band at
+    /// offset `t`, the decoding step over the last `window` keys only). No graph is meant.
     pub fn forward_cached(&self, x: &Tensor, rope: &RopeTable, cache: &mut Option<(Tensor, Tensor)>) -> candle_core::Result<Tensor> {
         use longctx_attention::kernel::{fwd, Mask};
         use longctx_attention::merge::merge;
@@ -167,26 +173,39 @@ impl Attention {
         let k = rope.apply(&k)?.contiguous()?;
         let v = self.v_proj.forward(x)?.reshape((b, s, self.num_kv_heads, d))?.contiguous()?;
         let scale = 1.0 / (d as f64).sqrt();
+        // The new tokens among themselves; the new tokens against `t` cached ones.
+        let diag = match self.window {
+            Some(w) if w < s => Mask::Band { offset: 0, window: w },
+            _ => Mask::Causal,
+        };
+        let past = |t: usize| match self.window {
+            Some(window) => Mask::Band { offset: t, window },
+            None => Mask::None,
+        };
         let o = match cache.take() {
-            // One new token (decoding): it sees every key, so no mask; scores `[b, hq, 1, t]`
-            // are small, and the plain f32 matmul path has no per-shape set-up (the fused
-            // kernel would plan a new graph for every length t, once per token and layer).
+            // One new token (decoding): it sees every key (the last `window` under a window),
+            // so no mask; scores `[b, hq, 1, t]` are small, and the plain f32 matmul path has
+            // no per-shape set-up (the fused kernel would plan a new graph for every length t,
+            // once per token and layer).
             Some((k_old, v_old)) if s == 1 => {
                 let k_all = Tensor::cat(&[&k_old, &k], 1)?;
                 let v_all = Tensor::cat(&[&v_old, &v], 1)?;
-                let f32 = |t: &Tensor| t.to_dtype(candle_core::DType::F32);
-                let (o, _) = longctx_attention::naive::fwd(&f32(&q)?, &f32(&k_all)?, &f32(&v_all)?, Mask::None, scale)?;
+                let n = k_all.dim(1)?;
+                let from = self.window.map_or(0, |w| n.saturating_sub(w));
+                let f32 = |t: &Tensor| t.narrow(1, from, n - from)?.to_dtype(candle_core::DType::F32);
+                let (o, _) =
+                    longctx_attention::naive::fwd(&q.to_dtype(candle_core::DType::F32)?, &f32(&k_all)?, &f32(&v_all)?, Mask::None, scale)?;
                 *cache = Some((k_all, v_all));
                 o.to_dtype(q.dtype())?
             }
             None => {
-                let (o_new, _) = fwd(&q, &k, &v, Mask::Causal, scale)?;
+                let (o_new, _) = fwd(&q, &k, &v, diag, scale)?;
                 *cache = Some((k, v));
                 o_new
             }
             Some((k_old, v_old)) => {
-                let (o_new, lse_new) = fwd(&q, &k, &v, Mask::Causal, scale)?;
-                let (o_old, lse_old) = fwd(&q, &k_old, &v_old, Mask::None, scale)?;
+                let (o_new, lse_new) = fwd(&q, &k, &v, diag, scale)?;
+                let (o_old, lse_old) = fwd(&q, &k_old, &v_old, past(k_old.dim(1)?), scale)?;
                 let acc = merge(Some(merge(None, &o_old, &lse_old)?), &o_new, &lse_new)?;
                 *cache = Some((Tensor::cat(&[&k_old, &k], 1)?, Tensor::cat(&[&v_old, &v], 1)?));
                 acc.finish(q.dtype())?.0
@@ -231,12 +250,13 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    pub fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+    /// Layer `index` of the model (its sliding window is the config's for that layer).
+    pub fn load(vb: VarBuilder, cfg: &LlamaConfig, index: usize) -> Result<Self> {
         let h = cfg.hidden_size;
         let norm =
             |name: &str| -> Result<RmsNorm> { Ok(RmsNorm { weight: get(&vb.pp(name), cfg, "weight", &[h])?, eps: cfg.rms_norm_eps }) };
         Ok(DecoderLayer {
-            self_attn: Attention::load(vb.pp("self_attn"), cfg)?,
+            self_attn: Attention::load(vb.pp("self_attn"), cfg, cfg.layer_window(index)?)?,
             mlp: Mlp::load(vb.pp("mlp"), cfg)?,
             input_layernorm: norm("input_layernorm")?,
             post_attention_layernorm: norm("post_attention_layernorm")?,
@@ -308,7 +328,7 @@ impl Llama {
         let emb = get(&m.pp("embed_tokens"), cfg, "weight", &[v, h])?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
-            layers.push(DecoderLayer::load(m.pp(format!("layers.{i}")), cfg)?);
+            layers.push(DecoderLayer::load(m.pp(format!("layers.{i}")), cfg, i)?);
         }
         let norm = RmsNorm { weight: get(&m.pp("norm"), cfg, "weight", &[h])?, eps: cfg.rms_norm_eps };
         let lm_head = if cfg.tie_word_embeddings {

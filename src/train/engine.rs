@@ -216,7 +216,7 @@ impl Engine {
         let local: HashMap<String, Tensor> =
             map.into_iter().map(|(n, t)| (n.strip_prefix(&prefix).map(str::to_string).unwrap_or(n), t)).collect();
         let dev = self.plain.embed_tokens.embeddings().device().clone();
-        Ok(Some(DecoderLayer::load(VarBuilder::from_tensors(local, self.plain.dtype(), &dev), &self.plain.cfg)?))
+        Ok(Some(DecoderLayer::load(VarBuilder::from_tensors(local, self.plain.dtype(), &dev), &self.plain.cfg, l)?))
     }
 
     /// The final norm's and `lm_head`'s weights (from the hooks, or the model's own).

@@ -34,6 +34,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Linear;
 use longctx_attention::kernel::Saved;
 use longctx_attention::AttentionMode;
+use longctx_attention::Masking;
 use longctx_kernels as kernels;
 
 use crate::model::{DecoderLayer, RmsNorm, RopeTable};
@@ -337,7 +338,8 @@ impl LayerPass<'_> {
             kernels::rope_fwd_inplace(&q, &self.rope.cos, &self.rope.sin)?;
             Ok(kernels::rope_fwd_inplace(&k, &self.rope.cos, &self.rope.sin)?)
         })?;
-        let (o, lse) = self.t(Phase::Attention, || Ok(self.attn.forward(&q, &k, &v, scale(d))?))?;
+        let mask = Masking::window(a.window);
+        let (o, lse) = self.t(Phase::Attention, || Ok(self.attn.forward_masked(&q, &k, &v, mask, scale(d))?))?;
         Ok(SavedAttention { q, k, v, o, lse })
     }
 
@@ -426,7 +428,8 @@ impl LayerPass<'_> {
         }
         let d = a.head_dim;
         let SavedAttention { q, k, v, o, lse } = core;
-        let (dq, dk, dv) = self.t(Phase::Attention, || Ok(self.attn.backward(&d_o, Saved::new(&q, &k, &v, &o, &lse), scale(d))?))?;
+        let (saved, mask) = (Saved::new(&q, &k, &v, &o, &lse), Masking::window(a.window));
+        let (dq, dk, dv) = self.t(Phase::Attention, || Ok(self.attn.backward_masked(&d_o, saved, mask, scale(d))?))?;
         drop((q, k, v, o, lse, d_o));
         let (dq, dk, dv) = self.t(Phase::Copies, || Ok((dq.contiguous()?, dk.contiguous()?, dv.contiguous()?)))?;
         self.t(Phase::NormRopeAct, || {

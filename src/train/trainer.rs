@@ -647,13 +647,6 @@ impl<'a> RankRun<'a> {
         let is_main = world.rank() == 0;
         let resumed_at = sh.resume.map(|l| l.state.global_step);
         let metrics = if is_main { Some(Metrics::new(&cfg.output_dir, cfg, n_params, mcfg, resumed_at)?) } else { None };
-        if let (true, Some(w)) = (is_main, mcfg.sliding_window()) {
-            eprintln!(
-                "note: the model's config asks for a sliding attention window of {w} tokens; longctx trains full causal \
-                 attention over each sequence and exports with the window turned off (sliding_window: null), so \
-                 transformers runs the attention that was trained"
-            );
-        }
         // ZeRO over every rank of the world (`train.zero_stage`; `train::zero`).
         let start = Start { meta: &engine.meta, params: &engine.params, masters: start_weights, sliced, resume: sh.resume };
         let zero = ZeroState::new(zc, start, world.clone(), (&sh.device, sh.dtype))?;
