@@ -11,7 +11,9 @@
 //! `--check`: (1) the CUDA kernel against the CPU kernel on small shapes (inputs
 //! rounded to bf16/f16 once, the CPU runs on those values in f32), for o, lse, dq, dk, dv;
 //! (2) every sequence-parallel mode at W ∈ {2, 4} (ranks are threads sharing one GPU
-//! stream) against the single-device CUDA result on the same inputs. Errors are
+//! stream) against the single-device CUDA result on the same inputs, then under a document
+//! mask, a sliding window and both (against each document alone, or the dense masked
+//! attention in f32 on the host). Errors are
 //! `max|x - ref| / max|ref|` (lse: max absolute difference); the tolerances are stated
 //! in [`Tol`] and a check that exceeds one fails the command.
 
@@ -317,6 +319,11 @@ fn check(dev: &Device, dtype: DType) -> anyhow::Result<()> {
         ("none s256×t512 h4/2 d128 GQA", 1, 256, 512, 4, 2, 128, Mask::None, dtype),
         ("none s512×t256 h8/2 d64 GQA", 1, 512, 256, 8, 2, 64, Mask::None, dtype),
         ("causal s384 h4 d128 f16", 1, 384, 384, 4, 4, 128, Mask::Causal, DType::F16),
+        // sliding-window blocks (longctx_attention::band cuts them into cuDNN band calls)
+        ("band s512 w100 h4/2 d128 GQA", 1, 512, 512, 4, 2, 128, Mask::Band { offset: 0, window: 100 }, dtype),
+        ("band s256×t512 offset 300 w200 h8/2 d64", 1, 256, 512, 8, 2, 64, Mask::Band { offset: 300, window: 200 }, dtype),
+        ("band s512 w1 h4 d64 (each query sees itself)", 1, 512, 512, 4, 4, 64, Mask::Band { offset: 0, window: 1 }, dtype),
+        ("band s384 offset 384 w512 h4 d128 b2 f16", 2, 384, 384, 4, 4, 128, Mask::Band { offset: 384, window: 512 }, DType::F16),
     ];
     for (i, (label, b, s, t, hq, hkv, d, mask, dt)) in cases.into_iter().enumerate() {
         let [q, k, v, d_o] = inputs(b, s, t, hq, hkv, d, dt, 1000 + i as u64)?;
@@ -452,13 +459,26 @@ fn check_modes(dev: &Device, dtype: DType) -> anyhow::Result<bool> {
         let r = longctx_attention::testing::reference_docs(&inp, &docs, scale)?;
         [r.o, r.lse, r.dq, r.dk, r.dv]
     };
+    // Sliding windows (alone: 200 keys, crossing the chunks of every mode; with the
+    // documents: 64) against the dense masked attention in f32 on the host.
+    let window = longctx_attention::Docs::whole(s)?.with_window(200)?;
+    let docs_window = docs.clone().with_window(64)?;
+    let dense = |m: &longctx_attention::Docs| -> anyhow::Result<Five> {
+        let host = |x: &Tensor| x.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+        let inp = longctx_attention::testing::Inputs { q: host(&q)?, k: host(&k)?, v: host(&v)?, d_o: host(&d_o)? };
+        let docs = (m.rows() > 0).then_some(m);
+        let r = longctx_attention::testing::reference_window(&inp, docs, m.window(), scale)?;
+        Ok([r.o, r.lse, r.dq, r.dk, r.dv])
+    };
+    let (by_window, by_docs_window) = (dense(&window)?, dense(&docs_window)?);
     let mut ok = true;
-    for (docs, reference) in [(None, &plain), (Some(&docs), &by_doc)] {
-        match docs {
-            None => {
-                println!("\nmodes vs local CUDA kernel (S={s}, heads {hq}/{hkv} × {d}, {dtype:?}, ranks = threads on one GPU stream)\n")
-            }
-            Some(_) => println!("\nmodes under a document mask (11 documents) vs each document alone through the CUDA kernel\n"),
+    let passes = [(None, &plain), (Some(&docs), &by_doc), (Some(&window), &by_window), (Some(&docs_window), &by_docs_window)];
+    for (i, (docs, reference)) in passes.into_iter().enumerate() {
+        match i {
+            0 => println!("\nmodes vs local CUDA kernel (S={s}, heads {hq}/{hkv} × {d}, {dtype:?}, ranks = threads on one GPU stream)\n"),
+            1 => println!("\nmodes under a document mask (11 documents) vs each document alone through the CUDA kernel\n"),
+            2 => println!("\nmodes under a sliding window of 200 keys vs dense masked attention (f32, host)\n"),
+            _ => println!("\nmodes under the 11 documents and a window of 64 keys vs dense masked attention (f32, host)\n"),
         }
         println!("| mode | o | lse | dq | dk | dv | |");
         println!("| --- | --- | --- | --- | --- | --- | --- |");
