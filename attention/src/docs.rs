@@ -140,8 +140,15 @@ impl Docs {
     /// Σ lenᵢ(lenᵢ+1) / (rows · S(S+1)).
     pub fn work_fraction(&self) -> f64 {
         let pairs = |n: usize| n as f64 * (n as f64 + 1.0) / 2.0;
-        let total: f64 = (0..self.rows()).flat_map(|r| self.ranges(r)).map(|d| pairs(d.len())).sum();
-        total / (self.rows().max(1) as f64 * pairs(self.len))
+        // (query, key) pairs a document of n tokens attends: all causal ones, or under a
+        // window of w the first w rows' triangle and w keys for every later row
+        let seen = |n: usize| match self.window {
+            Some(w) if w < n => pairs(w) + ((n - w) * w) as f64,
+            _ => pairs(n),
+        };
+        let rows = self.rows().max(1);
+        let total: f64 = (0..rows).flat_map(|r| self.ranges(r)).map(|d| seen(d.len())).sum();
+        total / (rows as f64 * pairs(self.len))
     }
 }
 
@@ -507,6 +514,17 @@ mod tests {
         let (groups, rest) = batched(pieces(&Block { docs: &d, q: &segs, kv: &segs }, 0).unwrap());
         assert_eq!(groups, vec![Group { at: 0, len: 2, n: 1 }, Group { at: 6, len: 2, n: 1 }]);
         assert_eq!(rest.len(), 3);
+    }
+
+    #[test]
+    fn work_counts_the_pairs_a_window_keeps() {
+        // 8 tokens, window 3: rows 0..3 see 1, 2, 3 keys, rows 3..8 see 3 each: 21 of 36
+        let w = Docs::whole(8).unwrap().with_window(3).unwrap();
+        assert!((w.work_fraction() - 21.0 / 36.0).abs() < 1e-12);
+        // two documents of 4 under the same window: 2 × (1 + 2 + 3 + 3) = 18 of 36
+        let dw = Docs::new(vec![vec![0, 4]], 8).unwrap().with_window(3).unwrap();
+        assert!((dw.work_fraction() - 18.0 / 36.0).abs() < 1e-12);
+        assert!((Docs::whole(8).unwrap().work_fraction() - 1.0).abs() < 1e-12);
     }
 
     #[test]

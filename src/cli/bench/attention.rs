@@ -67,6 +67,10 @@ pub struct BenchAttentionArgs {
     /// with one document of the whole length.
     #[arg(long, value_delimiter = ',')]
     pub docs: Vec<usize>,
+    /// Sliding windows in tokens, comma-separated: besides the plain kernel, time attention
+    /// with each window (one document per sequence) against full causal attention.
+    #[arg(long, value_delimiter = ',')]
+    pub window: Vec<usize>,
     /// Leave the CUDA memory pool's release threshold at the driver default (0), so freed
     /// buffers go back to the driver at every synchronisation (default: retain them).
     #[arg(long)]
@@ -91,7 +95,7 @@ pub fn attention(args: &BenchAttentionArgs) -> anyhow::Result<()> {
     }
     if !args.check {
         throughput(&dev, dtype, args)?;
-        if !args.docs.is_empty() {
+        if !args.docs.is_empty() || !args.window.is_empty() {
             throughput_docs(&dev, dtype, args)?;
         }
     }
@@ -192,16 +196,17 @@ fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs) -> anyhow::Res
     Ok(())
 }
 
-/// Attention under a document mask of `n` equal documents per sequence (`--docs`), through
-/// the single-device mode (`LocalAttention::forward_docs`), against one document.
+/// Attention under a document mask of `n` equal documents per sequence (`--docs`) or a
+/// sliding window (`--window`), through the single-device mode
+/// (`LocalAttention::forward_docs`), against one document with full causal attention.
 fn throughput_docs(dev: &Device, dtype: DType, a: &BenchAttentionArgs) -> anyhow::Result<()> {
     use longctx_attention::local::LocalAttention;
     let (b, h, d) = (a.batch, a.heads, a.head_dim);
     let hkv = a.kv_heads.unwrap_or(h);
     let scale = 1.0 / (d as f64).sqrt();
-    println!("\ndocument-masked causal attention (LocalAttention::forward_docs/backward_docs), equal documents per sequence");
-    println!("work = Σ lenᵢ(lenᵢ+1) / S(S+1) of one document; time ratio against one document of the same length\n");
-    println!("| seq | docs | work | fwd ms | bwd ms | fwd+bwd ms | fwd+bwd vs one doc |");
+    println!("\nmasked causal attention (LocalAttention::forward_docs/backward_docs): equal documents per sequence, or a sliding window");
+    println!("work = (query, key) pairs attended / S(S+1)/2 of one document; time ratio against one document of the same length\n");
+    println!("| seq | mask | work | fwd ms | bwd ms | fwd+bwd ms | fwd+bwd vs one doc |");
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     for &s in &a.seq {
         let q = randn(&[b, s, h, d], dtype, dev)?;
@@ -213,12 +218,21 @@ fn throughput_docs(dev: &Device, dtype: DType, a: &BenchAttentionArgs) -> anyhow
         if !ns.contains(&1) {
             ns.insert(0, 1);
         }
+        let mut masks = Vec::new();
         for n in ns {
             if n == 0 || n > s {
                 bail!("--docs {n}: expected 1 to the sequence length {s}");
             }
             let starts: Vec<usize> = (0..n).map(|i| i * s / n).collect();
-            let docs = longctx_attention::Docs::new(vec![starts; b], s)?;
+            masks.push((format!("{n} docs"), longctx_attention::Docs::new(vec![starts; b], s)?));
+        }
+        for &w in &a.window {
+            if w == 0 {
+                bail!("--window 0: a window holds at least one token (the query itself)");
+            }
+            masks.push((format!("window {w}"), longctx_attention::Docs::whole(s)?.with_window(w)?));
+        }
+        for (label, docs) in masks {
             let m = LocalAttention;
             let (o, lse) = m.forward_docs(&q, &k, &v, Some(&docs), scale)?;
             let saved = kernel::Saved::new(&q, &k, &v, &o, &lse);
@@ -230,7 +244,7 @@ fn throughput_docs(dev: &Device, dtype: DType, a: &BenchAttentionArgs) -> anyhow
             })?;
             let base = *one.get_or_insert(t_fb);
             println!(
-                "| {s} | {n} | {:.4} | {:.2} | {:.2} | {:.2} | {:.3} |",
+                "| {s} | {label} | {:.4} | {:.2} | {:.2} | {:.2} | {:.3} |",
                 docs.work_fraction(),
                 t_f * 1e3,
                 t_b * 1e3,
