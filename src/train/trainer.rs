@@ -344,6 +344,7 @@ pub fn run_with(cfg: &RunConfig, resume: bool, opts: &RunOptions) -> Result<RunS
         Some(Resume::Continue(l)) => Some(l),
         None => None,
     };
+    rundir::write_config(cfg)?;
     let began = Instant::now();
     let mut model = load_start_model(cfg)?;
     let start = StartWeights::new(std::mem::take(&mut model.weights), cfg.parallel.world_size);
@@ -1134,6 +1135,9 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::parallel::env::D
             Some(Resume::Continue(l)) => Some(l),
             None => None,
         };
+        if env.rank == 0 {
+            rundir::write_config(cfg)?;
+        }
         let began = Instant::now();
         let mut model = load_start_model_for(cfg, 1)?;
         let start = StartWeights::new(std::mem::take(&mut model.weights), 1);
