@@ -10,8 +10,9 @@
 //! - [`kernel`]: the block kernel contract `fwd -> (o, lse)`, `bwd(do, Saved { q, k, v, o, lse })`,
 //!   dispatched per device (CPU tiled kernel in [`cpu`], CUDA cuDNN behind `cuda`).
 //! - [`band`]: sliding-window band blocks cut into calls every kernel takes.
-//! - [`docs`]: document masks (block-diagonal causal over packed documents), cut into
-//!   kernel calls per document; every mode takes them ([`mode::AttentionMode::forward_docs`]).
+//! - [`docs`]: document masks (block-diagonal causal over packed documents) and sliding
+//!   windows, cut into kernel calls per document and window; every mode takes them
+//!   ([`mode::AttentionMode::forward_masked`]).
 //! - [`merge`]: the one stable log-sum-exp merge of partial results.
 //! - [`comm`]: the communicator abstraction and its in-process (threads) backend.
 //! - [`layout`]: zigzag / round-robin token layouts and global position ids.

@@ -818,11 +818,6 @@ impl LlamaConfig {
         Error::config(&self.source, field, msg)
     }
 
-    /// The layers' windows when any layer slides (for messages), else `None`.
-    pub fn sliding_window(&self) -> Option<usize> {
-        self.layer_windows().ok()?.into_iter().flatten().min()
-    }
-
     /// A copy with another RoPE base (context extension raises it stage by stage).
     pub fn with_rope_theta(&self, theta: f64) -> Self {
         LlamaConfig { rope_theta: theta, ..self.clone() }
