@@ -29,7 +29,7 @@ pub const SECRET_ENV: &str = "LONGCTX_RDZV_SECRET";
 /// Shortest secret accepted, in bytes.
 pub const MIN_SECRET_LEN: usize = 16;
 /// Least estimated entropy of a secret, in bits ([`estimated_bits`]); 32 random hex digits
-/// (`openssl rand -hex 16`) estimate about 120, the recommended 64 about 250.
+/// (`openssl rand -hex 16`) estimate about 125, the recommended 64 about 250.
 pub const MIN_SECRET_BITS: f64 = 100.0;
 /// Key of loopback jobs without a secret (not a secret: see the module doc).
 const UNAUTHENTICATED_KEY: &str = "longctx rendezvous without LONGCTX_RDZV_SECRET (loopback only)";
@@ -155,14 +155,28 @@ fn pattern_at(s: &[char], i: usize) -> usize {
     }
 }
 
+/// Whether `s` reads as words: letters and separators (space, `-`, `_`, `.`), at least
+/// one separator, no digit, each word in lower case, upper case or capitalized: a
+/// passphrase, whose characters carry about 2 bits each, not log2 of their alphabet.
+fn word_like(s: &[char]) -> bool {
+    let text: String = s.iter().collect();
+    let is_sep = |c: char| " -_.".contains(c);
+    let word = |w: &str| {
+        let rest_lower = w.chars().skip(1).all(|c| c.is_ascii_lowercase());
+        w.chars().all(|c| c.is_ascii_uppercase()) || (w.chars().next().is_some_and(|c| c.is_ascii_alphabetic()) && rest_lower)
+    };
+    text.chars().any(is_sep) && text.chars().all(|c| c.is_ascii_alphabetic() || is_sep(c)) && text.split(is_sep).all(word)
+}
+
 /// A conservative estimate of the entropy of `s`, in bits: each char costs log2 of its
-/// alphabet's size, except that a repeat of earlier text, a run of a constant step and a
-/// common word of 3 chars or more cost [`PATTERN_BITS`] each; capped by the length times
-/// the empirical entropy of the char distribution (few distinct chars are guessable).
+/// alphabet's size (at most 1 + log2 of the distinct chars used; 2 bits for words, see
+/// [`word_like`]), except that a repeat of earlier text, a run of a constant step and a
+/// common word of 3 chars or more cost at most [`PATTERN_BITS`] each.
 pub fn estimated_bits(s: &str) -> f64 {
     // Patterns are searched in quadratic time: the first 512 chars decide.
     let chars: Vec<char> = s.chars().take(512).collect();
-    let per_char = alphabet(&chars).log2();
+    let distinct = chars.iter().collect::<std::collections::BTreeSet<_>>().len().max(1) as f64;
+    let per_char = if word_like(&chars) { 2.0 } else { alphabet(&chars).log2().min(1.0 + distinct.log2()) };
     let (mut bits, mut i) = (0.0, 0);
     while i < chars.len() {
         match pattern_at(&chars, i) {
@@ -176,11 +190,7 @@ pub fn estimated_bits(s: &str) -> f64 {
             }
         }
     }
-    let mut counts = std::collections::BTreeMap::new();
-    chars.iter().for_each(|c| *counts.entry(*c).or_insert(0usize) += 1);
-    let n = chars.len() as f64;
-    let shannon: f64 = counts.values().map(|&k| -(k as f64 / n) * (k as f64 / n).log2()).sum();
-    bits.min(n * shannon)
+    bits
 }
 
 /// Whether `addr` (an IP literal, bracketed or not, or a host name) is loopback.
@@ -246,6 +256,7 @@ pub(crate) mod tests {
             "correct horse battery staple",
             "1111222233334444555566667777",
             "deadbeefdeadbeefdeadbeefdeadbeef",
+            "Correct-Horse-Battery-Staple-Again",
         ];
         for w in weak {
             let e = Secret::new(w).expect_err(w).to_string();
@@ -253,7 +264,8 @@ pub(crate) mod tests {
             assert!(estimated_bits(w) < MIN_SECRET_BITS, "{w}");
         }
         // Random secrets: 1000 of each size, none refused (the estimate is conservative,
-        // not noisy): 16 random bytes as 32 hex digits, 24 base64 chars, and 32 bytes.
+        // not noisy): 16 random bytes as 32 hex digits, as 22 base64 chars (`openssl rand
+        // -base64 16` without its `==`), 24 base64url chars, and 32 bytes in hex.
         let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
         let b64 = |b: &[u8]| {
             const A: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
@@ -263,7 +275,8 @@ pub(crate) mod tests {
         for _ in 0..1000 {
             let mut r = [0u8; 32];
             rand::rngs::OsRng.try_fill_bytes(&mut r).unwrap();
-            for v in [hex(&r[..16]), b64(&r[..24]), hex(&r)] {
+            let url: String = b64(&r[..24]).replace('+', "-").replace('/', "_");
+            for v in [hex(&r[..16]), b64(&r[..22]), url, hex(&r)] {
                 least = least.min(estimated_bits(&v));
                 assert!(Secret::new(&v).is_ok(), "random secret {v} refused: {:.0} bits", estimated_bits(&v));
             }
