@@ -969,9 +969,10 @@ impl<'a> RankRun<'a> {
             if self.skipped_in_row >= max {
                 return Err(Error::Diverged(format!(
                     "{} optimizer steps in a row had a non-finite gradient norm or loss (up to {at}; train.max_skipped_steps = \
-                     {max}); {}; lower the learning rate, raise warmup or clipping, or check the data, then --resume",
+                     {max}); {}; {}",
                     self.skipped_in_row,
-                    self.kept_checkpoint()
+                    self.kept_checkpoint(),
+                    self.skip_cause()
                 )));
             }
             return Ok(());
@@ -997,10 +998,32 @@ impl<'a> RankRun<'a> {
         self.zero.whole_weights(&g)
     }
 
+    /// What to do about steps skipped in a row: when this invocation applied no update
+    /// at all, the weights are still the loaded ones, so the learning rate cannot be the
+    /// cause; name where they came from.
+    fn skip_cause(&self) -> String {
+        if self.global_step - self.steps_before > self.skipped_in_row {
+            return "lower the learning rate, raise warmup or clipping, or check the data, then --resume".into();
+        }
+        let from = match self.sh.resume {
+            Some(l) => format!("the checkpoint this run resumed ({})", l.dir.display()),
+            None => format!("the model loaded from {}", self.sh.cfg.model.source),
+        };
+        format!(
+            "no update was applied since this run started, so the learning rate is not the cause: the weights are still \
+             those of {from} (every value of it was checked finite at load, but the forward pass overflows: look for huge \
+             weights, or load in a wider --dtype), or the data is at fault"
+        )
+    }
+
     /// Where the last good checkpoint is, for the messages of an abort.
     fn kept_checkpoint(&self) -> String {
         let dir = checkpoint::checkpoint_dir(&self.sh.cfg.output_dir);
         match self.last_checkpoint.1 {
+            // Not written by this invocation: it was not seen to be good.
+            Some(g) if self.sh.resume.is_some() && g == self.steps_before => {
+                format!("the checkpoint this run resumed from ({}, after global step {g}) is left as it was", dir.display())
+            }
             Some(g) => format!("the last good checkpoint ({}, after global step {g}) is kept", dir.display()),
             None => "no checkpoint was written yet (the run starts over)".into(),
         }
