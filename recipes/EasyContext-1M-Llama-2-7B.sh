@@ -4,7 +4,8 @@
 # step in every stage as EasyContext's train_scripts/EasyContext-1M-Llama-2-7B.sh, exported
 # with rope_theta 1e9 for 1M-token inference. Stages, data and optimizer: recipes/EasyContext-1M-Llama-2-7B.toml.
 #
-# Needs a CUDA+NCCL build on PATH (cargo build --release --features nccl) or LONGCTX=path.
+# Needs the GPU build (scripts/build_cuda.sh, `--features cuda,nccl`: target-cuda/release/longctx)
+# on PATH, or LONGCTX=target-cuda/release/longctx.
 # Extra arguments go to `train` and override the TOML, e.g.
 #   recipes/EasyContext-1M-Llama-2-7B.sh --output-dir /data/runs/1m --resume
 set -euo pipefail

@@ -4,7 +4,8 @@
 # data parallel up to 32K, then zigzag ring attention over 8 GPUs of one node.
 # Stages, data and optimizer: recipes/EasyContext-256K-danube2-1.8B.toml.
 #
-# Needs a CUDA+NCCL build on PATH (cargo build --release --features nccl) or LONGCTX=path.
+# Needs the GPU build (scripts/build_cuda.sh, `--features cuda,nccl`: target-cuda/release/longctx)
+# on PATH, or LONGCTX=target-cuda/release/longctx.
 # Extra arguments go to `train` and override the TOML.
 set -euo pipefail
 cd "$(dirname "$0")/.."

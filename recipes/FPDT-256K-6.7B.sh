@@ -3,7 +3,8 @@
 # sequence-parallel 4, 65536-token chunks, kv chunks and activations in host memory.
 # Settings: recipes/FPDT-256K-6.7B.toml.
 #
-# Needs a CUDA+NCCL build on PATH (cargo build --release --features nccl) or LONGCTX=path.
+# Needs the GPU build (scripts/build_cuda.sh, `--features cuda,nccl`: target-cuda/release/longctx)
+# on PATH, or LONGCTX=target-cuda/release/longctx.
 # Extra arguments go to `train` and override the TOML, e.g. --fpdt-chunk-size 32768.
 set -euo pipefail
 cd "$(dirname "$0")/.."

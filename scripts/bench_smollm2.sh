@@ -17,7 +17,7 @@
 #        RUN (default runs/SmolLM2-135M-64K), OUT_DIR (default runs/bench-smollm2),
 #        LENGTHS (default 2K,4K,8K,16K,32K,64K,128K), NEEDLE_LENGTHS (default 2K,4K,8K,16K,32K,64K),
 #        TRIALS (passkey trials per cell, default 3), RTOL (default 1e-3), PYTHON (default python3),
-#        SKIP_TRAIN=1 (evaluate an existing $RUN/export).
+#        SKIP_TRAIN=1 (evaluate an existing $RUN/export), RECIPE (default recipes/SmolLM2-135M-64K.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LONGCTX=${LONGCTX:-target-cuda/release/longctx}
@@ -30,6 +30,7 @@ NEEDLE_LENGTHS=${NEEDLE_LENGTHS:-2K,4K,8K,16K,32K,64K}
 TRIALS=${TRIALS:-3}
 RTOL=${RTOL:-1e-3}
 PYTHON=${PYTHON:-python3}
+RECIPE=${RECIPE:-recipes/SmolLM2-135M-64K.toml}
 mkdir -p "$OUT_DIR"
 SUMMARY="$OUT_DIR/summary.txt"
 : >"$SUMMARY"
@@ -46,7 +47,7 @@ say "longctx: $("$LONGCTX" --version 2>/dev/null || echo unknown); GPU: $(nvidia
 
 if [[ "${SKIP_TRAIN:-0}" != 1 ]]; then
     t0=$SECONDS
-    "$LONGCTX" train --config recipes/SmolLM2-135M-64K.toml --model "$MODEL" --dataset "$DATA/train.jsonl" \
+    "$LONGCTX" train --config "$RECIPE" --model "$MODEL" --dataset "$DATA/train.jsonl" \
         --eval-dataset "$DATA/eval.jsonl" --output-dir "$RUN" --overwrite 2>&1 | tr '\r' '\n' | grep -v -E "^\s*$" | tail -n 40 | tee "$OUT_DIR/train.log"
     say "train: $((SECONDS - t0)) s wall, start-up and export included"
 fi

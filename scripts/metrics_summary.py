@@ -21,8 +21,14 @@ import json
 import sys
 
 
+def read(path):
+    """Every line of metrics.jsonl: (step lines, event lines such as "eval")."""
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    return [r for r in rows if "event" not in r], [r for r in rows if "event" in r]
+
+
 def losses(path):
-    return [json.loads(line)["loss"] for line in open(path)]
+    return [r["loss"] for r in read(path)[0]]
 
 
 def compare(a_path, b_path, rtol, label) -> int:
@@ -52,7 +58,7 @@ def within_noise(cand, lowp, ref, label) -> int:
     return 0 if ok else 1
 
 
-def stages(rows) -> int:
+def stages(rows, events) -> int:
     by = {}
     for r in rows:
         by.setdefault(r.get("stage") or 0, []).append(r)
@@ -63,6 +69,13 @@ def stages(rows) -> int:
         mfu_s = f"{100 * sum(mfu) / len(mfu):.1f} %" if mfu else "-"
         print(f"stage {stage} ({rs[0]['seq_len']} tokens): {len(rs)} steps, loss {rs[0]['loss']:.3f} -> {rs[-1]['loss']:.3f}, "
               f"{tps:,.0f} tok/s (steps 2..), MFU {mfu_s}")
+    for e in events:
+        if e.get("event") != "eval":
+            continue
+        ppl = ", ".join(f"{p['ppl']:.3f} at {p['length']}" for p in e.get("ppl", []))
+        right = sum(c["right"] for c in e.get("passkey", []))
+        trials = sum(c["trials"] for c in e.get("passkey", []))
+        print(f"  eval after stage {e.get('stage')} step {e.get('step')}: ppl {ppl}; passkey {right}/{trials}")
     return 0
 
 
@@ -72,9 +85,9 @@ def main() -> int:
     if sys.argv[1] == "--compare":
         return compare(sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5])
     path, label = sys.argv[1], sys.argv[2]
-    rows = [json.loads(line) for line in open(path)]
+    rows, events = read(path)
     if label == "--stages":
-        return stages(rows)
+        return stages(rows, events)
     if label == "--losses":
         print(" ".join("%.7f" % r["loss"] for r in rows))
         return 0

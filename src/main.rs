@@ -19,7 +19,7 @@
 
 mod cli;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -71,7 +71,8 @@ enum Cmd {
 }
 
 fn main() {
-    let cli = match Cli::try_parse() {
+    let parsed = cli::underscore_spellings(Cli::command()).try_get_matches().and_then(|m| Cli::from_arg_matches(&m));
+    let cli = match parsed {
         Ok(c) => c,
         Err(e) if !e.use_stderr() => {
             // --help / --version: print to stdout and succeed.

@@ -164,6 +164,33 @@ fn shuffle_is_deterministic_per_seed_and_a_permutation() {
     assert_eq!(key(&c), key(&plain));
 }
 
+/// Across epoch wraps (issue #33): the epochs make one global stream whatever the world
+/// size; a group of ranks may span the end of an epoch, so rank `d` of `D` gets global
+/// samples `d, d+D, ...` of the one-rank stream, and no epoch's last samples are dropped
+/// (an epoch of an odd number of samples used to lose its last one on two ranks).
+#[test]
+fn dp_sharding_keeps_the_global_stream_across_epochs() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("d.jsonl");
+    write_jsonl_ids(&path, &make_docs(40));
+    let mut cfg = FilesConfig::new(path.to_str().unwrap(), 6);
+    cfg.seed = 3;
+    cfg.shuffle_buffer = 8;
+    let per_epoch = drain(&mut Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard::SINGLE).unwrap()).len();
+    let take = |l: &mut Loader, n: usize| (0..n).map(|_| l.next_sample().unwrap().expect("unbounded epochs")).collect::<Vec<_>>();
+    assert!(!per_epoch.is_multiple_of(2), "an epoch of {per_epoch} samples: the groups of 2 must span a wrap");
+    let n = 3 * per_epoch + 1;
+    let global = take(&mut Loader::files(&cfg, None, &offline_hub(), Shard::SINGLE).unwrap(), n);
+    for world in [2usize, 3, 4] {
+        for rank in 0..world {
+            let mut l = Loader::files(&cfg, None, &offline_hub(), Shard { rank, world }).unwrap();
+            for (k, s) in take(&mut l, n / world).iter().enumerate() {
+                assert_eq!(s, &global[k * world + rank], "world {world} rank {rank} sample {k} (epoch of {per_epoch})");
+            }
+        }
+    }
+}
+
 #[test]
 fn dp_sharding_partitions_samples() {
     let dir = tempfile::tempdir().unwrap();

@@ -144,6 +144,10 @@ fn trained_demo_retrieves_its_passkey_and_every_command_writes_its_files() {
     // only, so its perplexity on the whole passkey text is far worse than uniform.)
     assert!((ppl("builtin:tiny", 32) / 256.0 - 1.0).abs() < 0.2, "{}", o.stdout);
     assert!(ppl(&s(&export), 32) > 256.0, "{}", o.stdout);
+    // ... and the command says why, and what scores what it was trained on.
+    let note = format!("note: {}: perplexity up to", s(&export));
+    assert!(o.stderr.contains(&note) && o.stderr.contains("above its vocabulary of 256 tokens"), "{}", o.stderr);
+    assert!(o.stderr.contains("--dataset synthetic:passkey-answer scores the answer digits"), "{}", o.stderr);
 
     // The same through two in-process zigzag ranks (33 tokens are padded to 36).
     let ev2 = tmp.path().join("eval_zigzag");

@@ -7,10 +7,9 @@
 //! embedding scale written out; and its autograd layer backward).
 //!
 //! - `gemma3_text`: sliding_window 32 ≥ the 24 tokens, so full causal attention is exact.
-//! - `gemma3_window4`: sliding_window 4 < 24; its golden test waits for sliding-window
-//!   attention (branch swa) and is ignored until then; its config.json is the
-//!   transformers 4 form (`rope_theta`, `rope_scaling`, `rope_local_base_freq`,
-//!   `sliding_window_pattern`), whose RoPE tables are checked now.
+//! - `gemma3_window4`: sliding_window 4 < 24, so the sliding layers' band mask matters; its
+//!   config.json is the transformers 4 form (`rope_theta`, `rope_scaling`,
+//!   `rope_local_base_freq`, `sliding_window_pattern`).
 //!
 //! Also: the config in both forms and its write-back, a stage's RoPE landing on the
 //! full-attention layers, bad configs refused naming the field, generation's cached forward
@@ -140,10 +139,9 @@ fn golden_gemma3_text() {
     golden("gemma3_text");
 }
 
-/// Sliding-window layers that see the last 4 positions only: exact once the attention
-/// honours `sliding_window` (branch swa). Un-ignore after merging it.
+/// Sliding-window layers that see the last 4 positions only (the window honoured in the
+/// attention, not only the local RoPE).
 #[test]
-#[ignore = "needs sliding-window attention (branch swa)"]
 fn golden_gemma3_window4() {
     golden("gemma3_window4");
 }
@@ -190,9 +188,8 @@ fn gemma3_stage_rope_goes_to_the_full_attention_layers() {
     longctx::hub::set_context_fields(&mut c, 2e6, 4096).unwrap();
     assert_eq!(c["rope_parameters"]["full_attention"]["rope_theta"].as_f64(), Some(2e6));
     assert_eq!(c["rope_parameters"]["sliding_attention"]["rope_theta"].as_f64(), Some(1e4), "the local base stays");
-    // The window off for an export keeps the layer types (they pick each layer's RoPE).
-    assert!(longctx::hub::disable_sliding_window(&mut c).unwrap());
-    assert_eq!(c["sliding_window"], json!(4096), "as wide as max_position_embeddings");
+    // The window and the layer types (which also pick each layer's RoPE) stay as they were.
+    assert_eq!(c["sliding_window"], json!(32));
     assert_eq!(c["layer_types"], json!(["sliding_attention", "full_attention", "sliding_attention"]));
 }
 

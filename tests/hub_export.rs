@@ -391,26 +391,3 @@ fn transformers_loads_our_export_and_matches_reference_logits() {
     println!("{stdout}(python: {:.1} s)", started.elapsed().as_secs_f64());
     assert!(run.status.success(), "transformers check failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
 }
-
-/// Exports of trained models turn a sliding window off (Mistral, Qwen2 with
-/// `use_sliding_window`, transformers 5 `layer_types`); a config without one is unchanged.
-#[test]
-fn sliding_window_is_turned_off() {
-    use serde_json::json;
-    let mut mistral = json!({"architectures": ["MistralForCausalLM"], "sliding_window": 4096, "max_position_embeddings": 32768});
-    assert!(hub::disable_sliding_window(&mut mistral).unwrap());
-    assert_eq!(mistral, json!({"architectures": ["MistralForCausalLM"], "sliding_window": null, "max_position_embeddings": 32768}));
-    let mut qwen = json!({"sliding_window": 131072, "use_sliding_window": true, "max_window_layers": 1,
-        "layer_types": ["full_attention", "sliding_attention"]});
-    assert!(hub::disable_sliding_window(&mut qwen).unwrap());
-    assert_eq!(
-        qwen,
-        json!({"sliding_window": null, "use_sliding_window": false, "max_window_layers": 1,
-        "layer_types": ["full_attention", "full_attention"]})
-    );
-    let mut llama = json!({"architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0});
-    let before = llama.clone();
-    assert!(!hub::disable_sliding_window(&mut llama).unwrap());
-    assert_eq!(llama, before);
-    assert!(hub::disable_sliding_window(&mut json!([1, 2])).is_err());
-}

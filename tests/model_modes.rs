@@ -38,8 +38,15 @@ const TOKEN_CHUNK: usize = 3;
 
 /// The test model; `dynamic_rope`: dynamic NTK RoPE with max_position_embeddings 16 < S,
 /// so the rotary base depends on the global length (a shard must not use its own).
-fn config(dynamic_rope: bool) -> LlamaConfig {
-    common::small_config(dynamic_rope)
+fn config(dynamic_rope: bool, window: Option<usize>) -> LlamaConfig {
+    let cfg = common::small_config(dynamic_rope);
+    let Some(w) = window else { return cfg };
+    // The same shape as a Mistral with a sliding window on every layer.
+    let mut json = cfg.to_json_value();
+    json["model_type"] = "mistral".into();
+    json["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+    json["sliding_window"] = w.into();
+    LlamaConfig::from_value("test/config.json", json).unwrap()
 }
 
 /// `ids [B, S]` u32 and shifted `targets [B, S]` i64 with a few ignored tokens.
@@ -83,6 +90,8 @@ struct Case {
     /// Engine::full_graph_step per rank instead of Engine::step.
     full_graph: bool,
     dynamic_rope: bool,
+    /// A Mistral with this sliding window on every layer (issue #31).
+    window: Option<usize>,
 }
 
 /// The attention crate's own index list for a case (independent of the trainer's).
@@ -145,7 +154,8 @@ fn distributed(
 }
 
 fn check(case: Case) -> longctx::Result<()> {
-    let cfg = config(case.dynamic_rope);
+    let cfg = config(case.dynamic_rope, case.window);
+    assert_eq!(cfg.layer_windows()?, vec![case.window; 2]);
     assert_eq!(cfg.rope_scaling.is_some(), case.dynamic_rope);
     let weights = random_init(&cfg, 11, DType::F32, &Device::Cpu)?;
     let (ids, targets) = global_batch(cfg.vocab_size)?;
@@ -172,7 +182,7 @@ fn check(case: Case) -> longctx::Result<()> {
 }
 
 fn case(name: &'static str, mode: ParallelMode, ulysses: Option<usize>, fpdt_offload: bool) -> Case {
-    Case { name, mode, ulysses, fpdt_offload, full_graph: false, dynamic_rope: false }
+    Case { name, mode, ulysses, fpdt_offload, full_graph: false, dynamic_rope: false, window: None }
 }
 
 #[test]
@@ -226,6 +236,26 @@ fn dynamic_ntk_rope_uses_the_global_length() -> longctx::Result<()> {
         let mut c = case(name, mode, None, false);
         c.full_graph = full_graph;
         c.dynamic_rope = true;
+        check(c)?;
+    }
+    Ok(())
+}
+
+/// A sliding window (Mistral, 6 tokens: across the ring's 4-token chunks and FPDT's
+/// 8-token chunks, so across ranks) in every mode, the engine's layer backward and the
+/// full graph, against the single-device run with the same window.
+#[test]
+fn sliding_window_in_every_mode() -> longctx::Result<()> {
+    for (name, mode, ulysses, offload, full_graph) in [
+        ("zigzag ring, window", ParallelMode::ZigzagRingAttn, None, false, false),
+        ("ulysses, window", ParallelMode::UlyssesAttn, None, false, false),
+        ("fpdt offload, window", ParallelMode::Fpdt, None, true, false),
+        ("usp 2x2, window", ParallelMode::Usp, Some(2), false, false),
+        ("zigzag ring, window (full graph)", ParallelMode::ZigzagRingAttn, None, false, true),
+    ] {
+        let mut c = case(name, mode, ulysses, offload);
+        c.full_graph = full_graph;
+        c.window = Some(6);
         check(c)?;
     }
     Ok(())

@@ -123,8 +123,14 @@ fn a_run_that_fails_in_its_data_set_up_leaves_no_metrics() {
     }
     // (--quiet: the resolved config is not printed.)
     let o = ok(&["train", "--config", cfg_s, "--output-dir", out_s, "--max-train-steps", "1", "--quiet"]);
-    assert_has(&o.stderr, &["--quiet: not printed"]);
+    assert_has(&o.stderr, &["--quiet: not printed; written to", "config.toml"]);
     assert!(!o.stderr.contains("[train]") && !o.stderr.contains("resolved config"), "{}", o.stderr);
+    // The resolved config, flags applied, is in the output directory and runs as a --config.
+    let saved = out.join("config.toml");
+    let text = std::fs::read_to_string(&saved).unwrap();
+    assert_has(&text, &["[train]", "batch_size = 2", "steps = 1", "seq_length = 64"]);
+    let o = ok(&["train", "--config", saved.to_str().unwrap(), "--dry-run"]);
+    assert_has(&o.stdout, &["steps = 1"]);
 }
 
 /// `warmup_steps` under the default constant schedule warms up (EasyContext's
@@ -261,6 +267,10 @@ fn a_mistyped_local_path_is_not_taken_for_a_hub_id() {
         &["runs/data.jsonl", "no such file or directory (runs holds: tiny)", "not cached"],
     );
     fails(&in_tmp(&["train", "--dataset", "nope.jsonl", "--dry-run"]), &["nope.jsonl", "dataset not found"]);
+    // A file name under a directory that is missing too: not a hub id (it ends in an extension).
+    let want = ["data/train.jsonl", "no such file, nor a directory `data`", "hf:data/train.jsonl"];
+    fails(&in_tmp(&["train", "--dataset", "data/train.jsonl", "--dry-run"]), &want);
+    fails(&in_tmp(&["train", "--dataset", "data/train.jsonl", "--output-dir", "out"]), &want);
     // `hf:` names a hub dataset explicitly: no local-path check (the dry run does not fetch it).
     ok_in(&in_tmp(&["train", "--dataset", "hf:runs/data.jsonl", "--dry-run"]));
 }
@@ -309,6 +319,44 @@ fn eval_takes_the_underscore_spellings_and_explains_passkey_answer() {
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("ppl.json")).unwrap()).unwrap();
     let point = &v["points"][0];
     assert_eq!((point["tokens"].as_u64(), point["windows"].as_u64()), (Some(5 * 4), Some(4)), "{v}");
+}
+
+/// Every long flag of every command takes its underscore spelling (EasyContext's and
+/// torchrun's way of writing them), and `--help` lists each one.
+#[test]
+fn every_flag_takes_its_underscore_spelling_and_help_lists_it() {
+    let commands: [&[&str]; 10] = [
+        &["train"],
+        &["plan"],
+        &["inspect"],
+        &["eval", "ppl"],
+        &["eval", "needle"],
+        &["eval", "ruler"],
+        &["generate"],
+        &["export"],
+        &["check"],
+        &["launch"],
+    ];
+    for cmd in commands {
+        let help = ok(&[cmd, &["--help"][..]].concat()).stdout;
+        // The flags defined (`      --seq-length <SEQ_LENGTH>`, `  -q, --quiet`), not those named in prose.
+        let flags: Vec<String> = help
+            .lines()
+            .filter_map(|l| {
+                let t = l.trim_start();
+                let t = if t.starts_with('-') && !t.starts_with("--") { t.split_once(", ").map_or("", |(_, r)| r) } else { t };
+                let name: String = t.strip_prefix("--")?.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '-').collect();
+                name.contains('-').then_some(name)
+            })
+            .collect();
+        assert!(!flags.is_empty(), "{cmd:?}: no multi-word flag in\n{help}");
+        for f in flags {
+            assert!(help.contains(&format!("--{}", f.replace('-', "_"))), "{cmd:?}: --{f} has no underscore spelling in\n{help}");
+        }
+    }
+    let o = ok(&["inspect", "--model", "builtin:tiny", "--seq_length", "1K", "--optimizer_on_host"]);
+    assert_has(&o.stdout, &["at 1K tokens", "optimizer state on the host"]);
+    ok(&["launch", "--nproc_per_node", "1", "--master_port", "0", "--program", "/bin/sh", "--", "-c", "true"]);
 }
 
 /// A TOML syntax error says its line and column; a missing config file says its OS error once.
@@ -378,4 +426,79 @@ fn a_clean_ctrl_c_under_launch_is_no_error() {
     assert_eq!(o.status.code(), Some(130), "{err}");
     assert!(err.contains("interrupted by signal 2 (SIGINT); every rank stopped cleanly"), "{err}");
     assert!(!err.lines().any(|l| l.starts_with("error:")), "{err}");
+}
+
+/// The README's first screen (its first 50 lines) holds the two set-up commands, says
+/// where the binary is and what to run next; each of those commands parses, and the plan
+/// (no model download, no training) runs.
+#[test]
+fn the_readme_first_screen_says_what_to_run_next() {
+    let readme = std::fs::read_to_string(common::repo_root().join("README.md")).unwrap();
+    let screen = readme.lines().take(50).collect::<Vec<_>>().join("\n");
+    assert_has(&screen, &["cargo run --release -- train", "cargo test --workspace", "`target/release/longctx`", "Next"]);
+    let next: Vec<Vec<&str>> = screen
+        .lines()
+        .filter_map(|l| l.strip_prefix("target/release/longctx "))
+        .map(|l| l.split('#').next().unwrap().split_whitespace().collect())
+        .collect();
+    assert!(next.len() >= 2, "no commands after the set-up on the README's first screen:\n{screen}");
+    for args in &next {
+        let sub = if args[0] == "eval" { 2 } else { 1 };
+        ok(&[&args[..sub], &["--help"][..]].concat());
+        if args[0] == "plan" {
+            assert_has(&ok(args).stdout, &["suggestion:"]);
+        }
+    }
+}
+
+/// On an 80-column terminal (a pty through util-linux `script`) the progress bar fits its
+/// line with the loss and the ETA in view, each finished stage's bar stays on its own line,
+/// and the next line (the next stage, the summary) starts a line of its own.
+#[test]
+fn the_progress_bar_fits_80_columns_and_stays_per_stage() {
+    if !Path::new("/usr/bin/script").exists() {
+        eprintln!("skipped: no /usr/bin/script to give the run a terminal");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write_config(tmp.path(), &TWO_STAGES.replace("steps = 4\n", "steps = 12\n"));
+    let out = tmp.path().join("run");
+    let cmd = format!(
+        "stty cols 80 rows 40; exec {} train --config {} --output-dir {} -q",
+        env!("CARGO_BIN_EXE_longctx"),
+        cfg.display(),
+        out.display()
+    );
+    let mut c = std::process::Command::new("/usr/bin/script");
+    c.args(["-q", "-e", "-c", &cmd, "/dev/null"]).env("HF_HUB_OFFLINE", "1");
+    let o = run_cmd(c);
+    assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
+    // What stays on screen: each line's text after its last carriage return, escapes removed.
+    let screen: Vec<String> = o
+        .stdout
+        .split('\n')
+        .map(|l| {
+            let last = l.trim_end_matches('\r').rsplit('\r').next().unwrap_or("");
+            let mut text = String::new();
+            let mut chars = last.chars();
+            while let Some(ch) = chars.next() {
+                if ch == '\u{1b}' {
+                    chars.by_ref().find(|c| c.is_ascii_alphabetic());
+                } else {
+                    text.push(ch);
+                }
+            }
+            text
+        })
+        .collect();
+    let all = screen.join("\n");
+    for l in screen.iter().filter(|l| l.starts_with("stage 0 [") || l.starts_with("stage 1 [")) {
+        assert!(l.chars().count() <= 80, "{} columns: {l}\n{all}", l.chars().count());
+    }
+    for (bar, at) in [("stage 0 [", "12/12 loss"), ("stage 1 [", "2/2 loss")] {
+        assert!(screen.iter().any(|l| l.starts_with(bar) && l.contains(at) && l.contains(" eta ")), "no finished `{bar}` bar:\n{all}");
+    }
+    for first in ["stage 1: seq_length 64", "done: 14 steps"] {
+        assert!(screen.iter().any(|l| l.starts_with(first)), "`{first}` does not start a line:\n{all}");
+    }
 }

@@ -258,3 +258,59 @@ fn the_guards_hold_under_zero_3_with_offloaded_weights() -> longctx::Result<()> 
     }
     Ok(())
 }
+
+/// A checkpoint damaged after it was written (issue #33): a NaN weight, a NaN master
+/// weight or a negative second moment in an optimizer shard is refused at resume, naming
+/// the file and the value, as damage rather than a divergence (no "lower the learning
+/// rate", no "last good checkpoint"). Finite weights that overflow in the forward pass
+/// (every tensor × 1e15) abort after `max_skipped_steps` saying that no update was
+/// applied, so the learning rate is not the cause, and name the checkpoint resumed from
+/// instead of calling it the last good one.
+#[test]
+fn a_damaged_checkpoint_is_named_not_blamed_on_the_learning_rate() -> longctx::Result<()> {
+    let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
+    let mut c = config(tmp.path(), 1, 2);
+    c.train.max_skipped_steps = 2;
+    run_with(&c, false, &opts(Some(2), vec![]))?;
+    let ck = tmp.path().join("checkpoint");
+    let (mp, sp) = (ck.join("model.safetensors"), ck.join("optimizer-shard0.safetensors"));
+    let (weights, shard) = (std::fs::read(&mp).unwrap(), std::fs::read(&sp).unwrap());
+    let resume_err = || match run_with(&c, true, &opts(None, vec![])) {
+        Ok(_) => panic!("the resume of a damaged checkpoint ran to the end"),
+        Err(e) => e.to_string(),
+    };
+    let set = |path: &Path, name: &str, at: usize, x: f32| {
+        let mut w = load(path);
+        let t = &w[name];
+        let mut v = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v[at] = x;
+        let new = Tensor::from_vec(v, t.shape(), &Device::Cpu).unwrap().to_dtype(t.dtype()).unwrap();
+        w.insert(name.to_string(), new);
+        candle_core::safetensors::save(&w, path).unwrap();
+    };
+    let cases: [(&Path, &str, f32, &[&str]); 3] = [
+        (&mp, "model.layers.0.mlp.up_proj.weight", f32::NAN, &["model.safetensors", "tensor `model.layers.0.mlp.up_proj.weight`"]),
+        (&sp, "master", f32::NAN, &["optimizer-shard0.safetensors", "element 5 of the optimizer's `master` is NaN"]),
+        (&sp, "v", -1.0, &["optimizer-shard0.safetensors", "element 5 of the optimizer's `v` is -1"]),
+    ];
+    for (path, name, x, needles) in cases {
+        set(path, name, 5, x);
+        let e = resume_err();
+        for n in needles.iter().chain(&["cannot resume", "damaged or altered after it was written", "intact copy"]) {
+            assert!(e.contains(n), "`{n}` missing from: {e}");
+        }
+        assert!(!e.contains("learning rate") && !e.contains("last good checkpoint"), "{e}");
+        std::fs::write(&mp, &weights).unwrap();
+        std::fs::write(&sp, &shard).unwrap();
+    }
+    // Finite but overflowing weights: every step skipped, then the abort.
+    let huge: HashMap<String, Tensor> = load(&mp).into_iter().map(|(n, t)| (n, t.affine(1e15, 0.0).unwrap())).collect();
+    candle_core::safetensors::save(&huge, &mp).unwrap();
+    let e = resume_err();
+    for n in ["2 optimizer steps in a row", "no update was applied since this run started", "the learning rate is not the cause"] {
+        assert!(e.contains(n), "`{n}` missing from: {e}");
+    }
+    assert!(e.contains("the checkpoint this run resumed") && e.contains(&ck.display().to_string()), "{e}");
+    assert!(!e.contains("last good checkpoint") && !e.contains("lower the learning rate"), "{e}");
+    Ok(())
+}

@@ -156,6 +156,12 @@ fn an_inconsistent_saved_state_is_an_error_not_a_finished_run() {
             }),
             "with 1 finished stage(s)",
         ),
+        // The data cursor against the steps (issue #33): a stage 2 steps in at 2 samples
+        // per step has drawn 4 samples.
+        (Box::new(|v| v["data"]["position"] = 6.into()), "the data cursor (field `data`) is at epoch 0 sample 6, but stage 0 step 2"),
+        (Box::new(|v| v["data"]["epoch"] = 9.into()), "at epoch 9 sample 4"),
+        (Box::new(|v| v["data"] = serde_json::Value::Null), "stage 0 is 2 steps in but field `data` holds no data cursor"),
+        (Box::new(|v| v["data"] = "x".into()), "field `data` is not a data cursor"),
     ];
     for (edit, needle) in cases {
         edit_state(tmp.path(), edit);

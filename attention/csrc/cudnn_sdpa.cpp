@@ -4,7 +4,8 @@
 // - libcudnn.so.9 is opened at run time (NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING): the
 //   binary builds without cuDNN and only the attention calls need it. The library path
 //   can be overridden with LONGCTX_CUDNN_LIB (e.g. a pip wheel's libcudnn.so.9).
-// - One cuDNN graph per (device, dtype, b, s, t, hq, hkv, d, mask, scale, direction),
+// - One cuDNN graph per (device, dtype, b, s, t, hq, hkv, d, mask, band bounds, scale,
+//   direction),
 //   built once and cached; one cuDNN handle per device. A global mutex serialises graph
 //   building and the (short) enqueue of an execution, so ranks on threads may share it.
 // - Tensors are BSHD contiguous; cuDNN takes logical dims [b, h, s, d] with strides, so
@@ -51,7 +52,8 @@ std::string g_load_error;
 bool g_load_tried = false;
 std::map<int, cudnnHandle_t> g_handles;
 
-using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, uint32_t, int>;
+using Key =
+    std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int64_t, int64_t, uint32_t, int>;
 std::map<Key, std::shared_ptr<fe::graph::Graph>> g_graphs;
 
 void write_err(char *err, size_t len, const std::string &msg) {
@@ -137,11 +139,42 @@ void validate_desc(const longctx_sdpa_desc &x) {
     if (x.b <= 0 || x.s <= 0 || x.t <= 0 || x.hkv <= 0 || x.hq % x.hkv != 0)
         throw Failure{LONGCTX_SDPA_FAILED, "bad shape"};
     if (x.causal && x.s != x.t) throw Failure{LONGCTX_SDPA_FAILED, "causal block needs s == t"};
+    if (x.band_left < 0 || x.band_right < 0 || (x.band_left > 0 && x.causal))
+        throw Failure{LONGCTX_SDPA_FAILED, "bad band: left " + std::to_string(x.band_left) + ", right " +
+                                               std::to_string(x.band_right) + (x.causal ? " with causal" : "")};
+    if (x.band_left > INT32_MAX || x.band_right > INT32_MAX)
+        throw Failure{LONGCTX_SDPA_UNSUPPORTED, "band bounds past int32"};
+    // cudnn-frontend 1.16: "Sliding window attention is only supported with max_s_q <= max_s_kv"
+    if (x.band_left > 0 && x.s > x.t)
+        throw Failure{LONGCTX_SDPA_UNSUPPORTED, "sliding-window band block with s_q " + std::to_string(x.s) +
+                                                    " > s_kv " + std::to_string(x.t) +
+                                                    " (cuDNN needs s_q <= s_kv)"};
+}
+
+// The mask of `x` on either direction's attributes: causal, or a top-left aligned band.
+template <typename Attrs>
+void set_mask(Attrs &opts, const longctx_sdpa_desc &x) {
+    if (x.causal) opts.set_causal_mask(true);
+    if (x.band_left > 0) {
+        opts.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+            .set_diagonal_band_right_bound(static_cast<int>(x.band_right))
+            .set_diagonal_band_left_bound(static_cast<int>(x.band_left));
+    }
+}
+
+// What a refusal names: the block's shape and mask.
+std::string shape_of(const longctx_sdpa_desc &x) {
+    std::string m = x.causal ? "causal" : "no mask";
+    if (x.band_left > 0)
+        m = "band left " + std::to_string(x.band_left) + " right " + std::to_string(x.band_right) + " (top-left)";
+    return "b " + std::to_string(x.b) + ", s_q " + std::to_string(x.s) + ", s_kv " + std::to_string(x.t) + ", hq " +
+           std::to_string(x.hq) + ", hkv " + std::to_string(x.hkv) + ", d " + std::to_string(x.d) + ", " + m;
 }
 
 // Builds (or finds) the graph for `x` in direction `bwd`.
 std::shared_ptr<fe::graph::Graph> graph_locked(const longctx_sdpa_desc &x, bool bwd, cudnnHandle_t handle) {
-    Key key{x.ordinal, x.dtype, x.b, x.s, x.t, x.hq, x.hkv, x.d, x.causal, float_bits(x.scale), bwd ? 1 : 0};
+    Key key{x.ordinal, x.dtype,      x.b,          x.s, x.t, x.hq, x.hkv, x.d, x.causal, x.band_left, x.band_right,
+            float_bits(x.scale), bwd ? 1 : 0};
     auto it = g_graphs.find(key);
     if (it != g_graphs.end()) return it->second;
 
@@ -154,7 +187,7 @@ std::shared_ptr<fe::graph::Graph> graph_locked(const longctx_sdpa_desc &x, bool 
     auto v = bshd(*g, "v", V, x.b, x.t, x.hkv, x.d);
     if (!bwd) {
         auto opts = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(true).set_attn_scale(x.scale);
-        if (x.causal) opts.set_causal_mask(true);
+        set_mask(opts, x);
         auto [o, stats] = g->sdpa(q, k, v, opts);
         set_bshd(o, O, x.b, x.s, x.hq, x.d);
         stats->set_output(true)
@@ -172,18 +205,19 @@ std::shared_ptr<fe::graph::Graph> graph_locked(const longctx_sdpa_desc &x, bool 
                                    .set_dim({x.b, x.hq, x.s, 1})
                                    .set_stride({x.hq * x.s, x.s, 1, 1}));
         auto opts = fe::graph::SDPA_backward_attributes().set_name("sdpa_bwd").set_attn_scale(x.scale);
-        if (x.causal) opts.set_causal_mask(true);
+        set_mask(opts, x);
         auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, d_o, stats, opts);
         set_bshd(dq, DQ, x.b, x.s, x.hq, x.d);
         set_bshd(dk, DK, x.b, x.t, x.hkv, x.d);
         set_bshd(dv, DV, x.b, x.t, x.hkv, x.d);
     }
     const int U = LONGCTX_SDPA_UNSUPPORTED;
-    check_fe(g->validate(), U, "graph validation");
-    check_fe(g->build_operation_graph(handle), U, "operation graph");
-    check_fe(g->create_execution_plans({fe::HeurMode_t::A}), U, "execution plans");
-    check_fe(g->check_support(handle), U, "support check");
-    check_fe(g->build_plans(handle), U, "plan build");
+    const std::string what = std::string(bwd ? " (backward, " : " (forward, ") + shape_of(x) + ")";
+    check_fe(g->validate(), U, ("graph validation" + what).c_str());
+    check_fe(g->build_operation_graph(handle), U, ("operation graph" + what).c_str());
+    check_fe(g->create_execution_plans({fe::HeurMode_t::A}), U, ("execution plans" + what).c_str());
+    check_fe(g->check_support(handle), U, ("support check" + what).c_str());
+    check_fe(g->build_plans(handle), U, ("plan build" + what).c_str());
     g_graphs.emplace(key, g);
     return g;
 }

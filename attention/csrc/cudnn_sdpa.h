@@ -34,6 +34,11 @@ typedef struct {
     int64_t b, s, t, hq, hkv, d;
     int32_t causal; /* 1: top-left aligned causal mask (s == t), 0: no mask */
     float scale;    /* softmax scale applied to q.k */
+    /* Sliding-window band (used when band_left > 0, causal must be 0): top-left aligned
+     * diagonal band, query row x sees key y iff y <= x + band_right and
+     * y > x - band_left (cudnn-frontend's right/left bounds). Needs s <= t. */
+    int64_t band_left;  /* >= 1, or 0: no band */
+    int64_t band_right; /* >= 0 */
 } longctx_sdpa_desc;
 
 /* o, lse <- attention(q, k, v). `err` receives a message when the result is not OK. */

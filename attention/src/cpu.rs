@@ -11,8 +11,10 @@
 //!
 //! Forward: one task per (batch, query head, query tile of `BQ` rows); per row an online
 //! softmax (running max `m`, running sum `l`, f32 accumulator) over key tiles of `BK`.
-//! Causal (diagonal block, `s == t`): query `i` sees keys `0..=i`; tiles above the
-//! diagonal are never visited.
+//! Causal (diagonal block, `s == t`): query `i` sees keys `0..=i`; a band
+//! ([`Mask::Band`]): the keys of its window. Each row reads only the keys it sees
+//! ([`Mask::keys`]) and each query tile only the key tiles its rows see, so a band costs
+//! its area, not `s·t`.
 //!
 //! Backward with the global `o`/`lse`: `P = exp(scale·q·k - lse)` is recomputed per tile,
 //! `D = rowsum(dO∘O)`, `dS = P∘(dO·v - D)`. Two passes, each writing disjoint outputs:
@@ -177,7 +179,7 @@ struct Dims {
     hq: usize,
     hkv: usize,
     d: usize,
-    causal: bool,
+    mask: Mask,
     scale: f32,
 }
 
@@ -206,14 +208,16 @@ fn scatter_rows(dst: &mut [f32], tile: &[f32], d: usize, at: impl Fn(usize) -> u
 impl Dims {
     fn new(dims: (usize, usize, usize, usize, usize, usize), mask: Mask, scale: f64) -> Self {
         let (_, s, t, hq, hkv, d) = dims;
-        Dims { s, t, hq, hkv, d, causal: mask == Mask::Causal, scale: scale as f32 }
+        Dims { s, t, hq, hkv, d, mask, scale: scale as f32 }
     }
-    /// Rows `i0..i1` of query tile `qt`, and the end (exclusive) of the keys any of them sees.
+    /// Rows `i0..i1` of query tile `qt`, and the keys `[k0, k1)` any of them sees.
     #[inline(always)]
-    fn q_tile(&self, qt: usize) -> (usize, usize, usize) {
+    fn q_tile(&self, qt: usize) -> (usize, usize, usize, usize) {
         let i0 = qt * BQ;
         let i1 = (i0 + BQ).min(self.s);
-        (i0, i1, if self.causal { i1.min(self.t) } else { self.t })
+        let (k0, _) = self.mask.keys(i0, self.t);
+        let (_, k1) = self.mask.keys(i1.max(1) - 1, self.t);
+        (i0, i1, k0, k1.max(k0))
     }
     /// Query-head row `[d]` of token `i`: offset into `[b,s,hq,d]`.
     #[inline(always)]
@@ -230,14 +234,11 @@ impl Dims {
     fn lse_at(&self, bi: usize, h: usize, i: usize) -> usize {
         (bi * self.hq + h) * self.s + i
     }
-    /// End (exclusive) of the keys query `i` sees inside the key range ending at `j1`.
+    /// The keys `[lo, hi)` query `i` sees inside the key tile `[j0, j1)` (empty: `lo >= hi`).
     #[inline(always)]
-    fn key_end(&self, i: usize, j1: usize) -> usize {
-        if self.causal {
-            j1.min(i + 1)
-        } else {
-            j1
-        }
+    fn keys_in(&self, i: usize, j0: usize, j1: usize) -> (usize, usize) {
+        let (lo, hi) = self.mask.keys(i, self.t);
+        (lo.max(j0), hi.min(j1))
     }
     fn group(&self) -> usize {
         self.hq / self.hkv
@@ -275,7 +276,7 @@ fn to_device<S: Into<candle_core::Shape>>(x: Vec<f32>, shape: S, dev: &Device) -
 #[inline(always)]
 fn fwd_tile(dm: &Dims, qf: &[f32], kf: &[f32], vf: &[f32], bi: usize, h: usize, qt: usize) -> (Vec<f32>, Vec<f32>) {
     let (d, kh) = (dm.d, h / dm.group());
-    let (i0, i1, k_end) = dm.q_tile(qt);
+    let (i0, i1, k_start, k_end) = dm.q_tile(qt);
     let rows = i1 - i0;
     // Scaled query rows, so scores are plain dots.
     let mut qs = vec![0f32; rows * d];
@@ -290,28 +291,28 @@ fn fwd_tile(dm: &Dims, qf: &[f32], kf: &[f32], vf: &[f32], bi: usize, h: usize, 
     let mut acc = vec![0f32; rows * d];
     let mut sc = [0f32; BK];
     let mut kt = vec![0f32; d * BK];
-    for j0 in (0..k_end).step_by(BK) {
+    for j0 in (k_start..k_end).step_by(BK) {
         let j1 = (j0 + BK).min(k_end);
         load_t(dm, kf, bi, kh, j0, j1, &mut kt);
         for r in 0..rows {
-            let je = dm.key_end(i0 + r, j1);
-            if je <= j0 {
+            let (js, je) = dm.keys_in(i0 + r, j0, j1);
+            if je <= js {
                 continue;
             }
-            let n = je - j0;
+            let (a, n) = (js - j0, je - j0);
             let qi = &qs[r * d..(r + 1) * d];
             scores_t(qi, &kt, &mut sc);
-            let m_tile = sc[..n].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+            let m_tile = sc[a..n].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
             let m_new = m[r].max(m_tile);
             // First tile of this row: nothing to rescale (and no -inf - -inf).
             let alpha = if m[r] == f32::NEG_INFINITY { 0.0 } else { exp_f32(m[r] - m_new) };
-            exp_shifted(&mut sc[..n], m_new);
+            exp_shifted(&mut sc[a..n], m_new);
             let acc_r = &mut acc[r * d..(r + 1) * d];
             if alpha != 1.0 {
                 acc_r.iter_mut().for_each(|x| *x *= alpha);
             }
-            axpy_rows(acc_r, &sc[..n], |jj| &vf[dm.k_at(bi, j0 + jj, kh)..][..d]);
-            l[r] = l[r] * alpha + sc[..n].iter().sum::<f32>();
+            axpy_rows(acc_r, &sc[a..n], |jj| &vf[dm.k_at(bi, js + jj, kh)..][..d]);
+            l[r] = l[r] * alpha + sc[a..n].iter().sum::<f32>();
             m[r] = m_new;
         }
     }
@@ -411,14 +412,15 @@ fn bwd_kv_tile(dm: &Dims, inp: &BwdIn, bi: usize, kh: usize, ktile: usize) -> (V
     load_t(dm, &inp.v, bi, kh, j0, j1, &mut vt);
     let zeros = vec![0f32; d];
     let g = dm.group();
-    // Causal: queries before j0 see none of these keys.
-    let i_start = if dm.causal { j0 } else { 0 };
+    // Only the queries that see a key of this tile: [i_start, i_end).
+    let (i_start, _) = dm.mask.queries(j0, dm.s);
+    let (_, i_end) = dm.mask.queries(j1.max(1) - 1, dm.s);
     // Query rows go 4 at a time so each dK/dV row is loaded and stored once per 4 rows:
     // pc[r][j] = P, sc[r][j] = dS·scale, zero past the keys row r sees (or if it sees none).
     let mut pc = [[0f32; BK]; 4];
     let mut sc = [[0f32; BK]; 4];
     for h in kh * g..(kh + 1) * g {
-        for i0 in (i_start..dm.s).step_by(4) {
+        for i0 in (i_start..i_end.max(i_start)).step_by(4) {
             let mut qr: [&[f32]; 4] = [&zeros; 4];
             let mut dor: [&[f32]; 4] = [&zeros; 4];
             let mut n_max = 0;
@@ -433,13 +435,17 @@ fn bwd_kv_tile(dm: &Dims, inp: &BwdIn, bi: usize, kh: usize, ktile: usize) -> (V
                 if lse_i == f32::NEG_INFINITY {
                     continue;
                 }
-                let n = dm.key_end(i, j1) - j0;
+                let (js, je) = dm.keys_in(i, j0, j1);
+                if je <= js {
+                    continue;
+                }
+                let (a, n) = (js - j0, je - j0);
                 let at = dm.q_at(bi, i, h);
                 let (qi, doi) = (&inp.q[at..at + d], &inp.d_o[at..at + d]);
                 let d_i = inp.dd[dm.lse_at(bi, h, i)];
                 probs(qi, &kt, scale, lse_i, n, &mut p);
                 scores_t(doi, &vt, &mut dp);
-                for jj in 0..n {
+                for jj in a..n {
                     pc[r][jj] = p[jj];
                     sc[r][jj] = p[jj] * (dp[jj] - d_i) * scale;
                 }
@@ -461,33 +467,33 @@ fn bwd_kv_tile(dm: &Dims, inp: &BwdIn, bi: usize, kh: usize, ktile: usize) -> (V
 #[inline(always)]
 fn bwd_q_tile(dm: &Dims, inp: &BwdIn, bi: usize, h: usize, qt: usize) -> Vec<f32> {
     let (d, kh, scale) = (dm.d, h / dm.group(), dm.scale);
-    let (i0, i1, k_end) = dm.q_tile(qt);
+    let (i0, i1, k_start, k_end) = dm.q_tile(qt);
     let rows = i1 - i0;
     let mut dq = vec![0f32; rows * d];
     let (mut p, mut dp) = ([0f32; BK], [0f32; BK]);
     let (mut kt, mut vt) = (vec![0f32; d * BK], vec![0f32; d * BK]);
-    for j0 in (0..k_end).step_by(BK) {
+    for j0 in (k_start..k_end).step_by(BK) {
         let j1 = (j0 + BK).min(k_end);
         load_t(dm, &inp.k, bi, kh, j0, j1, &mut kt);
         load_t(dm, &inp.v, bi, kh, j0, j1, &mut vt);
         for r in 0..rows {
             let i = i0 + r;
-            let je = dm.key_end(i, j1);
+            let (js, je) = dm.keys_in(i, j0, j1);
             let lse_i = inp.lse[dm.lse_at(bi, h, i)];
-            if je <= j0 || lse_i == f32::NEG_INFINITY {
+            if je <= js || lse_i == f32::NEG_INFINITY {
                 continue;
             }
-            let n = je - j0;
+            let (a, n) = (js - j0, je - j0);
             let at = dm.q_at(bi, i, h);
             let (qi, doi) = (&inp.q[at..at + d], &inp.d_o[at..at + d]);
             let d_i = inp.dd[dm.lse_at(bi, h, i)];
             probs(qi, &kt, scale, lse_i, n, &mut p);
             scores_t(doi, &vt, &mut dp);
             // p becomes dS·scale in place.
-            for (pj, &dpj) in p[..n].iter_mut().zip(&dp[..n]) {
+            for (pj, &dpj) in p[a..n].iter_mut().zip(&dp[a..n]) {
                 *pj *= (dpj - d_i) * scale;
             }
-            axpy_rows(&mut dq[r * d..(r + 1) * d], &p[..n], |jj| &inp.k[dm.k_at(bi, j0 + jj, kh)..][..d]);
+            axpy_rows(&mut dq[r * d..(r + 1) * d], &p[a..n], |jj| &inp.k[dm.k_at(bi, js + jj, kh)..][..d]);
         }
     }
     dq

@@ -1,14 +1,21 @@
-//! Document masks: block-diagonal causal attention over packed documents.
+//! Document masks: block-diagonal causal attention over packed documents, optionally
+//! with a sliding window.
 //!
 //! A packed sample holds several documents; query `i` sees key `j` only when `j ≤ i` and
 //! both lie in the same document. [`Docs`] holds, per batch row, the global index at
-//! which every document starts (the first at 0).
+//! which every document starts (the first at 0), and optionally a sliding window `W`:
+//! then `i − j < W` too (transformers' sliding-window layers, Mistral / Qwen2 / Gemma).
+//! A mode receives both as a [`Masking`] (the batch's documents, the layer's window) and
+//! turns it into one `Docs` with [`resolve`].
 //!
 //! Every mode describes each block it computes by the global token ranges of its local
 //! q rows and kv rows ([`Block`]: ranges in local order, e.g. a zigzag rank's two chunks).
 //! [`fwd`] / [`bwd`] cut the block into pieces, one per pair (q range ∩ document,
 //! kv range ∩ the same document): a piece whose kv range ends before its q range starts
 //! is unmasked, one on the diagonal (the same range) is causal, one after is dropped.
+//! Under a window a piece is also classified against it: entirely inside stays as above,
+//! entirely outside is dropped (no kernel call: the work scales with `S·W`), partly inside
+//! becomes a band ([`Mask::Band`], cut further by [`crate::band`]).
 //! Each piece is one call of the block kernel ([`crate::kernel`]) with that mask, so the
 //! work is the sum over documents of their own causal blocks, ∝ Σ lenᵢ² and never S²;
 //! a block with no piece at all is skipped (`None`: no kernel call, nothing to merge).
@@ -28,8 +35,27 @@ use std::ops::Range;
 /// Document starts per batch row over a global sequence of `len` tokens.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Docs {
+    /// Empty: one document in every row, whatever the batch.
     rows: Vec<Vec<usize>>,
     len: usize,
+    window: Option<usize>,
+}
+
+/// What masks a mode's attention beyond causality: the batch's packed documents (`None`:
+/// one per row) and the layer's sliding window (`None`: full causal).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Masking<'a> {
+    pub docs: Option<&'a Docs>,
+    pub window: Option<usize>,
+}
+
+impl<'a> Masking<'a> {
+    pub fn docs(docs: Option<&'a Docs>) -> Self {
+        Masking { docs, window: None }
+    }
+    pub fn window(window: Option<usize>) -> Self {
+        Masking { docs: None, window }
+    }
 }
 
 impl Docs {
@@ -58,7 +84,27 @@ impl Docs {
                 }
             }
         }
-        Ok(Self { rows, len })
+        Ok(Self { rows, len, window: None })
+    }
+
+    /// One document in every row over `len` tokens (a mask only through a window).
+    pub fn whole(len: usize) -> Result<Self> {
+        Self::new(Vec::new(), len)
+    }
+
+    /// The same documents under a sliding window of `window` keys (the smaller of the two
+    /// when one is set already). A window of 0 is refused.
+    pub fn with_window(mut self, window: usize) -> Result<Self> {
+        if window == 0 {
+            return crate::config_err!("sliding window of 0 tokens: a query must see at least itself (window ≥ 1)");
+        }
+        self.window = Some(self.window.map_or(window, |w| w.min(window)));
+        Ok(self)
+    }
+
+    /// The sliding window, if any.
+    pub fn window(&self) -> Option<usize> {
+        self.window
     }
 
     /// Global sequence length.
@@ -71,14 +117,14 @@ impl Docs {
         self.len == 0
     }
 
-    /// Batch rows.
+    /// Batch rows (0 for [`Docs::whole`]: any batch).
     pub fn rows(&self) -> usize {
         self.rows.len()
     }
 
-    /// Every row a single document: plain causal attention.
+    /// Every row a single document and no window that masks anything: plain causal attention.
     pub fn is_trivial(&self) -> bool {
-        self.rows.iter().all(|r| r.len() <= 1)
+        self.rows.iter().all(|r| r.len() <= 1) && self.window.is_none_or(|w| w >= self.len)
     }
 
     /// The documents of row `r` as global ranges.
@@ -94,9 +140,30 @@ impl Docs {
     /// Σ lenᵢ(lenᵢ+1) / (rows · S(S+1)).
     pub fn work_fraction(&self) -> f64 {
         let pairs = |n: usize| n as f64 * (n as f64 + 1.0) / 2.0;
-        let total: f64 = (0..self.rows()).flat_map(|r| self.ranges(r)).map(|d| pairs(d.len())).sum();
-        total / (self.rows().max(1) as f64 * pairs(self.len))
+        // (query, key) pairs a document of n tokens attends: all causal ones, or under a
+        // window of w the first w rows' triangle and w keys for every later row
+        let seen = |n: usize| match self.window {
+            Some(w) if w < n => pairs(w) + ((n - w) * w) as f64,
+            _ => pairs(n),
+        };
+        let rows = self.rows().max(1);
+        let total: f64 = (0..rows).flat_map(|r| self.ranges(r)).map(|d| seen(d.len())).sum();
+        total / (rows as f64 * pairs(self.len))
     }
+}
+
+/// The one mask a mode attends under for `global` tokens: the documents of `m` (checked to
+/// cover them) with its window; `None` when nothing masks beyond causality (the modes' fast
+/// path). `what` names the mode in errors.
+pub fn resolve<'a>(m: Masking<'a>, global: usize, what: &str) -> Result<Option<std::borrow::Cow<'a, Docs>>> {
+    use std::borrow::Cow;
+    check_len(m.docs, global, what)?;
+    let docs = match (m.docs, m.window) {
+        (d, None) => d.map(Cow::Borrowed),
+        (Some(d), Some(w)) => Some(Cow::Owned(d.clone().with_window(w)?)),
+        (None, Some(w)) => Some(Cow::Owned(Docs::whole(global)?.with_window(w)?)),
+    };
+    Ok(docs.filter(|d| !d.is_trivial()))
 }
 
 /// Checks that `docs` covers the `global` tokens a mode attends over; `what` names the mode.
@@ -162,12 +229,27 @@ fn pieces(blk: &Block<'_>, r: usize) -> Result<Vec<Piece>> {
         by_doc.entry(*d).or_default().push(run);
     }
     let mut out = Vec::new();
+    let w = blk.docs.window.unwrap_or(usize::MAX);
     for (d, q) in &qr {
         for kv in by_doc.get(d).into_iter().flatten() {
+            // the nearest and farthest (query, key) pairs of the piece, i − j
+            let (near, far) = (q.glob.start.saturating_sub(kv.glob.end - 1), (q.glob.end - 1).saturating_sub(kv.glob.start));
+            let band = Mask::Band { offset: q.glob.start.saturating_sub(kv.glob.start), window: w };
             let mask = if kv.glob.end <= q.glob.start {
-                Mask::None
+                if near >= w {
+                    continue; // every key left the window
+                }
+                if far < w {
+                    Mask::None
+                } else {
+                    band
+                }
             } else if kv.glob == q.glob {
-                Mask::Causal
+                if far < w {
+                    Mask::Causal
+                } else {
+                    band
+                }
             } else if kv.glob.start >= q.glob.end {
                 continue; // keys after every query: nothing to see
             } else {
@@ -235,7 +317,7 @@ fn check_block(blk: &Block<'_>, b: usize, s: usize, t: usize) -> Result<()> {
     if qs != s || ks != t {
         return crate::shape_err!("document mask: the block's ranges cover {qs} q and {ks} kv tokens, the tensors hold {s} and {t}");
     }
-    if blk.docs.rows() != b {
+    if blk.docs.rows() != b && blk.docs.rows() != 0 {
         return crate::shape_err!("document mask: {} rows of documents for a batch of {b}", blk.docs.rows());
     }
     if let Some(r) = blk.q.iter().chain(blk.kv).find(|r| r.end > blk.docs.len()) {
@@ -247,7 +329,7 @@ fn check_block(blk: &Block<'_>, b: usize, s: usize, t: usize) -> Result<()> {
 /// Whether any q row of `blk` sees a kv row (in any batch row): a block for which this
 /// is false is skipped by the modes before its kv is even fetched.
 pub fn meets(blk: &Block<'_>) -> Result<bool> {
-    for r in 0..blk.docs.rows() {
+    for r in 0..blk.docs.rows().max(1) {
         if !pieces(blk, r)?.is_empty() {
             return Ok(true);
         }
@@ -432,6 +514,33 @@ mod tests {
         let (groups, rest) = batched(pieces(&Block { docs: &d, q: &segs, kv: &segs }, 0).unwrap());
         assert_eq!(groups, vec![Group { at: 0, len: 2, n: 1 }, Group { at: 6, len: 2, n: 1 }]);
         assert_eq!(rest.len(), 3);
+    }
+
+    #[test]
+    fn work_counts_the_pairs_a_window_keeps() {
+        // 8 tokens, window 3: rows 0..3 see 1, 2, 3 keys, rows 3..8 see 3 each: 21 of 36
+        let w = Docs::whole(8).unwrap().with_window(3).unwrap();
+        assert!((w.work_fraction() - 21.0 / 36.0).abs() < 1e-12);
+        // two documents of 4 under the same window: 2 × (1 + 2 + 3 + 3) = 18 of 36
+        let dw = Docs::new(vec![vec![0, 4]], 8).unwrap().with_window(3).unwrap();
+        assert!((dw.work_fraction() - 18.0 / 36.0).abs() < 1e-12);
+        assert!((Docs::whole(8).unwrap().work_fraction() - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_window_drops_far_blocks_and_bands_the_rest() {
+        let d = Docs::whole(64).unwrap().with_window(4).unwrap();
+        let (q, near, far) = ([32..48], [16..32], [0..16]);
+        // keys 0..16 are ≥ 17 tokens before every query of 32..48: no piece, no kernel call
+        assert!(!meets(&Block { docs: &d, q: &q, kv: &far }).unwrap());
+        let p = pieces(&Block { docs: &d, q: &q, kv: &near }, 0).unwrap();
+        assert_eq!(p.iter().map(|p| p.mask).collect::<Vec<_>>(), vec![Mask::Band { offset: 16, window: 4 }]);
+        let p = pieces(&Block { docs: &d, q: &q, kv: &q }, 0).unwrap();
+        assert_eq!(p.iter().map(|p| p.mask).collect::<Vec<_>>(), vec![Mask::Band { offset: 0, window: 4 }]);
+        // a window wider than the pieces changes nothing
+        let wide = Docs::whole(64).unwrap().with_window(33).unwrap();
+        let p = pieces(&Block { docs: &wide, q: &q, kv: &near }, 0).unwrap();
+        assert_eq!(p[0].mask, Mask::None);
     }
 
     #[test]

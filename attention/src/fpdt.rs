@@ -22,17 +22,18 @@
 //! (`a + b`), never written in place.
 //!
 //! Under a document mask ([`crate::docs`]) every chunk pair is cut into per-document
-//! pieces by its global ranges, and a pair that shares no document is skipped before its
-//! chunk is fetched (forward) or its q side brought back (backward).
+//! pieces by its global ranges, and a pair that shares no document (or lies wholly outside
+//! a sliding window) is skipped before its chunk is fetched (forward) or its q side
+//! brought back (backward): under a window only the chunks it reaches move.
 //!
 //! Parking goes through a [`Stash`]: on CUDA, pinned host buffers with the copies on
 //! their own stream, overlapping the kernels (see [`crate::stash`]).
 
 use crate::comm::Comm;
-use crate::docs::{self, Block, Docs};
+use crate::docs::{self, Block, Masking};
 use crate::kernel::{Mask, Saved};
 use crate::merge::{self, add_f32};
-use crate::mode::{effective, AttentionMode};
+use crate::mode::AttentionMode;
 use crate::stash::{Fetched, Parked, Stash};
 use crate::ulysses::{
     check_heads, heads_to_seq, lse_heads_to_seq, lse_seq_to_heads, reduce_replicated_kv_grad, replicate_kv_heads, seq_to_heads,
@@ -219,12 +220,12 @@ impl AttentionMode for Fpdt {
         "fpdt"
     }
 
-    fn forward_docs(&self, q: &Tensor, k: &Tensor, v: &Tensor, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor)> {
+    fn forward_masked(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Masking<'_>, scale: f64) -> Result<(Tensor, Tensor)> {
         let rep = check_heads(q, k, v, self.comm.world())?;
         let (u, cl) = self.plan(q.dim(1)?)?;
         let big_c = cl * self.comm.world();
-        docs::check_len(docs, u * big_c, "FPDT")?;
-        let docs = effective(docs);
+        let docs = docs::resolve(mask, u * big_c, "FPDT")?;
+        let docs = docs.as_deref();
         let chunk = |i: usize| [i * big_c..(i + 1) * big_c];
         let (c, dev) = (self.comm.as_ref(), q.device());
         let mut parked: Vec<KvChunk<Held>> = Vec::with_capacity(u);
@@ -276,13 +277,13 @@ impl AttentionMode for Fpdt {
         Ok((Tensor::cat(&os, 1)?, Tensor::cat(&lses, 2)?))
     }
 
-    fn backward_docs(&self, d_o: &Tensor, saved: Saved<'_>, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    fn backward_masked(&self, d_o: &Tensor, saved: Saved<'_>, mask: Masking<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
         let Saved { q, k, v, o, lse } = saved;
         let rep = check_heads(q, k, v, self.comm.world())?;
         let (u, cl) = self.plan(q.dim(1)?)?;
         let big_c = cl * self.comm.world();
-        docs::check_len(docs, u * big_c, "FPDT backward")?;
-        let docs = effective(docs);
+        let docs = docs::resolve(mask, u * big_c, "FPDT backward")?;
+        let docs = docs.as_deref();
         let chunk = |i: usize| [i * big_c..(i + 1) * big_c];
         let (c, dev) = (self.comm.as_ref(), q.device());
         saved.check_do(d_o, "FPDT backward")?;

@@ -6,6 +6,10 @@
 //! `P = exp(S - lse)` and `D = rowsum(do * o)` from them, so block backwards of a
 //! split attention sum to the exact gradient.
 //! `Mask::Causal` is the diagonal block (s == t, query i sees keys 0..=i).
+//! `Mask::Band` is a block of a sliding-window attention (see [`Mask::Band`]); it goes
+//! through [`crate::band`], which trims it to the rows and keys that meet and cuts it so
+//! that every kernel call has `s ≤ t` and a band both sides of the diagonal (what cuDNN
+//! takes).
 
 use candle_core::{Result, Tensor};
 
@@ -13,6 +17,39 @@ use candle_core::{Result, Tensor};
 pub enum Mask {
     None,
     Causal,
+    /// A block of sliding-window attention: query `x` (local row) sees key `y` iff
+    /// `y ≤ x + offset` and `x + offset − y < window`, where `offset` is the global index
+    /// of the block's first query minus that of its first key (so globally: `j ≤ i` and
+    /// `i − j < window`). `window ≥ 1`. Rows that see no key get `o = 0`, `lse = −inf`.
+    Band {
+        offset: usize,
+        window: usize,
+    },
+}
+
+impl Mask {
+    /// The keys `[lo, hi)` (of `t`) that query row `x` sees; empty when `lo >= hi`.
+    #[inline(always)]
+    pub fn keys(self, x: usize, t: usize) -> (usize, usize) {
+        match self {
+            Mask::None => (0, t),
+            Mask::Causal => (0, (x + 1).min(t)),
+            Mask::Band { offset, window } => {
+                let end = x + offset + 1;
+                (end.saturating_sub(window).min(t), end.min(t))
+            }
+        }
+    }
+
+    /// The query rows `[lo, hi)` (of `s`) that see key `y`; empty when `lo >= hi`.
+    #[inline(always)]
+    pub fn queries(self, y: usize, s: usize) -> (usize, usize) {
+        match self {
+            Mask::None => (0, s),
+            Mask::Causal => (y.min(s), s),
+            Mask::Band { offset, window } => (y.saturating_sub(offset).min(s), (y + window).saturating_sub(offset).min(s)),
+        }
+    }
 }
 
 /// What a backward needs from its forward, borrowed: the inputs and the *final* (global)
@@ -74,6 +111,9 @@ pub fn check_shapes(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask) -> Result<(u
     if mask == Mask::Causal && s != t {
         return crate::shape_err!("causal block needs equal q/kv lengths, got {s} vs {t}");
     }
+    if let Mask::Band { window: 0, .. } = mask {
+        return crate::config_err!("sliding-window block with a window of 0 keys (the window must be at least 1)");
+    }
     Ok((b, s, t, hq, hkv, d))
 }
 
@@ -85,8 +125,26 @@ fn sliver(s: usize, t: usize) -> bool {
     s.min(t) == 1
 }
 
-/// Block forward on whatever device the inputs live on.
+/// Block forward on whatever device the inputs live on (a band through [`crate::band`]).
 pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> Result<(Tensor, Tensor)> {
+    check_shapes(q, k, v, mask)?;
+    match mask {
+        Mask::Band { offset, window } => crate::band::fwd(q, k, v, offset, window, scale),
+        _ => device_fwd(q, k, v, mask, scale),
+    }
+}
+
+/// Block backward with the global `o` and `lse` (a band through [`crate::band`]).
+pub fn bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    saved.check(d_o, mask)?;
+    match mask {
+        Mask::Band { offset, window } => crate::band::bwd(d_o, saved, offset, window, scale),
+        _ => device_bwd(d_o, saved, mask, scale),
+    }
+}
+
+/// The device's kernel for one block (a band here is one [`crate::band`] already cut).
+pub(crate) fn device_fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> Result<(Tensor, Tensor)> {
     let (_, s, t, _, _, _) = check_shapes(q, k, v, mask)?;
     let _sliver = sliver(s, t); // read by the CUDA arm only
     match q.device() {
@@ -101,8 +159,8 @@ pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> Result
     }
 }
 
-/// Block backward with the global `o` and `lse`.
-pub fn bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+/// The device's kernel backward for one block (see [`device_fwd`]).
+pub(crate) fn device_bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
     let (_, s, t, _, _, _) = saved.check(d_o, mask)?;
     let _sliver = sliver(s, t); // read by the CUDA arm only
     match saved.q.device() {

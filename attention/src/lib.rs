@@ -9,8 +9,10 @@
 //! Layers:
 //! - [`kernel`]: the block kernel contract `fwd -> (o, lse)`, `bwd(do, Saved { q, k, v, o, lse })`,
 //!   dispatched per device (CPU tiled kernel in [`cpu`], CUDA cuDNN behind `cuda`).
-//! - [`docs`]: document masks (block-diagonal causal over packed documents), cut into
-//!   kernel calls per document; every mode takes them ([`mode::AttentionMode::forward_docs`]).
+//! - [`band`]: sliding-window band blocks cut into calls every kernel takes.
+//! - [`docs`]: document masks (block-diagonal causal over packed documents) and sliding
+//!   windows, cut into kernel calls per document and window; every mode takes them
+//!   ([`mode::AttentionMode::forward_masked`]).
 //! - [`merge`]: the one stable log-sum-exp merge of partial results.
 //! - [`comm`]: the communicator abstraction and its in-process (threads) backend.
 //! - [`layout`]: zigzag / round-robin token layouts and global position ids.
@@ -22,6 +24,7 @@
 // Lists of token ranges (a block's q and kv rows) often hold one range: meant, not a typo.
 #![allow(clippy::single_range_in_vec_init)]
 
+pub mod band;
 pub mod comm;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -43,7 +46,7 @@ pub mod testing;
 pub mod ulysses;
 pub mod usp;
 
-pub use docs::Docs;
+pub use docs::{Docs, Masking};
 pub use error::AttnError;
 pub use kernel::{Mask, Saved};
 pub use mode::AttentionMode;

@@ -1,6 +1,6 @@
 //! The one signature every sequence-parallel mode shares with the single-device kernel.
 
-use crate::docs::Docs;
+use crate::docs::{Docs, Masking};
 use crate::kernel::Saved;
 use candle_core::{Result, Tensor};
 
@@ -12,11 +12,20 @@ use candle_core::{Result, Tensor};
 /// returned, and returns `(dq, dk, dv)` for this rank's inputs. Ranks call both collectively.
 pub trait AttentionMode: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
+    /// The forward under a document mask and a sliding window ([`Masking`]; both `None`:
+    /// plain causal). `mask.docs` holds global token indices; every rank of a group passes
+    /// the same mask. Modes turn it into one mask with [`crate::docs::resolve`].
+    fn forward_masked(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Masking<'_>, scale: f64) -> Result<(Tensor, Tensor)>;
+    /// The backward of [`AttentionMode::forward_masked`] with the same `mask`.
+    fn backward_masked(&self, d_o: &Tensor, saved: Saved<'_>, mask: Masking<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)>;
     /// The forward under a document mask (`None`: every row one document, plain causal).
-    /// `docs` holds global token indices; every rank of a group passes the same.
-    fn forward_docs(&self, q: &Tensor, k: &Tensor, v: &Tensor, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor)>;
+    fn forward_docs(&self, q: &Tensor, k: &Tensor, v: &Tensor, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor)> {
+        self.forward_masked(q, k, v, Masking::docs(docs), scale)
+    }
     /// The backward of [`AttentionMode::forward_docs`] with the same `docs`.
-    fn backward_docs(&self, d_o: &Tensor, saved: Saved<'_>, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor, Tensor)>;
+    fn backward_docs(&self, d_o: &Tensor, saved: Saved<'_>, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+        self.backward_masked(d_o, saved, Masking::docs(docs), scale)
+    }
     /// Causal attention (one document per row).
     fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
         self.forward_docs(q, k, v, None, scale)
@@ -26,14 +35,9 @@ pub trait AttentionMode: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// `docs` unless it is trivial (every row one document), which every mode computes as
-/// plain causal attention on its fast path.
-pub fn effective(docs: Option<&Docs>) -> Option<&Docs> {
-    docs.filter(|d| !d.is_trivial())
-}
-
 /// A mode with a fixed document mask: what a trainer hands the model for one batch (the
-/// model calls [`AttentionMode::forward`] and knows nothing of documents).
+/// model calls [`AttentionMode::forward`], or [`AttentionMode::forward_masked`] with its
+/// layer's window, and knows nothing of documents).
 #[derive(Debug, Clone)]
 pub struct WithDocs {
     pub inner: std::sync::Arc<dyn AttentionMode>,
@@ -44,11 +48,11 @@ impl AttentionMode for WithDocs {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
-    fn forward_docs(&self, q: &Tensor, k: &Tensor, v: &Tensor, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor)> {
-        self.inner.forward_docs(q, k, v, Some(docs.unwrap_or(&self.docs)), scale)
+    fn forward_masked(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Masking<'_>, scale: f64) -> Result<(Tensor, Tensor)> {
+        self.inner.forward_masked(q, k, v, Masking { docs: Some(mask.docs.unwrap_or(&self.docs)), ..mask }, scale)
     }
-    fn backward_docs(&self, d_o: &Tensor, saved: Saved<'_>, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
-        self.inner.backward_docs(d_o, saved, Some(docs.unwrap_or(&self.docs)), scale)
+    fn backward_masked(&self, d_o: &Tensor, saved: Saved<'_>, mask: Masking<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+        self.inner.backward_masked(d_o, saved, Masking { docs: Some(mask.docs.unwrap_or(&self.docs)), ..mask }, scale)
     }
 }
 

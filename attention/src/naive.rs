@@ -36,9 +36,14 @@ fn sum_groups(x: &Tensor, g: usize) -> Result<Tensor> {
     x.reshape((b, hq / g, g, t, d))?.sum(2)
 }
 
-/// Causal keep-mask `[s,t]` (u8): 1 where key j <= query i.
-fn causal_keep(s: usize, t: usize, device: &Device) -> Result<Tensor> {
-    let keep: Vec<u8> = (0..s).flat_map(|i| (0..t).map(move |j| u8::from(j <= i))).collect();
+/// Keep-mask `[s,t]` (u8): 1 where query i sees key j under `mask` ([`Mask::keys`]).
+fn keep_mask(mask: Mask, s: usize, t: usize, device: &Device) -> Result<Tensor> {
+    let keep: Vec<u8> = (0..s)
+        .flat_map(|i| {
+            let (lo, hi) = mask.keys(i, t);
+            (0..t).map(move |j| u8::from(lo <= j && j < hi))
+        })
+        .collect();
     Tensor::from_vec(keep, (s, t), device)
 }
 
@@ -47,9 +52,9 @@ fn scores(q: &Tensor, k: &Tensor, mask: Mask, scale: f64) -> Result<Tensor> {
     let sc = (q.matmul(&k.t()?)? * scale)?;
     match mask {
         Mask::None => Ok(sc),
-        Mask::Causal => {
+        Mask::Causal | Mask::Band { .. } => {
             let (_, _, s, t) = sc.dims4()?;
-            let keep = causal_keep(s, t, sc.device())?.broadcast_as(sc.shape())?;
+            let keep = keep_mask(mask, s, t, sc.device())?.broadcast_as(sc.shape())?;
             let neg = Tensor::full(f64::NEG_INFINITY, sc.shape(), sc.device())?.to_dtype(sc.dtype())?;
             keep.where_cond(&sc, &neg)
         }
@@ -70,11 +75,14 @@ pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> Result
     let kh = repeat_kv(&heads_first(k, dt)?, g)?;
     let vh = repeat_kv(&heads_first(v, dt)?, g)?;
     let sc = scores(&qh, &kh, mask, scale)?;
-    // Every row keeps at least one key (causal keeps the diagonal), so the row max is finite.
+    // A band row may keep no key: its max is -inf, shifted by 0 instead (so exp gives 0,
+    // never exp(-inf - -inf)); its sum is 0, divided by 1 (o = 0), and lse = log 0 = -inf.
     let m = sc.max_keepdim(D::Minus1)?;
+    let m = m.ge(f32::MIN as f64)?.where_cond(&m, &m.zeros_like()?)?;
     let e = sc.broadcast_sub(&m)?.exp()?;
     let l = e.sum_keepdim(D::Minus1)?;
-    let o = e.broadcast_div(&l)?.matmul(&vh.contiguous()?)?;
+    let l_div = l.gt(0.0)?.where_cond(&l, &l.ones_like()?)?;
+    let o = e.broadcast_div(&l_div)?.matmul(&vh.contiguous()?)?;
     let lse = (m + l.log()?)?.squeeze(D::Minus1)?;
     Ok((o.transpose(1, 2)?.contiguous()?, lse.to_dtype(DType::F32)?))
 }

@@ -5,6 +5,7 @@
 //! lives only as the graph's output) and whose backward calls the mode's backward with
 //! that output as the global `o`, and the saved `lse`.
 
+use crate::docs::Masking;
 use crate::kernel::Saved;
 use crate::mode::AttentionMode;
 use candle_core::backend::BackendStorage;
@@ -17,6 +18,8 @@ struct AttnOp {
     /// the graph's output), so only one copy stays alive with the graph.
     o: Mutex<Option<Tensor>>,
     lse: Tensor, // [b, hq, s] f32
+    /// The layer's sliding window (`None`: full causal).
+    window: Option<usize>,
     scale: f64,
 }
 
@@ -82,7 +85,8 @@ impl CustomOp3 for AttnOp {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (q, k, v, o) = (q.detach(), k.detach(), v.detach(), res.detach());
-        let (dq, dk, dv) = self.mode.backward(&grad.contiguous()?, Saved::new(&q, &k, &v, &o, &self.lse), self.scale)?;
+        let saved = Saved::new(&q, &k, &v, &o, &self.lse);
+        let (dq, dk, dv) = self.mode.backward_masked(&grad.contiguous()?, saved, Masking::window(self.window), self.scale)?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
@@ -95,13 +99,26 @@ pub fn attention(mode: &Arc<dyn AttentionMode>, q: &Tensor, k: &Tensor, v: &Tens
 
 /// Like [`attention`] but also returns the (non-differentiable) `lse [b, hq, s]`.
 pub fn attention_with_lse(mode: &Arc<dyn AttentionMode>, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+    attention_windowed(mode, q, k, v, None, scale)
+}
+
+/// [`attention_with_lse`] under a sliding window of `window` keys (`None`: full causal),
+/// which joins whatever document mask `mode` carries ([`crate::mode::WithDocs`]).
+pub fn attention_windowed(
+    mode: &Arc<dyn AttentionMode>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    window: Option<usize>,
+    scale: f64,
+) -> Result<(Tensor, Tensor)> {
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let (o, lse) = mode.forward(&q.detach(), &k.detach(), &v.detach(), scale)?;
+    let (o, lse) = mode.forward_masked(&q.detach(), &k.detach(), &v.detach(), Masking::window(window), scale)?;
     let o = owned(o)?;
     if !(q.track_op() || k.track_op() || v.track_op()) {
         return Ok((o, lse));
     }
-    let op = AttnOp { mode: mode.clone(), o: Mutex::new(Some(o)), lse: lse.clone(), scale };
+    let op = AttnOp { mode: mode.clone(), o: Mutex::new(Some(o)), lse: lse.clone(), window, scale };
     let tracked = q.apply_op3_arc(&k, &v, Arc::new(Box::new(op)))?;
     Ok((tracked, lse))
 }

@@ -17,7 +17,8 @@
 //!
 //! Under a document mask ([`crate::docs`]) each case is cut into per-document pieces by
 //! the global ranges of its chunks (chunk `c` is tokens `[cB, (c+1)B)`); a kv block that
-//! shares no document with the q rows it meets is skipped (no kernel call, no merge).
+//! shares no document with the q rows it meets is skipped (no kernel call, no merge);
+//! under a sliding window likewise a block wholly outside the window.
 //!
 //! Backward: the same three cases with the global `o`/`lse`. `dq` accumulates locally
 //! in f32. The f32 `dk`/`dv` accumulators of a kv block travel with it: at step `s`
@@ -27,10 +28,10 @@
 //! contributions of every rank.
 
 use crate::comm::{Comm, Pending};
-use crate::docs::{self, Block, Docs};
+use crate::docs::{self, Block, Masking};
 use crate::kernel::{self, Mask, Saved};
 use crate::merge::{self, add_f32};
-use crate::mode::{effective, AttentionMode};
+use crate::mode::AttentionMode;
 use candle_core::{Result, Tensor};
 use std::ops::Range;
 use std::sync::Arc;
@@ -83,11 +84,11 @@ impl AttentionMode for ZigzagRing {
         "zigzag-ring"
     }
 
-    fn forward_docs(&self, q: &Tensor, k: &Tensor, v: &Tensor, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor)> {
+    fn forward_masked(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Masking<'_>, scale: f64) -> Result<(Tensor, Tensor)> {
         let half = self.half(q, k, v)?;
         let (w, r) = (self.comm.world(), self.comm.rank());
-        docs::check_len(docs, 2 * w * half, "zigzag ring")?;
-        let docs = effective(docs);
+        let docs = docs::resolve(mask, 2 * w * half, "zigzag ring")?;
+        let docs = docs.as_deref();
         let [q_both, _, q_hi_r] = self.chunks(r, half);
 
         let q_hi = q.narrow(1, half, half)?;
@@ -125,13 +126,13 @@ impl AttentionMode for ZigzagRing {
         }
     }
 
-    fn backward_docs(&self, d_o: &Tensor, saved: Saved<'_>, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    fn backward_masked(&self, d_o: &Tensor, saved: Saved<'_>, mask: Masking<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
         let Saved { q, k, v, o, lse } = saved;
         let half = self.half(q, k, v)?;
         let (w, r) = (self.comm.world(), self.comm.rank());
         saved.check_do(d_o, "zigzag ring backward")?;
-        docs::check_len(docs, 2 * w * half, "zigzag ring backward")?;
-        let docs = effective(docs);
+        let docs = docs::resolve(mask, 2 * w * half, "zigzag ring backward")?;
+        let docs = docs.as_deref();
         let [q_both, _, q_hi_r] = self.chunks(r, half);
         let hi = |x: &Tensor, dim: usize| x.narrow(dim, half, half);
         let lo = |x: &Tensor, dim: usize| x.narrow(dim, 0, half);

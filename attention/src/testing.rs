@@ -9,7 +9,7 @@
 
 use crate::comm::thread::run_ranks;
 use crate::comm::Comm;
-use crate::docs::Docs;
+use crate::docs::{Docs, Masking};
 use crate::kernel::Saved;
 use crate::layout::{gather, gather_seq, take_seq};
 use crate::local::LocalAttention;
@@ -129,8 +129,85 @@ pub fn reference_docs(inp: &Inputs, docs: &Docs, scale: f64) -> Result<Outputs> 
     Ok(Outputs { o: cat(|x| &x.o)?, lse: cat(|x| &x.lse)?, dq: cat(|x| &x.dq)?, dk: cat(|x| &x.dk)?, dv: cat(|x| &x.dv)? })
 }
 
+/// Attention with an explicit dense mask, in f64 with plain loops (no kernel, no mask code
+/// of this crate): query `i` of batch row `r` sees key `j` iff `keep(r, i, j)`. `q [b,s,hq,d]`,
+/// `k`/`v [b,t,hkv,d]`; the backward takes this forward's own `o`/`lse`. Rows that see no
+/// key get `o = 0`, `lse = -inf` and zero gradients.
+pub fn dense_attention(inp: &Inputs, keep: impl Fn(usize, usize, usize) -> bool, scale: f64) -> Result<Outputs> {
+    let (b, s, hq, d) = inp.q.dims4()?;
+    let (_, t, hkv, _) = inp.k.dims4()?;
+    let host = |x: &Tensor| -> Result<Vec<f64>> { x.to_dtype(DType::F64)?.flatten_all()?.to_vec1() };
+    let (q, k, v, d_o) = (host(&inp.q)?, host(&inp.k)?, host(&inp.v)?, host(&inp.d_o)?);
+    let g = hq / hkv;
+    let qa = |r: usize, i: usize, h: usize| ((r * s + i) * hq + h) * d;
+    let ka = |r: usize, j: usize, h: usize| ((r * t + j) * hkv + h / g) * d;
+    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
+    let (mut o, mut lse) = (vec![0f64; q.len()], vec![f64::NEG_INFINITY; b * hq * s]);
+    let (mut dq, mut dk, mut dv) = (vec![0f64; q.len()], vec![0f64; k.len()], vec![0f64; v.len()]);
+    for r in 0..b {
+        for h in 0..hq {
+            for i in 0..s {
+                let qi = &q[qa(r, i, h)..][..d];
+                let js: Vec<usize> = (0..t).filter(|&j| keep(r, i, j)).collect();
+                if js.is_empty() {
+                    continue;
+                }
+                let sc: Vec<f64> = js.iter().map(|&j| scale * dot(qi, &k[ka(r, j, h)..][..d])).collect();
+                let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let l = m + sc.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+                lse[(r * hq + h) * s + i] = l;
+                let p: Vec<f64> = sc.iter().map(|x| (x - l).exp()).collect();
+                let oi = qa(r, i, h);
+                for (&j, &pj) in js.iter().zip(&p) {
+                    for c in 0..d {
+                        o[oi + c] += pj * v[ka(r, j, h) + c];
+                    }
+                }
+                let doi = &d_o[oi..][..d];
+                let dd = dot(doi, &o[oi..][..d]);
+                for (&j, &pj) in js.iter().zip(&p) {
+                    let ds = pj * (dot(doi, &v[ka(r, j, h)..][..d]) - dd);
+                    for c in 0..d {
+                        dq[oi + c] += scale * ds * k[ka(r, j, h) + c];
+                        dk[ka(r, j, h) + c] += scale * ds * qi[c];
+                        dv[ka(r, j, h) + c] += pj * doi[c];
+                    }
+                }
+            }
+        }
+    }
+    let dev = inp.q.device();
+    let t4 = |x: Vec<f64>, sh: (usize, usize, usize, usize)| Tensor::from_vec(x, sh, dev)?.to_dtype(DType::F32);
+    Ok(Outputs {
+        o: t4(o, (b, s, hq, d))?,
+        lse: Tensor::from_vec(lse, (b, hq, s), dev)?.to_dtype(DType::F32)?,
+        dq: t4(dq, (b, s, hq, d))?,
+        dk: t4(dk, (b, t, hkv, d))?,
+        dv: t4(dv, (b, t, hkv, d))?,
+    })
+}
+
+/// The dense reference of a document mask with a sliding window: query `i` sees key `j`
+/// iff `j ≤ i`, `i − j < window` and both lie in one document of the row.
+pub fn reference_window(inp: &Inputs, docs: Option<&Docs>, window: Option<usize>, scale: f64) -> Result<Outputs> {
+    let s = inp.q.dim(1)?;
+    let doc_of = |r: usize| -> Vec<usize> {
+        let mut out = vec![0; s];
+        if let Some(d) = docs {
+            for (n, range) in d.ranges(r).into_iter().enumerate() {
+                out[range].iter_mut().for_each(|x| *x = n);
+            }
+        }
+        out
+    };
+    let rows: Vec<Vec<usize>> = (0..inp.q.dim(0)?).map(doc_of).collect();
+    let w = window.unwrap_or(usize::MAX);
+    dense_attention(inp, |r, i, j| j <= i && i - j < w && rows[r][i] == rows[r][j], scale)
+}
+
 /// `max|got - want| / max|want|` in f64 on the host (the absolute difference when `want`
-/// is all zeros; shapes must agree). A NaN anywhere in `got` or `want` gives infinity:
+/// is all zeros; shapes must agree). Equal entries count 0 (two `-inf` too); a NaN anywhere
+/// in `got` or `want`, or an infinity on one side only, gives infinity:
 /// Candle's `max` skips NaNs, which would let a NaN output pass any tolerance.
 pub fn rel_err(got: &Tensor, want: &Tensor) -> Result<f64> {
     if got.dims() != want.dims() {
@@ -140,12 +217,18 @@ pub fn rel_err(got: &Tensor, want: &Tensor) -> Result<f64> {
     let (g, w) = (host(got)?, host(want)?);
     let (mut diff, mut norm) = (0f64, 0f64);
     for (a, b) in g.iter().zip(&w) {
+        if b.is_finite() {
+            norm = norm.max(b.abs());
+        }
+        if a == b {
+            // equal, infinities included (a row that sees no key has lse = -inf on both sides)
+            continue;
+        }
         let d = (a - b).abs();
         if d.is_nan() {
             return Ok(f64::INFINITY);
         }
         diff = diff.max(d);
-        norm = norm.max(b.abs());
     }
     Ok(if norm == 0.0 { diff } else { diff / norm })
 }
@@ -193,6 +276,16 @@ pub fn run_mode_docs<F>(drive: Drive, indices: &[Vec<usize>], inp: &Inputs, docs
 where
     F: Fn(Arc<dyn Comm>) -> Result<Arc<dyn AttentionMode>> + Sync,
 {
+    run_mode_masked(drive, indices, inp, Masking::docs(docs), scale, make)
+}
+
+/// [`run_mode_docs`] with a sliding window too: `Direct` passes `mask` to
+/// `forward_masked`/`backward_masked`; `Op` wraps the mode with the documents and passes
+/// the window through [`crate::op::attention_windowed`], as the model does.
+pub fn run_mode_masked<F>(drive: Drive, indices: &[Vec<usize>], inp: &Inputs, mask: Masking<'_>, scale: f64, make: F) -> Result<Outputs>
+where
+    F: Fn(Arc<dyn Comm>) -> Result<Arc<dyn AttentionMode>> + Sync,
+{
     let world = indices.len();
     let per_rank = run_ranks(world, |comm| {
         let idx = &indices[comm.rank()];
@@ -200,14 +293,14 @@ where
         let mode = make(comm)?;
         match drive {
             Drive::Direct => {
-                let (o, lse) = mode.forward_docs(&q, &k, &v, docs, scale)?;
-                let (dq, dk, dv) = mode.backward_docs(&d_o, Saved::new(&q, &k, &v, &o, &lse), docs, scale)?;
+                let (o, lse) = mode.forward_masked(&q, &k, &v, mask, scale)?;
+                let (dq, dk, dv) = mode.backward_masked(&d_o, Saved::new(&q, &k, &v, &o, &lse), mask, scale)?;
                 Ok(Outputs { o, lse, dq, dk, dv })
             }
             Drive::Op => {
-                let mode = crate::mode::with_docs(&mode, docs.cloned());
+                let mode = crate::mode::with_docs(&mode, mask.docs.cloned());
                 let (qv, kv, vv) = (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
-                let (o, lse) = crate::op::attention_with_lse(&mode, qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale)?;
+                let (o, lse) = crate::op::attention_windowed(&mode, qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), mask.window, scale)?;
                 let grads = (&o * &d_o)?.sum_all()?.backward()?;
                 let grad = |x: &Var, name: &str| -> Result<Tensor> {
                     match grads.get(x.as_tensor()) {

@@ -18,7 +18,7 @@
 //! exactly the one its query heads use; the copies' gradients sum back.
 
 use crate::comm::Comm;
-use crate::docs::Docs;
+use crate::docs::Masking;
 use crate::kernel::Saved;
 use crate::local::LocalAttention;
 use crate::mode::AttentionMode;
@@ -140,12 +140,12 @@ pub fn head_sharded_forward(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    docs: Option<&Docs>,
+    mask: Masking<'_>,
     scale: f64,
 ) -> Result<(Tensor, Tensor)> {
     let r = check_heads(q, k, v, comm.world())?;
     let (qh, kh, vh) = to_heads(comm, q, k, v, r)?;
-    let (oh, lseh) = inner.forward_docs(&qh, &kh, &vh, docs, scale)?; // [b,S,hq/P,d], [b,hq/P,S]
+    let (oh, lseh) = inner.forward_masked(&qh, &kh, &vh, mask, scale)?; // [b,S,hq/P,d], [b,hq/P,S]
     Ok((heads_to_seq(comm, &oh)?, lse_heads_to_seq(comm, &lseh)?))
 }
 
@@ -157,14 +157,14 @@ pub fn head_sharded_backward(
     inner: &dyn AttentionMode,
     d_o: &Tensor,
     saved: Saved<'_>,
-    docs: Option<&Docs>,
+    mask: Masking<'_>,
     scale: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let Saved { q, k, v, o, lse } = saved;
     let r = check_heads(q, k, v, comm.world())?;
     let (qh, kh, vh) = to_heads(comm, q, k, v, r)?;
     let (doh, oh, lseh) = (seq_to_heads(comm, d_o)?, seq_to_heads(comm, o)?, lse_seq_to_heads(comm, lse)?);
-    let (dqh, dkh, dvh) = inner.backward_docs(&doh, Saved::new(&qh, &kh, &vh, &oh, &lseh), docs, scale)?;
+    let (dqh, dkh, dvh) = inner.backward_masked(&doh, Saved::new(&qh, &kh, &vh, &oh, &lseh), mask, scale)?;
     let dq = heads_to_seq(comm, &dqh)?;
     let dk = reduce_replicated_kv_grad(&heads_to_seq(comm, &dkh)?, r)?;
     let dv = reduce_replicated_kv_grad(&heads_to_seq(comm, &dvh)?, r)?;
@@ -193,11 +193,11 @@ impl AttentionMode for Ulysses {
         "ulysses"
     }
 
-    fn forward_docs(&self, q: &Tensor, k: &Tensor, v: &Tensor, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor)> {
-        head_sharded_forward(self.comm.as_ref(), &LocalAttention, q, k, v, docs, scale)
+    fn forward_masked(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Masking<'_>, scale: f64) -> Result<(Tensor, Tensor)> {
+        head_sharded_forward(self.comm.as_ref(), &LocalAttention, q, k, v, mask, scale)
     }
 
-    fn backward_docs(&self, d_o: &Tensor, saved: Saved<'_>, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
-        head_sharded_backward(self.comm.as_ref(), &LocalAttention, d_o, saved, docs, scale)
+    fn backward_masked(&self, d_o: &Tensor, saved: Saved<'_>, mask: Masking<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+        head_sharded_backward(self.comm.as_ref(), &LocalAttention, d_o, saved, mask, scale)
     }
 }

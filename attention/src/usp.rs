@@ -17,7 +17,7 @@
 //! of replicated kv heads are summed).
 
 use crate::comm::Comm;
-use crate::docs::Docs;
+use crate::docs::Masking;
 use crate::kernel::Saved;
 use crate::mode::AttentionMode;
 use crate::ring::ZigzagRing;
@@ -65,11 +65,11 @@ impl AttentionMode for Usp {
         "usp"
     }
 
-    fn forward_docs(&self, q: &Tensor, k: &Tensor, v: &Tensor, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor)> {
-        head_sharded_forward(self.ulysses.as_ref(), &self.ring_mode(), q, k, v, docs, scale)
+    fn forward_masked(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Masking<'_>, scale: f64) -> Result<(Tensor, Tensor)> {
+        head_sharded_forward(self.ulysses.as_ref(), &self.ring_mode(), q, k, v, mask, scale)
     }
 
-    fn backward_docs(&self, d_o: &Tensor, saved: Saved<'_>, docs: Option<&Docs>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
-        head_sharded_backward(self.ulysses.as_ref(), &self.ring_mode(), d_o, saved, docs, scale)
+    fn backward_masked(&self, d_o: &Tensor, saved: Saved<'_>, mask: Masking<'_>, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+        head_sharded_backward(self.ulysses.as_ref(), &self.ring_mode(), d_o, saved, mask, scale)
     }
 }

@@ -51,17 +51,17 @@ pub struct RunFlags {
     /// Sequence-parallel mode of the forward: data_parallel (one rank), zigzag_ring_attn,
     /// ulysses_attn, fpdt or usp. Lengths the mode cannot split are padded at the end
     /// (ignored tokens; causal attention makes them change nothing before them).
-    #[arg(long, visible_alias = "parallel_mode", default_value = "data_parallel")]
+    #[arg(long, default_value = "data_parallel")]
     pub parallel_mode: String,
     /// Ranks as threads of this process sharing the device (under `longctx launch`: one
     /// rank per process instead).
-    #[arg(long, visible_alias = "world_size", default_value_t = 1)]
+    #[arg(long, default_value_t = 1)]
     pub world_size: usize,
     /// USP: Ulysses degree inside a ring group.
-    #[arg(long, visible_alias = "ulysses_size")]
+    #[arg(long)]
     pub ulysses_size: Option<usize>,
     /// FPDT chunk in global tokens (shortened to the sequence when longer).
-    #[arg(long, visible_alias = "fpdt_chunk_size", default_value_t = 65536, value_parser = tokens_arg)]
+    #[arg(long, default_value_t = 65536, value_parser = tokens_arg)]
     pub fpdt_chunk_size: usize,
     /// Tokens per chunk of the head and loss (the [tokens × vocab] logits never exist whole).
     #[arg(long, default_value_t = 4096, value_parser = tokens_arg)]
@@ -120,17 +120,17 @@ pub struct PplArgs {
     #[arg(long, default_value = "synthetic:passkey")]
     pub dataset: String,
     /// Column or field with token ids or text (input_ids or text).
-    #[arg(long, visible_alias = "dataset_column")]
+    #[arg(long)]
     pub dataset_column: Option<String>,
     /// Only the files of this split when the dataset's file names name splits (a hub
     /// dataset's `validation/…`, `test-00000.parquet`); `*` reads every file.
-    #[arg(long, visible_alias = "dataset_split", default_value = "test")]
+    #[arg(long, default_value = "test")]
     pub dataset_split: String,
     /// Width of raw .bin token files: u16 or u32.
     #[arg(long, default_value = "u16")]
     pub token_width: String,
     /// Where ppl.csv, ppl.json and ppl.png go.
-    #[arg(long, visible_alias = "output_dir", default_value = "runs/eval")]
+    #[arg(long, default_value = "runs/eval")]
     pub output_dir: PathBuf,
     /// Context lengths, comma-separated (e.g. 1K,4K,16K) [default: 1/8, 1/4, 1/2 and all
     /// of the largest trained context; a default length beyond a model's context is
@@ -166,7 +166,7 @@ pub struct NeedleArgs {
     #[arg(long, default_value = DEMO_EXPORT)]
     pub model: String,
     /// Where needle.json, needle.png and needle_greedy.png go.
-    #[arg(long, visible_alias = "output_dir", default_value = "runs/eval")]
+    #[arg(long, default_value = "runs/eval")]
     pub output_dir: PathBuf,
     /// Haystack lengths in tokens, comma-separated [default: 1/8, 1/4, 1/2 and all of
     /// the trained context].
@@ -204,7 +204,7 @@ pub struct RulerArgs {
     #[arg(long, default_value = DEMO_EXPORT)]
     pub model: String,
     /// Where ruler.json, ruler.csv, ruler.png and ruler_teacher_forced.png go.
-    #[arg(long, visible_alias = "output_dir", default_value = "runs/eval")]
+    #[arg(long, default_value = "runs/eval")]
     pub output_dir: PathBuf,
     /// Tasks, comma-separated: single, multikey, multivalue, multiquery, vt (variable
     /// tracking), cwe (common-words extraction), fwe (frequent-words extraction) [default: all].
@@ -385,7 +385,32 @@ fn ppl_cmd(a: PplArgs) -> Result<()> {
         println!("{}\tlength {}\tppl {:.4}\t({} tokens, {} windows, {:.1} s)", p.model, p.length, p.ppl, p.tokens, p.windows, p.seconds);
     }
     println!("wrote {}, {}, {}", csv.display(), json.display(), png.display());
+    for n in worse_than_uniform(&points, &models_meta, &a.dataset) {
+        eprintln!("note: {n}");
+    }
     Ok(())
+}
+
+/// For each model whose perplexity exceeds its vocabulary size somewhere (worse than a
+/// uniform guess): why that can be, and, on `synthetic:passkey`, what the demo was trained on.
+fn worse_than_uniform(points: &[PplPoint], meta: &[serde_json::Value], dataset: &str) -> Vec<String> {
+    let vocab = |name: &str| meta.iter().find(|m| m["model"] == name).and_then(|m| m["vocab_size"].as_f64());
+    let mut notes = Vec::new();
+    for m in meta.iter().filter_map(|m| m["model"].as_str()) {
+        let Some(v) = vocab(m) else { continue };
+        let worst = points.iter().filter(|p| p.model == m).map(|p| p.ppl).fold(0.0, f64::max);
+        if worst <= v {
+            continue;
+        }
+        let why = if dataset == "synthetic:passkey" {
+            "; a model trained with the answer-only loss (synthetic:passkey-answer, as the demo is) never learnt the filler \
+             that synthetic:passkey scores: --dataset synthetic:passkey-answer scores the answer digits it was trained on"
+        } else {
+            ": this text is not what it was trained on, or the tokenizer is not the model's"
+        };
+        notes.push(format!("{m}: perplexity up to {worst:.0}, above its vocabulary of {v} tokens (worse than a uniform guess){why}"));
+    }
+    notes
 }
 
 type PplOut = (Vec<PplPoint>, Vec<serde_json::Value>, Vec<usize>);
@@ -403,6 +428,7 @@ fn ppl_ranks(a: &PplArgs, method: Method, token_width: TokenWidth, ranks: &Ranks
             eprintln!("{}", m.describe());
         }
         meta.push(serde_json::json!({"model": m.name, "trained_context": m.trained_context(), "max_context": m.max_context(),
+            "vocab_size": m.cfg().vocab_size,
             "rope_theta": m.cfg().rope_theta, "rope_scaling": m.cfg().rope_scaling.as_ref().map(|s| s.type_name())}));
         let mut run_lengths = Vec::new();
         for &l in &lengths {

@@ -27,11 +27,11 @@ pub struct InspectArgs {
     #[arg(long, default_value = "141GB", value_parser = size_arg)]
     pub gpu_memory: u64,
     /// Parallel mode of the estimate [default: data_parallel on 1 GPU, zigzag_ring_attn on more].
-    #[arg(long, visible_alias = "parallel_mode")]
+    #[arg(long)]
     pub parallel_mode: Option<String>,
     /// Keep the AdamW state (f32 master, m, v) in host memory in the estimate [default: on
     /// the GPU, as `train` and `plan` run it].
-    #[arg(long, alias = "optimizer_on_host")]
+    #[arg(long)]
     pub optimizer_on_host: bool,
     /// Print JSON instead of text.
     #[arg(long)]

@@ -30,6 +30,28 @@ use std::path::Path;
 /// Where errors about command-line values say they come from.
 pub const FLAGS: &str = "<flags>";
 
+/// Every long flag of every command also takes its underscore spelling, listed in its
+/// `--help` (`--parallel_mode` for `--parallel-mode`, `--nproc_per_node` for
+/// `--nproc-per-node`), as EasyContext's and torchrun's flags are written: one rule instead
+/// of an alias per flag. A hidden hyphen alias (`--ulysses-degree`) gets a hidden one.
+pub fn underscore_spellings(cmd: clap::Command) -> clap::Command {
+    cmd.mut_args(|a| {
+        let all: Vec<String> = a.get_all_aliases().unwrap_or_default().iter().map(|s| s.to_string()).collect();
+        let shown: Vec<String> = a.get_visible_aliases().unwrap_or_default().iter().map(|s| s.to_string()).collect();
+        let mut a = a;
+        for name in a.get_long().map(str::to_string).into_iter().chain(all.iter().cloned()) {
+            let under = name.replace('-', "_");
+            if under == name || all.contains(&under) || a.get_long() == Some(under.as_str()) {
+                continue;
+            }
+            let visible = a.get_long() == Some(name.as_str()) || shown.contains(&name);
+            a = if visible { a.visible_alias(under) } else { a.alias(under) };
+        }
+        a
+    })
+    .mut_subcommands(underscore_spellings)
+}
+
 /// A dtype flag (`f32`, `bf16`, `f16`); errors name the flag.
 pub fn parse_dtype(s: &str, field: &str) -> Result<candle_core::DType> {
     Ok(longctx::train::trainer::parse_dtype(s, Path::new(FLAGS), field)?)

@@ -9,8 +9,9 @@
 //! may set per stage (seed, dataset, column, batch size, accumulation, learning rate,
 //! warmup) also replaces every stage's own value.
 //!
-//! EasyContext's spellings are accepted as aliases (`--parallel_mode`, `--ring_degree`,
-//! `--batch_size`, ..., the mode `usp_attn`), so its scripts' arguments run unchanged;
+//! EasyContext's spellings are accepted (`--parallel_mode`, `--ring_degree`, `--batch_size`:
+//! every flag's underscore spelling, see `cli::underscore_spellings`; the mode `usp_attn`),
+//! so its scripts' arguments run unchanged;
 //! `--wandb` is accepted and points at the TensorBoard files W&B can sync.
 
 use super::{parse_mode, FLAGS};
@@ -24,23 +25,23 @@ use std::path::PathBuf;
 #[derive(Args, Debug, Default, Clone)]
 pub struct ParallelFlags {
     /// data_parallel | zigzag_ring_attn | ulysses_attn | fpdt | usp (EasyContext's usp_attn too)
-    #[arg(long, visible_alias = "parallel_mode")]
+    #[arg(long)]
     pub parallel_mode: Option<String>,
     /// Ranks in this process (threads sharing the device) when not started by `launch`.
-    #[arg(long, visible_alias = "world_size")]
+    #[arg(long)]
     pub world_size: Option<usize>,
     /// Sequence-parallel degree [default: all ranks for sequence-parallel modes].
-    #[arg(long, visible_alias = "sp_size")]
+    #[arg(long)]
     pub sp_size: Option<usize>,
     /// USP: Ulysses degree within a ring group.
-    #[arg(long, visible_alias = "ulysses_size", alias = "ulysses-degree", alias = "ulysses_degree")]
+    #[arg(long, alias = "ulysses-degree")]
     pub ulysses_size: Option<usize>,
     /// USP: ring degree (EasyContext's --ring_degree): the Ulysses degree becomes the
     /// sequence-parallel degree divided by it.
-    #[arg(long, visible_alias = "ring_degree", conflicts_with = "ulysses_size")]
+    #[arg(long, conflicts_with = "ulysses_size")]
     pub ring_degree: Option<usize>,
     /// FPDT chunk size in global tokens, e.g. 65536 or 64K [default: 65536].
-    #[arg(long, visible_alias = "fpdt_chunk_size", value_parser = super::chunk_arg)]
+    #[arg(long, value_parser = super::chunk_arg)]
     pub fpdt_chunk_size: Option<usize>,
     /// FPDT: park kv chunks (and saved q/o/lse, dq partials) in host memory.
     #[arg(long)]
@@ -109,24 +110,24 @@ pub struct LayoutFlags {
     pub dtype: Option<String>,
     /// Sequence length in tokens, e.g. 65536, 64K or 1M (K = 1024) (replaces the config's
     /// stages by one stage).
-    #[arg(long, visible_alias = "seq_length", value_parser = super::tokens_arg)]
+    #[arg(long, value_parser = super::tokens_arg)]
     pub seq_length: Option<usize>,
     /// Sequences per micro-batch per data-parallel rank (every stage).
-    #[arg(long, visible_alias = "batch_size")]
+    #[arg(long)]
     pub batch_size: Option<usize>,
     /// Keep the AdamW state (f32 master, m, v) and its update in host memory, like
     /// DeepSpeed's offload_optimizer [default: on the GPU] (`train.optimizer_on_host`).
-    #[arg(long, visible_alias = "optimizer_on_host")]
+    #[arg(long)]
     pub optimizer_on_host: bool,
     /// ZeRO stage, as DeepSpeed numbers them: 0 replicated optimizer state, 1 sharded
     /// optimizer state [default], 2 also sharded gradients (reduced layer by layer), 3 also
     /// sharded weights (gathered layer by layer) (`train.zero_stage`).
-    #[arg(long, visible_alias = "zero_stage", value_parser = clap::value_parser!(u8).range(0..=3))]
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero_stage: Option<u8>,
     /// Keep this rank's slice of the weights in host memory, each layer copied to the GPU
     /// only while it runs, like DeepSpeed's offload_param; implies --zero-stage 3
     /// (`train.offload_params`).
-    #[arg(long, visible_alias = "offload_params")]
+    #[arg(long)]
     pub offload_params: bool,
     #[command(flatten)]
     pub parallel: ParallelFlags,
@@ -161,10 +162,10 @@ impl LayoutFlags {
 pub struct StageFlags {
     /// Optimizer steps (with --seq-length/--rope-theta: a single stage of this many steps;
     /// otherwise caps the steps of every stage).
-    #[arg(long, visible_alias = "max_train_steps")]
+    #[arg(long)]
     pub max_train_steps: Option<u64>,
     /// RoPE base theta of that stage (without --seq-length: of every stage).
-    #[arg(long, visible_alias = "rope_theta", allow_negative_numbers = true)]
+    #[arg(long, allow_negative_numbers = true)]
     pub rope_theta: Option<f64>,
 }
 
@@ -195,27 +196,27 @@ impl StageFlags {
 #[derive(Args, Debug, Default, Clone)]
 pub struct TrainFlags {
     /// Micro-batches accumulated per optimizer step (every stage).
-    #[arg(long, visible_alias = "gradient_accumulate_every")]
+    #[arg(long)]
     pub gradient_accumulate_every: Option<usize>,
     /// Peak learning rate (every stage).
-    #[arg(long, visible_alias = "learning_rate", allow_negative_numbers = true)]
+    #[arg(long, allow_negative_numbers = true)]
     pub learning_rate: Option<f64>,
     /// Learning-rate schedule: constant (after the warmup, as EasyContext's
     /// constant-with-warmup), linear (the same), cosine (warmup, then decay), or
     /// DeepSpeed's warmup_lr, warmup_decay_lr, warmup_cosine_lr (docs/config.md).
-    #[arg(long, visible_alias = "lr_schedule")]
+    #[arg(long)]
     pub lr_schedule: Option<String>,
     /// Linear warmup steps at the start of every stage (in every schedule).
-    #[arg(long, visible_alias = "warmup_steps")]
+    #[arg(long)]
     pub warmup_steps: Option<u64>,
     /// Global-norm gradient clipping (0 = off).
-    #[arg(long, visible_alias = "clip_grad", alias = "gradient-clipping", allow_negative_numbers = true)]
+    #[arg(long, alias = "gradient-clipping", allow_negative_numbers = true)]
     pub clip_grad: Option<f64>,
     /// Start every stage after the first with a fresh AdamW state (EasyContext: a new job per stage).
-    #[arg(long, visible_alias = "reset_optimizer")]
+    #[arg(long)]
     pub reset_optimizer: bool,
     /// Peak dense TFLOP/s of one GPU, for MFU [default: from the GPU's name; 989 if unknown].
-    #[arg(long, visible_alias = "peak_tflops")]
+    #[arg(long)]
     pub peak_tflops: Option<f64>,
     /// Do not write TensorBoard event files (`<output-dir>/tensorboard/`).
     #[arg(long)]
@@ -291,10 +292,10 @@ pub struct DataFlags {
     #[arg(long)]
     pub dataset: Option<String>,
     /// Column or field with token ids or text (input_ids or text).
-    #[arg(long, visible_alias = "dataset_column")]
+    #[arg(long)]
     pub dataset_column: Option<String>,
     /// Split of a hub dataset or dataset directory to read (`*`: every file) [default: train].
-    #[arg(long, visible_alias = "dataset_split")]
+    #[arg(long)]
     pub dataset_split: Option<String>,
     /// How documents become samples: concat (one stream cut into samples; EasyContext's),
     /// truncate (one document per sample) or documents (packed, each token attending to its
@@ -340,7 +341,7 @@ impl DataFlags {
 #[derive(Args, Debug, Default, Clone)]
 pub struct RunFlags {
     /// Where checkpoints, metrics and the final export go.
-    #[arg(long, visible_alias = "output_dir")]
+    #[arg(long)]
     pub output_dir: Option<PathBuf>,
     /// cpu, cuda or cuda:N.
     #[arg(long)]
@@ -350,7 +351,7 @@ pub struct RunFlags {
     #[arg(long)]
     pub seed: Option<u64>,
     /// rope_theta written into the exported config.json (default: last stage's).
-    #[arg(long, visible_alias = "final_rope_theta", allow_negative_numbers = true)]
+    #[arg(long, allow_negative_numbers = true)]
     pub final_rope_theta: Option<f64>,
     /// Seconds a collective waits for the other ranks before every rank aborts naming the
     /// rank and the collective; 0 = no timeout [default: 600] (`parallel.collective_timeout_s`).

@@ -265,7 +265,11 @@ pub fn train(a: TrainArgs) -> Result<()> {
         eprintln!("note: {n}");
     }
     if a.quiet {
-        eprintln!("longctx train — config from {} (--quiet: not printed; --dry-run prints it)", src.display());
+        eprintln!(
+            "longctx train — config from {} (--quiet: not printed; written to {} at the start, --dry-run prints it)",
+            src.display(),
+            cfg.output_dir.join(longctx::train::rundir::CONFIG_FILE).display()
+        );
     } else {
         eprintln!("longctx train — resolved config (from {}):", src.display());
         eprintln!("{}", toml::to_string(&cfg)?.trim_end());

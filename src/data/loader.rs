@@ -3,11 +3,15 @@
 //!
 //! Pipeline for files, identical on every data-parallel rank:
 //! files -> documents -> token ids (+BOS/EOS) -> packing -> buffered shuffle (seed, epoch)
-//! = the global sample stream of an epoch. Its samples are taken in groups of `world`:
-//! rank `d` keeps sample `d` of each group, i.e. global samples `d, d+D, d+2D, ...`
-//! (a last incomplete group is dropped, so all ranks see the same number of samples).
-//! When the stream ends, the next epoch starts with a new shuffle order
-//! (until `max_epochs`, if set).
+//! = the global sample stream of an epoch. When the stream ends, the next epoch starts
+//! with a new shuffle order (until `max_epochs`, if set): the epochs, one after the
+//! other, make the run's global stream, the same whatever the data-parallel degree. Its
+//! samples are taken in groups of `world`: rank `d` keeps sample `d` of each group, i.e.
+//! global samples `d, d+D, d+2D, ...`; a group may span the end of an epoch (its first
+//! samples from one, the rest from the next), so no sample is dropped at a wrap and an
+//! optimizer step takes the next batch × accumulation × dp samples of the stream whatever
+//! the layout (`--allow-layout-change` continues the same samples: issue #33). Only at
+//! the end of the data (`max_epochs`) is a last incomplete group dropped.
 //!
 //! Mixtures ([`FilesConfig::mixture`]): several sources, each read by its own document
 //! stream (with its own filters and upsampling, see [`MixSource`]), interleaved document
@@ -18,7 +22,7 @@
 //! function of (seed, epoch, data) and resumes exactly like a single source.
 //!
 //! Cursor: [`DataState`] holds the epoch and `position`, the number of global samples of
-//! that epoch already drawn (a multiple of `world`). [`Loader::restore`] rebuilds the
+//! that epoch already drawn (by all ranks together). [`Loader::restore`] rebuilds the
 //! epoch's stream and skips `position` samples (they are re-read and re-tokenized, not
 //! returned: exact because the stream is deterministic; the cost is that of reading
 //! the skipped data once). The synthetic source jumps there directly.
@@ -443,36 +447,21 @@ impl Files {
         });
     }
 
-    /// Draws one group of `world` raw samples and keeps sample `rank` (if `keep`).
-    /// `Ok(None)`: the epoch ended before the group was complete.
-    fn draw_group(&mut self, shard: Shard, keep: bool) -> Result<Option<Option<RawSample>>> {
-        let Some(ep) = self.epoch.as_mut() else { return Ok(None) };
-        let mut mine = None;
-        for j in 0..shard.world {
-            match ep.next_raw()? {
-                Some(raw) => {
-                    if keep && j == shard.rank {
-                        mine = Some(raw);
-                    }
-                }
-                None => return Ok(None),
-            }
+    /// The next raw sample of the current epoch; `None` at its end (or with no epoch).
+    fn next_in_epoch(&mut self) -> Result<Option<RawSample>> {
+        match self.epoch.as_mut() {
+            Some(ep) => ep.next_raw(),
+            None => Ok(None),
         }
-        Ok(Some(mine))
     }
 
-    fn empty_error(&self, shard: Shard) -> Error {
+    fn empty_error(&self) -> Error {
         let stats = self.epoch.as_ref().map(|e| e.packer.stats).unwrap_or_default();
         let need = self.cfg.seq_len + 1;
-        let what = if shard.world > 1 {
-            format!("fewer than the {} needed to give each of the {} data-parallel ranks one", shard.world, shard.world)
-        } else {
-            "fewer than one".to_string()
-        };
         Error::data(
             &self.resolved[0].root,
             format!(
-                "the dataset is too small: {} documents, {} tokens, {} samples of seq_len+1 = {need} tokens, {what}",
+                "the dataset is too small: {} documents, {} tokens, {} samples of seq_len+1 = {need} tokens, fewer than one",
                 stats.docs, stats.tokens, stats.samples
             ),
         )
@@ -596,31 +585,43 @@ impl Loader {
     /// This rank's next sample, or `None` after `max_epochs`.
     pub fn next_sample(&mut self) -> Result<Option<Sample>> {
         let shard = self.shard;
+        if let Source::Passkey(p) = &mut self.source {
+            let s = p.sample(self.position + shard.rank as u64);
+            self.position += shard.world as u64;
+            self.consumed += 1;
+            return Ok(Some(s.sample));
+        }
+        let mut mine = None;
+        for j in 0..shard.world {
+            match self.next_global()? {
+                Some(raw) if j == shard.rank => mine = Some(raw),
+                Some(_) => {}
+                None => return Ok(None),
+            }
+        }
+        let Source::Files(files) = &self.source else { return Ok(None) };
+        self.consumed += 1;
+        let pad = match files.cfg.packing {
+            Packing::Truncate { pad_id } => pad_id,
+            Packing::Concat | Packing::Documents => 0,
+        };
+        Ok(mine.map(|raw| Sample::from_raw(&raw, self.seq_len, pad)))
+    }
+
+    /// The next sample of the global file stream: epoch after epoch (see the module doc);
+    /// `None` after `max_epochs`.
+    fn next_global(&mut self) -> Result<Option<RawSample>> {
         loop {
             if self.max_epochs.is_some_and(|m| self.epoch >= m) {
                 return Ok(None);
             }
-            let files = match &mut self.source {
-                Source::Passkey(p) => {
-                    let s = p.sample(self.position + shard.rank as u64);
-                    self.position += shard.world as u64;
-                    self.consumed += 1;
-                    return Ok(Some(s.sample));
-                }
-                Source::Files(f) => f,
-            };
-            if let Some(raw) = files.draw_group(shard, true)? {
-                self.position += shard.world as u64;
-                self.consumed += 1;
-                let pad = match files.cfg.packing {
-                    Packing::Truncate { pad_id } => pad_id,
-                    Packing::Concat | Packing::Documents => 0,
-                };
-                let raw = raw.unwrap_or_default();
-                return Ok(Some(Sample::from_raw(&raw, self.seq_len, pad)));
+            let Source::Files(files) = &mut self.source else { return Ok(None) };
+            if let Some(raw) = files.next_in_epoch()? {
+                self.position += 1;
+                return Ok(Some(raw));
             }
             if self.position == 0 {
-                return Err(files.empty_error(shard));
+                return Err(files.empty_error());
             }
             self.epoch += 1;
             self.position = 0;
@@ -682,9 +683,8 @@ impl Loader {
             return Ok(());
         }
         files.start_epoch(state.epoch);
-        let one = Shard { rank: 0, world: 1 };
         for i in 0..state.position {
-            if files.draw_group(one, false)?.is_none() {
+            if files.next_in_epoch()?.is_none() {
                 return Err(Error::data(
                     &files.resolved[0].root,
                     format!(

@@ -276,15 +276,27 @@ fn dataset_folder(cache_dir: &Path, repo_id: &str) -> PathBuf {
 /// The snapshot directory of `repo_id@revision`, downloading the dataset's files of
 /// `format` (all known formats when `None`) first unless offline.
 /// A dataset hub id that is not cached and looks like a mistyped local path
-/// ([`crate::hub::cache::local_looking`]) is an error before any download.
+/// ([`crate::hub::cache::local_looking`], or a name ending in a data file's extension such
+/// as `data/train.jsonl`) is an error before any download.
 pub fn check_not_local_looking(repo_id: &str, hub: &HubOptions) -> Result<()> {
     if dataset_folder(&hub.cache_dir, repo_id).is_dir() {
         return Ok(());
     }
-    match crate::hub::cache::local_looking(repo_id, "dataset") {
-        Some(msg) => Err(Error::data(repo_id, msg)),
-        None => Ok(()),
+    if let Some(msg) = crate::hub::cache::local_looking(repo_id, "dataset") {
+        return Err(Error::data(repo_id, msg));
     }
+    // `data/train.jsonl` names a file by its extension even where `data/` is missing.
+    if Format::from_extension(Path::new(repo_id)).is_some() {
+        let dir = Path::new(repo_id).parent().map_or(String::new(), |d| d.display().to_string());
+        return Err(Error::data(
+            repo_id,
+            format!(
+                "dataset not found: no such file, nor a directory `{dir}`; not a hub id either (it ends in a file \
+                 extension, and no such hub dataset is cached); check the path, or name a hub dataset `hf:{repo_id}`"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn hub_snapshot(repo_id: &str, revision: &str, format: Option<Format>, split: Option<&str>, hub: &HubOptions) -> Result<PathBuf> {

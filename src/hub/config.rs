@@ -123,43 +123,6 @@ pub fn torch_dtype_name(dtype: DType) -> Option<&'static str> {
     })
 }
 
-/// Turns a sliding attention window off: `sliding_window` becomes null,
-/// `use_sliding_window` (Qwen2) false where present, and every `layer_types` entry
-/// `full_attention`. The trainer applies it to its exports because it trains full causal
-/// attention, so transformers must run the same. Returns whether anything changed.
-/// Gemma 3 (`model_type` gemma3_text) keeps its `layer_types`, which also pick each
-/// layer's RoPE: its window becomes `max_position_embeddings` (as wide as any sequence the
-/// model takes, i.e. full causal attention).
-pub fn disable_sliding_window(config: &mut Value) -> Result<bool> {
-    let obj = config.as_object_mut().ok_or_else(|| Error::Setting("model config must be a JSON object".into()))?;
-    if obj.get("model_type").and_then(Value::as_str) == Some("gemma3_text") {
-        let widest = obj.get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(131_072);
-        let narrower = obj.get("sliding_window").and_then(Value::as_u64).is_some_and(|w| w < widest);
-        if narrower {
-            obj.insert("sliding_window".into(), Value::from(widest));
-        }
-        return Ok(narrower);
-    }
-    let mut changed = false;
-    if obj.get("sliding_window").is_some_and(|v| !v.is_null()) {
-        obj.insert("sliding_window".into(), Value::Null);
-        changed = true;
-    }
-    if obj.get("use_sliding_window") == Some(&Value::Bool(true)) {
-        obj.insert("use_sliding_window".into(), Value::Bool(false));
-        changed = true;
-    }
-    if let Some(Value::Array(types)) = obj.get_mut("layer_types") {
-        for t in types.iter_mut() {
-            if t.as_str() == Some("sliding_attention") {
-                *t = Value::from("full_attention");
-                changed = true;
-            }
-        }
-    }
-    Ok(changed)
-}
-
 /// Records the dtype the weights are stored in: `dtype` (transformers >= 5) and/or
 /// `torch_dtype` (older), updating whichever the config has, `torch_dtype` if neither
 /// (transformers 5 still reads it).

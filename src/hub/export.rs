@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
-use super::config::{disable_sliding_window, read_config, set_context_fields, set_torch_dtype, CONFIG_FILE};
+use super::config::{read_config, set_context_fields, set_torch_dtype, CONFIG_FILE};
 use super::load::{load_stored, INDEX_FILE, SINGLE_FILE};
 use super::st_file::dtype_name;
 use crate::{Error, Result};
@@ -293,16 +293,13 @@ pub struct ModelExport {
     pub tokenizer_dir: Option<PathBuf>,
     /// `rope_theta` and `max_position_embeddings` to write; `None` keeps the config's.
     pub context: Option<(f64, usize)>,
-    /// Turn a sliding attention window off ([`disable_sliding_window`]): weights trained
-    /// with full causal attention must be run with it by transformers.
-    pub full_attention: bool,
     pub options: ExportOptions,
 }
 
 impl ModelExport {
     /// The weights and config as they are (each tensor's dtype kept, 5 GB shards).
     pub fn new(tensors: Vec<(String, Tensor)>, config: Value, tokenizer_dir: Option<PathBuf>) -> Self {
-        Self { tensors, config, tokenizer_dir, context: None, full_attention: false, options: ExportOptions::default() }
+        Self { tensors, config, tokenizer_dir, context: None, options: ExportOptions::default() }
     }
 
     /// Every tensor (in its stored dtype), the config.json and the tokenizer files of a
@@ -313,13 +310,10 @@ impl ModelExport {
 
     /// The config.json to write (the weights' dtype is recorded by [`export`]).
     pub fn final_config(&self) -> Result<Value> {
+        // A sliding window is kept as the checkpoint has it: training honours it.
         let mut config = self.config.clone();
         if let Some((theta, max_pos)) = self.context {
             set_context_fields(&mut config, theta, max_pos)?;
-        }
-        // After the context: Gemma 3's window grows to the final max_position_embeddings.
-        if self.full_attention {
-            disable_sliding_window(&mut config)?;
         }
         Ok(config)
     }

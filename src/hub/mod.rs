@@ -20,7 +20,7 @@ pub mod st_file;
 pub mod tokenizer;
 
 pub use cache::{model_config, resolve_model, resolve_model_config, HubOptions, ModelConfig, ModelSpec, ResolvedModel};
-pub use config::{config_path, disable_sliding_window, read_config, set_context_fields, set_torch_dtype};
+pub use config::{config_path, read_config, set_context_fields, set_torch_dtype};
 pub use export::{export, export_map, side_files, ExportOptions, ExportReport, ModelExport};
 pub use load::{load_into_varmap, load_stored, load_weights, Checkpoint};
 pub use tokenizer::load_tokenizer;

@@ -153,6 +153,7 @@ const GEMMA3_THETA: f64 = 1_000_000.0;
 const GEMMA3_LOCAL_THETA: f64 = 10_000.0;
 const GEMMA3_QUERY_PRE_ATTN_SCALAR: f64 = 256.0;
 const GEMMA3_PATTERN: usize = 6;
+const GEMMA3_SLIDING_WINDOW: usize = 4096;
 
 /// The RoPE of Gemma 3's sliding-window layers (`rope_local_base_freq`, or
 /// `rope_parameters.sliding_attention` as transformers 5 writes it).
@@ -852,6 +853,7 @@ impl LlamaConfig {
             source: file.to_path_buf(),
             original,
         };
+        cfg.layer_windows()?; // sliding-window fields checked here, once
         let params = cfg.param_count().map_err(|e| Error::config(file, "num_hidden_layers", format!("{e}")))?;
         if params > crate::limits::MAX_PARAMS {
             return Err(Error::config(
@@ -935,15 +937,109 @@ impl LlamaConfig {
         self.arch == Arch::Llama && self.mlp_bias
     }
 
-    /// A sliding attention window the checkpoint asks for (Mistral `sliding_window`,
-    /// Qwen2 with `use_sliding_window`). This crate always attends causally over the
-    /// whole sequence; callers may warn when this is `Some`.
-    pub fn sliding_window(&self) -> Option<u64> {
-        let w = self.extra.get("sliding_window").and_then(Value::as_u64);
+    /// The sliding attention window of every layer (`None`: full causal attention), as
+    /// transformers 5 builds the model from this config:
+    /// - Llama: none (`LlamaModel` reads no window);
+    /// - Mistral, Phi-3: `sliding_window` on every layer when it is not null (their models
+    ///   read no `layer_types`);
+    /// - Qwen2, Qwen3: `sliding_window` only when `use_sliding_window` is true, on the layers
+    ///   `layer_types` marks `"sliding_attention"`, or without `layer_types` on the layers
+    ///   `i ≥ max_window_layers` (default 28).
+    /// - Gemma 3: `sliding_window` (4096 when absent) on the layers that take the local RoPE
+    ///   ([`Self::layer_rope_is_local`]: `layer_types`, or the `sliding_window_pattern`).
+    ///
+    /// Any other architecture with `layer_types` reads it the same way (`"sliding_attention"`
+    /// or `"full_attention"`). Errors name config.json's field: a window of 0 or not a
+    /// positive integer, `layer_types` of the wrong length or with an unknown entry.
+    pub fn layer_windows(&self) -> Result<Vec<Option<usize>>> {
+        let n = self.num_hidden_layers;
+        let every = |w: Option<usize>| vec![w; n];
+        let types = self.layer_types()?; // checked for every architecture
         match self.arch {
-            Arch::Qwen2 | Arch::Qwen3 => w.filter(|_| self.extra.get("use_sliding_window").and_then(Value::as_bool) == Some(true)),
-            _ => w,
+            Arch::Llama => Ok(every(None)),
+            Arch::Mistral | Arch::Phi3 => Ok(every(self.window_field()?)),
+            Arch::Qwen2 | Arch::Qwen3 => {
+                let on = match self.extra.get("use_sliding_window") {
+                    None | Some(Value::Null) => false,
+                    Some(Value::Bool(b)) => *b,
+                    Some(v) => return Err(self.field_err("use_sliding_window", format!("expected true or false, got {}", show(v)))),
+                };
+                let w = if on { self.window_field()? } else { None };
+                let min_layer = self.opt_usize("max_window_layers")?.unwrap_or(28);
+                Ok((0..n).map(|i| w.filter(|_| types.as_ref().map_or(i >= min_layer, |t| t[i]))).collect())
+            }
+            // Gemma 3: the layers that take the local RoPE slide (`layer_types`, or every
+            // layer but each `sliding_window_pattern`-th); `sliding_window` absent is
+            // transformers' default of 4096, null is no window.
+            Arch::Gemma3 => {
+                let w = match self.extra.get("sliding_window") {
+                    None => Some(GEMMA3_SLIDING_WINDOW),
+                    Some(_) => self.window_field()?,
+                };
+                Ok((0..n).map(|i| w.filter(|_| self.layer_rope_is_local(i))).collect())
+            }
         }
+    }
+
+    /// Layer `index`'s sliding window ([`Self::layer_windows`]).
+    pub fn layer_window(&self, index: usize) -> Result<Option<usize>> {
+        Ok(self.layer_windows()?.get(index).copied().flatten())
+    }
+
+    /// `sliding_window`: a positive integer or null/absent.
+    fn window_field(&self) -> Result<Option<usize>> {
+        match self.extra.get("sliding_window") {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => match v.as_u64().and_then(|w| usize::try_from(w).ok()) {
+                Some(0) => Err(self.field_err("sliding_window", "a window of 0 tokens: expected a positive integer or null (no window)")),
+                Some(w) => Ok(Some(w)),
+                None => Err(self.field_err("sliding_window", format!("expected a positive integer or null, got {}", show(v)))),
+            },
+        }
+    }
+
+    /// An optional non-negative integer field of `extra`.
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.extra.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|x| usize::try_from(x).ok())
+                .map(Some)
+                .ok_or_else(|| self.field_err(key, format!("expected a non-negative integer, got {}", show(v)))),
+        }
+    }
+
+    /// `layer_types` as "is a sliding layer" per layer (`None`: absent), checked to name
+    /// one known type per layer.
+    fn layer_types(&self) -> Result<Option<Vec<bool>>> {
+        let list = match self.extra.get("layer_types") {
+            None | Some(Value::Null) => return Ok(None),
+            Some(Value::Array(a)) => a,
+            Some(v) => return Err(self.field_err("layer_types", format!("expected a list of strings, got {}", show(v)))),
+        };
+        if list.len() != self.num_hidden_layers {
+            return Err(self.field_err(
+                "layer_types",
+                format!("{} entries for num_hidden_layers = {} (one per layer expected)", list.len(), self.num_hidden_layers),
+            ));
+        }
+        list.iter()
+            .enumerate()
+            .map(|(i, t)| match t.as_str() {
+                Some("sliding_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                _ => Err(self.field_err(
+                    format!("layer_types[{i}]"),
+                    format!("unsupported layer type {}; expected \"full_attention\" or \"sliding_attention\"", show(t)),
+                )),
+            })
+            .collect::<Result<Vec<bool>>>()
+            .map(Some)
+    }
+
+    fn field_err(&self, field: impl Into<String>, msg: impl Into<String>) -> Error {
+        Error::config(&self.source, field, msg)
     }
 
     /// A copy with another RoPE base (context extension raises it stage by stage).

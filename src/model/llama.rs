@@ -18,7 +18,9 @@
 //! `lm_head.weight` (absent when `tie_word_embeddings`).
 //!
 //! The model knows nothing of ranks: attention goes through an [`AttentionMode`]
-//! (`LocalAttention` on one device) and RoPE takes global position ids.
+//! (`LocalAttention` on one device) and RoPE takes global position ids. A layer's sliding
+//! window ([`LlamaConfig::layer_windows`]) goes with each attention call; the mode joins it
+//! to whatever document mask it carries.
 
 use super::config::LlamaConfig;
 use super::loss;
@@ -119,10 +121,12 @@ pub struct Attention {
     pub head_dim: usize,
     /// The factor on q·k ([`LlamaConfig::attention_scale`]).
     pub scale: f64,
+    /// Sliding window: query `i` sees keys `j` with `i − j < window` (`None`: full causal).
+    pub window: Option<usize>,
 }
 
 impl Attention {
-    fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &LlamaConfig, window: Option<usize>) -> Result<Self> {
         let (h, d, hq, hkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads);
         let norm = |name: &str| -> Result<Option<RmsNorm>> { cfg.qk_norm().then(|| RmsNorm::load(&vb, cfg, name, d)).transpose() };
         Ok(Attention {
@@ -136,6 +140,7 @@ impl Attention {
             num_kv_heads: hkv,
             head_dim: d,
             scale: cfg.attention_scale(),
+            window,
         })
     }
 
@@ -161,7 +166,7 @@ impl Attention {
         let v = self.v_proj.forward(x)?.reshape((b, s, self.num_kv_heads, d))?; // [b, s, hkv, d]
         let q = rope.apply(&q)?;
         let k = rope.apply(&k)?;
-        let o = longctx_attention::op::attention(attn, &q, &k, &v, self.scale)?; // [b, s, hq, d]
+        let (o, _) = longctx_attention::op::attention_windowed(attn, &q, &k, &v, self.window, self.scale)?; // [b, s, hq, d]
         self.o_proj.forward(&o.reshape((b, s, self.num_heads * d))?)
     }
 
@@ -170,7 +175,8 @@ impl Attention {
     /// queries see every cached key and the new keys causally (the two blocks merged by
     /// log-sum-exp; a single new token after a cache, the decoding step, takes a plain f32
     /// attention over all keys instead); the new keys and values are appended to `cache`.
-    /// No graph is meant.
+    /// Under a sliding window each block is masked to it (the cached keys as a band at
+    /// offset `t`, the decoding step over the last `window` keys only). No graph is meant.
     pub fn forward_cached(&self, x: &Tensor, rope: &RopeTable, cache: &mut Option<(Tensor, Tensor)>) -> candle_core::Result<Tensor> {
         use longctx_attention::kernel::{fwd, Mask};
         use longctx_attention::merge::merge;
@@ -181,26 +187,39 @@ impl Attention {
         let k = rope.apply(&k)?.contiguous()?;
         let v = self.v_proj.forward(x)?.reshape((b, s, self.num_kv_heads, d))?.contiguous()?;
         let scale = self.scale;
+        // The new tokens among themselves; the new tokens against `t` cached ones.
+        let diag = match self.window {
+            Some(w) if w < s => Mask::Band { offset: 0, window: w },
+            _ => Mask::Causal,
+        };
+        let past = |t: usize| match self.window {
+            Some(window) => Mask::Band { offset: t, window },
+            None => Mask::None,
+        };
         let o = match cache.take() {
-            // One new token (decoding): it sees every key, so no mask; scores `[b, hq, 1, t]`
-            // are small, and the plain f32 matmul path has no per-shape set-up (the fused
-            // kernel would plan a new graph for every length t, once per token and layer).
+            // One new token (decoding): it sees every key (the last `window` under a window),
+            // so no mask; scores `[b, hq, 1, t]` are small, and the plain f32 matmul path has
+            // no per-shape set-up (the fused kernel would plan a new graph for every length t,
+            // once per token and layer).
             Some((k_old, v_old)) if s == 1 => {
                 let k_all = Tensor::cat(&[&k_old, &k], 1)?;
                 let v_all = Tensor::cat(&[&v_old, &v], 1)?;
-                let f32 = |t: &Tensor| t.to_dtype(candle_core::DType::F32);
-                let (o, _) = longctx_attention::naive::fwd(&f32(&q)?, &f32(&k_all)?, &f32(&v_all)?, Mask::None, scale)?;
+                let n = k_all.dim(1)?;
+                let from = self.window.map_or(0, |w| n.saturating_sub(w));
+                let f32 = |t: &Tensor| t.narrow(1, from, n - from)?.to_dtype(candle_core::DType::F32);
+                let (o, _) =
+                    longctx_attention::naive::fwd(&q.to_dtype(candle_core::DType::F32)?, &f32(&k_all)?, &f32(&v_all)?, Mask::None, scale)?;
                 *cache = Some((k_all, v_all));
                 o.to_dtype(q.dtype())?
             }
             None => {
-                let (o_new, _) = fwd(&q, &k, &v, Mask::Causal, scale)?;
+                let (o_new, _) = fwd(&q, &k, &v, diag, scale)?;
                 *cache = Some((k, v));
                 o_new
             }
             Some((k_old, v_old)) => {
-                let (o_new, lse_new) = fwd(&q, &k, &v, Mask::Causal, scale)?;
-                let (o_old, lse_old) = fwd(&q, &k_old, &v_old, Mask::None, scale)?;
+                let (o_new, lse_new) = fwd(&q, &k, &v, diag, scale)?;
+                let (o_old, lse_old) = fwd(&q, &k_old, &v_old, past(k_old.dim(1)?), scale)?;
                 let acc = merge(Some(merge(None, &o_old, &lse_old)?), &o_new, &lse_new)?;
                 *cache = Some((Tensor::cat(&[&k_old, &k], 1)?, Tensor::cat(&[&v_old, &v], 1)?));
                 acc.finish(q.dtype())?.0
@@ -257,7 +276,8 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    /// Layer `l` of the model (`l` picks its RoPE: Gemma 3's sliding layers have their own).
+    /// Layer `l` of the model: its sliding window is the config's for that layer, and `l`
+    /// picks its RoPE (Gemma 3's sliding layers have their own).
     pub fn load(vb: VarBuilder, cfg: &LlamaConfig, l: usize) -> Result<Self> {
         let h = cfg.hidden_size;
         let norm = |name: &str| RmsNorm::load(&vb, cfg, name, h);
@@ -266,7 +286,7 @@ impl DecoderLayer {
             false => None,
         };
         Ok(DecoderLayer {
-            self_attn: Attention::load(vb.pp("self_attn"), cfg)?,
+            self_attn: Attention::load(vb.pp("self_attn"), cfg, cfg.layer_window(l)?)?,
             mlp: Mlp::load(vb.pp("mlp"), cfg)?,
             input_layernorm: norm("input_layernorm")?,
             post_attention_layernorm: norm("post_attention_layernorm")?,

@@ -62,10 +62,11 @@ pub struct LaunchOptions {
 
 /// `--help` text on the job secret.
 const SECRET_HELP: &str = "Authentication: the ranks prove to each other in the rendezvous that they belong to \
-the same job with a shared secret, the environment variable LONGCTX_RDZV_SECRET (at least 16 bytes). Unset on a \
+the same job with a shared secret, the environment variable LONGCTX_RDZV_SECRET (random, not chosen: at least 16 \
+bytes and an estimated 100 bits of entropy). Unset on a \
 single node, the launcher makes a random one per job and passes it to its ranks. With --nnodes > 1 export the same \
 value on every node before launching, e.g.
-  export LONGCTX_RDZV_SECRET=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')
+  export LONGCTX_RDZV_SECRET=$(openssl rand -hex 32)
 Ranks started by torchrun or Slurm read the same variable; it is required unless MASTER_ADDR is loopback.";
 
 /// Command-line form of [`LaunchOptions`] (for `longctx launch`).

@@ -16,10 +16,12 @@
 //! - [`env`]: `DistEnv` from torchrun or Slurm variables.
 //! - [`rendezvous`]: TCP rendezvous and the failure monitor.
 //! - [`secret`]: the job secret (`LONGCTX_RDZV_SECRET`) that authenticates the rendezvous.
+//! - `admission`: rank 0's bounded queue of connections not yet authenticated.
 //! - `wire`: the frames of the rendezvous connections and their authentication (HMAC-SHA256).
 //! - [`launch`]: one child per local rank, output prefixed, failures stop everyone.
 //! - [`world`]: the world communicator of a run, threads or processes.
 
+mod admission;
 pub mod dims;
 pub mod env;
 pub mod launch;

@@ -7,11 +7,15 @@
 //! NCCL unique id on GPU, any bytes on CPU). Every other rank connects, retrying until
 //! the timeout, and proves it holds the job secret (see [`super::secret`] and
 //! [`super::wire`]): rank 0 sends a random challenge, the rank answers with a hello
-//! `(rank, world, nonce)` tagged with the connection's session key. Rank 0 checks each
-//! connection on its own thread with a deadline ([`HANDSHAKE_TIMEOUT`]) and a size
-//! limit, at most [`MAX_HANDSHAKES`] at once; a connection that is idle, malformed,
-//! oversized or fails authentication is dropped and logged on rank 0's stderr, and the
-//! rendezvous goes on (a refused hello gets a refusal naming `LONGCTX_RDZV_SECRET`).
+//! `(rank, world, nonce)` tagged with the connection's session key. Rank 0 keeps the
+//! connections not yet authenticated in one bounded queue that it polls (see
+//! [`super::admission`]: per-address and total limits, eviction of the oldest idle
+//! connection, a [`PREAUTH_TIMEOUT`] for the hello), so a flood of idle or garbage
+//! connections cannot keep the real ranks out; a connection that is idle, malformed,
+//! oversized, evicted or fails authentication is dropped and logged on rank 0's stderr,
+//! and the rendezvous goes on (a refused hello gets a refusal naming
+//! `LONGCTX_RDZV_SECRET`, which the rank prints as an unauthenticated reply: it carries
+//! no tag, so it could come from any process holding the port).
 //! Authenticated hellos are checked: out-of-range or duplicate ranks and disagreeing
 //! world sizes end the rendezvous; once all `world - 1` peers have joined rank 0 sends
 //! the blob to each. Any failure (bad peer, timeout) is sent to every connected rank as
@@ -40,19 +44,20 @@
 //! Payloads: hello = [`wire::Hello`]; challenge = `b"LONGCTX2" ++ nonce`; data = `to u32
 //! BE ++ bytes`; error and refusal = UTF-8 text; framing in [`super::wire`].
 
+use super::admission::{Admission, Handshake};
 use super::comm_error;
 use super::env::DistEnv;
 use super::launch::PEER_FAILED_EXIT_CODE;
 use super::secret::{job_key, Secret, SECRET_ENV};
 use super::wire::{
-    self, send_plain, Dir, Frame, FrameReader, Hello, ReadOutcome, SessionKey, Writer, BYE, CHALLENGE, DATA, ERROR, HELLO, MAGIC,
-    NONCE_BYTES, PING, REJECT, WELCOME,
+    self, Dir, Frame, FrameReader, Hello, ReadOutcome, SessionKey, Writer, BYE, CHALLENGE, DATA, ERROR, HELLO, MAGIC, NONCE_BYTES, PING,
+    REJECT, WELCOME,
 };
 use crate::Result;
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Default rendezvous timeout.
@@ -63,14 +68,13 @@ pub const TIMEOUT_ENV: &str = "LONGCTX_RDZV_TIMEOUT_S";
 /// Environment variable (seconds) overriding how long a silent peer is waited for
 /// (default 30 s) before it is declared lost.
 pub const PEER_TIMEOUT_ENV: &str = "LONGCTX_PEER_TIMEOUT_S";
-/// How long a new connection may take to send its hello before rank 0 drops it.
+/// How long a rank waits for rank 0's challenge on a new connection before it retries.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Connections rank 0 checks at once; more are closed at once (a real rank retries).
-pub const MAX_HANDSHAKES: usize = 64;
+pub use super::admission::{MAX_PENDING, PER_ADDRESS_PENDING, PREAUTH_TIMEOUT};
 /// Dropped connections logged one by one; the rest are only counted.
 const LOGGED_DROPS: usize = 16;
 /// Connections accepted per round of rank 0's rendezvous loop.
-const ACCEPTS_PER_ROUND: usize = 256;
+const ACCEPTS_PER_ROUND: usize = 64;
 
 #[derive(Debug, Clone)]
 pub struct RendezvousOptions {
@@ -207,58 +211,6 @@ fn listen(env: &DistEnv) -> Result<TcpListener> {
     )))
 }
 
-/// A connection that passed the handshake.
-struct Joiner {
-    hello: Hello,
-    writer: Writer,
-    reader: FrameReader,
-}
-
-enum Handshake {
-    Joined(Box<Joiner>),
-    Dropped(SocketAddr, String),
-}
-
-/// Challenge the connection, read its hello within `wait`, check the tag.
-fn handshake(stream: TcpStream, addr: SocketAddr, key: &Secret, wait: Duration) -> Handshake {
-    let dropped = |why: String| Handshake::Dropped(addr, why);
-    let _ = stream.set_nodelay(true);
-    let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
-    let (server_nonce, mut plain, read_half) = match (wire::nonce(), stream.try_clone(), stream.try_clone()) {
-        (Ok(n), Ok(a), Ok(b)) => (n, a, b),
-        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return dropped(e.to_string()),
-    };
-    let mut challenge = MAGIC.to_vec();
-    challenge.extend_from_slice(&server_nonce);
-    if let Err(e) = send_plain(&mut plain, CHALLENGE, &challenge) {
-        return dropped(format!("sending the challenge: {e}"));
-    }
-    let mut reader = FrameReader::handshake(read_half, Dir::ToMaster);
-    let frame = match reader.next(wait) {
-        ReadOutcome::Frame(f) => f,
-        ReadOutcome::Idle => return dropped(format!("sent no hello within {}", fmt_secs(wait))),
-        ReadOutcome::Closed(why) => return dropped(why),
-    };
-    let Frame { kind, payload, tag, .. } = frame;
-    if kind != HELLO {
-        return dropped(format!("sent a frame of kind {kind} instead of a hello"));
-    }
-    let (Some(hello), Some(tag)) = (Hello::decode(&payload), tag) else {
-        return dropped(format!("sent a malformed hello ({} bytes)", payload.len()));
-    };
-    let session = SessionKey::derive(key, &server_nonce, &hello.nonce);
-    if !Hello::verify(&session, &payload, &tag) {
-        let why = format!(
-            "authentication failed: every rank of a job must have the same {SECRET_ENV} (rank 0's differs from this \
-             rank's, or one of them has none)"
-        );
-        let _ = send_plain(&mut plain, REJECT, why.as_bytes());
-        return dropped(format!("a hello as rank {} failed authentication (wrong or missing {SECRET_ENV})", hello.rank));
-    }
-    reader.authenticated(session.clone(), 1);
-    Handshake::Joined(Box::new(Joiner { hello, writer: Writer::new(stream, session, Dir::FromMaster), reader }))
-}
-
 /// Log of the connections rank 0 dropped (the first few one by one, then a count).
 struct Drops {
     where_: String,
@@ -285,45 +237,23 @@ impl Drops {
 }
 
 /// Accept the pending connections (at most [`ACCEPTS_PER_ROUND`], so that a flood cannot
-/// keep the caller from its deadline and joined ranks) and start their handshake threads.
-fn accept_ready(
-    listener: &TcpListener,
-    key: &Secret,
-    deadline: Instant,
-    in_flight: &Arc<AtomicUsize>,
-    tx: &mpsc::Sender<Handshake>,
-    drops: &mut Drops,
-) {
-    for _ in 0..ACCEPTS_PER_ROUND {
-        let (stream, addr) = match listener.accept() {
-            Ok(x) => x,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+/// keep the caller from polling the queue, its deadline and joined ranks) into the
+/// pre-authentication queue. Returns whether any came.
+fn accept_ready(listener: &TcpListener, queue: &mut Admission, drops: &mut Drops) -> bool {
+    for n in 0..ACCEPTS_PER_ROUND {
+        match listener.accept() {
+            Ok((stream, addr)) => queue.admit(stream, addr),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return n > 0,
             Err(e) => {
                 // e.g. out of file descriptors: this connection is lost, the rendezvous goes on.
                 drops.log(None, &format!("accept failed: {e}"));
                 std::thread::sleep(Duration::from_millis(10));
-                return;
+                return true;
             }
-        };
-        if in_flight.load(Ordering::SeqCst) >= MAX_HANDSHAKES {
-            drops.log(Some(addr), &format!("{MAX_HANDSHAKES} connections are already being checked"));
-            continue;
-        }
-        let _ = stream.set_nonblocking(false);
-        let wait = deadline.saturating_duration_since(Instant::now()).min(HANDSHAKE_TIMEOUT);
-        let (key, tx, count) = (key.clone(), tx.clone(), in_flight.clone());
-        count.fetch_add(1, Ordering::SeqCst);
-        let spawned = std::thread::Builder::new().name("rdzv-handshake".into()).spawn(move || {
-            let outcome = handshake(stream, addr, &key, wait);
-            count.fetch_sub(1, Ordering::SeqCst);
-            let _ = tx.send(outcome);
-        });
-        if let Err(e) = spawned {
-            in_flight.fetch_sub(1, Ordering::SeqCst);
-            drops.log(Some(addr), &format!("cannot start a thread to check it: {e}"));
         }
     }
+    true
 }
 
 /// Joined ranks: write half and the reader (which may already hold later bytes).
@@ -362,8 +292,7 @@ fn master(env: &DistEnv, blob: Vec<u8>, opts: &RendezvousOptions, key: &Secret) 
     let deadline = Instant::now() + opts.timeout;
     let where_ = env.master();
     let listener = listen(env)?;
-    let (tx, rx) = mpsc::channel::<Handshake>();
-    let in_flight = Arc::new(AtomicUsize::new(0));
+    let mut queue = Admission::new(key);
     let mut drops = Drops { where_: where_.clone(), count: 0 };
     let mut joined = Members::new();
     while joined.len() + 1 < env.world {
@@ -372,16 +301,21 @@ fn master(env: &DistEnv, blob: Vec<u8>, opts: &RendezvousOptions, key: &Secret) 
             let msg = format!("rendezvous timed out after {} waiting for ranks {missing:?} on {where_}", fmt_secs(opts.timeout));
             return Err(give_up(&mut joined, None, msg));
         }
-        accept_ready(&listener, key, deadline, &in_flight, &tx, &mut drops);
-        match rx.recv_timeout(Duration::from_millis(10)) {
-            Ok(Handshake::Dropped(addr, why)) => drops.log(Some(addr), &why),
-            Ok(Handshake::Joined(mut j)) => {
-                if let Some(msg) = hello_problem(env, &joined, &j.hello) {
-                    return Err(give_up(&mut joined, Some(&mut j.writer), msg));
+        let accepted = accept_ready(&listener, &mut queue, &mut drops);
+        let progressed = queue.poll(Instant::now());
+        for outcome in queue.take_done() {
+            match outcome {
+                Handshake::Dropped(addr, why) => drops.log(Some(addr), &why),
+                Handshake::Joined(mut j) => {
+                    if let Some(msg) = hello_problem(env, &joined, &j.hello) {
+                        return Err(give_up(&mut joined, Some(&mut j.writer), msg));
+                    }
+                    joined.insert(j.hello.rank, (j.writer, j.reader));
                 }
-                joined.insert(j.hello.rank, (j.writer, j.reader));
             }
-            Err(_) => {}
+        }
+        if !accepted && !progressed {
+            std::thread::sleep(Duration::from_micros(500));
         }
     }
     drop(listener);
@@ -443,6 +377,7 @@ fn client(env: &DistEnv, opts: &RendezvousOptions, key: &Secret) -> Result<Rende
 /// Read rank 0's challenge on `stream`, send the hello, wait for the welcome.
 fn join_once(env: &DistEnv, opts: &RendezvousOptions, key: &Secret, stream: TcpStream, deadline: Instant) -> Attempt {
     let where_ = env.master();
+    let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| where_.clone());
     let _ = stream.set_nodelay(true);
     let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
     let Ok(read_half) = stream.try_clone() else { return Attempt::Retry("cannot clone the socket".into()) };
@@ -468,44 +403,58 @@ fn join_once(env: &DistEnv, opts: &RendezvousOptions, key: &Secret, stream: TcpS
         return Attempt::Retry(format!("sending the hello to {where_}: {e}"));
     }
     reader.authenticated(session, 0);
-    Attempt::Done(await_welcome(env, opts, writer, reader, deadline))
+    await_welcome(env, opts, writer, reader, deadline, peer)
 }
 
+/// A refusal as the rank prints it: its text came from whoever answered on MASTER_PORT,
+/// which proved no knowledge of the secret (a refusal has no tag), so it is quoted as such.
+fn unauthenticated_refusal(env: &DistEnv, peer: &str, text: &[u8]) -> String {
+    format!(
+        "rendezvous on {}: rank {} was refused; unauthenticated reply from {peer} (rank 0, or any process holding \
+         MASTER_PORT): \"{}\"",
+        env.master(),
+        env.rank,
+        String::from_utf8_lossy(text).chars().take(400).filter(|c| !c.is_control()).collect::<String>()
+    )
+}
+
+/// Wait for rank 0's authenticated welcome (or error). A connection closed before it is
+/// retried: rank 0 may have evicted it from its pre-authentication queue under a flood
+/// before reading the hello (rank 0 sends an error frame before it closes on purpose).
 fn await_welcome(
     env: &DistEnv,
     opts: &RendezvousOptions,
     writer: Writer,
     mut reader: FrameReader,
     deadline: Instant,
-) -> Result<Rendezvous> {
+    peer: String,
+) -> Attempt {
     let where_ = env.master();
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(comm_error(format!(
+            return Attempt::Done(Err(comm_error(format!(
                 "rendezvous timed out after {} on {where_}: connected, but rank 0 did not hear from all {} ranks",
                 fmt_secs(opts.timeout),
                 env.world
-            )));
+            ))));
         }
         match reader.next(left) {
             ReadOutcome::Frame(f) if f.authentic && f.kind == WELCOME => {
                 // The reader goes along: it may already hold the monitor's first frames.
                 let monitor = Monitor::new(env.rank, env.world, opts, vec![(0, writer, reader)]);
-                return Ok(Rendezvous { blob: f.payload, monitor });
+                return Attempt::Done(Ok(Rendezvous { blob: f.payload, monitor }));
             }
             ReadOutcome::Frame(f) if f.authentic && f.kind == ERROR => {
-                return Err(comm_error(String::from_utf8_lossy(&f.payload).into_owned()))
+                return Attempt::Done(Err(comm_error(String::from_utf8_lossy(&f.payload).into_owned())))
             }
             ReadOutcome::Frame(f) if f.kind == REJECT => {
-                return Err(comm_error(format!(
-                    "rendezvous on {where_}: rank 0 refused rank {}: {}",
-                    env.rank,
-                    String::from_utf8_lossy(&f.payload).chars().take(400).collect::<String>()
-                )))
+                return Attempt::Done(Err(comm_error(unauthenticated_refusal(env, &peer, &f.payload))))
             }
             ReadOutcome::Frame(_) | ReadOutcome::Idle => {}
-            ReadOutcome::Closed(why) => return Err(comm_error(format!("rendezvous: rank 0 on {where_} dropped the connection ({why})"))),
+            ReadOutcome::Closed(why) => {
+                return Attempt::Retry(format!("rank 0 on {where_} closed the connection before its welcome ({why})"))
+            }
         }
     }
 }

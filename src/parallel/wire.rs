@@ -114,7 +114,7 @@ fn keyed(key: &[u8]) -> HmacSha256 {
 }
 
 /// Send a frame without a tag (challenge, refusal).
-pub(super) fn send_plain(stream: &mut TcpStream, kind: u8, payload: &[u8]) -> std::io::Result<()> {
+pub(super) fn send_plain(stream: &mut impl Write, kind: u8, payload: &[u8]) -> std::io::Result<()> {
     let mut f = Vec::with_capacity(5 + payload.len());
     f.push(kind);
     f.extend_from_slice(&(payload.len() as u32).to_be_bytes());
@@ -269,17 +269,7 @@ impl FrameReader {
             if let Err(e) = self.stream.set_read_timeout(Some(left.max(Duration::from_millis(1)))) {
                 return ReadOutcome::Closed(e.to_string());
             }
-            // Read straight into the buffer, at least the rest of the current frame, at
-            // most 1 MiB zero-filled per read (a read returns far less than a large frame).
-            let want = match self.frame_len() {
-                Some(Ok(total)) => total.saturating_sub(self.buf.len()).max(4096),
-                _ => 4096,
-            };
-            let at = self.buf.len();
-            self.buf.resize(at + want.min(1 << 20), 0);
-            let got = self.stream.read(&mut self.buf[at..]);
-            self.buf.truncate(at + *got.as_ref().unwrap_or(&0));
-            match got {
+            match self.read_some() {
                 Ok(0) => return ReadOutcome::Closed("connection closed".into()),
                 Ok(_) => {}
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => return ReadOutcome::Idle,
@@ -287,6 +277,44 @@ impl FrameReader {
                 Err(e) => return ReadOutcome::Closed(e.to_string()),
             }
         }
+    }
+
+    /// One frame, if the bytes already buffered or readable at once make one; for a
+    /// non-blocking socket (rank 0's queue of unauthenticated connections).
+    pub(super) fn poll(&mut self) -> ReadOutcome {
+        loop {
+            match self.parse() {
+                Some(Ok(f)) => return ReadOutcome::Frame(f),
+                Some(Err(e)) => return ReadOutcome::Closed(e),
+                None => {}
+            }
+            match self.read_some() {
+                Ok(0) => return ReadOutcome::Closed("connection closed".into()),
+                Ok(_) => {}
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => return ReadOutcome::Idle,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return ReadOutcome::Closed(e.to_string()),
+            }
+        }
+    }
+
+    /// Bytes received that are not yet part of a returned frame.
+    pub(super) fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// One read straight into the buffer: at least the rest of the current frame, at most
+    /// 1 MiB zero-filled per read (a read returns far less than a large frame).
+    fn read_some(&mut self) -> std::io::Result<usize> {
+        let want = match self.frame_len() {
+            Some(Ok(total)) => total.saturating_sub(self.buf.len()).max(4096),
+            _ => 4096,
+        };
+        let at = self.buf.len();
+        self.buf.resize(at + want.min(1 << 20), 0);
+        let got = self.stream.read(&mut self.buf[at..]);
+        self.buf.truncate(at + *got.as_ref().unwrap_or(&0));
+        got
     }
 }
 
@@ -335,7 +363,7 @@ mod tests {
 
     #[test]
     fn tags_bind_key_direction_order_and_content() {
-        let s = Secret::new("0123456789abcdef").unwrap();
+        let s = Secret::new(super::super::secret::tests::GOOD).unwrap();
         let k = SessionKey::derive(&s, &[1; 32], &[2; 32]);
         let (a, b) = pair();
         let mut w = Writer::new(a, k.clone(), Dir::ToMaster);
@@ -367,7 +395,7 @@ mod tests {
         a.write_all(&[HELLO, 0xff, 0xff, 0xff, 0xff]).unwrap();
         assert!(matches!(r.next(Duration::from_secs(2)), ReadOutcome::Closed(e) if e.contains("oversized")));
 
-        let k = SessionKey::derive(&Secret::new("0123456789abcdef").unwrap(), &[1; 32], &[2; 32]);
+        let k = SessionKey::derive(&Secret::new(super::super::secret::tests::GOOD).unwrap(), &[1; 32], &[2; 32]);
         let (mut a, b) = pair();
         let mut r = FrameReader::handshake(b, Dir::ToMaster);
         r.authenticated(k, 0);

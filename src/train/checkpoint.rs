@@ -254,7 +254,23 @@ pub fn load(output_dir: &Path) -> Result<Loaded> {
     let state = read_state(&dir).map_err(cannot_resume)?;
     let mp = dir.join("model.safetensors");
     let weights = candle_core::safetensors::load(&mp, &Device::Cpu).map_err(|e| Error::checkpoint(&mp, format!("cannot read: {e}")))?;
+    if let Some(name) = first_non_finite(&weights)? {
+        return Err(damaged(&mp, &format!("tensor `{name}` holds NaN or infinite values")));
+    }
     Ok(Loaded { weights, state, dir })
+}
+
+/// A checkpoint file whose values longctx never writes (non-finite, a negative second
+/// moment): damage or an edit, not a divergence of the run, so not the learning rate's fault.
+pub(crate) fn damaged(file: &Path, what: &str) -> Error {
+    Error::checkpoint(
+        file,
+        format!(
+            "cannot resume: {what}; longctx never writes such a checkpoint (it checks every value first), so the file was \
+             damaged or altered after it was written, not by a divergence of the run: restore an intact copy of the \
+             checkpoint, or start over with --overwrite"
+        ),
+    )
 }
 
 /// The checkpoint directory a resume reads: `<output_dir>/checkpoint`, or the previous

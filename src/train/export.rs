@@ -49,8 +49,8 @@ impl ModelExport {
     /// start model's `model_max_pos`) or, once finished, `[export]`'s when set; that
     /// stage's `rope` method, when it has one, as the RoPE dict of config.json (in the
     /// key the checkpoint used, `rope_scaling` or `rope_parameters`; transformers reads
-    /// both back), with a dynamic NTK stage's threshold kept as `max_position_embeddings`; the
-    /// sliding window off; `[export]` dtype and shard size. `file` names the run config in
+    /// both back), with a dynamic NTK stage's threshold kept as `max_position_embeddings`; a
+    /// sliding window as the checkpoint has it (training honours it); `[export]` dtype and shard size. `file` names the run config in
     /// errors.
     pub fn for_run(mut self, run: &RunConfig, progress: RunProgress, model_max_pos: usize, file: &Path) -> Result<Self> {
         let st = progress.trained_stage(run).ok_or_else(|| Error::config(file, "stage", "the run config has no stage"))?;
@@ -74,7 +74,6 @@ impl ModelExport {
             }
         }
         self.context = Some((theta, max_pos));
-        self.full_attention = true;
         self.options.max_shard_bytes = run.export.max_shard_bytes.unwrap_or(ExportOptions::default().max_shard_bytes);
         self.options.dtype = run.export.dtype.as_deref().map(|d| parse_dtype(d, file, "export.dtype")).transpose()?;
         Ok(self)
@@ -175,7 +174,7 @@ mod tests {
         assert_eq!((done.options.max_shard_bytes, done.options.dtype), (1000, Some(DType::BF16)));
         assert_eq!(at(&run, 1, 5, 64).context, Some((1e5, 1024)), "[export] context only once finished");
         let config = done.final_config().unwrap();
-        assert_eq!(config, json!({"rope_theta": 5e5, "max_position_embeddings": 4096, "sliding_window": null}));
+        assert_eq!(config, json!({"rope_theta": 5e5, "max_position_embeddings": 4096, "sliding_window": 32}), "the window kept");
     }
 
     #[test]

@@ -41,6 +41,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Linear;
 use longctx_attention::kernel::Saved;
 use longctx_attention::AttentionMode;
+use longctx_attention::Masking;
 use longctx_kernels as kernels;
 
 use crate::model::{DecoderLayer, RmsNorm, RopeTable, RopeTables};
@@ -385,7 +386,8 @@ impl LayerPass<'_> {
             kernels::rope_fwd_inplace(&q, &rope.cos, &rope.sin)?;
             Ok(kernels::rope_fwd_inplace(&k, &rope.cos, &rope.sin)?)
         })?;
-        let (o, lse) = self.t(Phase::Attention, || Ok(self.attn.forward(&q, &k, &v, a.scale)?))?;
+        let mask = Masking::window(a.window);
+        let (o, lse) = self.t(Phase::Attention, || Ok(self.attn.forward_masked(&q, &k, &v, mask, a.scale)?))?;
         Ok(SavedAttention { q, k, v, o, lse })
     }
 
@@ -526,7 +528,8 @@ impl LayerPass<'_> {
         }
         let d = a.head_dim;
         let SavedAttention { q, k, v, o, lse } = core;
-        let (dq, dk, dv) = self.t(Phase::Attention, || Ok(self.attn.backward(&d_o, Saved::new(&q, &k, &v, &o, &lse), a.scale)?))?;
+        let (saved, mask) = (Saved::new(&q, &k, &v, &o, &lse), Masking::window(a.window));
+        let (dq, dk, dv) = self.t(Phase::Attention, || Ok(self.attn.backward_masked(&d_o, saved, mask, a.scale)?))?;
         drop((q, k, v, o, lse, d_o));
         let (dq, dk, dv) = self.t(Phase::Copies, || Ok((dq.contiguous()?, dk.contiguous()?, dv.contiguous()?)))?;
         let rope = self.rope_of(layer);

@@ -234,7 +234,7 @@ impl Metrics {
 
     pub fn stage_start(&mut self, si: usize, st: &Stage, s: &StageSettings, world: usize, sp: usize, dp: usize) -> Result<()> {
         if let Some(b) = self.bar.take() {
-            b.finish(); // (the finished stage's bar stays on screen)
+            end_bar(b); // (the finished stage's bar stays on screen)
         }
         self.step_seconds = None;
         eprintln!(
@@ -254,7 +254,7 @@ impl Metrics {
         if self.tty {
             let bar = ProgressBar::new(st.steps);
             bar.set_style(
-                ProgressStyle::with_template("{prefix} [{bar:20}] {pos}/{len} [{elapsed_precise}] {wide_msg}")
+                ProgressStyle::with_template("{prefix} [{bar:20}] {pos}/{len} {wide_msg}")
                     .map_err(|e| Error::Setting(e.to_string()))?
                     .progress_chars("=> "),
             );
@@ -308,8 +308,9 @@ impl Metrics {
         let mfu_s = if self.gpu { format!(" mfu {:.1}%", 100.0 * mfu) } else { String::new() };
         let peak_s = l.device_peak.map(|b| format!(" peak {:.2} GiB", gib(b as usize))).unwrap_or_default();
         let eta = self.eta_seconds(l.stage, l.step).map_or(String::new(), |e| format!(" eta {}", hms(e)));
+        // Loss, rate and ETA first: at 80 columns the bar's line is cut after them.
         let msg = format!(
-            "loss {:.4} lr {:.2e} {:.0} tok/s{mfu_s} act {:.2} GiB{peak_s} | run {}{eta}",
+            "loss {:.4} lr {:.2e}{eta} | {:.0} tok/s{mfu_s} act {:.2} GiB{peak_s} | run {}",
             l.loss,
             l.lr,
             tok_s,
@@ -366,7 +367,7 @@ impl Metrics {
 
     pub fn finish(&mut self, s: &RunSummary) -> Result<()> {
         if let Some(b) = self.bar.take() {
-            b.finish();
+            end_bar(b);
         }
         let rate = format!("{:.0} tok/s", s.run_tokens as f64 / s.seconds.max(1e-9));
         if s.run_steps == s.steps {
@@ -400,6 +401,13 @@ impl Metrics {
         }
         Ok(())
     }
+}
+
+/// Leaves a finished bar on screen and ends its line (the terminal's cursor stays at the
+/// end of the bar, so the next line printed would run on from it).
+fn end_bar(b: ProgressBar) {
+    b.finish();
+    eprintln!();
 }
 
 #[cfg(test)]

@@ -117,6 +117,7 @@ fn validate_state(s: &TrainState, saved: &RunConfig, file: &Path) -> Result<()> 
             ),
         ));
     }
+    validate_cursor(s, saved, file)?;
     // Every step since the optimizer's last reset updated it unless it was skipped: fewer
     // updates than that would resume with a wrong bias correction.
     let since = s.global_step - s.optimizer_since_step;
@@ -130,6 +131,39 @@ fn validate_state(s: &TrainState, saved: &RunConfig, file: &Path) -> Result<()> 
                 s.optimizer_since_step,
                 s.skipped_steps,
                 since.saturating_sub(s.skipped_steps)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The data cursor against the steps: a stage `stage_step` steps in has drawn
+/// `stage_step` × samples per step global samples (all in epoch 0, or `position` of them
+/// in the current epoch after `epoch` earlier ones of at least one sample each).
+fn validate_cursor(s: &TrainState, saved: &RunConfig, file: &Path) -> Result<()> {
+    let cursor = match serde_json::from_value::<Option<crate::data::loader::DataState>>(s.data.clone()) {
+        Ok(c) => c,
+        Err(e) => return Err(inconsistent(file, format!("field `data` is not a data cursor ({e})"))),
+    };
+    let Some(c) = cursor else {
+        if s.stage_step > 0 {
+            return Err(inconsistent(
+                file,
+                format!("stage {} is {} steps in but field `data` holds no data cursor", s.stage, s.stage_step),
+            ));
+        }
+        return Ok(());
+    };
+    let Some(sps) = samples_per_step(saved, s.stage) else { return Ok(()) };
+    let drawn = s.stage_step.saturating_mul(sps);
+    let fits = if c.epoch == 0 { c.position == drawn } else { c.position.saturating_add(c.epoch) <= drawn };
+    if !fits {
+        return Err(inconsistent(
+            file,
+            format!(
+                "the data cursor (field `data`) is at epoch {} sample {}, but stage {} step {} (fields `stage`, `stage_step`) \
+                 at {sps} samples per step has drawn {drawn} samples",
+                c.epoch, c.position, s.stage, s.stage_step
             ),
         ));
     }

@@ -9,6 +9,7 @@
 //!   newcomers lock two different files.
 //! - [`prepare`]: a fresh run (not `--resume`) refuses a directory that holds a run
 //!   (checkpoint, metrics or export) unless `--overwrite`, which removes them first.
+//! - [`write_config`]: the resolved config of the latest start, `<output_dir>/config.toml`.
 //!
 //! Distributed runs: rank 0 (the process that writes metrics, checkpoints and exports)
 //! holds the lock.
@@ -196,6 +197,21 @@ pub fn prepare(output_dir: &Path, resume: bool, overwrite: bool) -> Result<()> {
         r.map_err(|e| Error::io(&p, e))?;
     }
     Ok(())
+}
+
+/// The resolved config of the run's latest start, as `train` prints it at the start (and
+/// `train --quiet` does not): `<output_dir>/config.toml`. Not a run file: a run that fails
+/// before its first step leaves it, and the next start replaces it.
+pub const CONFIG_FILE: &str = "config.toml";
+
+/// Writes [`CONFIG_FILE`] (call with the lock held, after [`prepare`]).
+pub fn write_config(cfg: &crate::train::config::RunConfig) -> Result<()> {
+    let text = toml::to_string(cfg).map_err(|e| Error::Setting(format!("the run config as TOML: {e}")))?;
+    let path = cfg.output_dir.join(CONFIG_FILE);
+    let tmp = cfg.output_dir.join(format!(".{CONFIG_FILE}.tmp"));
+    std::fs::write(&tmp, format!("# the resolved config of this run's latest start (longctx train)\n{text}"))
+        .map_err(|e| Error::io(&tmp, e))?;
+    std::fs::rename(&tmp, &path).map_err(|e| Error::io(&path, e))
 }
 
 /// Marker rank 0 writes for [`check_shared`].

@@ -344,6 +344,7 @@ pub fn run_with(cfg: &RunConfig, resume: bool, opts: &RunOptions) -> Result<RunS
         Some(Resume::Continue(l)) => Some(l),
         None => None,
     };
+    rundir::write_config(cfg)?;
     let began = Instant::now();
     let mut model = load_start_model(cfg)?;
     let start = StartWeights::new(std::mem::take(&mut model.weights), cfg.parallel.world_size);
@@ -647,13 +648,6 @@ impl<'a> RankRun<'a> {
         let is_main = world.rank() == 0;
         let resumed_at = sh.resume.map(|l| l.state.global_step);
         let metrics = if is_main { Some(Metrics::new(&cfg.output_dir, cfg, n_params, mcfg, resumed_at)?) } else { None };
-        if let (true, Some(w)) = (is_main, mcfg.sliding_window()) {
-            eprintln!(
-                "note: the model's config asks for a sliding attention window of {w} tokens; longctx trains full causal \
-                 attention over each sequence and exports with the window turned off (sliding_window: null; Gemma 3: \
-                 as wide as max_position_embeddings), so transformers runs the attention that was trained"
-            );
-        }
         // ZeRO over every rank of the world (`train.zero_stage`; `train::zero`).
         let start = Start { meta: &engine.meta, params: &engine.params, masters: start_weights, sliced, resume: sh.resume };
         let zero = ZeroState::new(zc, start, world.clone(), (&sh.device, sh.dtype))?;
@@ -975,9 +969,10 @@ impl<'a> RankRun<'a> {
             if self.skipped_in_row >= max {
                 return Err(Error::Diverged(format!(
                     "{} optimizer steps in a row had a non-finite gradient norm or loss (up to {at}; train.max_skipped_steps = \
-                     {max}); {}; lower the learning rate, raise warmup or clipping, or check the data, then --resume",
+                     {max}); {}; {}",
                     self.skipped_in_row,
-                    self.kept_checkpoint()
+                    self.kept_checkpoint(),
+                    self.skip_cause()
                 )));
             }
             return Ok(());
@@ -1003,10 +998,32 @@ impl<'a> RankRun<'a> {
         self.zero.whole_weights(&g)
     }
 
+    /// What to do about steps skipped in a row: when this invocation applied no update
+    /// at all, the weights are still the loaded ones, so the learning rate cannot be the
+    /// cause; name where they came from.
+    fn skip_cause(&self) -> String {
+        if self.global_step - self.steps_before > self.skipped_in_row {
+            return "lower the learning rate, raise warmup or clipping, or check the data, then --resume".into();
+        }
+        let from = match self.sh.resume {
+            Some(l) => format!("the checkpoint this run resumed ({})", l.dir.display()),
+            None => format!("the model loaded from {}", self.sh.cfg.model.source),
+        };
+        format!(
+            "no update was applied since this run started, so the learning rate is not the cause: the weights are still \
+             those of {from} (every value of it was checked finite at load, but the forward pass overflows: look for huge \
+             weights, or load in a wider --dtype), or the data is at fault"
+        )
+    }
+
     /// Where the last good checkpoint is, for the messages of an abort.
     fn kept_checkpoint(&self) -> String {
         let dir = checkpoint::checkpoint_dir(&self.sh.cfg.output_dir);
         match self.last_checkpoint.1 {
+            // Not written by this invocation: it was not seen to be good.
+            Some(g) if self.sh.resume.is_some() && g == self.steps_before => {
+                format!("the checkpoint this run resumed from ({}, after global step {g}) is left as it was", dir.display())
+            }
             Some(g) => format!("the last good checkpoint ({}, after global step {g}) is kept", dir.display()),
             None => "no checkpoint was written yet (the run starts over)".into(),
         }
@@ -1141,6 +1158,9 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::parallel::env::D
             Some(Resume::Continue(l)) => Some(l),
             None => None,
         };
+        if env.rank == 0 {
+            rundir::write_config(cfg)?;
+        }
         let began = Instant::now();
         let mut model = load_start_model_for(cfg, 1)?;
         let start = StartWeights::new(std::mem::take(&mut model.weights), 1);

@@ -24,6 +24,10 @@ pub struct Desc {
     pub d: i64,
     pub causal: i32,
     pub scale: f32,
+    /// Sliding-window band: query `x` sees key `y` iff `y ≤ x + band_right` and
+    /// `y > x − band_left` (top-left aligned); `band_left = 0`: no band.
+    pub band_left: i64,
+    pub band_right: i64,
 }
 
 extern "C" {

@@ -11,7 +11,9 @@
 //! fresh Candle allocations on that stream.
 //!
 //! Supported: bf16 and f16, head dim a multiple of 8 up to 256, compute capability 8.0+,
-//! causal (s == t) or unmasked, GQA. Anything else, or a missing libcudnn.so.9, is an
+//! causal (s == t), unmasked, or a sliding-window band ([`Mask::Band`], cut by
+//! [`crate::band`] so that `s ≤ t` and `0 ≤ offset < window`: cuDNN's top-left diagonal
+//! band with `right_bound = offset`, `left_bound = window − offset`), GQA. Anything else, or a missing libcudnn.so.9, is an
 //! error naming the reason, unless the portable fallback is allowed: then the call runs
 //! [`crate::naive`] (materialises the scores: slow, memory-hungry, for small shapes only)
 //! and says so once on stderr. Allow it with [`set_fallback`]`(true)` or the environment
@@ -162,6 +164,7 @@ fn describe(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> std::
     if b * s * t * hq == 0 {
         return Err(Refusal::Unsupported(format!("empty block b={b} s={s} t={t} hq={hq}")));
     }
+    let (band_left, band_right) = band_bounds(mask, s, t)?;
     let ordinal = dev.cuda_stream().context().ordinal() as i32;
     let desc = ffi::Desc {
         ordinal,
@@ -174,8 +177,26 @@ fn describe(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> std::
         d: d as i64,
         causal: (mask == Mask::Causal) as i32,
         scale: scale as f32,
+        band_left,
+        band_right,
     };
     Ok((desc, dev))
+}
+
+/// cuDNN's `(left_bound, right_bound)` of a band block (`(0, 0)`: not a band). Query `x`
+/// sees key `y` iff `y ≤ x + offset` and `x + offset − y < window`, i.e. `y ≤ x + right`
+/// and `y > x − left` with `right = offset`, `left = window − offset`. Bounds past the
+/// block are clamped (they mask nothing more). A band cuDNN cannot express (`offset ≥
+/// window`, `s > t`) is refused naming the shape; [`crate::band`] never makes one.
+fn band_bounds(mask: Mask, s: usize, t: usize) -> std::result::Result<(i64, i64), Refusal> {
+    let Mask::Band { offset, window } = mask else { return Ok((0, 0)) };
+    if offset >= window || s > t {
+        return Err(Refusal::Unsupported(format!(
+            "sliding-window band block s_q {s} × s_kv {t}, offset {offset}, window {window}: cuDNN needs s_q ≤ s_kv and offset < window"
+        )));
+    }
+    let cap = (s + t) as i64;
+    Ok((((window - offset) as i64).min(cap), (offset as i64).min(cap)))
 }
 
 /// Fresh outputs for cuDNN: uninitialised buffers of `n` elements of `dt` each.

@@ -11,7 +11,9 @@
 //! `--check`: (1) the CUDA kernel against the CPU kernel on small shapes (inputs
 //! rounded to bf16/f16 once, the CPU runs on those values in f32), for o, lse, dq, dk, dv;
 //! (2) every sequence-parallel mode at W ∈ {2, 4} (ranks are threads sharing one GPU
-//! stream) against the single-device CUDA result on the same inputs. Errors are
+//! stream) against the single-device CUDA result on the same inputs, then under a document
+//! mask, a sliding window and both (against each document alone, or the dense masked
+//! attention in f32 on the host). Errors are
 //! `max|x - ref| / max|ref|` (lse: max absolute difference); the tolerances are stated
 //! in [`Tol`] and a check that exceeds one fails the command.
 
@@ -65,6 +67,10 @@ pub struct BenchAttentionArgs {
     /// with one document of the whole length.
     #[arg(long, value_delimiter = ',')]
     pub docs: Vec<usize>,
+    /// Sliding windows in tokens, comma-separated: besides the plain kernel, time attention
+    /// with each window (one document per sequence) against full causal attention.
+    #[arg(long, value_delimiter = ',')]
+    pub window: Vec<usize>,
     /// Leave the CUDA memory pool's release threshold at the driver default (0), so freed
     /// buffers go back to the driver at every synchronisation (default: retain them).
     #[arg(long)]
@@ -89,7 +95,7 @@ pub fn attention(args: &BenchAttentionArgs) -> anyhow::Result<()> {
     }
     if !args.check {
         throughput(&dev, dtype, args)?;
-        if !args.docs.is_empty() {
+        if !args.docs.is_empty() || !args.window.is_empty() {
             throughput_docs(&dev, dtype, args)?;
         }
     }
@@ -190,16 +196,17 @@ fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs) -> anyhow::Res
     Ok(())
 }
 
-/// Attention under a document mask of `n` equal documents per sequence (`--docs`), through
-/// the single-device mode (`LocalAttention::forward_docs`), against one document.
+/// Attention under a document mask of `n` equal documents per sequence (`--docs`) or a
+/// sliding window (`--window`), through the single-device mode
+/// (`LocalAttention::forward_docs`), against one document with full causal attention.
 fn throughput_docs(dev: &Device, dtype: DType, a: &BenchAttentionArgs) -> anyhow::Result<()> {
     use longctx_attention::local::LocalAttention;
     let (b, h, d) = (a.batch, a.heads, a.head_dim);
     let hkv = a.kv_heads.unwrap_or(h);
     let scale = 1.0 / (d as f64).sqrt();
-    println!("\ndocument-masked causal attention (LocalAttention::forward_docs/backward_docs), equal documents per sequence");
-    println!("work = Σ lenᵢ(lenᵢ+1) / S(S+1) of one document; time ratio against one document of the same length\n");
-    println!("| seq | docs | work | fwd ms | bwd ms | fwd+bwd ms | fwd+bwd vs one doc |");
+    println!("\nmasked causal attention (LocalAttention::forward_docs/backward_docs): equal documents per sequence, or a sliding window");
+    println!("work = (query, key) pairs attended / S(S+1)/2 of one document; time ratio against one document of the same length\n");
+    println!("| seq | mask | work | fwd ms | bwd ms | fwd+bwd ms | fwd+bwd vs one doc |");
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     for &s in &a.seq {
         let q = randn(&[b, s, h, d], dtype, dev)?;
@@ -211,12 +218,21 @@ fn throughput_docs(dev: &Device, dtype: DType, a: &BenchAttentionArgs) -> anyhow
         if !ns.contains(&1) {
             ns.insert(0, 1);
         }
+        let mut masks = Vec::new();
         for n in ns {
             if n == 0 || n > s {
                 bail!("--docs {n}: expected 1 to the sequence length {s}");
             }
             let starts: Vec<usize> = (0..n).map(|i| i * s / n).collect();
-            let docs = longctx_attention::Docs::new(vec![starts; b], s)?;
+            masks.push((format!("{n} docs"), longctx_attention::Docs::new(vec![starts; b], s)?));
+        }
+        for &w in &a.window {
+            if w == 0 {
+                bail!("--window 0: a window holds at least one token (the query itself)");
+            }
+            masks.push((format!("window {w}"), longctx_attention::Docs::whole(s)?.with_window(w)?));
+        }
+        for (label, docs) in masks {
             let m = LocalAttention;
             let (o, lse) = m.forward_docs(&q, &k, &v, Some(&docs), scale)?;
             let saved = kernel::Saved::new(&q, &k, &v, &o, &lse);
@@ -228,7 +244,7 @@ fn throughput_docs(dev: &Device, dtype: DType, a: &BenchAttentionArgs) -> anyhow
             })?;
             let base = *one.get_or_insert(t_fb);
             println!(
-                "| {s} | {n} | {:.4} | {:.2} | {:.2} | {:.2} | {:.3} |",
+                "| {s} | {label} | {:.4} | {:.2} | {:.2} | {:.2} | {:.3} |",
                 docs.work_fraction(),
                 t_f * 1e3,
                 t_b * 1e3,
@@ -317,6 +333,13 @@ fn check(dev: &Device, dtype: DType) -> anyhow::Result<()> {
         ("none s256×t512 h4/2 d128 GQA", 1, 256, 512, 4, 2, 128, Mask::None, dtype),
         ("none s512×t256 h8/2 d64 GQA", 1, 512, 256, 8, 2, 64, Mask::None, dtype),
         ("causal s384 h4 d128 f16", 1, 384, 384, 4, 4, 128, Mask::Causal, DType::F16),
+        // sliding-window blocks (longctx_attention::band cuts them into cuDNN band calls)
+        ("band s512 w100 h4/2 d128 GQA", 1, 512, 512, 4, 2, 128, Mask::Band { offset: 0, window: 100 }, dtype),
+        ("band s256×t512 offset 300 w200 h8/2 d64", 1, 256, 512, 8, 2, 64, Mask::Band { offset: 300, window: 200 }, dtype),
+        // (a window of 1 is no check of the backward: every row's softmax is exactly 1, the
+        // true dq and dk are 0, and their relative error compares rounding noise with noise)
+        ("band s512 w2 h4 d64 (a query and the key before it)", 1, 512, 512, 4, 4, 64, Mask::Band { offset: 0, window: 2 }, dtype),
+        ("band s384 offset 384 w512 h4 d128 b2 f16", 2, 384, 384, 4, 4, 128, Mask::Band { offset: 384, window: 512 }, DType::F16),
     ];
     for (i, (label, b, s, t, hq, hkv, d, mask, dt)) in cases.into_iter().enumerate() {
         let [q, k, v, d_o] = inputs(b, s, t, hq, hkv, d, dt, 1000 + i as u64)?;
@@ -452,13 +475,26 @@ fn check_modes(dev: &Device, dtype: DType) -> anyhow::Result<bool> {
         let r = longctx_attention::testing::reference_docs(&inp, &docs, scale)?;
         [r.o, r.lse, r.dq, r.dk, r.dv]
     };
+    // Sliding windows (alone: 200 keys, crossing the chunks of every mode; with the
+    // documents: 64) against the dense masked attention in f32 on the host.
+    let window = longctx_attention::Docs::whole(s)?.with_window(200)?;
+    let docs_window = docs.clone().with_window(64)?;
+    let dense = |m: &longctx_attention::Docs| -> anyhow::Result<Five> {
+        let host = |x: &Tensor| x.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+        let inp = longctx_attention::testing::Inputs { q: host(&q)?, k: host(&k)?, v: host(&v)?, d_o: host(&d_o)? };
+        let docs = (m.rows() > 0).then_some(m);
+        let r = longctx_attention::testing::reference_window(&inp, docs, m.window(), scale)?;
+        Ok([r.o, r.lse, r.dq, r.dk, r.dv])
+    };
+    let (by_window, by_docs_window) = (dense(&window)?, dense(&docs_window)?);
     let mut ok = true;
-    for (docs, reference) in [(None, &plain), (Some(&docs), &by_doc)] {
-        match docs {
-            None => {
-                println!("\nmodes vs local CUDA kernel (S={s}, heads {hq}/{hkv} × {d}, {dtype:?}, ranks = threads on one GPU stream)\n")
-            }
-            Some(_) => println!("\nmodes under a document mask (11 documents) vs each document alone through the CUDA kernel\n"),
+    let passes = [(None, &plain), (Some(&docs), &by_doc), (Some(&window), &by_window), (Some(&docs_window), &by_docs_window)];
+    for (i, (docs, reference)) in passes.into_iter().enumerate() {
+        match i {
+            0 => println!("\nmodes vs local CUDA kernel (S={s}, heads {hq}/{hkv} × {d}, {dtype:?}, ranks = threads on one GPU stream)\n"),
+            1 => println!("\nmodes under a document mask (11 documents) vs each document alone through the CUDA kernel\n"),
+            2 => println!("\nmodes under a sliding window of 200 keys vs dense masked attention (f32, host)\n"),
+            _ => println!("\nmodes under the 11 documents and a window of 64 keys vs dense masked attention (f32, host)\n"),
         }
         println!("| mode | o | lse | dq | dk | dv | |");
         println!("| --- | --- | --- | --- | --- | --- | --- |");

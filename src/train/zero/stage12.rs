@@ -671,7 +671,9 @@ impl Loaded {
                         ));
                     }
                     let bytes = f.bytes(name).ok_or_else(|| Error::checkpoint(&p, format!("tensor `{name}` missing")))?;
+                    let from = out.len();
                     out.extend(bytes[at * 4..(at + b - a) * 4].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+                    check_optimizer_values(&p, name, &out[from..], at)?;
                 }
             }
         }
@@ -679,6 +681,16 @@ impl Loaded {
             x.resize(hi - lo, 0.0);
         }
         Ok((w, m, v))
+    }
+}
+
+/// Values of optimizer tensor `name` read from `file` (from element `at` of its shard):
+/// finite, and a second moment never negative; else the checkpoint is damaged.
+fn check_optimizer_values(file: &std::path::Path, name: &str, xs: &[f32], at: usize) -> Result<()> {
+    let bad = xs.iter().position(|x| !x.is_finite() || (name == "v" && *x < 0.0));
+    match bad {
+        None => Ok(()),
+        Some(i) => Err(crate::train::checkpoint::damaged(file, &format!("element {} of the optimizer's `{name}` is {}", at + i, xs[i]))),
     }
 }
 
