@@ -21,7 +21,7 @@
 //! absolute, logits and losses 5e-6 relative, gradients 2e-5 relative per parameter
 //! (--nocapture prints the measured errors).
 
-use candle_core::{safetensors, DType, Device, Tensor, Var};
+use candle_core::{safetensors, DType, Device, Tensor};
 use longctx::attention::{local::LocalAttention, AttentionMode};
 use longctx::model::{Arch, Llama, LlamaConfig, RopeScaling};
 use longctx::train::engine::{Engine, EngineOptions, LayerBackward};
@@ -30,38 +30,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-const ROPE_TOL: f32 = 1e-6;
-const LOGIT_TOL: f32 = 5e-6;
-const LOSS_TOL: f32 = 5e-6;
-const GRAD_TOL: f32 = 2e-5;
-
-fn dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
-}
-
-fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    longctx_attention::testing::rel_err(a, b).unwrap() as f32
-}
-
-fn abs_err(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims());
-    a.sub(b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
-}
-
-struct Fixture {
-    cfg: LlamaConfig,
-    vars: HashMap<String, Var>,
-    reference: HashMap<String, Tensor>,
-}
-
-fn load(name: &str) -> Fixture {
-    let d = dir(name);
-    let cfg = LlamaConfig::from_file(d.join("config.json")).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let tensors = longctx::hub::Checkpoint::open(&d).unwrap().load_all(DType::F32, &Device::Cpu).unwrap();
-    let vars = tensors.into_iter().map(|(k, t)| (k, Var::from_tensor(&t).unwrap())).collect();
-    let reference = safetensors::load(d.join("reference.safetensors"), &Device::Cpu).unwrap();
-    Fixture { cfg, vars, reference }
-}
+mod common;
+use common::fixture::*;
 
 /// Both RoPE tables against transformers' `rotary_emb(.., layer_type)`.
 fn check_rope(name: &str, model: &Llama, r: &HashMap<String, Tensor>) -> (f32, f32) {

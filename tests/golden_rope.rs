@@ -14,47 +14,15 @@
 //! (--nocapture prints them): cos/sin ≤ 1.2e-7, logits ≤ 4.6e-7, loss ≤ 3.0e-7, gradients
 //! ≤ 1.0e-6 (autograd) and ≤ 1.6e-6 (engine, explicit: Qwen3's q_norm the worst).
 
-use candle_core::{safetensors, DType, Device, Tensor, Var};
+use candle_core::{safetensors, DType, Device, Tensor};
 use longctx::attention::{local::LocalAttention, AttentionMode};
 use longctx::model::{Llama, LlamaConfig, Rope};
 use longctx::train::engine::{Engine, EngineOptions, LayerBackward};
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 
-const ROPE_TOL: f32 = 1e-6;
-const LOGIT_TOL: f32 = 5e-6;
-const LOSS_TOL: f32 = 5e-6;
-const GRAD_TOL: f32 = 2e-5;
-
-fn dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
-}
-
-fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    longctx_attention::testing::rel_err(a, b).unwrap() as f32
-}
-
-fn abs_err(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims());
-    a.sub(b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
-}
-
-struct Fixture {
-    cfg: LlamaConfig,
-    vars: HashMap<String, Var>,
-    reference: HashMap<String, Tensor>,
-}
-
-fn load(name: &str) -> Fixture {
-    let d = dir(name);
-    let cfg = LlamaConfig::from_file(d.join("config.json")).unwrap_or_else(|e| panic!("{name}: {e}"));
-    // Through the checkpoint reader, which splits Phi-3's fused projections.
-    let tensors = longctx::hub::Checkpoint::open(&d).unwrap().load_all(DType::F32, &Device::Cpu).unwrap();
-    let vars = tensors.into_iter().map(|(k, t)| (k, Var::from_tensor(&t).unwrap())).collect();
-    let reference = safetensors::load(d.join("reference.safetensors"), &Device::Cpu).unwrap();
-    Fixture { cfg, vars, reference }
-}
+mod common;
+use common::fixture::*;
 
 fn golden(name: &str) {
     let f = load(name);

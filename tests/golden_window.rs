@@ -14,7 +14,7 @@
 //! `LONGCTX_PYTHON` or `python3`). Tolerances as tests/golden.rs (f32 both sides): logits
 //! and losses 5e-6 relative, gradients 2e-5 relative per parameter.
 
-use candle_core::{safetensors, DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use longctx::attention::{local::LocalAttention, AttentionMode};
 use longctx::model::{KvCache, Llama, LlamaConfig};
 use longctx::train::engine::{Engine, EngineOptions, LayerBackward};
@@ -22,32 +22,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-const LOGIT_TOL: f32 = 5e-6;
-const LOSS_TOL: f32 = 5e-6;
-const GRAD_TOL: f32 = 2e-5;
-
-fn dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
-}
-
-fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    longctx_attention::testing::rel_err(a, b).unwrap() as f32
-}
-
-struct Fixture {
-    cfg: LlamaConfig,
-    vars: HashMap<String, Var>,
-    reference: HashMap<String, Tensor>,
-}
-
-fn load(name: &str) -> Fixture {
-    let d = dir(name);
-    let cfg = LlamaConfig::from_file(d.join("config.json")).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let tensors = longctx::hub::Checkpoint::open(&d).unwrap().load_all(DType::F32, &Device::Cpu).unwrap();
-    let vars = tensors.into_iter().map(|(k, t)| (k, Var::from_tensor(&t).unwrap())).collect();
-    let reference = safetensors::load(d.join("reference.safetensors"), &Device::Cpu).unwrap();
-    Fixture { cfg, vars, reference }
-}
+mod common;
+use common::fixture::*;
 
 fn golden(name: &str) {
     let f = load(name);

@@ -2,6 +2,8 @@
 //! tensor comparison, a safetensors writer independent of ours, an offline hub.
 #![allow(dead_code)]
 
+pub mod fixture;
+
 use candle_core::{Device, Tensor};
 use longctx::model::{LlamaConfig, IGNORE_INDEX};
 use std::path::Path;
