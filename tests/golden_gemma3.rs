@@ -24,7 +24,7 @@
 use candle_core::{safetensors, DType, Device, Tensor};
 use longctx::attention::{local::LocalAttention, AttentionMode};
 use longctx::model::{Arch, Llama, LlamaConfig, RopeScaling};
-use longctx::train::engine::{Engine, EngineOptions, LayerBackward};
+use longctx::train::engine::{Engine, EngineOptions};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -49,59 +49,9 @@ fn check_rope(name: &str, model: &Llama, r: &HashMap<String, Tensor>) -> (f32, f
 
 fn golden(name: &str) {
     let f = load(name);
-    let r = &f.reference;
-    let ids = r["input_ids"].to_dtype(DType::U32).unwrap();
-    let pos = r["position_ids"].to_dtype(DType::U32).unwrap();
-    let targets = r["targets"].clone();
-    let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
-    let opts = |lb| EngineOptions { token_chunk: 7, layer_backward: lb, ..Default::default() };
-    let eng = Engine::from_vars(&f.cfg, &f.vars, opts(LayerBackward::Explicit)).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let model: &Llama = &eng.tracked;
-    let mut names: Vec<String> = model.named_parameters().into_iter().map(|(n, _)| n).collect();
-    let mut in_file: Vec<String> = f.vars.keys().cloned().collect();
-    names.sort();
-    in_file.sort();
-    assert_eq!(names, in_file, "{name}: parameters vs checkpoint tensors (export writes these names)");
-    let (e_rope, e_local) = check_rope(name, model, r);
-
-    let logits = model.logits(&model.forward_hidden(&ids, &pos, &attn).unwrap()).unwrap();
-    let e_logits = rel_err(&logits, &r["logits"]);
-    assert!(e_logits <= LOGIT_TOL, "{name}: logits rel err {e_logits:e}");
-    let (per_tok, n) = longctx::model::per_token_loss(&logits, &targets).unwrap();
-    assert_eq!(n as i64, r["n_tokens"].to_scalar::<i64>().unwrap(), "{name}: counted tokens");
-    let e_tok = rel_err(&per_tok, &r["per_token_loss"]);
-    assert!(e_tok <= LOSS_TOL, "{name}: per-token loss rel err {e_tok:e}");
-    let loss_sum = per_tok.sum_all().unwrap();
-    assert!(rel_err(&loss_sum, &r["loss_sum"]) <= LOSS_TOL, "{name}: loss sum");
-
-    let grads = loss_sum.backward().unwrap();
-    let mut worst = vec![(0f32, String::new()); 3];
-    for (pname, t) in model.named_parameters() {
-        let g = grads.get(&t).unwrap_or_else(|| panic!("{name}: no gradient for {pname}"));
-        let e = rel_err(g, &r[&format!("grad.{pname}")]);
-        assert!(e <= GRAD_TOL, "{name}: autograd grad of {pname} rel err {e:e} > {GRAD_TOL:e}");
-        if e > worst[0].0 {
-            worst[0] = (e, pname);
-        }
-    }
-    for (i, lb) in [LayerBackward::Explicit, LayerBackward::Autograd].into_iter().enumerate() {
-        let eng = Engine::from_vars(&f.cfg, &f.vars, opts(lb)).unwrap();
-        let out = eng.step(&ids, &targets, &pos, 1024, &attn, 1.0).unwrap();
-        let want = r["loss_sum"].to_scalar::<f32>().unwrap();
-        assert!((out.loss_sum as f32 - want).abs() <= LOSS_TOL * want, "{name}: engine ({lb:?}) loss {} vs {want}", out.loss_sum);
-        for ((pname, _), g) in eng.params.iter().zip(&out.grads) {
-            let e = rel_err(g, &r[&format!("grad.{pname}")]);
-            assert!(e <= GRAD_TOL, "{name}: engine ({lb:?}) grad of {pname} rel err {e:e} > {GRAD_TOL:e}");
-            if e > worst[i + 1].0 {
-                worst[i + 1] = (e, pname.clone());
-            }
-        }
-    }
-    println!(
-        "{name}: rope abs global {e_rope:.1e} local {e_local:.1e}, logits rel {e_logits:.1e}, loss rel {e_tok:.1e}, worst grad rel: \
-         autograd {:.1e} ({}), engine explicit {:.1e} ({}), engine autograd {:.1e} ({})",
-        worst[0].0, worst[0].1, worst[1].0, worst[1].1, worst[2].0, worst[2].1
-    );
+    let mut rope = (0.0, 0.0);
+    let m = check_against_reference(name, &f, |model| rope = check_rope(name, model, &f.reference));
+    println!("{name}: rope abs global {:.1e} local {:.1e}, {m}", rope.0, rope.1);
 }
 
 #[test]

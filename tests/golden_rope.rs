@@ -15,83 +15,26 @@
 //! ≤ 1.0e-6 (autograd) and ≤ 1.6e-6 (engine, explicit: Qwen3's q_norm the worst).
 
 use candle_core::{safetensors, DType, Device, Tensor};
-use longctx::attention::{local::LocalAttention, AttentionMode};
-use longctx::model::{Llama, LlamaConfig, Rope};
-use longctx::train::engine::{Engine, EngineOptions, LayerBackward};
-use std::collections::HashMap;
-use std::sync::Arc;
+use longctx::model::{LlamaConfig, Rope};
 
 mod common;
 use common::fixture::*;
 
 fn golden(name: &str) {
     let f = load(name);
-    let r = &f.reference;
-    let ids = r["input_ids"].to_dtype(DType::U32).unwrap();
-    let pos = r["position_ids"].to_dtype(DType::U32).unwrap();
-    let targets = r["targets"].clone();
-    let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
-    let opts = |lb| EngineOptions { token_chunk: 7, layer_backward: lb, ..Default::default() };
-    let eng = Engine::from_vars(&f.cfg, &f.vars, opts(LayerBackward::Explicit)).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let model: &Llama = &eng.tracked;
-    let names: Vec<String> = model.named_parameters().into_iter().map(|(n, _)| n).collect();
-    let mut in_file: Vec<&String> = f.vars.keys().collect();
-    in_file.sort();
-    let mut sorted: Vec<&String> = names.iter().collect();
-    sorted.sort();
-    assert_eq!(sorted, in_file, "{name}: parameters vs checkpoint tensors (export writes these names)");
-
-    let table = model.rope_table(&pos, None).unwrap();
-    let e_cos = abs_err(&table.cos.squeeze(2).unwrap(), &r["rope.cos"]);
-    let e_sin = abs_err(&table.sin.squeeze(2).unwrap(), &r["rope.sin"]);
-    assert!(e_cos <= ROPE_TOL && e_sin <= ROPE_TOL, "{name}: rope cos err {e_cos:e}, sin err {e_sin:e}");
-    // The engine builds its table from the global length (the trainer passes it).
-    let global = model.rope_table(&pos, Some(1024)).unwrap();
-    assert_eq!(abs_err(&global.cos, &table.cos), 0.0, "{name}: the training table is the eval table");
-
-    let logits = model.logits(&model.forward_hidden(&ids, &pos, &attn).unwrap()).unwrap();
-    let e_logits = rel_err(&logits, &r["logits"]);
-    assert!(e_logits <= LOGIT_TOL, "{name}: logits rel err {e_logits:e}");
-    let (per_tok, n) = longctx::model::per_token_loss(&logits, &targets).unwrap();
-    assert_eq!(n as i64, r["n_tokens"].to_scalar::<i64>().unwrap(), "{name}: counted tokens");
-    let e_tok = rel_err(&per_tok, &r["per_token_loss"]);
-    assert!(e_tok <= LOSS_TOL, "{name}: per-token loss rel err {e_tok:e}");
-    let loss_sum = per_tok.sum_all().unwrap();
-    assert!(rel_err(&loss_sum, &r["loss_sum"]) <= LOSS_TOL, "{name}: loss sum");
-
-    // Autograd through the model API.
-    let grads = loss_sum.backward().unwrap();
-    let mut worst_auto = (0f32, String::new());
-    for (pname, t) in model.named_parameters() {
-        let g = grads.get(&t).unwrap_or_else(|| panic!("{name}: no gradient for {pname}"));
-        let e = rel_err(g, &r[&format!("grad.{pname}")]);
-        assert!(e <= GRAD_TOL, "{name}: autograd grad of {pname} rel err {e:e} > {GRAD_TOL:e}");
-        if e > worst_auto.0 {
-            worst_auto = (e, pname);
-        }
-    }
-    // The training engine, explicit and autograd layer backward (scale 1: the SUM loss;
-    // global length 1024 as the trainer would pass for this batch).
-    let mut worst = HashMap::new();
-    for lb in [LayerBackward::Explicit, LayerBackward::Autograd] {
-        let eng = Engine::from_vars(&f.cfg, &f.vars, opts(lb)).unwrap();
-        let out = eng.step(&ids, &targets, &pos, 1024, &attn, 1.0).unwrap();
-        assert!((out.loss_sum as f32 - r["loss_sum"].to_scalar::<f32>().unwrap()).abs() <= LOSS_TOL * out.loss_sum as f32);
-        let mut w = (0f32, String::new());
-        for ((pname, _), g) in eng.params.iter().zip(&out.grads) {
-            let e = rel_err(g, &r[&format!("grad.{pname}")]);
-            assert!(e <= GRAD_TOL, "{name}: engine ({lb:?}) grad of {pname} rel err {e:e} > {GRAD_TOL:e}");
-            if e > w.0 {
-                w = (e, pname.clone());
-            }
-        }
-        worst.insert(format!("{lb:?}"), w);
-    }
-    println!(
-        "{name}: rope cos/sin abs {e_cos:.1e}/{e_sin:.1e}, logits rel {e_logits:.1e}, loss rel {e_tok:.1e}, worst grad rel: \
-         autograd {:.1e} ({}), engine explicit {:.1e} ({}), engine autograd {:.1e} ({})",
-        worst_auto.0, worst_auto.1, worst["Explicit"].0, worst["Explicit"].1, worst["Autograd"].0, worst["Autograd"].1
-    );
+    let pos = f.reference["position_ids"].to_dtype(DType::U32).unwrap();
+    let mut rope = (0.0, 0.0);
+    let m = check_against_reference(name, &f, |model| {
+        let table = model.rope_table(&pos, None).unwrap();
+        let e_cos = abs_err(&table.cos.squeeze(2).unwrap(), &f.reference["rope.cos"]);
+        let e_sin = abs_err(&table.sin.squeeze(2).unwrap(), &f.reference["rope.sin"]);
+        assert!(e_cos <= ROPE_TOL && e_sin <= ROPE_TOL, "{name}: rope cos err {e_cos:e}, sin err {e_sin:e}");
+        // The engine builds its table from the global length (the trainer passes it).
+        let global = model.rope_table(&pos, Some(1024)).unwrap();
+        assert_eq!(abs_err(&global.cos, &table.cos), 0.0, "{name}: the training table is the eval table");
+        rope = (e_cos, e_sin);
+    });
+    println!("{name}: rope cos/sin abs {:.1e}/{:.1e}, {m}", rope.0, rope.1);
 }
 
 #[test]

@@ -15,56 +15,16 @@
 //! and losses 5e-6 relative, gradients 2e-5 relative per parameter.
 
 use candle_core::{DType, Device, Tensor};
-use longctx::attention::{local::LocalAttention, AttentionMode};
 use longctx::model::{KvCache, Llama, LlamaConfig};
-use longctx::train::engine::{Engine, EngineOptions, LayerBackward};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 mod common;
 use common::fixture::*;
 
 fn golden(name: &str) {
-    let f = load(name);
-    let r = &f.reference;
-    let ids = r["input_ids"].to_dtype(DType::U32).unwrap();
-    let pos = r["position_ids"].to_dtype(DType::U32).unwrap();
-    let targets = r["targets"].clone();
-    let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
-    let opts = |lb| EngineOptions { token_chunk: 7, layer_backward: lb, ..Default::default() };
-    let eng = Engine::from_vars(&f.cfg, &f.vars, opts(LayerBackward::Explicit)).unwrap();
-    let model: &Llama = &eng.tracked;
-
-    let logits = model.logits(&model.forward_hidden(&ids, &pos, &attn).unwrap()).unwrap();
-    let e_logits = rel_err(&logits, &r["logits"]);
-    assert!(e_logits <= LOGIT_TOL, "{name}: logits rel err {e_logits:e}");
-    let (per_tok, _) = longctx::model::per_token_loss(&logits, &targets).unwrap();
-    let e_tok = rel_err(&per_tok, &r["per_token_loss"]);
-    assert!(e_tok <= LOSS_TOL, "{name}: per-token loss rel err {e_tok:e}");
-    let loss_sum = per_tok.sum_all().unwrap();
-    let grads = loss_sum.backward().unwrap();
-    let mut worst = vec![("autograd".to_string(), 0f32)];
-    for (pname, t) in model.named_parameters() {
-        let g = grads.get(&t).unwrap_or_else(|| panic!("{name}: no gradient for {pname}"));
-        let e = rel_err(g, &r[&format!("grad.{pname}")]);
-        assert!(e <= GRAD_TOL, "{name}: autograd grad of {pname} rel err {e:e}");
-        worst[0].1 = worst[0].1.max(e);
-    }
-    for lb in [LayerBackward::Explicit, LayerBackward::Autograd] {
-        let eng = Engine::from_vars(&f.cfg, &f.vars, opts(lb)).unwrap();
-        let out = eng.step(&ids, &targets, &pos, 1024, &attn, 1.0).unwrap();
-        let want = r["loss_sum"].to_scalar::<f32>().unwrap();
-        assert!((out.loss_sum as f32 - want).abs() <= LOSS_TOL * want.abs(), "{name}: engine ({lb:?}) loss");
-        let mut w = 0f32;
-        for ((pname, _), g) in eng.params.iter().zip(&out.grads) {
-            let e = rel_err(g, &r[&format!("grad.{pname}")]);
-            assert!(e <= GRAD_TOL, "{name}: engine ({lb:?}) grad of {pname} rel err {e:e}");
-            w = w.max(e);
-        }
-        worst.push((format!("engine {lb:?}"), w));
-    }
-    println!("{name}: logits rel {e_logits:.1e}, loss rel {e_tok:.1e}, worst grad rel {worst:?}");
+    let m = check_against_reference(name, &load(name), |_| {});
+    println!("{name}: {m}");
 }
 
 #[test]
