@@ -269,13 +269,21 @@ impl FrameReader {
             if let Err(e) = self.stream.set_read_timeout(Some(left.max(Duration::from_millis(1)))) {
                 return ReadOutcome::Closed(e.to_string());
             }
-            match self.read_some() {
-                Ok(0) => return ReadOutcome::Closed("connection closed".into()),
-                Ok(_) => {}
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => return ReadOutcome::Idle,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return ReadOutcome::Closed(e.to_string()),
+            if let Some(end) = self.pump() {
+                return end;
             }
+        }
+    }
+
+    /// Reads what the socket has into the buffer: `None` to go on parsing, or how the read
+    /// ended (nothing readable now: `Idle`; closed or failed: `Closed`).
+    fn pump(&mut self) -> Option<ReadOutcome> {
+        match self.read_some() {
+            Ok(0) => Some(ReadOutcome::Closed("connection closed".into())),
+            Ok(_) => None,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => Some(ReadOutcome::Idle),
+            Err(e) if e.kind() == ErrorKind::Interrupted => None,
+            Err(e) => Some(ReadOutcome::Closed(e.to_string())),
         }
     }
 
@@ -288,12 +296,8 @@ impl FrameReader {
                 Some(Err(e)) => return ReadOutcome::Closed(e),
                 None => {}
             }
-            match self.read_some() {
-                Ok(0) => return ReadOutcome::Closed("connection closed".into()),
-                Ok(_) => {}
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => return ReadOutcome::Idle,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return ReadOutcome::Closed(e.to_string()),
+            if let Some(end) = self.pump() {
+                return end;
             }
         }
     }
