@@ -697,7 +697,7 @@ fn layout_permutes_ids_targets_positions_identically() {
 #[test]
 fn passkey_samples_are_well_formed_and_deterministic() {
     for (s, k) in [(14usize, 5usize), (64, 5), (1000, 3), (257, 1)] {
-        let cfg = PasskeyConfig { vocab: 256, seq_len: s, digits: k, seed: 9, loss_on: LossOn::Answer };
+        let cfg = PasskeyConfig { vocab: 256, seq_len: s, digits: k, seed: 9, loss_on: LossOn::Answer, vt_hops: 0 };
         let p = Passkey::new(cfg.clone()).unwrap();
         let mut depths = Vec::new();
         for i in 0..20u64 {
@@ -771,6 +771,81 @@ fn passkey_loader_shards_and_resumes() {
     let (ti, tt) = batch.to_tensors(&candle_core::Device::Cpu).unwrap();
     assert_eq!((ti.dims(), tt.dims()), (&[2usize, 32][..], &[2usize, 32][..]));
     assert_eq!(tt.dtype(), candle_core::DType::I64);
+}
+
+/// Variable tracking in the built-in vocabulary (`synthetic:retrieval`): every odd sample
+/// is a chain `VAR x0 value`, `VAR x1 x0`, … in chain order among the filler, then the
+/// question with the value and the chain's variables as the answer (the only counted
+/// targets); even samples stay the passkey samples; each sample depends on (seed, i) only.
+#[test]
+fn variable_tracking_samples_hold_their_chain_in_order() {
+    use synthetic::{BOS, FILLER0, FILLER_BLOCK, VAR, VAR0, VARIABLES, VT_QUESTION};
+    let (s, k, hops) = (64, 5, 3);
+    let cfg = PasskeyConfig { vt_hops: hops, ..PasskeyConfig::new(s) };
+    let p = Passkey::new(cfg.clone()).unwrap();
+    let plain = Passkey::new(PasskeyConfig::new(s)).unwrap();
+    let mut first_at = Vec::new();
+    for i in 0..40u64 {
+        let item = p.sample(i);
+        if i % 2 == 0 {
+            assert_eq!(item, plain.sample(i), "even sample {i} is the passkey sample");
+            continue;
+        }
+        assert_eq!(item, p.variable_tracking(i));
+        let (ids, tg) = (&item.sample.ids, &item.sample.targets);
+        let mut raw = ids.clone();
+        raw.push(*tg.last().unwrap() as u32);
+        assert_eq!((ids.len(), raw[0]), (s, BOS));
+        // The answer: hops + 1 distinct variables, the only counted targets.
+        let n = hops + 1;
+        assert_eq!(item.answer_start, s - n);
+        let chain: Vec<u32> = raw[s + 1 - n..].to_vec();
+        assert!(chain.iter().all(|&v| (VAR0..VAR0 + VARIABLES as u32).contains(&v)), "{chain:?}");
+        let mut distinct = chain.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), n, "the chain's variables are distinct: {chain:?}");
+        assert!(tg[..s - n].iter().all(|&t| t == IGNORE));
+        assert_eq!(tg[s - n..], chain.iter().map(|&v| v as i64).collect::<Vec<_>>()[..]);
+        // The question: VT_QUESTION and the value's place-tagged digits.
+        let value: Vec<u32> = item.passkey.iter().enumerate().map(|(j, &d)| synthetic::digit_token(j, d)).collect();
+        let q = s + 1 - n - (k + 1);
+        assert_eq!(raw[q], VT_QUESTION);
+        assert_eq!(raw[q + 1..q + 1 + k], value[..]);
+        // The assignments, found in text order: VAR x0 value, then VAR x_{j+1} x_j.
+        let vars: Vec<usize> = (0..q).filter(|&j| raw[j] == VAR).collect();
+        assert_eq!(vars.len(), n, "one VAR per assignment");
+        assert_eq!(item.needle_pos, vars[0]);
+        assert_eq!(raw[vars[0] + 1], chain[0]);
+        assert_eq!(raw[vars[0] + 2..vars[0] + 2 + k], value[..], "the first variable holds the value");
+        for j in 1..n {
+            assert_eq!(raw[vars[j] + 1..vars[j] + 3], [chain[j], chain[j - 1]], "assignment {j}");
+        }
+        // Everything else is the filler block in order.
+        let mut is_task = vec![false; q];
+        is_task[vars[0]..vars[0] + 2 + k].iter_mut().for_each(|b| *b = true);
+        for &v in &vars[1..] {
+            is_task[v..v + 3].iter_mut().for_each(|b| *b = true);
+        }
+        let filler: Vec<u32> = (1..q).filter(|&j| !is_task[j]).map(|j| raw[j]).collect();
+        assert_eq!(filler.len(), s + 1 - (1 + (k + 2) + 3 * hops + (k + 1) + n));
+        for (j, &w) in filler.iter().enumerate() {
+            assert_eq!(w, FILLER0 + (j % FILLER_BLOCK) as u32, "filler word {j}");
+        }
+        first_at.push(vars[0]);
+    }
+    first_at.sort_unstable();
+    first_at.dedup();
+    assert!(first_at.len() > 5, "the assignments' places vary: {first_at:?}");
+    // Every token counted with LossOn::All; the shortest length that fits, and errors.
+    let all = Passkey::new(PasskeyConfig { loss_on: LossOn::All, ..cfg }).unwrap().sample(1);
+    assert_eq!(all.sample.counted(), s);
+    let fits = 1 + (k + 2) + 3 * hops + (k + 1) + (hops + 1) - 1;
+    assert!(Passkey::new(PasskeyConfig { vt_hops: hops, ..PasskeyConfig::new(fits) }).is_ok());
+    let bad = |c: PasskeyConfig| Passkey::new(c).err().map(|e| e.to_string()).unwrap_or_default();
+    let short = bad(PasskeyConfig { vt_hops: hops, ..PasskeyConfig::new(fits - 1) });
+    assert!(short.contains(&format!("at least {fits}")) && short.contains("variable tracking over 3 hops"), "{short}");
+    assert!(bad(PasskeyConfig { vt_hops: 16, ..PasskeyConfig::new(256) }).contains("0..=15"));
 }
 
 #[test]

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::collections::HashMap;
 
 use longctx::data::shuffle::SplitMix64;
-use longctx::eval::ruler::{recall, to_csv, RulerTask, Task, TaskCase, TaskCell};
+use longctx::eval::ruler::{recall, recall_ids, to_csv, token_case, RulerTask, Task, TaskCase, TaskCell};
 use longctx::eval::words;
 use longctx::hub::tokenizer;
 use serde_json::Value;
@@ -204,6 +204,51 @@ fn a_user_haystack_is_used_and_short_lengths_and_bad_settings_are_refused() {
     assert!(e.contains("too short for task fwe"), "{e}");
     let cells = vec![TaskCell { task: Task::Vt, length: 256, trials: 2, teacher_forced: 0.5, token_accuracy: 0.75, recall: None }];
     assert_eq!(to_csv(&cells), "task,length,trials,teacher_forced,token_accuracy,recall\nvt,256,2,0.500000,0.750000,\n");
+}
+
+#[test]
+fn token_recall_counts_each_expected_run_found() {
+    let e = vec![vec![110], vec![112], vec![109]];
+    assert_eq!(recall_ids(&[110, 112, 109], &e), 1.0);
+    assert_eq!(recall_ids(&[109, 110, 112], &e), 1.0, "order does not matter");
+    assert!((recall_ids(&[110, 113, 109], &e) - 2.0 / 3.0).abs() < 1e-12, "one wrong");
+    assert_eq!(recall_ids(&[], &e), 0.0, "empty output");
+    assert_eq!(recall_ids(&[1, 2], &[]), 0.0, "nothing expected");
+    // A number is one run: every digit in place, contiguous.
+    let n = vec![vec![9, 18, 27]];
+    assert_eq!(recall_ids(&[3, 9, 18, 27], &n), 1.0);
+    assert_eq!(recall_ids(&[9, 18, 28], &n), 0.0);
+    assert_eq!(recall_ids(&[9, 5, 18, 27], &n), 0.0, "interrupted");
+}
+
+/// The token format (a model without tokenizer.json, like the demo's export): `single` is
+/// the passkey sample, `vt` the variable-tracking sample, both `len` inputs with the answer
+/// as the last targets; the other tasks are refused by name.
+#[test]
+fn token_cases_are_the_demos_samples_with_their_answers() {
+    use longctx::data::synthetic::{self, Passkey, PasskeyConfig};
+    for len in [32, 300, 1024] {
+        let c = token_case(Task::Single, len, 256, 5, 2, 7, 3).unwrap();
+        let item = Passkey::new(PasskeyConfig { seed: 7, ..PasskeyConfig::new(len) }).unwrap().sample(3);
+        assert_eq!(c.sample, item.sample);
+        assert_eq!((c.answer_start, c.answer.len()), (len - 5, 5));
+        assert_eq!(c.expected_ids, vec![c.answer.clone()], "one run: the whole number");
+        assert_eq!(c.expected, vec![item.passkey.iter().map(|d| char::from(b'0' + d)).collect::<String>()]);
+        assert_eq!(c.prompt().last(), Some(&synthetic::KEY));
+        let v = token_case(Task::Vt, len, 256, 5, 2, 7, 3).unwrap();
+        let item = Passkey::new(PasskeyConfig { seed: 7, vt_hops: 2, ..PasskeyConfig::new(len) }).unwrap().variable_tracking(3);
+        assert_eq!(v.sample, item.sample);
+        assert_eq!((v.answer_start, v.answer.len()), (len - 3, 3));
+        assert_eq!(v.expected_ids, v.answer.iter().map(|&t| vec![t]).collect::<Vec<_>>(), "each variable its own run");
+        assert_eq!(v.expected, v.answer.iter().map(|t| format!("V{}", t - synthetic::VAR0)).collect::<Vec<_>>());
+        assert_eq!(v.sample.ids[len - 3 - 5 - 1], synthetic::VT_QUESTION);
+    }
+    for t in [Task::MultiKey, Task::MultiValue, Task::MultiQuery, Task::Cwe, Task::Fwe] {
+        let e = token_case(t, 256, 256, 5, 2, 0, 0).unwrap_err().to_string();
+        assert!(e.contains(&format!("task {} needs a model with tokenizer.json", t.name())) && e.contains("single and vt"), "{e}");
+    }
+    let e = token_case(Task::Vt, 20, 256, 5, 2, 0, 0).unwrap_err().to_string();
+    assert!(e.contains("too short for task vt") && e.contains("at least 22"), "{e}");
 }
 
 #[test]

@@ -66,7 +66,7 @@ fn changes_that_break_exactness_are_refused_with_the_key_and_the_fix() {
         ),
         (
             "data.dataset",
-            "\"synthetic:passkey-answer\"",
+            "\"synthetic:retrieval-answer\"",
             "\"synthetic:passkey\"",
             Box::new(|c| c.data.dataset = "synthetic:passkey".into()),
         ),

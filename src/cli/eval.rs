@@ -200,15 +200,18 @@ pub struct NeedleArgs {
 
 #[derive(Args, Debug)]
 pub struct RulerArgs {
-    /// Model: a directory (a run's export), a hub id, or builtin:NAME; it needs tokenizer.json.
+    /// Model: a directory (a run's export), a hub id, or builtin:NAME. With tokenizer.json
+    /// the tasks are text; without one (the demo's export) they are in the built-in token
+    /// vocabulary it trained on (`synthetic:retrieval`), where the tasks are single and vt.
     #[arg(long, default_value = DEMO_EXPORT)]
     pub model: String,
     /// Where ruler.json, ruler.csv, ruler.png and ruler_teacher_forced.png go.
     #[arg(long, default_value = "runs/eval")]
     pub output_dir: PathBuf,
     /// Tasks, comma-separated: single, multikey, multivalue, multiquery, vt (variable
-    /// tracking), cwe (common-words extraction), fwe (frequent-words extraction) [default: all].
-    #[arg(long, value_delimiter = ',', default_value = "single,multikey,multivalue,multiquery,vt,cwe,fwe")]
+    /// tracking), cwe (common-words extraction), fwe (frequent-words extraction) [default:
+    /// all; single,vt in the token format].
+    #[arg(long, value_delimiter = ',')]
     pub tasks: Vec<String>,
     /// Context lengths in tokens, comma-separated [default: 1/8, 1/4, 1/2 and all of the
     /// trained context].
@@ -217,15 +220,17 @@ pub struct RulerArgs {
     /// Cases per task and length.
     #[arg(long, default_value_t = 4)]
     pub trials: usize,
-    /// Digits of the numbers to recall.
-    #[arg(long, default_value_t = 7)]
-    pub digits: usize,
+    /// Digits of the numbers to recall [default: 7; 5 in the token format, as the demo
+    /// trains (1 to 8 there)].
+    #[arg(long)]
+    pub digits: Option<usize>,
     /// Needles of multikey (keys), multivalue (values) and multiquery (keys asked).
     #[arg(long, default_value_t = 4)]
     pub needles: usize,
-    /// Variable tracking: assignments after the first (hops + 1 variables hold the value).
-    #[arg(long, default_value_t = 4)]
-    pub hops: usize,
+    /// Variable tracking: assignments after the first (hops + 1 variables hold the value)
+    /// [default: 4; 2 in the token format, as the demo trains (1 to 15 there)].
+    #[arg(long)]
+    pub hops: Option<usize>,
     /// Common-words extraction: the common words asked for (RULER's 10).
     #[arg(long, default_value_t = ruler::COMMON_WORDS)]
     pub common_words: usize,
@@ -403,8 +408,9 @@ fn worse_than_uniform(points: &[PplPoint], meta: &[serde_json::Value], dataset: 
             continue;
         }
         let why = if dataset == "synthetic:passkey" {
-            "; a model trained with the answer-only loss (synthetic:passkey-answer, as the demo is) never learnt the filler \
-             that synthetic:passkey scores: --dataset synthetic:passkey-answer scores the answer digits it was trained on"
+            "; a model trained with the answer-only loss (synthetic:passkey-answer, or synthetic:retrieval-answer as the demo is) \
+             never learnt the filler that synthetic:passkey scores: --dataset synthetic:passkey-answer scores the answer digits \
+             it was trained on"
         } else {
             ": this text is not what it was trained on, or the tokenizer is not the model's"
         };
@@ -525,9 +531,6 @@ fn read_haystack(path: Option<&Path>) -> Result<Option<String>> {
 
 fn ruler_cmd(a: RulerArgs) -> Result<()> {
     let tasks: Vec<Task> = a.tasks.iter().map(|t| Task::parse(t)).collect::<longctx::Result<_>>()?;
-    if tasks.is_empty() {
-        bail!("--tasks: no task given; e.g. --tasks single,multikey,multivalue,multiquery,vt,cwe,fwe");
-    }
     if a.trials == 0 {
         bail!("--trials: must be at least 1");
     }
@@ -546,7 +549,7 @@ fn ruler_cmd(a: RulerArgs) -> Result<()> {
         |ranks: &Ranks, models: &Vec<EvalModel>| ruler_ranks(&a, &tasks, haystack.as_deref(), ranks, &models[0]),
     )
     .context("evaluating the RULER-style tasks")?;
-    let Some((cells, lengths, meta)) = result else { return Ok(()) };
+    let Some((cells, lengths, meta, tasks)) = result else { return Ok(()) };
     let (json, csv) = (a.output_dir.join("ruler.json"), a.output_dir.join("ruler.csv"));
     let (png, png_tf) = (a.output_dir.join("ruler.png"), a.output_dir.join("ruler_teacher_forced.png"));
     let mut doc = meta;
@@ -595,21 +598,43 @@ fn ruler_cmd(a: RulerArgs) -> Result<()> {
     Ok(())
 }
 
-type RulerOut = (Vec<ruler::TaskCell>, Vec<usize>, serde_json::Value);
+/// The cells, the lengths, the JSON's metadata and the tasks run.
+type RulerOut = (Vec<ruler::TaskCell>, Vec<usize>, serde_json::Value, Vec<Task>);
 
 fn ruler_ranks(a: &RulerArgs, tasks: &[Task], haystack: Option<&str>, ranks: &Ranks, m: &EvalModel) -> longctx::Result<RulerOut> {
     let lead = ranks.rank() == 0;
     if lead {
         eprintln!("{}", m.describe());
     }
-    let Some(tok) = &m.tokenizer else {
-        return Err(longctx::Error::config(
-            "--model",
-            "model",
-            format!("{} has no tokenizer.json; the RULER-style tasks are text (use `eval needle` for the token format)", m.name),
-        ));
+    // A model without tokenizer.json: the built-in token vocabulary (`single` and `vt`).
+    let tok = m.tokenizer.as_ref();
+    let tasks: Vec<Task> = match (tasks.is_empty(), tok) {
+        (true, Some(_)) => Task::ALL.to_vec(),
+        (true, None) => ruler::TOKEN_TASKS.to_vec(),
+        (false, _) => tasks.to_vec(),
     };
-    let suite = RulerTask::new(tok, haystack, a.digits, a.needles, a.hops)?.with_common_words(a.common_words)?;
+    let digits = a.digits.unwrap_or(if tok.is_some() { 7 } else { 5 });
+    let hops = a.hops.unwrap_or(if tok.is_some() { 4 } else { longctx::train::trainer::DEMO_VT_HOPS });
+    let suite = match tok {
+        Some(tok) => Some(RulerTask::new(tok, haystack, digits, a.needles, hops)?.with_common_words(a.common_words)?),
+        None => {
+            if a.haystack.is_some() {
+                return Err(longctx::Error::config(
+                    "--haystack",
+                    "haystack",
+                    format!(
+                        "{} has no tokenizer.json: its tasks are in the built-in token vocabulary, whose filler is fixed; omit --haystack",
+                        m.name
+                    ),
+                ));
+            }
+            None
+        }
+    };
+    let case = |t: Task, l: usize, index: u64| match &suite {
+        Some(s) => s.case(t, l, a.run.seed, index),
+        None => ruler::token_case(t, l, m.cfg().vocab_size, digits, hops, a.run.seed, index),
+    };
     let lengths = if a.lengths.is_empty() { default_lengths(m.trained_context(), 256) } else { a.lengths.clone() };
     for &l in &lengths {
         m.check_length(l, a.run.allow_extrapolation, "--lengths")?;
@@ -618,11 +643,10 @@ fn ruler_ranks(a: &RulerArgs, tasks: &[Task], haystack: Option<&str>, ranks: &Ra
     let total = (lengths.len() * tasks.len() * a.trials) as u64;
     let pb = bar(total, lead, &format!("ruler {}", short(&m.name)));
     let mut cells = Vec::new();
-    for &t in tasks {
+    for &t in &tasks {
         for &l in &lengths {
             let (mut tf, mut tok_acc, mut rec) = (0usize, 0f64, 0f64);
-            let cases: longctx::Result<Vec<_>> =
-                (0..a.trials).map(|i| suite.case(t, l, a.run.seed, ((l as u64) << 20) ^ i as u64)).collect();
+            let cases: longctx::Result<Vec<_>> = (0..a.trials).map(|i| case(t, l, ((l as u64) << 20) ^ i as u64)).collect();
             // A length of the default grid too short for a task is skipped for that task
             // (the same on every rank); a length given with --lengths is an error.
             let cases = match cases {
@@ -646,14 +670,22 @@ fn ruler_ranks(a: &RulerArgs, tasks: &[Task], haystack: Option<&str>, ranks: &Ra
                     let out = longctx::eval::generate::generate(
                         &m.model,
                         &case.prompt(),
-                        case.answer.len() + 8,
+                        // Text may format the answer its own way; tokens have one way only
+                        // (and a longer output would find a variable by chance more often).
+                        case.answer.len() + if tok.is_some() { 8 } else { 0 },
                         eos,
                         &longctx::eval::generate::Sampling::GREEDY,
                         true,
                         |_| Ok(()),
                     )?;
-                    let text = tok.decode(&out, true).map_err(|e| longctx::Error::Setting(format!("tokenizer failed to decode: {e}")))?;
-                    rec += ruler::recall(&text, &case.expected);
+                    rec += match tok {
+                        Some(tok) => {
+                            let text =
+                                tok.decode(&out, true).map_err(|e| longctx::Error::Setting(format!("tokenizer failed to decode: {e}")))?;
+                            ruler::recall(&text, &case.expected)
+                        }
+                        None => ruler::recall_ids(&out, &case.expected_ids),
+                    };
                 }
                 if let Some(b) = &pb {
                     b.inc(1);
@@ -675,12 +707,13 @@ fn ruler_ranks(a: &RulerArgs, tasks: &[Task], haystack: Option<&str>, ranks: &Ra
     }
     let meta = serde_json::json!({
         "model": m.name, "trained_context": m.trained_context(), "max_context": m.max_context(),
-        "rope_theta": m.cfg().rope_theta, "tasks": tasks, "digits": a.digits, "needles": a.needles, "hops": a.hops,
+        "rope_theta": m.cfg().rope_theta, "tasks": tasks, "digits": digits, "needles": a.needles, "hops": hops,
+        "format": if tok.is_some() { "text" } else { "tokens" },
         "common_words": a.common_words,
         "trials": a.trials, "lengths": lengths, "haystack": a.haystack.as_ref().map(|p| p.display().to_string()),
         "parallel_mode": a.run.parallel_mode, "world_size": a.run.world_size,
     });
-    Ok((cells, lengths, meta))
+    Ok((cells, lengths, meta, tasks))
 }
 
 fn needle_cmd(a: NeedleArgs) -> Result<()> {

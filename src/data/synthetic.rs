@@ -7,10 +7,12 @@
 //! 3 KEY       "the passkey is"  (opens the needle, and again the answer)
 //! 4 KEY_END   "remember it."    (closes the needle)
 //! 5 QUESTION  "what is the passkey?"
-//! 6, 7        reserved
+//! 6 VAR       "VAR" (opens a variable assignment)
+//! 7 VT_QUESTION "which variables hold the value"
 //! 8..88       digits with their place: digit d at place i (0-based) is 8 + 10·i + d (i < 8)
 //! 88..109     filler words: one fixed block of 21 words (think five short sentences)
-//! 109..vocab  unused
+//! 109..125    variable names (16)
+//! 125..vocab  unused
 //! ```
 //! A sample is S+1 raw tokens `t` (S = seq_len), `ids = t[..S]`, `targets = t[1..]`:
 //! ```text
@@ -33,6 +35,21 @@
 //! a short stage and extend, which is the point of the demo. With `LossOn::All` the
 //! filler and the unpredictable needle digits dilute the signal: chance after 200 steps
 //! at 32. Use `Answer` to show retrieval, `All` only to show the loss going down.
+//!
+//! Variable tracking (RULER's `vt` in the built-in vocabulary; with `vt_hops` > 0 every odd
+//! sample is one, `synthetic:retrieval`): a chain of `hops + 1` distinct variables, the
+//! first assigned the value, each next one the previous variable, the assignments in chain
+//! order at random places of the filler, then the question with the value and the answer,
+//! the chain's variables in order:
+//! ```text
+//! BOS  filler…  VAR x0 p1..pk  filler…  VAR x1 x0  filler…  VAR x2 x1  …  VT_QUESTION p1..pk x0 x1 x2
+//! ```
+//! The first answer variable is the one assigned the value (one hop over the context to the
+//! value, then the token before it); each next one is the variable assigned the one just
+//! written (a match on the current token, then the token before the match: an induction
+//! head, which needs the model's two layers). Measured with the demo (2 layers, hidden 64):
+//! see `RunConfig::default`.
+//!
 //! Sample `i` depends only on `(seed, i)`: random access, and resuming is exact.
 
 use serde::{Deserialize, Serialize};
@@ -47,6 +64,8 @@ pub const EOS: u32 = 2;
 pub const KEY: u32 = 3;
 pub const KEY_END: u32 = 4;
 pub const QUESTION: u32 = 5;
+pub const VAR: u32 = 6;
+pub const VT_QUESTION: u32 = 7;
 /// Digit `d` at place `i`: `DIGIT0 + 10·i + d`.
 pub const DIGIT0: u32 = 8;
 /// Longest passkey (places with their own digit ids).
@@ -54,8 +73,16 @@ pub const MAX_DIGITS: usize = 8;
 pub const FILLER0: u32 = DIGIT0 + 10 * MAX_DIGITS as u32;
 /// Length of the filler block (ids FILLER0.., in order, repeated).
 pub const FILLER_BLOCK: usize = 21;
+/// First variable name of variable tracking.
+pub const VAR0: u32 = FILLER0 + FILLER_BLOCK as u32;
+/// Variable names (ids VAR0..VAR0 + VARIABLES).
+pub const VARIABLES: usize = 16;
+/// Most hops of a chain (every variable of it distinct).
+pub const MAX_HOPS: usize = VARIABLES - 1;
 /// Smallest accepted vocabulary.
 pub const MIN_VOCAB: usize = 128;
+// Every built-in id, the variable names included, is below the smallest vocabulary.
+const _: () = assert!(VAR0 as usize + VARIABLES <= MIN_VOCAB);
 
 /// Token id of digit `d` (0..=9) at place `i` (< MAX_DIGITS).
 pub fn digit_token(i: usize, d: u8) -> u32 {
@@ -86,6 +113,10 @@ pub struct PasskeyConfig {
     pub seed: u64,
     #[serde(default)]
     pub loss_on: LossOn,
+    /// 0: passkey samples only; else every odd sample is variable tracking with this many
+    /// hops (1..=MAX_HOPS; the chain holds hops + 1 variables).
+    #[serde(default)]
+    pub vt_hops: usize,
 }
 
 fn default_vocab() -> usize {
@@ -97,7 +128,7 @@ fn default_digits() -> usize {
 
 impl PasskeyConfig {
     pub fn new(seq_len: usize) -> Self {
-        Self { vocab: default_vocab(), seq_len, digits: default_digits(), seed: 0, loss_on: LossOn::Answer }
+        Self { vocab: default_vocab(), seq_len, digits: default_digits(), seed: 0, loss_on: LossOn::Answer, vt_hops: 0 }
     }
 }
 
@@ -132,11 +163,16 @@ impl Passkey {
         if !(1..=MAX_DIGITS).contains(&cfg.digits) {
             return Err(Error::Setting(format!("passkey: digits {} must be in 1..={MAX_DIGITS}", cfg.digits)));
         }
-        let min = 2 * cfg.digits + 4;
+        if cfg.vt_hops > MAX_HOPS {
+            return Err(Error::Setting(format!("passkey: vt_hops {} must be in 0..={MAX_HOPS} (0: no variable tracking)", cfg.vt_hops)));
+        }
+        let min = (2 * cfg.digits + 4).max(if cfg.vt_hops > 0 { vt_fixed(cfg.digits, cfg.vt_hops) - 1 } else { 0 });
         if cfg.seq_len < min {
             return Err(Error::Setting(format!(
-                "passkey: seq_len {} is too short for {} digits; it must be at least {min}",
-                cfg.seq_len, cfg.digits
+                "passkey: seq_len {} is too short for {} digits{}; it must be at least {min}",
+                cfg.seq_len,
+                cfg.digits,
+                if cfg.vt_hops > 0 { format!(" and variable tracking over {} hops", cfg.vt_hops) } else { String::new() }
             )));
         }
         Ok(Self { cfg, next: 0 })
@@ -146,9 +182,54 @@ impl Passkey {
         &self.cfg
     }
 
-    /// Sample `index` with the needle at a random depth.
+    /// Sample `index` with the needle at a random depth (with `vt_hops` > 0, an odd
+    /// `index` is a variable-tracking sample).
     pub fn sample(&self, index: u64) -> PasskeyItem {
+        if self.cfg.vt_hops > 0 && index % 2 == 1 {
+            return self.variable_tracking(index);
+        }
         self.generate(index, None)
+    }
+
+    /// Variable-tracking sample `index` (see the module docs; `vt_hops` hops, at least 1:
+    /// a config without them gets 1): `passkey` holds the value's digits, `needle_pos` the
+    /// first assignment's VAR, the answer the chain's variables.
+    pub fn variable_tracking(&self, index: u64) -> PasskeyItem {
+        let (s, k, hops) = (self.cfg.seq_len, self.cfg.digits, self.cfg.vt_hops.max(1));
+        let mut rng = SplitMix64::from_parts(&[self.cfg.seed, index, 0x7674]);
+        let value: Vec<u8> = (0..k).map(|_| rng.below(10) as u8).collect();
+        let digits: Vec<u32> = value.iter().enumerate().map(|(i, &d)| digit_token(i, d)).collect();
+        let mut names: Vec<u32> = (0..VARIABLES as u32).map(|v| VAR0 + v).collect();
+        rng.shuffle(&mut names);
+        names.truncate(hops + 1);
+        let mut sentences: Vec<Vec<u32>> = vec![[&[VAR, names[0]][..], &digits].concat()];
+        sentences.extend(names.windows(2).map(|w| vec![VAR, w[1], w[0]]));
+        let fill = s + 1 - vt_fixed(k, hops);
+        let mut at: Vec<usize> = (0..sentences.len()).map(|_| rng.below(fill + 1)).collect();
+        at.sort_unstable();
+        let mut t = Vec::with_capacity(s + 1);
+        t.push(BOS);
+        let mut filler = (0..fill).map(|j| FILLER0 + (j % FILLER_BLOCK) as u32);
+        let (mut prev, mut needle_pos) = (0, 0);
+        for (i, (p, sentence)) in at.into_iter().zip(sentences).enumerate() {
+            t.extend(filler.by_ref().take(p - prev));
+            if i == 0 {
+                needle_pos = t.len();
+            }
+            t.extend(sentence);
+            prev = p;
+        }
+        t.extend(filler);
+        t.push(VT_QUESTION);
+        t.extend_from_slice(&digits);
+        t.extend_from_slice(&names);
+        debug_assert_eq!(t.len(), s + 1);
+        let mut sample = Sample::from_tokens(&t, s, PAD);
+        let answer_start = s - names.len();
+        if self.cfg.loss_on == LossOn::Answer {
+            sample.targets[..answer_start].fill(IGNORE);
+        }
+        PasskeyItem { sample, passkey: value, needle_pos, answer_start }
     }
 
     /// Sample `index`; `depth` in [0, 1] (0 = right after BOS, 1 = right before the
@@ -186,6 +267,12 @@ impl Passkey {
         }
         PasskeyItem { sample, passkey, needle_pos, answer_start }
     }
+}
+
+/// Raw tokens of a variable-tracking sample other than filler: BOS, the assignments
+/// (k + 2, then 3 per hop), the question (1 + k) and the answer (hops + 1).
+fn vt_fixed(digits: usize, hops: usize) -> usize {
+    1 + (digits + 2) + 3 * hops + (1 + digits) + (hops + 1)
 }
 
 /// Samples 0, 1, 2, … in order, forever.

@@ -20,6 +20,11 @@
 //! The list or text of `cwe` and `fwe` fills the length; what one more item would not fit
 //! into is filled with a pad token after the task's sentence ([`crate::eval::words::pad_token`]).
 //!
+//! A model without `tokenizer.json` (the demo's export) gets the tasks in the built-in token
+//! vocabulary it trained on ([`token_case`], [`crate::data::synthetic`]): `single` (the
+//! passkey sample) and `vt` (the variable-tracking sample of `synthetic:retrieval`); its
+//! recall counts the expected token runs in the greedy output ([`recall_ids`]).
+//!
 //! Scores per case: teacher-forced exact match and share of answer tokens right (one
 //! forward, any parallel mode), and the recall of the expected strings in the greedy
 //! output ([`recall`]: each expected string found in it, case-insensitive, counts
@@ -93,6 +98,53 @@ pub fn recall(output: &str, expected: &[String]) -> f64 {
     expected.iter().filter(|e| out.contains(&e.to_lowercase())).count() as f64 / expected.len() as f64
 }
 
+/// The token-format twin of [`recall`]: the share of `expected` token runs that occur
+/// (contiguous, in order within a run) in `output`; 0 when nothing is expected.
+pub fn recall_ids(output: &[u32], expected: &[Vec<u32>]) -> f64 {
+    if expected.is_empty() {
+        return 0.0;
+    }
+    let found = |e: &Vec<u32>| !e.is_empty() && output.windows(e.len()).any(|w| w == e.as_slice());
+    expected.iter().filter(|e| found(e)).count() as f64 / expected.len() as f64
+}
+
+/// The tasks of the built-in token vocabulary.
+pub const TOKEN_TASKS: [Task; 2] = [Task::Single, Task::Vt];
+
+/// A case of `task` in the built-in token vocabulary (a model of `vocab` ids without a
+/// tokenizer): `single` is the passkey sample of `len` inputs with `digits` digits, `vt`
+/// the variable-tracking sample over `hops` hops ([`crate::data::synthetic`]). Each expected
+/// string is a token run: the whole number for `single`, each variable for `vt`.
+pub fn token_case(task: Task, len: usize, vocab: usize, digits: usize, hops: usize, seed: u64, index: u64) -> Result<TaskCase> {
+    use crate::data::synthetic::{LossOn, Passkey, PasskeyConfig, VAR0};
+    if !TOKEN_TASKS.contains(&task) {
+        return Err(Error::config(
+            "--tasks",
+            "tasks",
+            format!(
+                "task {} needs a model with tokenizer.json; in the built-in token vocabulary (a model without one, like the \
+                 demo's export) the tasks are single and vt",
+                task.name()
+            ),
+        ));
+    }
+    let cfg =
+        PasskeyConfig { vocab, seq_len: len, digits, seed, loss_on: LossOn::Answer, vt_hops: if task == Task::Vt { hops } else { 0 } };
+    let gen = Passkey::new(cfg).map_err(|e| match e {
+        Error::Setting(m) if m.contains("too short") => too_short(task, len, m),
+        e => e,
+    })?;
+    let item = if task == Task::Vt { gen.variable_tracking(index) } else { gen.generate(index, None) };
+    let answer: Vec<u32> = item.sample.targets[item.answer_start..].iter().map(|&t| t as u32).collect();
+    let (expected, expected_ids, question) = if task == Task::Vt {
+        let names = answer.iter().map(|&v| format!("V{}", v - VAR0)).collect();
+        (names, answer.iter().map(|&v| vec![v]).collect(), "<vt-question> value".to_string())
+    } else {
+        (vec![item.passkey.iter().map(|d| char::from(b'0' + d)).collect()], vec![answer.clone()], "<question> <key>".to_string())
+    };
+    Ok(TaskCase { task, sample: item.sample, answer_start: item.answer_start, answer, expected, expected_ids, question })
+}
+
 /// One case of a task.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TaskCase {
@@ -103,6 +155,9 @@ pub struct TaskCase {
     pub answer: Vec<u32>,
     /// The strings the output must hold (numbers, or variable names), in answer order.
     pub expected: Vec<String>,
+    /// Token format only ([`token_case`]): the token runs the output must hold, one per
+    /// expected string; empty for text cases, which are scored on the decoded text.
+    pub expected_ids: Vec<Vec<u32>>,
     /// The question as text (what the prompt ends with).
     pub question: String,
 }
@@ -287,7 +342,15 @@ impl RulerTask {
         debug_assert_eq!(raw.len(), len + 1);
         let answer = parts[3];
         let answer_start = len - answer.len();
-        TaskCase { task, sample: Sample::from_tokens(&raw, len, 0), answer_start, answer: answer.to_vec(), expected, question }
+        TaskCase {
+            task,
+            sample: Sample::from_tokens(&raw, len, 0),
+            answer_start,
+            answer: answer.to_vec(),
+            expected,
+            expected_ids: Vec::new(),
+            question,
+        }
     }
 
     /// A case of `task` with `len` inputs: the sentences at random places of the haystack,

@@ -219,6 +219,9 @@ fn check_host_memory(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Resul
     crate::limits::check_host_memory(&need, crate::limits::physical_memory(), Path::new("<run config>"))
 }
 
+/// Hops of the variable tracking in `synthetic:retrieval` (3 variables a chain).
+pub const DEMO_VT_HOPS: usize = 2;
+
 /// The data spec of a stage (its dataset, column and seed: [`RunConfig::stage_settings`]).
 fn data_spec(cfg: &RunConfig, model: &StartModel, s: &StageSettings) -> Result<DataSpec> {
     stage_data_spec(cfg, &model.cfg, s)
@@ -235,15 +238,21 @@ pub fn stage_data_spec(cfg: &RunConfig, mcfg: &LlamaConfig, s: &StageSettings) -
     };
     if let Some(kind) = ds.strip_prefix("synthetic:") {
         // `passkey`: loss on every next token; `passkey-answer`: loss on the answer digits
-        // only (what retrieval accuracy is about; the demo's default).
-        let loss_on = match kind {
-            "passkey" => LossOn::All,
-            "passkey-answer" => LossOn::Answer,
+        // only (what retrieval accuracy is about); `retrieval(-answer)`: the same with every
+        // odd sample variable tracking over 2 hops (the demo's default).
+        let (loss_on, vt_hops) = match kind {
+            "passkey" => (LossOn::All, 0),
+            "passkey-answer" => (LossOn::Answer, 0),
+            "retrieval" => (LossOn::All, DEMO_VT_HOPS),
+            "retrieval-answer" => (LossOn::Answer, DEMO_VT_HOPS),
             _ => {
                 return Err(Error::config(
                     "<run config>",
                     &field,
-                    format!("unknown synthetic dataset `{ds}`; available: synthetic:passkey, synthetic:passkey-answer"),
+                    format!(
+                        "unknown synthetic dataset `{ds}`; available: synthetic:passkey, synthetic:passkey-answer, \
+                         synthetic:retrieval, synthetic:retrieval-answer"
+                    ),
                 ))
             }
         };
@@ -251,6 +260,7 @@ pub fn stage_data_spec(cfg: &RunConfig, mcfg: &LlamaConfig, s: &StageSettings) -
         p.vocab = mcfg.vocab_size;
         p.seed = s.seed;
         p.loss_on = loss_on;
+        p.vt_hops = vt_hops;
         return Ok(DataSpec::Passkey(p));
     }
     let mut f = FilesConfig::new(ds.clone(), seq_len);
