@@ -241,7 +241,7 @@ fn token_cases_are_the_demos_samples_with_their_answers() {
         assert_eq!((v.answer_start, v.answer.len()), (len - 3, 3));
         assert_eq!(v.expected_ids, v.answer.iter().map(|&t| vec![t]).collect::<Vec<_>>(), "each variable its own run");
         assert_eq!(v.expected, v.answer.iter().map(|t| format!("V{}", t - synthetic::VAR0)).collect::<Vec<_>>());
-        assert_eq!(v.sample.ids[len - 3 - 5 - 1], synthetic::VT_QUESTION);
+        assert_eq!(v.sample.ids[len - 3 - 5], synthetic::VT_QUESTION);
     }
     for t in [Task::MultiKey, Task::MultiValue, Task::MultiQuery, Task::Cwe, Task::Fwe] {
         let e = token_case(t, 256, 256, 5, 2, 0, 0).unwrap_err().to_string();
@@ -352,18 +352,24 @@ fn the_ruler_command_writes_its_files_through_two_zigzag_ranks() {
     for f in ["config.json", "model.safetensors"] {
         std::fs::copy(model.join(f), bare.join(f)).unwrap();
     }
-    let out = run(vec![
-        "eval".into(),
-        "ruler".into(),
-        "--model".into(),
-        s(&bare),
-        "--lengths".into(),
-        "700".into(),
-        "--output-dir".into(),
-        s(&ev),
-    ]);
+    // Without tokenizer.json: the built-in token format, whose tasks are single and vt.
+    let bare_args = |extra: &[&str]| {
+        let mut v: Vec<String> = ["eval", "ruler", "--model", &s(&bare), "--lengths", "700", "--trials", "2", "--output-dir", &s(&ev)]
+            .iter()
+            .map(|x| x.to_string())
+            .collect();
+        v.extend(extra.iter().map(|x| x.to_string()));
+        v
+    };
+    let out = run(bare_args(&["--tasks", "single,multikey"]));
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("no tokenizer.json"), "{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("task multikey needs a model with tokenizer.json") && err.contains("single and vt"), "{err}");
+    let out = run(bare_args(&[]));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: Value = serde_json::from_str(&std::fs::read_to_string(ev.join("ruler.json")).unwrap()).unwrap();
+    assert_eq!((j["format"].as_str(), j["digits"].as_u64(), j["hops"].as_u64()), (Some("tokens"), Some(5), Some(2)));
+    assert_eq!(j["cells"].as_array().unwrap().len(), 2, "single and vt at 700");
 }
 
 /// Word counts of a decoded `cwe` list (` 1. word 2. word …`): the numbering must run

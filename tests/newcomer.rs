@@ -236,7 +236,7 @@ fn lengths_are_read_and_printed_one_way() {
 #[test]
 fn the_demo_with_a_model_flag_says_what_it_keeps() {
     let o = ok(&["train", "--model", "builtin:tiny", "--dry-run"]);
-    assert!(o.stdout.starts_with("# no --config: with --model/--dataset the run keeps the demo's 2 stages"), "{}", o.stdout);
+    assert!(o.stdout.starts_with("# no --config: with --model/--dataset the run keeps the demo's 3 stages"), "{}", o.stdout);
     assert_has(&o.stdout, &["batch 1, learning rate 2e-5"]);
     let o = ok(&["train", "--dry-run"]);
     assert!(!o.stdout.contains("no --config"), "{}", o.stdout);

@@ -62,7 +62,10 @@ fn token_name(t: u32) -> String {
         synthetic::KEY => "<key>".into(),
         synthetic::KEY_END => "</key>".into(),
         synthetic::QUESTION => "<question>".into(),
+        synthetic::VAR => "<var>".into(),
+        synthetic::VT_QUESTION => "<vt-question>".into(),
         t if (synthetic::DIGIT0..synthetic::FILLER0).contains(&t) => format!("{}", (t - synthetic::DIGIT0) % 10),
+        t if (synthetic::VAR0..synthetic::VAR0 + synthetic::VARIABLES as u32).contains(&t) => format!("V{}", t - synthetic::VAR0),
         t => format!("#{t}"),
     }
 }

@@ -418,7 +418,7 @@ mod tests {
         assert_eq!((c.parallel.mode, c.parallel.world_size, c.parallel.fpdt_offload), (ParallelMode::Fpdt, 4, true));
         assert_eq!((c.train.batch_size, c.train.lr_schedule), (2, Schedule::Cosine));
         let c = apply(&["--seq-length", "256"]).unwrap();
-        assert_eq!((c.stages.len(), c.stages[0].rope_theta, c.stages[0].steps), (1, 1e5, 60), "theta and steps of the last stage");
+        assert_eq!((c.stages.len(), c.stages[0].rope_theta, c.stages[0].steps), (1, 1e5, 50), "theta and steps of the last stage");
         let c = apply(&["--max-train-steps", "7", "--rope-theta", "3e5"]).unwrap();
         assert!(c.stages.iter().all(|s| (s.steps, s.rope_theta) == (7, 3e5)));
         for (flags, field) in [(["--parallel-mode", "ring"], "--parallel-mode"), (["--lr-schedule", "step"], "--lr-schedule")] {

@@ -530,7 +530,10 @@ mod tests {
         c.stages[1].parallel_mode = Some(ParallelMode::Fpdt);
         c.stages[1].fpdt_chunk_size = Some(128);
         let reqs = planned(&args(&[]), Some(c.clone()));
-        assert_eq!(reqs.iter().map(|(l, _)| l.as_str()).collect::<Vec<_>>(), ["stage 0 (rope_theta 10000)", "stage 1 (rope_theta 100000)"]);
+        assert_eq!(
+            reqs.iter().map(|(l, _)| l.as_str()).collect::<Vec<_>>(),
+            ["stage 0 (rope_theta 10000)", "stage 1 (rope_theta 100000)", "stage 2 (rope_theta 100000)"]
+        );
         let r = &reqs[1].1;
         assert_eq!((r.mode, r.fpdt_chunk, r.world, r.gpus, r.dtype_bytes, r.batch_size), (ParallelMode::Fpdt, 128, 2, 2, 2, 8));
         let a = args(&["--parallel-mode", "usp", "--fpdt-chunk-size", "64", "--batch-size", "3", "--dtype", "f32", "--gpus", "4"]);

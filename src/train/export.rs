@@ -155,10 +155,11 @@ mod tests {
             .unwrap()
     }
 
-    /// The demo's stages: 32 tokens at θ 1e4, then 1024 at θ 1e5.
+    /// Two stages: 32 tokens at θ 1e4, then 1024 at θ 1e5.
     #[test]
     fn a_run_exports_the_context_of_its_last_trained_stage() {
-        let mut run = RunConfig::default();
+        let stage = crate::train::config::Stage::new;
+        let mut run = RunConfig { stages: vec![stage(32, 1e4, 200), stage(1024, 1e5, 60)], ..Default::default() };
         assert_eq!(at(&run, 2, 0, 64).context, Some((1e5, 1024)), "finished");
         assert_eq!(at(&run, 1, 5, 64).context, Some((1e5, 1024)), "inside stage 1");
         assert_eq!(at(&run, 1, 0, 64).context, Some((1e4, 64)), "stage 1 not started: stage 0's, the model's length if longer");
