@@ -247,6 +247,10 @@ fn token_cases_are_the_demos_samples_with_their_answers() {
         let e = token_case(t, 256, 256, 5, 2, 0, 0).unwrap_err().to_string();
         assert!(e.contains(&format!("task {} needs a model with tokenizer.json", t.name())) && e.contains("single and vt"), "{e}");
     }
+    let e = token_case(Task::Single, 256, 256, 9, 2, 0, 0).unwrap_err().to_string();
+    assert!(e.contains("--digits") && e.contains("got 9, expected 1 to 8"), "{e}");
+    let e = token_case(Task::Vt, 256, 256, 5, 16, 0, 0).unwrap_err().to_string();
+    assert!(e.contains("--hops") && e.contains("got 16, expected 1 to 15"), "{e}");
     let e = token_case(Task::Vt, 20, 256, 5, 2, 0, 0).unwrap_err().to_string();
     assert!(e.contains("too short for task vt") && e.contains("at least 22"), "{e}");
 }

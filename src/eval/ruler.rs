@@ -128,6 +128,16 @@ pub fn token_case(task: Task, len: usize, vocab: usize, digits: usize, hops: usi
             ),
         ));
     }
+    if !(1..=crate::data::synthetic::MAX_DIGITS).contains(&digits) {
+        return Err(Error::config(
+            "--digits",
+            "digits",
+            format!("got {digits}, expected 1 to 8 in the token format (the places with digit ids)"),
+        ));
+    }
+    if !(1..=crate::data::synthetic::MAX_HOPS).contains(&hops) {
+        return Err(Error::config("--hops", "hops", format!("got {hops}, expected 1 to 15 in the token format (16 variable names)")));
+    }
     let cfg =
         PasskeyConfig { vocab, seq_len: len, digits, seed, loss_on: LossOn::Answer, vt_hops: if task == Task::Vt { hops } else { 0 } };
     let gen = Passkey::new(cfg).map_err(|e| match e {
