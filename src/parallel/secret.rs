@@ -169,14 +169,17 @@ fn word_like(s: &[char]) -> bool {
 }
 
 /// A conservative estimate of the entropy of `s`, in bits: each char costs log2 of its
-/// alphabet's size (at most 1 + log2 of the distinct chars used; 2 bits for words, see
+/// alphabet's size (at most 2 + log2 of the distinct chars used; 2 bits for words, see
 /// [`word_like`]), except that a repeat of earlier text, a run of a constant step and a
 /// common word of 3 chars or more cost at most [`PATTERN_BITS`] each.
 pub fn estimated_bits(s: &str) -> f64 {
     // Patterns are searched in quadratic time: the first 512 chars decide.
     let chars: Vec<char> = s.chars().take(512).collect();
     let distinct = chars.iter().collect::<std::collections::BTreeSet<_>>().len().max(1) as f64;
-    let per_char = if word_like(&chars) { 2.0 } else { alphabet(&chars).log2().min(1.0 + distinct.log2()) };
+    // 2 + log2(distinct): a random string of 22 base64 chars uses ~19 of them, and must keep
+    // its 6 bits a char (with 1 + log2 it got 5.2, and an accidental 4-char repeat took
+    // `openssl rand -base64 16` below the bar now and then).
+    let per_char = if word_like(&chars) { 2.0 } else { alphabet(&chars).log2().min(2.0 + distinct.log2()) };
     let (mut bits, mut i) = (0.0, 0);
     while i < chars.len() {
         match pattern_at(&chars, i) {
