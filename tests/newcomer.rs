@@ -314,11 +314,34 @@ fn eval_takes_the_underscore_spellings_and_explains_passkey_answer() {
         "--output_dir",
         tmp.path().to_str().unwrap(),
     ]);
-    assert_has(&o.stderr, &["synthetic:passkey-answer: perplexity of the answer digits only"]);
+    assert_has(&o.stderr, &["synthetic:passkey-answer: perplexity of the answers only"]);
     // The answer-only mask is kept: 5 scored digits per 16-token sample, 4 samples (64 tokens).
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("ppl.json")).unwrap()).unwrap();
     let point = &v["points"][0];
     assert_eq!((point["tokens"].as_u64(), point["windows"].as_u64()), (Some(5 * 4), Some(4)), "{v}");
+    // The demo's own data, synthetic:retrieval-answer: passkey samples (5 answer digits) and
+    // variable-tracking samples (3 variables) alternate; 4 samples of 33 tokens.
+    let dir = tmp.path().to_str().unwrap();
+    let o = ok(&[
+        "eval",
+        "ppl",
+        "--model",
+        "builtin:tiny",
+        "--dataset",
+        "synthetic:retrieval-answer",
+        "--lengths",
+        "32",
+        "--max-tokens",
+        "132",
+        "--output-dir",
+        dir,
+    ]);
+    assert_has(&o.stderr, &["synthetic:retrieval-answer: perplexity of the answers only"]);
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("ppl.json")).unwrap()).unwrap();
+    let point = &v["points"][0];
+    assert_eq!((point["tokens"].as_u64(), point["windows"].as_u64()), (Some(5 + 3 + 5 + 3), Some(4)), "{v}");
+    let o = run(&["eval", "ppl", "--model", "builtin:tiny", "--dataset", "synthetic:nope", "--lengths", "32", "--output-dir", dir]);
+    fails(&o, &["unknown synthetic dataset `synthetic:nope`", "synthetic:retrieval-answer"]);
 }
 
 /// Every long flag of every command takes its underscore spelling (EasyContext's and

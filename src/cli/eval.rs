@@ -311,14 +311,24 @@ fn load_models(specs: &[String], dev: &candle_core::Device, dtype: candle_core::
     specs.iter().map(|s| EvalModel::load(s, &dev, dt, &HubOptions::from_env())).collect()
 }
 
-/// What perplexity on `synthetic:passkey-answer` measures: the answer digits only (its
+/// The answer-only synthetic dataset `dataset` names (`synthetic:passkey-answer`,
+/// `synthetic:retrieval-answer`): its variable-tracking hops (0: passkey only).
+fn answer_only_hops(dataset: &str) -> Option<usize> {
+    match dataset.strip_prefix("synthetic:").and_then(longctx::data::synthetic::dataset) {
+        Some((longctx::data::LossOn::Answer, hops)) => Some(hops),
+        _ => None,
+    }
+}
+
+/// What perplexity on an answer-only synthetic dataset measures: the answers only (its
 /// training loss mask), one sample of each length per window, whatever `--method`.
 fn passkey_answer_note(dataset: &str) -> Option<String> {
-    (dataset == "synthetic:passkey-answer").then(|| {
-        "synthetic:passkey-answer: perplexity of the answer digits only (the loss mask it trains with), over samples \
-         generated at each length, one window each (--method and --stride do not apply); synthetic:passkey scores every \
-         token, filler included, which a model trained on the answers only (the demo) never learnt"
-            .to_string()
+    answer_only_hops(dataset).map(|_| {
+        format!(
+            "{dataset}: perplexity of the answers only (the loss mask it trains with), over samples generated at each \
+             length, one window each (--method and --stride do not apply); synthetic:passkey scores every token, filler \
+             included, which a model trained on the answers only (the demo) never learnt"
+        )
     })
 }
 
@@ -465,17 +475,17 @@ fn ppl_ranks(a: &PplArgs, method: Method, token_width: TokenWidth, ranks: &Ranks
             max_docs: a.max_docs.max(1),
             seed: a.run.seed,
         };
-        // synthetic:passkey-answer keeps its answer-only mask: samples of each length,
-        // scored on their answer digits (`ppl::passkey_answer_windows`).
-        let answer_only = a.dataset == "synthetic:passkey-answer";
-        let docs = if answer_only { Vec::new() } else { ppl::read_docs(&src, &m.model, m.tokenizer.as_ref(), longest)? };
+        // synthetic:passkey-answer and retrieval-answer keep their answer-only mask:
+        // samples of each length, scored on their answers (`ppl::passkey_answer_windows`).
+        let answer_only = answer_only_hops(&a.dataset);
+        let docs = if answer_only.is_some() { Vec::new() } else { ppl::read_docs(&src, &m.model, m.tokenizer.as_ref(), longest)? };
         let stream: Vec<u32> = docs.concat();
         for &l in &run_lengths {
             let t0 = Instant::now();
             let windows = match method {
-                _ if answer_only => {
+                _ if answer_only.is_some() => {
                     let n = src.max_docs.min(src.max_tokens.div_ceil(l.saturating_add(1))).max(1);
-                    ppl::passkey_answer_windows(m.cfg().vocab_size, src.seed, l, n)?
+                    ppl::passkey_answer_windows(m.cfg().vocab_size, src.seed, l, n, answer_only.unwrap_or(0))?
                 }
                 Method::Sliding => ppl::sliding_windows(&stream, l, a.stride.unwrap_or((l / 2).max(1)), src.max_tokens),
                 Method::Truncate => ppl::truncated_windows(&docs, l, src.max_docs),
@@ -614,7 +624,7 @@ fn ruler_ranks(a: &RulerArgs, tasks: &[Task], haystack: Option<&str>, ranks: &Ra
         (false, _) => tasks.to_vec(),
     };
     let digits = a.digits.unwrap_or(if tok.is_some() { 7 } else { 5 });
-    let hops = a.hops.unwrap_or(if tok.is_some() { 4 } else { longctx::train::trainer::DEMO_VT_HOPS });
+    let hops = a.hops.unwrap_or(if tok.is_some() { 4 } else { longctx::data::synthetic::RETRIEVAL_HOPS });
     let suite = match tok {
         Some(tok) => Some(RulerTask::new(tok, haystack, digits, a.needles, hops)?.with_common_words(a.common_words)?),
         None => {

@@ -269,6 +269,26 @@ impl Passkey {
     }
 }
 
+/// Hops of the variable tracking in `synthetic:retrieval` (3 variables a chain).
+pub const RETRIEVAL_HOPS: usize = 2;
+
+/// The synthetic datasets by name, for messages.
+pub const DATASETS: &str = "synthetic:passkey, synthetic:passkey-answer, synthetic:retrieval, synthetic:retrieval-answer";
+
+/// The loss mask and variable-tracking hops of a synthetic dataset `synthetic:KIND`:
+/// `passkey` (every next token), `passkey-answer` (the answer digits only), `retrieval`
+/// and `retrieval-answer` (the same, every odd sample variable tracking over
+/// [`RETRIEVAL_HOPS`] hops). `None` for any other kind.
+pub fn dataset(kind: &str) -> Option<(LossOn, usize)> {
+    match kind {
+        "passkey" => Some((LossOn::All, 0)),
+        "passkey-answer" => Some((LossOn::Answer, 0)),
+        "retrieval" => Some((LossOn::All, RETRIEVAL_HOPS)),
+        "retrieval-answer" => Some((LossOn::Answer, RETRIEVAL_HOPS)),
+        _ => None,
+    }
+}
+
 /// Raw tokens of a variable-tracking sample other than filler: BOS, the assignments
 /// (k + 2, then 3 per hop), the question (1 + k) and the answer (hops + 1).
 fn vt_fixed(digits: usize, hops: usize) -> usize {

@@ -123,15 +123,16 @@ pub fn truncated_windows(docs: &[Vec<u32>], len: usize, max_docs: usize) -> Vec<
         .collect()
 }
 
-/// `synthetic:passkey-answer` at length `len`: `n` passkey samples of that length, each its
-/// own window, scored on the answer digits only (the loss mask the dataset trains with:
-/// the perplexity of retrieving the key across the haystack, not of the filler). Samples
-/// `0..n` of the seed, as `read_docs` numbers them.
-pub fn passkey_answer_windows(vocab: usize, seed: u64, len: usize, n: usize) -> Result<Vec<Window>> {
+/// `synthetic:passkey-answer` (`vt_hops` 0) or `synthetic:retrieval-answer` (its hops)
+/// at length `len`: `n` samples of that length, each its own window, scored on the answers
+/// only (the loss mask the dataset trains with: the perplexity of retrieving across the
+/// haystack, not of the filler). Samples `0..n` of the seed, as `read_docs` numbers them.
+pub fn passkey_answer_windows(vocab: usize, seed: u64, len: usize, n: usize, vt_hops: usize) -> Result<Vec<Window>> {
     let mut pc = PasskeyConfig::new(len);
     pc.vocab = vocab;
     pc.seed = seed;
     pc.loss_on = LossOn::Answer;
+    pc.vt_hops = vt_hops;
     let gen = Passkey::new(pc)?;
     Ok((0..n.max(1) as u64)
         .map(|i| {
@@ -162,17 +163,18 @@ pub struct DocSource {
 pub fn read_docs(src: &DocSource, model: &Llama, tokenizer: Option<&tokenizers::Tokenizer>, longest: usize) -> Result<Vec<Vec<u32>>> {
     let cfg = &model.cfg;
     if let Some(kind) = src.dataset.strip_prefix("synthetic:") {
-        if kind != "passkey" && kind != "passkey-answer" {
+        let Some((_, vt_hops)) = crate::data::synthetic::dataset(kind) else {
             return Err(Error::config(
                 "--dataset",
                 "dataset",
-                format!("unknown synthetic dataset `{}`; available: synthetic:passkey", src.dataset),
+                format!("unknown synthetic dataset `{}`; available: {}", src.dataset, crate::data::synthetic::DATASETS),
             ));
-        }
+        };
         let mut pc = PasskeyConfig::new(longest);
         pc.vocab = cfg.vocab_size;
         pc.seed = src.seed;
         pc.loss_on = LossOn::All;
+        pc.vt_hops = vt_hops;
         let gen = Passkey::new(pc)?;
         let n = src.max_docs.min(src.max_tokens.div_ceil(longest.saturating_add(1))).max(1);
         return Ok((0..n as u64)

@@ -229,10 +229,11 @@ impl StageEval {
     pub fn new(section: EvalSection, original: usize, longest: usize, seed: u64) -> Result<Self> {
         let d = section.dataset.trim();
         match d.strip_prefix("synthetic:") {
-            Some("passkey" | "passkey-answer") => {}
+            Some(kind) if crate::data::synthetic::dataset(kind).is_some() => {}
             Some(_) => {
                 return Err(Error::Setting(format!(
-                    "eval.dataset `{d}`: unknown synthetic dataset; use synthetic:passkey or synthetic:passkey-answer, or held-out files"
+                    "eval.dataset `{d}`: unknown synthetic dataset; use one of {}, or held-out files",
+                    crate::data::synthetic::DATASETS
                 )))
             }
             None => {
@@ -256,16 +257,19 @@ impl StageEval {
         let lengths = self.section.lengths_for(at.seq_len, self.original);
         let longest = self.longest;
         let section = self.section.clone();
-        let answers_only = section.dataset.trim() == "synthetic:passkey-answer";
+        let answers_only = match section.dataset.trim().strip_prefix("synthetic:").and_then(crate::data::synthetic::dataset) {
+            Some((crate::data::LossOn::Answer, hops)) => Some(hops),
+            _ => None,
+        };
         let (seed, vocab) = (self.seed ^ 0x5eed_e7a1, model.cfg.vocab_size);
-        let docs = if answers_only { &Vec::new() } else { self.docs(model, tokenizer, longest)? };
+        let docs = if answers_only.is_some() { &Vec::new() } else { self.docs(model, tokenizer, longest)? };
         let device = model.embed_tokens.embeddings().device().clone();
         let mut ppl_out = Vec::with_capacity(lengths.len());
         for &len in &lengths {
-            let windows = if answers_only {
-                // the answer digits only, as that dataset trains (and `eval ppl` scores it)
+            let windows = if let Some(hops) = answers_only {
+                // the answers only, as that dataset trains (and `eval ppl` scores it)
                 let tokens = if section.tokens == 0 { 2 * longest } else { section.tokens };
-                ppl::passkey_answer_windows(vocab, seed, len, tokens.div_ceil(len))?
+                ppl::passkey_answer_windows(vocab, seed, len, tokens.div_ceil(len), hops)?
             } else {
                 windows(&section, docs, len, longest)
             };

@@ -19,7 +19,7 @@
 //! that every rank checkpoints after the same step.
 
 use crate::data::loader::{DataSpec, DataState, FilesConfig, Loader, Shard};
-use crate::data::synthetic::{LossOn, PasskeyConfig};
+use crate::data::synthetic::PasskeyConfig;
 use crate::eval::forward::Ranks;
 use crate::model::{LlamaConfig, Rope};
 use crate::parallel::dims::{build_groups, Groups, ParallelDims, ParallelMode};
@@ -219,9 +219,6 @@ fn check_host_memory(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Resul
     crate::limits::check_host_memory(&need, crate::limits::physical_memory(), Path::new("<run config>"))
 }
 
-/// Hops of the variable tracking in `synthetic:retrieval` (3 variables a chain).
-pub const DEMO_VT_HOPS: usize = 2;
-
 /// The data spec of a stage (its dataset, column and seed: [`RunConfig::stage_settings`]).
 fn data_spec(cfg: &RunConfig, model: &StartModel, s: &StageSettings) -> Result<DataSpec> {
     stage_data_spec(cfg, &model.cfg, s)
@@ -237,24 +234,12 @@ pub fn stage_data_spec(cfg: &RunConfig, mcfg: &LlamaConfig, s: &StageSettings) -
         "data.dataset".to_string()
     };
     if let Some(kind) = ds.strip_prefix("synthetic:") {
-        // `passkey`: loss on every next token; `passkey-answer`: loss on the answer digits
-        // only (what retrieval accuracy is about); `retrieval(-answer)`: the same with every
-        // odd sample variable tracking over 2 hops (the demo's default).
-        let (loss_on, vt_hops) = match kind {
-            "passkey" => (LossOn::All, 0),
-            "passkey-answer" => (LossOn::Answer, 0),
-            "retrieval" => (LossOn::All, DEMO_VT_HOPS),
-            "retrieval-answer" => (LossOn::Answer, DEMO_VT_HOPS),
-            _ => {
-                return Err(Error::config(
-                    "<run config>",
-                    &field,
-                    format!(
-                        "unknown synthetic dataset `{ds}`; available: synthetic:passkey, synthetic:passkey-answer, \
-                         synthetic:retrieval, synthetic:retrieval-answer"
-                    ),
-                ))
-            }
+        let Some((loss_on, vt_hops)) = crate::data::synthetic::dataset(kind) else {
+            return Err(Error::config(
+                "<run config>",
+                &field,
+                format!("unknown synthetic dataset `{ds}`; available: {}", crate::data::synthetic::DATASETS),
+            ));
         };
         let mut p = PasskeyConfig::new(seq_len);
         p.vocab = mcfg.vocab_size;
