@@ -298,48 +298,22 @@ fn eval_takes_the_underscore_spellings_and_explains_passkey_answer() {
     let o = ok(&["eval", "ppl", "--help"]);
     assert_has(&o.stdout, &["parallel_mode", "world_size", "output_dir", "dataset_column"]);
     let tmp = tempfile::tempdir().unwrap();
-    let o = ok(&[
-        "eval",
-        "ppl",
-        "--model",
-        "builtin:tiny",
-        "--dataset",
-        "synthetic:passkey-answer",
-        "--parallel_mode",
-        "data_parallel",
-        "--lengths",
-        "16",
-        "--max-tokens",
-        "64",
-        "--output_dir",
-        tmp.path().to_str().unwrap(),
-    ]);
-    assert_has(&o.stderr, &["synthetic:passkey-answer: perplexity of the answers only"]);
+    let dir = tmp.path().to_str().unwrap();
+    // `eval ppl` on an answer-only synthetic dataset: its note, and (scored tokens, windows).
+    let answers = |dataset: &str, len: &str, max_tokens: &str| {
+        let o = ok(&[
+            "eval", "ppl", "--model", "builtin:tiny", "--dataset", dataset, "--parallel_mode", "data_parallel", "--lengths", len,
+            "--max-tokens", max_tokens, "--output_dir", dir,
+        ]);
+        assert_has(&o.stderr, &[&format!("{dataset}: perplexity of the answers only")]);
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("ppl.json")).unwrap()).unwrap();
+        (v["points"][0]["tokens"].as_u64(), v["points"][0]["windows"].as_u64())
+    };
     // The answer-only mask is kept: 5 scored digits per 16-token sample, 4 samples (64 tokens).
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("ppl.json")).unwrap()).unwrap();
-    let point = &v["points"][0];
-    assert_eq!((point["tokens"].as_u64(), point["windows"].as_u64()), (Some(5 * 4), Some(4)), "{v}");
+    assert_eq!(answers("synthetic:passkey-answer", "16", "64"), (Some(5 * 4), Some(4)));
     // The demo's own data, synthetic:retrieval-answer: passkey samples (5 answer digits) and
     // variable-tracking samples (3 variables) alternate; 4 samples of 33 tokens.
-    let dir = tmp.path().to_str().unwrap();
-    let o = ok(&[
-        "eval",
-        "ppl",
-        "--model",
-        "builtin:tiny",
-        "--dataset",
-        "synthetic:retrieval-answer",
-        "--lengths",
-        "32",
-        "--max-tokens",
-        "132",
-        "--output-dir",
-        dir,
-    ]);
-    assert_has(&o.stderr, &["synthetic:retrieval-answer: perplexity of the answers only"]);
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("ppl.json")).unwrap()).unwrap();
-    let point = &v["points"][0];
-    assert_eq!((point["tokens"].as_u64(), point["windows"].as_u64()), (Some(5 + 3 + 5 + 3), Some(4)), "{v}");
+    assert_eq!(answers("synthetic:retrieval-answer", "32", "132"), (Some(5 + 3 + 5 + 3), Some(4)));
     let o = run(&["eval", "ppl", "--model", "builtin:tiny", "--dataset", "synthetic:nope", "--lengths", "32", "--output-dir", dir]);
     fails(&o, &["unknown synthetic dataset `synthetic:nope`", "synthetic:retrieval-answer"]);
 }
