@@ -332,6 +332,38 @@ where
     compare(&got, &want)
 }
 
+/// A mode of the mode tests by name over `w` ranks, with the layout it runs on: each
+/// rank's global indices of `s` tokens and a maker for [`run_mode_masked`]. `local` (one
+/// rank, all tokens), `ring` (zigzag), `ulysses` (contiguous), `fpdt` (chunks of `chunk`
+/// global tokens, kv offload) and `usp` (2 × w/2).
+pub fn named_mode(
+    mode: &str,
+    s: usize,
+    w: usize,
+    chunk: usize,
+) -> Result<(Vec<Vec<usize>>, impl Fn(Arc<dyn Comm>) -> Result<Arc<dyn AttentionMode>> + Sync)> {
+    use crate::layout::{contiguous_indices, fpdt_indices, usp_indices, zigzag_indices};
+    let lists = match mode {
+        "local" => vec![(0..s).collect()],
+        "ring" => layout_of(w, |r| zigzag_indices(s, w, r))?,
+        "ulysses" => layout_of(w, |r| contiguous_indices(s, w, r))?,
+        "fpdt" => layout_of(w, |r| fpdt_indices(s, w, chunk, r))?,
+        "usp" => layout_of(w, |r| usp_indices(s, 2, w / 2, r))?,
+        _ => return crate::shape_err!("unknown test mode `{mode}`: local, ring, ulysses, fpdt or usp"),
+    };
+    let mode = mode.to_string();
+    let make = move |c: Arc<dyn Comm>| -> Result<Arc<dyn AttentionMode>> {
+        Ok(match mode.as_str() {
+            "ring" => Arc::new(crate::ring::ZigzagRing::new(c)),
+            "ulysses" => Arc::new(crate::ulysses::Ulysses::new(c)),
+            "fpdt" => Arc::new(crate::fpdt::Fpdt::new(c, chunk, true)),
+            "usp" => Arc::new(crate::usp::Usp::split(&c, 2, w / 2)?),
+            _ => Arc::new(LocalAttention),
+        })
+    };
+    Ok((lists, make))
+}
+
 /// Per-rank index lists of a layout function `f(rank)` over `world` ranks.
 pub fn layout_of(world: usize, f: impl Fn(usize) -> Result<Vec<usize>>) -> Result<Vec<Vec<usize>>> {
     (0..world).map(f).collect()

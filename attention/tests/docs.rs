@@ -7,14 +7,9 @@
 
 use candle_core::{Device, Result};
 use longctx_attention::docs::Docs;
-use longctx_attention::fpdt::Fpdt;
-use longctx_attention::layout::{contiguous_indices, fpdt_indices, usp_indices, zigzag_indices};
 use longctx_attention::local::LocalAttention;
 use longctx_attention::mode::AttentionMode;
-use longctx_attention::ring::ZigzagRing;
-use longctx_attention::testing::{compare, layout_of, random_inputs, reference_docs, run_mode_docs, Drive, Errors};
-use longctx_attention::ulysses::Ulysses;
-use longctx_attention::usp::Usp;
+use longctx_attention::testing::{compare, named_mode, random_inputs, reference_docs, run_mode_docs, Drive, Errors};
 use std::sync::Arc;
 
 const TOL: f64 = 1e-5;
@@ -38,25 +33,8 @@ fn errors(mode: &str, w: usize, drive: Drive, starts: &[Vec<usize>], seed: u64) 
     let scale = 1.0 / (d as f64).sqrt();
     let want = reference_docs(&inp, &docs, scale)?;
     let chunk = 24; // FPDT: 2 chunks of 24 global tokens
-    let lists = match mode {
-        "local" => vec![(0..S).collect()],
-        "ring" => layout_of(w, |r| zigzag_indices(S, w, r))?,
-        "ulysses" => layout_of(w, |r| contiguous_indices(S, w, r))?,
-        "fpdt" => layout_of(w, |r| fpdt_indices(S, w, chunk, r))?,
-        "usp" => layout_of(w, |r| usp_indices(S, 2, w / 2, r))?,
-        _ => unreachable!(),
-    };
-    let got = run_mode_docs(drive, &lists, &inp, Some(&docs), scale, |c| {
-        let m: Arc<dyn AttentionMode> = match mode {
-            "local" => Arc::new(LocalAttention),
-            "ring" => Arc::new(ZigzagRing::new(c)),
-            "ulysses" => Arc::new(Ulysses::new(c)),
-            "fpdt" => Arc::new(Fpdt::new(c, chunk, true)),
-            "usp" => Arc::new(Usp::split(&c, 2, w / 2)?),
-            _ => unreachable!(),
-        };
-        Ok(m)
-    })?;
+    let (lists, make) = named_mode(mode, S, w, chunk)?;
+    let got = run_mode_docs(drive, &lists, &inp, Some(&docs), scale, make)?;
     compare(&got, &want)
 }
 

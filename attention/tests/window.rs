@@ -11,17 +11,11 @@
 
 use candle_core::{Device, Result};
 use longctx_attention::docs::{Docs, Masking};
-use longctx_attention::fpdt::Fpdt;
 use longctx_attention::kernel::{self, Mask, Saved};
-use longctx_attention::layout::{contiguous_indices, fpdt_indices, usp_indices, zigzag_indices};
 use longctx_attention::local::LocalAttention;
-use longctx_attention::mode::AttentionMode;
-use longctx_attention::ring::ZigzagRing;
 use longctx_attention::testing::{
-    compare, dense_attention, layout_of, randn, random_inputs, reference_window, run_mode_masked, Drive, Errors, Inputs, Outputs,
+    compare, dense_attention, named_mode, randn, random_inputs, reference_window, run_mode_masked, Drive, Errors, Inputs, Outputs,
 };
-use longctx_attention::ulysses::Ulysses;
-use longctx_attention::usp::Usp;
 use longctx_attention::{cpu, naive};
 use std::sync::Arc;
 
@@ -110,26 +104,9 @@ fn errors(mode: &str, w: usize, drive: Drive, starts: Option<&[Vec<usize>]>, win
     let scale = 1.0 / (d as f64).sqrt();
     let want = reference_window(&inp, docs.as_ref(), Some(window), scale)?;
     let chunk = 16; // FPDT: 3 chunks of 16 global tokens
-    let lists = match mode {
-        "local" => vec![(0..S).collect()],
-        "ring" => layout_of(w, |r| zigzag_indices(S, w, r))?,
-        "ulysses" => layout_of(w, |r| contiguous_indices(S, w, r))?,
-        "fpdt" => layout_of(w, |r| fpdt_indices(S, w, chunk, r))?,
-        "usp" => layout_of(w, |r| usp_indices(S, 2, w / 2, r))?,
-        _ => unreachable!(),
-    };
+    let (lists, make) = named_mode(mode, S, w, chunk)?;
     let mask = Masking { docs: docs.as_ref(), window: Some(window) };
-    let got = run_mode_masked(drive, &lists, &inp, mask, scale, |c| {
-        let m: Arc<dyn AttentionMode> = match mode {
-            "local" => Arc::new(LocalAttention),
-            "ring" => Arc::new(ZigzagRing::new(c)),
-            "ulysses" => Arc::new(Ulysses::new(c)),
-            "fpdt" => Arc::new(Fpdt::new(c, chunk, true)),
-            "usp" => Arc::new(Usp::split(&c, 2, w / 2)?),
-            _ => unreachable!(),
-        };
-        Ok(m)
-    })?;
+    let got = run_mode_masked(drive, &lists, &inp, mask, scale, make)?;
     compare(&got, &want)
 }
 
