@@ -332,16 +332,14 @@ where
     compare(&got, &want)
 }
 
+/// What [`named_mode`] gives to build a rank's mode from its communicator.
+pub type ModeMaker = Box<dyn Fn(Arc<dyn Comm>) -> Result<Arc<dyn AttentionMode>> + Sync>;
+
 /// A mode of the mode tests by name over `w` ranks, with the layout it runs on: each
 /// rank's global indices of `s` tokens and a maker for [`run_mode_masked`]. `local` (one
 /// rank, all tokens), `ring` (zigzag), `ulysses` (contiguous), `fpdt` (chunks of `chunk`
 /// global tokens, kv offload) and `usp` (2 × w/2).
-pub fn named_mode(
-    mode: &str,
-    s: usize,
-    w: usize,
-    chunk: usize,
-) -> Result<(Vec<Vec<usize>>, impl Fn(Arc<dyn Comm>) -> Result<Arc<dyn AttentionMode>> + Sync)> {
+pub fn named_mode(mode: &str, s: usize, w: usize, chunk: usize) -> Result<(Vec<Vec<usize>>, ModeMaker)> {
     use crate::layout::{contiguous_indices, fpdt_indices, usp_indices, zigzag_indices};
     let lists = match mode {
         "local" => vec![(0..s).collect()],
@@ -352,7 +350,7 @@ pub fn named_mode(
         _ => return crate::shape_err!("unknown test mode `{mode}`: local, ring, ulysses, fpdt or usp"),
     };
     let mode = mode.to_string();
-    let make = move |c: Arc<dyn Comm>| -> Result<Arc<dyn AttentionMode>> {
+    let make: ModeMaker = Box::new(move |c: Arc<dyn Comm>| -> Result<Arc<dyn AttentionMode>> {
         Ok(match mode.as_str() {
             "ring" => Arc::new(crate::ring::ZigzagRing::new(c)),
             "ulysses" => Arc::new(crate::ulysses::Ulysses::new(c)),
@@ -360,7 +358,7 @@ pub fn named_mode(
             "usp" => Arc::new(crate::usp::Usp::split(&c, 2, w / 2)?),
             _ => Arc::new(LocalAttention),
         })
-    };
+    });
     Ok((lists, make))
 }
 
