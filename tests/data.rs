@@ -164,6 +164,17 @@ fn shuffle_is_deterministic_per_seed_and_a_permutation() {
     assert_eq!(key(&c), key(&plain));
 }
 
+/// The sharding tests' data: 40 documents of ids in `dir`, 6-token samples, seed 3, a
+/// shuffle buffer of 8.
+fn sharding_config(dir: &Path) -> FilesConfig {
+    let path = dir.join("d.jsonl");
+    write_jsonl_ids(&path, &make_docs(40));
+    let mut cfg = FilesConfig::new(path.to_str().unwrap(), 6);
+    cfg.seed = 3;
+    cfg.shuffle_buffer = 8;
+    cfg
+}
+
 /// Across epoch wraps (issue #33): the epochs make one global stream whatever the world
 /// size; a group of ranks may span the end of an epoch, so rank `d` of `D` gets global
 /// samples `d, d+D, ...` of the one-rank stream, and no epoch's last samples are dropped
@@ -171,11 +182,7 @@ fn shuffle_is_deterministic_per_seed_and_a_permutation() {
 #[test]
 fn dp_sharding_keeps_the_global_stream_across_epochs() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("d.jsonl");
-    write_jsonl_ids(&path, &make_docs(40));
-    let mut cfg = FilesConfig::new(path.to_str().unwrap(), 6);
-    cfg.seed = 3;
-    cfg.shuffle_buffer = 8;
+    let cfg = sharding_config(dir.path());
     let per_epoch = drain(&mut Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard::SINGLE).unwrap()).len();
     let take = |l: &mut Loader, n: usize| (0..n).map(|_| l.next_sample().unwrap().expect("unbounded epochs")).collect::<Vec<_>>();
     assert!(!per_epoch.is_multiple_of(2), "an epoch of {per_epoch} samples: the groups of 2 must span a wrap");
@@ -194,11 +201,7 @@ fn dp_sharding_keeps_the_global_stream_across_epochs() {
 #[test]
 fn dp_sharding_partitions_samples() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("d.jsonl");
-    write_jsonl_ids(&path, &make_docs(40));
-    let mut cfg = FilesConfig::new(path.to_str().unwrap(), 6);
-    cfg.seed = 3;
-    cfg.shuffle_buffer = 8;
+    let cfg = sharding_config(dir.path());
     let global = drain(&mut Loader::files(&one_epoch(&cfg), None, &offline_hub(), Shard::SINGLE).unwrap());
     for world in [2usize, 3, 4] {
         let per_rank: Vec<Vec<Sample>> = (0..world)
