@@ -157,14 +157,23 @@ FIXTURES = {
 }
 
 
-def make(name, cfg_cls, model_cls, kw, tok, out_root, seed):
+def rope_table(model, h, pos):
+    """The reference's RoPE table: one, shared by every layer."""
+    cos, sin = model.model.rotary_emb(h, pos)
+    return {"rope.cos": cos.float(), "rope.sin": sin.float()}
+
+
+def make(name, cfg_cls, model_cls, kw, tok, out_root, seed, init=None, rope_tables=rope_table):
+    """One fixture: the model (weights by `init`, default `randomize`), its tokenizer,
+    and reference.safetensors (inputs, logits, losses, `rope_tables`, every gradient of
+    the SUM loss); returns the reference tensors."""
     out = os.path.join(out_root, name)
     os.makedirs(out, exist_ok=True)
     torch.manual_seed(seed)
     cfg = cfg_cls(**kw)
     cfg._attn_implementation = "eager"
     model = model_cls(cfg).to(torch.float32)
-    randomize(model, seed)
+    (init or randomize)(model, seed)
     model.train()  # dropout is 0; train mode is the path that training takes
     model.save_pretrained(out, safe_serialization=True)
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(out)
@@ -178,9 +187,6 @@ def make(name, cfg_cls, model_cls, kw, tok, out_root, seed):
     loss_sum = per_tok.sum()
     loss_sum.backward()  # gradients of the SUM loss
 
-    with torch.no_grad():
-        h = model.model.embed_tokens(ids)
-        cos, sin = model.model.rotary_emb(h, pos)
     ref = {
         "input_ids": ids,
         "position_ids": pos,
@@ -190,22 +196,30 @@ def make(name, cfg_cls, model_cls, kw, tok, out_root, seed):
         "loss_sum": loss_sum.detach(),
         "loss_mean": (loss_sum / n).detach(),
         "n_tokens": torch.tensor(n, dtype=torch.int64),
-        "rope.cos": cos.float(),
-        "rope.sin": sin.float(),
     }
+    with torch.no_grad():
+        ref.update(rope_tables(model, model.model.embed_tokens(ids), pos))
     for pname, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().max() > 0, f"{name}: {pname} has no gradient"
         ref[f"grad.{pname}"] = p.grad.detach().clone()
     save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(out, "reference.safetensors"))
     print(f"{name}: loss_mean {float(loss_sum.detach() / n):.6f}, {n} tokens, "
           f"{sum(p.numel() for p in model.parameters())} params")
+    return ref
 
 
-def main():
+def start():
+    """What every fixture script starts from: the output root (argv[1], default
+    tests/fixtures), deterministic torch, and the shared tokenizer."""
     out_root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures")
     torch.use_deterministic_algorithms(True)
     tok = train_tokenizer()
     assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
+    return out_root, tok
+
+
+def main():
+    out_root, tok = start()
     for i, (name, (cfg_cls, model_cls, kw)) in enumerate(FIXTURES.items()):
         make(name, cfg_cls, model_cls, dict(kw), tok, out_root, seed=1234 + i)
     with open(os.path.join(out_root, "README.md"), "w") as f:

@@ -29,12 +29,11 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
-from safetensors.torch import save_file
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_fixtures import B, S, VOCAB, batch, train_tokenizer  # noqa: E402
+import make_fixtures  # noqa: E402
+from make_fixtures import VOCAB  # noqa: E402
 
 LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
 
@@ -64,43 +63,19 @@ def gemma_randomize(model, seed):
                 p.copy_(r / math.sqrt(p.shape[1]))
 
 
+def gemma_rope_tables(model, h, pos):
+    """Both RoPE tables: the full-attention layers' and the sliding layers'."""
+    ref = {}
+    for key, kind in (("rope", "full_attention"), ("rope_local", "sliding_attention")):
+        cos, sin = model.model.rotary_emb(h, pos, kind)
+        ref[f"{key}.cos"], ref[f"{key}.sin"] = cos.float(), sin.float()
+    return ref
+
+
 def make(name, kw, tok, out_root, seed):
     """make_fixtures.make for Gemma 3: its own init, both RoPE tables."""
-    out = os.path.join(out_root, name)
-    os.makedirs(out, exist_ok=True)
-    torch.manual_seed(seed)
-    cfg = Gemma3TextConfig(**kw)
-    cfg._attn_implementation = "eager"
-    model = Gemma3ForCausalLM(cfg).to(torch.float32)
-    gemma_randomize(model, seed)
-    model.train()  # dropout is 0; train mode is the path that training takes
-    model.save_pretrained(out, safe_serialization=True)
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(out)
-
-    ids, pos, targets = batch(tok)
-    logits = model(input_ids=ids, position_ids=pos).logits.float()  # [B, S, V]
-    per_tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                              ignore_index=-100, reduction="none").reshape(B, S)
-    n = int((targets != -100).sum())
-    loss_sum = per_tok.sum()
-    loss_sum.backward()  # gradients of the SUM loss
-    ref = {
-        "input_ids": ids, "position_ids": pos, "targets": targets, "logits": logits.detach(),
-        "per_token_loss": per_tok.detach(), "loss_sum": loss_sum.detach(), "loss_mean": (loss_sum / n).detach(),
-        "n_tokens": torch.tensor(n, dtype=torch.int64),
-    }
-    with torch.no_grad():
-        h = model.model.embed_tokens(ids)
-        for key, kind in (("rope", "full_attention"), ("rope_local", "sliding_attention")):
-            cos, sin = model.model.rotary_emb(h, pos, kind)
-            ref[f"{key}.cos"], ref[f"{key}.sin"] = cos.float(), sin.float()
-    for pname, p in model.named_parameters():
-        assert p.grad is not None and p.grad.abs().max() > 0, f"{name}: {pname} has no gradient"
-        ref[f"grad.{pname}"] = p.grad.detach().clone()
-    save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(out, "reference.safetensors"))
-    print(f"{name}: loss_mean {float(loss_sum.detach() / n):.6f}, {n} tokens, "
-          f"{sum(p.numel() for p in model.parameters())} params")
-    return ref
+    return make_fixtures.make(name, Gemma3TextConfig, Gemma3ForCausalLM, kw, tok, out_root, seed,
+                              init=gemma_randomize, rope_tables=gemma_rope_tables)
 
 
 def to_v4_config(out):
@@ -126,9 +101,7 @@ def to_v4_config(out):
 
 
 def main():
-    out_root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures")
-    torch.use_deterministic_algorithms(True)
-    tok = train_tokenizer()
+    out_root, tok = make_fixtures.start()
     for name, window, seed in (("gemma3_text", 32, 4004), ("gemma3_window4", 4, 4005)):
         ref = make(name, config(window), tok, out_root, seed=seed)
         out = os.path.join(out_root, name)

@@ -19,12 +19,12 @@ Needs: torch, transformers 5.x (written with 5.24), tokenizers, safetensors.
 import os
 import sys
 
-import torch
 from safetensors.torch import load_file, save_file
 from transformers import Phi3Config, Phi3ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_fixtures import VOCAB, common, make, train_tokenizer  # noqa: E402
+import make_fixtures  # noqa: E402
+from make_fixtures import common, make  # noqa: E402
 
 SHORT = [1.0, 1.02, 1.05, 1.1, 1.2, 1.3, 1.45, 1.6]
 LONG = [1.0, 1.3, 1.9, 2.8, 4.1, 6.0, 8.5, 12.0]
@@ -32,10 +32,7 @@ NAME = "phi3_longrope"
 
 
 def main():
-    out_root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures")
-    torch.use_deterministic_algorithms(True)
-    tok = train_tokenizer()
-    assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
+    out_root, tok = make_fixtures.start()
     kw = common(num_key_value_heads=2, max_position_embeddings=1024, original_max_position_embeddings=256,
                 rope_scaling={"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG}, pad_token_id=0)
     kw.pop("head_dim")  # Phi-3 derives it (hidden / heads = 16)

@@ -32,7 +32,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_fixtures import S, VOCAB, common, make, small, train_tokenizer  # noqa: E402
+import make_fixtures  # noqa: E402
+from make_fixtures import S, common, make, small  # noqa: E402
 
 HEAD_DIM = 16
 # LongRoPE divisors, one per rotated pair (head_dim/2 = 8): short ~1 (the pretrained
@@ -92,10 +93,7 @@ def yarn_export(out_root):
 
 
 def main():
-    out_root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures")
-    torch.use_deterministic_algorithms(True)
-    tok = train_tokenizer()
-    assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
+    out_root, tok = make_fixtures.start()
     for i, (name, (cfg_cls, model_cls, kw)) in enumerate(FIXTURES.items()):
         make(name, cfg_cls, model_cls, dict(kw), tok, out_root, seed=4321 + i)
     longrope_short(out_root)

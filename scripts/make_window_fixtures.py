@@ -28,7 +28,8 @@ from safetensors.torch import load_file
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_fixtures import VOCAB, make, small, train_tokenizer  # noqa: E402
+import make_fixtures  # noqa: E402
+from make_fixtures import make, small  # noqa: E402
 
 FIXTURES = {
     "mistral_window": (MistralConfig, MistralForCausalLM, small(num_hidden_layers=2, sliding_window=5)),
@@ -59,10 +60,7 @@ def check_window_matters(out_root, name, cfg_cls, model_cls):
 
 
 def main():
-    out_root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures")
-    torch.use_deterministic_algorithms(True)
-    tok = train_tokenizer()
-    assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
+    out_root, tok = make_fixtures.start()
     for i, (name, (cfg_cls, model_cls, kw)) in enumerate(FIXTURES.items()):
         make(name, cfg_cls, model_cls, dict(kw), tok, out_root, seed=8765 + i)
         check_window_matters(out_root, name, cfg_cls, model_cls)
