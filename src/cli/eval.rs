@@ -311,19 +311,10 @@ fn load_models(specs: &[String], dev: &candle_core::Device, dtype: candle_core::
     specs.iter().map(|s| EvalModel::load(s, &dev, dt, &HubOptions::from_env())).collect()
 }
 
-/// The answer-only synthetic dataset `dataset` names (`synthetic:passkey-answer`,
-/// `synthetic:retrieval-answer`): its variable-tracking hops (0: passkey only).
-fn answer_only_hops(dataset: &str) -> Option<usize> {
-    match dataset.strip_prefix("synthetic:").and_then(longctx::data::synthetic::dataset) {
-        Some((longctx::data::LossOn::Answer, hops)) => Some(hops),
-        _ => None,
-    }
-}
-
 /// What perplexity on an answer-only synthetic dataset measures: the answers only (its
 /// training loss mask), one sample of each length per window, whatever `--method`.
 fn passkey_answer_note(dataset: &str) -> Option<String> {
-    answer_only_hops(dataset).map(|_| {
+    longctx::data::synthetic::answer_only(dataset).map(|_| {
         format!(
             "{dataset}: perplexity of the answers only (the loss mask it trains with), over samples generated at each \
              length, one window each (--method and --stride do not apply); synthetic:passkey scores every token, filler \
@@ -477,7 +468,7 @@ fn ppl_ranks(a: &PplArgs, method: Method, token_width: TokenWidth, ranks: &Ranks
         };
         // synthetic:passkey-answer and retrieval-answer keep their answer-only mask:
         // samples of each length, scored on their answers (`ppl::passkey_answer_windows`).
-        let answer_only = answer_only_hops(&a.dataset);
+        let answer_only = longctx::data::synthetic::answer_only(&a.dataset);
         let docs = if answer_only.is_some() { Vec::new() } else { ppl::read_docs(&src, &m.model, m.tokenizer.as_ref(), longest)? };
         let stream: Vec<u32> = docs.concat();
         for &l in &run_lengths {

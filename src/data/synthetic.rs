@@ -191,11 +191,12 @@ impl Passkey {
         self.generate(index, None)
     }
 
-    /// Variable-tracking sample `index` (see the module docs; `vt_hops` hops, at least 1:
-    /// a config without them gets 1): `passkey` holds the value's digits, `needle_pos` the
-    /// first assignment's VAR, the answer the chain's variables.
+    /// Variable-tracking sample `index` (see the module docs; `vt_hops` hops, 0 giving a
+    /// chain of one variable, which fits every length `new` accepts): `passkey` holds the
+    /// value's digits, `needle_pos` the first assignment's VAR, the answer the chain's
+    /// variables.
     pub fn variable_tracking(&self, index: u64) -> PasskeyItem {
-        let (s, k, hops) = (self.cfg.seq_len, self.cfg.digits, self.cfg.vt_hops.max(1));
+        let (s, k, hops) = (self.cfg.seq_len, self.cfg.digits, self.cfg.vt_hops);
         let mut rng = SplitMix64::from_parts(&[self.cfg.seed, index, 0x7674]);
         let value: Vec<u8> = (0..k).map(|_| rng.below(10) as u8).collect();
         let digits: Vec<u32> = value.iter().enumerate().map(|(i, &d)| digit_token(i, d)).collect();
@@ -285,6 +286,16 @@ pub fn dataset(kind: &str) -> Option<(LossOn, usize)> {
         "passkey-answer" => Some((LossOn::Answer, 0)),
         "retrieval" => Some((LossOn::All, RETRIEVAL_HOPS)),
         "retrieval-answer" => Some((LossOn::Answer, RETRIEVAL_HOPS)),
+        _ => None,
+    }
+}
+
+/// The variable-tracking hops of an answer-only synthetic dataset named in full
+/// (`synthetic:passkey-answer` 0, `synthetic:retrieval-answer` [`RETRIEVAL_HOPS`]);
+/// `None` for any other dataset: those are scored on every token.
+pub fn answer_only(dataset: &str) -> Option<usize> {
+    match dataset.trim().strip_prefix("synthetic:").and_then(self::dataset) {
+        Some((LossOn::Answer, hops)) => Some(hops),
         _ => None,
     }
 }

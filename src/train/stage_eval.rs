@@ -257,10 +257,7 @@ impl StageEval {
         let lengths = self.section.lengths_for(at.seq_len, self.original);
         let longest = self.longest;
         let section = self.section.clone();
-        let answers_only = match section.dataset.trim().strip_prefix("synthetic:").and_then(crate::data::synthetic::dataset) {
-            Some((crate::data::LossOn::Answer, hops)) => Some(hops),
-            _ => None,
-        };
+        let answers_only = crate::data::synthetic::answer_only(&section.dataset);
         let (seed, vocab) = (self.seed ^ 0x5eed_e7a1, model.cfg.vocab_size);
         let docs = if answers_only.is_some() { &Vec::new() } else { self.docs(model, tokenizer, longest)? };
         let device = model.embed_tokens.embeddings().device().clone();
