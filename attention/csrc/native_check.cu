@@ -1,0 +1,224 @@
+// Device check and benchmark of the native Hopper attention forward (native_fwd_sm90.cu),
+// built by scripts/build_native_check.sh and run on the GPU machine:
+//
+//   native_check            correctness against a naive f32 reference on the GPU, then
+//                           TFLOP/s of the native kernel and of cuDNN (the shim) side by side
+//
+// Correctness: o as max|o - ref| / max|ref| ≤ 2e-2, lse max absolute difference ≤ 5e-3
+// (the tolerances of `longctx bench attention --check`); the reference computes every score
+// in f32 from the same bf16/f16 inputs. Timing: CUDA events, median of 10 after 3 warm-ups;
+// FLOP = 4·b·h·s·t·d (halved when causal), as `bench attention` counts them.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "native_fmha.h"
+
+#define CK(x)                                                                        \
+    do {                                                                             \
+        cudaError_t e_ = (x);                                                        \
+        if (e_ != cudaSuccess) {                                                     \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+            exit(2);                                                                 \
+        }                                                                            \
+    } while (0)
+
+template <class T>
+__device__ float to_f(T x);
+template <>
+__device__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <>
+__device__ float to_f(__half x) { return __half2float(x); }
+
+template <class T>
+__global__ void fill(T *x, size_t n, uint32_t seed) {
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+        uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+        h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
+        float u = (h >> 8) * (1.0f / 16777216.0f) * 2.f - 1.f;
+        x[i] = T(u);
+    }
+}
+
+// One warp per (row, head, batch): two passes over the keys in f32.
+template <class T>
+__global__ void reference(const T *q, const T *k, const T *v, float *o, float *lse, int b, int s, int t, int hq,
+                          int hkv, int d, float scale, int causal) {
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+    if (warp >= b * hq * s) return;
+    int row = warp % s, h = (warp / s) % hq, bi = warp / (s * hq), hk = h / (hq / hkv);
+    const T *qr = q + ((size_t(bi) * s + row) * hq + h) * d;
+    int last = causal ? row : t - 1;
+    float mx = -INFINITY;
+    for (int c = lane; c <= last; c += 32) {
+        const T *kr = k + ((size_t(bi) * t + c) * hkv + hk) * d;
+        float acc = 0.f;
+        for (int j = 0; j < d; ++j) acc += to_f(qr[j]) * to_f(kr[j]);
+        mx = fmaxf(mx, acc * scale);
+    }
+    for (int off = 16; off; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
+    float sum = 0.f;
+    float acc_o[4] = {0, 0, 0, 0};  // lane owns columns lane + 32·i of o (d ≤ 128)
+    for (int c = 0; c <= last; ++c) {
+        const T *kr = k + ((size_t(bi) * t + c) * hkv + hk) * d;
+        float part = 0.f;
+        for (int j = lane; j < d; j += 32) part += to_f(qr[j]) * to_f(kr[j]);
+        for (int off = 16; off; off >>= 1) part += __shfl_xor_sync(0xffffffff, part, off);
+        float pexp = expf(part * scale - mx);
+        sum += pexp;
+        const T *vr = v + ((size_t(bi) * t + c) * hkv + hk) * d;
+        for (int i = 0; i * 32 + lane < d; ++i) acc_o[i] += pexp * to_f(vr[i * 32 + lane]);
+    }
+    float *orow = o + ((size_t(bi) * s + row) * hq + h) * d;
+    for (int i = 0; i * 32 + lane < d; ++i) orow[i * 32 + lane] = acc_o[i] / sum;
+    if (lane == 0) lse[(size_t(bi) * hq + h) * s + row] = mx + logf(sum);
+}
+
+template <class T>
+__global__ void to_f32(const T *x, float *y, size_t n) {
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+        y[i] = to_f(x[i]);
+}
+
+struct Case {
+    int b, s, t, hq, hkv, d, causal, f16;
+};
+
+static float median(std::vector<float> x) {
+    std::sort(x.begin(), x.end());
+    return x[x.size() / 2];
+}
+
+template <class T>
+static int run_case(const Case &c, bool check, bool bench, bool cudnn) {
+    size_t nq = size_t(c.b) * c.s * c.hq * c.d, nk = size_t(c.b) * c.t * c.hkv * c.d, nl = size_t(c.b) * c.hq * c.s;
+    T *q, *k, *v, *o;
+    float *lse;
+    CK(cudaMalloc(&q, nq * sizeof(T)));
+    CK(cudaMalloc(&k, nk * sizeof(T)));
+    CK(cudaMalloc(&v, nk * sizeof(T)));
+    CK(cudaMalloc(&o, nq * sizeof(T)));
+    CK(cudaMalloc(&lse, nl * sizeof(float)));
+    fill<<<1024, 256>>>(q, nq, 1u);
+    fill<<<1024, 256>>>(k, nk, 2u);
+    fill<<<1024, 256>>>(v, nk, 3u);
+    CK(cudaMemset(o, 0, nq * sizeof(T)));
+    longctx_sdpa_desc desc{};
+    desc.ordinal = 0;
+    desc.dtype = c.f16 ? LONGCTX_SDPA_F16 : LONGCTX_SDPA_BF16;
+    desc.b = c.b; desc.s = c.s; desc.t = c.t; desc.hq = c.hq; desc.hkv = c.hkv; desc.d = c.d;
+    desc.causal = c.causal;
+    desc.scale = 1.f / sqrtf(float(c.d));
+    char err[512];
+    int rc = longctx_native_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err);
+    CK(cudaDeviceSynchronize());
+    printf("case b%d s%d t%d hq%d hkv%d d%d %s %s:", c.b, c.s, c.t, c.hq, c.hkv, c.d, c.causal ? "causal" : "full",
+           c.f16 ? "f16" : "bf16");
+    if (rc != LONGCTX_SDPA_OK) {
+        printf(" native rc %d (%s)\n", rc, err);
+        return rc == LONGCTX_SDPA_UNSUPPORTED ? 0 : 1;
+    }
+    int bad = 0;
+    if (check) {
+        float *ro, *rl, *of;
+        CK(cudaMalloc(&ro, nq * sizeof(float)));
+        CK(cudaMalloc(&rl, nl * sizeof(float)));
+        CK(cudaMalloc(&of, nq * sizeof(float)));
+        int warps = c.b * c.hq * c.s;
+        reference<T><<<(warps * 32 + 255) / 256, 256>>>(q, k, v, ro, rl, c.b, c.s, c.t, c.hq, c.hkv, c.d, desc.scale,
+                                                        c.causal);
+        to_f32<<<1024, 256>>>(o, of, nq);
+        CK(cudaDeviceSynchronize());
+        std::vector<float> ho(nq), hr(nq), hl(nl), hrl(nl);
+        CK(cudaMemcpy(ho.data(), of, nq * 4, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(hr.data(), ro, nq * 4, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(hl.data(), lse, nl * 4, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(hrl.data(), rl, nl * 4, cudaMemcpyDeviceToHost));
+        double maxref = 0, maxdiff = 0, maxl = 0;
+        size_t worst = 0;
+        for (size_t i = 0; i < nq; ++i) {
+            maxref = std::max(maxref, double(std::fabs(hr[i])));
+            double dd = std::fabs(double(ho[i]) - hr[i]);
+            if (!(dd <= maxdiff)) { maxdiff = dd; worst = i; }
+        }
+        for (size_t i = 0; i < nl; ++i) maxl = std::max(maxl, std::fabs(double(hl[i]) - hrl[i]));
+        double rel = maxdiff / std::max(maxref, 1e-30);
+        bad = !(rel <= 2e-2) || !(maxl <= 5e-3);
+        printf(" o %.2e (worst at %zu: %.5f vs %.5f) lse %.2e %s", rel, worst, ho[worst], hr[worst], maxl,
+               bad ? "FAIL" : "ok");
+        CK(cudaFree(ro));
+        CK(cudaFree(rl));
+        CK(cudaFree(of));
+    }
+    if (bench) {
+        double flop = 4.0 * c.b * c.hq * double(c.s) * c.t * c.d * (c.causal ? 0.5 : 1.0);
+        cudaEvent_t e0, e1;
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        auto time = [&](auto &&f) {
+            std::vector<float> ms;
+            for (int i = 0; i < 13; ++i) {
+                CK(cudaEventRecord(e0));
+                f();
+                CK(cudaEventRecord(e1));
+                CK(cudaEventSynchronize(e1));
+                float x;
+                CK(cudaEventElapsedTime(&x, e0, e1));
+                if (i >= 3) ms.push_back(x);
+            }
+            return median(ms);
+        };
+        float tn = time([&] { longctx_native_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err); });
+        printf(" | native %.3f ms %.1f TFLOP/s", tn, flop / tn / 1e9);
+        if (cudnn) {
+            int rc2 = longctx_sdpa_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err);
+            CK(cudaDeviceSynchronize());
+            if (rc2 == LONGCTX_SDPA_OK) {
+                float tc = time([&] { longctx_sdpa_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err); });
+                printf(" | cudnn %.3f ms %.1f TFLOP/s | native/cudnn %.3f", tc, flop / tc / 1e9, tc / tn);
+            } else {
+                printf(" | cudnn rc %d (%s)", rc2, err);
+            }
+        }
+    }
+    printf("\n");
+    fflush(stdout);
+    CK(cudaFree(q));
+    CK(cudaFree(k));
+    CK(cudaFree(v));
+    CK(cudaFree(o));
+    CK(cudaFree(lse));
+    return bad;
+}
+
+static int run(const Case &c, bool check, bool bench, bool cudnn) {
+    return c.f16 ? run_case<__half>(c, check, bench, cudnn) : run_case<__nv_bfloat16>(c, check, bench, cudnn);
+}
+
+int main(int argc, char **argv) {
+    bool cudnn = !(argc > 1 && strcmp(argv[1], "--no-cudnn") == 0);
+    int failures = 0;
+    // correctness: both head dims, both masks, GQA, ragged lengths, f16
+    const Case checks[] = {
+        {1, 256, 256, 2, 2, 64, 1, 0},    {1, 256, 256, 2, 2, 128, 1, 0},  {2, 1000, 1000, 4, 2, 64, 1, 0},
+        {1, 1000, 1000, 4, 1, 128, 1, 0}, {1, 777, 1300, 4, 4, 64, 0, 0},  {1, 300, 200, 2, 1, 128, 0, 0},
+        {1, 2048, 2048, 8, 2, 128, 1, 1}, {1, 2048, 2048, 8, 8, 64, 0, 1}, {1, 4096, 4096, 4, 4, 128, 1, 0},
+        {1, 256, 256, 2, 2, 96, 1, 0},  // not covered: must answer UNSUPPORTED
+    };
+    for (const Case &c : checks) failures += run(c, true, false, false);
+    printf("correctness: %d failing case(s)\n", failures);
+    // speed at 16K / 64K / 128K: the shapes of issue #36 (32×128, and 32/4×64)
+    const int lens[] = {16384, 65536, 131072};
+    for (int len : lens) {
+        failures += run({1, len, len, 32, 32, 128, 1, 0}, false, true, cudnn);
+        failures += run({1, len, len, 32, 4, 64, 1, 0}, false, true, cudnn);
+    }
+    return failures ? 1 : 0;
+}

@@ -1,0 +1,346 @@
+// longctx's own attention forward for Hopper (sm_90a), on CuTe primitives: TMA tile loads
+// into 128-byte-swizzled shared memory, an mbarrier pipeline of K/V stages, and warpgroup
+// MMAs (wgmma) for both products (S = Q·Kᵀ from shared memory, O += P·V with P in
+// registers). Issue #36, first step: forward only, not yet warp-specialised; the backward
+// and the Rust wiring come next (docs/attention-native.md).
+//
+// Shape legend (the contract of csrc/cudnn_sdpa.h, every tensor contiguous, row-major):
+//   q, o   [b, s, hq, d]   k, v [b, t, hkv, d]   lse [b, hq, s] f32, natural log
+//   one CTA = one (128-row query block, head, batch) with 2 consumer warpgroups (64 rows each)
+//   KV blocks of 128 keys, visited from the last (the masked diagonal) to the first.
+//
+// Covered: d ∈ {64, 128}; bf16 and f16; GQA (hq % hkv == 0); no mask, or top-left causal
+// with s == t. Anything else answers LONGCTX_SDPA_UNSUPPORTED (the caller falls back to
+// cuDNN).
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "native_fmha.h"
+
+namespace longctx_native {
+using namespace cute;
+
+template <class Element_, int kHeadDim_>
+struct FwdTraits {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = 128;
+    static constexpr int kBlockN = 128;
+    static constexpr int kStages = 2;
+    static constexpr int kWarpGroups = kBlockM / 64;
+    static constexpr int kThreads = 128 * kWarpGroups;
+
+    using SmemLayoutQ =
+        decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                               Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+    // V is stored like K, [keys, d] with d contiguous; the second product reads it as the
+    // (d, keys) B operand, d-major (MN-major in GMMA's terms).
+    using SmemLayoutVt = decltype(composition(
+        SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+    using MmaS = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>>(),
+        Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+    using MmaO = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>,
+                             GMMA::Major::K, GMMA::Major::MN>(),
+        Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+
+    struct Smem {
+        alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
+        alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
+        alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutK>> v;
+        alignas(8) uint64_t bar_q;
+        uint64_t bar_k[kStages];
+        uint64_t bar_v[kStages];
+        uint64_t bar_empty[kStages];
+    };
+};
+
+template <class TmaQ, class TmaK, class TmaV, class Element>
+struct FwdParams {
+    TmaQ tma_q;
+    TmaK tma_k;
+    TmaV tma_v;
+    Element *o;
+    float *lse;
+    int b, s, t, hq, hkv;
+    float scale, scale_log2;
+};
+
+// The accumulator of a 64xN GMMA tile, per thread ((2 cols, 2 rows, N/8), MMA_M, MMA_N),
+// as (rows, cols): ((2, MMA_M), (2, N/8, MMA_N)).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto rowcol(Layout l) {
+    static_assert(decltype(rank(l))::value == 3);
+    static_assert(decltype(rank<0>(l))::value == 3);
+    auto l0 = get<0>(l);
+    return make_layout(make_layout(get<1>(l0), get<1>(l)), make_layout(get<0>(l0), get<2>(l0), get<2>(l)));
+}
+
+// The same registers as the A operand of a K=16 register-source GMMA: each pair of 8-column
+// blocks of the accumulator is one 16-wide K slice, in the order wgmma wants its A values.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_as_a(Layout l) {
+    auto l0 = get<0>(l);
+    auto v = get<2>(l0);  // (N/8) : stride
+    static_assert(decltype(size(v))::value % 2 == 0);
+    static_assert(decltype(rank(v))::value == 1);
+    constexpr int V = decltype(size(v))::value;
+    auto pair = make_layout(_2{}, stride(v));                // the two 8-column blocks of one K slice
+    auto slices = make_layout(Int<V / 2>{}, stride(v) * _2{});  // the K slices
+    return make_layout(make_layout(get<0>(l0), get<1>(l0), pair), get<1>(l), make_layout(slices, get<2>(l)));
+}
+
+template <class T, bool kCausal, class Params>
+__global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Params const p) {
+    using Element = typename T::Element;
+    constexpr int D = T::kHeadDim, BM = T::kBlockM, BN = T::kBlockN, ST = T::kStages;
+    using TBar = cutlass::arch::ClusterTransactionBarrier;
+    using Bar = cutlass::arch::ClusterBarrier;
+
+    extern __shared__ __align__(1024) char smem_raw[];
+    auto &sm = *reinterpret_cast<typename T::Smem *>(smem_raw);
+    const int tid = threadIdx.x;
+    const int m_block = gridDim.x - 1 - blockIdx.x;  // the longest causal blocks first
+    const int h = blockIdx.y, bi = blockIdx.z;
+    const int hk = h / (p.hq / p.hkv);
+    int n_blocks = (p.t + BN - 1) / BN;
+    if constexpr (kCausal) n_blocks = min(n_blocks, ((m_block + 1) * BM + BN - 1) / BN);
+
+    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.s, Int<D>{}, p.hq, p.b));
+    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.t, Int<D>{}, p.hkv, p.b));
+    Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.t, Int<D>{}, p.hkv, p.b));
+    Tensor gQ = local_tile(mQ(_, _, h, bi), Shape<Int<BM>, Int<D>>{}, make_coord(m_block, 0));  // (BM, D)
+    Tensor gK = local_tile(mK(_, _, hk, bi), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0));       // (BN, D, n)
+    Tensor gV = local_tile(mV(_, _, hk, bi), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0));       // (BN, D, n)
+
+    Tensor sQ = make_tensor(make_smem_ptr(sm.q.begin()), typename T::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(sm.k.begin()), typename T::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(sm.v.begin()), typename T::SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(sm.v.begin()), typename T::SmemLayoutVt{});
+
+    auto part_q = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto tQgQ = get<0>(part_q);
+    auto tQsQ = get<1>(part_q);
+    auto part_k = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto tKgK = get<0>(part_k);
+    auto tKsK = get<1>(part_k);
+    auto part_v = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    auto tVgV = get<0>(part_v);
+    auto tVsV = get<1>(part_v);
+    constexpr uint32_t kBytesQ = BM * D * sizeof(Element);
+    constexpr uint32_t kBytesKV = BN * D * sizeof(Element);
+
+    if (tid == 0) {
+        TBar::init(&sm.bar_q, 1);
+        for (int st = 0; st < ST; ++st) {
+            TBar::init(&sm.bar_k[st], 1);
+            TBar::init(&sm.bar_v[st], 1);
+            Bar::init(&sm.bar_empty[st], T::kThreads);
+        }
+        cutlass::arch::fence_barrier_init();
+    }
+    __syncthreads();
+
+    auto load_kv = [&](int i) {  // iteration i reads KV block n_blocks-1-i into stage i % ST
+        const int st = i % ST, n = n_blocks - 1 - i;
+        TBar::arrive_and_expect_tx(&sm.bar_k[st], kBytesKV);
+        copy(p.tma_k.with(sm.bar_k[st]), tKgK(_, n), tKsK(_, st));
+        TBar::arrive_and_expect_tx(&sm.bar_v[st], kBytesKV);
+        copy(p.tma_v.with(sm.bar_v[st]), tVgV(_, n), tVsV(_, st));
+    };
+    if (tid == 0) {
+        TBar::arrive_and_expect_tx(&sm.bar_q, kBytesQ);
+        copy(p.tma_q.with(sm.bar_q), tQgQ, tQsQ);
+        for (int i = 0; i < ST && i < n_blocks; ++i) load_kv(i);
+    }
+
+    typename T::MmaS mma_s;
+    typename T::MmaO mma_o;
+    auto thr_s = mma_s.get_thread_slice(tid);
+    auto thr_o = mma_o.get_thread_slice(tid);
+    Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, ST)
+    Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, ST)
+    Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<BM>, Int<BN>>{});
+    Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<BM>, Int<D>>{});
+    clear(tOrO);
+    Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
+    Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
+
+    Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+    Tensor cS = make_tensor(tScS.data(), rowcol(tScS.layout()));
+    Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+    Tensor cO = make_tensor(tOcO.data(), rowcol(tOcO.layout()));
+    constexpr int R = decltype(size<0>(S))::value;
+    static_assert(R == decltype(size<0>(O))::value);
+    float row_max[R], row_sum[R];
+    CUTE_UNROLL
+    for (int r = 0; r < R; ++r) {
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.f;
+    }
+    Tensor tOrP = make_tensor<Element>(tSrS.layout());
+    Tensor tOrPa = make_tensor(tOrP.data(), acc_as_a(tSrS.layout()));
+
+    TBar::wait(&sm.bar_q, 0);
+    for (int i = 0; i < n_blocks; ++i) {
+        const int st = i % ST, phase = (i / ST) & 1, n = n_blocks - 1 - i;
+        TBar::wait(&sm.bar_k[st], phase);
+        warpgroup_fence_operand(tSrS);
+        warpgroup_arrive();
+        mma_s.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tSrQ); ++k) {
+            cute::gemm(mma_s, tSrQ(_, _, k), tSrK(_, _, k, st), tSrS);
+            mma_s.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrS);
+
+        const bool masked = (kCausal && (n + 1) * BN > m_block * BM + 1) || (n + 1) * BN > p.t;
+        if (masked) {
+            CUTE_UNROLL
+            for (int r = 0; r < R; ++r) {
+                CUTE_UNROLL
+                for (int c = 0; c < size<1>(S); ++c) {
+                    const int row = m_block * BM + get<0>(cS(r, c));
+                    const int col = n * BN + get<1>(cS(r, c));
+                    if (col >= p.t || (kCausal && col > row)) S(r, c) = -INFINITY;
+                }
+            }
+        }
+        CUTE_UNROLL
+        for (int r = 0; r < R; ++r) {
+            float mx = row_max[r];
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(S); ++c) mx = fmaxf(mx, S(r, c));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            const float old_scale = mx == -INFINITY ? 1.f : exp2f((row_max[r] - mx) * p.scale_log2);
+            const float mxs = mx == -INFINITY ? 0.f : mx * p.scale_log2;
+            row_max[r] = mx;
+            row_sum[r] *= old_scale;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(O); ++c) O(r, c) *= old_scale;
+            float sum = 0.f;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(S); ++c) {
+                const float e = exp2f(S(r, c) * p.scale_log2 - mxs);
+                S(r, c) = e;
+                sum += e;
+            }
+            row_sum[r] += sum;
+        }
+        CUTE_UNROLL
+        for (int j = 0; j < size(tSrS); ++j) tOrP(j) = static_cast<Element>(tSrS(j));
+
+        TBar::wait(&sm.bar_v[st], phase);
+        warpgroup_fence_operand(tOrPa);
+        warpgroup_fence_operand(tOrO);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tOrPa); ++k) cute::gemm(mma_o, tOrPa(_, _, k), tOrV(_, _, k, st), tOrO);
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+
+        Bar::arrive(&sm.bar_empty[st]);
+        if (tid == 0 && i + ST < n_blocks) {
+            Bar::wait(&sm.bar_empty[st], phase);
+            load_kv(i + ST);
+        }
+    }
+
+    // Epilogue: O / l into o, m·scale + ln l into lse.
+    CUTE_UNROLL
+    for (int r = 0; r < R; ++r) {
+        float sum = row_sum[r];
+        sum += __shfl_xor_sync(0xffffffff, sum, 1);
+        sum += __shfl_xor_sync(0xffffffff, sum, 2);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        const int row = m_block * BM + get<0>(cO(r, 0));
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(O); ++c) {
+            const int col = get<1>(cO(r, c));
+            if (row < p.s) {
+                p.o[((int64_t(bi) * p.s + row) * p.hq + h) * D + col] = static_cast<Element>(O(r, c) * inv);
+            }
+        }
+        if ((tid & 3) == 0 && row < p.s) {
+            p.lse[(int64_t(bi) * p.hq + h) * p.s + row] = sum > 0.f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
+        }
+    }
+}
+
+template <class Element, int D, bool kCausal>
+int launch_fwd(const longctx_sdpa_desc &d, const void *q, const void *k, const void *v, void *o, float *lse,
+               cudaStream_t stream, char *err, size_t err_len) {
+    using T = FwdTraits<Element, D>;
+    const int b = int(d.b), s = int(d.s), t = int(d.t), hq = int(d.hq), hkv = int(d.hkv);
+    auto mQ = make_tensor(make_gmem_ptr(reinterpret_cast<Element const *>(q)), make_shape(s, Int<D>{}, hq, b),
+                          make_stride(int64_t(hq) * D, _1{}, int64_t(D), int64_t(s) * hq * D));
+    auto mK = make_tensor(make_gmem_ptr(reinterpret_cast<Element const *>(k)), make_shape(t, Int<D>{}, hkv, b),
+                          make_stride(int64_t(hkv) * D, _1{}, int64_t(D), int64_t(t) * hkv * D));
+    auto mV = make_tensor(make_gmem_ptr(reinterpret_cast<Element const *>(v)), make_shape(t, Int<D>{}, hkv, b),
+                          make_stride(int64_t(hkv) * D, _1{}, int64_t(D), int64_t(t) * hkv * D));
+    auto tma_q = make_tma_atom(SM90_TMA_LOAD{}, mQ, typename T::SmemLayoutQ{}, Shape<Int<T::kBlockM>, Int<D>>{});
+    auto tma_k = make_tma_atom(SM90_TMA_LOAD{}, mK, typename T::SmemLayoutK{}(_, _, 0), Shape<Int<T::kBlockN>, Int<D>>{});
+    auto tma_v = make_tma_atom(SM90_TMA_LOAD{}, mV, typename T::SmemLayoutK{}(_, _, 0), Shape<Int<T::kBlockN>, Int<D>>{});
+    using P = FwdParams<decltype(tma_q), decltype(tma_k), decltype(tma_v), Element>;
+    P params{tma_q, tma_k, tma_v, reinterpret_cast<Element *>(o), lse, b, s, t, hq, hkv, d.scale,
+             float(d.scale * M_LOG2E)};
+    auto kernel = fwd_kernel<T, kCausal, P>;
+    const int smem = int(sizeof(typename T::Smem));
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e == cudaSuccess) {
+        dim3 grid((s + T::kBlockM - 1) / T::kBlockM, hq, b);
+        kernel<<<grid, T::kThreads, smem, stream>>>(params);
+        e = cudaGetLastError();
+    }
+    if (e != cudaSuccess) {
+        snprintf(err, err_len, "native attention forward (d %d): %s", D, cudaGetErrorString(e));
+        return LONGCTX_SDPA_FAILED;
+    }
+    return LONGCTX_SDPA_OK;
+}
+
+}  // namespace longctx_native
+
+extern "C" int longctx_native_fwd(const longctx_sdpa_desc *d, const void *q, const void *k, const void *v, void *o,
+                                  float *lse, void *stream, char *err, size_t err_len) {
+    using namespace longctx_native;
+    if (err && err_len) err[0] = 0;
+    const char *why = nullptr;
+    if (d->d != 64 && d->d != 128) why = "head dim is not 64 or 128";
+    else if (d->hkv <= 0 || d->hq % d->hkv != 0) why = "query heads are not a multiple of key/value heads";
+    else if (d->causal && d->s != d->t) why = "causal with s != t";
+    else if (d->band_left > 0) why = "a sliding-window band";
+    else if (d->dtype != LONGCTX_SDPA_BF16 && d->dtype != LONGCTX_SDPA_F16) why = "dtype";
+    else if (d->s <= 0 || d->t <= 0 || d->b <= 0 || d->s > (1LL << 30) || d->t > (1LL << 30)) why = "sizes";
+    else if ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) & 15)
+        why = "q/k/v not 16-byte aligned";
+    if (why) {
+        if (err && err_len) snprintf(err, err_len, "native attention: not covered: %s", why);
+        return LONGCTX_SDPA_UNSUPPORTED;
+    }
+    auto st = reinterpret_cast<cudaStream_t>(stream);
+    const bool bf = d->dtype == LONGCTX_SDPA_BF16;
+#define LONGCTX_DISPATCH(E, D)                                                               \
+    return d->causal ? launch_fwd<E, D, true>(*d, q, k, v, o, lse, st, err, err_len)         \
+                     : launch_fwd<E, D, false>(*d, q, k, v, o, lse, st, err, err_len)
+    if (bf && d->d == 64) LONGCTX_DISPATCH(cutlass::bfloat16_t, 64);
+    if (bf) LONGCTX_DISPATCH(cutlass::bfloat16_t, 128);
+    if (d->d == 64) LONGCTX_DISPATCH(cutlass::half_t, 64);
+    LONGCTX_DISPATCH(cutlass::half_t, 128);
+#undef LONGCTX_DISPATCH
+}
