@@ -33,11 +33,14 @@ mkdir -p "$OUT"
 CSRC=$ROOT/attention/csrc
 NVFLAGS=(-std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -I "$PREFIX/cutlass/include" -I "$CSRC")
 start=$(date +%s)
-nvcc "${NVFLAGS[@]}" -c "$CSRC/native_fwd_sm90.cu" -o "$OUT/native_fwd_sm90.o" &
-nvcc "${NVFLAGS[@]}" -c "$CSRC/native_check.cu" -o "$OUT/native_check.o" &
+rm -f "$OUT"/*.o
+nvcc "${NVFLAGS[@]}" -c "$CSRC/native_fwd_sm90.cu" -o "$OUT/native_fwd_sm90.o" & p1=$!
+nvcc "${NVFLAGS[@]}" -c "$CSRC/native_check.cu" -o "$OUT/native_check.o" & p2=$!
 g++ -std=c++17 -O2 -DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING -I "$CSRC" -I "$CUDNN_FRONTEND_INCLUDE_DIR" \
-    -I "$CUDNN_INCLUDE_DIR" -I "$CUDA_ROOT/include" -c "$CSRC/cudnn_sdpa.cpp" -o "$OUT/cudnn_sdpa.o" &
-wait %1 && wait %2 && wait %3
+    -I "$CUDNN_INCLUDE_DIR" -I "$CUDA_ROOT/include" -c "$CSRC/cudnn_sdpa.cpp" -o "$OUT/cudnn_sdpa.o" & p3=$!
+ok=1
+for p in $p1 $p2 $p3; do wait "$p" || ok=0; done
+if [[ $ok == 0 ]]; then echo "[native_check] compilation failed" >&2; exit 1; fi
 # the runtime linked statically: the binary needs only the driver (and libcudnn, dlopen-ed) there
 g++ "$OUT"/native_fwd_sm90.o "$OUT"/native_check.o "$OUT"/cudnn_sdpa.o -o "$ROOT/target-cuda/native_check" \
     -L"$CUDA_ROOT/lib" -l:libcudart_static.a -ldl -lpthread -lrt

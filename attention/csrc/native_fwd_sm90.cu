@@ -1,12 +1,13 @@
 // longctx's own attention forward for Hopper (sm_90a), on CuTe primitives: TMA tile loads
 // into 128-byte-swizzled shared memory, an mbarrier pipeline of K/V stages, and warpgroup
 // MMAs (wgmma) for both products (S = Q·Kᵀ from shared memory, O += P·V with P in
-// registers). Issue #36, first step: forward only, not yet warp-specialised; the backward
-// and the Rust wiring come next (docs/attention-native.md).
+// registers), a producer warpgroup apart from the consumers. Issue #36: forward only so far;
+// the backward comes next.
 //
 // Shape legend (the contract of csrc/cudnn_sdpa.h, every tensor contiguous, row-major):
 //   q, o   [b, s, hq, d]   k, v [b, t, hkv, d]   lse [b, hq, s] f32, natural log
-//   one CTA = one (128-row query block, head, batch) with 2 consumer warpgroups (64 rows each)
+//   one CTA = one (query block, head, batch): a producer warpgroup and kBlockM/64 consumer
+//   warpgroups of 64 query rows (kBlockM 128 at d 128, 192 at d 64)
 //   KV blocks of 128 keys, visited from the last (the masked diagonal) to the first.
 //
 // Covered: d ∈ {64, 128}; bf16 and f16; GQA (hq % hkv == 0); no mask, or top-left causal
@@ -15,6 +16,7 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
 
@@ -30,11 +32,15 @@ template <class Element_, int kHeadDim_>
 struct FwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = 128;
+    // head dim 64: three consumer warpgroups (192 query rows) keep the tensor cores busier
+    // through the softmax of a product that is only 64 deep
+    static constexpr int kBlockM = kHeadDim == 64 ? 192 : 128;
     static constexpr int kBlockN = 128;
     static constexpr int kStages = 2;
-    static constexpr int kWarpGroups = kBlockM / 64;
-    static constexpr int kThreads = 128 * kWarpGroups;
+    static constexpr int kWarpGroups = kBlockM / 64;          // consumers
+    static constexpr int kThreads = 128 * (kWarpGroups + 1);  // + the producer warpgroup
+    static constexpr int kConsumerRegs = kWarpGroups == 2 ? 240 : 160;
+    static constexpr int kProducerRegs = 24;
 
     using SmemLayoutQ =
         decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
@@ -99,6 +105,16 @@ CUTE_HOST_DEVICE constexpr auto acc_as_a(Layout l) {
     return make_layout(make_layout(get<0>(l0), get<1>(l0), pair), get<1>(l), make_layout(slices, get<2>(l)));
 }
 
+// 2^x in one instruction (MUFU.EX2); 2^-inf = 0.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Warp specialisation: warpgroup 0 is the producer (one thread issues every TMA load and
+// waits for the consumers to free a stage); warpgroups 1.. are the consumers, 64 query rows
+// each. The producer gives its registers to the consumers (setmaxnreg).
 template <class T, bool kCausal, class Params>
 __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Params const p) {
     using Element = typename T::Element;
@@ -144,7 +160,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
         for (int st = 0; st < ST; ++st) {
             TBar::init(&sm.bar_k[st], 1);
             TBar::init(&sm.bar_v[st], 1);
-            Bar::init(&sm.bar_empty[st], T::kThreads);
+            Bar::init(&sm.bar_empty[st], T::kThreads - 128);
         }
         cutlass::arch::fence_barrier_init();
     }
@@ -157,16 +173,25 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
         TBar::arrive_and_expect_tx(&sm.bar_v[st], kBytesKV);
         copy(p.tma_v.with(sm.bar_v[st]), tVgV(_, n), tVsV(_, st));
     };
-    if (tid == 0) {
-        TBar::arrive_and_expect_tx(&sm.bar_q, kBytesQ);
-        copy(p.tma_q.with(sm.bar_q), tQgQ, tQsQ);
-        for (int i = 0; i < ST && i < n_blocks; ++i) load_kv(i);
+    if (tid < 128) {
+        cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
+        if (tid == 0) {
+            TBar::arrive_and_expect_tx(&sm.bar_q, kBytesQ);
+            copy(p.tma_q.with(sm.bar_q), tQgQ, tQsQ);
+            for (int i = 0; i < n_blocks; ++i) {
+                if (i >= ST) Bar::wait(&sm.bar_empty[i % ST], ((i / ST) - 1) & 1);
+                load_kv(i);
+            }
+        }
+        return;
     }
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+    const int ctid = tid - 128;
 
     typename T::MmaS mma_s;
     typename T::MmaO mma_o;
-    auto thr_s = mma_s.get_thread_slice(tid);
-    auto thr_o = mma_o.get_thread_slice(tid);
+    auto thr_s = mma_s.get_thread_slice(ctid);
+    auto thr_o = mma_o.get_thread_slice(ctid);
     Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
     Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, ST)
     Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, ST)
@@ -226,7 +251,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
             for (int c = 0; c < size<1>(S); ++c) mx = fmaxf(mx, S(r, c));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-            const float old_scale = mx == -INFINITY ? 1.f : exp2f((row_max[r] - mx) * p.scale_log2);
+            const float old_scale = mx == -INFINITY ? 1.f : ex2((row_max[r] - mx) * p.scale_log2);
             const float mxs = mx == -INFINITY ? 0.f : mx * p.scale_log2;
             row_max[r] = mx;
             row_sum[r] *= old_scale;
@@ -235,7 +260,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
             float sum = 0.f;
             CUTE_UNROLL
             for (int c = 0; c < size<1>(S); ++c) {
-                const float e = exp2f(S(r, c) * p.scale_log2 - mxs);
+                const float e = ex2(fmaf(S(r, c), p.scale_log2, -mxs));
                 S(r, c) = e;
                 sum += e;
             }
@@ -255,10 +280,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
         warpgroup_fence_operand(tOrO);
 
         Bar::arrive(&sm.bar_empty[st]);
-        if (tid == 0 && i + ST < n_blocks) {
-            Bar::wait(&sm.bar_empty[st], phase);
-            load_kv(i + ST);
-        }
     }
 
     // Epilogue: O / l into o, m·scale + ln l into lse.
@@ -276,7 +297,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
                 p.o[((int64_t(bi) * p.s + row) * p.hq + h) * D + col] = static_cast<Element>(O(r, c) * inv);
             }
         }
-        if ((tid & 3) == 0 && row < p.s) {
+        if ((ctid & 3) == 0 && row < p.s) {
             p.lse[(int64_t(bi) * p.hq + h) * p.s + row] = sum > 0.f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
         }
     }
