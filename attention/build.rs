@@ -22,6 +22,7 @@ fn env_dir(var: &str) -> Option<PathBuf> {
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo::rustc-check-cfg=cfg(longctx_native)");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
@@ -86,6 +87,39 @@ fn main() {
         }
     }
     build.compile("longctx_cudnn_sdpa");
+
+    // longctx's own Hopper kernel (csrc/native_fwd_sm90.cu): CuTe/CUTLASS headers from the
+    // nvidia-cutlass wheel (scripts/build_cuda.sh unpacks them under .cuda/cutlass), sm_90a
+    // only. Without them, or for another compute capability, the build has no native kernel
+    // and `attention.kernel = "native"` runs cuDNN, saying why.
+    println!("cargo:rerun-if-changed=csrc/native_fwd_sm90.cu");
+    println!("cargo:rerun-if-changed=csrc/native_fmha.h");
+    println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    let mut cutlass_cands: Vec<PathBuf> = env_dir("CUTLASS_INCLUDE_DIR").into_iter().collect();
+    cutlass_cands.push(prefix.join("cutlass/include"));
+    let cutlass_inc = first_with(&cutlass_cands, "cute/tensor.hpp");
+    let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_default();
+    match (&cutlass_inc, cap.trim()) {
+        (Some(inc), "90") => {
+            let mut nv = cc::Build::new();
+            nv.cuda(true)
+                .flag("-std=c++17")
+                .flag("-O3")
+                .flag("-arch=sm_90a")
+                .flag("--expt-relaxed-constexpr")
+                .warnings(false)
+                .include(inc)
+                .include("csrc")
+                .file("csrc/native_fwd_sm90.cu");
+            nv.compile("longctx_native_fmha");
+            println!("cargo:rustc-cfg=longctx_native");
+        }
+        (None, _) => println!(
+            "cargo:warning=no CUTLASS headers (looked in {}): built without the native attention kernel",
+            cutlass_cands.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+        ),
+        (_, other) => println!("cargo:warning=CUDA_COMPUTE_CAP={other} (not 90): built without the native attention kernel (sm_90a)"),
+    }
 
     // the shim calls the CUDA runtime (device attributes, stream-ordered workspace) and dlopen
     for root in &cuda_roots {

@@ -8,6 +8,7 @@
 # libraries, so that the binary links here and runs against the real libraries there:
 #   - nvcc 13.0.88 + crt/nvvm/cccl/runtime headers (nvvm pinned: 13.5 emits PTX 9.5,
 #     which ptxas 13.0 rejects), nvrtc.h (the cuDNN frontend includes it);
+#   - CUTLASS 4.2 headers (nvidia-cutlass wheel) for the native Hopper attention kernel;
 #   - cuDNN 9.14 headers only (the GPU machine's system cuDNN is 9.14; a newer header set
 #     could name engine features that runtime lacks) and the cuDNN frontend 1.16 headers;
 #   - stubs libcuda.so.1, libcublas.so.13, libcublasLt.so.13, libcurand.so.10,
@@ -29,6 +30,7 @@ if [[ "${1:-}" == "--setup-only" ]]; then SETUP_ONLY=1; shift; fi
 NVCC_PIN=13.0.88
 CUDNN_PIN=9.14.0.64
 FRONTEND_PIN=1.16.0
+CUTLASS_PIN=4.2.0.0
 PIP=(python3 -m pip)
 
 log() { echo "[build_cuda] $*" >&2; }
@@ -144,11 +146,28 @@ if [[ -z "${CUDNN_FRONTEND_INCLUDE_DIR:-}" ]]; then
     CUDNN_FRONTEND_INCLUDE_DIR=$PREFIX/frontend/include
 fi
 export CUDNN_INCLUDE_DIR CUDNN_FRONTEND_INCLUDE_DIR
+
+# ---------------------------------------------------------------- CUTLASS/CuTe headers
+# longctx's own Hopper attention kernel (attention/csrc/native_fwd_sm90.cu) is written on
+# CuTe; the headers come from the nvidia-cutlass wheel (header-only use, pinned).
+if [[ -z "${CUTLASS_INCLUDE_DIR:-}" ]]; then
+    if [[ ! -f "$PREFIX/cutlass/include/cute/tensor.hpp" || ! -f "$PREFIX/cutlass/.pin-$CUTLASS_PIN" ]]; then
+        log "fetching CUTLASS $CUTLASS_PIN headers"
+        rm -rf "$PREFIX/cutlass" "$PREFIX/cutlass.tmp"
+        unpack_wheel "nvidia-cutlass==$CUTLASS_PIN" 'cutlass_library/source/include/*' "$PREFIX/cutlass.tmp"
+        mkdir -p "$PREFIX/cutlass"
+        mv "$PREFIX/cutlass.tmp/cutlass_library/source/include" "$PREFIX/cutlass/include"
+        rm -rf "$PREFIX/cutlass.tmp"
+        touch "$PREFIX/cutlass/.pin-$CUTLASS_PIN"
+    fi
+    CUTLASS_INCLUDE_DIR=$PREFIX/cutlass/include
+fi
+export CUTLASS_INCLUDE_DIR
 log "CUDA_ROOT=$CUDA_ROOT CUDNN_INCLUDE_DIR=$CUDNN_INCLUDE_DIR CUDNN_FRONTEND_INCLUDE_DIR=$CUDNN_FRONTEND_INCLUDE_DIR"
 
 if [[ $SETUP_ONLY == 1 ]]; then
     # print the environment so that a shell can `eval "$(scripts/build_cuda.sh --setup-only)"`
-    for v in CUDA_ROOT CUDA_TOOLKIT_ROOT_DIR CUDA_COMPUTE_CAP CUDNN_INCLUDE_DIR CUDNN_FRONTEND_INCLUDE_DIR PATH LIBRARY_PATH LD_LIBRARY_PATH; do
+    for v in CUDA_ROOT CUDA_TOOLKIT_ROOT_DIR CUDA_COMPUTE_CAP CUDNN_INCLUDE_DIR CUDNN_FRONTEND_INCLUDE_DIR CUTLASS_INCLUDE_DIR PATH LIBRARY_PATH LD_LIBRARY_PATH; do
         [[ -n "${!v:-}" ]] && printf 'export %s=%q\n' "$v" "${!v}"
     done
     exit 0

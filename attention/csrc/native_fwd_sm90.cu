@@ -350,6 +350,9 @@ extern "C" int longctx_native_fwd(const longctx_sdpa_desc *d, const void *q, con
     else if (d->s <= 0 || d->t <= 0 || d->b <= 0 || d->s > (1LL << 30) || d->t > (1LL << 30)) why = "sizes";
     else if ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) & 15)
         why = "q/k/v not 16-byte aligned";
+    int major = 0;
+    if (!why && (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d->ordinal) != cudaSuccess || major != 9))
+        why = "the GPU is not a Hopper (compute capability 9.x; the kernel is built for sm_90a)";
     if (why) {
         if (err && err_len) snprintf(err, err_len, "native attention: not covered: %s", why);
         return LONGCTX_SDPA_UNSUPPORTED;

@@ -13,6 +13,41 @@
 
 use candle_core::{Result, Tensor};
 
+/// Which CUDA kernel runs a block forward (`attention.kernel` in a run config): cuDNN's
+/// fused attention, or longctx's own Hopper kernel (`attention/csrc/native_fwd_sm90.cu`,
+/// sm_90a; forward only so far, the backward is cuDNN's either way). A shape or GPU the
+/// native kernel does not cover runs cuDNN, said once on stderr. The CPU kernel is the same
+/// for both.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CudaKernel {
+    #[default]
+    Cudnn,
+    Native,
+}
+
+impl CudaKernel {
+    pub const NAMES: [&'static str; 2] = ["cudnn", "native"];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CudaKernel::Cudnn => "cudnn",
+            CudaKernel::Native => "native",
+        }
+    }
+}
+
+impl std::str::FromStr for CudaKernel {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "cudnn" => Ok(CudaKernel::Cudnn),
+            "native" => Ok(CudaKernel::Native),
+            _ => Err(format!("unknown attention kernel `{s}`: expected one of {}", CudaKernel::NAMES.join(", "))),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Mask {
     None,

@@ -57,6 +57,10 @@ pub struct ParallelFlags {
     /// [default: 4096].
     #[arg(long, value_parser = super::chunk_arg)]
     pub token_chunk: Option<usize>,
+    /// CUDA attention kernel: cudnn, or native (longctx's own Hopper forward, sm_90a builds;
+    /// shapes it does not cover run cuDNN) [default: cudnn] (`attention.kernel`).
+    #[arg(long)]
+    pub attention_kernel: Option<String>,
 }
 
 impl ParallelFlags {
@@ -81,6 +85,9 @@ impl ParallelFlags {
         p.offload_activations |= self.offload_activations;
         p.save_attention |= self.save_attention;
         set(&mut p.token_chunk, self.token_chunk);
+        if let Some(k) = &self.attention_kernel {
+            c.attention.kernel = k.parse().map_err(|e: String| longctx::Error::config(FLAGS, "--attention-kernel", e))?;
+        }
         Ok(())
     }
 
@@ -404,6 +411,15 @@ mod tests {
         f.layout.apply(&mut c)?;
         f.stages.apply(f.layout.seq_length, &mut c);
         Ok(c)
+    }
+
+    #[test]
+    fn attention_kernel_flag() {
+        use longctx_attention::kernel::CudaKernel;
+        assert_eq!(apply(&["--attention-kernel", "native"]).unwrap().attention.kernel, CudaKernel::Native);
+        assert_eq!(apply(&["--attention-kernel", "cuDNN"]).unwrap().attention.kernel, CudaKernel::Cudnn);
+        let e = apply(&["--attention-kernel", "flash"]).unwrap_err().to_string();
+        assert!(e.contains("--attention-kernel") && e.contains("flash") && e.contains("cudnn, native"), "{e}");
     }
 
     #[test]

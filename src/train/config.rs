@@ -329,6 +329,22 @@ impl Default for ParallelSection {
     }
 }
 
+/// `[attention]`: which CUDA kernel computes the attention blocks.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AttentionSection {
+    /// `"cudnn"` (cuDNN's fused attention, the default) or `"native"` (longctx's own Hopper
+    /// kernel for the forward, sm_90a builds; the backward stays cuDNN's). A shape the native
+    /// kernel does not cover runs cuDNN, said once. No effect on the CPU.
+    pub kernel: longctx_attention::kernel::CudaKernel,
+}
+
+impl AttentionSection {
+    pub fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
 /// One stage of a progressive rope_theta recipe; each starts from the previous weights.
 /// Every optional key left unset takes the run-wide value (`[train]`, `[data]`,
 /// `[parallel]`), except `seed`, which defaults to `seed + stage index` so that each
@@ -698,6 +714,8 @@ pub struct RunConfig {
     pub train: TrainSection,
     #[serde(default)]
     pub parallel: ParallelSection,
+    #[serde(default, skip_serializing_if = "AttentionSection::is_default")]
+    pub attention: AttentionSection,
     #[serde(rename = "stage")]
     pub stages: Vec<Stage>,
     #[serde(default)]
@@ -733,6 +751,7 @@ impl Default for RunConfig {
             data: DataSection { dataset: "synthetic:retrieval-answer".into(), ..Default::default() },
             train: TrainSection { learning_rate: 3e-3, warmup_steps: 10, batch_size: 8, ..Default::default() },
             parallel: ParallelSection { token_chunk: 256, ..Default::default() },
+            attention: AttentionSection::default(),
             stages: vec![stage(32, 10_000.0, 600), stage(256, 100_000.0, 150), stage(1024, 100_000.0, 50)],
             export: ExportSection::default(),
             eval: EvalSection::default(),
@@ -1134,5 +1153,32 @@ mod tests {
         assert_eq!(c.parallel.token_chunk, ParallelSection::default().token_chunk);
         assert_ne!(c.train.learning_rate, RunConfig::default().train.learning_rate, "the demo's lr must not leak in");
         assert_eq!((c.seed, c.output_dir.clone()), (RunConfig::default().seed, RunConfig::default().output_dir));
+    }
+
+    #[test]
+    fn attention_kernel_is_read_checked_and_saved() {
+        use longctx_attention::kernel::CudaKernel;
+        let dir = std::env::temp_dir().join(format!("longctx-cfg-kernel-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("run.toml");
+        let stage = "[[stage]]\nseq_length = 64\nrope_theta = 1e4\nsteps = 1\n";
+        std::fs::write(&p, format!("[attention]\nkernel = \"native\"\n{stage}")).unwrap();
+        assert_eq!(RunConfig::from_file(&p).unwrap().attention.kernel, CudaKernel::Native);
+        std::fs::write(&p, stage).unwrap();
+        assert_eq!(RunConfig::from_file(&p).unwrap().attention.kernel, CudaKernel::Cudnn, "the default");
+        std::fs::write(&p, format!("[attention]\nkernel = \"flash\"\n{stage}")).unwrap();
+        let e = RunConfig::from_file(&p).unwrap_err().to_string();
+        assert!(e.contains("run.toml") && e.contains("flash") && e.contains("cudnn") && e.contains("native"), "{e}");
+        std::fs::write(&p, format!("[attention]\nkernal = \"native\"\n{stage}")).unwrap();
+        let e = RunConfig::from_file(&p).unwrap_err().to_string();
+        assert!(e.contains("kernal"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+        // A saved config keeps a chosen kernel and leaves the default out (the configs of
+        // runs saved before the section existed compare equal on resume).
+        assert!(!toml::to_string(&RunConfig::default()).unwrap().contains("[attention]"));
+        let mut c = RunConfig::default();
+        c.attention.kernel = CudaKernel::Native;
+        let back: RunConfig = toml::from_str(&toml::to_string(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
     }
 }

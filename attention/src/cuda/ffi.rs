@@ -1,4 +1,6 @@
-//! Declarations of the C shim in `attention/csrc/cudnn_sdpa.{h,cpp}` (compiled by build.rs).
+//! Declarations of the C shim in `attention/csrc/cudnn_sdpa.{h,cpp}` and of the native
+//! Hopper kernel in `attention/csrc/native_fwd_sm90.cu` (both compiled by build.rs; the
+//! native one only when build.rs found the CUTLASS headers and builds for sm_90).
 
 use std::ffi::{c_char, c_int, c_void};
 
@@ -60,4 +62,18 @@ extern "C" {
     ) -> c_int;
 
     pub fn longctx_sdpa_cudnn_version(err: *mut c_char, err_len: usize) -> i64;
+
+    /// Same arguments and codes as `longctx_sdpa_fwd` (`csrc/native_fmha.h`).
+    #[cfg(longctx_native)]
+    pub fn longctx_native_fwd(
+        desc: *const Desc,
+        q: *const c_void,
+        k: *const c_void,
+        v: *const c_void,
+        o: *mut c_void,
+        lse: *mut f32,
+        stream: *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
 }

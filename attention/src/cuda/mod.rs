@@ -34,6 +34,31 @@ use std::sync::Arc;
 /// 0: not set (read the environment), 1: refuse, 2: allow.
 static FALLBACK: AtomicU8 = AtomicU8::new(0);
 static WARNED: AtomicBool = AtomicBool::new(false);
+/// The forward kernel of this process: 0 cuDNN, 1 native ([`set_kernel`]).
+static KERNEL: AtomicU8 = AtomicU8::new(0);
+static NATIVE_NOTED: AtomicBool = AtomicBool::new(false);
+
+/// Choose the CUDA forward kernel for this process (a run config's `attention.kernel`,
+/// `bench attention --kernel`). Like [`set_fallback`], a process-wide setting read at each
+/// call: the modes and the model call the block kernel without knowing which one runs.
+pub fn set_kernel(k: crate::kernel::CudaKernel) {
+    KERNEL.store(matches!(k, crate::kernel::CudaKernel::Native) as u8, Ordering::Relaxed);
+}
+
+/// The CUDA forward kernel chosen by [`set_kernel`] (cuDNN unless set).
+pub fn kernel() -> crate::kernel::CudaKernel {
+    if KERNEL.load(Ordering::Relaxed) == 1 {
+        crate::kernel::CudaKernel::Native
+    } else {
+        crate::kernel::CudaKernel::Cudnn
+    }
+}
+
+/// Whether this build holds the native Hopper kernel (build.rs compiles it for sm_90 when
+/// it finds the CUTLASS headers; scripts/build_cuda.sh fetches them).
+pub fn native_built() -> bool {
+    cfg!(longctx_native)
+}
 
 /// Allow (or forbid) the portable naive fallback when cuDNN cannot run a call.
 /// Overrides `LONGCTX_ATTN_FALLBACK`.
@@ -215,11 +240,45 @@ fn try_fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> std::r
     let stream = raw::bind(&dev)?;
     let (b, s, hq, d) = (desc.b as usize, desc.s as usize, desc.hq as usize, desc.d as usize);
     let [mut o, mut lse] = outputs(&stream, &dev, [q.dtype(), DType::F32], [b * s * hq * d, b * hq * s])?;
+    if kernel() == crate::kernel::CudaKernel::Native {
+        match native_fwd(&desc, &stream, [&q, &k, &v], [&mut o, &mut lse]) {
+            Ok(()) => return Ok((raw::tensor(o, (b, s, hq, d)), raw::tensor(lse, (b, hq, s)))),
+            Err(Refusal::Unsupported(why)) => {
+                if !NATIVE_NOTED.swap(true, Ordering::Relaxed) {
+                    eprintln!("longctx-attention: the native kernel does not cover a forward here ({why}); cuDNN runs it (said once)");
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
     shim("forward", &stream, &[&q, &k, &v], &mut [&mut o, &mut lse], |i, o, st, err| {
         // SAFETY: see `shim`; q, k, v, o and lse in the order of the shim's parameters.
         unsafe { ffi::longctx_sdpa_fwd(&desc, i[0], i[1], i[2], o[0], o[1] as *mut f32, st, err.ptr(), err.len()) }
     })?;
     Ok((raw::tensor(o, (b, s, hq, d)), raw::tensor(lse, (b, hq, s))))
+}
+
+/// The native Hopper forward into `o`, `lse` (allocated by the caller), or why not.
+#[cfg(longctx_native)]
+fn native_fwd(
+    desc: &ffi::Desc,
+    stream: &Arc<CudaStream>,
+    ins: [&Tensor; 3],
+    outs: [&mut CudaStorage; 2],
+) -> std::result::Result<(), Refusal> {
+    let [o, lse] = outs;
+    shim("forward (native)", stream, &ins, &mut [o, lse], |i, o, st, err| {
+        // SAFETY: see `shim`; q, k, v, o and lse in the order of the kernel's parameters.
+        unsafe { ffi::longctx_native_fwd(desc, i[0], i[1], i[2], o[0], o[1] as *mut f32, st, err.ptr(), err.len()) }
+    })
+}
+
+#[cfg(not(longctx_native))]
+fn native_fwd(_: &ffi::Desc, _: &Arc<CudaStream>, _: [&Tensor; 3], _: [&mut CudaStorage; 2]) -> std::result::Result<(), Refusal> {
+    Err(Refusal::Unsupported(
+        "this build has no native kernel (it is compiled for CUDA_COMPUTE_CAP=90 with the CUTLASS headers; run scripts/build_cuda.sh)"
+            .into(),
+    ))
 }
 
 fn try_bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, scale: f64) -> std::result::Result<(Tensor, Tensor, Tensor), Refusal> {
@@ -284,7 +343,7 @@ fn check(rc: i32, err: &ErrBuf, what: &str) -> std::result::Result<(), Refusal> 
     match rc {
         ffi::OK => Ok(()),
         ffi::UNSUPPORTED | ffi::UNAVAILABLE => Err(Refusal::Unsupported(err.text())),
-        ffi::FAILED => Err(Refusal::Failed(candle_core::Error::Msg(format!("cuDNN attention {what} failed: {}", err.text())))),
-        code => Err(Refusal::Failed(candle_core::Error::Msg(format!("cuDNN attention {what}: unknown shim return code {code}")))),
+        ffi::FAILED => Err(Refusal::Failed(candle_core::Error::Msg(format!("CUDA attention {what} failed: {}", err.text())))),
+        code => Err(Refusal::Failed(candle_core::Error::Msg(format!("CUDA attention {what}: unknown shim return code {code}")))),
     }
 }

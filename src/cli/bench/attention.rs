@@ -8,6 +8,9 @@
 //! causal forward = 4·b·h·s²·d / 2 (two matmuls of 2·s²·d each, half of them masked),
 //! backward = 2.5 × forward (five matmuls), forward+backward = 3.5 × forward.
 //!
+//! Every step runs for each `--kernel` (cuDNN, and longctx's own Hopper forward, whose
+//! backward is cuDNN's).
+//!
 //! `--check`: (1) the CUDA kernel against the CPU kernel on small shapes (inputs
 //! rounded to bf16/f16 once, the CPU runs on those values in f32), for o, lse, dq, dk, dv;
 //! (2) every sequence-parallel mode at W ∈ {2, 4} (ranks are threads sharing one GPU
@@ -22,7 +25,7 @@ use candle_core::{DType, Device, Tensor};
 use longctx::parallel::{build_groups, DimsRequest, ParallelDims, ParallelMode};
 use longctx::train::profile::Mark;
 use longctx_attention::comm::{thread::run_ranks, Comm};
-use longctx_attention::kernel::{self, Mask};
+use longctx_attention::kernel::{self, CudaKernel, Mask};
 use longctx_attention::{layout, AttentionMode};
 use std::sync::Arc;
 
@@ -71,6 +74,10 @@ pub struct BenchAttentionArgs {
     /// with each window (one document per sequence) against full causal attention.
     #[arg(long, value_delimiter = ',')]
     pub window: Vec<usize>,
+    /// CUDA kernels to time and check, comma-separated: cudnn, native (longctx's own Hopper
+    /// forward; its backward is cuDNN's) [default: both].
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["cudnn".to_string(), "native".to_string()])]
+    pub kernel: Vec<String>,
     /// Leave the CUDA memory pool's release threshold at the driver default (0), so freed
     /// buffers go back to the driver at every synchronisation (default: retain them).
     #[arg(long)]
@@ -84,6 +91,14 @@ pub fn attention(args: &BenchAttentionArgs) -> anyhow::Result<()> {
         "f16" => DType::F16,
         other => bail!("--dtype {other}: expected bf16 or f16"),
     };
+    let kernels = args
+        .kernel
+        .iter()
+        .map(|k| k.parse::<CudaKernel>().map_err(|e| anyhow::anyhow!("--kernel: {e}")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if kernels.is_empty() {
+        bail!("--kernel: expected at least one of {}", CudaKernel::NAMES.join(", "));
+    }
     let dev = Device::new_cuda_with_stream(args.gpu)
         .with_context(|| format!("opening CUDA device {} (is this binary built with --features cuda?)", args.gpu))?;
     report_cudnn();
@@ -91,16 +106,36 @@ pub fn attention(args: &BenchAttentionArgs) -> anyhow::Result<()> {
         retain_pool(&dev)?;
     }
     if args.check || args.all {
-        check(&dev, dtype)?;
+        let mut failed = Vec::new();
+        for &k in &kernels {
+            use_kernel(k);
+            if let Err(e) = check(&dev, dtype, k) {
+                println!("\n{}: {e}", k.name());
+                failed.push(k.name());
+            }
+        }
+        if !failed.is_empty() {
+            bail!("attention check failed with the {} kernel (see the rows marked FAIL)", failed.join(" and "));
+        }
     }
     if !args.check {
-        throughput(&dev, dtype, args)?;
+        throughput(&dev, dtype, args, &kernels)?;
         if !args.docs.is_empty() || !args.window.is_empty() {
             throughput_docs(&dev, dtype, args)?;
         }
     }
+    use_kernel(CudaKernel::Cudnn);
     Ok(())
 }
+
+/// The CUDA forward kernel of the calls that follow.
+#[cfg(feature = "cuda")]
+fn use_kernel(k: CudaKernel) {
+    longctx_attention::cuda::set_kernel(k);
+}
+
+#[cfg(not(feature = "cuda"))]
+fn use_kernel(_k: CudaKernel) {}
 
 #[cfg(feature = "cuda")]
 fn report_cudnn() {
@@ -156,7 +191,7 @@ fn randn(shape: &[usize], dtype: DType, dev: &Device) -> candle_core::Result<Ten
     Tensor::randn(0f32, 1f32, shape, dev)?.to_dtype(dtype)
 }
 
-fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs) -> anyhow::Result<()> {
+fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs, kernels: &[CudaKernel]) -> anyhow::Result<()> {
     let (b, h, d) = (a.batch, a.heads, a.head_dim);
     let hkv = a.kv_heads.unwrap_or(h);
     let scale = 1.0 / (d as f64).sqrt();
@@ -165,33 +200,38 @@ fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs) -> anyhow::Res
         "\ncausal attention, {dtype:?}, b={b}, heads {h} (kv {hkv}) × {d}; median of {} after {} warmup; pool memory {pool}",
         a.iters, a.warmup
     );
-    println!("FLOP: fwd = 4·b·h·s²·d/2, bwd = 2.5·fwd, fwd+bwd = 3.5·fwd\n");
-    println!("| seq | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |");
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    println!("FLOP: fwd = 4·b·h·s²·d/2, bwd = 2.5·fwd, fwd+bwd = 3.5·fwd; the native kernel's backward is cuDNN's\n");
+    println!("| kernel | seq | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
     for &s in &a.seq {
         let q = randn(&[b, s, h, d], dtype, dev)?;
         let k = randn(&[b, s, hkv, d], dtype, dev)?;
         let v = randn(&[b, s, hkv, d], dtype, dev)?;
         let d_o = randn(&[b, s, h, d], dtype, dev)?;
-        let (o, lse) = kernel::fwd(&q, &k, &v, Mask::Causal, scale)?;
-        let t_f = time(dev, a.warmup, a.iters, || kernel::fwd(&q, &k, &v, Mask::Causal, scale).map(|_| ()))?;
-        let t_b =
-            time(dev, a.warmup, a.iters, || kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale).map(|_| ()))?;
-        let t_fb = time(dev, a.warmup, a.iters, || {
+        for &kern in kernels {
+            use_kernel(kern);
             let (o, lse) = kernel::fwd(&q, &k, &v, Mask::Causal, scale)?;
-            kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale).map(|_| ())
-        })?;
-        let f = 4.0 * (b * h) as f64 * (s as f64) * (s as f64) * d as f64 / 2.0;
-        let tf = |flop: f64, t: f64| flop / t / 1e12;
-        println!(
-            "| {s} | {:.2} | {:.0} | {:.2} | {:.0} | {:.2} | {:.0} |",
-            t_f * 1e3,
-            tf(f, t_f),
-            t_b * 1e3,
-            tf(2.5 * f, t_b),
-            t_fb * 1e3,
-            tf(3.5 * f, t_fb)
-        );
+            let t_f = time(dev, a.warmup, a.iters, || kernel::fwd(&q, &k, &v, Mask::Causal, scale).map(|_| ()))?;
+            let t_b = time(dev, a.warmup, a.iters, || {
+                kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale).map(|_| ())
+            })?;
+            let t_fb = time(dev, a.warmup, a.iters, || {
+                let (o, lse) = kernel::fwd(&q, &k, &v, Mask::Causal, scale)?;
+                kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale).map(|_| ())
+            })?;
+            let f = 4.0 * (b * h) as f64 * (s as f64) * (s as f64) * d as f64 / 2.0;
+            let tf = |flop: f64, t: f64| flop / t / 1e12;
+            println!(
+                "| {} | {s} | {:.2} | {:.0} | {:.2} | {:.0} | {:.2} | {:.0} |",
+                kern.name(),
+                t_f * 1e3,
+                tf(f, t_f),
+                t_b * 1e3,
+                tf(2.5 * f, t_b),
+                t_fb * 1e3,
+                tf(3.5 * f, t_fb)
+            );
+        }
     }
     Ok(())
 }
@@ -320,9 +360,9 @@ fn inputs(b: usize, s: usize, t: usize, hq: usize, hkv: usize, d: usize, dtype: 
     ])
 }
 
-fn check(dev: &Device, dtype: DType) -> anyhow::Result<()> {
+fn check(dev: &Device, dtype: DType, kern: CudaKernel) -> anyhow::Result<()> {
     let mut ok = true;
-    println!("\nCUDA kernel vs CPU kernel (f32 on the same {dtype:?}-rounded inputs)");
+    println!("\n{} CUDA kernel vs CPU kernel (f32 on the same {dtype:?}-rounded inputs)", kern.name());
     println!("tolerances: o {:.0e}, lse {:.0e} (abs), grads {:.0e}, relative to max|ref|\n", TOL.o, TOL.lse, TOL.grad);
     println!("| case | o | lse | dq | dk | dv | |");
     println!("| --- | --- | --- | --- | --- | --- | --- |");
@@ -356,7 +396,7 @@ fn check(dev: &Device, dtype: DType) -> anyhow::Result<()> {
     if !ok {
         bail!("attention check failed (see the rows marked FAIL)");
     }
-    println!("\nall attention checks passed");
+    println!("\nall attention checks passed ({} kernel)", kern.name());
     Ok(())
 }
 

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Issue #36 on the GPU machine: longctx's own Hopper attention forward against cuDNN.
+#   1. target-cuda/native_check (scripts/build_native_check.sh), when present: the kernel
+#      alone against an f32 reference and cuDNN in one process;
+#   2. `bench attention --check` with both kernels (the CUDA kernel against the CPU kernel,
+#      every parallel mode, document masks, windows);
+#   3. `bench attention` side by side at 16K / 64K / 128K, 32×128 and 32/4×64;
+#   4. a 10-step training comparison: cuDNN twice (the noise floor between two runs of the
+#      same kernel) and native once, TinyLlama-1.1B shape with 4 layers at 16K.
+# Usage: scripts/gpu_native_check.sh [BIN] (default target-cuda/release/longctx); results
+# under $OUT (default /tmp/native-check). Run where the system CUDA/cuDNN libraries are.
+set -uo pipefail
+BIN=${1:-target-cuda/release/longctx}
+OUT=${OUT:-/tmp/native-check}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+if [[ -x target-cuda/native_check ]]; then
+    timeout 120 target-cuda/native_check 2>&1 | tee "$OUT/native_check.txt" | tail -8
+fi
+timeout 300 "$BIN" bench attention --check 2>&1 | tee "$OUT/check.txt" | grep -E "FAIL|passed|failed" | head -20
+timeout 200 "$BIN" bench attention --seq 16384,65536,131072 2>&1 | tee "$OUT/bench128.txt" | grep -E "^\|"
+timeout 200 "$BIN" bench attention --seq 16384,65536,131072 --heads 32 --kv-heads 4 --head-dim 64 2>&1 | tee "$OUT/bench64.txt" | grep -E "^\|"
+rm -f "$OUT/train.jsonl"
+for run in cudnn-a:cudnn cudnn-b:cudnn native-a:native; do
+    label=${run%%:*}; kern=${run##*:}
+    timeout 120 "$BIN" train --model builtin:tinyllama-1.1b-shape@layers=4 --seq-length 16384 --rope-theta 1e6 --max-train-steps 10 \
+        --batch-size 1 --device cuda --dtype bf16 --token-chunk 16384 --learning-rate 1e-4 --dataset synthetic:passkey \
+        --attention-kernel "$kern" --output-dir "/tmp/native-check-$label" --overwrite -q > "$OUT/train-$label.log" 2>&1
+    echo "train $label rc=$?"
+    python3 - "/tmp/native-check-$label/metrics.jsonl" "$label" >> "$OUT/train.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
+t = rows[1:] or rows
+print(json.dumps({"label": sys.argv[2], "tokens_per_s": sum(r["tokens"] for r in t) / sum(r["seconds"] for r in t),
+                  "losses": [r["loss"] for r in rows], "grad_norms": [r.get("grad_norm") for r in rows]}))
+PY
+    rm -rf "/tmp/native-check-$label"
+done
+python3 - "$OUT/train.jsonl" <<'PY'
+import json, sys
+r = {d["label"]: d for d in map(json.loads, open(sys.argv[1]))}
+def rel(a, b, k):
+    return max(abs(x - y) / abs(y) for x, y in zip(r[a][k], r[b][k]))
+for a, b in [("cudnn-b", "cudnn-a"), ("native-a", "cudnn-a"), ("native-a", "cudnn-b")]:
+    if a in r and b in r:
+        print(f"{a} vs {b}: loss max rel {rel(a, b, 'losses'):.2e}, grad norm max rel {rel(a, b, 'grad_norms'):.2e}")
+for k, d in r.items():
+    print(f"{k}: {d['tokens_per_s']:.0f} tok/s")
+PY
