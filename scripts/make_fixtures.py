@@ -22,7 +22,6 @@ Usage: python3 scripts/make_fixtures.py [out_dir]   (default tests/fixtures)
 Needs: torch (CPU is enough), transformers (written with 5.x), tokenizers, safetensors.
 """
 
-import json
 import math
 import os
 import sys
