@@ -25,7 +25,7 @@ use longctx::parallel::ParallelMode;
 use longctx_attention::local::LocalAttention;
 use longctx_attention::AttentionMode;
 
-mod common;
+use crate::common;
 
 fn model(cfg: &LlamaConfig, seed: u64) -> Llama {
     let w: HashMap<String, Tensor> = longctx::train::init::random_init(cfg, seed, DType::F32, &Device::Cpu).unwrap();

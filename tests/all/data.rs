@@ -20,7 +20,7 @@ use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
 use parquet::schema::parser::parse_message_type;
 
-mod common;
+use crate::common;
 use common::*;
 
 /// `n` documents of pseudo-random lengths 1..=40 with distinct token values.

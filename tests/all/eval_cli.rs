@@ -12,7 +12,7 @@
 
 use std::path::{Path, PathBuf};
 
-mod common;
+use crate::common;
 use common::{longctx_cmd as longctx, repo_root as root};
 
 struct Out {

@@ -22,7 +22,7 @@ use longctx_attention::AttentionMode;
 use std::path::Path;
 use std::sync::Arc;
 
-mod common;
+use crate::common;
 use common::rel_err;
 
 /// Per-parameter relative gradient tolerance (f32).

@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::process::Command;
 
-mod common;
+use crate::common;
 
 const TOL: f64 = 1e-5;
 

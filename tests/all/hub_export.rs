@@ -12,7 +12,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use longctx::hub::{self, Checkpoint, ExportOptions};
 
-mod common;
+use crate::common;
 use common::*;
 
 fn ramp(shape: &[usize], seed: u32) -> Tensor {

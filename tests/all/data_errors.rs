@@ -12,7 +12,7 @@ use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
 use parquet::schema::parser::parse_message_type;
 
-mod common;
+use crate::common;
 use common::*;
 
 /// Runs a loader over `cfg` to the first error (at construction or while reading).

@@ -11,7 +11,7 @@
 //! Bounds: `single` ≥ 70 %, `vt` recall ≥ 40 % and tokens ≥ 20 % (over twice chance).
 //! Takes about 3 minutes on 2 cores (the demo's training).
 
-mod common;
+use crate::common;
 
 use common::ok;
 use serde_json::Value;

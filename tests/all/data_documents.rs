@@ -19,7 +19,7 @@ use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
 use parquet::schema::parser::parse_message_type;
 
-mod common;
+use crate::common;
 use common::*;
 
 /// `n` documents of lengths 1..=`max_len` (many of 1–3 tokens), distinct token values from `base`.

@@ -11,7 +11,7 @@
 //! the greedy continuation (f32 on the CPU from f16-exact weights), and what the
 //! `generate` command prints.
 
-mod common;
+use crate::common;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};

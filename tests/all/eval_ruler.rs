@@ -6,7 +6,7 @@
 //! asked for counted in the decoded prompt to be the most frequent ones; and the
 //! command's files on a small model.
 
-mod common;
+use crate::common;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};

@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-mod common;
+use crate::common;
 use common::{longctx_cmd as longctx, ok, run, run_cmd, Out};
 
 /// Exit status 1, exactly one `error:` line holding every needle, no panic.

@@ -6,7 +6,7 @@
 use longctx::train::config::{ParallelMode, RunConfig};
 use std::path::{Path, PathBuf};
 
-mod common;
+use crate::common;
 use common::{fails, longctx_cmd as longctx, ok, repo_root as root, run, run_cmd};
 
 fn tmp() -> tempfile::TempDir {

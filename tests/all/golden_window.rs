@@ -19,7 +19,7 @@ use longctx::model::{KvCache, Llama, LlamaConfig};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-mod common;
+use crate::common;
 use common::fixture::*;
 
 fn golden(name: &str) {

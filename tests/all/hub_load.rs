@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use longctx::hub::{self, Checkpoint, HubOptions, ModelSpec};
 
-mod common;
+use crate::common;
 use common::*;
 
 /// Values exactly representable in f16 and bf16.
@@ -253,32 +253,41 @@ fn cache_dir_precedence_matches_huggingface_hub() {
     assert_eq!(opts(&[("HF_TOKEN", "hf_abc")]).token.as_deref(), Some("hf_abc"));
 }
 
-/// The one test that reads the real process environment. Env vars are process-global,
-/// so it holds a lock and restores what it changed; no other test here reads them.
+/// The one test that reads the real process environment. Env vars are process-global and
+/// every integration test shares this process, so the checks run in a child: this test
+/// binary again, filtered to this one test, with the variables set on its command (the
+/// parent's environment is never changed).
 #[test]
 fn env_vars_select_cache_and_offline_mode() {
-    static ENV_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _guard = ENV_LOCK.lock().unwrap_or_else(|p| p.into_inner());
-    let cache = tempfile::tempdir().unwrap();
-    let snap = build_cache(cache.path(), false);
-    let keys = ["HF_HUB_CACHE", "HF_HUB_OFFLINE"];
-    let saved: Vec<Option<String>> = keys.iter().map(|k| std::env::var(k).ok()).collect();
-    std::env::set_var("HF_HUB_CACHE", cache.path());
-    std::env::set_var("HF_HUB_OFFLINE", "1");
+    const CHILD: &str = "LONGCTX_TEST_HUB_ENV_CHILD";
+    if std::env::var_os(CHILD).is_none() {
+        let cache = tempfile::tempdir().unwrap();
+        // `all::hub_load` → the test's name as the harness knows it.
+        let module = module_path!().split_once("::").map_or(module_path!(), |(_, m)| m);
+        let name = format!("{module}::env_vars_select_cache_and_offline_mode");
+        let o = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([name.as_str(), "--exact", "--test-threads=1", "--nocapture"])
+            .env(CHILD, "1")
+            .env("HF_HUB_CACHE", cache.path())
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap();
+        let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        // "1 passed": the filter found the test, so the child checked something.
+        assert!(o.status.success() && out.contains(" 1 passed;"), "the test in a child process:\n{out}\n{err}");
+        return;
+    }
+    // The child: HF_HUB_CACHE and HF_HUB_OFFLINE as the parent set them.
+    let cache = PathBuf::from(std::env::var_os("HF_HUB_CACHE").unwrap());
+    let snap = build_cache(&cache, false);
     let opts = HubOptions::from_env();
     let resolved = hub::resolve_model("org/tiny", &opts);
     let missing = hub::resolve_model("org/absent", &opts);
-    for (k, v) in keys.iter().zip(saved) {
-        match v {
-            Some(v) => std::env::set_var(k, v),
-            None => std::env::remove_var(k),
-        }
-    }
     assert!(opts.offline);
-    assert_eq!(opts.cache_dir, cache.path());
+    assert_eq!(opts.cache_dir, cache);
     assert_eq!(resolved.unwrap().dir, snap);
     let err = missing.unwrap_err().to_string();
-    assert!(err.contains("org/absent") && err.contains(cache.path().to_str().unwrap()), "{err}");
+    assert!(err.contains("org/absent") && err.contains(cache.to_str().unwrap()), "{err}");
 }
 
 /// A minimal stand-in for the hub's `resolve` endpoint on 127.0.0.1, speaking the part of

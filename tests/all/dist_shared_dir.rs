@@ -3,7 +3,7 @@
 //! its first checkpoint. Simulated on one machine with the test-only fault
 //! `private-dir:RANK` (that rank looks for rank 0's marker in a directory of its own).
 
-mod common;
+use crate::common;
 
 #[test]
 fn ranks_that_do_not_share_the_output_directory_stop_at_start() {

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 
-mod common;
+use crate::common;
 use common::{fails, ok, repo_root, run, write_st};
 
 fn s(p: &Path) -> String {

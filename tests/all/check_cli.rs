@@ -3,7 +3,7 @@
 //! naming the layout and the difference, when one rank is deliberately off by 1 %
 //! (`LONGCTX_FAULT=skew:1:1.01`, a test-only fault).
 
-mod common;
+use crate::common;
 
 use common::{fails, longctx_cmd, run_cmd};
 

@@ -17,7 +17,7 @@
 use candle_core::{safetensors, DType, Device, Tensor};
 use longctx::model::{LlamaConfig, Rope};
 
-mod common;
+use crate::common;
 use common::fixture::*;
 
 fn golden(name: &str) {

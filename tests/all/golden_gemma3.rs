@@ -30,7 +30,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-mod common;
+use crate::common;
 use common::fixture::*;
 
 /// Both RoPE tables against transformers' `rotary_emb(.., layer_type)`.

@@ -39,7 +39,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
-mod common;
+use crate::common;
 
 const LOSS_TOL: f64 = 1e-5;
 const GRAD_TOL: f64 = 2e-5;

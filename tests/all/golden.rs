@@ -18,7 +18,7 @@ use longctx::attention::{local::LocalAttention, AttentionMode};
 use longctx::model::{Llama, LlamaConfig};
 use std::sync::Arc;
 
-mod common;
+use crate::common;
 use common::fixture::*;
 
 const ALL: &[&str] = &["llama_mha", "llama_gqa_bias", "qwen2_tied", "llama3_rope", "mistral_linear", "llama_dynamic", "llama_yarn"];

@@ -10,7 +10,7 @@ use longctx::train::optim::Schedule;
 use serde_json::{json, Value};
 use std::path::Path;
 
-mod common;
+use crate::common;
 use common::repo_root as root;
 
 fn zero3() -> serde_json::Value {

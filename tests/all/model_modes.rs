@@ -24,7 +24,7 @@ use longctx_attention::AttentionMode;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-mod common;
+use crate::common;
 
 const LOSS_TOL: f64 = 1e-5;
 const GRAD_TOL: f64 = 2e-5;

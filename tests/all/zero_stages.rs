@@ -20,7 +20,7 @@ use longctx::train::trainer::{run, run_with, Resident, RunOptions, RunSummary};
 use std::collections::HashMap;
 use std::path::Path;
 
-mod common;
+use crate::common;
 
 /// Relative tolerance of a ZeRO variant against stage 0 (f32).
 const TOL: f64 = 1e-5;

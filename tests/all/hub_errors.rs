@@ -6,7 +6,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use longctx::hub::{self, HubOptions};
 
-mod common;
+use crate::common;
 use common::*;
 
 fn t(n: usize) -> Tensor {

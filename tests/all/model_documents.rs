@@ -24,7 +24,7 @@ use longctx_attention::{AttentionMode, Docs};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-mod common;
+use crate::common;
 
 const S: usize = 32;
 const FPDT_CHUNK: usize = 16;
