@@ -481,7 +481,7 @@ fn plan_text_and_json() {
     let d = tmp();
     let m = llama2_7b_dir(d.path());
     let m = m.to_str().unwrap();
-    // The hand-computed peak of tests/plan.rs (zigzag, 512K, 8 GPUs).
+    // The hand-computed peak of tests/all/plan.rs (zigzag, 512K, 8 GPUs).
     let o = ok(&[
         "plan", "--model", m, "--seq-length", "512K", "--gpus", "8", "--parallel-mode", "zigzag_ring_attn", "--optimizer-on-host", "--json",
     ]);
@@ -581,7 +581,7 @@ fn bad_sizes_and_export_sources() {
 #[cfg(not(feature = "nccl"))]
 #[test]
 fn launched_train_on_cuda_needs_nccl() {
-    // On the CPU a launched run works (tests/dist_train.rs); on CUDA it needs NCCL.
+    // On the CPU a launched run works (tests/all/dist_train.rs); on CUDA it needs NCCL.
     let mut c = longctx(&["train", "--max-train-steps", "1", "--device", "cuda"]);
     for (k, v) in [
         ("RANK", "0"),

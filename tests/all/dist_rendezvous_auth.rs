@@ -191,7 +191,7 @@ fn idle_sockets_do_not_hold_up_the_rendezvous() {
 fn a_connection_flood_only_delays_the_rendezvous() {
     // 100 silent connections from the ranks' own address: rank 0 keeps 64 per address and
     // evicts the oldest as new ones come; the real rank 1's connection is the newest, its
-    // hello is read and it joins (the sustained flood: tests/dist_rendezvous_flood.rs).
+    // hello is read and it joins (the sustained flood: tests/all/dist_rendezvous_flood.rs).
     let t = Instant::now();
     let log = job_survives(|port| (0..100).map(|_| connect(port)).collect::<Vec<_>>());
     assert!(log.contains("evicted, the oldest idle one: 64 connections from this address"), "{log}");

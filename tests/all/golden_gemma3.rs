@@ -1,6 +1,6 @@
 //! Gemma 3 text against Hugging Face transformers 5.24, on the fixtures that
 //! `scripts/make_gemma3_fixtures.py` generated (tiny random Gemma3ForCausalLM, f32, CPU;
-//! the batch of tests/golden.rs): both RoPE tables (full-attention and sliding layers),
+//! the batch of tests/all/golden.rs): both RoPE tables (full-attention and sliding layers),
 //! logits, per-token loss, and the gradient of the SUM loss w.r.t. every parameter through
 //! Candle's autograd (the model API) AND through the training engine (explicit layer
 //! backward: the `1 + w` norms, the attention- and MLP-output norms, GeGLU-tanh, the
@@ -17,7 +17,7 @@
 //! the logits longctx computes.
 //!
 //! Errors relative to the reference's scale, `max|ours − ref| / max|ref|`, except cos/sin
-//! (absolute). Tolerances as tests/golden_rope.rs (f32 on both sides): cos/sin 1e-6
+//! (absolute). Tolerances as tests/all/golden_rope.rs (f32 on both sides): cos/sin 1e-6
 //! absolute, logits and losses 5e-6 relative, gradients 2e-5 relative per parameter
 //! (--nocapture prints the measured errors).
 

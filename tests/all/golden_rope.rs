@@ -1,6 +1,6 @@
 //! Qwen3 and LongRoPE against Hugging Face transformers, on the fixtures that
 //! `scripts/make_rope_fixtures.py` generated (tiny random checkpoints, f32, CPU; the same
-//! batch as tests/golden.rs): RoPE cos/sin, logits, per-token loss, and the gradient of
+//! batch as tests/all/golden.rs): RoPE cos/sin, logits, per-token loss, and the gradient of
 //! the SUM loss w.r.t. every parameter through Candle's autograd (the model API) AND
 //! through the training engine's explicit layer backward (`src/train/layer_grad.rs`,
 //! which for Qwen3 differentiates the per-head q/k norms by hand); also YaRN (its
@@ -9,7 +9,7 @@
 //! LongRoPE, GQA), whose export fuses them back exactly.
 //!
 //! Errors relative to the reference's scale, `max|ours − ref| / max|ref|`, except cos/sin
-//! (absolute). Tolerances as tests/golden.rs (f32 on both sides): cos/sin 1e-6 absolute,
+//! (absolute). Tolerances as tests/all/golden.rs (f32 on both sides): cos/sin 1e-6 absolute,
 //! logits and losses 5e-6 relative, gradients 2e-5 relative per parameter. Measured
 //! (--nocapture prints them): cos/sin ≤ 1.2e-7, logits ≤ 4.6e-7, loss ≤ 3.0e-7, gradients
 //! ≤ 1.0e-6 (autograd) and ≤ 1.6e-6 (engine, explicit: Qwen3's q_norm the worst).

@@ -1,6 +1,6 @@
 //! Sliding-window attention (issue #31) against Hugging Face transformers, on the fixtures
 //! that `scripts/make_window_fixtures.py` generated (tiny random checkpoints, f32, CPU,
-//! eager attention WITH the window; the batch of tests/golden.rs, 24 tokens per row):
+//! eager attention WITH the window; the batch of tests/all/golden.rs, 24 tokens per row):
 //! - `mistral_window`: Mistral, `sliding_window` 5 on both layers;
 //! - `qwen2_window`: Qwen2, `use_sliding_window`, `sliding_window` 4, `max_window_layers`
 //!   1 (transformers writes `layer_types` = [full, sliding]).
@@ -11,7 +11,7 @@
 //! window resolution per layer; and the export of a run: config.json keeps the window,
 //! and transformers reading that export back reproduces the fixture's logits
 //! (scripts/check_export_transformers.py; skipped without a Python that has transformers,
-//! `LONGCTX_PYTHON` or `python3`). Tolerances as tests/golden.rs (f32 both sides): logits
+//! `LONGCTX_PYTHON` or `python3`). Tolerances as tests/all/golden.rs (f32 both sides): logits
 //! and losses 5e-6 relative, gradients 2e-5 relative per parameter.
 
 use candle_core::{DType, Device, Tensor};

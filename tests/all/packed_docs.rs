@@ -3,7 +3,7 @@
 //! transformers 5 finds the documents from the position resets and masks attention
 //! block-diagonally; the script checks that this equals every document run alone).
 //! Tolerances (f32 both sides): per-token loss and loss sum 5e-6 relative, every
-//! parameter's gradient of the summed loss 2e-5 relative (as tests/golden.rs).
+//! parameter's gradient of the summed loss 2e-5 relative (as tests/all/golden.rs).
 
 use candle_core::{safetensors, DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};

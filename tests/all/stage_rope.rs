@@ -94,7 +94,7 @@ fn yarn_export_config() -> Value {
 }
 
 /// Writes tests/fixtures/yarn_export/config.json (then run scripts/make_rope_fixtures.py
-/// for transformers' values): `cargo test --test stage_rope -- --ignored`.
+/// for transformers' values): `cargo test --test all stage_rope:: -- --ignored`.
 #[test]
 #[ignore]
 fn write_yarn_export_fixture() {
