@@ -8,7 +8,7 @@ EXPORTED  the directory `longctx export` (or a run's export) wrote.
 BATCH     safetensors with input_ids [b, s] and position_ids [b, s] (integers) and
           logits [b, s, V] (f32): what longctx computed from the exported weights.
 The tolerance is on max |ours - transformers| relative to max |transformers|.
-Exits 1 if a check fails. Used by tests/golden_gemma3.rs (skipped without transformers).
+Exits 1 if a check fails. Used by tests/all/golden_gemma3.rs (skipped without transformers).
 """
 
 import argparse

@@ -7,7 +7,7 @@
 # with coverage feedback and sanitizers; otherwise the stable mutation runner
 # (fuzz/src/bin/smoke.rs) runs the same target bodies. Either way a crash leaves its
 # input in fuzz/artifacts/<target>/ and the script exits non-zero: make it a regression
-# test (tests/untrusted_files.rs, input in tests/fixtures/fuzz/) and fix the cause.
+# test (tests/all/untrusted_files.rs, input in tests/fixtures/fuzz/) and fix the cause.
 # LONGCTX_FUZZ_ENGINE=smoke forces the stable runner.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Arrow dataset fixture for tests/data.rs (`arrow_save_to_disk_loads_the_same_ids`).
+"""Arrow dataset fixture for tests/all/data.rs (`arrow_save_to_disk_loads_the_same_ids`).
 
 Writes, with Hugging Face `datasets` (written with 5.2, pyarrow 26):
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fixtures for BOS handling on a real tokenizer (tests/bos_real_tokenizer.rs).
+"""Fixtures for BOS handling on a real tokenizer (tests/all/bos_real_tokenizer.rs).
 
 SmolLM2's tokenizer (49,152 tokens; its post-processor adds nothing) with a tiny random
 Llama of that vocabulary (transformers, CPU, float32 compute, weights stored in f16),

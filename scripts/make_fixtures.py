@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Golden fixtures for the Llama-family model of `longctx` (tests/golden.rs).
+"""Golden fixtures for the Llama-family model of `longctx` (tests/all/golden.rs).
 
 Builds tiny random checkpoints with Hugging Face transformers (CPU, float32, fixed
 seeds), saves each in HF layout (config.json, model.safetensors, tokenizer.json,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Golden fixtures for Gemma 3 text (tests/golden_gemma3.rs): tiny random
+"""Golden fixtures for Gemma 3 text (tests/all/golden_gemma3.rs): tiny random
 Gemma3ForCausalLM checkpoints saved in HF layout under tests/fixtures/<name>/, with the
 reference outputs of scripts/make_fixtures.py's batch (2 rows of 24 tokens, row 1 at
 positions 1000..1023; logits, per-token loss, loss sum/mean, gradients of the SUM loss)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Packed-document fixture for tests/packed_docs.rs (issue #30).
+"""Packed-document fixture for tests/all/packed_docs.rs (issue #30).
 
 Takes the tiny random checkpoint tests/fixtures/llama_gqa_bias (made by
 scripts/make_fixtures.py) and a packed batch of 2 rows x 24 tokens, each row several

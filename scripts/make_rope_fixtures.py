@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Golden fixtures for Qwen3 and LongRoPE (tests/golden_rope.rs), and transformers'
-RoPE for the config that a YaRN stage exports (tests/stage_rope.rs).
+"""Golden fixtures for Qwen3 and LongRoPE (tests/all/golden_rope.rs), and transformers'
+RoPE for the config that a YaRN stage exports (tests/all/stage_rope.rs).
 
 Same layout and batch as scripts/make_fixtures.py (which this imports): each folder is
 a tiny random HF checkpoint (float32, CPU, fixed seed) with reference.safetensors
@@ -14,7 +14,7 @@ n_tokens, rope.cos, rope.sin and grad.<param> (gradients of the SUM loss). Extra
   yarn_export/config.json      the config.json a stage `rope = {type = "yarn",
         factor = 4, original_max_position_embeddings = 256}` at rope_theta 5e5, length 1024, exports
         from tests/fixtures/llama_mha (written by longctx: the ignored test write_yarn_export_fixture in
-        tests/stage_rope.rs)
+        tests/all/stage_rope.rs)
   yarn_export/rope.safetensors  inv_freq [d/2], attention_scaling [], cos/sin
         [1, 8, d] for positions (0, 1, 255, 256, 1000, 4095, 8191, 16383), as
         transformers builds them from that config.json
@@ -75,7 +75,7 @@ def yarn_export(out_root):
     """transformers' RoPE for the config.json a YaRN stage exported (if it is there)."""
     d = os.path.join(out_root, "yarn_export")
     if not os.path.isfile(os.path.join(d, "config.json")):
-        print("yarn_export/config.json missing: run the ignored test in tests/stage_rope.rs first")
+        print("yarn_export/config.json missing: run the ignored test in tests/all/stage_rope.rs first")
         return
     cfg = AutoConfig.from_pretrained(d)
     print("yarn_export: transformers reads", json.dumps(cfg.rope_parameters))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Golden fixtures for sliding-window attention (tests/golden_window.rs, issue #31).
+"""Golden fixtures for sliding-window attention (tests/all/golden_window.rs, issue #31).
 
 Same layout and batch as scripts/make_fixtures.py (which this imports: two rows of 24
 tokens): each folder is a tiny random HF checkpoint (float32, CPU, fixed seed, eager

@@ -266,7 +266,7 @@ pub mod seeds {
         vec![b"hello world\n\nthe passkey is 1 2 3 .\n".to_vec(), "h\u{e9}llo \u{1F600}\n".as_bytes().to_vec()]
     }
 
-    /// The Arrow fixture of tests/data.rs (written by `datasets`).
+    /// The Arrow fixture of tests/all/data.rs (written by `datasets`).
     pub fn arrow() -> Vec<Vec<u8>> {
         vec![
             include_bytes!("../../tests/fixtures/arrow_dataset/train/data-00000-of-00002.arrow").to_vec(),

@@ -29,7 +29,7 @@
 //! make this a plain content lookup. Measured with the built-in tiny Llama (2 layers,
 //! hidden 64), AdamW lr 3e-3, batch 8, `LossOn::Answer`, k = 5 (held-out digit accuracy,
 //! chance 0.1): seq_len 24 reaches 1.00 within 125 steps (test `passkey_is_learnable` in
-//! tests/data.rs); seq_len 32 reaches 0.95 in 200 steps, after which 25 steps at 256 give
+//! tests/all/data.rs); seq_len 32 reaches 0.95 in 200 steps, after which 25 steps at 256 give
 //! 0.97; trained from scratch at 64 it is ~0.4 after 400 steps and at 128 still chance
 //! after 300 (the needle's share of attention at init shrinks like 1/S), so start with
 //! a short stage and extend, which is the point of the demo. With `LossOn::All` the

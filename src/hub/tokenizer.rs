@@ -7,7 +7,7 @@
 //! and Qwen2's add nothing). transformers 5 ignores `tokenizer_config.json`'s
 //! `add_bos_token`/`add_eos_token` whenever a `tokenizer.json` exists (4.x's Llama
 //! tokenizer rebuilt its template from them); so does longctx, which always reads
-//! `tokenizer.json` (tests/bos_real_tokenizer.rs checks both against transformers).
+//! `tokenizer.json` (tests/all/bos_real_tokenizer.rs checks both against transformers).
 //! `config.json`'s `bos_token_id` is not consulted: a model's config may name a BOS that
 //! its tokenizer never adds.
 

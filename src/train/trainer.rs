@@ -108,7 +108,7 @@ pub struct RunOptions {
     pub faults: Vec<Fault>,
 }
 
-/// A fault injected into a run, to test the numeric guards (`tests/numeric_guards.rs`).
+/// A fault injected into a run, to test the numeric guards (`tests/all/numeric_guards.rs`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Fault {
     /// Rank `rank`'s gradient of the first parameter is NaN in the optimizer steps
