@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Golden fixture for the Phi-3 family (tests/golden_phi3.rs): a tiny random
+"""Golden fixture for the Phi-3 family (tests/all/golden_rope.rs, `golden_phi3_longrope`): a tiny random
 Phi3ForCausalLM (fused `qkv_proj` and `gate_up_proj` in the checkpoint, LongRoPE with
 short/long factors and a top-level `original_max_position_embeddings`, GQA 4/2, two
 layers), saved in HF layout under tests/fixtures/phi3_longrope/, with the reference
