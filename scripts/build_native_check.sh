@@ -8,20 +8,24 @@
 # Usage: scripts/build_native_check.sh        then on the GPU machine: target-cuda/native_check
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-PREFIX=${LONGCTX_CUDA_PREFIX:-$ROOT/.cuda}
 eval "$("$ROOT/scripts/build_cuda.sh" --setup-only)"   # nvcc, cuDNN frontend and CUTLASS headers
 OUT=$ROOT/target-cuda/native_check.d
 mkdir -p "$OUT"
 CSRC=$ROOT/attention/csrc
 NVFLAGS=(-std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -I "$CUTLASS_INCLUDE_DIR" -I "$CSRC")
 start=$(date +%s)
-rm -f "$OUT"/*.o
+rm -f "$OUT"/native_*.o
 nvcc "${NVFLAGS[@]}" -c "$CSRC/native_fwd_sm90.cu" -o "$OUT/native_fwd_sm90.o" & p1=$!
 nvcc "${NVFLAGS[@]}" -c "$CSRC/native_check.cu" -o "$OUT/native_check.o" & p2=$!
-g++ -std=c++17 -O2 -DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING -I "$CSRC" -I "$CUDNN_FRONTEND_INCLUDE_DIR" \
-    -I "$CUDNN_INCLUDE_DIR" -I "$CUDA_ROOT/include" -c "$CSRC/cudnn_sdpa.cpp" -o "$OUT/cudnn_sdpa.o" & p3=$!
+pids=($p1 $p2)
+# the cuDNN shim (two minutes of the frontend's headers) only when its sources changed
+if [[ ! "$OUT/cudnn_sdpa.o" -nt "$CSRC/cudnn_sdpa.cpp" || ! "$OUT/cudnn_sdpa.o" -nt "$CSRC/cudnn_sdpa.h" ]]; then
+    rm -f "$OUT/cudnn_sdpa.o"
+    g++ -std=c++17 -O2 -DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING -I "$CSRC" -I "$CUDNN_FRONTEND_INCLUDE_DIR" \
+        -I "$CUDNN_INCLUDE_DIR" -I "$CUDA_ROOT/include" -c "$CSRC/cudnn_sdpa.cpp" -o "$OUT/cudnn_sdpa.o" & pids+=($!)
+fi
 ok=1
-for p in $p1 $p2 $p3; do wait "$p" || ok=0; done
+for p in "${pids[@]}"; do wait "$p" || ok=0; done
 if [[ $ok == 0 ]]; then echo "[native_check] compilation failed" >&2; exit 1; fi
 # the runtime linked statically: the binary needs only the driver (and libcudnn, dlopen-ed) there
 g++ "$OUT"/native_fwd_sm90.o "$OUT"/native_check.o "$OUT"/cudnn_sdpa.o -o "$ROOT/target-cuda/native_check" \

@@ -27,24 +27,29 @@ pub enum CudaKernel {
 }
 
 impl CudaKernel {
-    pub const NAMES: [&'static str; 2] = ["cudnn", "native"];
+    pub const ALL: [CudaKernel; 2] = [CudaKernel::Cudnn, CudaKernel::Native];
 
+    /// The name in configs and flags (serde's spelling too).
     pub fn name(self) -> &'static str {
         match self {
             CudaKernel::Cudnn => "cudnn",
             CudaKernel::Native => "native",
         }
     }
+
+    /// Every name, comma-separated, for messages.
+    pub fn names() -> String {
+        Self::ALL.map(Self::name).join(", ")
+    }
 }
 
 impl std::str::FromStr for CudaKernel {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "cudnn" => Ok(CudaKernel::Cudnn),
-            "native" => Ok(CudaKernel::Native),
-            _ => Err(format!("unknown attention kernel `{s}`: expected one of {}", CudaKernel::NAMES.join(", "))),
-        }
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| format!("unknown attention kernel `{s}`: expected one of {}", Self::names()))
     }
 }
 

@@ -28,7 +28,7 @@ use candle_core::cuda::cudarc::driver::CudaStream;
 use candle_core::{CudaDevice, CudaStorage, DType, Result, Tensor};
 use raw::PoolAttr;
 use std::ffi::{c_char, c_void, CStr};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 /// 0: not set (read the environment), 1: refuse, 2: allow.
@@ -37,6 +37,8 @@ static WARNED: AtomicBool = AtomicBool::new(false);
 /// The forward kernel of this process: 0 cuDNN, 1 native ([`set_kernel`]).
 static KERNEL: AtomicU8 = AtomicU8::new(0);
 static NATIVE_NOTED: AtomicBool = AtomicBool::new(false);
+/// Forwards the native kernel ran (not those it handed to cuDNN), for [`native_runs`].
+static NATIVE_RUNS: AtomicU64 = AtomicU64::new(0);
 
 /// Choose the CUDA forward kernel for this process (a run config's `attention.kernel`,
 /// `bench attention --kernel`). Like [`set_fallback`], a process-wide setting read at each
@@ -58,6 +60,13 @@ pub fn kernel() -> crate::kernel::CudaKernel {
 /// it finds the CUTLASS headers; scripts/build_cuda.sh fetches them).
 pub fn native_built() -> bool {
     cfg!(longctx_native)
+}
+
+/// Block forwards the native kernel has run in this process. A check or benchmark of the
+/// native kernel compares it before and after, so that calls which all fell back to cuDNN
+/// (a build without the kernel, another GPU) are not reported as the native kernel's.
+pub fn native_runs() -> u64 {
+    NATIVE_RUNS.load(Ordering::Relaxed)
 }
 
 /// Allow (or forbid) the portable naive fallback when cuDNN cannot run a call.
@@ -242,7 +251,10 @@ fn try_fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> std::r
     let [mut o, mut lse] = outputs(&stream, &dev, [q.dtype(), DType::F32], [b * s * hq * d, b * hq * s])?;
     if kernel() == crate::kernel::CudaKernel::Native {
         match native_fwd(&desc, &stream, [&q, &k, &v], [&mut o, &mut lse]) {
-            Ok(()) => return Ok((raw::tensor(o, (b, s, hq, d)), raw::tensor(lse, (b, hq, s)))),
+            Ok(()) => {
+                NATIVE_RUNS.fetch_add(1, Ordering::Relaxed);
+                return Ok((raw::tensor(o, (b, s, hq, d)), raw::tensor(lse, (b, hq, s))));
+            }
             Err(Refusal::Unsupported(why)) => {
                 if !NATIVE_NOTED.swap(true, Ordering::Relaxed) {
                     eprintln!("longctx-attention: the native kernel does not cover a forward here ({why}); cuDNN runs it (said once)");
