@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds target-cuda/native_check: the device check and benchmark of longctx's own Hopper
-# attention kernel (attention/csrc/native_fwd_sm90.cu) against a naive f32 reference and
+# attention kernels (attention/csrc/native_{fwd,bwd}_sm90.cu) against a naive f32 reference and
 # against cuDNN through the shim (attention/csrc/cudnn_sdpa.cpp), side by side in one process.
 #
 # The CUTLASS/CuTe headers come from the `nvidia-cutlass` PyPI wheel, which
@@ -16,8 +16,9 @@ NVFLAGS=(-std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -I "$CUTLASS_INCLU
 start=$(date +%s)
 rm -f "$OUT"/native_*.o
 nvcc "${NVFLAGS[@]}" -c "$CSRC/native_fwd_sm90.cu" -o "$OUT/native_fwd_sm90.o" & p1=$!
+nvcc "${NVFLAGS[@]}" -c "$CSRC/native_bwd_sm90.cu" -o "$OUT/native_bwd_sm90.o" & p3=$!
 nvcc "${NVFLAGS[@]}" -c "$CSRC/native_check.cu" -o "$OUT/native_check.o" & p2=$!
-pids=($p1 $p2)
+pids=($p1 $p2 $p3)
 # the cuDNN shim (two minutes of the frontend's headers) only when its sources changed
 if [[ ! "$OUT/cudnn_sdpa.o" -nt "$CSRC/cudnn_sdpa.cpp" || ! "$OUT/cudnn_sdpa.o" -nt "$CSRC/cudnn_sdpa.h" ]]; then
     rm -f "$OUT/cudnn_sdpa.o"
@@ -28,6 +29,6 @@ ok=1
 for p in "${pids[@]}"; do wait "$p" || ok=0; done
 if [[ $ok == 0 ]]; then echo "[native_check] compilation failed" >&2; exit 1; fi
 # the runtime linked statically: the binary needs only the driver (and libcudnn, dlopen-ed) there
-g++ "$OUT"/native_fwd_sm90.o "$OUT"/native_check.o "$OUT"/cudnn_sdpa.o -o "$ROOT/target-cuda/native_check" \
+g++ "$OUT"/native_fwd_sm90.o "$OUT"/native_bwd_sm90.o "$OUT"/native_check.o "$OUT"/cudnn_sdpa.o -o "$ROOT/target-cuda/native_check" \
     -L"$CUDA_ROOT/lib" -l:libcudart_static.a -ldl -lpthread -lrt
 echo "[native_check] built target-cuda/native_check in $(( $(date +%s) - start )) s" >&2

@@ -1,13 +1,15 @@
-// Device check and benchmark of the native Hopper attention forward (native_fwd_sm90.cu),
-// built by scripts/build_native_check.sh and run on the GPU machine:
+// Device check and benchmark of the native Hopper attention kernels (native_fwd_sm90.cu,
+// native_bwd_sm90.cu), built by scripts/build_native_check.sh and run on the GPU machine:
 //
 //   native_check            correctness against a naive f32 reference on the GPU, then
-//                           TFLOP/s of the native kernel and of cuDNN (the shim) side by side
+//                           TFLOP/s of the native kernels and of cuDNN (the shim) side by side
 //
-// Correctness: o as max|o - ref| / max|ref| ≤ 2e-2, lse max absolute difference ≤ 5e-3
-// (the tolerances of `longctx bench attention --check`); the reference computes every score
-// in f32 from the same bf16/f16 inputs. Timing: CUDA events, median of 10 after 3 warm-ups;
-// FLOP = 4·b·h·s·t·d (halved when causal), as `bench attention` counts them.
+// Correctness: o as max|o - ref| / max|ref| ≤ 2e-2, lse max absolute difference ≤ 5e-3,
+// dq, dk, dv as max|x - ref| / max|ref| ≤ 5e-2 (the tolerances of `longctx bench attention
+// --check`); the reference computes every score, probability and gradient in f32 from the
+// same bf16/f16 inputs (the backward from the native forward's o and lse, as training runs
+// it). Timing: CUDA events, median of 10 after 3 warm-ups; FLOP = 4·b·h·s·t·d (halved when
+// causal) forward, 2.5 times that backward, as `bench attention` counts them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -87,6 +89,89 @@ __global__ void to_f32(const T *x, float *y, size_t n) {
         y[i] = to_f(x[i]);
 }
 
+// Backward reference, materialised [b, hq, s, t] in f32: P from the reference lse, dP = dO·V,
+// Dr = Σ_d dO·O_ref, dS = P ∘ (dP − Dr).
+template <class T>
+__global__ void ref_p_ds(const T *q, const T *k, const T *v, const T *d_o, const float *lse, const float *dr,
+                         float *P, float *dS, int b, int s, int t, int hq, int hkv, int d, float scale, int causal) {
+    size_t idx = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+    if (idx >= size_t(b) * hq * s * t) return;
+    int j = idx % t, i = (idx / t) % s, h = (idx / (size_t(t) * s)) % hq, bi = idx / (size_t(t) * s * hq);
+    int hk = h / (hq / hkv);
+    const T *qr = q + ((size_t(bi) * s + i) * hq + h) * d, *dor = d_o + ((size_t(bi) * s + i) * hq + h) * d;
+    const T *kr = k + ((size_t(bi) * t + j) * hkv + hk) * d, *vr = v + ((size_t(bi) * t + j) * hkv + hk) * d;
+    float sc = 0.f, dp = 0.f;
+    for (int c = 0; c < d; ++c) {
+        sc += to_f(qr[c]) * to_f(kr[c]);
+        dp += to_f(dor[c]) * to_f(vr[c]);
+    }
+    size_t row = (size_t(bi) * hq + h) * s + i;
+    float p = (causal && j > i) ? 0.f : expf(sc * scale - lse[row]);
+    P[idx] = p;
+    dS[idx] = p * (dp - dr[row]);
+}
+template <class T>
+__global__ void ref_dr(const T *d_o, const float *o, float *dr, int b, int s, int hq, int d) {
+    size_t row = blockIdx.x * size_t(blockDim.x) + threadIdx.x;  // (bi, h, i)
+    if (row >= size_t(b) * hq * s) return;
+    int i = row % s, h = (row / s) % hq, bi = row / (size_t(s) * hq);
+    size_t base = ((size_t(bi) * s + i) * hq + h) * d;
+    float acc = 0.f;
+    for (int c = 0; c < d; ++c) acc += to_f(d_o[base + c]) * o[base + c];
+    dr[row] = acc;
+}
+// dq[bi, i, h, c] = scale Σ_j dS·k
+template <class T>
+__global__ void ref_dq(const T *k, const float *dS, float *dq, int b, int s, int t, int hq, int hkv, int d,
+                       float scale) {
+    size_t idx = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+    if (idx >= size_t(b) * s * hq * d) return;
+    int c = idx % d, h = (idx / d) % hq, i = (idx / (size_t(d) * hq)) % s, bi = idx / (size_t(d) * hq * s);
+    int hk = h / (hq / hkv);
+    const float *ds = dS + ((size_t(bi) * hq + h) * s + i) * t;
+    float acc = 0.f;
+    for (int j = 0; j < t; ++j) acc += ds[j] * to_f(k[((size_t(bi) * t + j) * hkv + hk) * d + c]);
+    dq[idx] = acc * scale;
+}
+// dk[bi, j, hk, c] = scale Σ_{h in group, i} dS·q,  dv = Σ P·dO
+template <class T>
+__global__ void ref_dkv(const T *q, const T *d_o, const float *P, const float *dS, float *dk, float *dv, int b,
+                        int s, int t, int hq, int hkv, int d, float scale) {
+    size_t idx = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+    if (idx >= size_t(b) * t * hkv * d) return;
+    int c = idx % d, hk = (idx / d) % hkv, j = (idx / (size_t(d) * hkv)) % t, bi = idx / (size_t(d) * hkv * t);
+    int g = hq / hkv;
+    float ak = 0.f, av = 0.f;
+    for (int h = hk * g; h < hk * g + g; ++h)
+        for (int i = 0; i < s; ++i) {
+            size_t pi = ((size_t(bi) * hq + h) * s + i) * t + j, qi = ((size_t(bi) * s + i) * hq + h) * d + c;
+            ak += dS[pi] * to_f(q[qi]);
+            av += P[pi] * to_f(d_o[qi]);
+        }
+    dk[idx] = ak * scale;
+    dv[idx] = av;
+}
+
+// max|x - ref| / max|ref| of a device element array against a device f32 array
+template <class T>
+static double rel_diff(const T *x, const float *ref, size_t n) {
+    float *xf;
+    CK(cudaMalloc(&xf, n * sizeof(float)));
+    to_f32<<<1024, 256>>>(x, xf, n);
+    CK(cudaDeviceSynchronize());
+    std::vector<float> hx(n), hr(n);
+    CK(cudaMemcpy(hx.data(), xf, n * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hr.data(), ref, n * 4, cudaMemcpyDeviceToHost));
+    CK(cudaFree(xf));
+    double maxref = 0, maxdiff = 0;
+    for (size_t i = 0; i < n; ++i) {
+        maxref = std::max(maxref, double(std::fabs(hr[i])));
+        double dd = std::fabs(double(hx[i]) - hr[i]);
+        if (!(dd <= maxdiff)) maxdiff = dd;
+    }
+    return maxdiff / std::max(maxref, 1e-30);
+}
+
 struct Case {
     int b, s, t, hq, hkv, d, causal, f16;
 };
@@ -99,8 +184,12 @@ static float median(std::vector<float> x) {
 template <class T>
 static int run_case(const Case &c, bool check, bool bench, bool cudnn) {
     size_t nq = size_t(c.b) * c.s * c.hq * c.d, nk = size_t(c.b) * c.t * c.hkv * c.d, nl = size_t(c.b) * c.hq * c.s;
-    T *q, *k, *v, *o;
+    T *q, *k, *v, *o, *d_o, *dq, *dk, *dv;
     float *lse;
+    CK(cudaMalloc(&d_o, nq * sizeof(T)));
+    CK(cudaMalloc(&dq, nq * sizeof(T)));
+    CK(cudaMalloc(&dk, nk * sizeof(T)));
+    CK(cudaMalloc(&dv, nk * sizeof(T)));
     CK(cudaMalloc(&q, nq * sizeof(T)));
     CK(cudaMalloc(&k, nk * sizeof(T)));
     CK(cudaMalloc(&v, nk * sizeof(T)));
@@ -109,6 +198,7 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn) {
     fill<<<1024, 256>>>(q, nq, 1u);
     fill<<<1024, 256>>>(k, nk, 2u);
     fill<<<1024, 256>>>(v, nk, 3u);
+    fill<<<1024, 256>>>(d_o, nq, 4u);
     CK(cudaMemset(o, 0, nq * sizeof(T)));
     longctx_sdpa_desc desc{};
     desc.ordinal = 0;
@@ -153,6 +243,34 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn) {
         bad = !(rel <= 2e-2) || !(maxl <= 5e-3);
         printf(" o %.2e (worst at %zu: %.5f vs %.5f) lse %.2e %s", rel, worst, ho[worst], hr[worst], maxl,
                bad ? "FAIL" : "ok");
+        // backward from the native forward's o and lse, against the f32 reference
+        int rcb = longctx_native_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err);
+        CK(cudaDeviceSynchronize());
+        if (rcb != LONGCTX_SDPA_OK) {
+            printf(" | bwd rc %d (%s) FAIL", rcb, err);
+            bad = 1;
+        } else {
+            size_t np = size_t(c.b) * c.hq * c.s * c.t;
+            float *P, *dS, *dr, *rdq, *rdk, *rdv;
+            CK(cudaMalloc(&P, np * 4));
+            CK(cudaMalloc(&dS, np * 4));
+            CK(cudaMalloc(&dr, nl * 4));
+            CK(cudaMalloc(&rdq, nq * 4));
+            CK(cudaMalloc(&rdk, nk * 4));
+            CK(cudaMalloc(&rdv, nk * 4));
+            ref_dr<T><<<(nl + 255) / 256, 256>>>(d_o, ro, dr, c.b, c.s, c.hq, c.d);
+            ref_p_ds<T><<<(np + 255) / 256, 256>>>(q, k, v, d_o, rl, dr, P, dS, c.b, c.s, c.t, c.hq, c.hkv, c.d,
+                                                   desc.scale, c.causal);
+            ref_dq<T><<<(nq + 255) / 256, 256>>>(k, dS, rdq, c.b, c.s, c.t, c.hq, c.hkv, c.d, desc.scale);
+            ref_dkv<T><<<(nk + 255) / 256, 256>>>(q, d_o, P, dS, rdk, rdv, c.b, c.s, c.t, c.hq, c.hkv, c.d,
+                                                  desc.scale);
+            CK(cudaDeviceSynchronize());
+            double edq = rel_diff(dq, rdq, nq), edk = rel_diff(dk, rdk, nk), edv = rel_diff(dv, rdv, nk);
+            int badb = !(edq <= 5e-2) || !(edk <= 5e-2) || !(edv <= 5e-2);
+            printf(" | dq %.2e dk %.2e dv %.2e %s", edq, edk, edv, badb ? "FAIL" : "ok");
+            bad |= badb;
+            for (float *x : {P, dS, dr, rdq, rdk, rdv}) CK(cudaFree(x));
+        }
         CK(cudaFree(ro));
         CK(cudaFree(rl));
         CK(cudaFree(of));
@@ -187,6 +305,25 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn) {
                 printf(" | cudnn rc %d (%s)", rc2, err);
             }
         }
+        // backward: 2.5x the forward's FLOP
+        int rcb = longctx_native_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err);
+        CK(cudaDeviceSynchronize());
+        if (rcb != LONGCTX_SDPA_OK) {
+            printf(" | bwd native rc %d (%s)", rcb, err);
+        } else {
+            float tb = time([&] { longctx_native_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err); });
+            printf(" || bwd native %.3f ms %.1f TFLOP/s", tb, 2.5 * flop / tb / 1e9);
+            if (cudnn) {
+                int rc3 = longctx_sdpa_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err);
+                CK(cudaDeviceSynchronize());
+                if (rc3 == LONGCTX_SDPA_OK) {
+                    float tc = time([&] { longctx_sdpa_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err); });
+                    printf(" | bwd cudnn %.3f ms %.1f TFLOP/s | native/cudnn %.3f", tc, 2.5 * flop / tc / 1e9, tc / tb);
+                } else {
+                    printf(" | bwd cudnn rc %d (%s)", rc3, err);
+                }
+            }
+        }
     }
     printf("\n");
     fflush(stdout);
@@ -195,6 +332,7 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn) {
     CK(cudaFree(v));
     CK(cudaFree(o));
     CK(cudaFree(lse));
+    for (T *x : {d_o, dq, dk, dv}) CK(cudaFree(x));
     return bad;
 }
 

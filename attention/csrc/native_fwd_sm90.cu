@@ -1,8 +1,8 @@
 // longctx's own attention forward for Hopper (sm_90a), on CuTe primitives: TMA tile loads
 // into 128-byte-swizzled shared memory, an mbarrier pipeline of K/V stages, and warpgroup
 // MMAs (wgmma) for both products (S = Q·Kᵀ from shared memory, O += P·V with P in
-// registers), a producer warpgroup apart from the consumers. Issue #36: forward only so far;
-// the backward comes next.
+// registers), a producer warpgroup apart from the consumers. Issue #36; the backward is
+// native_bwd_sm90.cu.
 //
 // Shape legend (the contract of csrc/cudnn_sdpa.h, every tensor contiguous, row-major):
 //   q, o   [b, s, hq, d]   k, v [b, t, hkv, d]   lse [b, hq, s] f32, natural log
@@ -337,22 +337,27 @@ int launch_fwd(const longctx_sdpa_desc &d, const void *q, const void *k, const v
 
 }  // namespace longctx_native
 
+extern "C" const char *longctx_native_uncovered(const longctx_sdpa_desc *d, const void *q, const void *k,
+                                                const void *v) {
+    if (d->d != 64 && d->d != 128) return "head dim is not 64 or 128";
+    if (d->hkv <= 0 || d->hq % d->hkv != 0) return "query heads are not a multiple of key/value heads";
+    if (d->causal && d->s != d->t) return "causal with s != t";
+    if (d->band_left > 0) return "a sliding-window band";
+    if (d->dtype != LONGCTX_SDPA_BF16 && d->dtype != LONGCTX_SDPA_F16) return "dtype";
+    if (d->s <= 0 || d->t <= 0 || d->b <= 0 || d->s > (1LL << 30) || d->t > (1LL << 30)) return "sizes";
+    if ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) & 15)
+        return "q/k/v not 16-byte aligned";
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d->ordinal) != cudaSuccess || major != 9)
+        return "the GPU is not a Hopper (compute capability 9.x; the kernel is built for sm_90a)";
+    return nullptr;
+}
+
 extern "C" int longctx_native_fwd(const longctx_sdpa_desc *d, const void *q, const void *k, const void *v, void *o,
                                   float *lse, void *stream, char *err, size_t err_len) {
     using namespace longctx_native;
     if (err && err_len) err[0] = 0;
-    const char *why = nullptr;
-    if (d->d != 64 && d->d != 128) why = "head dim is not 64 or 128";
-    else if (d->hkv <= 0 || d->hq % d->hkv != 0) why = "query heads are not a multiple of key/value heads";
-    else if (d->causal && d->s != d->t) why = "causal with s != t";
-    else if (d->band_left > 0) why = "a sliding-window band";
-    else if (d->dtype != LONGCTX_SDPA_BF16 && d->dtype != LONGCTX_SDPA_F16) why = "dtype";
-    else if (d->s <= 0 || d->t <= 0 || d->b <= 0 || d->s > (1LL << 30) || d->t > (1LL << 30)) why = "sizes";
-    else if ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) & 15)
-        why = "q/k/v not 16-byte aligned";
-    int major = 0;
-    if (!why && (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d->ordinal) != cudaSuccess || major != 9))
-        why = "the GPU is not a Hopper (compute capability 9.x; the kernel is built for sm_90a)";
+    const char *why = longctx_native_uncovered(d, q, k, v);
     if (why) {
         if (err && err_len) snprintf(err, err_len, "native attention: not covered: %s", why);
         return LONGCTX_SDPA_UNSUPPORTED;

@@ -1,0 +1,531 @@
+// longctx's own attention backward for Hopper (sm_90a), on CuTe primitives, beside the
+// forward of native_fwd_sm90.cu (issue #36). Three launches on the caller's stream:
+//   1. prep:  D = rowsum(dO ∘ O) and lse·log2(e) per query row into a padded f32 workspace
+//             (+inf for padding rows and rows without keys: their P is 0), dQ's f32
+//             accumulator zeroed;
+//   2. main:  one CTA per (KV block of 128 keys, KV head, batch) keeps K and V in shared
+//             memory and walks every query block of every query head of its group that the
+//             mask lets see its keys. Per query block of 64 rows, with the keys as the M
+//             dimension of every product (S and dP come out transposed, so P and dS are in
+//             registers as the A operand of the dV and dK products):
+//               Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ        (wgmma, both operands in shared memory)
+//               Pᵀ = exp2(Sᵀ·scale·log2e − lse·log2e), dSᵀ = Pᵀ ∘ (dPᵀ − D)
+//               dV += Pᵀ·dO, dK += dSᵀ·Q     (wgmma, Pᵀ / dSᵀ from registers)
+//               dQ_part = dS·K                (wgmma from shared memory, dSᵀ stored there)
+//             and dQ_part is added to the f32 accumulator by a bulk asynchronous reduction
+//             (cp.reduce.async.bulk .add.f32) from shared memory, so CTAs of other key
+//             blocks add theirs without atomics per element. dK (·scale) and dV are written
+//             once at the end: a KV head's gradient sums its group's query heads in
+//             registers, so GQA needs no reduction across CTAs.
+//   3. post:  dQ = scale · accumulator, converted to the element type.
+//
+// Shape legend (the contract of csrc/cudnn_sdpa.h, every tensor contiguous, row-major):
+//   q, o, do, dq [b, s, hq, d]   k, v, dk, dv [b, t, hkv, d]   lse [b, hq, s] f32, natural log
+//   workspace: lse2, D [b, hq, s_pad] f32; dq_acc [b, hq, s_pad/64, 64·d] f32 in the order
+//   the main kernel's threads hold it (post reads it back with the same MMA partition)
+//   main CTA: a producer warpgroup (TMA loads of Q, dO per query block, bulk loads of lse2 and
+//   D, two stages) and two consumer warpgroups of 64 keys each.
+//
+// Covered: d ∈ {64, 128}; bf16 and f16; GQA; no mask, or top-left causal with s == t.
+// Anything else answers LONGCTX_SDPA_UNSUPPORTED (the caller falls back to cuDNN).
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "native_fmha.h"
+
+namespace longctx_nbwd {
+using namespace cute;
+
+template <class Element_, int kHeadDim_>
+struct BwdTraits {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = 64;   // query rows per step
+    static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer warpgroup
+    static constexpr int kStages = 2;
+    static constexpr int kThreads = 384;  // producer + two consumers
+    static constexpr int kHalf = kHeadDim / 2;  // the head-dim columns of dQ one consumer computes
+    // K and V: 128-byte swizzle at d 128, 64-byte at d 64, so that each half of the head dim
+    // is one swizzle atom wide and dQ's B operand (Kᵀ, one half per warpgroup) is a plain
+    // sub-tile of K's shared memory
+    using AtomKV = std::conditional_t<kHeadDim == 128, GMMA::Layout_K_SW128_Atom<Element>,
+                                      GMMA::Layout_K_SW64_Atom<Element>>;
+    using AtomKVt = std::conditional_t<kHeadDim == 128, GMMA::Layout_MN_SW128_Atom<Element>,
+                                       GMMA::Layout_MN_SW64_Atom<Element>>;
+    using SmemLayoutKV = decltype(tile_to_shape(AtomKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    // one head-dim half of K, as dQ's (d/2, keys) B operand, d-major
+    using SmemLayoutKtHalf = decltype(tile_to_shape(AtomKVt{}, Shape<Int<kHalf>, Int<kBlockN>>{}));
+    using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                               Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+    // Q and dO read as the (d, query) B operand of dK and dV, d-major
+    using SmemLayoutQt = decltype(composition(
+        SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+    // dS as dQ's (query, key) A operand, query-major, two buffers; written through its
+    // (key, query) view from the Sᵀ accumulator
+    using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                                Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+    using SmemLayoutdSt = decltype(composition(
+        SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{}, Step<_2, _1, _3>{})));
+
+    using MmaSdP = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
+        Layout<Shape<_2, _1, _1>>{}));
+    using MmaDKV = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
+                             GMMA::Major::K, GMMA::Major::MN>(),
+        Layout<Shape<_2, _1, _1>>{}));
+    using MmaDQ = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHalf>, Int<kBlockN>>,
+                             GMMA::Major::MN, GMMA::Major::MN>(),
+        Layout<Shape<_1, _1, _1>>{}));
+    static constexpr int kDqPerThread = kBlockM * kHalf / 128;  // f32 values of dQ_part per thread
+    static_assert(kDqPerThread % 4 == 0);
+
+    struct Smem {
+        alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutKV>> k;
+        alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutKV>> v;
+        alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
+        alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> d_o;
+        alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutdS>> ds;
+        alignas(128) float dq[2][kBlockM * kHalf];  // one dQ_part per consumer warpgroup
+        alignas(16) float lse2[kStages][kBlockM];
+        alignas(16) float dd[kStages][kBlockM];
+        alignas(8) uint64_t bar_kv;
+        uint64_t bar_full[kStages];
+        uint64_t bar_empty[kStages];
+    };
+};
+
+template <class TmaQ, class TmaDO, class TmaK, class TmaV, class Element>
+struct BwdParams {
+    TmaQ tma_q;
+    TmaDO tma_do;
+    TmaK tma_k;
+    TmaV tma_v;
+    const float *lse2, *dd;  // workspace [b, hq, s_pad]
+    float *dq_acc;           // workspace [b, hq, m_blocks, 64·d]
+    Element *dk, *dv;
+    int b, s, t, hq, hkv, s_pad;
+    float scale, scale_log2;
+};
+
+// Accumulator (rows, cols) view and register-A view: as in native_fwd_sm90.cu.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto rowcol(Layout l) {
+    auto l0 = get<0>(l);
+    return make_layout(make_layout(get<1>(l0), get<1>(l)), make_layout(get<0>(l0), get<2>(l0), get<2>(l)));
+}
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_as_a(Layout l) {
+    auto l0 = get<0>(l);
+    auto v = get<2>(l0);
+    static_assert(decltype(size(v))::value % 2 == 0);
+    constexpr int V = decltype(size(v))::value;
+    auto pair = make_layout(_2{}, stride(v));
+    auto slices = make_layout(Int<V / 2>{}, stride(v) * _2{});
+    return make_layout(make_layout(get<0>(l0), get<1>(l0), pair), get<1>(l), make_layout(slices, get<2>(l)));
+}
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// shared -> global f32 add of `bytes` (a multiple of 16, both 16-byte aligned), asynchronous
+__device__ __forceinline__ void bulk_reduce_add(float *gmem, const float *smem, int bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(gmem),
+                 "r"(cast_smem_ptr_to_uint(smem)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_load(void *smem, const void *gmem, int bytes, uint64_t *bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     cast_smem_ptr_to_uint(smem)),
+                 "l"(gmem), "r"(bytes), "r"(cast_smem_ptr_to_uint(bar))
+                 : "memory");
+}
+
+// One warp per padded query row: lse2 = lse·log2(e) (+inf where the row has no keys or is
+// padding), D = Σ_d dO·O.
+template <class Element, int D>
+__global__ void prep_kernel(const Element *o, const Element *d_o, const float *lse, float *lse2, float *dd, int b,
+                            int s, int hq, int s_pad) {
+    const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (warp >= int64_t(b) * hq * s_pad) return;
+    const int row = int(warp % s_pad);
+    const int64_t bh = warp / s_pad;  // bi * hq + h
+    const int h = int(bh % hq), bi = int(bh / hq);
+    float acc = 0.f;
+    if (row < s) {
+        const int64_t base = ((int64_t(bi) * s + row) * hq + h) * D;
+        CUTE_UNROLL
+        for (int j = lane; j < D; j += 32) acc += float(o[base + j]) * float(d_o[base + j]);
+    }
+    CUTE_UNROLL
+    for (int off = 16; off; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+    if (lane == 0) {
+        float l = row < s ? lse[bh * s + row] : -INFINITY;
+        lse2[warp] = l == -INFINITY ? INFINITY : l * float(M_LOG2E);
+        dd[warp] = acc;
+    }
+}
+
+template <class T, bool kCausal, class Params>
+__global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT Params const p) {
+    using Element = typename T::Element;
+    constexpr int D = T::kHeadDim, BM = T::kBlockM, BN = T::kBlockN, ST = T::kStages, HALF = T::kHalf;
+    using TBar = cutlass::arch::ClusterTransactionBarrier;
+    using Bar = cutlass::arch::ClusterBarrier;
+
+    extern __shared__ __align__(1024) char smem_raw[];
+    auto &sm = *reinterpret_cast<typename T::Smem *>(smem_raw);
+    const int tid = threadIdx.x;
+    const int n_block = blockIdx.x;  // causal: the first key blocks have the most query blocks
+    const int hk = blockIdx.y, bi = blockIdx.z;
+    const int group = p.hq / p.hkv;
+    const int m_blocks = (p.s + BM - 1) / BM;
+    const int m_first = kCausal ? (n_block * BN) / BM : 0;
+
+    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.s, Int<D>{}, p.hq, p.b));
+    Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.s, Int<D>{}, p.hq, p.b));
+    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.t, Int<D>{}, p.hkv, p.b));
+    Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.t, Int<D>{}, p.hkv, p.b));
+
+    Tensor sK = make_tensor(make_smem_ptr(sm.k.begin()), typename T::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(sm.v.begin()), typename T::SmemLayoutKV{});
+    Tensor sQ = make_tensor(make_smem_ptr(sm.q.begin()), typename T::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(sm.d_o.begin()), typename T::SmemLayoutQ{});
+    Tensor sQt = make_tensor(make_smem_ptr(sm.q.begin()), typename T::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(sm.d_o.begin()), typename T::SmemLayoutQt{});
+    Tensor sdS = make_tensor(make_smem_ptr(sm.ds.begin()), typename T::SmemLayoutdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(sm.ds.begin()), typename T::SmemLayoutdSt{});
+
+    constexpr uint32_t kBytesKV = BN * D * sizeof(Element);
+    constexpr uint32_t kBytesStep = 2 * BM * D * sizeof(Element) + 2 * BM * sizeof(float);
+
+    if (tid == 0) {
+        TBar::init(&sm.bar_kv, 1);
+        for (int st = 0; st < ST; ++st) {
+            TBar::init(&sm.bar_full[st], 1);
+            Bar::init(&sm.bar_empty[st], T::kThreads - 128);
+        }
+        cutlass::arch::fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (tid < 128) {
+        cutlass::arch::warpgroup_reg_dealloc<24>();
+        if (tid == 0) {
+            Tensor gK = local_tile(mK(_, _, hk, bi), Shape<Int<BN>, Int<D>>{}, make_coord(n_block, 0));
+            Tensor gV = local_tile(mV(_, _, hk, bi), Shape<Int<BN>, Int<D>>{}, make_coord(n_block, 0));
+            auto pk = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+            auto pv = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+            TBar::arrive_and_expect_tx(&sm.bar_kv, 2 * kBytesKV);
+            copy(p.tma_k.with(sm.bar_kv), get<0>(pk), get<1>(pk));
+            copy(p.tma_v.with(sm.bar_kv), get<0>(pv), get<1>(pv));
+            int it = 0;
+            for (int g = 0; g < group; ++g) {
+                const int h = hk * group + g;
+                Tensor gQ = local_tile(mQ(_, _, h, bi), Shape<Int<BM>, Int<D>>{}, make_coord(_, 0));
+                Tensor gdO = local_tile(mdO(_, _, h, bi), Shape<Int<BM>, Int<D>>{}, make_coord(_, 0));
+                auto pq = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+                auto pdo =
+                    tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+                const int64_t row0 = (int64_t(bi) * p.hq + h) * p.s_pad;
+                for (int m = m_first; m < m_blocks; ++m, ++it) {
+                    const int st = it % ST;
+                    if (it >= ST) Bar::wait(&sm.bar_empty[st], ((it / ST) - 1) & 1);
+                    TBar::arrive_and_expect_tx(&sm.bar_full[st], kBytesStep);
+                    copy(p.tma_q.with(sm.bar_full[st]), get<0>(pq)(_, m), get<1>(pq)(_, st));
+                    copy(p.tma_do.with(sm.bar_full[st]), get<0>(pdo)(_, m), get<1>(pdo)(_, st));
+                    bulk_load(sm.lse2[st], p.lse2 + row0 + m * BM, BM * 4, &sm.bar_full[st]);
+                    bulk_load(sm.dd[st], p.dd + row0 + m * BM, BM * 4, &sm.bar_full[st]);
+                }
+            }
+        }
+        return;
+    }
+    cutlass::arch::warpgroup_reg_alloc<240>();
+    const int ctid = tid - 128;        // 0..255
+    const int wg = ctid / 128;         // consumer warpgroup: keys wg*64 .. wg*64+63
+    const int wtid = ctid % 128;       // thread within it
+    const int warp = wtid / 32, lane = wtid % 32;
+
+    typename T::MmaSdP mma_sdp;
+    typename T::MmaDKV mma_dkv;
+    typename T::MmaDQ mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(ctid);
+    auto thr_dkv = mma_dkv.get_thread_slice(ctid);
+    auto thr_dq = mma_dq.get_thread_slice(wtid);
+
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);    // (MMA, 1, D/16)
+    Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, 1, D/16, ST)
+    Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+    Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, 1, BM/16, ST)
+    Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+    Tensor sKt = make_tensor(make_smem_ptr(sm.k.begin() + wg * BN * HALF), typename T::SmemLayoutKtHalf{});
+    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);  // (MMA, 1, BN/16, 2)
+    Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);  // (MMA, 1, BN/16)
+
+    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
+    Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
+    Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<D>>{});
+    Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<D>>{});
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<HALF>>{});
+    static_assert(decltype(size(tdQrdQ))::value == T::kDqPerThread);
+    clear(tdVrdV);
+    clear(tdKrdK);
+
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<BN>, Int<BM>>{}));  // (key, query)
+    Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+    Tensor dP = make_tensor(tSrdP.data(), rowcol(tSrdP.layout()));
+    Tensor cS = make_tensor(tScS.data(), rowcol(tScS.layout()));
+    Tensor tP = make_tensor<Element>(tSrS.layout());
+    Tensor tdS = make_tensor<Element>(tSrS.layout());
+    Tensor tPa = make_tensor(tP.data(), acc_as_a(tSrS.layout()));
+    Tensor tdSa = make_tensor(tdS.data(), acc_as_a(tSrS.layout()));
+
+    float *dq_smem = sm.dq[wg];
+    TBar::wait(&sm.bar_kv, 0);
+    int it = 0;
+    for (int g = 0; g < group; ++g) {
+        const int h = hk * group + g;
+        for (int m = m_first; m < m_blocks; ++m, ++it) {
+            const int st = it % ST, phase = (it / ST) & 1, buf = it & 1;
+            TBar::wait(&sm.bar_full[st], phase);
+            warpgroup_fence_operand(tSrS);
+            warpgroup_fence_operand(tSrdP);
+            warpgroup_arrive();
+            mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+            CUTE_UNROLL
+            for (int k = 0; k < size<2>(tSrK); ++k) {
+                cute::gemm(mma_sdp, tSrK(_, _, k), tSrQ(_, _, k, st), tSrS);
+                mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+            }
+            mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+            CUTE_UNROLL
+            for (int k = 0; k < size<2>(tSrV); ++k) {
+                cute::gemm(mma_sdp, tSrV(_, _, k), tSrdO(_, _, k, st), tSrdP);
+                mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+            }
+            warpgroup_commit_batch();
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tSrS);
+            warpgroup_fence_operand(tSrdP);
+
+            // Pᵀ and dSᵀ; keys past t and (causal) keys after the query get P = 0
+            const bool masked = (kCausal && m * BM < n_block * BN + BN - 1) || (n_block + 1) * BN > p.t;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(S); ++c) {
+                const int qc = get<1>(cS(0, c));
+                const float l2 = sm.lse2[st][qc], dd = sm.dd[st][qc];
+                CUTE_UNROLL
+                for (int r = 0; r < size<0>(S); ++r) {
+                    float pv = ex2(fmaf(S(r, c), p.scale_log2, -l2));
+                    if (masked) {
+                        const int key = n_block * BN + get<0>(cS(r, c));
+                        if (key >= p.t || (kCausal && m * BM + qc < key)) pv = 0.f;
+                    }
+                    S(r, c) = pv;
+                    dP(r, c) = pv * (dP(r, c) - dd);
+                }
+            }
+            CUTE_UNROLL
+            for (int j = 0; j < size(tSrS); ++j) {
+                tP(j) = static_cast<Element>(tSrS(j));
+                tdS(j) = static_cast<Element>(tSrdP(j));
+            }
+
+            // dV += Pᵀ·dO, dK += dSᵀ·Q (asynchronous; waited for with dQ below)
+            warpgroup_fence_operand(tdVrdV);
+            warpgroup_fence_operand(tdKrdK);
+            warpgroup_fence_operand(tPa);
+            warpgroup_fence_operand(tdSa);
+            warpgroup_arrive();
+            CUTE_UNROLL
+            for (int k = 0; k < size<2>(tPa); ++k) cute::gemm(mma_dkv, tPa(_, _, k), tdVrdO(_, _, k, st), tdVrdV);
+            CUTE_UNROLL
+            for (int k = 0; k < size<2>(tdSa); ++k) cute::gemm(mma_dkv, tdSa(_, _, k), tdKrQ(_, _, k, st), tdKrdK);
+            warpgroup_commit_batch();
+
+            // dSᵀ into shared memory (buffer `buf`: the other one may still feed a slower
+            // warpgroup's dQ of the previous step), then dQ_part = dS·K over all 128 keys
+            CUTE_UNROLL
+            for (int j = 0; j < size(tdS); ++j) {
+                auto c = tScS(j);
+                sdSt(get<0>(c), get<1>(c), buf) = tdS(j);
+            }
+            cutlass::arch::fence_view_async_shared();
+            bar_sync(1, 256);
+            warpgroup_fence_operand(tdQrdQ);
+            warpgroup_arrive();
+            mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
+            CUTE_UNROLL
+            for (int k = 0; k < size<2>(tdQrdS); ++k) {
+                cute::gemm(mma_dq, tdQrdS(_, _, k, buf), tdQrKt(_, _, k), tdQrdQ);
+                mma_dq.accumulate_ = GMMA::ScaleOut::One;
+            }
+            warpgroup_commit_batch();
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tdVrdV);
+            warpgroup_fence_operand(tdKrdK);
+            warpgroup_fence_operand(tdQrdQ);
+            Bar::arrive(&sm.bar_empty[st]);  // Q, dO, lse2, D of this stage are no longer read
+
+            // dQ_part -> shared (each thread's values as float4s, conflict-free) -> bulk add
+            if (wtid == 0) tma_store_wait<0>();  // the previous step's reduction has read it
+            bar_sync(2 + wg, 128);
+            CUTE_UNROLL
+            for (int v4 = 0; v4 < T::kDqPerThread / 4; ++v4) {
+                float4 x = make_float4(tdQrdQ(4 * v4), tdQrdQ(4 * v4 + 1), tdQrdQ(4 * v4 + 2), tdQrdQ(4 * v4 + 3));
+                reinterpret_cast<float4 *>(dq_smem)[(warp * (T::kDqPerThread / 4) + v4) * 32 + lane] = x;
+            }
+            cutlass::arch::fence_view_async_shared();
+            bar_sync(2 + wg, 128);
+            if (wtid == 0) {
+                float *dst = p.dq_acc + ((int64_t(bi) * p.hq + h) * m_blocks + m) * (BM * D) + wg * (BM * HALF);
+                bulk_reduce_add(dst, dq_smem, BM * HALF * 4);
+                tma_store_arrive();
+            }
+        }
+    }
+    if (wtid == 0) tma_store_wait<0>();
+
+    // dK·scale and dV for this CTA's keys
+    Tensor tdKcdK = thr_dkv.partition_C(make_identity_tensor(Shape<Int<BN>, Int<D>>{}));
+    CUTE_UNROLL
+    for (int j = 0; j < size(tdKrdK); ++j) {
+        auto c = tdKcdK(j);
+        const int key = n_block * BN + get<0>(c);
+        if (key < p.t) {
+            const int64_t at = ((int64_t(bi) * p.t + key) * p.hkv + hk) * D + get<1>(c);
+            p.dk[at] = static_cast<Element>(tdKrdK(j) * p.scale);
+            p.dv[at] = static_cast<Element>(tdVrdV(j));
+        }
+    }
+}
+
+// dq = scale · accumulator: 256 threads per (query block, head, batch), each reading back the
+// values its twin in the main kernel stored (same MMA partition, same order).
+template <class T>
+__global__ void __launch_bounds__(256) post_kernel(const float *dq_acc, typename T::Element *dq, int s, int hq,
+                                                     float scale) {
+    constexpr int D = T::kHeadDim, BM = T::kBlockM, HALF = T::kHalf, NV = T::kDqPerThread;
+    const int m = blockIdx.x, h = blockIdx.y, bi = blockIdx.z, m_blocks = gridDim.x;
+    const int wg = threadIdx.x / 128, wtid = threadIdx.x % 128, warp = wtid / 32, lane = wtid % 32;
+    typename T::MmaDQ mma_dq;
+    auto thr_dq = mma_dq.get_thread_slice(wtid);
+    Tensor tc = thr_dq.partition_C(make_identity_tensor(Shape<Int<BM>, Int<HALF>>{}));
+    static_assert(decltype(size(tc))::value == NV);
+    const float4 *src = reinterpret_cast<const float4 *>(
+        dq_acc + ((int64_t(bi) * hq + h) * m_blocks + m) * (BM * D) + wg * (BM * HALF));
+    CUTE_UNROLL
+    for (int v4 = 0; v4 < NV / 4; ++v4) {
+        const float4 x = src[(warp * (NV / 4) + v4) * 32 + lane];
+        const float xs[4] = {x.x, x.y, x.z, x.w};
+        CUTE_UNROLL
+        for (int e = 0; e < 4; ++e) {
+            auto c = tc(4 * v4 + e);
+            const int row = m * BM + get<0>(c);
+            if (row < s) dq[((int64_t(bi) * s + row) * hq + h) * D + wg * HALF + get<1>(c)] =
+                static_cast<typename T::Element>(xs[e] * scale);
+        }
+    }
+}
+
+template <class Element, int D, bool kCausal>
+int launch_bwd(const longctx_sdpa_desc &d, const void *q, const void *k, const void *v, const void *o,
+               const void *d_o, const float *lse, void *dq, void *dk, void *dv, cudaStream_t stream, char *err,
+               size_t err_len) {
+    using T = BwdTraits<Element, D>;
+    constexpr int BM = T::kBlockM, BN = T::kBlockN;
+    const int b = int(d.b), s = int(d.s), t = int(d.t), hq = int(d.hq), hkv = int(d.hkv);
+    const int m_blocks = (s + BM - 1) / BM, s_pad = m_blocks * BM;
+    const size_t rows = size_t(b) * hq * s_pad;
+    const size_t ws_floats = rows * 2 + rows * D;
+    float *ws = nullptr;
+    cudaError_t e = cudaMallocAsync(reinterpret_cast<void **>(&ws), ws_floats * sizeof(float), stream);
+    auto fail = [&](const char *what) {
+        snprintf(err, err_len, "native attention backward (d %d): %s: %s", D, what, cudaGetErrorString(e));
+        if (ws) cudaFreeAsync(ws, stream);
+        return LONGCTX_SDPA_FAILED;
+    };
+    if (e != cudaSuccess) {
+        ws = nullptr;
+        return fail("workspace allocation");
+    }
+    float *lse2 = ws, *dd = ws + rows, *dq_acc = ws + 2 * rows;
+    if ((e = cudaMemsetAsync(dq_acc, 0, rows * D * sizeof(float), stream)) != cudaSuccess) return fail("memset");
+    {
+        const int threads = 256;
+        const int64_t blocks = (int64_t(rows) * 32 + threads - 1) / threads;
+        prep_kernel<Element, D><<<dim3(unsigned(blocks)), threads, 0, stream>>>(
+            reinterpret_cast<const Element *>(o), reinterpret_cast<const Element *>(d_o), lse, lse2, dd, b, s, hq,
+            s_pad);
+        if ((e = cudaGetLastError()) != cudaSuccess) return fail("prep launch");
+    }
+    auto strided = [](const void *x, int len, int heads, int b) {
+        return make_tensor(make_gmem_ptr(reinterpret_cast<Element const *>(x)), make_shape(len, Int<D>{}, heads, b),
+                           make_stride(int64_t(heads) * D, _1{}, int64_t(D), int64_t(len) * heads * D));
+    };
+    auto mQ = strided(q, s, hq, b), mdO = strided(d_o, s, hq, b);
+    auto mK = strided(k, t, hkv, b), mV = strided(v, t, hkv, b);
+    auto tma_q = make_tma_atom(SM90_TMA_LOAD{}, mQ, typename T::SmemLayoutQ{}(_, _, 0), Shape<Int<BM>, Int<D>>{});
+    auto tma_do = make_tma_atom(SM90_TMA_LOAD{}, mdO, typename T::SmemLayoutQ{}(_, _, 0), Shape<Int<BM>, Int<D>>{});
+    auto tma_k = make_tma_atom(SM90_TMA_LOAD{}, mK, typename T::SmemLayoutKV{}, Shape<Int<BN>, Int<D>>{});
+    auto tma_v = make_tma_atom(SM90_TMA_LOAD{}, mV, typename T::SmemLayoutKV{}, Shape<Int<BN>, Int<D>>{});
+    using P = BwdParams<decltype(tma_q), decltype(tma_do), decltype(tma_k), decltype(tma_v), Element>;
+    P params{tma_q, tma_do, tma_k, tma_v, lse2, dd, dq_acc, reinterpret_cast<Element *>(dk),
+             reinterpret_cast<Element *>(dv), b, s, t, hq, hkv, s_pad, d.scale, float(d.scale * M_LOG2E)};
+    auto kernel = bwd_kernel<T, kCausal, P>;
+    const int smem = int(sizeof(typename T::Smem));
+    if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
+        return fail("shared memory attribute");
+    kernel<<<dim3((t + BN - 1) / BN, hkv, b), T::kThreads, smem, stream>>>(params);
+    if ((e = cudaGetLastError()) != cudaSuccess) return fail("main launch");
+    post_kernel<T><<<dim3(m_blocks, hq, b), 256, 0, stream>>>(dq_acc, reinterpret_cast<Element *>(dq), s, hq,
+                                                               d.scale);
+    if ((e = cudaGetLastError()) != cudaSuccess) return fail("post launch");
+    if ((e = cudaFreeAsync(ws, stream)) != cudaSuccess) {
+        ws = nullptr;
+        return fail("workspace free");
+    }
+    return LONGCTX_SDPA_OK;
+}
+
+}  // namespace longctx_nbwd
+
+extern "C" int longctx_native_bwd(const longctx_sdpa_desc *d, const void *q, const void *k, const void *v,
+                                  const void *o, const void *d_o, const float *lse, void *dq, void *dk, void *dv,
+                                  void *stream, char *err, size_t err_len) {
+    using namespace longctx_nbwd;
+    if (err && err_len) err[0] = 0;
+    const char *why = longctx_native_uncovered(d, q, k, v);
+    if (!why && ((reinterpret_cast<uintptr_t>(d_o) | reinterpret_cast<uintptr_t>(o)) & 15))
+        why = "o/do not 16-byte aligned";
+    if (why) {
+        if (err && err_len) snprintf(err, err_len, "native attention backward: not covered: %s", why);
+        return LONGCTX_SDPA_UNSUPPORTED;
+    }
+    auto st = reinterpret_cast<cudaStream_t>(stream);
+    const bool bf = d->dtype == LONGCTX_SDPA_BF16;
+#define LONGCTX_DISPATCH(E, D)                                                                               \
+    return d->causal ? launch_bwd<E, D, true>(*d, q, k, v, o, d_o, lse, dq, dk, dv, st, err, err_len)       \
+                     : launch_bwd<E, D, false>(*d, q, k, v, o, d_o, lse, dq, dk, dv, st, err, err_len)
+    if (bf && d->d == 64) LONGCTX_DISPATCH(cutlass::bfloat16_t, 64);
+    if (bf) LONGCTX_DISPATCH(cutlass::bfloat16_t, 128);
+    if (d->d == 64) LONGCTX_DISPATCH(cutlass::half_t, 64);
+    LONGCTX_DISPATCH(cutlass::half_t, 128);
+#undef LONGCTX_DISPATCH
+}
