@@ -88,11 +88,12 @@ fn main() {
     }
     build.compile("longctx_cudnn_sdpa");
 
-    // longctx's own Hopper kernel (csrc/native_fwd_sm90.cu): CuTe/CUTLASS headers from the
+    // longctx's own Hopper kernels (csrc/native_{fwd,bwd}_sm90.cu): CuTe/CUTLASS headers from the
     // nvidia-cutlass wheel (scripts/build_cuda.sh unpacks them under .cuda/cutlass), sm_90a
     // only. Without them, or for another compute capability, the build has no native kernel
     // and `attention.kernel = "native"` runs cuDNN, saying why.
     println!("cargo:rerun-if-changed=csrc/native_fwd_sm90.cu");
+    println!("cargo:rerun-if-changed=csrc/native_bwd_sm90.cu");
     println!("cargo:rerun-if-changed=csrc/native_fmha.h");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     let mut cutlass_cands: Vec<PathBuf> = env_dir("CUTLASS_INCLUDE_DIR").into_iter().collect();
@@ -110,7 +111,8 @@ fn main() {
                 .warnings(false)
                 .include(inc)
                 .include("csrc")
-                .file("csrc/native_fwd_sm90.cu");
+                .file("csrc/native_fwd_sm90.cu")
+                .file("csrc/native_bwd_sm90.cu");
             nv.compile("longctx_native_fmha");
             println!("cargo:rustc-cfg=longctx_native");
         }

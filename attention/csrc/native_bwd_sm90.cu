@@ -23,8 +23,8 @@
 //   q, o, do, dq [b, s, hq, d]   k, v, dk, dv [b, t, hkv, d]   lse [b, hq, s] f32, natural log
 //   workspace: lse2, D [b, hq, s_pad] f32; dq_acc [b, hq, s_pad/64, 64·d] f32 in the order
 //   the main kernel's threads hold it (post reads it back with the same MMA partition)
-//   main CTA: a producer warpgroup (TMA loads of Q, dO per query block, bulk loads of lse2 and
-//   D, two stages) and two consumer warpgroups of 64 keys each.
+//   main CTA: two consumer warpgroups of 64 keys each and a producer warpgroup (one thread
+//   issues the TMA loads of Q, dO per query block and bulk loads of lse2 and D, two stages).
 //
 // Covered: d ∈ {64, 128}; bf16 and f16; GQA; no mask, or top-left causal with s == t.
 // Anything else answers LONGCTX_SDPA_UNSUPPORTED (the caller falls back to cuDNN).
@@ -50,7 +50,15 @@ struct BwdTraits {
     static constexpr int kBlockM = 64;   // query rows per step
     static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer warpgroup
     static constexpr int kStages = 2;
-    static constexpr int kThreads = 384;  // producer + two consumers
+    // two consumer warpgroups (threads 0-255) and a producer warpgroup, which hands its
+    // registers to the consumers (setmaxnreg: 240 each for dK, dV, Sᵀ, dPᵀ and dQ; without
+    // it 384 threads are capped at 168, and nine warps cannot hold more than that either:
+    // one scheduler would carry three of them)
+    static constexpr int kConsumers = 256;
+    static constexpr int kThreads = kConsumers + 128;
+    // issue the next step's Sᵀ/dPᵀ before storing this step's dQ_part: the two accumulators
+    // live at once, which fits in 240 registers at d 64 but spills at d 128
+    static constexpr bool kPipelineSdP = kHeadDim == 64;
     static constexpr int kHalf = kHeadDim / 2;  // the head-dim columns of dQ one consumer computes
     // K and V: 128-byte swizzle at d 128, 64-byte at d 64, so that each half of the head dim
     // is one swizzle atom wide and dQ's B operand (Kᵀ, one half per warpgroup) is a plain
@@ -217,15 +225,15 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         TBar::init(&sm.bar_kv, 1);
         for (int st = 0; st < ST; ++st) {
             TBar::init(&sm.bar_full[st], 1);
-            Bar::init(&sm.bar_empty[st], T::kThreads - 128);
+            Bar::init(&sm.bar_empty[st], T::kConsumers);
         }
         cutlass::arch::fence_barrier_init();
     }
     __syncthreads();
 
-    if (tid < 128) {
+    if (tid >= T::kConsumers) {
         cutlass::arch::warpgroup_reg_dealloc<24>();
-        if (tid == 0) {
+        if (tid == T::kConsumers) {
             Tensor gK = local_tile(mK(_, _, hk, bi), Shape<Int<BN>, Int<D>>{}, make_coord(n_block, 0));
             Tensor gV = local_tile(mV(_, _, hk, bi), Shape<Int<BN>, Int<D>>{}, make_coord(n_block, 0));
             auto pk = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
@@ -256,7 +264,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         return;
     }
     cutlass::arch::warpgroup_reg_alloc<240>();
-    const int ctid = tid - 128;        // 0..255
+    const int ctid = tid;              // 0..255
     const int wg = ctid / 128;         // consumer warpgroup: keys wg*64 .. wg*64+63
     const int wtid = ctid % 128;       // thread within it
     const int warp = wtid / 32, lane = wtid % 32;
@@ -298,106 +306,122 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
 
     float *dq_smem = sm.dq[wg];
     TBar::wait(&sm.bar_kv, 0);
-    int it = 0;
-    for (int g = 0; g < group; ++g) {
-        const int h = hk * group + g;
-        for (int m = m_first; m < m_blocks; ++m, ++it) {
-            const int st = it % ST, phase = (it / ST) & 1, buf = it & 1;
-            TBar::wait(&sm.bar_full[st], phase);
-            warpgroup_fence_operand(tSrS);
-            warpgroup_fence_operand(tSrdP);
-            warpgroup_arrive();
-            mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-            CUTE_UNROLL
-            for (int k = 0; k < size<2>(tSrK); ++k) {
-                cute::gemm(mma_sdp, tSrK(_, _, k), tSrQ(_, _, k, st), tSrS);
-                mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-            }
-            mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-            CUTE_UNROLL
-            for (int k = 0; k < size<2>(tSrV); ++k) {
-                cute::gemm(mma_sdp, tSrV(_, _, k), tSrdO(_, _, k, st), tSrdP);
-                mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-            }
-            warpgroup_commit_batch();
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(tSrS);
-            warpgroup_fence_operand(tSrdP);
+    // Steps `it` run over (head g of the group, query block m). With kPipelineSdP the next
+    // step's Sᵀ/dPᵀ products are issued before this step's dQ_part is stored, so the tensor
+    // cores work while the store and its reduction are queued.
+    const int per_head = m_blocks - m_first, steps = group * per_head;
+    auto issue_sdp = [&](int st) {
+        warpgroup_fence_operand(tSrS);
+        warpgroup_fence_operand(tSrdP);
+        warpgroup_arrive();
+        mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tSrK); ++k) {
+            cute::gemm(mma_sdp, tSrK(_, _, k), tSrQ(_, _, k, st), tSrS);
+            mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+        }
+        mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tSrV); ++k) {
+            cute::gemm(mma_sdp, tSrV(_, _, k), tSrdO(_, _, k, st), tSrdP);
+            mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+    };
+    if (T::kPipelineSdP && steps > 0) {
+        TBar::wait(&sm.bar_full[0], 0);
+        issue_sdp(0);
+    }
+    for (int it = 0; it < steps; ++it) {
+        const int g = it / per_head, m = m_first + it % per_head, h = hk * group + g;
+        const int st = it % ST, buf = it & 1;
+        if constexpr (!T::kPipelineSdP) {
+            TBar::wait(&sm.bar_full[st], (it / ST) & 1);
+            issue_sdp(st);
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrS);
+        warpgroup_fence_operand(tSrdP);
 
-            // Pᵀ and dSᵀ; keys past t and (causal) keys after the query get P = 0
-            const bool masked = (kCausal && m * BM < n_block * BN + BN - 1) || (n_block + 1) * BN > p.t;
+        // Pᵀ and dSᵀ; keys past t and (causal) keys after the query get P = 0
+        const bool masked = (kCausal && m * BM < n_block * BN + BN - 1) || (n_block + 1) * BN > p.t;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+            const int qc = get<1>(cS(0, c));
+            const float l2 = sm.lse2[st][qc], dd = sm.dd[st][qc];
             CUTE_UNROLL
-            for (int c = 0; c < size<1>(S); ++c) {
-                const int qc = get<1>(cS(0, c));
-                const float l2 = sm.lse2[st][qc], dd = sm.dd[st][qc];
-                CUTE_UNROLL
-                for (int r = 0; r < size<0>(S); ++r) {
-                    float pv = ex2(fmaf(S(r, c), p.scale_log2, -l2));
-                    if (masked) {
-                        const int key = n_block * BN + get<0>(cS(r, c));
-                        if (key >= p.t || (kCausal && m * BM + qc < key)) pv = 0.f;
-                    }
-                    S(r, c) = pv;
-                    dP(r, c) = pv * (dP(r, c) - dd);
+            for (int r = 0; r < size<0>(S); ++r) {
+                float pv = ex2(fmaf(S(r, c), p.scale_log2, -l2));
+                if (masked) {
+                    const int key = n_block * BN + get<0>(cS(r, c));
+                    if (key >= p.t || (kCausal && m * BM + qc < key)) pv = 0.f;
                 }
+                S(r, c) = pv;
+                dP(r, c) = pv * (dP(r, c) - dd);
             }
-            CUTE_UNROLL
-            for (int j = 0; j < size(tSrS); ++j) {
-                tP(j) = static_cast<Element>(tSrS(j));
-                tdS(j) = static_cast<Element>(tSrdP(j));
-            }
+        }
+        CUTE_UNROLL
+        for (int j = 0; j < size(tSrS); ++j) {
+            tP(j) = static_cast<Element>(tSrS(j));
+            tdS(j) = static_cast<Element>(tSrdP(j));
+        }
 
-            // dV += Pᵀ·dO, dK += dSᵀ·Q (asynchronous; waited for with dQ below)
-            warpgroup_fence_operand(tdVrdV);
-            warpgroup_fence_operand(tdKrdK);
-            warpgroup_fence_operand(tPa);
-            warpgroup_fence_operand(tdSa);
-            warpgroup_arrive();
-            CUTE_UNROLL
-            for (int k = 0; k < size<2>(tPa); ++k) cute::gemm(mma_dkv, tPa(_, _, k), tdVrdO(_, _, k, st), tdVrdV);
-            CUTE_UNROLL
-            for (int k = 0; k < size<2>(tdSa); ++k) cute::gemm(mma_dkv, tdSa(_, _, k), tdKrQ(_, _, k, st), tdKrdK);
-            warpgroup_commit_batch();
+        // dV += Pᵀ·dO, dK += dSᵀ·Q (asynchronous; waited for with dQ below)
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_fence_operand(tdKrdK);
+        warpgroup_fence_operand(tPa);
+        warpgroup_fence_operand(tdSa);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tPa); ++k) cute::gemm(mma_dkv, tPa(_, _, k), tdVrdO(_, _, k, st), tdVrdV);
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tdSa); ++k) cute::gemm(mma_dkv, tdSa(_, _, k), tdKrQ(_, _, k, st), tdKrdK);
+        warpgroup_commit_batch();
 
-            // dSᵀ into shared memory (buffer `buf`: the other one may still feed a slower
-            // warpgroup's dQ of the previous step), then dQ_part = dS·K over all 128 keys
-            CUTE_UNROLL
-            for (int j = 0; j < size(tdS); ++j) {
-                auto c = tScS(j);
-                sdSt(get<0>(c), get<1>(c), buf) = tdS(j);
-            }
-            cutlass::arch::fence_view_async_shared();
-            bar_sync(1, 256);
-            warpgroup_fence_operand(tdQrdQ);
-            warpgroup_arrive();
-            mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
-            CUTE_UNROLL
-            for (int k = 0; k < size<2>(tdQrdS); ++k) {
-                cute::gemm(mma_dq, tdQrdS(_, _, k, buf), tdQrKt(_, _, k), tdQrdQ);
-                mma_dq.accumulate_ = GMMA::ScaleOut::One;
-            }
-            warpgroup_commit_batch();
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(tdVrdV);
-            warpgroup_fence_operand(tdKrdK);
-            warpgroup_fence_operand(tdQrdQ);
-            Bar::arrive(&sm.bar_empty[st]);  // Q, dO, lse2, D of this stage are no longer read
+        // dSᵀ into shared memory (buffer `buf`: the other one may still feed a slower
+        // warpgroup's dQ of the previous step), two adjacent queries per 4-byte store, then
+        // dQ_part = dS·K over all 128 keys
+        CUTE_UNROLL
+        for (int j = 0; j < size(tdS); j += 2) {
+            auto c = tScS(j);
+            const uint32_t pair = uint32_t(tdS(j).raw()) | (uint32_t(tdS(j + 1).raw()) << 16);
+            *reinterpret_cast<uint32_t *>(&sdSt(get<0>(c), get<1>(c), buf)) = pair;
+        }
+        cutlass::arch::fence_view_async_shared();
+        bar_sync(1, 256);
+        warpgroup_fence_operand(tdQrdQ);
+        warpgroup_arrive();
+        mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tdQrdS); ++k) {
+            cute::gemm(mma_dq, tdQrdS(_, _, k, buf), tdQrKt(_, _, k), tdQrdQ);
+            mma_dq.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_fence_operand(tdKrdK);
+        warpgroup_fence_operand(tdQrdQ);
+        Bar::arrive(&sm.bar_empty[st]);  // Q, dO, lse2, D of this stage are no longer read
+        if (T::kPipelineSdP && it + 1 < steps) {
+            TBar::wait(&sm.bar_full[(it + 1) % ST], ((it + 1) / ST) & 1);
+            issue_sdp((it + 1) % ST);
+        }
 
-            // dQ_part -> shared (each thread's values as float4s, conflict-free) -> bulk add
-            if (wtid == 0) tma_store_wait<0>();  // the previous step's reduction has read it
-            bar_sync(2 + wg, 128);
-            CUTE_UNROLL
-            for (int v4 = 0; v4 < T::kDqPerThread / 4; ++v4) {
-                float4 x = make_float4(tdQrdQ(4 * v4), tdQrdQ(4 * v4 + 1), tdQrdQ(4 * v4 + 2), tdQrdQ(4 * v4 + 3));
-                reinterpret_cast<float4 *>(dq_smem)[(warp * (T::kDqPerThread / 4) + v4) * 32 + lane] = x;
-            }
-            cutlass::arch::fence_view_async_shared();
-            bar_sync(2 + wg, 128);
-            if (wtid == 0) {
-                float *dst = p.dq_acc + ((int64_t(bi) * p.hq + h) * m_blocks + m) * (BM * D) + wg * (BM * HALF);
-                bulk_reduce_add(dst, dq_smem, BM * HALF * 4);
-                tma_store_arrive();
-            }
+        // dQ_part -> shared (each thread's values as float4s, conflict-free) -> bulk add
+        if (wtid == 0) tma_store_wait<0>();  // the previous step's reduction has read it
+        bar_sync(2 + wg, 128);
+        CUTE_UNROLL
+        for (int v4 = 0; v4 < T::kDqPerThread / 4; ++v4) {
+            float4 x = make_float4(tdQrdQ(4 * v4), tdQrdQ(4 * v4 + 1), tdQrdQ(4 * v4 + 2), tdQrdQ(4 * v4 + 3));
+            reinterpret_cast<float4 *>(dq_smem)[(warp * (T::kDqPerThread / 4) + v4) * 32 + lane] = x;
+        }
+        cutlass::arch::fence_view_async_shared();
+        bar_sync(2 + wg, 128);
+        if (wtid == 0) {
+            float *dst = p.dq_acc + ((int64_t(bi) * p.hq + h) * m_blocks + m) * (BM * D) + wg * (BM * HALF);
+            bulk_reduce_add(dst, dq_smem, BM * HALF * 4);
+            tma_store_arrive();
         }
     }
     if (wtid == 0) tma_store_wait<0>();

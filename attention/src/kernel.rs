@@ -13,10 +13,10 @@
 
 use candle_core::{Result, Tensor};
 
-/// Which CUDA kernel runs a block forward (`attention.kernel` in a run config): cuDNN's
-/// fused attention, or longctx's own Hopper kernel (`attention/csrc/native_fwd_sm90.cu`,
-/// sm_90a; forward only so far, the backward is cuDNN's either way). A shape or GPU the
-/// native kernel does not cover runs cuDNN, said once on stderr. The CPU kernel is the same
+/// Which CUDA kernel runs the block forward and backward (`attention.kernel` in a run
+/// config): cuDNN's fused attention, or longctx's own Hopper kernels
+/// (`attention/csrc/native_{fwd,bwd}_sm90.cu`, sm_90a). A shape or GPU the native kernel
+/// does not cover runs cuDNN, said once per direction on stderr. The CPU kernel is the same
 /// for both.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -334,8 +334,8 @@ impl Default for ParallelSection {
 #[serde(deny_unknown_fields, default)]
 pub struct AttentionSection {
     /// `"cudnn"` (cuDNN's fused attention, the default) or `"native"` (longctx's own Hopper
-    /// kernel for the forward, sm_90a builds; the backward stays cuDNN's). A shape the native
-    /// kernel does not cover runs cuDNN, said once. No effect on the CPU.
+    /// kernels, forward and backward, sm_90a builds). A shape the native kernel does not
+    /// cover runs cuDNN, said once. No effect on the CPU.
     pub kernel: longctx_attention::kernel::CudaKernel,
 }
 

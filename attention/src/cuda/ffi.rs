@@ -1,5 +1,5 @@
 //! Declarations of the C shim in `attention/csrc/cudnn_sdpa.{h,cpp}` and of the native
-//! Hopper kernel in `attention/csrc/native_fwd_sm90.cu` (both compiled by build.rs; the
+//! Hopper kernels in `attention/csrc/native_{fwd,bwd}_sm90.cu` (both compiled by build.rs; the
 //! native one only when build.rs found the CUTLASS headers and builds for sm_90).
 
 use std::ffi::{c_char, c_int, c_void};
@@ -72,6 +72,24 @@ extern "C" {
         v: *const c_void,
         o: *mut c_void,
         lse: *mut f32,
+        stream: *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+
+    /// Same arguments and codes as `longctx_sdpa_bwd` (`csrc/native_fmha.h`).
+    #[cfg(longctx_native)]
+    pub fn longctx_native_bwd(
+        desc: *const Desc,
+        q: *const c_void,
+        k: *const c_void,
+        v: *const c_void,
+        o: *const c_void,
+        d_o: *const c_void,
+        lse: *const f32,
+        dq: *mut c_void,
+        dk: *mut c_void,
+        dv: *mut c_void,
         stream: *mut c_void,
         err: *mut c_char,
         err_len: usize,

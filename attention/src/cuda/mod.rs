@@ -34,20 +34,21 @@ use std::sync::Arc;
 /// 0: not set (read the environment), 1: refuse, 2: allow.
 static FALLBACK: AtomicU8 = AtomicU8::new(0);
 static WARNED: AtomicBool = AtomicBool::new(false);
-/// The forward kernel of this process: 0 cuDNN, 1 native ([`set_kernel`]).
+/// The block kernel of this process: 0 cuDNN, 1 native ([`set_kernel`]).
 static KERNEL: AtomicU8 = AtomicU8::new(0);
-static NATIVE_NOTED: AtomicBool = AtomicBool::new(false);
-/// Forwards the native kernel ran (not those it handed to cuDNN), for [`native_runs`].
-static NATIVE_RUNS: AtomicU64 = AtomicU64::new(0);
+static NATIVE_NOTED: [AtomicBool; 2] = [AtomicBool::new(false), AtomicBool::new(false)];
+/// Forwards and backwards the native kernel ran (not those it handed to cuDNN), for
+/// [`native_runs`].
+static NATIVE_RUNS: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
 
-/// Choose the CUDA forward kernel for this process (a run config's `attention.kernel`,
+/// Choose the CUDA block kernel (forward and backward) for this process (a run config's `attention.kernel`,
 /// `bench attention --kernel`). Like [`set_fallback`], a process-wide setting read at each
 /// call: the modes and the model call the block kernel without knowing which one runs.
 pub fn set_kernel(k: crate::kernel::CudaKernel) {
     KERNEL.store(matches!(k, crate::kernel::CudaKernel::Native) as u8, Ordering::Relaxed);
 }
 
-/// The CUDA forward kernel chosen by [`set_kernel`] (cuDNN unless set).
+/// The CUDA block kernel chosen by [`set_kernel`] (cuDNN unless set).
 pub fn kernel() -> crate::kernel::CudaKernel {
     if KERNEL.load(Ordering::Relaxed) == 1 {
         crate::kernel::CudaKernel::Native
@@ -62,11 +63,28 @@ pub fn native_built() -> bool {
     cfg!(longctx_native)
 }
 
-/// Block forwards the native kernel has run in this process. A check or benchmark of the
-/// native kernel compares it before and after, so that calls which all fell back to cuDNN
-/// (a build without the kernel, another GPU) are not reported as the native kernel's.
-pub fn native_runs() -> u64 {
-    NATIVE_RUNS.load(Ordering::Relaxed)
+/// Block forwards and block backwards the native kernel has run in this process. A check or
+/// benchmark of the native kernel compares them before and after, so that calls which all
+/// fell back to cuDNN (a build without the kernel, another GPU, a shape it does not cover)
+/// are not reported as the native kernel's.
+pub fn native_runs() -> NativeRuns {
+    NativeRuns { fwd: NATIVE_RUNS[0].load(Ordering::Relaxed), bwd: NATIVE_RUNS[1].load(Ordering::Relaxed) }
+}
+
+/// Counts of [`native_runs`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct NativeRuns {
+    pub fwd: u64,
+    pub bwd: u64,
+}
+
+/// Says once per direction (`dir` 0 forward, 1 backward) why the native kernel did not take a
+/// call, so that a run which asked for it knows cuDNN ran instead.
+fn native_refused(dir: usize, why: &str) {
+    if !NATIVE_NOTED[dir].swap(true, Ordering::Relaxed) {
+        let what = ["forward", "backward"][dir];
+        eprintln!("longctx-attention: the native kernel does not cover a {what} here ({why}); cuDNN runs it (said once)");
+    }
 }
 
 /// Allow (or forbid) the portable naive fallback when cuDNN cannot run a call.
@@ -252,14 +270,10 @@ fn try_fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> std::r
     if kernel() == crate::kernel::CudaKernel::Native {
         match native_fwd(&desc, &stream, [&q, &k, &v], [&mut o, &mut lse]) {
             Ok(()) => {
-                NATIVE_RUNS.fetch_add(1, Ordering::Relaxed);
+                NATIVE_RUNS[0].fetch_add(1, Ordering::Relaxed);
                 return Ok((raw::tensor(o, (b, s, hq, d)), raw::tensor(lse, (b, hq, s))));
             }
-            Err(Refusal::Unsupported(why)) => {
-                if !NATIVE_NOTED.swap(true, Ordering::Relaxed) {
-                    eprintln!("longctx-attention: the native kernel does not cover a forward here ({why}); cuDNN runs it (said once)");
-                }
-            }
+            Err(Refusal::Unsupported(why)) => native_refused(0, &why),
             Err(e) => return Err(e),
         }
     }
@@ -287,10 +301,31 @@ fn native_fwd(
 
 #[cfg(not(longctx_native))]
 fn native_fwd(_: &ffi::Desc, _: &Arc<CudaStream>, _: [&Tensor; 3], _: [&mut CudaStorage; 2]) -> std::result::Result<(), Refusal> {
-    Err(Refusal::Unsupported(
+    Err(no_native())
+}
+
+/// The native Hopper backward into `dq`, `dk`, `dv` (allocated by the caller), or why not.
+#[cfg(longctx_native)]
+fn native_bwd(desc: &ffi::Desc, stream: &Arc<CudaStream>, ins: [&Tensor; 6], outs: [&mut CudaStorage; 3]) -> std::result::Result<(), Refusal> {
+    let [dq, dk, dv] = outs;
+    shim("backward (native)", stream, &ins, &mut [dq, dk, dv], |i, o, st, err| {
+        let lse = i[5] as *const f32;
+        // SAFETY: see `shim`; q, k, v, o, do, lse, dq, dk, dv in the order of the kernel's parameters.
+        unsafe { ffi::longctx_native_bwd(desc, i[0], i[1], i[2], i[3], i[4], lse, o[0], o[1], o[2], st, err.ptr(), err.len()) }
+    })
+}
+
+#[cfg(not(longctx_native))]
+fn native_bwd(_: &ffi::Desc, _: &Arc<CudaStream>, _: [&Tensor; 6], _: [&mut CudaStorage; 3]) -> std::result::Result<(), Refusal> {
+    Err(no_native())
+}
+
+#[cfg(not(longctx_native))]
+fn no_native() -> Refusal {
+    Refusal::Unsupported(
         "this build has no native kernel (it is compiled for CUDA_COMPUTE_CAP=90 with the CUTLASS headers; run scripts/build_cuda.sh)"
             .into(),
-    ))
+    )
 }
 
 fn try_bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, scale: f64) -> std::result::Result<(Tensor, Tensor, Tensor), Refusal> {
@@ -303,12 +338,23 @@ fn try_bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, scale: f64) -> std::resul
     let stream = raw::bind(&dev)?;
     let (b, s, t, hq, hkv, d) = (desc.b as usize, desc.s as usize, desc.t as usize, desc.hq as usize, desc.hkv as usize, desc.d as usize);
     let [mut dq, mut dk, mut dv] = outputs(&stream, &dev, [dt; 3], [b * s * hq * d, b * t * hkv * d, b * t * hkv * d])?;
+    let grads = |dq, dk, dv| (raw::tensor(dq, (b, s, hq, d)), raw::tensor(dk, (b, t, hkv, d)), raw::tensor(dv, (b, t, hkv, d)));
+    if kernel() == crate::kernel::CudaKernel::Native {
+        match native_bwd(&desc, &stream, [&q, &k, &v, &o, &d_o, &lse], [&mut dq, &mut dk, &mut dv]) {
+            Ok(()) => {
+                NATIVE_RUNS[1].fetch_add(1, Ordering::Relaxed);
+                return Ok(grads(dq, dk, dv));
+            }
+            Err(Refusal::Unsupported(why)) => native_refused(1, &why),
+            Err(e) => return Err(e),
+        }
+    }
     shim("backward", &stream, &[&q, &k, &v, &o, &d_o, &lse], &mut [&mut dq, &mut dk, &mut dv], |i, o, st, err| {
         let lse = i[5] as *const f32;
         // SAFETY: see `shim`; q, k, v, o, do, lse, dq, dk, dv in the order of the shim's parameters.
         unsafe { ffi::longctx_sdpa_bwd(&desc, i[0], i[1], i[2], i[3], i[4], lse, o[0], o[1], o[2], st, err.ptr(), err.len()) }
     })?;
-    Ok((raw::tensor(dq, (b, s, hq, d)), raw::tensor(dk, (b, t, hkv, d)), raw::tensor(dv, (b, t, hkv, d))))
+    Ok(grads(dq, dk, dv))
 }
 
 /// One call of the shim on `stream`: `call(ins, outs, stream, err)` gets the device
