@@ -102,18 +102,23 @@ fn main() {
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_default();
     match (&cutlass_inc, cap.trim()) {
         (Some(inc), "90") => {
-            let mut nv = cc::Build::new();
-            nv.cuda(true)
-                .flag("-std=c++17")
-                .flag("-O3")
-                .flag("-arch=sm_90a")
-                .flag("--expt-relaxed-constexpr")
-                .warnings(false)
-                .include(inc)
-                .include("csrc")
-                .file("csrc/native_fwd_sm90.cu")
-                .file("csrc/native_bwd_sm90.cu");
-            nv.compile("longctx_native_fmha");
+            // one library per file: cc compiles several CUDA files of one build as relocatable
+            // device code (--device-c), under which ptxas ignores setmaxnreg and the consumer
+            // warpgroups lose the registers their wgmma pipelines need
+            // (the backward first: it calls the forward's coverage check)
+            for (file, lib) in [("csrc/native_bwd_sm90.cu", "longctx_native_bwd"), ("csrc/native_fwd_sm90.cu", "longctx_native_fwd")] {
+                let mut nv = cc::Build::new();
+                nv.cuda(true)
+                    .flag("-std=c++17")
+                    .flag("-O3")
+                    .flag("-arch=sm_90a")
+                    .flag("--expt-relaxed-constexpr")
+                    .warnings(false)
+                    .include(inc)
+                    .include("csrc")
+                    .file(file);
+                nv.compile(lib);
+            }
             println!("cargo:rustc-cfg=longctx_native");
         }
         (None, _) => println!(

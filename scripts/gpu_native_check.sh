@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue #36 on the GPU machine: longctx's own Hopper attention forward against cuDNN.
-#   1. target-cuda/native_check (scripts/build_native_check.sh), when present: the kernel
+# Issue #36 on the GPU machine: longctx's own Hopper attention (forward and backward) against
+# cuDNN.
+#   1. target-cuda/native_check (scripts/build_native_check.sh), when present: the kernels
 #      alone against an f32 reference and cuDNN in one process;
 #   2. `bench attention --check` with both kernels (the CUDA kernel against the CPU kernel,
 #      every parallel mode, document masks, windows);

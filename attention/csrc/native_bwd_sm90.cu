@@ -56,9 +56,6 @@ struct BwdTraits {
     // one scheduler would carry three of them)
     static constexpr int kConsumers = 256;
     static constexpr int kThreads = kConsumers + 128;
-    // issue the next step's Sᵀ/dPᵀ before storing this step's dQ_part: the two accumulators
-    // live at once, which fits in 240 registers at d 64 but spills at d 128
-    static constexpr bool kPipelineSdP = kHeadDim == 64;
     static constexpr int kHalf = kHeadDim / 2;  // the head-dim columns of dQ one consumer computes
     // K and V: 128-byte swizzle at d 128, 64-byte at d 64, so that each half of the head dim
     // is one swizzle atom wide and dQ's B operand (Kᵀ, one half per warpgroup) is a plain
@@ -306,9 +303,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
 
     float *dq_smem = sm.dq[wg];
     TBar::wait(&sm.bar_kv, 0);
-    // Steps `it` run over (head g of the group, query block m). With kPipelineSdP the next
-    // step's Sᵀ/dPᵀ products are issued before this step's dQ_part is stored, so the tensor
-    // cores work while the store and its reduction are queued.
+    // Steps `it` run over (head g of the group, query block m). Every wgmma of a step is
+    // waited for within it: issuing the next step's Sᵀ/dPᵀ across the loop's back edge made
+    // ptxas serialise the wgmma pipeline (C7514) and spill at d 128.
     const int per_head = m_blocks - m_first, steps = group * per_head;
     auto issue_sdp = [&](int st) {
         warpgroup_fence_operand(tSrS);
@@ -320,6 +317,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             cute::gemm(mma_sdp, tSrK(_, _, k), tSrQ(_, _, k, st), tSrS);
             mma_sdp.accumulate_ = GMMA::ScaleOut::One;
         }
+        warpgroup_commit_batch();  // Sᵀ and dPᵀ in two groups: Pᵀ is computed while dPᵀ runs
+        warpgroup_arrive();
         mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
         CUTE_UNROLL
         for (int k = 0; k < size<2>(tSrV); ++k) {
@@ -328,27 +327,19 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         }
         warpgroup_commit_batch();
     };
-    if (T::kPipelineSdP && steps > 0) {
-        TBar::wait(&sm.bar_full[0], 0);
-        issue_sdp(0);
-    }
     for (int it = 0; it < steps; ++it) {
         const int g = it / per_head, m = m_first + it % per_head, h = hk * group + g;
         const int st = it % ST, buf = it & 1;
-        if constexpr (!T::kPipelineSdP) {
-            TBar::wait(&sm.bar_full[st], (it / ST) & 1);
-            issue_sdp(st);
-        }
-        warpgroup_wait<0>();
+        TBar::wait(&sm.bar_full[st], (it / ST) & 1);
+        issue_sdp(st);
+        // Pᵀ (while dPᵀ is still computed); keys past t and (causal) keys after the query get 0
+        warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
-        warpgroup_fence_operand(tSrdP);
-
-        // Pᵀ and dSᵀ; keys past t and (causal) keys after the query get P = 0
         const bool masked = (kCausal && m * BM < n_block * BN + BN - 1) || (n_block + 1) * BN > p.t;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(S); ++c) {
             const int qc = get<1>(cS(0, c));
-            const float l2 = sm.lse2[st][qc], dd = sm.dd[st][qc];
+            const float l2 = sm.lse2[st][qc];
             CUTE_UNROLL
             for (int r = 0; r < size<0>(S); ++r) {
                 float pv = ex2(fmaf(S(r, c), p.scale_log2, -l2));
@@ -357,23 +348,35 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
                     if (key >= p.t || (kCausal && m * BM + qc < key)) pv = 0.f;
                 }
                 S(r, c) = pv;
-                dP(r, c) = pv * (dP(r, c) - dd);
             }
         }
         CUTE_UNROLL
-        for (int j = 0; j < size(tSrS); ++j) {
-            tP(j) = static_cast<Element>(tSrS(j));
-            tdS(j) = static_cast<Element>(tSrdP(j));
-        }
+        for (int j = 0; j < size(tSrS); ++j) tP(j) = static_cast<Element>(tSrS(j));
 
-        // dV += Pᵀ·dO, dK += dSᵀ·Q (asynchronous; waited for with dQ below)
+        // dV += Pᵀ·dO (asynchronous, while dSᵀ is computed)
         warpgroup_fence_operand(tdVrdV);
-        warpgroup_fence_operand(tdKrdK);
         warpgroup_fence_operand(tPa);
-        warpgroup_fence_operand(tdSa);
         warpgroup_arrive();
         CUTE_UNROLL
         for (int k = 0; k < size<2>(tPa); ++k) cute::gemm(mma_dkv, tPa(_, _, k), tdVrdO(_, _, k, st), tdVrdV);
+        warpgroup_commit_batch();
+
+        // dSᵀ = Pᵀ ∘ (dPᵀ − D) once dPᵀ is done (dV may still run)
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(tSrdP);
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+            const float dd = sm.dd[st][get<1>(cS(0, c))];
+            CUTE_UNROLL
+            for (int r = 0; r < size<0>(S); ++r) dP(r, c) = S(r, c) * (dP(r, c) - dd);
+        }
+        CUTE_UNROLL
+        for (int j = 0; j < size(tSrdP); ++j) tdS(j) = static_cast<Element>(tSrdP(j));
+
+        // dK += dSᵀ·Q (asynchronous; waited for with dQ below)
+        warpgroup_fence_operand(tdKrdK);
+        warpgroup_fence_operand(tdSa);
+        warpgroup_arrive();
         CUTE_UNROLL
         for (int k = 0; k < size<2>(tdSa); ++k) cute::gemm(mma_dkv, tdSa(_, _, k), tdKrQ(_, _, k, st), tdKrdK);
         warpgroup_commit_batch();
@@ -403,10 +406,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         warpgroup_fence_operand(tdKrdK);
         warpgroup_fence_operand(tdQrdQ);
         Bar::arrive(&sm.bar_empty[st]);  // Q, dO, lse2, D of this stage are no longer read
-        if (T::kPipelineSdP && it + 1 < steps) {
-            TBar::wait(&sm.bar_full[(it + 1) % ST], ((it + 1) / ST) & 1);
-            issue_sdp((it + 1) % ST);
-        }
 
         // dQ_part -> shared (each thread's values as float4s, conflict-free) -> bulk add
         if (wtid == 0) tma_store_wait<0>();  // the previous step's reduction has read it
