@@ -302,6 +302,16 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     Tensor tdSa = make_tensor(tdS.data(), acc_as_a(tSrS.layout()));
 
     float *dq_smem = sm.dq[wg];
+    // shared-memory addresses of this thread's dSᵀ pairs (two adjacent queries) in buffer 0,
+    // computed once: the swizzle arithmetic is the same at every step
+    constexpr int kPairs = decltype(size(tdS))::value / 2;
+    constexpr uint32_t kDsBufBytes = BM * BN * sizeof(Element);
+    uint32_t ds_addr[kPairs];
+    CUTE_UNROLL
+    for (int j = 0; j < kPairs; ++j) {
+        auto c = tScS(2 * j);
+        ds_addr[j] = cast_smem_ptr_to_uint(&sdSt(get<0>(c), get<1>(c), 0));
+    }
     TBar::wait(&sm.bar_kv, 0);
     // Steps `it` run over (head g of the group, query block m). Every wgmma of a step is
     // waited for within it: issuing the next step's Sᵀ/dPᵀ across the loop's back edge made
@@ -335,19 +345,26 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         // Pᵀ (while dPᵀ is still computed); keys past t and (causal) keys after the query get 0
         warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
+        // (two copies of the loop, so that the blocks off the diagonal carry no mask tests)
         const bool masked = (kCausal && m * BM < n_block * BN + BN - 1) || (n_block + 1) * BN > p.t;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(S); ++c) {
-            const int qc = get<1>(cS(0, c));
-            const float l2 = sm.lse2[st][qc];
+        if (masked) {
             CUTE_UNROLL
-            for (int r = 0; r < size<0>(S); ++r) {
-                float pv = ex2(fmaf(S(r, c), p.scale_log2, -l2));
-                if (masked) {
+            for (int c = 0; c < size<1>(S); ++c) {
+                const int qc = get<1>(cS(0, c));
+                const float l2 = sm.lse2[st][qc];
+                CUTE_UNROLL
+                for (int r = 0; r < size<0>(S); ++r) {
                     const int key = n_block * BN + get<0>(cS(r, c));
-                    if (key >= p.t || (kCausal && m * BM + qc < key)) pv = 0.f;
+                    const bool off = key >= p.t || (kCausal && m * BM + qc < key);
+                    S(r, c) = off ? 0.f : ex2(fmaf(S(r, c), p.scale_log2, -l2));
                 }
-                S(r, c) = pv;
+            }
+        } else {
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(S); ++c) {
+                const float l2 = sm.lse2[st][get<1>(cS(0, c))];
+                CUTE_UNROLL
+                for (int r = 0; r < size<0>(S); ++r) S(r, c) = ex2(fmaf(S(r, c), p.scale_log2, -l2));
             }
         }
         CUTE_UNROLL
@@ -386,9 +403,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         // dQ_part = dS·K over all 128 keys
         CUTE_UNROLL
         for (int j = 0; j < size(tdS); j += 2) {
-            auto c = tScS(j);
             const uint32_t pair = uint32_t(tdS(j).raw()) | (uint32_t(tdS(j + 1).raw()) << 16);
-            *reinterpret_cast<uint32_t *>(&sdSt(get<0>(c), get<1>(c), buf)) = pair;
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(ds_addr[j / 2] + buf * kDsBufBytes), "r"(pair) : "memory");
         }
         cutlass::arch::fence_view_async_shared();
         bar_sync(1, 256);
