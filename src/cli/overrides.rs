@@ -57,8 +57,8 @@ pub struct ParallelFlags {
     /// [default: 4096].
     #[arg(long, value_parser = super::chunk_arg)]
     pub token_chunk: Option<usize>,
-    /// CUDA attention kernel: cudnn, or native (longctx's own Hopper forward, sm_90a builds;
-    /// shapes it does not cover run cuDNN) [default: cudnn] (`attention.kernel`).
+    /// CUDA attention kernel: cudnn, or native (longctx's own Hopper forward and backward,
+    /// sm_90a builds; shapes it does not cover run cuDNN) [default: cudnn] (`attention.kernel`).
     #[arg(long)]
     pub attention_kernel: Option<String>,
 }

@@ -306,7 +306,12 @@ fn native_fwd(_: &ffi::Desc, _: &Arc<CudaStream>, _: [&Tensor; 3], _: [&mut Cuda
 
 /// The native Hopper backward into `dq`, `dk`, `dv` (allocated by the caller), or why not.
 #[cfg(longctx_native)]
-fn native_bwd(desc: &ffi::Desc, stream: &Arc<CudaStream>, ins: [&Tensor; 6], outs: [&mut CudaStorage; 3]) -> std::result::Result<(), Refusal> {
+fn native_bwd(
+    desc: &ffi::Desc,
+    stream: &Arc<CudaStream>,
+    ins: [&Tensor; 6],
+    outs: [&mut CudaStorage; 3],
+) -> std::result::Result<(), Refusal> {
     let [dq, dk, dv] = outs;
     shim("backward (native)", stream, &ins, &mut [dq, dk, dv], |i, o, st, err| {
         let lse = i[5] as *const f32;
