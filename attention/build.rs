@@ -95,6 +95,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/native_fwd_sm90.cu");
     println!("cargo:rerun-if-changed=csrc/native_bwd_sm90.cu");
     println!("cargo:rerun-if-changed=csrc/native_fmha.h");
+    println!("cargo:rerun-if-changed=csrc/native_common.cuh");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     let mut cutlass_cands: Vec<PathBuf> = env_dir("CUTLASS_INCLUDE_DIR").into_iter().collect();
     cutlass_cands.push(prefix.join("cutlass/include"));

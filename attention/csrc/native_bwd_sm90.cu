@@ -38,10 +38,12 @@
 #include <cmath>
 #include <cstdio>
 
+#include "native_common.cuh"
 #include "native_fmha.h"
 
 namespace longctx_nbwd {
 using namespace cute;
+using namespace longctx_native_common;
 
 template <class Element_, int kHeadDim_>
 struct BwdTraits {
@@ -121,28 +123,6 @@ struct BwdParams {
     float scale, scale_log2;
 };
 
-// Accumulator (rows, cols) view and register-A view: as in native_fwd_sm90.cu.
-template <class Layout>
-CUTE_HOST_DEVICE constexpr auto rowcol(Layout l) {
-    auto l0 = get<0>(l);
-    return make_layout(make_layout(get<1>(l0), get<1>(l)), make_layout(get<0>(l0), get<2>(l0), get<2>(l)));
-}
-template <class Layout>
-CUTE_HOST_DEVICE constexpr auto acc_as_a(Layout l) {
-    auto l0 = get<0>(l);
-    auto v = get<2>(l0);
-    static_assert(decltype(size(v))::value % 2 == 0);
-    constexpr int V = decltype(size(v))::value;
-    auto pair = make_layout(_2{}, stride(v));
-    auto slices = make_layout(Int<V / 2>{}, stride(v) * _2{});
-    return make_layout(make_layout(get<0>(l0), get<1>(l0), pair), get<1>(l), make_layout(slices, get<2>(l)));
-}
-
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 __device__ __forceinline__ void bar_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }

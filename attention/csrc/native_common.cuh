@@ -1,0 +1,44 @@
+// Register-layout helpers shared by longctx's Hopper attention kernels (native_fwd_sm90.cu,
+// native_bwd_sm90.cu): views of a wgmma accumulator fragment, and a one-op exp2.
+#ifndef LONGCTX_NATIVE_COMMON_CUH
+#define LONGCTX_NATIVE_COMMON_CUH
+
+#include <cute/tensor.hpp>
+
+namespace longctx_native_common {
+using namespace cute;
+
+// The accumulator of a 64xN GMMA tile, per thread ((2 cols, 2 rows, N/8), MMA_M, MMA_N),
+// as (rows, cols): ((2, MMA_M), (2, N/8, MMA_N)).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto rowcol(Layout l) {
+    static_assert(decltype(rank(l))::value == 3);
+    static_assert(decltype(rank<0>(l))::value == 3);
+    auto l0 = get<0>(l);
+    return make_layout(make_layout(get<1>(l0), get<1>(l)), make_layout(get<0>(l0), get<2>(l0), get<2>(l)));
+}
+
+// The same registers as the A operand of a K=16 register-source GMMA: each pair of 8-column
+// blocks of the accumulator is one 16-wide K slice, in the order wgmma wants its A values.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_as_a(Layout l) {
+    auto l0 = get<0>(l);
+    auto v = get<2>(l0);  // (N/8) : stride
+    static_assert(decltype(size(v))::value % 2 == 0);
+    static_assert(decltype(rank(v))::value == 1);
+    constexpr int V = decltype(size(v))::value;
+    auto pair = make_layout(_2{}, stride(v));                // the two 8-column blocks of one K slice
+    auto slices = make_layout(Int<V / 2>{}, stride(v) * _2{});  // the K slices
+    return make_layout(make_layout(get<0>(l0), get<1>(l0), pair), get<1>(l), make_layout(slices, get<2>(l)));
+}
+
+// 2^x in one instruction (MUFU.EX2); 2^-inf = 0.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+}  // namespace longctx_native_common
+
+#endif
