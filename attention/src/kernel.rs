@@ -26,6 +26,14 @@ pub enum CudaKernel {
     Native,
 }
 
+/// Block calls the native kernel has run in a process, per direction (`cuda::native_runs`
+/// in CUDA builds; always zero elsewhere). Calls it handed to cuDNN do not count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct NativeRuns {
+    pub fwd: u64,
+    pub bwd: u64,
+}
+
 impl CudaKernel {
     pub const ALL: [CudaKernel; 2] = [CudaKernel::Cudnn, CudaKernel::Native];
 

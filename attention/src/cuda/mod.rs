@@ -67,15 +67,8 @@ pub fn native_built() -> bool {
 /// benchmark of the native kernel compares them before and after, so that calls which all
 /// fell back to cuDNN (a build without the kernel, another GPU, a shape it does not cover)
 /// are not reported as the native kernel's.
-pub fn native_runs() -> NativeRuns {
-    NativeRuns { fwd: NATIVE_RUNS[0].load(Ordering::Relaxed), bwd: NATIVE_RUNS[1].load(Ordering::Relaxed) }
-}
-
-/// Counts of [`native_runs`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct NativeRuns {
-    pub fwd: u64,
-    pub bwd: u64,
+pub fn native_runs() -> crate::kernel::NativeRuns {
+    crate::kernel::NativeRuns { fwd: NATIVE_RUNS[0].load(Ordering::Relaxed), bwd: NATIVE_RUNS[1].load(Ordering::Relaxed) }
 }
 
 /// Says once per direction (`dir` 0 forward, 1 backward) why the native kernel did not take a

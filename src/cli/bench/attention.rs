@@ -24,7 +24,7 @@ use candle_core::{DType, Device, Tensor};
 use longctx::parallel::{build_groups, DimsRequest, ParallelDims, ParallelMode};
 use longctx::train::profile::Mark;
 use longctx_attention::comm::{thread::run_ranks, Comm};
-use longctx_attention::kernel::{self, CudaKernel, Mask};
+use longctx_attention::kernel::{self, CudaKernel, Mask, NativeRuns};
 use longctx_attention::{layout, AttentionMode};
 use std::sync::Arc;
 
@@ -151,19 +151,12 @@ fn use_kernel(_k: CudaKernel) {}
 /// Forwards and backwards the native kernel has run ([`longctx_attention::cuda::native_runs`]).
 #[cfg(feature = "cuda")]
 fn native_runs() -> NativeRuns {
-    let r = longctx_attention::cuda::native_runs();
-    NativeRuns { fwd: r.fwd, bwd: r.bwd }
+    longctx_attention::cuda::native_runs()
 }
 
 #[cfg(not(feature = "cuda"))]
 fn native_runs() -> NativeRuns {
     NativeRuns::default()
-}
-
-#[derive(Clone, Copy, Default)]
-struct NativeRuns {
-    fwd: u64,
-    bwd: u64,
 }
 
 /// Why the native kernel may not have run: not in this build, or not this GPU.
