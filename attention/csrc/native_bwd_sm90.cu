@@ -123,9 +123,6 @@ struct BwdParams {
     float scale, scale_log2;
 };
 
-__device__ __forceinline__ void bar_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
 // shared -> global f32 add of `bytes` (a multiple of 16, both 16-byte aligned), asynchronous
 __device__ __forceinline__ void bulk_reduce_add(float *gmem, const float *smem, int bytes) {
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(gmem),

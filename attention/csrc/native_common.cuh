@@ -1,5 +1,5 @@
 // Register-layout helpers shared by longctx's Hopper attention kernels (native_fwd_sm90.cu,
-// native_bwd_sm90.cu): views of a wgmma accumulator fragment, and a one-op exp2.
+// native_bwd_sm90.cu): views of a wgmma accumulator fragment, a one-op exp2, named barriers.
 #ifndef LONGCTX_NATIVE_COMMON_CUH
 #define LONGCTX_NATIVE_COMMON_CUH
 
@@ -37,6 +37,15 @@ __device__ __forceinline__ float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads: sync waits for all
+// of them, arrive counts this warp in without waiting.
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 }  // namespace longctx_native_common
