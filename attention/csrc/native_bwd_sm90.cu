@@ -93,6 +93,10 @@ struct BwdTraits {
                              GMMA::Major::MN, GMMA::Major::MN>(),
         Layout<Shape<_1, _1, _1>>{}));
     static constexpr int kDqPerThread = kBlockM * kHalf / 128;  // f32 values of dQ_part per thread
+    // d 64: dQ of a step issued in the next one (its accumulator lives beside Sᵀ, dPᵀ, dK and
+    // dV; at d 128 that is more than 240 registers). H200, 64K causal 32/4×64: 424 against
+    // 394 TFLOP/s in lockstep.
+    static constexpr bool kDeferDq = kHeadDim == 64;
     static_assert(kDqPerThread % 4 == 0);
 
     struct Smem {
@@ -314,15 +318,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         }
         warpgroup_commit_batch();
     };
-    for (int it = 0; it < steps; ++it) {
-        const int g = it / per_head, m = m_first + it % per_head, h = hk * group + g;
-        const int st = it % ST, buf = it & 1;
-        TBar::wait(&sm.bar_full[st], (it / ST) & 1);
-        issue_sdp(st);
-        // Pᵀ (while dPᵀ is still computed); keys past t and (causal) keys after the query get 0
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(tSrS);
-        // (two copies of the loop, so that the blocks off the diagonal carry no mask tests)
+    // Pᵀ in place of Sᵀ (then as the A operand tP); keys past t and (causal) keys after the
+    // query get 0. Two copies of the loop, so that blocks off the diagonal carry no mask tests.
+    auto compute_p = [&](int m, int st) {
         const bool masked = (kCausal && m * BM < n_block * BN + BN - 1) || (n_block + 1) * BN > p.t;
         if (masked) {
             CUTE_UNROLL
@@ -346,18 +344,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         }
         CUTE_UNROLL
         for (int j = 0; j < size(tSrS); ++j) tP(j) = static_cast<Element>(tSrS(j));
-
-        // dV += Pᵀ·dO (asynchronous, while dSᵀ is computed)
-        warpgroup_fence_operand(tdVrdV);
-        warpgroup_fence_operand(tPa);
-        warpgroup_arrive();
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tPa); ++k) cute::gemm(mma_dkv, tPa(_, _, k), tdVrdO(_, _, k, st), tdVrdV);
-        warpgroup_commit_batch();
-
-        // dSᵀ = Pᵀ ∘ (dPᵀ − D) once dPᵀ is done (dV may still run)
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(tSrdP);
+    };
+    // dSᵀ = Pᵀ ∘ (dPᵀ − D) in place of dPᵀ, then as the A operand tdS
+    auto compute_ds = [&](int st) {
         CUTE_UNROLL
         for (int c = 0; c < size<1>(S); ++c) {
             const float dd = sm.dd[st][get<1>(cS(0, c))];
@@ -366,55 +355,135 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         }
         CUTE_UNROLL
         for (int j = 0; j < size(tSrdP); ++j) tdS(j) = static_cast<Element>(tSrdP(j));
-
-        // dK += dSᵀ·Q (asynchronous; waited for with dQ below)
+    };
+    auto issue_dv = [&](int st) {  // dV += Pᵀ·dO
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_fence_operand(tPa);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tPa); ++k) cute::gemm(mma_dkv, tPa(_, _, k), tdVrdO(_, _, k, st), tdVrdV);
+        warpgroup_commit_batch();
+    };
+    auto issue_dk = [&](int st) {  // dK += dSᵀ·Q
         warpgroup_fence_operand(tdKrdK);
         warpgroup_fence_operand(tdSa);
         warpgroup_arrive();
         CUTE_UNROLL
         for (int k = 0; k < size<2>(tdSa); ++k) cute::gemm(mma_dkv, tdSa(_, _, k), tdKrQ(_, _, k, st), tdKrdK);
         warpgroup_commit_batch();
-
-        // dSᵀ into shared memory (buffer `buf`: the other one may still feed a slower
-        // warpgroup's dQ of the previous step), two adjacent queries per 4-byte store, then
-        // dQ_part = dS·K over all 128 keys
+    };
+    // dSᵀ into shared memory buffer `buf`, two adjacent queries per 4-byte store
+    auto store_ds = [&](int buf) {
         CUTE_UNROLL
         for (int j = 0; j < size(tdS); j += 2) {
             const uint32_t pair = uint32_t(tdS(j).raw()) | (uint32_t(tdS(j + 1).raw()) << 16);
             asm volatile("st.shared.b32 [%0], %1;" ::"r"(ds_addr[j / 2] + buf * kDsBufBytes), "r"(pair) : "memory");
         }
         cutlass::arch::fence_view_async_shared();
-        bar_sync(1, 256);
+    };
+    // dQ_part = dS·K over all 128 keys (both warpgroups' dS), this warpgroup's head-dim half;
+    // committed as a group even when `run` is false, so that the group count is the same
+    auto issue_dq = [&](int buf, bool run) {
         warpgroup_fence_operand(tdQrdQ);
         warpgroup_arrive();
-        mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tdQrdS); ++k) {
-            cute::gemm(mma_dq, tdQrdS(_, _, k, buf), tdQrKt(_, _, k), tdQrdQ);
-            mma_dq.accumulate_ = GMMA::ScaleOut::One;
+        if (run) {
+            mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
+            CUTE_UNROLL
+            for (int k = 0; k < size<2>(tdQrdS); ++k) {
+                cute::gemm(mma_dq, tdQrdS(_, _, k, buf), tdQrKt(_, _, k), tdQrdQ);
+                mma_dq.accumulate_ = GMMA::ScaleOut::One;
+            }
         }
         warpgroup_commit_batch();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tdVrdV);
-        warpgroup_fence_operand(tdKrdK);
-        warpgroup_fence_operand(tdQrdQ);
-        Bar::arrive(&sm.bar_empty[st]);  // Q, dO, lse2, D of this stage are no longer read
-
-        // dQ_part -> shared (each thread's values as float4s, conflict-free) -> bulk add
-        if (wtid == 0) tma_store_wait<0>();  // the previous step's reduction has read it
-        bar_sync(2 + wg, 128);
+    };
+    // dQ_part -> shared (each thread's values as float4s, conflict-free) -> bulk add into the
+    // accumulator of query block m of head h
+    const int bar_wg = 3 + wg;  // this warpgroup's own named barrier
+    auto store_dq = [&](int h, int m) {
+        if (wtid == 0) tma_store_wait<0>();  // the previous reduction has read dq_smem
+        bar_sync(bar_wg, 128);
         CUTE_UNROLL
         for (int v4 = 0; v4 < T::kDqPerThread / 4; ++v4) {
             float4 x = make_float4(tdQrdQ(4 * v4), tdQrdQ(4 * v4 + 1), tdQrdQ(4 * v4 + 2), tdQrdQ(4 * v4 + 3));
             reinterpret_cast<float4 *>(dq_smem)[(warp * (T::kDqPerThread / 4) + v4) * 32 + lane] = x;
         }
         cutlass::arch::fence_view_async_shared();
-        bar_sync(2 + wg, 128);
+        bar_sync(bar_wg, 128);
         if (wtid == 0) {
             float *dst = p.dq_acc + ((int64_t(bi) * p.hq + h) * m_blocks + m) * (BM * D) + wg * (BM * HALF);
             bulk_reduce_add(dst, dq_smem, BM * HALF * 4);
             tma_store_arrive();
         }
+    };
+    if constexpr (!T::kDeferDq) {
+        // dQ of a step in the step: both warpgroups meet once per step (barrier 1)
+        for (int it = 0; it < steps; ++it) {
+            const int g = it / per_head, m = m_first + it % per_head, h = hk * group + g;
+            const int st = it % ST, buf = it & 1;
+            TBar::wait(&sm.bar_full[st], (it / ST) & 1);
+            issue_sdp(st);
+            warpgroup_wait<1>();  // Sᵀ (dPᵀ may run)
+            warpgroup_fence_operand(tSrS);
+            compute_p(m, st);
+            issue_dv(st);
+            warpgroup_wait<1>();  // dPᵀ (dV may run)
+            warpgroup_fence_operand(tSrdP);
+            compute_ds(st);
+            issue_dk(st);
+            // dSᵀ in buffer `buf`: the other one may still feed a slower warpgroup's dQ of the
+            // previous step
+            store_ds(buf);
+            bar_sync(1, 256);
+            issue_dq(buf, true);
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tdVrdV);
+            warpgroup_fence_operand(tdKrdK);
+            warpgroup_fence_operand(tdQrdQ);
+            Bar::arrive(&sm.bar_empty[st]);  // Q, dO, lse2, D of this stage are no longer read
+            store_dq(h, m);
+        }
+    } else {
+        // dQ of step i-1 issued at the start of step i, beside Sᵀ and dPᵀ: a warpgroup signals
+        // its dSᵀ (barrier 1 + wg, arrive) and waits for the other's only a step later, so the
+        // warpgroups need not run in lockstep and dQ overlaps the exponentials.
+        int prev_h = 0, prev_m = 0;
+        for (int it = 0; it < steps; ++it) {
+            const int g = it / per_head, m = m_first + it % per_head, h = hk * group + g;
+            const int st = it % ST, buf = it & 1;
+            TBar::wait(&sm.bar_full[st], (it / ST) & 1);
+            if (it > 0) {
+                bar_sync(bar_wg, 128);      // this warpgroup's dSᵀ of step it-1
+                bar_sync(2 - wg, 256);      // the other's
+            }
+            issue_dq(buf ^ 1, it > 0);
+            issue_sdp(st);
+            warpgroup_wait<1>();  // dQ of it-1 and Sᵀ (dPᵀ may run)
+            warpgroup_fence_operand(tdQrdQ);
+            warpgroup_fence_operand(tSrS);
+            compute_p(m, st);
+            issue_dv(st);
+            if (it > 0) store_dq(prev_h, prev_m);
+            warpgroup_wait<1>();  // dPᵀ (dV may run)
+            warpgroup_fence_operand(tSrdP);
+            compute_ds(st);
+            issue_dk(st);
+            // buffer `buf` was last read by both warpgroups' dQ of step it-2, which the other
+            // warpgroup finished before signalling its dSᵀ of it-1
+            store_ds(buf);
+            bar_arrive(1 + wg, 256);
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tdVrdV);
+            warpgroup_fence_operand(tdKrdK);
+            Bar::arrive(&sm.bar_empty[st]);
+            prev_h = h;
+            prev_m = m;
+        }
+        bar_sync(bar_wg, 128);
+        bar_sync(2 - wg, 256);
+        issue_dq((steps - 1) & 1, true);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tdQrdQ);
+        store_dq(prev_h, prev_m);
     }
     if (wtid == 0) tma_store_wait<0>();
 
