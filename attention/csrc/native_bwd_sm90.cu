@@ -283,15 +283,20 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     Tensor tdSa = make_tensor(tdS.data(), acc_as_a(tSrS.layout()));
 
     float *dq_smem = sm.dq[wg];
-    // shared-memory addresses of this thread's dSᵀ pairs (two adjacent queries) in buffer 0,
-    // computed once: the swizzle arithmetic is the same at every step
-    constexpr int kPairs = decltype(size(tdS))::value / 2;
+    // Shared-memory addresses of this thread's dSᵀ pairs (two adjacent queries) in buffer 0.
+    // Fragment element e = v0 + 2·v1 + 4·c8 holds key k0 + 8·v1 and query q0 + v0 + 8·c8. dS
+    // is query-major with a 128-byte row (64 queries) per key in 128-byte swizzle atoms of
+    // 8 keys (16-byte chunk index XOR key % 8), and k % 8 is the same for all of a thread's
+    // keys, so pair (v1, c8) lies at base[v1] with its chunk index XOR c8: two registers
+    // instead of one per pair, one XOR per store.
+    static_assert(BM == 64 && sizeof(Element) == 2, "dS rows of 128 bytes: one swizzle atom row per key");
+    static_assert(decltype(size(tdS))::value == 4 * (BM / 8), "one 64-key x 64-query accumulator tile per thread");
     constexpr uint32_t kDsBufBytes = BM * BN * sizeof(Element);
-    uint32_t ds_addr[kPairs];
+    uint32_t ds_base[2];
     CUTE_UNROLL
-    for (int j = 0; j < kPairs; ++j) {
-        auto c = tScS(2 * j);
-        ds_addr[j] = cast_smem_ptr_to_uint(&sdSt(get<0>(c), get<1>(c), 0));
+    for (int v1 = 0; v1 < 2; ++v1) {
+        auto c = tScS(2 * v1);
+        ds_base[v1] = cast_smem_ptr_to_uint(&sdSt(get<0>(c), get<1>(c), 0));
     }
     TBar::wait(&sm.bar_kv, 0);
     // Steps `it` run over (head g of the group, query block m). Every wgmma of a step is
@@ -377,7 +382,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         CUTE_UNROLL
         for (int j = 0; j < size(tdS); j += 2) {
             const uint32_t pair = uint32_t(tdS(j).raw()) | (uint32_t(tdS(j + 1).raw()) << 16);
-            asm volatile("st.shared.b32 [%0], %1;" ::"r"(ds_addr[j / 2] + buf * kDsBufBytes), "r"(pair) : "memory");
+            const uint32_t addr = (ds_base[(j / 2) % 2] + buf * kDsBufBytes) ^ uint32_t((j / 4) * 16);
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(pair) : "memory");
         }
         cutlass::arch::fence_view_async_shared();
     };
