@@ -16,7 +16,10 @@
 //             (cp.reduce.async.bulk .add.f32) from shared memory, so CTAs of other key
 //             blocks add theirs without atomics per element. dK (·scale) and dV are written
 //             once at the end: a KV head's gradient sums its group's query heads in
-//             registers, so GQA needs no reduction across CTAs.
+//             registers, so GQA needs no reduction across CTAs. dQ_part needs both consumer
+//             warpgroups' dSᵀ: at d 128 they meet once per step; at d 64 a step's dQ_part
+//             is computed in the next step, beside Sᵀ and dPᵀ, so they need not run in
+//             lockstep.
 //   3. post:  dQ = scale · accumulator, converted to the element type.
 //
 // Shape legend (the contract of csrc/cudnn_sdpa.h, every tensor contiguous, row-major):
