@@ -15,8 +15,9 @@ CSRC=$ROOT/attention/csrc
 NVFLAGS=(-std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -I "$CUTLASS_INCLUDE_DIR" -I "$CSRC")
 start=$(date +%s)
 rm -f "$OUT"/native_*.o
-nvcc "${NVFLAGS[@]}" -c "$CSRC/native_fwd_sm90.cu" -o "$OUT/native_fwd_sm90.o" & p1=$!
-nvcc "${NVFLAGS[@]}" -c "$CSRC/native_bwd_sm90.cu" -o "$OUT/native_bwd_sm90.o" & p3=$!
+# ptxas reports (-v) kept per kernel file: checked below for serialised wgmma and spills
+nvcc "${NVFLAGS[@]}" -Xptxas -v -c "$CSRC/native_fwd_sm90.cu" -o "$OUT/native_fwd_sm90.o" 2>"$OUT/native_fwd_sm90.ptxas" & p1=$!
+nvcc "${NVFLAGS[@]}" -Xptxas -v -c "$CSRC/native_bwd_sm90.cu" -o "$OUT/native_bwd_sm90.o" 2>"$OUT/native_bwd_sm90.ptxas" & p3=$!
 nvcc "${NVFLAGS[@]}" -c "$CSRC/native_check.cu" -o "$OUT/native_check.o" & p2=$!
 pids=($p1 $p2 $p3)
 # the cuDNN shim (two minutes of the frontend's headers) only when its sources changed
@@ -27,7 +28,21 @@ if [[ ! "$OUT/cudnn_sdpa.o" -nt "$CSRC/cudnn_sdpa.cpp" || ! "$OUT/cudnn_sdpa.o" 
 fi
 ok=1
 for p in "${pids[@]}"; do wait "$p" || ok=0; done
-if [[ $ok == 0 ]]; then echo "[native_check] compilation failed" >&2; exit 1; fi
+if [[ $ok == 0 ]]; then
+    cat "$OUT"/*.ptxas >&2
+    echo "[native_check] compilation failed" >&2; exit 1
+fi
+# ptxas only informs when it serialises the wgmma pipeline (C7510-C7518), ignores setmaxnreg
+# (C7504-C7509) or spills; each halves a kernel's speed or worse, so they fail this build
+# (C7519, an injected warpgroup.arrive, is allowed)
+for f in "$OUT"/native_fwd_sm90.ptxas "$OUT"/native_bwd_sm90.ptxas; do
+    bad=$(grep -E "\(C75(0[4-9]|1[0-8])\)" "$f" | cut -c1-160 | sort -u || true)
+    spills=$(grep -E "[1-9][0-9]* bytes spill stores" "$f" | sort -u || true)
+    if [[ -n $bad || -n $spills ]]; then
+        printf '%s\n%s\n' "$bad" "$spills" >&2
+        echo "[native_check] ptxas serialised or spilled in $(basename "$f" .ptxas).cu (full report: $f)" >&2; exit 1
+    fi
+done
 # the runtime linked statically: the binary needs only the driver (and libcudnn, dlopen-ed) there
 g++ "$OUT"/native_fwd_sm90.o "$OUT"/native_bwd_sm90.o "$OUT"/native_check.o "$OUT"/cudnn_sdpa.o -o "$ROOT/target-cuda/native_check" \
     -L"$CUDA_ROOT/lib" -l:libcudart_static.a -ldl -lpthread -lrt

@@ -584,7 +584,8 @@ int launch_bwd(const longctx_sdpa_desc &d, const void *q, const void *k, const v
              reinterpret_cast<Element *>(dv), b, s, t, hq, hkv, s_pad, d.scale, float(d.scale * M_LOG2E)};
     auto kernel = bwd_kernel<T, kCausal, P>;
     const int smem = int(sizeof(typename T::Smem));
-    if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
+    static std::atomic<uint64_t> smem_set{0};
+    if ((e = set_smem_once(smem_set, kernel, smem, d.ordinal)) != cudaSuccess)
         return fail("shared memory attribute");
     kernel<<<dim3((t + BN - 1) / BN, hkv, b), T::kThreads, smem, stream>>>(params);
     if ((e = cudaGetLastError()) != cudaSuccess) return fail("main launch");

@@ -5,6 +5,9 @@
 
 #include <cute/tensor.hpp>
 
+#include <atomic>
+#include <cstdint>
+
 namespace longctx_native_common {
 using namespace cute;
 
@@ -46,6 +49,19 @@ __device__ __forceinline__ void bar_sync(int id, int threads) {
 }
 __device__ __forceinline__ void bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Host side: cudaFuncSetAttribute(kernel, max dynamic shared memory, bytes) once per kernel
+// instantiation and device (the attribute is kept per device; `done` is the caller's static
+// bit set over ordinals 0..63, larger ordinals set it on every call). Threads of ranks on other
+// devices may race on a first call; both then set the same value.
+template <class Kernel>
+cudaError_t set_smem_once(std::atomic<uint64_t> &done, Kernel kernel, int bytes, int ordinal) {
+    const uint64_t bit = ordinal >= 0 && ordinal < 64 ? uint64_t(1) << ordinal : 0;
+    if (bit && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_release);
+    return e;
 }
 
 }  // namespace longctx_native_common

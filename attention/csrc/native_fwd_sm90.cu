@@ -350,7 +350,8 @@ int launch_fwd(const longctx_sdpa_desc &d, const void *q, const void *k, const v
              float(d.scale * M_LOG2E)};
     auto kernel = fwd_kernel<T, kCausal, P>;
     const int smem = int(sizeof(typename T::Smem));
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    static std::atomic<uint64_t> smem_set{0};
+    cudaError_t e = set_smem_once(smem_set, kernel, smem, d.ordinal);
     if (e == cudaSuccess) {
         dim3 grid((s + T::kBlockM - 1) / T::kBlockM, hq, b);
         kernel<<<grid, T::kThreads, smem, stream>>>(params);
@@ -375,9 +376,14 @@ extern "C" const char *longctx_native_uncovered(const longctx_sdpa_desc *d, cons
     if (d->s <= 0 || d->t <= 0 || d->b <= 0 || d->s > (1LL << 30) || d->t > (1LL << 30)) return "sizes";
     if ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) & 15)
         return "q/k/v not 16-byte aligned";
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d->ordinal) != cudaSuccess || major != 9)
-        return "the GPU is not a Hopper (compute capability 9.x; the kernel is built for sm_90a)";
+    // the compute capability, asked once per device (ordinals 0..63; 0 = not asked yet)
+    static std::atomic<int> majors[64];
+    int major = d->ordinal >= 0 && d->ordinal < 64 ? majors[d->ordinal].load(std::memory_order_relaxed) : 0;
+    if (major == 0) {
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d->ordinal) != cudaSuccess) major = -1;
+        if (major > 0 && d->ordinal >= 0 && d->ordinal < 64) majors[d->ordinal].store(major, std::memory_order_relaxed);
+    }
+    if (major != 9) return "the GPU is not a Hopper (compute capability 9.x; the kernel is built for sm_90a)";
     return nullptr;
 }
 
