@@ -390,18 +390,15 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         }
         cutlass::arch::fence_view_async_shared();
     };
-    // dQ_part = dS·K over all 128 keys (both warpgroups' dS), this warpgroup's head-dim half;
-    // committed as a group even when `run` is false, so that the group count is the same
-    auto issue_dq = [&](int buf, bool run) {
+    // dQ_part = dS·K over all 128 keys (both warpgroups' dS), this warpgroup's head-dim half
+    auto issue_dq = [&](int buf) {
         warpgroup_fence_operand(tdQrdQ);
         warpgroup_arrive();
-        if (run) {
-            mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
-            CUTE_UNROLL
-            for (int k = 0; k < size<2>(tdQrdS); ++k) {
-                cute::gemm(mma_dq, tdQrdS(_, _, k, buf), tdQrKt(_, _, k), tdQrdQ);
-                mma_dq.accumulate_ = GMMA::ScaleOut::One;
-            }
+        mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tdQrdS); ++k) {
+            cute::gemm(mma_dq, tdQrdS(_, _, k, buf), tdQrKt(_, _, k), tdQrdQ);
+            mma_dq.accumulate_ = GMMA::ScaleOut::One;
         }
         warpgroup_commit_batch();
     };
@@ -443,7 +440,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             // previous step
             store_ds(buf);
             bar_sync(1, 256);
-            issue_dq(buf, true);
+            issue_dq(buf);
             warpgroup_wait<0>();
             warpgroup_fence_operand(tdVrdV);
             warpgroup_fence_operand(tdKrdK);
@@ -464,7 +461,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
                 bar_sync(bar_wg, 128);      // this warpgroup's dSᵀ of step it-1
                 bar_sync(2 - wg, 256);      // the other's
             }
-            issue_dq(buf ^ 1, it > 0);
+            // at it 0 the product runs on buffer 1, which nothing has written, and is
+            // discarded: a branch around it made ptxas inject a warpgroup.arrive (C7519)
+            issue_dq(buf ^ 1);
             issue_sdp(st);
             warpgroup_wait<1>();  // dQ of it-1 and Sᵀ (dPᵀ may run)
             warpgroup_fence_operand(tdQrdQ);
@@ -489,7 +488,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         }
         bar_sync(bar_wg, 128);
         bar_sync(2 - wg, 256);
-        issue_dq((steps - 1) & 1, true);
+        issue_dq((steps - 1) & 1);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tdQrdQ);
         store_dq(prev_h, prev_m);
