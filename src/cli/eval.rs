@@ -76,6 +76,10 @@ pub struct RunFlags {
     /// Seed of synthetic documents, needles and distractors.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// CUDA attention kernel: cudnn, or native (longctx's own Hopper kernel, sm_90a builds;
+    /// shapes it does not cover run cuDNN). No effect on the CPU.
+    #[arg(long, default_value = "cudnn", value_parser = super::kernel_arg)]
+    pub attention_kernel: longctx_attention::kernel::CudaKernel,
 }
 
 impl RunFlags {
@@ -100,6 +104,7 @@ impl RunFlags {
     /// The ranks and dtype of the run, with the output directory created.
     fn prepare(&self, output_dir: &std::path::Path) -> Result<(RanksSpec, candle_core::DType)> {
         let (spec, dtype) = (self.spec()?, self.dtype()?);
+        super::use_attention_kernel(self.attention_kernel);
         output::ensure_dir(output_dir).with_context(|| format!("creating the output directory {}", output_dir.display()))?;
         Ok((spec, dtype))
     }
@@ -880,4 +885,29 @@ fn needle_ranks(a: &NeedleArgs, haystack: Option<&str>, ranks: &Ranks, m: &EvalM
         "chance_token_accuracy": if format == Format::Tokens { Some(0.1) } else { None },
     });
     Ok((cells, lengths, meta))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RunFlags;
+    use clap::Parser;
+    use longctx_attention::kernel::CudaKernel;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        run: RunFlags,
+    }
+
+    fn parse(v: &[&str]) -> Result<RunFlags, clap::Error> {
+        Cmd::try_parse_from(std::iter::once("eval").chain(v.iter().copied())).map(|c| c.run)
+    }
+
+    #[test]
+    fn attention_kernel_flag() {
+        assert_eq!(parse(&[]).unwrap().attention_kernel, CudaKernel::Cudnn);
+        assert_eq!(parse(&["--attention-kernel", "Native"]).unwrap().attention_kernel, CudaKernel::Native);
+        let e = parse(&["--attention-kernel", "flash"]).map(|_| ()).expect_err("flash is no kernel").to_string();
+        assert!(e.contains("--attention-kernel") && e.contains("flash") && e.contains("cudnn, native"), "{e}");
+    }
 }

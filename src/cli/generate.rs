@@ -51,6 +51,11 @@ pub struct GenerateArgs {
     /// dtype on a GPU: f32, bf16 or f16 (the CPU runs f32).
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
+    /// CUDA attention kernel: cudnn, or native (longctx's own Hopper kernel, sm_90a builds;
+    /// shapes it does not cover, such as decoding steps of one query against more keys, run
+    /// cuDNN). No effect on the CPU.
+    #[arg(long, default_value = "cudnn", value_parser = super::kernel_arg)]
+    pub attention_kernel: longctx_attention::kernel::CudaKernel,
 }
 
 /// Readable names of the synthetic passkey vocabulary (for a model without tokenizer).
@@ -72,6 +77,7 @@ fn token_name(t: u32) -> String {
 
 pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     let (dev, dtype) = device_and_dtype(&a.device, parse_dtype(&a.dtype, "dtype")?)?;
+    super::use_attention_kernel(a.attention_kernel);
     // Sizes first, before any weight is read: the KV cache of --max-new-tokens tokens (and
     // the weights) must fit the device, and the positions must fit 32 bits.
     let hub = HubOptions::from_env();
@@ -179,4 +185,26 @@ fn prompt_ids(a: &GenerateArgs, m: &EvalModel) -> Result<Vec<u32>> {
             case.prompt()
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GenerateArgs;
+    use clap::Parser;
+    use longctx_attention::kernel::CudaKernel;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        a: GenerateArgs,
+    }
+
+    #[test]
+    fn attention_kernel_flag() {
+        let parse = |v: &[&str]| Cmd::try_parse_from(std::iter::once("generate").chain(v.iter().copied())).map(|c| c.a);
+        assert_eq!(parse(&[]).unwrap().attention_kernel, CudaKernel::Cudnn);
+        assert_eq!(parse(&["--attention-kernel", "native"]).unwrap().attention_kernel, CudaKernel::Native);
+        let e = parse(&["--attention-kernel", "sdpa"]).map(|_| ()).expect_err("sdpa is no kernel").to_string();
+        assert!(e.contains("--attention-kernel") && e.contains("sdpa") && e.contains("cudnn, native"), "{e}");
+    }
 }
