@@ -37,7 +37,9 @@
 //!                    gradients; chunk = b·c·(6i + 6h)·a + 8·b·c: one token chunk's MLP
 //!                    and norm intermediates (`LayerShape::backward_bytes`)
 //! attention_work     8·b·s·hq·d                   the fused attention backward's f32
-//!                                                 accumulators (workspace; measured on H200)
+//!                                                 accumulators (cuDNN's workspace, measured on
+//!                                                 H200; the native backward's, 4·b·hq·s'·(d+2)
+//!                                                 with s' = s rounded up to 64, fits in it)
 //! attention_mode     mode-specific, see below
 //! head               2·b·s·h·a + b·c·(V + 4h)·a   the top hidden and its gradient, one
 //!                                                 logits chunk (its gradient written over it)
