@@ -6,8 +6,9 @@
 #   2. `bench attention --check` with both kernels (the CUDA kernel against the CPU kernel,
 #      every parallel mode, document masks, windows);
 #   3. `bench attention` side by side at 16K / 64K / 128K, 32×128 and 32/4×64;
-#   4. a 10-step training comparison: cuDNN twice and native twice (the noise floor between
-#      two runs of the same kernel, for each) and native against cuDNN, TinyLlama-1.1B shape with 4 layers at 16K.
+#   4. a 10-step training comparison, TinyLlama-1.1B shape with 4 layers at 16K: cuDNN twice
+#      and native twice (the noise floor between two runs of one kernel, for each), and
+#      native against cuDNN.
 # Usage: scripts/gpu_native_check.sh [BIN] (default target-cuda/release/longctx); results
 # under $OUT (default /tmp/native-check). Run where the system CUDA/cuDNN libraries are.
 set -uo pipefail

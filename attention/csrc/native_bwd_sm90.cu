@@ -364,22 +364,17 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         CUTE_UNROLL
         for (int j = 0; j < size(tSrdP); ++j) tdS(j) = static_cast<Element>(tSrdP(j));
     };
-    auto issue_dv = [&](int st) {  // dV += Pᵀ·dO
-        warpgroup_fence_operand(tdVrdV);
-        warpgroup_fence_operand(tPa);
+    // acc += a·b with a from registers (dV += Pᵀ·dO, dK += dSᵀ·Q), b of stage st
+    auto issue_dkv = [&](auto &acc, auto &a, auto &b, int st) {
+        warpgroup_fence_operand(acc);
+        warpgroup_fence_operand(a);
         warpgroup_arrive();
         CUTE_UNROLL
-        for (int k = 0; k < size<2>(tPa); ++k) cute::gemm(mma_dkv, tPa(_, _, k), tdVrdO(_, _, k, st), tdVrdV);
+        for (int k = 0; k < size<2>(a); ++k) cute::gemm(mma_dkv, a(_, _, k), b(_, _, k, st), acc);
         warpgroup_commit_batch();
     };
-    auto issue_dk = [&](int st) {  // dK += dSᵀ·Q
-        warpgroup_fence_operand(tdKrdK);
-        warpgroup_fence_operand(tdSa);
-        warpgroup_arrive();
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tdSa); ++k) cute::gemm(mma_dkv, tdSa(_, _, k), tdKrQ(_, _, k, st), tdKrdK);
-        warpgroup_commit_batch();
-    };
+    auto issue_dv = [&](int st) { issue_dkv(tdVrdV, tPa, tdVrdO, st); };
+    auto issue_dk = [&](int st) { issue_dkv(tdKrdK, tdSa, tdKrQ, st); };
     // dSᵀ into shared memory buffer `buf`, two adjacent queries per 4-byte store
     auto store_ds = [&](int buf) {
         CUTE_UNROLL
@@ -458,8 +453,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             const int st = it % ST, buf = it & 1;
             TBar::wait(&sm.bar_full[st], (it / ST) & 1);
             if (it > 0) {
-                bar_sync(bar_wg, 128);      // this warpgroup's dSᵀ of step it-1
-                bar_sync(2 - wg, 256);      // the other's
+                bar_sync(bar_wg, 128);  // this warpgroup's dSᵀ of step it-1
+                bar_sync(2 - wg, 256);  // the other's
             }
             // at it 0 the product runs on buffer 1, which nothing has written, and is
             // discarded: a branch around it made ptxas inject a warpgroup.arrive (C7519)

@@ -49,6 +49,13 @@ impl CudaKernel {
     pub fn names() -> String {
         Self::ALL.map(Self::name).join(", ")
     }
+
+    /// Make this the CUDA block kernel of the calls that follow in this process
+    /// (`cuda::set_kernel`); builds without CUDA have only the CPU kernel and ignore it.
+    pub fn select(self) {
+        #[cfg(feature = "cuda")]
+        crate::cuda::set_kernel(self);
+    }
 }
 
 impl std::str::FromStr for CudaKernel {

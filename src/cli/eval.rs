@@ -78,7 +78,7 @@ pub struct RunFlags {
     pub seed: u64,
     /// CUDA attention kernel: cudnn, or native (longctx's own Hopper kernel, sm_90a builds;
     /// shapes it does not cover run cuDNN). No effect on the CPU.
-    #[arg(long, default_value = "cudnn", value_parser = super::kernel_arg)]
+    #[arg(long, default_value = "cudnn")]
     pub attention_kernel: longctx_attention::kernel::CudaKernel,
 }
 
@@ -104,7 +104,7 @@ impl RunFlags {
     /// The ranks and dtype of the run, with the output directory created.
     fn prepare(&self, output_dir: &std::path::Path) -> Result<(RanksSpec, candle_core::DType)> {
         let (spec, dtype) = (self.spec()?, self.dtype()?);
-        super::use_attention_kernel(self.attention_kernel);
+        self.attention_kernel.select();
         output::ensure_dir(output_dir).with_context(|| format!("creating the output directory {}", output_dir.display()))?;
         Ok((spec, dtype))
     }

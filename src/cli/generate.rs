@@ -54,7 +54,7 @@ pub struct GenerateArgs {
     /// CUDA attention kernel: cudnn, or native (longctx's own Hopper kernel, sm_90a builds;
     /// shapes it does not cover, such as decoding steps of one query against more keys, run
     /// cuDNN). No effect on the CPU.
-    #[arg(long, default_value = "cudnn", value_parser = super::kernel_arg)]
+    #[arg(long, default_value = "cudnn")]
     pub attention_kernel: longctx_attention::kernel::CudaKernel,
 }
 
@@ -77,7 +77,7 @@ fn token_name(t: u32) -> String {
 
 pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     let (dev, dtype) = device_and_dtype(&a.device, parse_dtype(&a.dtype, "dtype")?)?;
-    super::use_attention_kernel(a.attention_kernel);
+    a.attention_kernel.select();
     // Sizes first, before any weight is read: the KV cache of --max-new-tokens tokens (and
     // the weights) must fit the device, and the positions must fit 32 bits.
     let hub = HubOptions::from_env();

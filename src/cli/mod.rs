@@ -87,20 +87,6 @@ pub fn tokens_arg(s: &str) -> std::result::Result<usize, String> {
     longctx::plan::parse_tokens(s)
 }
 
-/// clap value parser of `--attention-kernel` (eval, generate): cudnn or native.
-pub fn kernel_arg(s: &str) -> std::result::Result<longctx_attention::kernel::CudaKernel, String> {
-    s.parse()
-}
-
-/// The CUDA attention kernel of this process for eval and generate (`train` takes it from
-/// the run config's `attention.kernel`); CPU builds have only the CPU kernel and ignore it.
-pub fn use_attention_kernel(k: longctx_attention::kernel::CudaKernel) {
-    #[cfg(feature = "cuda")]
-    longctx_attention::cuda::set_kernel(k);
-    #[cfg(not(feature = "cuda"))]
-    let _ = k;
-}
-
 /// clap value parser: [`tokens_arg`], and 0 passed on as it is, for settings whose range
 /// the run config's validation checks with the key's name (`parallel.token_chunk`...).
 pub fn chunk_arg(s: &str) -> std::result::Result<usize, String> {

@@ -332,7 +332,8 @@ pub fn run_with(cfg: &RunConfig, resume: bool, opts: &RunOptions) -> Result<RunS
     }
     let device = parse_device(&cfg.model.device, src)?;
     let dtype = if device.is_cpu() { DType::F32 } else { parse_dtype(&cfg.model.dtype, src, "model.dtype")? };
-    use_attention_kernel(cfg);
+    // the modes and the model call the block kernel without knowing which one runs
+    cfg.attention.kernel.select();
     let _lock = RunDirLock::acquire(&cfg.output_dir)?;
     rundir::prepare(&cfg.output_dir, resume, opts.overwrite)?;
     let loaded = match resume.then(|| open_checkpoint(cfg, opts, true)).transpose()? {
@@ -1122,15 +1123,6 @@ impl RankRun<'_> {
     }
 }
 
-/// `attention.kernel`: the CUDA forward kernel of this process (the modes and the model
-/// call the block kernel without knowing which one runs; CPU runs ignore it).
-fn use_attention_kernel(cfg: &RunConfig) {
-    #[cfg(feature = "cuda")]
-    longctx_attention::cuda::set_kernel(cfg.attention.kernel);
-    #[cfg(not(feature = "cuda"))]
-    let _ = cfg;
-}
-
 /// Run as one process of a launched world (`longctx launch`, torchrun, Slurm): the
 /// world comes from [`crate::parallel::world::join`] (NCCL on `cuda:LOCAL_RANK`, or the CPU
 /// process transport with `model.device = cpu`); then the same rank loop as in-process
@@ -1143,7 +1135,8 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::parallel::env::D
         )));
     }
     let joined = crate::parallel::world::join(env, &cfg.model.device, cfg.collective_timeout())?;
-    use_attention_kernel(cfg);
+    // the modes and the model call the block kernel without knowing which one runs
+    cfg.attention.kernel.select();
     let result = (|| {
         let dtype =
             if joined.device.is_cpu() { DType::F32 } else { parse_dtype(&cfg.model.dtype, Path::new("<run config>"), "model.dtype")? };

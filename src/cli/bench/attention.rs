@@ -107,7 +107,7 @@ pub fn attention(args: &BenchAttentionArgs) -> anyhow::Result<()> {
     if args.check || args.all {
         let mut failed = Vec::new();
         for &k in &kernels {
-            use_kernel(k);
+            k.select();
             let before = native_runs();
             let mut ok = check(&dev, dtype, k)?;
             let ran = native_runs();
@@ -120,7 +120,7 @@ pub fn attention(args: &BenchAttentionArgs) -> anyhow::Result<()> {
                 failed.push(k.name());
             }
         }
-        use_kernel(CudaKernel::Cudnn);
+        CudaKernel::Cudnn.select();
         // The checks that do not depend on the forward kernel, once.
         let shared = check_unsupported(&dev)? & check_stash(&dev)?;
         if !failed.is_empty() || !shared {
@@ -135,18 +135,9 @@ pub fn attention(args: &BenchAttentionArgs) -> anyhow::Result<()> {
             throughput_docs(&dev, dtype, args)?;
         }
     }
-    use_kernel(CudaKernel::Cudnn);
+    CudaKernel::Cudnn.select();
     Ok(())
 }
-
-/// The CUDA forward kernel of the calls that follow.
-#[cfg(feature = "cuda")]
-fn use_kernel(k: CudaKernel) {
-    longctx_attention::cuda::set_kernel(k);
-}
-
-#[cfg(not(feature = "cuda"))]
-fn use_kernel(_k: CudaKernel) {}
 
 /// Forwards and backwards the native kernel has run ([`longctx_attention::cuda::native_runs`]).
 #[cfg(feature = "cuda")]
@@ -240,7 +231,7 @@ fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs, kernels: &[Cud
         let v = randn(&[b, s, hkv, d], dtype, dev)?;
         let d_o = randn(&[b, s, h, d], dtype, dev)?;
         for &kern in kernels {
-            use_kernel(kern);
+            kern.select();
             let before = native_runs();
             let (o, lse) = kernel::fwd(&q, &k, &v, Mask::Causal, scale)?;
             kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale)?;
