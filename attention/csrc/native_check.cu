@@ -341,7 +341,20 @@ static int run(const Case &c, bool check, bool bench, bool cudnn) {
 }
 
 int main(int argc, char **argv) {
-    bool cudnn = !(argc > 1 && strcmp(argv[1], "--no-cudnn") == 0);
+    // native_check [--no-cudnn] [--len N]...   (speed at 16K, 64K and 128K unless --len is given)
+    bool cudnn = true;
+    std::vector<int> lens;
+    for (int i = 1; i < argc; ++i) {
+        if (strcmp(argv[i], "--no-cudnn") == 0) {
+            cudnn = false;
+        } else if (strcmp(argv[i], "--len") == 0 && i + 1 < argc && atoi(argv[i + 1]) > 0) {
+            lens.push_back(atoi(argv[++i]));
+        } else {
+            fprintf(stderr, "native_check: unknown argument '%s' (expected --no-cudnn or --len N, N > 0)\n", argv[i]);
+            return 2;
+        }
+    }
+    if (lens.empty()) lens = {16384, 65536, 131072};
     int failures = 0;
     // correctness: both head dims, both masks, GQA, ragged lengths, f16
     const Case checks[] = {
@@ -353,7 +366,6 @@ int main(int argc, char **argv) {
     for (const Case &c : checks) failures += run(c, true, false, false);
     printf("correctness: %d failing case(s)\n", failures);
     // speed at 16K / 64K / 128K: the shapes of issue #36 (32×128, and 32/4×64)
-    const int lens[] = {16384, 65536, 131072};
     for (int len : lens) {
         failures += run({1, len, len, 32, 32, 128, 1, 0}, false, true, cudnn);
         failures += run({1, len, len, 32, 4, 64, 1, 0}, false, true, cudnn);
