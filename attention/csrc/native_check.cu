@@ -341,18 +341,32 @@ static int run(const Case &c, bool check, bool bench, bool cudnn) {
 }
 
 int main(int argc, char **argv) {
-    // native_check [--no-cudnn] [--len N]...   (speed at 16K, 64K and 128K unless --len is given)
-    bool cudnn = true;
+    // native_check [--no-cudnn] [--full [--kv-len T]] [--len N]...
+    //   speed at 16K, 64K and 128K unless --len is given; causal with t = s, or with --full
+    //   no mask and t = --kv-len (default s): the off-diagonal blocks of the ring modes
+    bool cudnn = true, full = false;
+    int kv_len = 0;
     std::vector<int> lens;
     for (int i = 1; i < argc; ++i) {
         if (strcmp(argv[i], "--no-cudnn") == 0) {
             cudnn = false;
+        } else if (strcmp(argv[i], "--full") == 0) {
+            full = true;
         } else if (strcmp(argv[i], "--len") == 0 && i + 1 < argc && atoi(argv[i + 1]) > 0) {
             lens.push_back(atoi(argv[++i]));
+        } else if (strcmp(argv[i], "--kv-len") == 0 && i + 1 < argc && atoi(argv[i + 1]) > 0) {
+            kv_len = atoi(argv[++i]);
         } else {
-            fprintf(stderr, "native_check: unknown argument '%s' (expected --no-cudnn or --len N, N > 0)\n", argv[i]);
+            fprintf(stderr,
+                    "native_check: unknown argument '%s' (expected --no-cudnn, --full, --kv-len T or --len N; "
+                    "N, T > 0)\n",
+                    argv[i]);
             return 2;
         }
+    }
+    if (kv_len && !full) {
+        fprintf(stderr, "native_check: --kv-len needs --full (causal blocks here have t = s)\n");
+        return 2;
     }
     if (lens.empty()) lens = {16384, 65536, 131072};
     int failures = 0;
@@ -367,8 +381,9 @@ int main(int argc, char **argv) {
     printf("correctness: %d failing case(s)\n", failures);
     // speed at 16K / 64K / 128K: the shapes of issue #36 (32×128, and 32/4×64)
     for (int len : lens) {
-        failures += run({1, len, len, 32, 32, 128, 1, 0}, false, true, cudnn);
-        failures += run({1, len, len, 32, 4, 64, 1, 0}, false, true, cudnn);
+        const int t = kv_len ? kv_len : len, causal = full ? 0 : 1;
+        failures += run({1, len, t, 32, 32, 128, causal, 0}, false, true, cudnn);
+        failures += run({1, len, t, 32, 4, 64, causal, 0}, false, true, cudnn);
     }
     return failures ? 1 : 0;
 }
