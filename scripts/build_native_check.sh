@@ -6,13 +6,24 @@
 # The CUTLASS/CuTe headers come from the `nvidia-cutlass` PyPI wheel, which
 # scripts/build_cuda.sh fetches like the cuDNN frontend (and sets up nvcc).
 # Usage: scripts/build_native_check.sh        then on the GPU machine: target-cuda/native_check
+#        scripts/build_native_check.sh --profile   target-cuda/native_check_prof instead: the
+#        backward's phase clock (LONGCTX_NATIVE_PROFILE, in native_bwd_sm90.cu) on; its ptxas
+#        report is not gated (the clock's registers may spill where the plain kernel does not)
 set -euo pipefail
+PROFILE=0
+case ${1:-} in
+    "") ;;
+    --profile) PROFILE=1;;
+    *) echo "usage: $0 [--profile] (got '$1')" >&2; exit 2;;
+esac
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 eval "$("$ROOT/scripts/build_cuda.sh" --setup-only)"   # nvcc, cuDNN frontend and CUTLASS headers
 OUT=$ROOT/target-cuda/native_check.d
-mkdir -p "$OUT"
+NAME=native_check
 CSRC=$ROOT/attention/csrc
 NVFLAGS=(-std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -I "$CUTLASS_INCLUDE_DIR" -I "$CSRC")
+if [[ $PROFILE == 1 ]]; then OUT=$ROOT/target-cuda/native_check_prof.d NAME=native_check_prof NVFLAGS+=(-DLONGCTX_NATIVE_PROFILE=1); fi
+mkdir -p "$OUT"
 start=$(date +%s)
 rm -f "$OUT"/native_*.o
 # ptxas reports (-v) kept per kernel file: checked below for serialised wgmma and spills
@@ -36,6 +47,7 @@ fi
 # (C7504-C7509) or spills; each halves a kernel's speed or worse, so they fail this build
 # (C7519, an injected warpgroup.arrive, is allowed)
 for f in "$OUT"/native_fwd_sm90.ptxas "$OUT"/native_bwd_sm90.ptxas; do
+    [[ $PROFILE == 1 ]] && break
     bad=$(grep -E "\(C75(0[4-9]|1[0-8])\)" "$f" | cut -c1-160 | sort -u || true)
     spills=$(grep -E "[1-9][0-9]* bytes spill stores" "$f" | sort -u || true)
     if [[ -n $bad || -n $spills ]]; then
@@ -44,6 +56,6 @@ for f in "$OUT"/native_fwd_sm90.ptxas "$OUT"/native_bwd_sm90.ptxas; do
     fi
 done
 # the runtime linked statically: the binary needs only the driver (and libcudnn, dlopen-ed) there
-g++ "$OUT"/native_fwd_sm90.o "$OUT"/native_bwd_sm90.o "$OUT"/native_check.o "$OUT"/cudnn_sdpa.o -o "$ROOT/target-cuda/native_check" \
+g++ "$OUT"/native_fwd_sm90.o "$OUT"/native_bwd_sm90.o "$OUT"/native_check.o "$OUT"/cudnn_sdpa.o -o "$ROOT/target-cuda/$NAME" \
     -L"$CUDA_ROOT/lib" -l:libcudart_static.a -ldl -lpthread -lrt
-echo "[native_check] built target-cuda/native_check in $(( $(date +%s) - start )) s" >&2
+echo "[native_check] built target-cuda/$NAME in $(( $(date +%s) - start )) s" >&2

@@ -44,6 +44,32 @@
 #include "native_common.cuh"
 #include "native_fmha.h"
 
+// Phase clock of the main kernel's consumer steps, for tuning: built only with
+// -DLONGCTX_NATIVE_PROFILE=1 (scripts/build_native_check.sh --profile), where thread 0 of
+// each consumer warpgroup adds the SM cycles of each phase of each step to shared memory and
+// the CTA's sums to a device array; longctx_native_bwd_profile reads and clears it. Without
+// the macro the phase marks are empty and the machine code is that of the plain kernel.
+#if LONGCTX_NATIVE_PROFILE
+#define LONGCTX_BWD_PHASES 9
+__device__ unsigned long long longctx_bwd_phase_cycles[2][LONGCTX_BWD_PHASES + 1];
+extern "C" int longctx_native_bwd_profile(unsigned long long *out) {
+    static const unsigned long long zero[2][LONGCTX_BWD_PHASES + 1] = {};
+    cudaError_t e = cudaMemcpyFromSymbol(out, longctx_bwd_phase_cycles, sizeof(zero));
+    if (e == cudaSuccess) e = cudaMemcpyToSymbol(longctx_bwd_phase_cycles, zero, sizeof(zero));
+    return e == cudaSuccess ? 0 : 1;
+}
+#define BWD_PHASE(i)                                \
+    do {                                            \
+        const unsigned now_ = clock();              \
+        if (wtid == 0) phase_sum[wg][i] += now_ - phase_t0; \
+        phase_t0 = now_;                            \
+    } while (0)
+#else
+#define BWD_PHASE(i) \
+    do {             \
+    } while (0)
+#endif
+
 namespace longctx_nbwd {
 using namespace cute;
 using namespace longctx_native_common;
@@ -427,32 +453,53 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     // 128-query steps, 486 against 453 at 32/4×64). Issuing a step's dQ in the next step,
     // beside Sᵀ and dPᵀ, needs more than 240 registers at both head dims (ptxas spills and
     // serialises the wgmma).
+#if LONGCTX_NATIVE_PROFILE
+    __shared__ unsigned long long phase_sum[2][LONGCTX_BWD_PHASES + 1];
+    if (wtid == 0)
+        for (int i = 0; i <= LONGCTX_BWD_PHASES; ++i) phase_sum[wg][i] = 0;
+    unsigned phase_t0 = clock();
+#endif
     for (int it = 0; it < steps; ++it) {
         const int g = it / per_head, m = m_first + it % per_head, h = hk * group + g;
         const int st = it % ST, buf = it & 1;
         TBar::wait(&sm.bar_full[st], (it / ST) & 1);
+        BWD_PHASE(0);  // waiting for this step's Q, dO, lse2, D
         issue_sdp(st);
         warpgroup_wait<1>();  // Sᵀ (dPᵀ may run)
         warpgroup_fence_operand(tSrS);
+        BWD_PHASE(1);
         compute_p(m, st);
+        BWD_PHASE(2);
         issue_dv(st);
         warpgroup_wait<1>();  // dPᵀ (dV may run)
         warpgroup_fence_operand(tSrdP);
+        BWD_PHASE(3);
         compute_ds(st);
         // dSᵀ in buffer `buf`: the other one may still feed the other warpgroup's dQ of the
         // previous step (it passed this step's barrier only after that dQ was done)
         store_ds(buf);
+        BWD_PHASE(4);
         bar_sync(1, 256);
+        BWD_PHASE(5);
         issue_dq(buf);
         issue_dk(st);
         warpgroup_wait<1>();  // dV and dQ (dK may run)
         warpgroup_fence_operand(tdQrdQ);
+        BWD_PHASE(6);
         store_dq(h, m);
+        BWD_PHASE(7);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);
         Bar::arrive(&sm.bar_empty[st]);  // Q, dO, lse2, D of this stage are no longer read
+        BWD_PHASE(8);
     }
+#if LONGCTX_NATIVE_PROFILE
+    if (wtid == 0) {
+        phase_sum[wg][LONGCTX_BWD_PHASES] += steps;
+        for (int i = 0; i <= LONGCTX_BWD_PHASES; ++i) atomicAdd(&longctx_bwd_phase_cycles[wg][i], phase_sum[wg][i]);
+    }
+#endif
     if (wtid == 0) tma_store_wait<0>();
 
     // dK·scale and dV for this CTA's keys

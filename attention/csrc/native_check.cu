@@ -3,6 +3,8 @@
 //
 //   native_check            correctness against a naive f32 reference on the GPU, then
 //                           TFLOP/s of the native kernels and of cuDNN (the shim) side by side
+//   native_check_prof       the same with the backward's phase clock (built by
+//                           scripts/build_native_check.sh --profile): cycles per step by phase
 //
 // Correctness: o as max|o - ref| / max|ref| ≤ 2e-2, lse max absolute difference ≤ 5e-3,
 // dq, dk, dv as max|x - ref| / max|ref| ≤ 5e-2 (the tolerances of `longctx bench attention
@@ -22,6 +24,11 @@
 #include <vector>
 
 #include "native_fmha.h"
+
+#if LONGCTX_NATIVE_PROFILE
+// native_bwd_sm90.cu's phase clock (scripts/build_native_check.sh --profile)
+extern "C" int longctx_native_bwd_profile(unsigned long long *out);
+#endif
 
 #define CK(x)                                                                        \
     do {                                                                             \
@@ -311,8 +318,26 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn) {
         if (rcb != LONGCTX_SDPA_OK) {
             printf(" | bwd native rc %d (%s)", rcb, err);
         } else {
+#if LONGCTX_NATIVE_PROFILE
+            unsigned long long phases[2][10];
+            CK(cudaDeviceSynchronize());
+            if (longctx_native_bwd_profile(&phases[0][0])) exit(2);  // clears the warm-up call's sums
+#endif
             float tb = time([&] { longctx_native_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err); });
             printf(" || bwd native %.3f ms %.1f TFLOP/s", tb, 2.5 * flop / tb / 1e9);
+#if LONGCTX_NATIVE_PROFILE
+            // SM cycles per consumer step, by phase (the 13 timed calls), per consumer warpgroup
+            CK(cudaDeviceSynchronize());
+            if (longctx_native_bwd_profile(&phases[0][0])) exit(2);
+            const char *names[9] = {"wait Q/dO", "S", "exp", "dP", "dS+store", "barrier", "dQ", "store dQ", "dK"};
+            for (int w = 0; w < 2; ++w) {
+                const double steps = double(phases[w][9] ? phases[w][9] : 1);
+                double total = 0;
+                for (int i = 0; i < 9; ++i) total += double(phases[w][i]);
+                printf("\n  phases wg%d, cycles per step %.0f:", w, total / steps);
+                for (int i = 0; i < 9; ++i) printf(" %s %.0f", names[i], double(phases[w][i]) / steps);
+            }
+#endif
             if (cudnn) {
                 int rc3 = longctx_sdpa_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err);
                 CK(cudaDeviceSynchronize());
