@@ -9,20 +9,33 @@
 #        scripts/build_native_check.sh --profile   target-cuda/native_check_prof instead: the
 #        backward's phase clock (LONGCTX_NATIVE_PROFILE, in native_bwd_sm90.cu) on; its ptxas
 #        report is not gated (the clock's registers may spill where the plain kernel does not)
+#        scripts/build_native_check.sh --variant NAME -DMACRO=VALUE...   target-cuda/native_check_NAME:
+#        the kernels built with the backward's tunables changed (LONGCTX_BWD_STAGES,
+#        LONGCTX_BWD_DQ_BUFS; see BwdTraits), gated like the plain build, to time beside it
 set -euo pipefail
 PROFILE=0
-case ${1:-} in
-    "") ;;
-    --profile) PROFILE=1;;
-    *) echo "usage: $0 [--profile] (got '$1')" >&2; exit 2;;
-esac
+VARIANT=""
+DEFINES=()
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --profile) PROFILE=1;;
+        --variant)
+            [[ $# -ge 2 && $2 =~ ^[A-Za-z0-9_]+$ ]] || { echo "--variant: expected a name of letters, digits and _ (got '${2:-}')" >&2; exit 2; }
+            VARIANT=$2; shift;;
+        -D*=*) DEFINES+=("$1");;
+        *) echo "usage: $0 [--profile] [--variant NAME -DMACRO=VALUE...] (got '$1')" >&2; exit 2;;
+    esac
+    shift
+done
+if [[ ${#DEFINES[@]} -gt 0 && -z $VARIANT ]]; then echo "-D...: give the build a name with --variant NAME" >&2; exit 2; fi
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 eval "$("$ROOT/scripts/build_cuda.sh" --setup-only)"   # nvcc, cuDNN frontend and CUTLASS headers
 OUT=$ROOT/target-cuda/native_check.d
 NAME=native_check
 CSRC=$ROOT/attention/csrc
 NVFLAGS=(-std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -I "$CUTLASS_INCLUDE_DIR" -I "$CSRC")
-if [[ $PROFILE == 1 ]]; then OUT=$ROOT/target-cuda/native_check_prof.d NAME=native_check_prof NVFLAGS+=(-DLONGCTX_NATIVE_PROFILE=1); fi
+if [[ -n $VARIANT ]]; then OUT=$ROOT/target-cuda/native_check_$VARIANT.d NAME=native_check_$VARIANT NVFLAGS+=("${DEFINES[@]}"); fi
+if [[ $PROFILE == 1 ]]; then OUT=$OUT-prof NAME=${NAME}_prof NVFLAGS+=(-DLONGCTX_NATIVE_PROFILE=1); fi
 mkdir -p "$OUT"
 start=$(date +%s)
 rm -f "$OUT"/native_*.o
@@ -31,7 +44,12 @@ nvcc "${NVFLAGS[@]}" -Xptxas -v -c "$CSRC/native_fwd_sm90.cu" -o "$OUT/native_fw
 nvcc "${NVFLAGS[@]}" -Xptxas -v -c "$CSRC/native_bwd_sm90.cu" -o "$OUT/native_bwd_sm90.o" 2>"$OUT/native_bwd_sm90.ptxas" & p3=$!
 nvcc "${NVFLAGS[@]}" -c "$CSRC/native_check.cu" -o "$OUT/native_check.o" & p2=$!
 pids=($p1 $p2 $p3)
-# the cuDNN shim (two minutes of the frontend's headers) only when its sources changed
+# the cuDNN shim (two minutes of the frontend's headers) only when its sources changed; a
+# variant or profile build takes the plain build's when that one is current
+PLAIN_SHIM=$ROOT/target-cuda/native_check.d/cudnn_sdpa.o
+if [[ $OUT != "$ROOT/target-cuda/native_check.d" && "$PLAIN_SHIM" -nt "$CSRC/cudnn_sdpa.cpp" && "$PLAIN_SHIM" -nt "$CSRC/cudnn_sdpa.h" ]]; then
+    cp -p "$PLAIN_SHIM" "$OUT/cudnn_sdpa.o"
+fi
 if [[ ! "$OUT/cudnn_sdpa.o" -nt "$CSRC/cudnn_sdpa.cpp" || ! "$OUT/cudnn_sdpa.o" -nt "$CSRC/cudnn_sdpa.h" ]]; then
     rm -f "$OUT/cudnn_sdpa.o"
     g++ -std=c++17 -O2 -DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING -I "$CSRC" -I "$CUDNN_FRONTEND_INCLUDE_DIR" \

@@ -83,7 +83,18 @@ struct BwdTraits {
     // reads per FLOP of those two products and halves the steps
     static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
     static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer warpgroup
-    static constexpr int kStages = 2;
+#ifndef LONGCTX_BWD_STAGES
+#define LONGCTX_BWD_STAGES 2
+#endif
+#ifndef LONGCTX_BWD_DQ_BUFS
+#define LONGCTX_BWD_DQ_BUFS 1
+#endif
+    // Q, dO, lse2, D stages (a third fits the shared memory at d 128 only)
+    static constexpr int kStages = kHeadDim == 128 ? LONGCTX_BWD_STAGES : 2;
+    // dQ_part buffers per consumer warpgroup: with two, a step's store need not wait for the
+    // previous step's bulk reduction to have read its buffer
+    static constexpr int kDqBufs = LONGCTX_BWD_DQ_BUFS;
+    static_assert(kDqBufs == 1 || kDqBufs == 2);
     // two consumer warpgroups (threads 0-255) and a producer warpgroup, which hands its
     // registers to the consumers (setmaxnreg: 240 each for dK, dV, Sᵀ, dPᵀ and dQ; without
     // it 384 threads are capped at 168, and nine warps cannot hold more than that either:
@@ -134,13 +145,14 @@ struct BwdTraits {
         alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
         alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> d_o;
         alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutdS>> ds;
-        alignas(128) float dq[2][64 * kDqCols];  // one dQ_part per consumer warpgroup
+        alignas(128) float dq[2][kDqBufs][64 * kDqCols];  // dQ_part buffers per consumer warpgroup
         alignas(16) float lse2[kStages][kBlockM];
         alignas(16) float dd[kStages][kBlockM];
         alignas(8) uint64_t bar_kv;
         uint64_t bar_full[kStages];
         uint64_t bar_empty[kStages];
     };
+    static_assert(sizeof(Smem) <= 232448, "more than the 227 KiB of shared memory a CTA may have on sm_90");
 };
 
 template <class TmaQ, class TmaDO, class TmaK, class TmaV, class Element>
@@ -312,7 +324,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     Tensor tPa = make_tensor(tP.data(), acc_as_a(tSrS.layout()));
     Tensor tdSa = make_tensor(tdS.data(), acc_as_a(tSrS.layout()));
 
-    float *dq_smem = sm.dq[wg];
     // Shared-memory addresses of this thread's dSᵀ pairs (two adjacent queries) in tile 0.
     // Fragment element e = v0 + 2·v1 + 4·c8 holds key k0 + 8·v1 and query q0 + v0 + 8·c8
     // (q0 < 8). A dS tile is query-major with a 128-byte row (64 queries) per key in 128-byte
@@ -430,8 +441,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     // dQ_part -> shared (each thread's values as float4s, conflict-free) -> bulk add into the
     // accumulator of query block m of head h: 64-row block r, column part `part` of it
     const int bar_wg = 3 + wg;  // this warpgroup's own named barrier
-    auto store_dq = [&](int h, int m) {
-        if (wtid == 0) tma_store_wait<0>();  // the previous reduction has read dq_smem
+    auto store_dq = [&](int h, int m, int buf) {
+        float *dq_smem = sm.dq[wg][buf % T::kDqBufs];  // buf: the step's parity
+        // the reduction that last read this buffer (kDqBufs steps ago) is done reading it
+        if (wtid == 0) tma_store_wait<T::kDqBufs - 1>();
         bar_sync(bar_wg, 128);
         CUTE_UNROLL
         for (int v4 = 0; v4 < T::kDqPerThread / 4; ++v4) {
@@ -486,7 +499,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         warpgroup_wait<1>();  // dV and dQ (dK may run)
         warpgroup_fence_operand(tdQrdQ);
         BWD_PHASE(6);
-        store_dq(h, m);
+        store_dq(h, m, buf);
         BWD_PHASE(7);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tdVrdV);
