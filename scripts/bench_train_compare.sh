@@ -10,6 +10,8 @@
 #   PEER=0 skips the transformers side (a second longctx row against the same peer);
 #   RUN_ROOT (default /tmp) holds the longctx run directories.
 #
+# longctx runs with --no-save: the timed steps are the same, and the 7B shape's final
+# checkpoint (~94 GB) would not fit the GPU machine's 64 GiB disk.
 # The peer runs as its users run it: with the environment this script was started in.
 # The system CUDA libraries the longctx binary needs (LONGCTX_LD_LIBRARY_PATH, default
 # CUDA 13.0's and the system's) are given to the longctx command alone; exported to the
@@ -37,7 +39,7 @@ for S in ${SEQS//,/ }; do
     # shellcheck disable=SC2086
     LD_LIBRARY_PATH=$OUR_LD timeout 420 "$BIN" train --model "$MODEL" --dataset synthetic:passkey --seq-length "$S" --rope-theta 1e6 \
         --max-train-steps "$STEPS" --batch-size 1 --device cuda --dtype bf16 --token-chunk "${TOKEN_CHUNK:-8192}" --learning-rate 1e-5 \
-        --output-dir "$W/l$S" ${LONGCTX_FLAGS:-} >"$OUTDIR/longctx-$LABEL-$S.log" 2>&1 || { echo "longctx $LABEL seq $S failed (see longctx-$LABEL-$S.log)"; status=1; }
+        --no-save --output-dir "$W/l$S" ${LONGCTX_FLAGS:-} >"$OUTDIR/longctx-$LABEL-$S.log" 2>&1 || { echo "longctx $LABEL seq $S failed (see longctx-$LABEL-$S.log)"; status=1; }
     python3 - "$W/l$S/metrics.jsonl" "$S" "$LABEL" "${LONGCTX_FLAGS:-}" >>"$RES" <<'EOF' || status=1
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]

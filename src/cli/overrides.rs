@@ -243,6 +243,10 @@ pub struct TrainFlags {
     /// is skipped) [default: 5].
     #[arg(long)]
     pub max_skipped_steps: Option<u64>,
+    /// Write no checkpoint and no export, only the metrics: for throughput runs (nothing
+    /// to resume from or to load afterwards).
+    #[arg(long)]
+    pub no_save: bool,
 }
 
 impl TrainFlags {
@@ -287,6 +291,9 @@ impl TrainFlags {
         set(&mut t.checkpoint_every, self.checkpoint_every);
         set(&mut t.checkpoint_interval_min, self.checkpoint_interval_min);
         set(&mut t.max_skipped_steps, self.max_skipped_steps);
+        if self.no_save {
+            t.save = false;
+        }
         Ok(())
     }
 }

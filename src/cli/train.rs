@@ -206,6 +206,11 @@ fn check_datasets(cfg: &RunConfig, opts: &longctx::hub::HubOptions) -> Result<()
 pub fn train(a: TrainArgs) -> Result<()> {
     let dist = DistEnv::from_env().context("reading the distributed environment (RANK, WORLD_SIZE, ...)")?;
     let (cfg, src) = resolve_config(&a, dist.as_ref().map(|d| d.world)).context("resolving the run config")?;
+    if let (Some(n), false) = (a.stop_at_step, cfg.train.save) {
+        anyhow::bail!(
+            "--stop-at-step {n} stops with a checkpoint to continue from, but train.save = false (--no-save) writes none: drop one of them"
+        );
+    }
     // The model's head counts against every stage's layout, when its config is at hand
     // without downloading (a hub model not yet cached is checked by the trainer).
     let opts = longctx::hub::HubOptions::from_env();
@@ -220,7 +225,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
                 longctx::plan::preflight(&cfg, &m.cfg, gpu, longctx::device::host_available(), &src).context("checking memory")?;
             }
             // Disk: the checkpoints and the export must fit the output directory's filesystem.
-            if let Some(free) = longctx::device::disk_free(&cfg.output_dir) {
+            if let Some(free) = longctx::device::disk_free(&cfg.output_dir).filter(|_| cfg.train.save) {
                 // --overwrite removes the previous run first: its bytes count as free
                 let freed = if a.overwrite { longctx::train::rundir::run_bytes(&cfg.output_dir) } else { 0 };
                 longctx::plan::preflight_disk(&cfg, &m.cfg, free.saturating_add(freed), a.resume, &src).context("checking disk space")?;
@@ -285,8 +290,11 @@ pub fn train(a: TrainArgs) -> Result<()> {
 /// as a failure to it).
 fn finish(s: &RunSummary, launched: bool) {
     match s.stopped {
-        None if s.already_finished => println!("already finished; exported to {}", s.export_dir.display()),
-        None => println!("exported to {}", s.export_dir.display()),
+        None => match &s.export_dir {
+            Some(d) if s.already_finished => println!("already finished; exported to {}", d.display()),
+            Some(d) => println!("exported to {}", d.display()),
+            None => println!("done; nothing saved (train.save = false, --no-save): the metrics are in the output directory"),
+        },
         Some(StopReason::Signal(Some(sig))) if !launched => std::process::exit(128 + sig),
         Some(_) => {}
     }

@@ -200,6 +200,10 @@ pub struct TrainSection {
     /// Also write one when this many minutes have passed since the last (0 = off). All
     /// ranks agree on it at the step boundary.
     pub checkpoint_interval_min: f64,
+    /// Write checkpoints and the final export. False: the run writes only its metrics
+    /// (and TensorBoard events), for throughput measurements; it leaves nothing to resume
+    /// from or to load.
+    pub save: bool,
     /// Abort after this many optimizer steps in a row whose gradient norm (or loss) was
     /// not finite; each such step is skipped (no update, its data consumed). The last
     /// good checkpoint is kept.
@@ -251,6 +255,7 @@ impl Default for TrainSection {
             adamw: AdamWConfig::default(),
             checkpoint_every: 0,
             checkpoint_interval_min: 30.0,
+            save: true,
             max_skipped_steps: 5,
             optimizer_on_host: false,
             zero_stage: 1,
@@ -928,6 +933,13 @@ impl RunConfig {
                 source,
                 "train.zero_stage",
                 format!("got {}, expected 0, 1, 2 or 3 (DeepSpeed's stages)", t.zero_stage),
+            ));
+        }
+        if !t.save && t.checkpoint_every > 0 {
+            return Err(Error::config(
+                source,
+                "train.checkpoint_every",
+                format!("got {} with `train.save = false` (--no-save), which writes no checkpoint: drop one of them", t.checkpoint_every),
             ));
         }
         if t.offload_params && t.zero_stage != 3 {

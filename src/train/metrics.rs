@@ -394,7 +394,10 @@ impl Metrics {
         if let Some(p) = s.device_peak {
             eprintln!("  device memory: peak {:.2} GiB in use", gib(p as usize));
         }
-        eprintln!("  export: {}", s.export_dir.display());
+        match &s.export_dir {
+            Some(d) => eprintln!("  export: {}", d.display()),
+            None => eprintln!("  export: none (train.save = false)"),
+        }
         eprintln!("  metrics: {}", self.path.display());
         if let Some(tb) = &self.tensorboard_path {
             eprintln!("  tensorboard: {}", tb.display());

@@ -250,7 +250,9 @@ pub fn check_shared(
     let want = all_reduce_scalar(comm, mine, device)?;
     let seen = std::fs::read_to_string(look_in.join(SHARED_CHECK)).ok().and_then(|s| s.trim().parse::<f64>().ok());
     let ok = seen == Some(want);
-    let missing = all_reduce_scalar(comm, if ok { 0.0 } else { 1.0 }, device)?;
+    // (a rank that does not see the marker reports that, whatever its all-reduce answers:
+    // rank 0 may have stopped the world on the count before this rank got the result)
+    let missing = all_reduce_scalar(comm, if ok { 0.0 } else { 1.0 }, device);
     if rank == 0 {
         let _ = std::fs::remove_file(output_dir.join(SHARED_CHECK));
     }
@@ -261,6 +263,7 @@ pub fn check_shared(
             output_dir.display()
         )));
     }
+    let missing = missing?;
     if missing > 0.0 {
         return Err(Error::Setting(format!(
             "{missing} rank(s) do not see the output directory {}: it must be one shared directory on every node (see their errors); set --output-dir to a shared path",

@@ -58,7 +58,8 @@ pub struct RunSummary {
     pub run_tokens: u64,
     /// Seconds of this invocation.
     pub seconds: f64,
-    pub export_dir: PathBuf,
+    /// Where the export is; None when the run writes none (`train.save = false`).
+    pub export_dir: Option<PathBuf>,
     /// Largest memory report seen (rank 0).
     pub memory: MemoryReport,
     /// Most device memory in use in any step (rank 0, CUDA only).
@@ -390,7 +391,7 @@ fn open_checkpoint(cfg: &RunConfig, opts: &RunOptions, report: bool) -> Result<R
                 tokens,
                 run_tokens: 0,
                 seconds: 0.0,
-                export_dir,
+                export_dir: Some(export_dir),
                 memory: MemoryReport::default(),
                 device_peak: None,
                 completed: true,
@@ -447,7 +448,7 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
         }
     }
     let is_main = run.world.rank() == 0;
-    let export_dir = cfg.output_dir.join("export");
+    let export_dir = cfg.train.save.then(|| cfg.output_dir.join("export"));
     if let Some(reason) = stopped {
         run.world.barrier()?;
         if is_main {
@@ -456,16 +457,20 @@ fn rank_main(sh: &Shared<'_>, world: Arc<dyn Comm>) -> Result<Option<RunSummary>
                 StopReason::Signal(Some(sig)) => format!("on {}", crate::train::stop::signal_name(sig)),
                 StopReason::Signal(None) => "on another rank's stop request".to_string(),
             };
-            eprintln!(
-                "stopped after step {} {why}; checkpoint in {} (continue with --resume)",
-                run.global_step,
-                checkpoint::checkpoint_dir(&cfg.output_dir).display()
-            );
+            if cfg.train.save {
+                eprintln!(
+                    "stopped after step {} {why}; checkpoint in {} (continue with --resume)",
+                    run.global_step,
+                    checkpoint::checkpoint_dir(&cfg.output_dir).display()
+                );
+            } else {
+                eprintln!("stopped after step {} {why}; nothing saved (train.save = false)", run.global_step);
+            }
         }
-    } else {
+    } else if let Some(dir) = &export_dir {
         let whole = run.whole_weights()?; // gathered on every rank under ZeRO-3
         if is_main {
-            run.export(&export_dir, whole)?;
+            run.export(dir, whole)?;
         }
         run.world.barrier()?;
     }
@@ -764,7 +769,8 @@ impl<'a> RankRun<'a> {
                 // from an earlier one evaluates again)
                 self.evaluate(si, stage, &st, step + 1, stage_end)?;
             }
-            if (every > 0 && self.global_step.is_multiple_of(every)) || stage_end || stop.is_some() || out.checkpoint_due {
+            let due = (every > 0 && self.global_step.is_multiple_of(every)) || stage_end || stop.is_some() || out.checkpoint_due;
+            if due && self.sh.cfg.train.save {
                 let (ns, nst) = if stage_end { (si + 1, 0) } else { (si, step + 1) };
                 let data = if stage_end { None } else { Some(st.loader.state()) };
                 self.save_checkpoint(ns, nst, data)?;

@@ -64,6 +64,7 @@ fn help_lists_every_flag() {
                 "--device",
                 "--seed",
                 "--checkpoint-every",
+                "--no-save",
                 "--resume",
                 "--final-rope-theta",
                 "--dry-run",
@@ -326,6 +327,36 @@ fn dataset_without_the_named_column() {
         out.to_str().unwrap(),
     ]);
     fails(&o, &["ids.jsonl", "`text`", "input_ids"], false);
+}
+
+/// `--no-save` (`train.save = false`): the run trains and writes its metrics, but no
+/// checkpoint and no export; a stop that would need a checkpoint is refused up front.
+#[test]
+fn no_save_writes_only_metrics() {
+    let d = tmp();
+    let out = d.path().join("run");
+    let out_s = out.to_str().unwrap();
+    let base = [
+        "train", "--model", "builtin:tiny", "--device", "cpu", "--dataset", "synthetic:passkey", "--seq-length", "64", "--rope-theta",
+        "1e4", "--max-train-steps", "2", "--output-dir", out_s, "--no-save", "-q",
+    ];
+    let o = ok(&base);
+    assert!(o.stdout.contains("nothing saved"), "{}", o.stdout);
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().filter(|l| l.contains("\"loss\"")).count(), 2, "{metrics}");
+    let mut names: Vec<String> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    assert_eq!(names, [".longctx.lock", "config.toml", "metrics.jsonl", "tensorboard"], "only the metrics, the config and the events");
+    let other = d.path().join("other");
+    let other_s = other.to_str().unwrap();
+    let with = |extra: &[&str]| {
+        let mut a: Vec<&str> = base.iter().map(|&x| if x == out_s { other_s } else { x }).collect();
+        a.extend_from_slice(extra);
+        run(&a)
+    };
+    fails(&with(&["--stop-at-step", "1"]), &["--stop-at-step 1", "--no-save", "drop one"], true);
+    fails(&with(&["--checkpoint-every", "1"]), &["train.checkpoint_every", "--no-save", "drop one"], true);
+    assert!(!other.join("checkpoint").exists());
 }
 
 #[test]
