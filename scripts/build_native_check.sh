@@ -10,8 +10,8 @@
 #        backward's phase clock (LONGCTX_NATIVE_PROFILE, in native_bwd_sm90.cu) on; its ptxas
 #        report is not gated (the clock's registers may spill where the plain kernel does not)
 #        scripts/build_native_check.sh --variant NAME -DMACRO=VALUE...   target-cuda/native_check_NAME:
-#        the kernels built with the backward's tunables changed (LONGCTX_BWD_STAGES,
-#        LONGCTX_BWD_DQ_BUFS; see BwdTraits), gated like the plain build, to time beside it
+#        the kernels built with the backward's tunables changed (LONGCTX_BWD_D128_STAGES,
+#        LONGCTX_BWD_D128_DQ_BUFS; see BwdTraits), gated like the plain build, to time beside it
 set -euo pipefail
 PROFILE=0
 VARIANT=""

@@ -83,17 +83,20 @@ struct BwdTraits {
     // reads per FLOP of those two products and halves the steps
     static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
     static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer warpgroup
-#ifndef LONGCTX_BWD_STAGES
-#define LONGCTX_BWD_STAGES 2
+    // Tunables of the d 128 kernel, for timing variants (scripts/build_native_check.sh
+    // --variant); d 64 keeps 2 and 1 (a third stage does not fit its shared memory, and a
+    // second dQ buffer made ptxas spill at d 64 causal).
+#ifndef LONGCTX_BWD_D128_STAGES
+#define LONGCTX_BWD_D128_STAGES 2
 #endif
-#ifndef LONGCTX_BWD_DQ_BUFS
-#define LONGCTX_BWD_DQ_BUFS 1
+#ifndef LONGCTX_BWD_D128_DQ_BUFS
+#define LONGCTX_BWD_D128_DQ_BUFS 1
 #endif
-    // Q, dO, lse2, D stages (a third fits the shared memory at d 128 only)
-    static constexpr int kStages = kHeadDim == 128 ? LONGCTX_BWD_STAGES : 2;
+    // Q, dO, lse2, D stages
+    static constexpr int kStages = kHeadDim == 128 ? LONGCTX_BWD_D128_STAGES : 2;
     // dQ_part buffers per consumer warpgroup: with two, a step's store need not wait for the
     // previous step's bulk reduction to have read its buffer
-    static constexpr int kDqBufs = LONGCTX_BWD_DQ_BUFS;
+    static constexpr int kDqBufs = kHeadDim == 128 ? LONGCTX_BWD_D128_DQ_BUFS : 1;
     static_assert(kDqBufs == 1 || kDqBufs == 2);
     // two consumer warpgroups (threads 0-255) and a producer warpgroup, which hands its
     // registers to the consumers (setmaxnreg: 240 each for dK, dV, Sᵀ, dPᵀ and dQ; without
