@@ -27,7 +27,7 @@ for run in cudnn-a:cudnn cudnn-b:cudnn native-a:native native-b:native; do
     label=${run%%:*}; kern=${run##*:}
     timeout 120 "$BIN" train --model builtin:tinyllama-1.1b-shape@layers=4 --seq-length 16384 --rope-theta 1e6 --max-train-steps 10 \
         --batch-size 1 --device cuda --dtype bf16 --token-chunk 16384 --learning-rate 1e-4 --dataset synthetic:passkey \
-        --attention-kernel "$kern" --output-dir "/tmp/native-check-$label" --overwrite -q > "$OUT/train-$label.log" 2>&1
+        --attention-kernel "$kern" --no-save --output-dir "/tmp/native-check-$label" --overwrite -q > "$OUT/train-$label.log" 2>&1
     echo "train $label rc=$?"
     python3 - "/tmp/native-check-$label/metrics.jsonl" "$label" >> "$OUT/train.jsonl" <<'PY'
 import json, sys

@@ -246,7 +246,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
     // SIGINT/SIGTERM: a checkpoint at the next step boundary, then exit (a second one
     // exits at once).
     let stop = StopFlag::new();
-    stop.install_signal_handlers()?;
+    stop.install_signal_handlers(cfg.train.save)?;
     // The embedded demo run as is (`longctx train` and no flag that changes it) replaces
     // its own previous run in runs/demo: it is the README's first command, run again.
     let demo = a.config.is_none() && !a.resume && cfg == RunConfig::default();

@@ -43,17 +43,21 @@ impl StopFlag {
 
     /// Routes SIGINT and SIGTERM to this flag for the rest of the process: the first
     /// sets it (and says so on stderr), a second exits at once with status 128 + signal.
-    pub fn install_signal_handlers(&self) -> Result<()> {
+    /// `saves`: whether the run writes checkpoints (`train.save`), for the first message.
+    pub fn install_signal_handlers(&self, saves: bool) -> Result<()> {
         for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
             let (flag, checkpointed) = (self.0.clone(), self.1.clone());
             let handler = move || {
-                const FIRST: &[u8] =
+                const FIRST_SAVE: &[u8] =
                     b"\nstop requested: a checkpoint is written at the end of the current step (signal again to exit at once)\n";
+                const FIRST_NO_SAVE: &[u8] =
+                    b"\nstop requested: the run stops at the end of the current step, saving nothing (train.save = false; signal again to exit at once)\n";
+                let first = if saves { FIRST_SAVE } else { FIRST_NO_SAVE };
                 const SECOND: &[u8] = b"\nsecond stop signal: exiting now; the last complete checkpoint stands\n";
                 const SECOND_NONE: &[u8] =
                     b"\nsecond stop signal: exiting now; no checkpoint was written yet, so this run's steps are lost\n";
                 if flag.compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
-                    write_stderr(FIRST);
+                    write_stderr(first);
                 } else {
                     write_stderr(if checkpointed.load(Ordering::SeqCst) { SECOND } else { SECOND_NONE });
                     signal_hook::low_level::exit(128 + sig);

@@ -356,7 +356,6 @@ fn no_save_writes_only_metrics() {
     };
     fails(&with(&["--stop-at-step", "1"]), &["--stop-at-step 1", "--no-save", "drop one"], true);
     fails(&with(&["--checkpoint-every", "1"]), &["train.checkpoint_every", "--no-save", "drop one"], true);
-    assert!(!other.join("checkpoint").exists());
 }
 
 #[test]
