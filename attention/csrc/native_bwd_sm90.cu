@@ -98,36 +98,6 @@ struct BwdTraits {
     // previous step's bulk reduction to have read its buffer
     static constexpr int kDqBufs = kHeadDim == 128 ? LONGCTX_BWD_D128_DQ_BUFS : 1;
     static_assert(kDqBufs == 1 || kDqBufs == 2);
-    // How dQ_part reaches the f32 accumulator (a tunable, for timing variants):
-    //   0: both warpgroups' dSᵀ (they meet once per step), the 64x64 tile through shared
-    //      memory and a bulk reduction (cp.reduce.async.bulk);
-    //   1: the same product, added from registers (red.global.add.v4.f32, each warp's vector
-    //      covering 512 contiguous bytes of the accumulator): no shared-memory round trip;
-    //   2: each warpgroup's dQ over its own 64 keys only, two 64x64 tiles a step added from
-    //      registers: the warpgroups never meet (twice the reduction traffic);
-    //   3: the warpgroups take turns: warpgroup (step & 1) computes the step's whole dQ_part
-    //      (both head-dim halves, one after the other) and reduces it as in 0; the other only
-    //      signals that its dSᵀ is stored and goes on, so the two drift half a step apart and
-    //      one's exponentials overlap the other's products (needs LONGCTX_BWD_D128_DQ_BUFS=2).
-    // d 64 keeps 0 (1 made ptxas spill 48 bytes and serialise the wgmma at d 64).
-#ifndef LONGCTX_BWD_D128_DQ_MODE
-#define LONGCTX_BWD_D128_DQ_MODE 0
-#endif
-    static constexpr int kDqMode = kHeadDim == 128 ? LONGCTX_BWD_D128_DQ_MODE : 0;
-    // Of every 4 query columns of Pᵀ off the diagonal, how many take 2^x from a polynomial on
-    // the FMA pipe (exp2_fma) instead of the MUFU unit, which 16 exponentials a clock per SM
-    // share (tunables; 0 keeps every exponential on MUFU).
-#ifndef LONGCTX_BWD_D128_POLY
-#define LONGCTX_BWD_D128_POLY 0
-#endif
-#ifndef LONGCTX_BWD_D64_POLY
-#define LONGCTX_BWD_D64_POLY 0
-#endif
-    static constexpr int kPolyOf4 = kHeadDim == 128 ? LONGCTX_BWD_D128_POLY : LONGCTX_BWD_D64_POLY;
-    static_assert(kPolyOf4 >= 0 && kPolyOf4 <= 4);
-    static_assert(kDqMode >= 0 && kDqMode <= 3);
-    static_assert(kDqMode == 0 || kDqMode == 3 || kDqBufs == 1, "kDqMode 1 and 2 keep dQ out of shared memory");
-    static_assert(kDqMode != 3 || kDqBufs == 2, "kDqMode 3 stores a step's two dQ tiles in two buffers");
     // two consumer warpgroups (threads 0-255) and a producer warpgroup, which hands its
     // registers to the consumers (setmaxnreg: 240 each for dK, dV, Sᵀ, dPᵀ and dQ; without
     // it 384 threads are capped at 168, and nine warps cannot hold more than that either:
@@ -169,14 +139,6 @@ struct BwdTraits {
         GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kDqCols>, Int<kBlockN>>, GMMA::Major::MN,
                              GMMA::Major::MN>(),
         Layout<Shape<_1, _1, _1>>{}));
-    // kDqMode 2: a warpgroup's dQ over its own 64 keys, one 64x64 tile at a time (a head-dim
-    // half at d 128, 64 of the query rows at d 64): dS (queries, its keys) and Kᵀ (64 head-dim
-    // columns, its keys) are plain sub-tiles of sdS and sK
-    using SmemLayoutdSW = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<_64, _64>{}));
-    using SmemLayoutKtW = decltype(tile_to_shape(AtomKVt{}, Shape<_64, _64>{}));
-    using MmaDQW = decltype(make_tiled_mma(
-        GMMA::ss_op_selector<Element, Element, float, Shape<_64, _64, _64>, GMMA::Major::MN, GMMA::Major::MN>(),
-        Layout<Shape<_1, _1, _1>>{}));
     static constexpr int kDqPerThread = 64 * kDqCols / 128;  // f32 values of dQ_part per thread
     static_assert(kDqPerThread % 4 == 0);
 
@@ -186,8 +148,7 @@ struct BwdTraits {
         alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
         alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> d_o;
         alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutdS>> ds;
-        // dQ_part buffers per consumer warpgroup (kDqMode 0 only; a token otherwise)
-        alignas(128) float dq[2][kDqBufs][kDqMode == 0 || kDqMode == 3 ? 64 * kDqCols : 4];
+        alignas(128) float dq[2][kDqBufs][64 * kDqCols];  // dQ_part buffers per consumer warpgroup
         alignas(16) float lse2[kStages][kBlockM];
         alignas(16) float dd[kStages][kBlockM];
         alignas(8) uint64_t bar_kv;
@@ -214,11 +175,6 @@ struct BwdParams {
 __device__ __forceinline__ void bulk_reduce_add(float *gmem, const float *smem, int bytes) {
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(gmem),
                  "r"(cast_smem_ptr_to_uint(smem)), "r"(bytes)
-                 : "memory");
-}
-// global f32 add of four values at a 16-byte aligned address, from registers (no return)
-__device__ __forceinline__ void red_add_v4(float *gmem, float a, float b, float c, float d) {
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(gmem), "f"(a), "f"(b), "f"(c), "f"(d)
                  : "memory");
 }
 __device__ __forceinline__ void bulk_load(void *smem, const void *gmem, int bytes, uint64_t *bar) {
@@ -432,10 +388,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             for (int c = 0; c < size<1>(S); ++c) {
                 const float l2 = sm.lse2[st][get<1>(cS(0, c))];
                 CUTE_UNROLL
-                for (int r = 0; r < size<0>(S); ++r) {
-                    const float x = fmaf(S(r, c), p.scale_log2, -l2);
-                    S(r, c) = c % 4 < T::kPolyOf4 ? exp2_fma(x) : ex2(x);
-                }
+                for (int r = 0; r < size<0>(S); ++r) S(r, c) = ex2(fmaf(S(r, c), p.scale_log2, -l2));
             }
         }
         CUTE_UNROLL
@@ -488,41 +441,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         }
         warpgroup_commit_batch();
     };
-    // kDqMode 2: dQ_part tile j (0, 1) over this warpgroup's own 64 keys: head-dim half j at
-    // d 128, query rows j·64.. of the step at d 64
-    typename T::MmaDQW mma_dqw;
-    auto thr_dqw = mma_dqw.get_thread_slice(wtid);
-    auto issue_dqw = [&](int buf, int j) {
-        const int tile = T::kDqSplitD ? buf : buf * T::kDsTiles + j;
-        Tensor sdSw = make_tensor(make_smem_ptr(sm.ds.begin() + tile * 64 * BN + wg * 64 * 64),
-                                  typename T::SmemLayoutdSW{});
-        Tensor sKtw = make_tensor(make_smem_ptr(sm.k.begin() + (T::kDqSplitD ? j * BN * 64 : 0) + wg * 64 * 64),
-                                  typename T::SmemLayoutKtW{});
-        Tensor a = thr_dqw.partition_fragment_A(sdSw);  // (MMA, 1, 64/16)
-        Tensor b = thr_dqw.partition_fragment_B(sKtw);
-        warpgroup_fence_operand(tdQrdQ);
-        warpgroup_arrive();
-        mma_dqw.accumulate_ = GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(a); ++k) {
-            cute::gemm(mma_dqw, a(_, _, k), b(_, _, k), tdQrdQ);
-            mma_dqw.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-    };
-    // the accumulator's tile of query block m of head h: 64-row block r, column part `part`
-    auto dq_tile = [&](int h, int r, int part) {
-        return p.dq_acc + ((int64_t(bi) * p.hq + h) * (p.s_pad / 64) + r) * (64 * D) + part * (64 * DQC);
-    };
-    // dQ_part added from registers, each warp's float4s 512 contiguous bytes (kDqMode 1, 2)
-    auto red_dq = [&](float *dst) {
-        CUTE_UNROLL
-        for (int v4 = 0; v4 < T::kDqPerThread / 4; ++v4)
-            red_add_v4(dst + ((warp * (T::kDqPerThread / 4) + v4) * 32 + lane) * 4, tdQrdQ(4 * v4),
-                       tdQrdQ(4 * v4 + 1), tdQrdQ(4 * v4 + 2), tdQrdQ(4 * v4 + 3));
-    };
     // dQ_part -> shared (each thread's values as float4s, conflict-free) -> bulk add into the
-    // accumulator (kDqMode 0)
+    // accumulator of query block m of head h: 64-row block r, column part `part` of it
     const int bar_wg = 3 + wg;  // this warpgroup's own named barrier
     auto store_dq = [&](int h, int m, int buf) {
         float *dq_smem = sm.dq[wg][buf % T::kDqBufs];  // buf: the step's parity
@@ -538,46 +458,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         bar_sync(bar_wg, 128);
         if (wtid == 0) {
             const int r = T::kDqSplitD ? m : m * 2 + wg, part = T::kDqSplitD ? wg : 0;
-            bulk_reduce_add(dq_tile(h, r, part), dq_smem, 64 * DQC * 4);
-            tma_store_arrive();
-        }
-    };
-    // kDqMode 3: dQ_part's head-dim half j over all 128 keys, into the accumulator's tile
-    // `dst` through this warpgroup's shared-memory buffer j
-    auto issue_dq_half = [&](int buf, int j) {
-        Tensor sKtj = make_tensor(make_smem_ptr(sm.k.begin() + j * BN * DQC), typename T::SmemLayoutKt{});
-        Tensor b = thr_dq.partition_fragment_B(sKtj);
-        warpgroup_fence_operand(tdQrdQ);
-        warpgroup_arrive();
-        mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tdQrdS); ++k) {
-            cute::gemm(mma_dq, tdQrdS(_, _, k, buf), b(_, _, k), tdQrdQ);
-            mma_dq.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-    };
-    auto store_dq_half = [&](float *dst, int j) {
-        float *dq_smem = sm.dq[wg][j];
-        // the reduction that last read buffer j (the older of the two in flight) is done
-        if (wtid == 0) tma_store_wait<1>();
-        bar_sync(bar_wg, 128);
-        CUTE_UNROLL
-        for (int v4 = 0; v4 < T::kDqPerThread / 4; ++v4) {
-            float4 x = make_float4(tdQrdQ(4 * v4), tdQrdQ(4 * v4 + 1), tdQrdQ(4 * v4 + 2), tdQrdQ(4 * v4 + 3));
-            reinterpret_cast<float4 *>(dq_smem)[(warp * (T::kDqPerThread / 4) + v4) * 32 + lane] = x;
-        }
-        cutlass::arch::fence_view_async_shared();
-        bar_sync(bar_wg, 128);
-        if (wtid == 0) {
+            float *dst = p.dq_acc + ((int64_t(bi) * p.hq + h) * (p.s_pad / 64) + r) * (64 * D) + part * (64 * DQC);
             bulk_reduce_add(dst, dq_smem, 64 * DQC * 4);
             tma_store_arrive();
         }
     };
-    // kDqMode 3's named barriers per dS buffer b: kBarFull + b (both warpgroups' dSᵀ stored:
-    // the step's dQ warpgroup waits, the other arrives), kBarEmpty + b (the dQ that read it is
-    // done: the dQ warpgroup arrives, the other waits before storing into b two steps later)
-    constexpr int kBarFull = 5, kBarEmpty = 7;
     // Both warpgroups meet once per step (barrier 1): dQ_part needs both one's dSᵀ. dQ is
     // issued before dK, so that its result goes to shared memory and on to the accumulator
     // while dK still runs (H200, 64K causal: 541 against 530 TFLOP/s at 32×128 and, with
@@ -606,63 +491,19 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         warpgroup_fence_operand(tSrdP);
         BWD_PHASE(3);
         compute_ds(st);
-        const bool dq_turn = (it & 1) == wg;  // kDqMode 3: this warpgroup computes the step's dQ
-        // kDqMode 3: the other warpgroup's dQ of step it-2 has read buffer `buf`
-        if (T::kDqMode == 3 && !dq_turn && it >= 2) bar_sync(kBarEmpty + buf, 256);
         // dSᵀ in buffer `buf`: the other one may still feed the other warpgroup's dQ of the
         // previous step (it passed this step's barrier only after that dQ was done)
         store_ds(buf);
         BWD_PHASE(4);
-        if constexpr (T::kDqMode == 3) {
-            if (dq_turn) {
-                bar_sync(kBarFull + buf, 256);  // both warpgroups' dSᵀ stored
-                BWD_PHASE(5);
-                issue_dq_half(buf, 0);
-                issue_dk(st);
-                warpgroup_wait<1>();  // dV and dQ half 0 (dK may run)
-                warpgroup_fence_operand(tdQrdQ);
-                BWD_PHASE(6);
-                store_dq_half(dq_tile(h, m, 0), 0);
-                issue_dq_half(buf, 1);
-                warpgroup_wait<0>();  // dK and dQ half 1
-                warpgroup_fence_operand(tdQrdQ);
-                if (it + 2 < steps) bar_arrive(kBarEmpty + buf, 256);  // buffer `buf` is read
-                store_dq_half(dq_tile(h, m, 1), 1);
-            } else {
-                bar_arrive(kBarFull + buf, 256);
-                BWD_PHASE(5);
-                issue_dk(st);
-                BWD_PHASE(6);
-            }
-            BWD_PHASE(7);
-        } else if constexpr (T::kDqMode == 2) {
-            bar_sync(bar_wg, 128);  // this warpgroup's dSᵀ stored (the other's is not read)
-            BWD_PHASE(5);
-            issue_dqw(buf, 0);
-            issue_dk(st);
-            warpgroup_wait<1>();  // dV and dQ tile 0 (dK may run)
-            warpgroup_fence_operand(tdQrdQ);
-            BWD_PHASE(6);
-            red_dq(T::kDqSplitD ? dq_tile(h, m, 0) : dq_tile(h, 2 * m, 0));
-            issue_dqw(buf, 1);
-            warpgroup_wait<0>();  // dK and dQ tile 1
-            warpgroup_fence_operand(tdQrdQ);
-            red_dq(T::kDqSplitD ? dq_tile(h, m, 1) : dq_tile(h, 2 * m + 1, 0));
-            BWD_PHASE(7);
-        } else {
-            bar_sync(1, 256);
-            BWD_PHASE(5);
-            issue_dq(buf);
-            issue_dk(st);
-            warpgroup_wait<1>();  // dV and dQ (dK may run)
-            warpgroup_fence_operand(tdQrdQ);
-            BWD_PHASE(6);
-            if constexpr (T::kDqMode == 1)
-                red_dq(T::kDqSplitD ? dq_tile(h, m, wg) : dq_tile(h, 2 * m + wg, 0));
-            else
-                store_dq(h, m, buf);
-            BWD_PHASE(7);
-        }
+        bar_sync(1, 256);
+        BWD_PHASE(5);
+        issue_dq(buf);
+        issue_dk(st);
+        warpgroup_wait<1>();  // dV and dQ (dK may run)
+        warpgroup_fence_operand(tdQrdQ);
+        BWD_PHASE(6);
+        store_dq(h, m, buf);
+        BWD_PHASE(7);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);

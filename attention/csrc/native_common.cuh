@@ -42,21 +42,6 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
-// 2^x on the FMA and integer pipes, for a share of the softmax's exponentials beside MUFU's
-// (16 a clock per SM; at head dim 64 the exponentials of a step take as long as its products).
-// x = n + f with n = rint(x) (adding 1.5·2^23 leaves n in the low mantissa bits), 2^f by a
-// cubic on [-1/2, 1/2] (relative error 7.5e-5, below bf16's 2^-9; coefficients a weighted
-// least-squares fit of the relative error), and n added to the exponent field. x < -125 gives
-// 0 (as ex2 gives for -inf), so masked scores stay exactly 0.
-__device__ __forceinline__ float exp2_fma(float x) {
-    const float xc = fmaxf(x, -125.f);
-    const float t = __fadd_rn(xc, 12582912.f);
-    const float f = __fsub_rn(xc, __fsub_rn(t, 12582912.f));
-    const float q = fmaf(fmaf(fmaf(0.05517167f, f, 0.24261114f), f, 0.69326097f), f, 0.99992806f);
-    const float y = __uint_as_float(__float_as_uint(q) + (__float_as_uint(t) << 23));
-    return x < -125.f ? 0.f : y;
-}
-
 // Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads: sync waits for all
 // of them, arrive counts this warp in without waiting.
 __device__ __forceinline__ void bar_sync(int id, int threads) {

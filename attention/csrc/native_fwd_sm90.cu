@@ -47,35 +47,6 @@ struct FwdTraits {
     // consumer warpgroups take turns to issue their products (H200, 64K causal: 625 against
     // 622 TFLOP/s without at d 128, 515 against 506 at d 64)
     static constexpr bool kPingPong = kWarpGroups > 1;
-    // Of every 4 key columns of P, how many take 2^x from exp2_fma (FMA pipe) instead of MUFU
-    // (tunables, for timing variants; 0 keeps every exponential on MUFU)
-#ifndef LONGCTX_FWD_D64_POLY
-#define LONGCTX_FWD_D64_POLY 0
-#endif
-#ifndef LONGCTX_FWD_D128_POLY
-#define LONGCTX_FWD_D128_POLY 0
-#endif
-    static constexpr int kPolyOf4 = kHeadDim == 64 ? LONGCTX_FWD_D64_POLY : LONGCTX_FWD_D128_POLY;
-    static_assert(kPolyOf4 >= 0 && kPolyOf4 <= 4);
-    // The softmax's instructions, not its exponentials, bound a block at d 64 (three
-    // warpgroups' softmax issue about as many instructions as the products take cycles). Two
-    // tunables cut them:
-    //   kSkipRescale: O is multiplied by the rows' new scale only when a row of the warp has a
-    //     new maximum (one vote instead of 32 multiplications at d 64, 64 at d 128);
-    //   kMaxSlack τ > 0: a row keeps its maximum until a block's exceeds it by more than τ (in
-    //     log2 units), so P may reach 2^τ; O and l share the kept maximum, so the result is
-    //     the same softmax, and rows rarely rescale at all.
-#ifndef LONGCTX_FWD_SKIP_RESCALE
-#define LONGCTX_FWD_SKIP_RESCALE 0
-#endif
-#ifndef LONGCTX_FWD_MAX_SLACK
-#define LONGCTX_FWD_MAX_SLACK 0
-#endif
-    // (d 128 only: at d 64 the vote made ptxas spill 136 bytes in the causal kernel, whose
-    // three warpgroups have 160 registers each)
-    static constexpr bool kSkipRescale = LONGCTX_FWD_SKIP_RESCALE != 0 && kHeadDim == 128;
-    static constexpr float kMaxSlack = float(LONGCTX_FWD_MAX_SLACK);
-    static_assert(kMaxSlack >= 0.f && kMaxSlack <= 16.f, "P up to 2^slack must stay far from f16's 65504");
 
     using SmemLayoutQ =
         decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
@@ -235,7 +206,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
         if constexpr (T::kPingPong) bar_arrive(1 + (wg + 1) % T::kWarpGroups, 256);
     };
     float row_scale[R];
-    bool rescale_o = true;  // kSkipRescale: a row of this warp has a new maximum (warp-uniform)
     // softmax of S_i (KV block n) in place: P_i in S's registers, row_scale the factor the
     // accumulated O and row sums take for the new row maxima
     auto softmax = [&](int n) {
@@ -258,28 +228,17 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
             for (int c = 0; c < size<1>(S); ++c) mx = fmaxf(mx, S(r, c));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-            if constexpr (T::kMaxSlack > 0.f) {
-                // the row's four threads hold the same mx and row_max: one decision per row
-                if (!(mx * p.scale_log2 > fmaf(row_max[r], p.scale_log2, T::kMaxSlack))) mx = row_max[r];
-            }
             row_scale[r] = mx == -INFINITY ? 1.f : ex2((row_max[r] - mx) * p.scale_log2);
             const float mxs = mx == -INFINITY ? 0.f : mx * p.scale_log2;
             row_max[r] = mx;
             float sum = 0.f;
             CUTE_UNROLL
             for (int c = 0; c < size<1>(S); ++c) {
-                const float x = fmaf(S(r, c), p.scale_log2, -mxs);
-                const float e = c % 4 < T::kPolyOf4 ? exp2_fma(x) : ex2(x);
+                const float e = ex2(fmaf(S(r, c), p.scale_log2, -mxs));
                 S(r, c) = e;
                 sum += e;
             }
             row_sum[r] = row_sum[r] * row_scale[r] + sum;
-        }
-        if constexpr (T::kSkipRescale) {
-            bool mine = false;
-            CUTE_UNROLL
-            for (int r = 0; r < R; ++r) mine |= row_scale[r] != 1.f;
-            rescale_o = __any_sync(0xffffffff, mine);
         }
     };
     auto issue_s = [&](int st) {
@@ -296,12 +255,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
     // O·row_scale, then O += P·V from stage st
     auto issue_o = [&](int st, int phase) {
         TBar::wait(&sm.bar_v[st], phase);
-        if (!T::kSkipRescale || rescale_o) {
+        CUTE_UNROLL
+        for (int r = 0; r < R; ++r) {
             CUTE_UNROLL
-            for (int r = 0; r < R; ++r) {
-                CUTE_UNROLL
-                for (int c = 0; c < size<1>(O); ++c) O(r, c) *= row_scale[r];
-            }
+            for (int c = 0; c < size<1>(O); ++c) O(r, c) *= row_scale[r];
         }
         warpgroup_fence_operand(tOrPa);
         warpgroup_fence_operand(tOrO);
