@@ -32,7 +32,7 @@ use crate::train::rundir::{self, RunDirLock};
 use crate::train::stage_eval::{EvalAt, StageEval};
 pub use crate::train::stop::StopFlag;
 pub use crate::train::zero::Resident;
-use crate::train::zero::{all_reduce_scalar, Guard, Start, StepStats, Update, ZeroConfig, ZeroState};
+use crate::train::zero::{all_reduce_scalar, ranks_flagging, Guard, Start, StepStats, Update, ZeroConfig, ZeroState};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use longctx_attention::comm::Comm;
@@ -1080,7 +1080,7 @@ impl RankRun<'_> {
         let g = Guard { prof: self.engine.profiler(), kept: self.kept_checkpoint() };
         let (bad_weight, bad_shard) = self.zero.checkpoint_check(&g)?;
         let rank = self.world.rank();
-        let bad_ranks = all_reduce_scalar(&self.world, f64::from(u8::from(bad_shard.is_some())), &self.sh.device)?;
+        let bad_ranks = ranks_flagging(&self.world, bad_shard.is_some(), &self.sh.device)?;
         if bad_weight.is_some() || bad_ranks > 0.0 {
             let what = match (bad_weight, bad_shard) {
                 (Some(w), _) => format!("weight {w} holds NaN or infinite values"),

@@ -27,7 +27,7 @@ pub mod weights;
 
 pub use grads::GradBuffer;
 pub use hooks::{apply_deferred, Hooks, Zero3Hooks};
-pub use stage12::{all_reduce_scalar, Deferred, ShardedAdamW, StepStats, DEFER_LOOKAHEAD, HOST_PIECE};
+pub use stage12::{all_reduce_scalar, ranks_flagging, Deferred, ShardedAdamW, StepStats, DEFER_LOOKAHEAD, HOST_PIECE};
 pub use stage3::{ParamStore, ShardedGrads};
 pub use units::{layer_groups, layer_unit, ParamHooks, Partition};
 pub use weights::{HostWeights, HostWeightsMut, Out};
@@ -257,7 +257,7 @@ impl ZeroState {
             let optim = &mut self.optim;
             g.prof.time(Phase::Optimizer, &self.device, || apply_deferred(optim, &mut p.d, usize::MAX, store, gr))?;
         }
-        let bad = all_reduce_scalar(&self.world, f64::from(u8::from(!p.d.all_finite())), &self.device)?;
+        let bad = ranks_flagging(&self.world, !p.d.all_finite(), &self.device)?;
         if bad > 0.0 {
             return Err(Error::Diverged(format!(
                 "the update of {} made the weights non-finite (first: {bad} rank(s)' slice of the weights (ZeRO-3); gradient norm {}, \
@@ -342,7 +342,7 @@ impl ZeroState {
             }
             Weights::Sharded { store, .. } => {
                 let mine = store.any_non_finite()?;
-                let bad = all_reduce_scalar(&self.world, f64::from(u8::from(mine)), &self.device)?;
+                let bad = ranks_flagging(&self.world, mine, &self.device)?;
                 Ok((bad > 0.0).then(|| format!("{bad} rank(s)' slice of the weights (ZeRO-3)")))
             }
         }

@@ -619,6 +619,19 @@ pub fn all_reduce_scalar(comm: &Arc<dyn Comm>, x: f64, device: &Device) -> Resul
     Ok(comm.all_reduce_sum(&t)?.to_device(&Device::Cpu)?.to_vec1::<f64>()?[0])
 }
 
+/// How many ranks raise `mine`, all-reduced, for a check every rank makes at once (a
+/// non-finite shard, a missing directory). A rank that raises it answers at least 1 even when
+/// the all-reduce fails, so that it reports its own finding: another rank that saw the count
+/// first may already have aborted the world, and the all-reduce then errors with that
+/// rank's reason instead of this one's.
+pub fn ranks_flagging(comm: &Arc<dyn Comm>, mine: bool, device: &Device) -> Result<f64> {
+    match all_reduce_scalar(comm, f64::from(u8::from(mine)), device) {
+        Ok(n) => Ok(n),
+        Err(_) if mine => Ok(1.0),
+        Err(e) => Err(e),
+    }
+}
+
 /// Reading optimizer state back for a partition: the zero side of a checkpoint (the
 /// checkpoint module knows the files, this one the partition that cut them).
 impl Loaded {
@@ -698,6 +711,22 @@ fn check_optimizer_values(file: &std::path::Path, name: &str, xs: &[f32], at: us
 mod tests {
     use super::*;
     use longctx_attention::comm::thread::run_ranks;
+
+    /// A rank's own finding survives another rank's abort: with the world aborted first, the
+    /// flagging rank still counts itself and the other gets the abort's error.
+    #[test]
+    fn a_flagging_rank_counts_itself_after_an_abort() {
+        // a world that runs: every rank gets the count
+        let counts =
+            run_ranks(3, |c| ranks_flagging(&c, c.rank() != 1, &Device::Cpu).map_err(|e| candle_core::Error::Msg(e.to_string()))).unwrap();
+        assert_eq!(counts, [2.0, 2.0, 2.0]);
+        // rank 0 aborted the world on its own finding before the others all-reduced
+        let comms = longctx_attention::comm::thread::ThreadComm::world(2);
+        comms[0].abort("rank 0: its optimizer shard is not finite");
+        assert_eq!(ranks_flagging(&comms[1], true, &Device::Cpu).unwrap(), 1.0);
+        let err = ranks_flagging(&comms[1], false, &Device::Cpu).unwrap_err().to_string();
+        assert!(err.contains("rank 0: its optimizer shard is not finite"), "{err}");
+    }
 
     /// A unit's slice cut into host pieces: in order, none longer than `HOST_PIECE`, the
     /// last one the rest (the tests' units are all shorter than one piece).
