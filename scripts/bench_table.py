@@ -30,7 +30,9 @@ for r in rows:
     if r["side"] != "longctx":
         continue
     label = r.get("label") or "tinyllama"
-    shape = "llama2-7b" if label.startswith("llama2-7b") else "tinyllama"
+    # the row's shape (rows written before it was recorded: from the label, as the script
+    # names rows by default)
+    shape = r.get("shape") or ("llama2-7b" if label.startswith("llama2-7b") else "tinyllama")
     t = peers.get((shape, r["seq"]))
     ratio = f"{r['tokens_per_s'] / t['tokens_per_s']:.2f}×" if t and "tokens_per_s" in t and "tokens_per_s" in r else "-"
     flags = f" `{r['flags']}`" if r.get("flags") else ""

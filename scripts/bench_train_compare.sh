@@ -40,12 +40,12 @@ for S in ${SEQS//,/ }; do
     LD_LIBRARY_PATH=$OUR_LD timeout 420 "$BIN" train --model "$MODEL" --dataset synthetic:passkey --seq-length "$S" --rope-theta 1e6 \
         --max-train-steps "$STEPS" --batch-size 1 --device cuda --dtype bf16 --token-chunk "${TOKEN_CHUNK:-8192}" --learning-rate 1e-5 \
         --no-save --output-dir "$W/l$S" ${LONGCTX_FLAGS:-} >"$OUTDIR/longctx-$LABEL-$S.log" 2>&1 || { echo "longctx $LABEL seq $S failed (see longctx-$LABEL-$S.log)"; status=1; }
-    python3 - "$W/l$S/metrics.jsonl" "$S" "$LABEL" "${LONGCTX_FLAGS:-}" >>"$RES" <<'EOF' || status=1
+    python3 - "$W/l$S/metrics.jsonl" "$S" "$LABEL" "${LONGCTX_FLAGS:-}" "$SHAPE" >>"$RES" <<'EOF' || status=1
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 t = rows[1:] or rows
 tps = sum(r["tokens"] for r in t) / sum(r["seconds"] for r in t)
-print(json.dumps({"side": "longctx", "seq": int(sys.argv[2]), "label": sys.argv[3], "flags": sys.argv[4], "tokens_per_s": tps, "mfu": t[-1].get("mfu"),
+print(json.dumps({"side": "longctx", "seq": int(sys.argv[2]), "label": sys.argv[3], "flags": sys.argv[4], "shape": sys.argv[5], "tokens_per_s": tps, "mfu": t[-1].get("mfu"),
                   "peak_allocated_gib": max((r.get("device_peak_bytes") or 0) for r in rows) / 2**30,
                   "step_seconds": [round(r["seconds"], 3) for r in rows], "losses": [round(r["loss"], 5) for r in rows]}))
 EOF
