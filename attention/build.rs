@@ -114,6 +114,11 @@ fn main() {
                     .flag("-O3")
                     .flag("-arch=sm_90a")
                     .flag("--expt-relaxed-constexpr")
+                    // a register spill fails the build ("ptxas error: Registers are spilled to
+                    // local memory in function ..."): it halves the kernel's speed or worse, and
+                    // would otherwise ship silently (the flags change no machine code;
+                    // scripts/build_native_check.sh also refuses serialised wgmma)
+                    .flag("-Xptxas=--warn-on-spills,--warning-as-error")
                     .warnings(false)
                     .include(inc)
                     .include("csrc")

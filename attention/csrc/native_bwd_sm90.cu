@@ -85,8 +85,9 @@ struct BwdTraits {
     static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer warpgroup
     // Tunables of the d 128 kernel, for timing variants (scripts/build_native_check.sh
     // --variant; on the H200 neither a third stage nor a second dQ buffer gained: the step is
-    // bound by shared-memory bandwidth, docs/benchmarks.md); d 64 keeps 2 and 1 (a third stage does not fit its shared memory, and a
-    // second dQ buffer made ptxas spill at d 64 causal).
+    // bound by shared-memory bandwidth, docs/benchmarks.md); d 64 keeps 2 and 1 (a third
+    // stage does not fit its shared memory, and a second dQ buffer made ptxas spill at d 64
+    // causal).
 #ifndef LONGCTX_BWD_D128_STAGES
 #define LONGCTX_BWD_D128_STAGES 2
 #endif
