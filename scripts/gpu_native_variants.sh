@@ -4,10 +4,12 @@
 # target-cuda/native_check and every target-cuda/native_check_* built by
 # `scripts/build_native_check.sh --variant NAME -D...` or `--profile` (the phase clock).
 # Usage: scripts/gpu_native_variants.sh [native_check ARGS...]   (default: --len 65536)
-# Results under $OUT (default /tmp/native-variants): one file per build and round, and
-# summary.txt with each build's forward and backward TFLOP/s (native / cuDNN) per case and
-# round, and the phase clock's lines of a --profile build. Run where the system CUDA/cuDNN
-# libraries are (as scripts/gpu_native_check.sh).
+# Results under $OUT (default /tmp/native-variants), three files whatever the number of
+# builds (the device tool returns at most eight): runs.txt, every run's whole output under
+# a "== BUILD round N" line; summary.txt, each build's forward and backward TFLOP/s (native /
+# cuDNN) per case and round, its correctness line, and the phase clock's lines of a --profile
+# build; gpu.txt. Run where the system CUDA/cuDNN libraries are (as
+# scripts/gpu_native_check.sh).
 set -uo pipefail
 OUT=${OUT:-/tmp/native-variants}
 mkdir -p "$OUT"
@@ -23,16 +25,21 @@ if [[ ${#bins[@]} -eq 0 ]]; then
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 : > "$OUT/summary.txt"
+: > "$OUT/runs.txt"
+run=$(mktemp)
+trap 'rm -f "$run"' EXIT
 status=0
 for round in 1 2; do
     for b in "${bins[@]}"; do
         name=$(basename "$b")
-        timeout 200 "$b" "${ARGS[@]}" > "$OUT/$name.$round.txt" 2>&1 || { echo "$name round $round failed (see $name.$round.txt)"; status=1; }
+        timeout 200 "$b" "${ARGS[@]}" > "$run" 2>&1 || { echo "$name round $round failed (see runs.txt)" | tee -a "$OUT/summary.txt"; status=1; }
+        { echo "== $name round $round"; cat "$run"; } >> "$OUT/runs.txt"
         # one line per speed case: shape, forward and backward TFLOP/s of native / cuDNN
-        grep -E "^case .*TFLOP" "$OUT/$name.$round.txt" | sed -E \
+        grep -E "^case .*TFLOP" "$run" | sed -E \
             's/^case b[0-9]+ (s[0-9]+ t[0-9]+ hq[0-9]+ hkv[0-9]+ d[0-9]+ [a-z]+) [a-z0-9]+: \| native [0-9.]+ ms ([0-9.]+) TFLOP\/s( \| cudnn [0-9.]+ ms ([0-9.]+) TFLOP\/s)?.*bwd native [0-9.]+ ms ([0-9.]+) TFLOP\/s( \| bwd cudnn [0-9.]+ ms ([0-9.]+))?.*/\1 fwd \2\/\4 bwd \5\/\7/' |
             sed "s/^/$name round $round: /" >> "$OUT/summary.txt"
-        grep -E "^  phases" "$OUT/$name.$round.txt" | sed "s/^/$name round $round:/" >> "$OUT/summary.txt"
+        grep -E "^  phases" "$run" | sed "s/^/$name round $round:/" >> "$OUT/summary.txt"
+        grep -E "^correctness" "$run" | sed "s/^/$name round $round: /" >> "$OUT/summary.txt"
     done
 done
 cat "$OUT/summary.txt"
