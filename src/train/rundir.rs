@@ -230,7 +230,7 @@ pub fn check_shared(
     comm: &std::sync::Arc<dyn longctx_attention::comm::Comm>,
     device: &candle_core::Device,
 ) -> Result<()> {
-    use crate::train::zero::all_reduce_scalar;
+    use crate::train::zero::{all_reduce_scalar, ranks_flagging};
     if comm.world() == 1 {
         return Ok(());
     }
@@ -250,12 +250,13 @@ pub fn check_shared(
     let want = all_reduce_scalar(comm, mine, device)?;
     let seen = std::fs::read_to_string(look_in.join(SHARED_CHECK)).ok().and_then(|s| s.trim().parse::<f64>().ok());
     let ok = seen == Some(want);
-    // (a rank that does not see the marker reports that, whatever its all-reduce answers:
-    // rank 0 may have stopped the world on the count before this rank got the result)
-    let missing = all_reduce_scalar(comm, if ok { 0.0 } else { 1.0 }, device);
+    // (a rank that does not see the marker counts itself even when rank 0 stopped the
+    // world on the count before this rank got the result, and reports its own finding)
+    let missing = ranks_flagging(comm, !ok, device);
     if rank == 0 {
         let _ = std::fs::remove_file(output_dir.join(SHARED_CHECK));
     }
+    let missing = missing?;
     if !ok {
         return Err(Error::Setting(format!(
             "rank {rank} does not see rank 0's output directory {} (no {SHARED_CHECK} written by rank 0 there): every rank writes its \
@@ -263,7 +264,6 @@ pub fn check_shared(
             output_dir.display()
         )));
     }
-    let missing = missing?;
     if missing > 0.0 {
         return Err(Error::Setting(format!(
             "{missing} rank(s) do not see the output directory {}: it must be one shared directory on every node (see their errors); set --output-dir to a shared path",

@@ -620,7 +620,7 @@ pub fn all_reduce_scalar(comm: &Arc<dyn Comm>, x: f64, device: &Device) -> Resul
 }
 
 /// How many ranks raise `mine`, all-reduced, for a check every rank makes at once (a
-/// non-finite shard, a missing directory). A rank that raises it answers at least 1 even when
+/// non-finite shard, an output directory it cannot see). A rank that raises it answers at least 1 even when
 /// the all-reduce fails, so that it reports its own finding: another rank that saw the count
 /// first may already have aborted the world, and the all-reduce then errors with that
 /// rank's reason instead of this one's.
