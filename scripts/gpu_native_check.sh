@@ -25,16 +25,17 @@ timeout 300 "$BIN" bench attention --check 2>&1 | tee "$OUT/check.txt" | grep -E
 timeout 200 "$BIN" bench attention --seq 16384,65536,131072 2>&1 | tee "$OUT/bench128.txt" | grep -E "^\|"
 timeout 200 "$BIN" bench attention --seq 16384,65536,131072 --heads 32 --kv-heads 4 --head-dim 64 2>&1 | tee "$OUT/bench64.txt" | grep -E "^\|"
 rm -f "$OUT/train.jsonl" "$OUT/train.log"
+runlog=$(mktemp) # one run's log, outside $OUT (a killed visit leaves no stray file there)
+trap 'rm -f "$runlog"' EXIT
 for run in cudnn-a:cudnn cudnn-b:cudnn native-a:native native-b:native; do
     label=${run%%:*}; kern=${run##*:}
     timeout 120 "$BIN" train --model builtin:tinyllama-1.1b-shape@layers=4 --seq-length 16384 --rope-theta 1e6 --max-train-steps 10 \
         --batch-size 1 --device cuda --dtype bf16 --token-chunk 16384 --learning-rate 1e-4 --dataset synthetic:passkey \
-        --attention-kernel "$kern" --no-save --output-dir "/tmp/native-check-$label" --overwrite -q > "$OUT/train-run.log" 2>&1
+        --attention-kernel "$kern" --no-save --output-dir "/tmp/native-check-$label" --overwrite -q > "$runlog" 2>&1
     rc=$?
     echo "train $label rc=$rc"
     # the four runs' logs in one file (the device tool returns at most eight files)
-    { echo "== train $label rc=$rc"; cat "$OUT/train-run.log"; } >> "$OUT/train.log"
-    rm -f "$OUT/train-run.log"
+    { echo "== train $label rc=$rc"; cat "$runlog"; } >> "$OUT/train.log"
     python3 - "/tmp/native-check-$label/metrics.jsonl" "$label" >> "$OUT/train.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]

@@ -620,10 +620,10 @@ pub fn all_reduce_scalar(comm: &Arc<dyn Comm>, x: f64, device: &Device) -> Resul
 }
 
 /// How many ranks raise `mine`, all-reduced, for a check every rank makes at once (a
-/// non-finite shard, an output directory it cannot see). A rank that raises it answers at least 1 even when
-/// the all-reduce fails, so that it reports its own finding: another rank that saw the count
-/// first may already have aborted the world, and the all-reduce then errors with that
-/// rank's reason instead of this one's.
+/// non-finite shard, an output directory it cannot see). A rank that raises it answers at
+/// least 1 even when the all-reduce fails, so that it reports its own finding: another rank
+/// that saw the count first may already have aborted the world, and the all-reduce then
+/// errors with that rank's reason instead of this one's.
 pub fn ranks_flagging(comm: &Arc<dyn Comm>, mine: bool, device: &Device) -> Result<f64> {
     match all_reduce_scalar(comm, f64::from(u8::from(mine)), device) {
         Ok(n) => Ok(n),
