@@ -29,8 +29,10 @@
 //! saved_attention    L·core                       with save_attention: each layer's q, k, v, o
 //!                                                 and f32 LSE; 0 when offloaded with the inputs
 //!   core = (2·e_q + 2·e_kv)·a + 4·b·hq·s
+//! saved_mlp          L·mlp                        with save_mlp: each layer's MLP input and
+//!   mlp = b·s·(h + 2i)·a                          gate and up projections; 0 when offloaded
 //! in_flight          offloaded: 2·(b·s·h·a        the layer's input and the one below it,
-//!                    (+ core))                    brought back ahead (and their cores)
+//!                    (+ core + mlp))              brought back ahead (and what they saved)
 //! layer_backward     b·s·h·a + core + (2·e_q + 2·e_kv)·a + chunk
 //!                    (core left out when saved: counted above)   the incoming gradient
 //!                    (overwritten with the outgoing one), the attention core and its
@@ -70,7 +72,7 @@
 //! static        = weights + gradients + optimizer
 //! layer         = in_flight + layer_backward + attention_work + attention_mode
 //! head'         = head + (offloaded: one layer's group brought back)
-//! pool_peak     = max(static + saved_activations + saved_attention + max(layer, head'),
+//! pool_peak     = max(static + saved_activations + saved_attention + saved_mlp + max(layer, head'),
 //!                     static + grad_reduce)       what the CUDA memory pool holds at most
 //! peak          = pool_peak + overhead            fits ⇔ peak ≤ GPU memory
 //! ```
@@ -175,6 +177,8 @@ pub struct PlanRequest {
     pub offload_activations: bool,
     /// Keep each layer's attention tensors for the backward (selective recomputation).
     pub save_attention: bool,
+    /// Keep each layer's MLP input and gate/up projections for the backward.
+    pub save_mlp: bool,
     pub token_chunk: usize,
     /// Bytes per element of the model dtype (bf16/f16: 2, f32: 4).
     pub dtype_bytes: usize,
@@ -207,6 +211,7 @@ impl PlanRequest {
             fpdt_offload: false,
             offload_activations: false,
             save_attention: false,
+            save_mlp: false,
             token_chunk: 4096,
             dtype_bytes: 2,
             optimizer_on_host: true,
@@ -227,6 +232,7 @@ impl PlanRequest {
         c.parallel.fpdt_offload = self.fpdt_offload;
         c.parallel.offload_activations = self.offload_activations;
         c.parallel.save_attention = self.save_attention;
+        c.parallel.save_mlp = self.save_mlp;
         c.parallel.token_chunk = self.token_chunk;
         c.train.batch_size = self.batch_size;
         c.train.zero_stage = self.zero_stage;
@@ -258,6 +264,7 @@ pub struct DeviceMemory {
     pub grad_reduce: u64,
     pub saved_activations: u64,
     pub saved_attention: u64,
+    pub saved_mlp: u64,
     pub in_flight: u64,
     pub layer_backward: u64,
     pub attention_work: u64,
@@ -322,6 +329,9 @@ pub struct Suggestion {
     pub offload_activations: bool,
     /// Keep attention tensors for the backward: on whenever it still fits.
     pub save_attention: bool,
+    /// Keep the MLP's input and gate/up projections for the backward: on whenever it
+    /// still fits (after the attention).
+    pub save_mlp: bool,
     /// The memory levers: the optimizer state on the host, the ZeRO stage, the weights
     /// on the host (what was asked, unless nothing fit without them).
     pub optimizer_on_host: bool,
@@ -463,8 +473,10 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
         elem: req.dtype_bytes,
     };
     let (core, input) = (shape.core_bytes(), shape.input_bytes());
+    let mlp = shape.mlp_bytes();
     let saved_attn = if req.save_attention { l * core } else { 0 };
-    let group = input + if req.save_attention { core } else { 0 };
+    let saved_mlp = if req.save_mlp { l * mlp } else { 0 };
+    let group = input + if req.save_attention { core } else { 0 } + if req.save_mlp { mlp } else { 0 };
     let (off, on_host) = (req.offload_activations, req.optimizer_on_host);
     let piece = opt_elems.min(1 << 26); // the host optimizer's piece (`zero::HOST_PIECE`)
     let offload_params = zero == 3 && req.offload_params;
@@ -496,7 +508,7 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
         _ if lay.world > 1 => (4 + a) * shard + 2 * p * a,
         _ => 4 << 26,
     };
-    let saved = if off { (0, 0) } else { (l * input, saved_attn) };
+    let saved = if off { (0, 0, 0) } else { (l * input, saved_attn, saved_mlp) };
     let in_flight = if off { 2 * group } else { 0 };
     let layer_backward = shape.backward_bytes() - if req.save_attention { core } else { 0 };
     let attention_work = shape.attention_work_bytes();
@@ -505,7 +517,7 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let head_transient = head + if off { group } else { 0 };
     let transient = layer_transient.max(head_transient);
     let fixed = weights + gradients + optimizer;
-    let peak_compute = fixed + saved.0 + saved.1 + transient;
+    let peak_compute = fixed + saved.0 + saved.1 + saved.2 + transient;
     let peak_step = fixed + grad_reduce;
     let pool_peak = peak_compute.max(peak_step);
     let ov = u128::from(req.overhead);
@@ -516,6 +528,7 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
         grad_reduce: cvt(grad_reduce)?,
         saved_activations: cvt(saved.0)?,
         saved_attention: cvt(saved.1)?,
+        saved_mlp: cvt(saved.2)?,
         in_flight: cvt(in_flight)?,
         layer_backward: cvt(layer_backward)?,
         attention_work: cvt(attention_work)?,
@@ -651,25 +664,32 @@ pub fn suggest(model: &ModelShape, req: &PlanRequest) -> Option<Suggestion> {
         fpdt_offload: e.layout.mode == ParallelMode::Fpdt && r.fpdt_offload,
         offload_activations: r.offload_activations,
         save_attention: r.save_attention,
+        save_mlp: r.save_mlp,
         optimizer_on_host: r.optimizer_on_host,
         zero_stage: r.zero_stage,
         offload_params: r.offload_params,
         peak: e.device.peak,
     };
     let budget = (req.gpu_memory as f64 * (1.0 - SUGGESTION_HEADROOM)) as u64;
-    // Saving the attention is faster (no attention forward in the backward): take it when
-    // it fits with the headroom, and keep what was asked otherwise.
+    // Saving the attention is faster (no attention forward in the backward), and then
+    // saving the MLP's projections (no o_proj, gate and up GEMMs in the backward; more
+    // bytes for less time, so second): take each when it fits with the headroom, and keep
+    // what was asked otherwise.
     let with_saved = |r: &PlanRequest| -> PlanRequest {
-        let on = PlanRequest { save_attention: true, ..r.clone() };
-        match estimate(model, &on) {
-            Ok(e) if e.fits && e.device.peak <= budget => on,
-            _ => r.clone(),
+        let fits = |r: &PlanRequest| matches!(estimate(model, r), Ok(e) if e.fits && e.device.peak <= budget);
+        let mut r = r.clone();
+        for on in [PlanRequest { save_attention: true, ..r.clone() }, PlanRequest { save_attention: true, save_mlp: true, ..r.clone() }] {
+            if on != r && fits(&on) {
+                r = on;
+            }
         }
+        r
     };
     if let Ok(e) = estimate(model, req) {
         if e.fits {
             let r = with_saved(req);
-            let e = if r.save_attention != req.save_attention { estimate(model, &r).unwrap_or(e) } else { e };
+            let changed = r.save_attention != req.save_attention || r.save_mlp != req.save_mlp;
+            let e = if changed { estimate(model, &r).unwrap_or(e) } else { e };
             return Some(mk(&r, &e, true));
         }
     }
@@ -706,6 +726,7 @@ pub fn run_requests(cfg: &RunConfig, gpu_memory: u64, dtype_bytes: usize) -> Vec
             r.fpdt_offload = p.fpdt_offload;
             r.offload_activations = p.offload_activations;
             r.save_attention = p.save_attention;
+            r.save_mlp = p.save_mlp;
             r.token_chunk = p.token_chunk;
             r
         })
@@ -861,6 +882,9 @@ pub fn describe_suggestion(s: &Suggestion) -> String {
     }
     if s.save_attention {
         out += ", save_attention = true";
+    }
+    if s.save_mlp {
+        out += ", save_mlp = true";
     }
     out
 }

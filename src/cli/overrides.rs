@@ -53,6 +53,11 @@ pub struct ParallelFlags {
     /// (no attention recompute; in host memory with --offload-activations).
     #[arg(long)]
     pub save_attention: bool,
+    /// Keep each layer's MLP input and gate/up projections from the forward for the
+    /// backward (no o_proj, gate or up recompute; in host memory with
+    /// --offload-activations).
+    #[arg(long)]
+    pub save_mlp: bool,
     /// Tokens per chunk for the token-wise parts (MLP, norms, head, loss), e.g. 4096 or 4K
     /// [default: 4096].
     #[arg(long, value_parser = super::chunk_arg)]
@@ -84,6 +89,7 @@ impl ParallelFlags {
         p.fpdt_offload |= self.fpdt_offload;
         p.offload_activations |= self.offload_activations;
         p.save_attention |= self.save_attention;
+        p.save_mlp |= self.save_mlp;
         set(&mut p.token_chunk, self.token_chunk);
         if let Some(k) = &self.attention_kernel {
             c.attention.kernel = k.parse().map_err(|e: String| longctx::Error::config(FLAGS, "--attention-kernel", e))?;

@@ -224,7 +224,7 @@ fn print_device(p: &plan::Plan) {
     let (r, e) = (&p.request, &p.estimate);
     let d = &e.device;
     let z = r.zero_stage;
-    let rows: [(&str, u64, &str); 14] = [
+    let rows: [(&str, u64, &str); 15] = [
         (
             "weights",
             d.weights,
@@ -246,6 +246,7 @@ fn print_device(p: &plan::Plan) {
         ),
         ("saved activations", d.saved_activations, if r.offload_activations { "offloaded" } else { "" }),
         ("saved attention", d.saved_attention, if r.save_attention { "q, k, v, o, lse per layer" } else { "off" }),
+        ("saved MLP", d.saved_mlp, if r.save_mlp { "MLP input, gate, up per layer" } else { "off" }),
         ("layer transient", d.layer_transient, "backward of one layer, of which:"),
         ("  layer groups in flight", d.in_flight, if r.offload_activations { "brought back from the host" } else { "" }),
         ("  gradient, core, chunk", d.layer_backward, "[b,s,h] gradient, q/k/v/o (+ grads), one chunk"),
@@ -301,13 +302,23 @@ fn print_host(p: &plan::Plan) {
 pub fn print_suggestion(p: &plan::Plan) {
     let r = &p.request;
     match &p.suggestion {
-        Some(s) if s.as_requested && s.save_attention == r.save_attention => {
+        Some(s) if s.as_requested && s.save_attention == r.save_attention && s.save_mlp == r.save_mlp => {
             println!("  suggestion: as requested ({} GB peak)", plan::gb(s.peak))
         }
-        Some(s) if s.as_requested => println!(
-            "  suggestion: as requested, with --save-attention (no attention recompute in the backward: faster; {} GB peak)",
-            plan::gb(s.peak)
-        ),
+        Some(s) if s.as_requested => {
+            let mut added = Vec::new();
+            if s.save_attention && !r.save_attention {
+                added.push("--save-attention");
+            }
+            if s.save_mlp && !r.save_mlp {
+                added.push("--save-mlp");
+            }
+            println!(
+                "  suggestion: as requested, with {} (less recompute in the backward: faster; {} GB peak)",
+                added.join(" "),
+                plan::gb(s.peak)
+            )
+        }
         Some(s) => println!("  suggestion: {} ({} GB peak)", suggestion_flags(s, r), plan::gb(s.peak)),
         None => {
             let largest = match plan::largest_suggested(&p.model, r) {
@@ -349,6 +360,9 @@ fn suggestion_flags(s: &plan::Suggestion, r: &plan::PlanRequest) -> String {
     }
     if s.save_attention && !r.save_attention {
         flags += " --save-attention";
+    }
+    if s.save_mlp && !r.save_mlp {
+        flags += " --save-mlp";
     }
     if s.optimizer_on_host && !r.optimizer_on_host {
         flags += " --optimizer-on-host";

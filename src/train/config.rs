@@ -312,6 +312,11 @@ pub struct ParallelSection {
     /// so the backward does not rerun the attention (selective recomputation; costs
     /// `layers × tokens × (2·hq + 2·hkv)·head_dim` elements, see `longctx plan`).
     pub save_attention: bool,
+    /// Keep each layer's MLP input and its gate and up projections from the forward on the
+    /// device, per token chunk, so the backward does not rerun `o_proj`, the gate and the
+    /// up projection (costs `layers × tokens × (hidden + 2·intermediate)` elements, see
+    /// `longctx plan`).
+    pub save_mlp: bool,
     /// Seconds a collective may wait for the other ranks before every rank aborts, naming
     /// the rank and the collective (a peer alive but stuck); 0 = wait forever. Applies to
     /// NCCL and to the CPU transports (threads, processes).
@@ -329,6 +334,7 @@ impl Default for ParallelSection {
             offload_activations: false,
             token_chunk: 4096,
             save_attention: false,
+            save_mlp: false,
             collective_timeout_s: DEFAULT_COLLECTIVE_TIMEOUT_S,
         }
     }

@@ -22,7 +22,7 @@
 
 use crate::model::{DecoderLayer, Llama, RmsNorm, RopeTables};
 use crate::train::layer_grad::{
-    accumulate, chunk_rows, put_rows, rms_backward, rms_forward, row_buffer, LayerPass, LayerShape, LayerSlots, SavedAttention,
+    accumulate, chunk_rows, put_rows, rms_backward, rms_forward, row_buffer, LayerPass, LayerShape, LayerSlots, SavedLayer,
 };
 use crate::train::offload::ActivationStore;
 use crate::train::profile::{Phase, PhaseTimes, Profiler};
@@ -49,6 +49,11 @@ pub struct EngineOptions {
     /// the backward does not rerun the attention (explicit backward only; memory
     /// `layers × tokens × (2·hq + 2·hkv)·d` elements plus the LSE).
     pub save_attention: bool,
+    /// Keep each layer's MLP input `h` and its gate and up projections from the forward on
+    /// the device, per token chunk, so the backward does not rerun `o_proj`, the gate and
+    /// the up projection (explicit backward only; memory `layers × tokens × (h + 2·i)`
+    /// elements).
+    pub save_mlp: bool,
     /// Print a line per layer and phase of every step, after waiting for the device
     /// (`train.trace`).
     pub trace: bool,
@@ -62,6 +67,7 @@ impl Default for EngineOptions {
             layer_backward: LayerBackward::Explicit,
             profile: false,
             save_attention: false,
+            save_mlp: false,
             trace: false,
         }
     }
@@ -272,6 +278,13 @@ impl Engine {
         self.plain.rope = rope;
     }
 
+    /// What the forward keeps of each layer besides its input: `(attention, mlp)` (the
+    /// explicit backward only; the autograd reference recomputes everything).
+    fn keeps(&self) -> (bool, bool) {
+        let explicit = self.opts.layer_backward == LayerBackward::Explicit;
+        (self.opts.save_attention && explicit, self.opts.save_mlp && explicit)
+    }
+
     fn chunks(&self, s: usize) -> Vec<(usize, usize)> {
         let c = self.opts.token_chunk.max(1);
         (0..s).step_by(c).map(|st| (st, c.min(s - st))).collect()
@@ -386,20 +399,18 @@ impl Engine {
                 self.plain.embed_with(&e, ids)
             }
         })?; // [b, s, h]
-        let keep_attention = self.opts.save_attention && self.opts.layer_backward == LayerBackward::Explicit;
+        let (keep_attention, keep_mlp) = self.keeps();
         for l in 0..self.plain.layers.len() {
             self.prof.trace(dev, || format!("forward layer {l}"))?;
             // The layer's weights (ZeRO-3: gathered, or brought from the host).
             self.prof.time(Phase::Optimizer, dev, || hooks.prepare(layer_unit(l)))?;
             let fetched = self.prof.time(Phase::Copies, dev, || self.layer_from(hooks, l))?;
             let layer = fetched.as_ref().unwrap_or(&self.plain.layers[l]);
-            let (y, sa) = pass.forward(layer, &x)?;
-            // The layer's input, and its attention's tensors when they are kept (both
-            // parked in host memory when offloading).
-            self.prof.time(Phase::Copies, dev, || match keep_attention {
-                true => store.push(&[&x, &sa.q, &sa.k, &sa.v, &sa.o, &sa.lse]),
-                false => store.push(&[&x]),
-            })?;
+            let (y, sa, mlp) = pass.forward(layer, &x, keep_mlp)?;
+            // The layer's input, and its attention's and MLP's tensors when they are kept
+            // (all parked in host memory when offloading).
+            let saved = SavedLayer { x, attention: keep_attention.then_some(sa), mlp };
+            self.prof.time(Phase::Copies, dev, || store.push(&saved.tensors()))?;
             x = y;
         }
         Ok(x)
@@ -426,14 +437,15 @@ impl Engine {
                 }
                 Ok(group)
             })?;
-            let (x_in, sa) = SavedAttention::split(group)?;
+            let (keep_attention, keep_mlp) = self.keeps();
+            let saved = SavedLayer::split(group, keep_attention, keep_mlp, pass.chunks.len())?;
             gx = match self.opts.layer_backward {
                 LayerBackward::Explicit => {
                     let fetched = self.prof.time(Phase::Copies, dev, || self.layer_from(hooks, l))?;
                     let layer = fetched.as_ref().unwrap_or(&self.plain.layers[l]);
-                    pass.backward(layer, &self.slots[l], &x_in, sa, gx, acc)?
+                    pass.backward(layer, &self.slots[l], saved, gx, acc)?
                 }
-                LayerBackward::Autograd => self.autograd_layer_backward(l, &x_in, &gx, pass.rope, pass.attn, pass.chunks, acc)?,
+                LayerBackward::Autograd => self.autograd_layer_backward(l, &saved.x, &gx, pass.rope, pass.attn, pass.chunks, acc)?,
             };
             self.prof.time(Phase::GradAccum, dev, || hooks.grads_done(layer_unit(l)))?;
         }

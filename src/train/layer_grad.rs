@@ -185,18 +185,60 @@ pub struct SavedAttention {
     pub lse: Tensor, // [b, hq, s] f32
 }
 
-impl SavedAttention {
-    /// A layer's saved group `[x]` or `[x, q, k, v, o, lse]` (the engine's store order)
-    /// as the input and, when kept, the attention's tensors.
-    pub fn split(group: Vec<Tensor>) -> Result<(Tensor, Option<Self>)> {
-        let mut it = group.into_iter();
-        let (x, rest) = (it.next(), it.collect::<Vec<_>>());
-        let x = x.ok_or_else(|| crate::Error::Setting("engine: empty saved group".into()))?;
-        match <[Tensor; 5]>::try_from(rest) {
-            Ok([q, k, v, o, lse]) => Ok((x, Some(Self { q, k, v, o, lse }))),
-            Err(rest) if rest.is_empty() => Ok((x, None)),
-            Err(rest) => Err(crate::Error::Setting(format!("engine: a saved group of {} tensors", rest.len() + 1))),
+/// What the forward may keep of a layer's MLP half so that the backward does not rerun
+/// its gate and up projections (nor `o_proj` and the residual add): per token chunk, in
+/// chunk order, the residual stream after the attention `h_c [n, h]` and the gate and up
+/// projections `g_c, u_c [n, i]` (memory `layers × tokens × (h + 2·i)` elements).
+pub struct SavedMlp {
+    pub chunks: Vec<[Tensor; 3]>,
+}
+
+/// One layer's saved group as the engine's store holds it: the input `x`, then
+/// `q, k, v, o, lse` when the attention is kept, then `h_c, g_c, u_c` of every token
+/// chunk when the MLP half is kept.
+pub struct SavedLayer {
+    pub x: Tensor,
+    pub attention: Option<SavedAttention>,
+    pub mlp: Option<SavedMlp>,
+}
+
+impl SavedLayer {
+    /// The group's tensors in store order.
+    pub fn tensors(&self) -> Vec<&Tensor> {
+        let mut out = vec![&self.x];
+        if let Some(a) = &self.attention {
+            out.extend([&a.q, &a.k, &a.v, &a.o, &a.lse]);
         }
+        if let Some(m) = &self.mlp {
+            out.extend(m.chunks.iter().flatten());
+        }
+        out
+    }
+
+    /// A group from the store, read with what the forward kept (`attention`, and `mlp`
+    /// over `chunks` token chunks); a group of another length is an error.
+    pub fn split(group: Vec<Tensor>, attention: bool, mlp: bool, chunks: usize) -> Result<Self> {
+        let want = 1 + if attention { 5 } else { 0 } + if mlp { 3 * chunks } else { 0 };
+        if group.len() != want {
+            return Err(crate::Error::Setting(format!(
+                "engine: a saved layer group of {} tensors, expected {want} (input{}{})",
+                group.len(),
+                if attention { ", attention" } else { "" },
+                if mlp { ", MLP per chunk" } else { "" }
+            )));
+        }
+        let mut it = group.into_iter();
+        let mut next = || it.next().ok_or_else(|| crate::Error::Setting("engine: short saved group".into()));
+        let x = next()?;
+        let attention = match attention {
+            true => Some(SavedAttention { q: next()?, k: next()?, v: next()?, o: next()?, lse: next()? }),
+            false => None,
+        };
+        let mlp = match mlp {
+            true => Some(SavedMlp { chunks: (0..chunks).map(|_| Ok([next()?, next()?, next()?])).collect::<Result<_>>()? }),
+            false => None,
+        };
+        Ok(Self { x, attention, mlp })
     }
 }
 
@@ -288,6 +330,13 @@ impl LayerShape {
         let (b, s, a) = self.n();
         let (eq, ekv) = self.elems();
         (2 * eq + 2 * ekv) * a + 4 * b * self.heads as u128 * s
+    }
+
+    /// The MLP half a layer may save ([`SavedMlp`]): its input `h` and the gate and up
+    /// projections, every token chunk's.
+    pub fn mlp_bytes(&self) -> u128 {
+        let (b, s, a) = self.n();
+        b * s * (self.hidden as u128 + 2 * self.intermediate as u128) * a
     }
 
     /// Bytes alive at once in [`LayerPass::backward`] besides the layer's saved input and
@@ -412,8 +461,9 @@ impl LayerPass<'_> {
     }
 
     /// `y_c = h_c + down(act(gate(n2), up(n2)))`, `n2 = rms(h_c)·w2`, rows `[n, h]`
-    /// (Gemma 3: the branch normed before the add).
-    fn mlp_chunk(&self, layer: &DecoderLayer, hc: &Tensor) -> Result<Tensor> {
+    /// (Gemma 3: the branch normed before the add), and the gate and up projections
+    /// `g, u [n, i]`.
+    fn mlp_chunk(&self, layer: &DecoderLayer, hc: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let m = &layer.mlp;
         let (n2, _) = self.t(Phase::NormRopeAct, || rms_forward(layer.mlp_norm(), hc))?;
         let g = self.linear(&m.gate_proj, &n2)?;
@@ -424,30 +474,48 @@ impl LayerPass<'_> {
             Some(norm) => self.t(Phase::NormRopeAct, || Ok(rms_forward(norm, &y)?.0))?,
             None => y,
         };
-        self.t(Phase::Copies, || Ok(hc.add(&y)?))
+        Ok((self.t(Phase::Copies, || Ok(hc.add(&y)?))?, g, u))
     }
 
     /// The layer's output `[b, s, h]` for its input `x [b, s, h]` (the model's
     /// [`DecoderLayer::forward`], written out so that each piece is timed and only the
-    /// attention core is whole-sequence), and the attention's tensors for the backward.
-    pub fn forward(&self, layer: &DecoderLayer, x: &Tensor) -> Result<(Tensor, SavedAttention)> {
+    /// attention core is whole-sequence), the attention's tensors for the backward, and
+    /// with `keep_mlp` the MLP half's chunk tensors ([`SavedMlp`]: kept as computed, no copy).
+    pub fn forward(&self, layer: &DecoderLayer, x: &Tensor, keep_mlp: bool) -> Result<(Tensor, SavedAttention, Option<SavedMlp>)> {
         let core = self.attn_core(layer, x)?;
         // SAFETY: the loop below writes every chunk's rows of y.
         let y = unsafe { row_buffer(x.shape(), x.dtype(), x.device()) }?;
+        let mut kept = Vec::with_capacity(if keep_mlp { self.chunks.len() } else { 0 });
         for &ch in self.chunks {
             let (hc, _) = self.residual_chunk(layer, x, &core.o, ch)?;
-            self.put(&y, &self.mlp_chunk(layer, &hc)?, ch)?;
+            let (yc, g, u) = self.mlp_chunk(layer, &hc)?;
+            self.put(&y, &yc, ch)?;
+            if keep_mlp {
+                kept.push([hc, g, u]);
+            }
         }
-        Ok((y, core))
+        Ok((y, core, keep_mlp.then_some(SavedMlp { chunks: kept })))
     }
 
     /// `dh_c` of one chunk of the MLP half for `dy_c` (rows `[n, h]`): the residual plus
     /// the branch's gradient. Weight gradients into their slots.
-    fn mlp_chunk_backward(&self, layer: &DecoderLayer, sl: &LayerSlots, hc: &Tensor, dyc: &Tensor, acc: &[Tensor]) -> Result<Tensor> {
+    /// `gu`: the chunk's gate and up projections when the forward kept them (else
+    /// recomputed from `hc`).
+    fn mlp_chunk_backward(
+        &self,
+        layer: &DecoderLayer,
+        sl: &LayerSlots,
+        hc: &Tensor,
+        gu: Option<(Tensor, Tensor)>,
+        dyc: &Tensor,
+        acc: &[Tensor],
+    ) -> Result<Tensor> {
         let m = &layer.mlp;
         let (n2, rstd2) = self.t(Phase::NormRopeAct, || rms_forward(layer.mlp_norm(), hc))?;
-        let g = self.linear(&m.gate_proj, &n2)?; // [n, i]
-        let u = self.linear(&m.up_proj, &n2)?; // [n, i]
+        let (g, u) = match gu {
+            Some(gu) => gu,
+            None => (self.linear(&m.gate_proj, &n2)?, self.linear(&m.up_proj, &n2)?), // [n, i] each
+        };
         let gu = self.t(Phase::NormRopeAct, || act_forward(layer, &g, &u))?;
         // Gemma 3: through the MLP-output norm, on the recomputed branch.
         let dbranch = match (layer.mlp_out_norm(), sl.ff) {
@@ -497,29 +565,43 @@ impl LayerPass<'_> {
     /// Gradient of the layer's input for the gradient of its output `dy [b, s, h]`, which
     /// it overwrites (first with the gradient after the attention half, then with the
     /// gradient of the input) and returns; every weight gradient of the layer is added
-    /// into `acc` (f32). `x` is the layer's input as the forward saw it; `saved` its
-    /// attention tensors when the forward kept them (else the attention core is rerun).
-    pub fn backward(
-        &self,
-        layer: &DecoderLayer,
-        sl: &LayerSlots,
-        x: &Tensor,
-        saved: Option<SavedAttention>,
-        dy: Tensor,
-        acc: &[Tensor],
-    ) -> Result<Tensor> {
+    /// into `acc` (f32). `saved` is what the forward kept: the layer's input as the forward
+    /// saw it, its attention tensors (else the attention core is rerun) and its MLP half's
+    /// chunk tensors (else `o_proj`, the residual add and the gate and up projections are
+    /// rerun; they must come from the same token chunks as this pass's).
+    pub fn backward(&self, layer: &DecoderLayer, sl: &LayerSlots, saved: SavedLayer, dy: Tensor, acc: &[Tensor]) -> Result<Tensor> {
+        let SavedLayer { x, attention, mlp } = saved;
+        let x = &x;
         let dy = self.t(Phase::Copies, || Ok(dy.contiguous()?))?;
-        let core = match saved {
+        let core = match attention {
             Some(c) => c,
             None => self.attn_core(layer, x)?,
+        };
+        let mut mlp = match mlp {
+            Some(m) if m.chunks.len() != self.chunks.len() => {
+                return Err(crate::Error::Setting(format!(
+                    "engine: the forward kept the MLP of {} token chunks, the backward runs {}",
+                    m.chunks.len(),
+                    self.chunks.len()
+                )))
+            }
+            Some(m) => m.chunks.into_iter().map(Some).collect(),
+            None => vec![None; self.chunks.len()],
         };
         let a = &layer.self_attn;
         // SAFETY: the loop below writes every chunk's rows of d_o.
         let d_o = unsafe { row_buffer(core.o.shape(), core.o.dtype(), core.o.device()) }?;
         // MLP half and o_proj, chunk by chunk: dy_c → dh_c (written over dy_c), d_o_c.
-        for &ch in self.chunks {
-            let (hc, pre) = self.residual_chunk(layer, x, &core.o, ch)?;
-            let dh = self.mlp_chunk_backward(layer, sl, &hc, &self.rows(&dy, ch)?, acc)?;
+        for (i, &ch) in self.chunks.iter().enumerate() {
+            // Gemma 3's attention-output norm needs its input: the branch is recomputed.
+            let (hc, pre, gu) = match (mlp[i].take(), layer.attn_out_norm()) {
+                (Some([hc, g, u]), None) => (hc, None, Some((g, u))),
+                (kept, _) => {
+                    let (hc, pre) = self.residual_chunk(layer, x, &core.o, ch)?;
+                    (hc, pre, kept.map(|[_, g, u]| (g, u)))
+                }
+            };
+            let dh = self.mlp_chunk_backward(layer, sl, &hc, gu, &self.rows(&dy, ch)?, acc)?;
             drop(hc);
             let da = self.attn_out_backward(layer, sl, pre, &dh, acc)?;
             let doc = self.linear_backward(&a.o_proj, sl.o, &self.rows(&core.o, ch)?, &da, acc)?;

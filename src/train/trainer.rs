@@ -594,6 +594,7 @@ fn build_engine(sh: &Shared<'_>, zc: &ZeroConfig, picked: Vec<(&String, &Tensor)
         profile: cfg.train.profile,
         trace: cfg.train.trace,
         save_attention: cfg.parallel.save_attention,
+        save_mlp: cfg.parallel.save_mlp,
         layer_backward: cfg.train.layer_backward,
     };
     if zc.shards_weights() {

@@ -160,14 +160,37 @@ fn check(
     let auto = engine_with(cfg, EngineOptions { layer_backward: LayerBackward::Autograd, ..base.clone() })?;
     let got_auto = auto.step(&ids, &targets, &pos, s, &attn, scale)?;
     let worst_auto = assert_close(&format!("{case} (autograd layer backward)"), &auto, &got_auto, &want)?;
-    let keep = engine_with(cfg, EngineOptions { save_attention: true, ..base })?;
+    let keep = engine_with(cfg, EngineOptions { save_attention: true, ..base.clone() })?;
     let got_keep = keep.step(&ids, &targets, &pos, s, &attn, scale)?;
     let worst_keep = assert_close(&format!("{case} (attention saved)"), &keep, &got_keep, &want)?;
     assert!(got_keep.memory.saved_bytes > got.memory.saved_bytes, "{case}: saved attention is counted");
     let host_want = if offload { got_keep.memory.saved_bytes } else { 0 };
     assert_eq!(got_keep.memory.saved_host_bytes, host_want, "{case}: saved attention goes where the layer inputs go");
+    // The MLP's input and gate/up projections kept from the forward: the same products the
+    // backward would recompute, so the same gradients bit for bit, alone and with the
+    // attention kept; each kept tensor counted where the layer inputs go.
+    let (l, i, h) = (cfg.num_hidden_layers, cfg.intermediate_size, cfg.hidden_size);
+    let mlp_bytes = l * b * s * (h + 2 * i) * 4;
+    for (opts, what, plain, plain_saved) in [
+        (EngineOptions { save_mlp: true, ..base.clone() }, "MLP saved", &got, got.memory.saved_bytes),
+        (
+            EngineOptions { save_mlp: true, save_attention: true, ..base.clone() },
+            "attention and MLP saved",
+            &got_keep,
+            got_keep.memory.saved_bytes,
+        ),
+    ] {
+        let eng = engine_with(cfg, opts)?;
+        let r = eng.step(&ids, &targets, &pos, s, &attn, scale)?;
+        assert_eq!(r.loss_sum, plain.loss_sum, "{case} ({what}): loss");
+        for ((name, _), (a, b)) in eng.params.iter().zip(r.grads.iter().zip(&plain.grads)) {
+            assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?, "{case} ({what}): {name}");
+        }
+        assert_eq!(r.memory.saved_bytes, plain_saved + mlp_bytes, "{case} ({what}): saved bytes");
+        assert_eq!(r.memory.saved_host_bytes, if offload { r.memory.saved_bytes } else { 0 }, "{case} ({what}): host bytes");
+    }
     eprintln!(
-        "{case}: worst grad rel {worst:.2e} (full_graph_step {worst_full:.2e}, autograd layers {worst_auto:.2e}, attention saved {worst_keep:.2e})"
+        "{case}: worst grad rel {worst:.2e} (full_graph_step {worst_full:.2e}, autograd layers {worst_auto:.2e}, attention saved {worst_keep:.2e}; MLP saved: bit-identical)"
     );
     Ok(worst)
 }
@@ -320,22 +343,36 @@ fn planner_figures_equal_the_engine_report() -> longctx::Result<()> {
     for (seq, gpus, mode) in
         [(64, 1, ParallelMode::DataParallel), (96, 1, ParallelMode::DataParallel), (128, 2, ParallelMode::ZigzagRingAttn)]
     {
-        for (offload, save) in [(false, false), (true, false), (false, true), (true, true)] {
+        for (offload, save, mlp) in [
+            (false, false, false),
+            (true, false, false),
+            (false, true, false),
+            (true, true, false),
+            (false, false, true),
+            (true, true, true),
+        ] {
             let chunk = 40;
             let mut req = PlanRequest::new(seq, gpus, 1 << 40, mode);
             (req.dtype_bytes, req.token_chunk, req.batch_size) = (4, chunk, 2);
-            (req.offload_activations, req.save_attention) = (offload, save);
+            (req.offload_activations, req.save_attention, req.save_mlp) = (offload, save, mlp);
             let e = plan::estimate(&ModelShape::from_config(&cfg), &req)?;
             let s = e.layout.local_tokens; // this rank's tokens: what the engine is given
             let eng = engine_with(
                 &cfg,
-                EngineOptions { token_chunk: chunk, offload_activations: offload, save_attention: save, ..Default::default() },
+                EngineOptions {
+                    token_chunk: chunk,
+                    offload_activations: offload,
+                    save_attention: save,
+                    save_mlp: mlp,
+                    ..Default::default()
+                },
             )?;
             let (ids, targets, pos) = batch(2, s, cfg.vocab_size, |_, _| false)?;
             let m = eng.step(&ids, &targets, &pos, seq, &attn, 0.01)?.memory;
-            let case = format!("S={seq} {mode:?} offload={offload} save={save}");
+            let case = format!("S={seq} {mode:?} offload={offload} save={save} mlp={mlp}");
             let (d, h) = (&e.device, &e.host);
-            assert_eq!(m.saved_bytes as u64, d.saved_activations + d.saved_attention + h.saved_activations, "{case}: saved");
+            assert_eq!(m.saved_bytes as u64, d.saved_activations + d.saved_attention + d.saved_mlp + h.saved_activations, "{case}: saved");
+            assert_eq!(d.saved_mlp > 0, mlp && !offload, "{case}: saved MLP on the device");
             assert_eq!(m.saved_host_bytes as u64, h.saved_activations, "{case}: saved in host memory");
             // q, k, v, o and the LSE of one layer, f32: counted in the layer's backward unless saved.
             let (eq, ekv) = (2 * s * cfg.num_attention_heads * cfg.head_dim, 2 * s * cfg.num_key_value_heads * cfg.head_dim);

@@ -74,6 +74,9 @@ pub struct BenchEngineArgs {
     /// Keep each layer's attention tensors for the backward (selective recomputation).
     #[arg(long)]
     pub save_attention: bool,
+    /// Keep each layer's MLP input and gate/up projections for the backward.
+    #[arg(long)]
+    pub save_mlp: bool,
     /// Instead of timing: check the explicit layer backward (fused kernels) against the
     /// autograd reference at each length. Gradients of three runs on the same weights and
     /// tokens: autograd in f32 (the reference), autograd in `--dtype`, explicit in
@@ -134,6 +137,7 @@ fn run_setting(
         offload_activations: off,
         profile: a.profile,
         save_attention: a.save_attention,
+        save_mlp: a.save_mlp,
         ..Default::default()
     };
     let eng = Engine::from_vars(cfg, vars, opts)?;
@@ -202,8 +206,13 @@ fn check_grads(a: &BenchEngineArgs, cfg: &LlamaConfig, vars: &HashMap<String, Va
         let (ids, targets, pos) = tokens(a, cfg, s, dev)?;
         let scale = 1.0 / (a.batch * s) as f64;
         let run = |vars: &HashMap<String, Var>, lb: LayerBackward| -> anyhow::Result<(Vec<Tensor>, f64)> {
-            let opts =
-                EngineOptions { token_chunk: a.token_chunk, save_attention: a.save_attention, layer_backward: lb, ..Default::default() };
+            let opts = EngineOptions {
+                token_chunk: a.token_chunk,
+                save_attention: a.save_attention,
+                save_mlp: a.save_mlp,
+                layer_backward: lb,
+                ..Default::default()
+            };
             let r = Engine::from_vars(cfg, vars, opts)?.step(&ids, &targets, &pos, s, &attn, scale)?;
             let host = r.grads.iter().map(|g| g.to_device(&candle_core::Device::Cpu)).collect::<candle_core::Result<Vec<_>>>()?;
             Ok((host, r.loss_sum * scale))

@@ -71,8 +71,9 @@ impl std::fmt::Display for Measured {
 /// model's parameter names are the checkpoint's tensors (what the export writes back);
 /// `extra` checks the model first (e.g. its RoPE tables); logits, per-token loss, the
 /// counted tokens and the SUM loss; every gradient through Candle's autograd (the model
-/// API) and through the training engine's explicit and autograd layer backward (global
-/// length 1024, as the trainer passes it for this batch).
+/// API) and through the training engine's explicit layer backward (recomputing, and
+/// keeping the attention and the MLP's projections from the forward) and its autograd
+/// layer backward (global length 1024, as the trainer passes it for this batch).
 pub fn check_against_reference(name: &str, f: &Fixture, extra: impl FnOnce(&Llama)) -> Measured {
     let r = &f.reference;
     let ids = r["input_ids"].to_dtype(DType::U32).unwrap();
@@ -114,13 +115,15 @@ pub fn check_against_reference(name: &str, f: &Fixture, extra: impl FnOnce(&Llam
     let params = model.named_parameters();
     let mut auto = params.iter().map(|(p, t)| (p.clone(), grads.get(t).unwrap_or_else(|| panic!("{name}: no gradient for {p}"))));
     let mut worst_grad = vec![worst(&mut auto, "autograd")];
-    for lb in [LayerBackward::Explicit, LayerBackward::Autograd] {
-        let eng = Engine::from_vars(&f.cfg, &f.vars, opts(lb)).unwrap();
+    let saved = EngineOptions { save_attention: true, save_mlp: true, ..opts(LayerBackward::Explicit) };
+    for (what, o) in [("Explicit", opts(LayerBackward::Explicit)), ("Explicit, saved", saved), ("Autograd", opts(LayerBackward::Autograd))]
+    {
+        let eng = Engine::from_vars(&f.cfg, &f.vars, o).unwrap();
         let out = eng.step(&ids, &targets, &pos, 1024, &attn, 1.0).unwrap();
         let want = r["loss_sum"].to_scalar::<f32>().unwrap();
-        assert!((out.loss_sum as f32 - want).abs() <= LOSS_TOL * want.abs(), "{name}: engine ({lb:?}) loss {} vs {want}", out.loss_sum);
+        assert!((out.loss_sum as f32 - want).abs() <= LOSS_TOL * want.abs(), "{name}: engine ({what}) loss {} vs {want}", out.loss_sum);
         let mut it = eng.params.iter().zip(&out.grads).map(|((p, _), g)| (p.clone(), g));
-        worst_grad.push(worst(&mut it, &format!("engine {lb:?}")));
+        worst_grad.push(worst(&mut it, &format!("engine {what}")));
     }
     Measured { logits: e_logits, loss: e_tok, worst_grad }
 }
