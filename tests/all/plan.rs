@@ -350,11 +350,24 @@ fn saved_attention_by_hand_and_chosen_when_it_fits() {
     assert!(!on.fits);
     let s = plan::suggest(&shape(), &req(512 * K, ParallelMode::ZigzagRingAttn)).unwrap();
     assert!(s.as_requested && !s.save_attention, "{s:?}");
-    // At 128K on 8 GPUs (16K tokens each) it fits easily and is suggested.
+    // At 128K on 8 GPUs (16K tokens each) it fits easily and is suggested, and so is the
+    // saved MLP: per layer 16384 tokens × (4096 + 2·11008) × 2 bytes = 855,638,016.
     let s = plan::suggest(&shape(), &req(128 * K, ParallelMode::ZigzagRingAttn)).unwrap();
-    assert!(s.as_requested && s.save_attention, "{s:?}");
-    let e = plan::estimate(&shape(), &PlanRequest { save_attention: true, ..req(128 * K, ParallelMode::ZigzagRingAttn) }).unwrap();
+    assert!(s.as_requested && s.save_attention && s.save_mlp, "{s:?}");
+    let both = PlanRequest { save_attention: true, save_mlp: true, ..req(128 * K, ParallelMode::ZigzagRingAttn) };
+    let e = plan::estimate(&shape(), &both).unwrap();
     assert_eq!(s.peak, e.device.peak);
+    let attn_only = plan::estimate(&shape(), &PlanRequest { save_mlp: false, ..both.clone() }).unwrap();
+    assert_eq!(e.device.saved_mlp, 32 * 855_638_016);
+    assert_eq!(e.device.peak_compute, attn_only.device.peak_compute + e.device.saved_mlp);
+    // Offloaded, the MLP's tensors go to the host with the layer inputs.
+    let off = plan::estimate(&shape(), &PlanRequest { offload_activations: true, ..both.clone() }).unwrap();
+    let off_attn = plan::estimate(&shape(), &PlanRequest { offload_activations: true, save_mlp: false, ..both }).unwrap();
+    assert_eq!(off.device.saved_mlp, 0);
+    assert_eq!(off.host.saved_activations, off_attn.host.saved_activations + 32 * 855_638_016);
+    // At 256K (32K tokens each) the attention still fits with the headroom, the MLP no longer.
+    let s = plan::suggest(&shape(), &req(256 * K, ParallelMode::ZigzagRingAttn)).unwrap();
+    assert!(s.as_requested && s.save_attention && !s.save_mlp, "{s:?}");
 }
 
 /// A run config for the 1.1B shape on one GPU, one stage of `seq` tokens.
