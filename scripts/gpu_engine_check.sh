@@ -4,7 +4,8 @@
 # (autograd in bf16 and autograd in f32) on the same weights and data.
 #   1. gradients of one step: `longctx bench engine --check-grads` (TinyLlama-1.1B shape cut
 #      to 2 layers, 1K tokens: the f32 reference runs the naive attention, cuDNN being
-#      16-bit only), bf16 with and without saved attention, and f32 (explicit within 1e-4);
+#      16-bit only), bf16 recomputing, with saved attention and with saved attention and MLP,
+#      and f32 (explicit within 1e-4, recomputing and with both saved);
 #   2. losses of 10 training steps of the tiny model and of the 2-layer 1.1B shape (1K
 #      tokens): explicit bf16 vs f32 within twice autograd bf16 vs f32.
 # Env: MODEL (default builtin:tinyllama-1.1b-shape@layers=2), SEQ (default 1024).
@@ -19,14 +20,16 @@ export LONGCTX_ATTN_FALLBACK=1
 MODEL=${MODEL:-builtin:tinyllama-1.1b-shape@layers=2}; SEQ=${SEQ:-1024}
 W=/tmp/gec; rm -rf $W; mkdir -p $W
 status=0
-for extra in "" "--save-attention"; do
+for extra in "" "--save-attention" "--save-attention --save-mlp"; do
   timeout 120 "$BIN" bench engine --check-grads --model "$MODEL" --seq "$SEQ" --token-chunk 256 $extra \
     >>"$OUTDIR/check_grads.jsonl" 2>>"$OUTDIR/check_grads.log" || { echo "check-grads $extra FAILED"; status=1; }
 done
 # f32 on the GPU: autograd is the reference itself, so the explicit path (GEMM-accumulated
 # f32 weight gradients, fused kernels) must be within 1e-4 of it outright.
-timeout 120 "$BIN" bench engine --check-grads --model "$MODEL" --dtype f32 --seq "$SEQ" --token-chunk 256 --tolerance 1e-4 \
-  >>"$OUTDIR/check_grads.jsonl" 2>>"$OUTDIR/check_grads.log" || { echo "check-grads f32 FAILED"; status=1; }
+for extra in "" "--save-attention --save-mlp"; do
+  timeout 120 "$BIN" bench engine --check-grads --model "$MODEL" --dtype f32 --seq "$SEQ" --token-chunk 256 --tolerance 1e-4 $extra \
+    >>"$OUTDIR/check_grads.jsonl" 2>>"$OUTDIR/check_grads.log" || { echo "check-grads f32 $extra FAILED"; status=1; }
+done
 grep -E "^seq" "$OUTDIR/check_grads.log"
 train() { # name dtype layer_backward model seq steps batch lr
   printf '[train]\nlayer_backward = "%s"\n' "$3" > $W/$1.toml

@@ -224,14 +224,16 @@ fn check_grads(a: &BenchEngineArgs, cfg: &LlamaConfig, vars: &HashMap<String, Va
         let ok = diff <= 2.0 * noise + a.tolerance;
         failed |= !ok;
         eprintln!(
-            "seq {s}: explicit vs f32 {diff:.3e}, autograd vs f32 {noise:.3e} (noise); losses f32 {l_ref:.6}, autograd {l_auto:.6}, \
+            "seq {s}{}{}: explicit vs f32 {diff:.3e}, autograd vs f32 {noise:.3e} (noise); losses f32 {l_ref:.6}, autograd {l_auto:.6}, \
              explicit {l_expl:.6}: {}",
+            if a.save_attention { ", attention saved" } else { "" },
+            if a.save_mlp { ", MLP saved" } else { "" },
             if ok { "ok" } else { "FAILED" }
         );
         println!(
             "{}",
             serde_json::json!({"seq": s, "grad_diff_explicit": diff, "grad_diff_autograd": noise, "loss_f32": l_ref,
-                "loss_autograd": l_auto, "loss_explicit": l_expl, "ok": ok})
+                "loss_autograd": l_auto, "loss_explicit": l_expl, "save_attention": a.save_attention, "save_mlp": a.save_mlp, "ok": ok})
         );
     }
     if failed {
