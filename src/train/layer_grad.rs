@@ -187,8 +187,10 @@ pub struct SavedAttention {
 
 /// What the forward may keep of a layer's MLP half so that the backward does not rerun
 /// its gate and up projections (nor `o_proj` and the residual add): per token chunk, in
-/// chunk order, the residual stream after the attention `h_c [n, h]` and the gate and up
-/// projections `g_c, u_c [n, i]` (memory `layers × tokens × (h + 2·i)` elements).
+/// chunk order, the residual stream after the attention `h_c [n, h]` (Gemma 3: the
+/// attention branch before its output norm, from which `h_c` is rebuilt without `o_proj`)
+/// and the gate and up projections `g_c, u_c [n, i]` (memory `layers × tokens × (h + 2·i)`
+/// elements).
 pub struct SavedMlp {
     pub chunks: Vec<[Tensor; 3]>,
 }
@@ -450,6 +452,17 @@ impl LayerPass<'_> {
         ch: (usize, usize),
     ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         let a_out = self.linear(&layer.self_attn.o_proj, &self.rows(o, ch)?)?;
+        self.residual_add(layer, x, a_out, ch)
+    }
+
+    /// [`Self::residual_chunk`] from the chunk's `o_proj` output `a_out [n, h]`.
+    fn residual_add(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        a_out: Tensor,
+        ch: (usize, usize),
+    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         let (a, pre) = match layer.attn_out_norm() {
             Some(norm) => {
                 let (a, rstd) = self.t(Phase::NormRopeAct, || rms_forward(norm, &a_out))?;
@@ -487,11 +500,13 @@ impl LayerPass<'_> {
         let y = unsafe { row_buffer(x.shape(), x.dtype(), x.device()) }?;
         let mut kept = Vec::with_capacity(if keep_mlp { self.chunks.len() } else { 0 });
         for &ch in self.chunks {
-            let (hc, _) = self.residual_chunk(layer, x, &core.o, ch)?;
+            let (hc, pre) = self.residual_chunk(layer, x, &core.o, ch)?;
             let (yc, g, u) = self.mlp_chunk(layer, &hc)?;
             self.put(&y, &yc, ch)?;
             if keep_mlp {
-                kept.push([hc, g, u]);
+                // The residual stream itself, or (Gemma 3) the branch before its norm, which
+                // the backward's norm needs and rebuilds `h_c` from without `o_proj`.
+                kept.push([pre.map_or(hc, |(a_out, _)| a_out), g, u]);
             }
         }
         Ok((y, core, keep_mlp.then_some(SavedMlp { chunks: kept })))
@@ -593,12 +608,15 @@ impl LayerPass<'_> {
         let d_o = unsafe { row_buffer(core.o.shape(), core.o.dtype(), core.o.device()) }?;
         // MLP half and o_proj, chunk by chunk: dy_c → dh_c (written over dy_c), d_o_c.
         for (i, &ch) in self.chunks.iter().enumerate() {
-            // Gemma 3's attention-output norm needs its input: the branch is recomputed.
             let (hc, pre, gu) = match (mlp[i].take(), layer.attn_out_norm()) {
                 (Some([hc, g, u]), None) => (hc, None, Some((g, u))),
-                (kept, _) => {
+                (Some([a_out, g, u]), Some(_)) => {
+                    let (hc, pre) = self.residual_add(layer, x, a_out, ch)?;
+                    (hc, pre, Some((g, u)))
+                }
+                (None, _) => {
                     let (hc, pre) = self.residual_chunk(layer, x, &core.o, ch)?;
-                    (hc, pre, kept.map(|[_, g, u]| (g, u)))
+                    (hc, pre, None)
                 }
             };
             let dh = self.mlp_chunk_backward(layer, sl, &hc, gu, &self.rows(&dy, ch)?, acc)?;
