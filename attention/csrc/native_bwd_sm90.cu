@@ -91,9 +91,6 @@ struct BwdTraits {
 #ifndef LONGCTX_BWD_D128_STAGES
 #define LONGCTX_BWD_D128_STAGES 2
 #endif
-#ifndef LONGCTX_BWD_SKEW
-#define LONGCTX_BWD_SKEW 0  // 1: the warpgroups' dQ a step apart (see the main loop); 2: and staggered from the start
-#endif
 #ifndef LONGCTX_BWD_D128_DQ_BUFS
 #define LONGCTX_BWD_D128_DQ_BUFS 1
 #endif
@@ -480,83 +477,40 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         for (int i = 0; i <= LONGCTX_BWD_PHASES; ++i) phase_sum[wg][i] = 0;
     unsigned phase_t0 = clock();
 #endif
-    // With kSkew the warpgroups do not meet: warpgroup 1 computes dQ of step `it` once
-    // warpgroup 0's dSᵀ of `it` is stored (barrier kBarDs0), warpgroup 0 computes dQ of step
-    // it − 1 once warpgroup 1's dSᵀ of it − 1 is stored (kBarDs1), so warpgroup 1 may run up to
-    // a step behind and one's exponentials overlap the other's products. Each warpgroup
-    // waits before storing its dSᵀ into buffer `buf`, which also orders that store after the
-    // other's dQ read of the same buffer two steps before.
-    constexpr bool kSkew = LONGCTX_BWD_SKEW != 0 && D == 128;  // d 64 spills with it (48 bytes)
-    constexpr bool kStagger = LONGCTX_BWD_SKEW == 2 && kSkew;
-    constexpr int kBarDs0 = 5, kBarDs1 = 6, kBarStart = 7;
-    auto step_head = [&](int j) { return hk * group + j / per_head; };
-    auto step_block = [&](int j) { return m_first + j % per_head; };
     for (int it = 0; it < steps; ++it) {
-        const int m = step_block(it), h = step_head(it);
+        const int g = it / per_head, m = m_first + it % per_head, h = hk * group + g;
         const int st = it % ST, buf = it & 1;
         TBar::wait(&sm.bar_full[st], (it / ST) & 1);
-        if constexpr (kStagger) {
-            if (it == 0 && wg == 1) bar_sync(kBarStart, 256);  // start half a step behind
-        }
         BWD_PHASE(0);  // waiting for this step's Q, dO, lse2, D
         issue_sdp(st);
         warpgroup_wait<1>();  // Sᵀ (dPᵀ may run)
         warpgroup_fence_operand(tSrS);
         BWD_PHASE(1);
         compute_p(m, st);
-        if constexpr (kStagger) {
-            if (it == 0 && wg == 0) bar_arrive(kBarStart, 256);
-        }
         BWD_PHASE(2);
         issue_dv(st);
         warpgroup_wait<1>();  // dPᵀ (dV may run)
         warpgroup_fence_operand(tSrdP);
         BWD_PHASE(3);
         compute_ds(st);
-        if constexpr (kSkew) {
-            if (wg == 1) bar_sync(kBarDs0, 256);
-            else if (it > 0) bar_sync(kBarDs1, 256);
-        }
         // dSᵀ in buffer `buf`: the other one may still feed the other warpgroup's dQ of the
         // previous step (it passed this step's barrier only after that dQ was done)
         store_ds(buf);
         BWD_PHASE(4);
-        if constexpr (kSkew) bar_arrive(wg == 0 ? kBarDs0 : kBarDs1, 256);
-        else bar_sync(1, 256);
+        bar_sync(1, 256);
         BWD_PHASE(5);
-        if (kSkew && wg == 0) {
-            if (it > 0) {
-                issue_dq(buf ^ 1);
-                issue_dk(st);
-                warpgroup_wait<1>();  // dV and dQ (dK may run)
-                warpgroup_fence_operand(tdQrdQ);
-                BWD_PHASE(6);
-                store_dq(step_head(it - 1), step_block(it - 1), buf ^ 1);
-            } else {
-                issue_dk(st);
-                BWD_PHASE(6);
-            }
-        } else {
-            issue_dq(buf);
-            issue_dk(st);
-            warpgroup_wait<1>();  // dV and dQ (dK may run)
-            warpgroup_fence_operand(tdQrdQ);
-            BWD_PHASE(6);
-            store_dq(h, m, buf);
-        }
+        issue_dq(buf);
+        issue_dk(st);
+        warpgroup_wait<1>();  // dV and dQ (dK may run)
+        warpgroup_fence_operand(tdQrdQ);
+        BWD_PHASE(6);
+        store_dq(h, m, buf);
         BWD_PHASE(7);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);
         Bar::arrive(&sm.bar_empty[st]);  // Q, dO, lse2, D of this stage are no longer read
         BWD_PHASE(8);
-    }
-    if (kSkew && wg == 0 && steps > 0) {  // warpgroup 0's dQ of the last step
-        bar_sync(kBarDs1, 256);
-        issue_dq((steps - 1) & 1);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tdQrdQ);
-        store_dq(step_head(steps - 1), step_block(steps - 1), (steps - 1) & 1);
     }
 #if LONGCTX_NATIVE_PROFILE
     if (wtid == 0) {
