@@ -171,6 +171,7 @@ struct BwdParams {
     Element *dk, *dv;
     int b, s, t, hq, hkv, s_pad;
     float scale, scale_log2;
+    int band;  // causal: KV heads per band of the grid (band_width)
 };
 
 // shared -> global f32 add of `bytes` (a multiple of 16, both 16-byte aligned), asynchronous
@@ -222,8 +223,19 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     extern __shared__ __align__(1024) char smem_raw[];
     auto &sm = *reinterpret_cast<typename T::Smem *>(smem_raw);
     const int tid = threadIdx.x;
-    const int n_block = blockIdx.x;  // causal: the first key blocks have the most query blocks
-    const int hk = blockIdx.y, bi = blockIdx.z;
+    // Causal: the first key blocks have the most query blocks; a one-dimensional grid in bands
+    // of KV heads, the longest CTAs first (band_width in native_common.cuh)
+    int n_block, hk, bi;
+    if constexpr (kCausal) {
+        const BandedCta c = banded_cta(int(blockIdx.x), (p.t + BN - 1) / BN, p.band);
+        n_block = c.block;
+        hk = c.slice % p.hkv;
+        bi = c.slice / p.hkv;
+    } else {
+        n_block = blockIdx.x;
+        hk = blockIdx.y;
+        bi = blockIdx.z;
+    }
     const int group = p.hq / p.hkv;
     const int m_blocks = p.s_pad / BM;  // s_pad = s rounded up to BM
     const int m_first = kCausal ? (n_block * BN) / BM : 0;
@@ -607,13 +619,16 @@ int launch_bwd(const longctx_sdpa_desc &d, const void *q, const void *k, const v
     auto tma_v = make_tma_atom(SM90_TMA_LOAD{}, mV, typename T::SmemLayoutKV{}, Shape<Int<BN>, Int<D>>{});
     using P = BwdParams<decltype(tma_q), decltype(tma_do), decltype(tma_k), decltype(tma_v), Element>;
     P params{tma_q, tma_do, tma_k, tma_v, lse2, dd, dq_acc, reinterpret_cast<Element *>(dk),
-             reinterpret_cast<Element *>(dv), b, s, t, hq, hkv, s_pad, d.scale, float(d.scale * M_LOG2E)};
+             reinterpret_cast<Element *>(dv), b, s, t, hq, hkv, s_pad, d.scale, float(d.scale * M_LOG2E),
+             band_width(hkv * b, (t + BN - 1) / BN, sm_count(d.ordinal))};
     auto kernel = bwd_kernel<T, kCausal, P>;
     const int smem = int(sizeof(typename T::Smem));
     static std::atomic<uint64_t> smem_set{0};
     if ((e = set_smem_once(smem_set, kernel, smem, d.ordinal)) != cudaSuccess)
         return fail("shared memory attribute");
-    kernel<<<dim3((t + BN - 1) / BN, hkv, b), T::kThreads, smem, stream>>>(params);
+    const int n_blocks = (t + BN - 1) / BN;
+    const dim3 grid = kCausal ? dim3(unsigned(n_blocks * hkv * b)) : dim3(n_blocks, hkv, b);
+    kernel<<<grid, T::kThreads, smem, stream>>>(params);
     if ((e = cudaGetLastError()) != cudaSuccess) return fail("main launch");
     post_kernel<T><<<dim3(s_pad / 64, hq, b), D / T::kDqCols * 128, 0, stream>>>(
         dq_acc, reinterpret_cast<Element *>(dq), s, hq, d.scale);

@@ -395,11 +395,14 @@ int main(int argc, char **argv) {
     }
     if (lens.empty()) lens = {16384, 65536, 131072};
     int failures = 0;
-    // correctness: both head dims, both masks, GQA, ragged lengths, f16
+    // correctness: both head dims, both masks, GQA, ragged lengths, f16, banded grids
     const Case checks[] = {
         {1, 256, 256, 2, 2, 64, 1, 0},    {1, 256, 256, 2, 2, 128, 1, 0},  {2, 1000, 1000, 4, 2, 64, 1, 0},
         {1, 1000, 1000, 4, 1, 128, 1, 0}, {1, 777, 1300, 4, 4, 64, 0, 0},  {1, 300, 200, 2, 1, 128, 0, 0},
         {1, 2048, 2048, 8, 2, 128, 1, 1}, {1, 2048, 2048, 8, 8, 64, 0, 1}, {1, 4096, 4096, 4, 4, 128, 1, 0},
+        // causal grids in bands narrower than the grid (band_width in native_common.cuh):
+        // 18 batch entries x 2 KV heads / 4 heads, bands of 18 slices (bwd; fwd 18 at d 128, 24 at 64)
+        {18, 2048, 2048, 4, 2, 64, 1, 0}, {18, 2048, 2048, 4, 2, 128, 1, 0},
         {1, 256, 256, 2, 2, 96, 1, 0},  // not covered: must answer UNSUPPORTED
     };
     for (const Case &c : checks) failures += run(c, true, false, false);

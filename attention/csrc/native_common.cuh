@@ -64,6 +64,39 @@ cudaError_t set_smem_once(std::atomic<uint64_t> &done, Kernel kernel, int bytes,
     return e;
 }
 
+// The order of a causal grid. Its CTAs form `slices` (a head of one batch entry; head
+// fastest) of `blocks` each, block 0 the longest. Run slice by slice (block fastest), a
+// grid of few waves ends on the last slices' longest blocks: the backward at 8K, 4 KV heads,
+// d 64 (64 CTAs a slice, 132 SMs) ran at 0.66x its balanced time. All slices interleaved
+// (block slowest) balance, but then each wave reads every head's operands and the L2 no
+// longer holds them: the 64K forward at 32 x 128 fell from 610 to 550 TFLOP/s. So the slices
+// go in bands of `width` interleaved slices, the narrowest that divides the slice count and
+// holds two waves: band_width(32, 512, 132) = 1 (64K at 32 x 128: slice by slice),
+// band_width(4, 64, 132) = 4 (8K, 4 KV heads: all interleaved).
+inline int band_width(int slices, int blocks, int sms) {
+    for (int w = 1; w < slices; ++w)
+        if (slices % w == 0 && int64_t(w) * blocks >= 2 * int64_t(sms)) return w;
+    return slices;
+}
+// Streaming multiprocessors of device `ordinal`, asked once per device (ordinals 0..63);
+// 132 (an H100/H200 SXM) if the driver cannot say.
+inline int sm_count(int ordinal) {
+    static std::atomic<int> counts[64];
+    int n = ordinal >= 0 && ordinal < 64 ? counts[ordinal].load(std::memory_order_relaxed) : 0;
+    if (n > 0) return n;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, ordinal) != cudaSuccess || n <= 0) n = 132;
+    if (ordinal >= 0 && ordinal < 64) counts[ordinal].store(n, std::memory_order_relaxed);
+    return n;
+}
+// Device side: CTA `l` of a banded grid -> (slice, block index; 0 the longest).
+struct BandedCta {
+    int slice, block;
+};
+__device__ __forceinline__ BandedCta banded_cta(int l, int blocks, int width) {
+    const int per_band = width * blocks, r = l % per_band;
+    return {l / per_band * width + r % width, r / width};
+}
+
 }  // namespace longctx_native_common
 
 #endif

@@ -22,6 +22,7 @@
 #include <cutlass/numeric_types.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 
 #include "native_common.cuh"
@@ -87,6 +88,7 @@ struct FwdParams {
     float *lse;
     int b, s, t, hq, hkv;
     float scale, scale_log2;
+    int band;  // causal: heads per band of the grid (band_width)
 };
 
 // Warp specialisation: warpgroup 0 is the producer (one thread issues every TMA load and
@@ -102,8 +104,20 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
     extern __shared__ __align__(1024) char smem_raw[];
     auto &sm = *reinterpret_cast<typename T::Smem *>(smem_raw);
     const int tid = threadIdx.x;
-    const int m_block = gridDim.x - 1 - blockIdx.x;  // the longest causal blocks first
-    const int h = blockIdx.y, bi = blockIdx.z;
+    // Causal: a one-dimensional grid of query blocks in bands of heads, the longest blocks
+    // first (band_width in native_common.cuh)
+    int m_block, h, bi;
+    if constexpr (kCausal) {
+        const int m_blocks = (p.s + BM - 1) / BM;
+        const BandedCta c = banded_cta(int(blockIdx.x), m_blocks, p.band);
+        m_block = m_blocks - 1 - c.block;
+        h = c.slice % p.hq;
+        bi = c.slice / p.hq;
+    } else {
+        m_block = int(gridDim.x) - 1 - int(blockIdx.x);
+        h = blockIdx.y;
+        bi = blockIdx.z;
+    }
     const int hk = h / (p.hq / p.hkv);
     int n_blocks = (p.t + BN - 1) / BN;
     if constexpr (kCausal) n_blocks = min(n_blocks, ((m_block + 1) * BM + BN - 1) / BN);
@@ -346,14 +360,15 @@ int launch_fwd(const longctx_sdpa_desc &d, const void *q, const void *k, const v
     auto tma_k = make_tma_atom(SM90_TMA_LOAD{}, mK, typename T::SmemLayoutK{}(_, _, 0), Shape<Int<T::kBlockN>, Int<D>>{});
     auto tma_v = make_tma_atom(SM90_TMA_LOAD{}, mV, typename T::SmemLayoutK{}(_, _, 0), Shape<Int<T::kBlockN>, Int<D>>{});
     using P = FwdParams<decltype(tma_q), decltype(tma_k), decltype(tma_v), Element>;
+    const int m_blocks = (s + T::kBlockM - 1) / T::kBlockM;
     P params{tma_q, tma_k, tma_v, reinterpret_cast<Element *>(o), lse, b, s, t, hq, hkv, d.scale,
-             float(d.scale * M_LOG2E)};
+             float(d.scale * M_LOG2E), band_width(hq * b, m_blocks, sm_count(d.ordinal))};
     auto kernel = fwd_kernel<T, kCausal, P>;
     const int smem = int(sizeof(typename T::Smem));
     static std::atomic<uint64_t> smem_set{0};
     cudaError_t e = set_smem_once(smem_set, kernel, smem, d.ordinal);
     if (e == cudaSuccess) {
-        dim3 grid((s + T::kBlockM - 1) / T::kBlockM, hq, b);
+        const dim3 grid = kCausal ? dim3(unsigned(m_blocks * hq * b)) : dim3(m_blocks, hq, b);
         kernel<<<grid, T::kThreads, smem, stream>>>(params);
         e = cudaGetLastError();
     }
@@ -374,6 +389,10 @@ extern "C" const char *longctx_native_uncovered(const longctx_sdpa_desc *d, cons
     if (d->band_left > 0) return "a sliding-window band";
     if (d->dtype != LONGCTX_SDPA_BF16 && d->dtype != LONGCTX_SDPA_F16) return "dtype";
     if (d->s <= 0 || d->t <= 0 || d->b <= 0 || d->s > (1LL << 30) || d->t > (1LL << 30)) return "sizes";
+    // the causal grids are one-dimensional: every (block of 64 rows, head, batch) must fit an int
+    if (int64_t(d->b) * d->hq * ((int64_t(d->s) + 63) / 64) > INT32_MAX ||
+        int64_t(d->b) * d->hkv * ((int64_t(d->t) + 63) / 64) > INT32_MAX)
+        return "sizes (more than 2^31 - 1 thread blocks)";
     if ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) & 15)
         return "q/k/v not 16-byte aligned";
     // the compute capability, asked once per device (ordinals 0..63; 0 = not asked yet)
