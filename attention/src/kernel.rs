@@ -14,16 +14,25 @@
 use candle_core::{Result, Tensor};
 
 /// Which CUDA kernel runs the block forward and backward (`attention.kernel` in a run
-/// config): cuDNN's fused attention, or longctx's own Hopper kernels
-/// (`attention/csrc/native_{fwd,bwd}_sm90.cu`, sm_90a). A shape or GPU the native kernel
-/// does not cover runs cuDNN, said once per direction on stderr. The CPU kernel is the same
-/// for both.
+/// config): cuDNN's fused attention, longctx's own Hopper kernels
+/// (`attention/csrc/native_{fwd,bwd}_sm90.cu`, sm_90a), or per call whichever of the two
+/// was measured faster on a block of that shape ([`CudaKernel::uses_native`]; the default).
+/// A shape or GPU the native kernel does not cover runs cuDNN (said once per direction on
+/// stderr when `native` was asked for by name). The CPU kernel is the same for all.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CudaKernel {
-    #[default]
     Cudnn,
     Native,
+    #[default]
+    Auto,
+}
+
+/// The direction of a block call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    Fwd,
+    Bwd,
 }
 
 /// Block calls the native kernel has run in a process, per direction (`cuda::native_runs`
@@ -35,13 +44,14 @@ pub struct NativeRuns {
 }
 
 impl CudaKernel {
-    pub const ALL: [CudaKernel; 2] = [CudaKernel::Cudnn, CudaKernel::Native];
+    pub const ALL: [CudaKernel; 3] = [CudaKernel::Cudnn, CudaKernel::Native, CudaKernel::Auto];
 
     /// The name in configs and flags (serde's spelling too).
     pub fn name(self) -> &'static str {
         match self {
             CudaKernel::Cudnn => "cudnn",
             CudaKernel::Native => "native",
+            CudaKernel::Auto => "auto",
         }
     }
 
@@ -55,6 +65,41 @@ impl CudaKernel {
     pub fn select(self) {
         #[cfg(feature = "cuda")]
         crate::cuda::set_kernel(self);
+    }
+
+    /// Whether a block call of this shape goes to the native kernel first (it still hands
+    /// what it does not cover to cuDNN). `s` query rows, `t` keys, head dim `d`, `causal`
+    /// for the diagonal block (else no mask; a band is not covered by the native kernel).
+    ///
+    /// `Auto` takes the native kernel where it was faster than cuDNN 9.14 on one H200
+    /// (docs/benchmarks.md, issue #36: native_check and `bench attention`, TFLOP/s native /
+    /// cuDNN, sessions 16–23), and cuDNN where it was slower by more than the run-to-run
+    /// noise of about 2 %:
+    /// - backward, head dim 64: native at every length and mask (8K causal 413 / 338, 64K
+    ///   492 / 442; unmasked 8K 450 / 430);
+    /// - backward, head dim 128: native for causal blocks from 32K (32K 549 / 541, 64K
+    ///   559 / 545, 128K 565 / 545); cuDNN below (8K 454 / 476, 16K 515 / 523) and for
+    ///   unmasked blocks (8K × 8K 505 / 565, 32K × 32K 537 / 550);
+    /// - forward, head dim 128: native (causal 8K 605 / 560, 64K 608 / 617, 128K 618 / 571;
+    ///   unmasked 8K × 8K 648 / 641, 64K × 64K 629 / 625);
+    /// - forward, head dim 64: native for causal blocks up to 8K and from 64K (8K 463 / 412,
+    ///   64K 520 / 513, 128K 518 / 512); cuDNN for causal 16K–32K (16K 487 / 500, 32K 509 /
+    ///   535) and unmasked blocks (8K × 8K 471 / 500, 64K × 64K 514 / 521).
+    ///
+    /// Other head dims answer true (the native kernel then refuses them and cuDNN runs).
+    pub fn uses_native(self, pass: Pass, d: usize, causal: bool, s: usize, t: usize) -> bool {
+        match self {
+            CudaKernel::Cudnn => false,
+            CudaKernel::Native => true,
+            CudaKernel::Auto => {
+                let len = s.min(t);
+                match (pass, d) {
+                    (Pass::Bwd, 128) => causal && len >= 32 * 1024,
+                    (Pass::Fwd, 64) => causal && !(16 * 1024..64 * 1024).contains(&len),
+                    _ => true,
+                }
+            }
+        }
     }
 }
 
@@ -229,5 +274,64 @@ pub(crate) fn device_bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, scale: f64)
             let (dq, dk, dv) = crate::naive::bwd(&f(d_o)?, Saved::new(&q32, &k32, &v32, &o32, lse), mask, scale)?;
             Ok((dq.to_dtype(q.dtype())?, dk.to_dtype(k.dtype())?, dv.to_dtype(v.dtype())?))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{CudaKernel, Pass};
+
+    const K: usize = 1024;
+
+    #[test]
+    fn names_parse_back() {
+        for k in CudaKernel::ALL {
+            assert_eq!(k.name().parse::<CudaKernel>().unwrap(), k);
+            assert_eq!(k.name().to_uppercase().parse::<CudaKernel>().unwrap(), k);
+        }
+        let e = "flash".parse::<CudaKernel>().unwrap_err();
+        assert!(e.contains("flash") && e.contains("cudnn, native, auto"), "{e}");
+        assert_eq!(CudaKernel::default(), CudaKernel::Auto);
+    }
+
+    #[test]
+    fn named_kernels_ignore_the_shape() {
+        for (pass, d, causal, s, t) in
+            [(Pass::Fwd, 64, true, 8 * K, 8 * K), (Pass::Bwd, 128, false, 2 * K, 4 * K), (Pass::Bwd, 96, true, 64 * K, 64 * K)]
+        {
+            assert!(CudaKernel::Native.uses_native(pass, d, causal, s, t));
+            assert!(!CudaKernel::Cudnn.uses_native(pass, d, causal, s, t));
+        }
+    }
+
+    /// The shapes users run (docs/benchmarks.md): every direction native for the issue's
+    /// single-GPU shapes from 64K; cuDNN where the native kernel was measured slower.
+    #[test]
+    fn auto_follows_the_measured_table() {
+        let auto = |pass, d, causal, s: usize, t: usize| CudaKernel::Auto.uses_native(pass, d, causal, s, t);
+        for len in [64 * K, 128 * K, 512 * K] {
+            for d in [64, 128] {
+                assert!(auto(Pass::Fwd, d, true, len, len) && auto(Pass::Bwd, d, true, len, len), "d {d} causal {len}");
+            }
+        }
+        // head dim 128 backward: cuDNN below 32K causal and for unmasked blocks
+        assert!(auto(Pass::Bwd, 128, true, 32 * K, 32 * K));
+        assert!(!auto(Pass::Bwd, 128, true, 32 * K - 1, 32 * K - 1));
+        assert!(!auto(Pass::Bwd, 128, true, 8 * K, 8 * K));
+        assert!(!auto(Pass::Bwd, 128, false, 64 * K, 64 * K));
+        assert!(!auto(Pass::Bwd, 128, false, 8 * K, 16 * K));
+        // head dim 64 backward: native everywhere
+        for (causal, s, t) in [(true, 8 * K, 8 * K), (true, 16 * K, 16 * K), (false, 8 * K, 8 * K), (false, 16 * K, 8 * K)] {
+            assert!(auto(Pass::Bwd, 64, causal, s, t));
+        }
+        // head dim 128 forward: native everywhere
+        assert!(auto(Pass::Fwd, 128, true, 8 * K, 8 * K) && auto(Pass::Fwd, 128, false, 8 * K, 8 * K));
+        // head dim 64 forward: cuDNN for causal 16K..64K and unmasked blocks
+        assert!(auto(Pass::Fwd, 64, true, 8 * K, 8 * K));
+        assert!(!auto(Pass::Fwd, 64, true, 16 * K, 16 * K));
+        assert!(!auto(Pass::Fwd, 64, true, 64 * K - 1, 64 * K - 1));
+        assert!(!auto(Pass::Fwd, 64, false, 64 * K, 64 * K));
+        // head dims the native kernel does not cover go to it and are refused there
+        assert!(auto(Pass::Fwd, 96, true, 8 * K, 8 * K) && auto(Pass::Bwd, 256, false, 8 * K, 8 * K));
     }
 }

@@ -76,9 +76,10 @@ pub struct RunFlags {
     /// Seed of synthetic documents, needles and distractors.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// CUDA attention kernel: cudnn, or native (longctx's own Hopper kernel, sm_90a builds;
-    /// shapes it does not cover run cuDNN). No effect on the CPU.
-    #[arg(long, default_value = "cudnn")]
+    /// CUDA attention kernel: auto (per call the faster of the two on that shape), cudnn, or
+    /// native (longctx's own Hopper kernel, sm_90a builds; shapes it does not cover run
+    /// cuDNN). No effect on the CPU.
+    #[arg(long, default_value = "auto")]
     pub attention_kernel: longctx_attention::kernel::CudaKernel,
 }
 
@@ -905,9 +906,9 @@ mod tests {
 
     #[test]
     fn attention_kernel_flag() {
-        assert_eq!(parse(&[]).unwrap().attention_kernel, CudaKernel::Cudnn);
+        assert_eq!(parse(&[]).unwrap().attention_kernel, CudaKernel::Auto);
         assert_eq!(parse(&["--attention-kernel", "Native"]).unwrap().attention_kernel, CudaKernel::Native);
         let e = parse(&["--attention-kernel", "flash"]).map(|_| ()).expect_err("flash is no kernel").to_string();
-        assert!(e.contains("--attention-kernel") && e.contains("flash") && e.contains("cudnn, native"), "{e}");
+        assert!(e.contains("--attention-kernel") && e.contains("flash") && e.contains("cudnn, native, auto"), "{e}");
     }
 }

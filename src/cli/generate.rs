@@ -51,10 +51,10 @@ pub struct GenerateArgs {
     /// dtype on a GPU: f32, bf16 or f16 (the CPU runs f32).
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
-    /// CUDA attention kernel: cudnn, or native (longctx's own Hopper kernel, sm_90a builds;
-    /// shapes it does not cover, such as decoding steps of one query against more keys, run
-    /// cuDNN). No effect on the CPU.
-    #[arg(long, default_value = "cudnn")]
+    /// CUDA attention kernel: auto (per call the faster of the two on that shape), cudnn, or
+    /// native (longctx's own Hopper kernel, sm_90a builds; shapes it does not cover, such as
+    /// decoding steps of one query against more keys, run cuDNN). No effect on the CPU.
+    #[arg(long, default_value = "auto")]
     pub attention_kernel: longctx_attention::kernel::CudaKernel,
 }
 
@@ -202,7 +202,7 @@ mod tests {
     #[test]
     fn attention_kernel_flag() {
         let parse = |v: &[&str]| Cmd::try_parse_from(std::iter::once("generate").chain(v.iter().copied())).map(|c| c.a);
-        assert_eq!(parse(&[]).unwrap().attention_kernel, CudaKernel::Cudnn);
+        assert_eq!(parse(&[]).unwrap().attention_kernel, CudaKernel::Auto);
         assert_eq!(parse(&["--attention-kernel", "native"]).unwrap().attention_kernel, CudaKernel::Native);
         let e = parse(&["--attention-kernel", "sdpa"]).map(|_| ()).expect_err("sdpa is no kernel").to_string();
         assert!(e.contains("--attention-kernel") && e.contains("sdpa") && e.contains("cudnn, native"), "{e}");

@@ -62,8 +62,9 @@ pub struct ParallelFlags {
     /// [default: 4096].
     #[arg(long, value_parser = super::chunk_arg)]
     pub token_chunk: Option<usize>,
-    /// CUDA attention kernel: cudnn, or native (longctx's own Hopper forward and backward,
-    /// sm_90a builds; shapes it does not cover run cuDNN) [default: cudnn] (`attention.kernel`).
+    /// CUDA attention kernel: auto (per call the one measured faster on that shape), cudnn,
+    /// or native (longctx's own Hopper forward and backward, sm_90a builds; shapes it does
+    /// not cover run cuDNN) [default: auto] (`attention.kernel`).
     #[arg(long)]
     pub attention_kernel: Option<String>,
 }
@@ -431,8 +432,9 @@ mod tests {
         use longctx_attention::kernel::CudaKernel;
         assert_eq!(apply(&["--attention-kernel", "native"]).unwrap().attention.kernel, CudaKernel::Native);
         assert_eq!(apply(&["--attention-kernel", "cuDNN"]).unwrap().attention.kernel, CudaKernel::Cudnn);
+        assert_eq!(apply(&["--attention-kernel", "auto"]).unwrap().attention.kernel, CudaKernel::Auto);
         let e = apply(&["--attention-kernel", "flash"]).unwrap_err().to_string();
-        assert!(e.contains("--attention-kernel") && e.contains("flash") && e.contains("cudnn, native"), "{e}");
+        assert!(e.contains("--attention-kernel") && e.contains("flash") && e.contains("cudnn, native, auto"), "{e}");
     }
 
     #[test]

@@ -344,9 +344,11 @@ impl Default for ParallelSection {
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct AttentionSection {
-    /// `"cudnn"` (cuDNN's fused attention, the default) or `"native"` (longctx's own Hopper
-    /// kernels, forward and backward, sm_90a builds). A shape the native kernel does not
-    /// cover runs cuDNN, said once. No effect on the CPU.
+    /// `"auto"` (the default: per block call whichever of the two below was measured faster
+    /// on that shape, `CudaKernel::uses_native`), `"cudnn"` (cuDNN's fused attention) or
+    /// `"native"` (longctx's own Hopper kernels, forward and backward, sm_90a builds). A
+    /// shape the native kernel does not cover runs cuDNN (said once when `"native"` was
+    /// chosen). No effect on the CPU.
     pub kernel: longctx_attention::kernel::CudaKernel,
 }
 
@@ -1183,7 +1185,7 @@ mod tests {
         std::fs::write(&p, format!("[attention]\nkernel = \"native\"\n{stage}")).unwrap();
         assert_eq!(RunConfig::from_file(&p).unwrap().attention.kernel, CudaKernel::Native);
         std::fs::write(&p, stage).unwrap();
-        assert_eq!(RunConfig::from_file(&p).unwrap().attention.kernel, CudaKernel::Cudnn, "the default");
+        assert_eq!(RunConfig::from_file(&p).unwrap().attention.kernel, CudaKernel::Auto, "the default");
         std::fs::write(&p, format!("[attention]\nkernel = \"flash\"\n{stage}")).unwrap();
         let e = RunConfig::from_file(&p).unwrap_err().to_string();
         assert!(e.contains("run.toml") && e.contains("flash") && e.contains("cudnn") && e.contains("native"), "{e}");
@@ -1196,6 +1198,10 @@ mod tests {
         assert!(!toml::to_string(&RunConfig::default()).unwrap().contains("[attention]"));
         let mut c = RunConfig::default();
         c.attention.kernel = CudaKernel::Native;
+        let back: RunConfig = toml::from_str(&toml::to_string(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
+        c.attention.kernel = CudaKernel::Cudnn; // no longer the default: kept
+        assert!(toml::to_string(&c).unwrap().contains("kernel = \"cudnn\""));
         let back: RunConfig = toml::from_str(&toml::to_string(&c).unwrap()).unwrap();
         assert_eq!(back, c);
     }

@@ -34,7 +34,7 @@ use std::sync::Arc;
 /// 0: not set (read the environment), 1: refuse, 2: allow.
 static FALLBACK: AtomicU8 = AtomicU8::new(0);
 static WARNED: AtomicBool = AtomicBool::new(false);
-/// The block kernel of this process: 0 cuDNN, 1 native ([`set_kernel`]).
+/// The block kernel of this process: 0 auto, 1 native, 2 cuDNN ([`set_kernel`]).
 static KERNEL: AtomicU8 = AtomicU8::new(0);
 static NATIVE_NOTED: [AtomicBool; 2] = [AtomicBool::new(false), AtomicBool::new(false)];
 /// Forwards and backwards the native kernel ran (not those it handed to cuDNN), for
@@ -45,16 +45,31 @@ static NATIVE_RUNS: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
 /// `bench attention --kernel`). Like [`set_fallback`], a process-wide setting read at each
 /// call: the modes and the model call the block kernel without knowing which one runs.
 pub fn set_kernel(k: crate::kernel::CudaKernel) {
-    KERNEL.store(matches!(k, crate::kernel::CudaKernel::Native) as u8, Ordering::Relaxed);
+    use crate::kernel::CudaKernel;
+    let code = match k {
+        CudaKernel::Auto => 0,
+        CudaKernel::Native => 1,
+        CudaKernel::Cudnn => 2,
+    };
+    KERNEL.store(code, Ordering::Relaxed);
 }
 
-/// The CUDA block kernel chosen by [`set_kernel`] (cuDNN unless set).
+/// The CUDA block kernel chosen by [`set_kernel`] (auto unless set).
 pub fn kernel() -> crate::kernel::CudaKernel {
-    if KERNEL.load(Ordering::Relaxed) == 1 {
-        crate::kernel::CudaKernel::Native
-    } else {
-        crate::kernel::CudaKernel::Cudnn
+    use crate::kernel::CudaKernel;
+    match KERNEL.load(Ordering::Relaxed) {
+        1 => CudaKernel::Native,
+        2 => CudaKernel::Cudnn,
+        _ => CudaKernel::Auto,
     }
+}
+
+/// Whether this call of `pass` goes to the native kernel first ([`CudaKernel::uses_native`]
+/// of the process's kernel).
+///
+/// [`CudaKernel::uses_native`]: crate::kernel::CudaKernel::uses_native
+fn native_first(pass: crate::kernel::Pass, desc: &ffi::Desc) -> bool {
+    kernel().uses_native(pass, desc.d as usize, desc.causal != 0, desc.s as usize, desc.t as usize)
 }
 
 /// Whether this build holds the native Hopper kernel (build.rs compiles it for sm_90 when
@@ -74,7 +89,8 @@ pub fn native_runs() -> crate::kernel::NativeRuns {
 /// Says once per direction (`dir` 0 forward, 1 backward) why the native kernel did not take a
 /// call, so that a run which asked for it knows cuDNN ran instead.
 fn native_refused(dir: usize, why: &str) {
-    if !NATIVE_NOTED[dir].swap(true, Ordering::Relaxed) {
+    // said only to whoever asked for the native kernel by name: `auto` means "either"
+    if kernel() == crate::kernel::CudaKernel::Native && !NATIVE_NOTED[dir].swap(true, Ordering::Relaxed) {
         let what = ["forward", "backward"][dir];
         eprintln!("longctx-attention: the native kernel does not cover a {what} here ({why}); cuDNN runs it (said once)");
     }
@@ -260,7 +276,7 @@ fn try_fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> std::r
     let stream = raw::bind(&dev)?;
     let (b, s, hq, d) = (desc.b as usize, desc.s as usize, desc.hq as usize, desc.d as usize);
     let [mut o, mut lse] = outputs(&stream, &dev, [q.dtype(), DType::F32], [b * s * hq * d, b * hq * s])?;
-    if kernel() == crate::kernel::CudaKernel::Native {
+    if native_first(crate::kernel::Pass::Fwd, &desc) {
         match native_fwd(&desc, &stream, [&q, &k, &v], [&mut o, &mut lse]) {
             Ok(()) => {
                 NATIVE_RUNS[0].fetch_add(1, Ordering::Relaxed);
@@ -337,7 +353,7 @@ fn try_bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, scale: f64) -> std::resul
     let (b, s, t, hq, hkv, d) = (desc.b as usize, desc.s as usize, desc.t as usize, desc.hq as usize, desc.hkv as usize, desc.d as usize);
     let [mut dq, mut dk, mut dv] = outputs(&stream, &dev, [dt; 3], [b * s * hq * d, b * t * hkv * d, b * t * hkv * d])?;
     let grads = |dq, dk, dv| (raw::tensor(dq, (b, s, hq, d)), raw::tensor(dk, (b, t, hkv, d)), raw::tensor(dv, (b, t, hkv, d)));
-    if kernel() == crate::kernel::CudaKernel::Native {
+    if native_first(crate::kernel::Pass::Bwd, &desc) {
         match native_bwd(&desc, &stream, [&q, &k, &v, &o, &d_o, &lse], [&mut dq, &mut dk, &mut dv]) {
             Ok(()) => {
                 NATIVE_RUNS[1].fetch_add(1, Ordering::Relaxed);

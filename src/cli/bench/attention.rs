@@ -8,7 +8,7 @@
 //! causal forward = 4·b·h·s²·d / 2 (two matmuls of 2·s²·d each, half of them masked),
 //! backward = 2.5 × forward (five matmuls), forward+backward = 3.5 × forward.
 //!
-//! Every step runs for each `--kernel` (cuDNN, and longctx's own Hopper kernels).
+//! Every step runs for each `--kernel` (cuDNN, longctx's own Hopper kernels, and auto: per call the faster of the two).
 //!
 //! `--check`: (1) the CUDA kernel against the CPU kernel on small shapes (inputs
 //! rounded to bf16/f16 once, the CPU runs on those values in f32), for o, lse, dq, dk, dv;
@@ -74,8 +74,9 @@ pub struct BenchAttentionArgs {
     #[arg(long, value_delimiter = ',')]
     pub window: Vec<usize>,
     /// CUDA kernels to time and check, comma-separated: cudnn, native (longctx's own Hopper
-    /// forward and backward) [default: both].
-    #[arg(long, value_delimiter = ',', default_values_t = vec!["cudnn".to_string(), "native".to_string()])]
+    /// forward and backward), auto (per call the one measured faster on that shape: the
+    /// default of `attention.kernel`) [default: all three].
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["cudnn".to_string(), "native".to_string(), "auto".to_string()])]
     pub kernel: Vec<String>,
     /// Leave the CUDA memory pool's release threshold at the driver default (0), so freed
     /// buffers go back to the driver at every synchronisation (default: retain them).
@@ -236,11 +237,13 @@ fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs, kernels: &[Cud
             let (o, lse) = kernel::fwd(&q, &k, &v, Mask::Causal, scale)?;
             kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale)?;
             let ran = native_runs();
+            let which = |native: bool| if native { "native" } else { "cuDNN" };
             let label = match (kern, ran.fwd > before.fwd, ran.bwd > before.bwd) {
-                (CudaKernel::Native, false, false) => "native (not covered: cuDNN ran)",
-                (CudaKernel::Native, true, false) => "native fwd, cuDNN bwd (not covered)",
-                (CudaKernel::Native, false, true) => "cuDNN fwd (not covered), native bwd",
-                (k, _, _) => k.name(),
+                (CudaKernel::Native, false, false) => "native (not covered: cuDNN ran)".to_string(),
+                (CudaKernel::Native, true, false) => "native fwd, cuDNN bwd (not covered)".to_string(),
+                (CudaKernel::Native, false, true) => "cuDNN fwd (not covered), native bwd".to_string(),
+                (CudaKernel::Auto, f, b) => format!("auto: {} fwd, {} bwd", which(f), which(b)),
+                (k, _, _) => k.name().to_string(),
             };
             let t_f = time(dev, a.warmup, a.iters, || kernel::fwd(&q, &k, &v, Mask::Causal, scale).map(|_| ()))?;
             let t_b = time(dev, a.warmup, a.iters, || {
