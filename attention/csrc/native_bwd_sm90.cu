@@ -239,6 +239,16 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     const int group = p.hq / p.hkv;
     const int m_blocks = p.s_pad / BM;  // s_pad = s rounded up to BM
     const int m_first = kCausal ? (n_block * BN) / BM : 0;
+    // Without a mask every CTA walks all query blocks. Started together at block 0, the CTAs
+    // of one head would add their dQ_part into the same accumulator rows at the same time
+    // (the bulk reductions of up to 64 CTAs meeting on one 16 KB tile in L2), so each starts
+    // at its own rotation: query block (m_rot + j) % m_blocks at step j of a head, m_rot spread
+    // over the key blocks. (Causal CTAs already start at different blocks: m_first.)
+    const int m_rot = kCausal ? 0 : int(int64_t(n_block) * m_blocks / ((p.t + BN - 1) / BN));
+    auto q_block = [&](int j) {  // the query block of step j of a head
+        if constexpr (kCausal) return m_first + j;
+        else return m_rot + j < m_blocks ? m_rot + j : m_rot + j - m_blocks;  // j < m_blocks
+    };
 
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.s, Int<D>{}, p.hq, p.b));
     Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.s, Int<D>{}, p.hq, p.b));
@@ -285,7 +295,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
                 auto pdo =
                     tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
                 const int64_t row0 = (int64_t(bi) * p.hq + h) * p.s_pad;
-                for (int m = m_first; m < m_blocks; ++m, ++it) {
+                for (int j = 0; j < m_blocks - m_first; ++j, ++it) {
+                    const int m = q_block(j);
                     const int st = it % ST;
                     if (it >= ST) Bar::wait(&sm.bar_empty[st], ((it / ST) - 1) & 1);
                     TBar::arrive_and_expect_tx(&sm.bar_full[st], kBytesStep);
@@ -490,7 +501,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     unsigned phase_t0 = clock();
 #endif
     for (int it = 0; it < steps; ++it) {
-        const int g = it / per_head, m = m_first + it % per_head, h = hk * group + g;
+        const int g = it / per_head, m = q_block(it % per_head), h = hk * group + g;
         const int st = it % ST, buf = it & 1;
         TBar::wait(&sm.bar_full[st], (it / ST) & 1);
         BWD_PHASE(0);  // waiting for this step's Q, dO, lse2, D
