@@ -3,9 +3,9 @@
 # cuDNN.
 #   1. target-cuda/native_check (scripts/build_native_check.sh), when present: the kernels
 #      alone against an f32 reference and cuDNN in one process;
-#   2. `bench attention --check` with both kernels (the CUDA kernel against the CPU kernel,
+#   2. `bench attention --check` with the three kernels (cudnn, native, auto: the CUDA kernel against the CPU kernel,
 #      every parallel mode, document masks, windows);
-#   3. `bench attention` side by side at 16K / 64K / 128K, 32×128 and 32/4×64;
+#   3. `bench attention` side by side at 16K / 64K / 128K, 32×128 and 32/4×64 (two rounds, order reversed);
 #   4. a 10-step training comparison, TinyLlama-1.1B shape with 4 layers at 16K: cuDNN twice
 #      and native twice (the noise floor between two runs of one kernel, for each), and
 #      native against cuDNN.
@@ -22,8 +22,8 @@ if [[ -x target-cuda/native_check ]]; then
     timeout 120 target-cuda/native_check 2>&1 | tee "$OUT/native_check.txt" | tail -8
 fi
 timeout 300 "$BIN" bench attention --check 2>&1 | tee "$OUT/check.txt" | grep -E "FAIL|passed|failed" | head -20
-timeout 200 "$BIN" bench attention --seq 16384,65536,131072 2>&1 | tee "$OUT/bench128.txt" | grep -E "^\|"
-timeout 200 "$BIN" bench attention --seq 16384,65536,131072 --heads 32 --kv-heads 4 --head-dim 64 2>&1 | tee "$OUT/bench64.txt" | grep -E "^\|"
+timeout 400 "$BIN" bench attention --seq 16384,65536,131072 2>&1 | tee "$OUT/bench128.txt" | grep -E "^\|"
+timeout 400 "$BIN" bench attention --seq 16384,65536,131072 --heads 32 --kv-heads 4 --head-dim 64 2>&1 | tee "$OUT/bench64.txt" | grep -E "^\|"
 rm -f "$OUT/train.jsonl" "$OUT/train.log"
 runlog=$(mktemp) # one run's log, outside $OUT (a killed visit leaves no stray file there)
 trap 'rm -f "$runlog"' EXIT

@@ -55,6 +55,12 @@ pub struct BenchAttentionArgs {
     /// Timed calls (the median is reported).
     #[arg(long, default_value_t = 10)]
     pub iters: usize,
+    /// Rounds of the throughput table: every kernel is timed once per round, in the order
+    /// of `--kernel` in odd rounds and the reverse in even ones, and its fastest round is
+    /// reported (a kernel timed right after another at 16K read up to 10 % low on an H200,
+    /// whichever kernel it was). 1 times each kernel once.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=100))]
+    pub rounds: u64,
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     pub gpu: usize,
@@ -220,8 +226,8 @@ fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs, kernels: &[Cud
     let scale = 1.0 / (d as f64).sqrt();
     let pool = if a.release_pool { "released at each sync" } else { "retained" };
     println!(
-        "\ncausal attention, {dtype:?}, b={b}, heads {h} (kv {hkv}) × {d}; median of {} after {} warmup; pool memory {pool}",
-        a.iters, a.warmup
+        "\ncausal attention, {dtype:?}, b={b}, heads {h} (kv {hkv}) × {d}; median of {} after {} warmup, the fastest of {} round(s) (order reversed in even rounds); pool memory {pool}",
+        a.iters, a.warmup, a.rounds
     );
     println!("FLOP: fwd = 4·b·h·s²·d/2, bwd = 2.5·fwd, fwd+bwd = 3.5·fwd\n");
     println!("| kernel | seq | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |");
@@ -231,6 +237,8 @@ fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs, kernels: &[Cud
         let k = randn(&[b, s, hkv, d], dtype, dev)?;
         let v = randn(&[b, s, hkv, d], dtype, dev)?;
         let d_o = randn(&[b, s, h, d], dtype, dev)?;
+        // per kernel: label and the fastest (fwd, bwd, fwd+bwd) seconds over the rounds
+        let mut best: Vec<(String, [f64; 3])> = Vec::with_capacity(kernels.len());
         for &kern in kernels {
             kern.select();
             let before = native_runs();
@@ -245,16 +253,29 @@ fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs, kernels: &[Cud
                 (CudaKernel::Auto, f, b) => format!("auto: {} fwd, {} bwd", which(f), which(b)),
                 (k, _, _) => k.name().to_string(),
             };
-            let t_f = time(dev, a.warmup, a.iters, || kernel::fwd(&q, &k, &v, Mask::Causal, scale).map(|_| ()))?;
-            let t_b = time(dev, a.warmup, a.iters, || {
-                kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale).map(|_| ())
-            })?;
-            let t_fb = time(dev, a.warmup, a.iters, || {
+            best.push((label, [f64::INFINITY; 3]));
+        }
+        for round in 0..a.rounds {
+            let order: Vec<usize> = if round % 2 == 0 { (0..kernels.len()).collect() } else { (0..kernels.len()).rev().collect() };
+            for i in order {
+                kernels[i].select();
                 let (o, lse) = kernel::fwd(&q, &k, &v, Mask::Causal, scale)?;
-                kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale).map(|_| ())
-            })?;
-            let f = 4.0 * (b * h) as f64 * (s as f64) * (s as f64) * d as f64 / 2.0;
-            let tf = |flop: f64, t: f64| flop / t / 1e12;
+                let t_f = time(dev, a.warmup, a.iters, || kernel::fwd(&q, &k, &v, Mask::Causal, scale).map(|_| ()))?;
+                let t_b = time(dev, a.warmup, a.iters, || {
+                    kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale).map(|_| ())
+                })?;
+                let t_fb = time(dev, a.warmup, a.iters, || {
+                    let (o, lse) = kernel::fwd(&q, &k, &v, Mask::Causal, scale)?;
+                    kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale).map(|_| ())
+                })?;
+                for (slot, t) in best[i].1.iter_mut().zip([t_f, t_b, t_fb]) {
+                    *slot = slot.min(t);
+                }
+            }
+        }
+        let f = 4.0 * (b * h) as f64 * (s as f64) * (s as f64) * d as f64 / 2.0;
+        let tf = |flop: f64, t: f64| flop / t / 1e12;
+        for (label, [t_f, t_b, t_fb]) in best {
             println!(
                 "| {label} | {s} | {:.2} | {:.0} | {:.2} | {:.0} | {:.2} | {:.0} |",
                 t_f * 1e3,
