@@ -28,11 +28,11 @@ pub enum CudaKernel {
     Auto,
 }
 
-/// The direction of a block call.
+/// The direction of a block call (its index in per-direction counters: `pass as usize`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pass {
-    Fwd,
-    Bwd,
+    Fwd = 0,
+    Bwd = 1,
 }
 
 /// Block calls the native kernel has run in a process, per direction (`cuda::native_runs`
@@ -86,7 +86,7 @@ impl CudaKernel {
     ///   64K 520 / 513, 128K 518 / 512); cuDNN for causal 16K–32K (16K 487 / 500, 32K 509 /
     ///   535) and unmasked blocks (8K × 8K 471 / 500, 64K × 64K 514 / 521).
     ///
-    /// Other head dims answer true (the native kernel then refuses them and cuDNN runs).
+    /// Other head dims go to cuDNN under `Auto` (the native kernel covers 64 and 128 only).
     pub fn uses_native(self, pass: Pass, d: usize, causal: bool, s: usize, t: usize) -> bool {
         match self {
             CudaKernel::Cudnn => false,
@@ -96,7 +96,7 @@ impl CudaKernel {
                 match (pass, d) {
                     (Pass::Bwd, 128) => causal && len >= 32 * 1024,
                     (Pass::Fwd, 64) => causal && !(16 * 1024..64 * 1024).contains(&len),
-                    _ => true,
+                    (_, d) => d == 64 || d == 128,
                 }
             }
         }
@@ -331,7 +331,7 @@ mod tests {
         assert!(!auto(Pass::Fwd, 64, true, 16 * K, 16 * K));
         assert!(!auto(Pass::Fwd, 64, true, 64 * K - 1, 64 * K - 1));
         assert!(!auto(Pass::Fwd, 64, false, 64 * K, 64 * K));
-        // head dims the native kernel does not cover go to it and are refused there
-        assert!(auto(Pass::Fwd, 96, true, 8 * K, 8 * K) && auto(Pass::Bwd, 256, false, 8 * K, 8 * K));
+        // head dims the native kernel does not cover go to cuDNN
+        assert!(!auto(Pass::Fwd, 96, true, 64 * K, 64 * K) && !auto(Pass::Bwd, 256, false, 8 * K, 8 * K));
     }
 }

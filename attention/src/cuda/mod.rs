@@ -68,8 +68,12 @@ pub fn kernel() -> crate::kernel::CudaKernel {
 /// of the process's kernel).
 ///
 /// [`CudaKernel::uses_native`]: crate::kernel::CudaKernel::uses_native
+/// Under `auto` a build without the kernel goes to cuDNN at once (a `native` by name still
+/// tries, to say why not).
 fn native_first(pass: crate::kernel::Pass, desc: &ffi::Desc) -> bool {
-    kernel().uses_native(pass, desc.d as usize, desc.causal != 0, desc.s as usize, desc.t as usize)
+    let k = kernel();
+    (native_built() || k == crate::kernel::CudaKernel::Native)
+        && k.uses_native(pass, desc.d as usize, desc.causal != 0, desc.s as usize, desc.t as usize)
 }
 
 /// Whether this build holds the native Hopper kernel (build.rs compiles it for sm_90 when
@@ -86,12 +90,12 @@ pub fn native_runs() -> crate::kernel::NativeRuns {
     crate::kernel::NativeRuns { fwd: NATIVE_RUNS[0].load(Ordering::Relaxed), bwd: NATIVE_RUNS[1].load(Ordering::Relaxed) }
 }
 
-/// Says once per direction (`dir` 0 forward, 1 backward) why the native kernel did not take a
-/// call, so that a run which asked for it knows cuDNN ran instead.
-fn native_refused(dir: usize, why: &str) {
+/// Says once per direction why the native kernel did not take a call, so that a run which
+/// asked for it knows cuDNN ran instead.
+fn native_refused(pass: crate::kernel::Pass, why: &str) {
     // said only to whoever asked for the native kernel by name: `auto` means "either"
-    if kernel() == crate::kernel::CudaKernel::Native && !NATIVE_NOTED[dir].swap(true, Ordering::Relaxed) {
-        let what = ["forward", "backward"][dir];
+    if kernel() == crate::kernel::CudaKernel::Native && !NATIVE_NOTED[pass as usize].swap(true, Ordering::Relaxed) {
+        let what = ["forward", "backward"][pass as usize];
         eprintln!("longctx-attention: the native kernel does not cover a {what} here ({why}); cuDNN runs it (said once)");
     }
 }
@@ -279,10 +283,10 @@ fn try_fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask, scale: f64) -> std::r
     if native_first(crate::kernel::Pass::Fwd, &desc) {
         match native_fwd(&desc, &stream, [&q, &k, &v], [&mut o, &mut lse]) {
             Ok(()) => {
-                NATIVE_RUNS[0].fetch_add(1, Ordering::Relaxed);
+                NATIVE_RUNS[crate::kernel::Pass::Fwd as usize].fetch_add(1, Ordering::Relaxed);
                 return Ok((raw::tensor(o, (b, s, hq, d)), raw::tensor(lse, (b, hq, s))));
             }
-            Err(Refusal::Unsupported(why)) => native_refused(0, &why),
+            Err(Refusal::Unsupported(why)) => native_refused(crate::kernel::Pass::Fwd, &why),
             Err(e) => return Err(e),
         }
     }
@@ -356,10 +360,10 @@ fn try_bwd(d_o: &Tensor, saved: Saved<'_>, mask: Mask, scale: f64) -> std::resul
     if native_first(crate::kernel::Pass::Bwd, &desc) {
         match native_bwd(&desc, &stream, [&q, &k, &v, &o, &d_o, &lse], [&mut dq, &mut dk, &mut dv]) {
             Ok(()) => {
-                NATIVE_RUNS[1].fetch_add(1, Ordering::Relaxed);
+                NATIVE_RUNS[crate::kernel::Pass::Bwd as usize].fetch_add(1, Ordering::Relaxed);
                 return Ok(grads(dq, dk, dv));
             }
-            Err(Refusal::Unsupported(why)) => native_refused(1, &why),
+            Err(Refusal::Unsupported(why)) => native_refused(crate::kernel::Pass::Bwd, &why),
             Err(e) => return Err(e),
         }
     }

@@ -237,28 +237,15 @@ fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs, kernels: &[Cud
         let k = randn(&[b, s, hkv, d], dtype, dev)?;
         let v = randn(&[b, s, hkv, d], dtype, dev)?;
         let d_o = randn(&[b, s, h, d], dtype, dev)?;
-        // per kernel: label and the fastest (fwd, bwd, fwd+bwd) seconds over the rounds
-        let mut best: Vec<(String, [f64; 3])> = Vec::with_capacity(kernels.len());
-        for &kern in kernels {
-            kern.select();
-            let before = native_runs();
-            let (o, lse) = kernel::fwd(&q, &k, &v, Mask::Causal, scale)?;
-            kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale)?;
-            let ran = native_runs();
-            let which = |native: bool| if native { "native" } else { "cuDNN" };
-            let label = match (kern, ran.fwd > before.fwd, ran.bwd > before.bwd) {
-                (CudaKernel::Native, false, false) => "native (not covered: cuDNN ran)".to_string(),
-                (CudaKernel::Native, true, false) => "native fwd, cuDNN bwd (not covered)".to_string(),
-                (CudaKernel::Native, false, true) => "cuDNN fwd (not covered), native bwd".to_string(),
-                (CudaKernel::Auto, f, b) => format!("auto: {} fwd, {} bwd", which(f), which(b)),
-                (k, _, _) => k.name().to_string(),
-            };
-            best.push((label, [f64::INFINITY; 3]));
-        }
+        // per kernel: label (from the first round) and the fastest (fwd, bwd, fwd+bwd)
+        // seconds over the rounds
+        let mut best: Vec<(String, [f64; 3])> = vec![(String::new(), [f64::INFINITY; 3]); kernels.len()];
         for round in 0..a.rounds {
             let order: Vec<usize> = if round % 2 == 0 { (0..kernels.len()).collect() } else { (0..kernels.len()).rev().collect() };
             for i in order {
-                kernels[i].select();
+                let kern = kernels[i];
+                kern.select();
+                let before = native_runs();
                 let (o, lse) = kernel::fwd(&q, &k, &v, Mask::Causal, scale)?;
                 let t_f = time(dev, a.warmup, a.iters, || kernel::fwd(&q, &k, &v, Mask::Causal, scale).map(|_| ()))?;
                 let t_b = time(dev, a.warmup, a.iters, || {
@@ -268,6 +255,18 @@ fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs, kernels: &[Cud
                     let (o, lse) = kernel::fwd(&q, &k, &v, Mask::Causal, scale)?;
                     kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale).map(|_| ())
                 })?;
+                if round == 0 {
+                    // which kernel ran each direction: the native counters over these calls
+                    let ran = native_runs();
+                    let which = |native: bool| if native { "native" } else { "cuDNN" };
+                    best[i].0 = match (kern, ran.fwd > before.fwd, ran.bwd > before.bwd) {
+                        (CudaKernel::Native, false, false) => "native (not covered: cuDNN ran)".to_string(),
+                        (CudaKernel::Native, true, false) => "native fwd, cuDNN bwd (not covered)".to_string(),
+                        (CudaKernel::Native, false, true) => "cuDNN fwd (not covered), native bwd".to_string(),
+                        (CudaKernel::Auto, f, b) => format!("auto: {} fwd, {} bwd", which(f), which(b)),
+                        (k, _, _) => k.name().to_string(),
+                    };
+                }
                 for (slot, t) in best[i].1.iter_mut().zip([t_f, t_b, t_fb]) {
                     *slot = slot.min(t);
                 }
