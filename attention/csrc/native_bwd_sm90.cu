@@ -100,6 +100,18 @@ struct BwdTraits {
     // previous step's bulk reduction to have read its buffer
     static constexpr int kDqBufs = kHeadDim == 128 ? LONGCTX_BWD_D128_DQ_BUFS : 1;
     static_assert(kDqBufs == 1 || kDqBufs == 2);
+    // Issue the next step's Sᵀ as soon as this step's dQ_part has left the registers (behind
+    // this step's dK), so that it runs under the dQ store instead of at the head of the next
+    // step, where the warpgroups had nothing to do but wait for it (bit 0: d 128, bit 1:
+    // d 64). H200, causal, bwd TFLOP/s at 32 × 128, two rounds against the plain build in
+    // one visit: 64K 562.4 / 562.8 against 541.7 / 545.4, 16K 524.1 / 521.8 against 505.8 /
+    // 505.4. At d 64 (Sᵀ is 64 × 128 there) ptxas spills 48 bytes and serialises the wgmma
+    // (C7512), so d 64 keeps the plain order.
+#ifndef LONGCTX_BWD_EARLY_S
+#define LONGCTX_BWD_EARLY_S 1
+#endif
+    static constexpr bool kEarlyS = (LONGCTX_BWD_EARLY_S >> (kHeadDim == 128 ? 0 : 1)) & 1;
+    static_assert(!kEarlyS || kStages >= 2, "the next step's Sᵀ reads the next stage");
     // two consumer warpgroups (threads 0-255) and a producer warpgroup, which hands its
     // registers to the consumers (setmaxnreg: 240 each for dK, dV, Sᵀ, dPᵀ and dQ; without
     // it 384 threads are capped at 168, and nine warps cannot hold more than that either:
@@ -372,9 +384,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     // waited for within it: issuing the next step's Sᵀ/dPᵀ across the loop's back edge made
     // ptxas serialise the wgmma pipeline (C7514) and spill at d 128.
     const int per_head = m_blocks - m_first, steps = group * per_head;
-    auto issue_sdp = [&](int st) {
+    // Sᵀ and dPᵀ in two commit groups: Pᵀ is computed while dPᵀ runs
+    auto issue_s = [&](int st) {
         warpgroup_fence_operand(tSrS);
-        warpgroup_fence_operand(tSrdP);
         warpgroup_arrive();
         mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
         CUTE_UNROLL
@@ -382,7 +394,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             cute::gemm(mma_sdp, tSrK(_, _, k), tSrQ(_, _, k, st), tSrS);
             mma_sdp.accumulate_ = GMMA::ScaleOut::One;
         }
-        warpgroup_commit_batch();  // Sᵀ and dPᵀ in two groups: Pᵀ is computed while dPᵀ runs
+        warpgroup_commit_batch();
+    };
+    auto issue_dp = [&](int st) {
+        warpgroup_fence_operand(tSrdP);
         warpgroup_arrive();
         mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
         CUTE_UNROLL
@@ -469,7 +484,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     // dQ_part -> shared (each thread's values as float4s, conflict-free) -> bulk add into the
     // accumulator of query block m of head h: 64-row block r, column part `part` of it
     const int bar_wg = 3 + wg;  // this warpgroup's own named barrier
-    auto store_dq = [&](int h, int m, int buf) {
+    // (in two halves: the registers are free after the first)
+    auto store_dq_smem = [&](int buf) {
         float *dq_smem = sm.dq[wg][buf % T::kDqBufs];  // buf: the step's parity
         // the reduction that last read this buffer (kDqBufs steps ago) is done reading it
         if (wtid == 0) tma_store_wait<T::kDqBufs - 1>();
@@ -479,6 +495,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             float4 x = make_float4(tdQrdQ(4 * v4), tdQrdQ(4 * v4 + 1), tdQrdQ(4 * v4 + 2), tdQrdQ(4 * v4 + 3));
             reinterpret_cast<float4 *>(dq_smem)[(warp * (T::kDqPerThread / 4) + v4) * 32 + lane] = x;
         }
+    };
+    auto store_dq_reduce = [&](int h, int m, int buf) {
+        float *dq_smem = sm.dq[wg][buf % T::kDqBufs];
         cutlass::arch::fence_view_async_shared();
         bar_sync(bar_wg, 128);
         if (wtid == 0) {
@@ -487,6 +506,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             bulk_reduce_add(dst, dq_smem, 64 * DQC * 4);
             tma_store_arrive();
         }
+    };
+    auto store_dq = [&](int h, int m, int buf) {
+        store_dq_smem(buf);
+        store_dq_reduce(h, m, buf);
     };
     // Both warpgroups meet once per step (barrier 1): dQ_part needs both one's dSᵀ. dQ is
     // issued before dK, so that its result goes to shared memory and on to the accumulator
@@ -500,15 +523,29 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         for (int i = 0; i <= LONGCTX_BWD_PHASES; ++i) phase_sum[wg][i] = 0;
     unsigned phase_t0 = clock();
 #endif
+    if constexpr (T::kEarlyS) {  // step 0's Sᵀ (steps ≥ 1: every CTA has a query block)
+        TBar::wait(&sm.bar_full[0], 0);
+        issue_s(0);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrS);
+    }
     for (int it = 0; it < steps; ++it) {
         const int g = it / per_head, m = q_block(it % per_head), h = hk * group + g;
         const int st = it % ST, buf = it & 1;
-        TBar::wait(&sm.bar_full[st], (it / ST) & 1);
-        BWD_PHASE(0);  // waiting for this step's Q, dO, lse2, D
-        issue_sdp(st);
-        warpgroup_wait<1>();  // Sᵀ (dPᵀ may run)
-        warpgroup_fence_operand(tSrS);
-        BWD_PHASE(1);
+        if constexpr (T::kEarlyS) {
+            // Sᵀ of this step is done (waited for at the end of the last one)
+            BWD_PHASE(0);
+            issue_dp(st);
+            BWD_PHASE(1);
+        } else {
+            TBar::wait(&sm.bar_full[st], (it / ST) & 1);
+            BWD_PHASE(0);  // waiting for this step's Q, dO, lse2, D
+            issue_s(st);
+            issue_dp(st);
+            warpgroup_wait<1>();  // Sᵀ (dPᵀ may run)
+            warpgroup_fence_operand(tSrS);
+            BWD_PHASE(1);
+        }
         compute_p(m, st);
         BWD_PHASE(2);
         issue_dv(st);
@@ -526,14 +563,34 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         issue_dk(st);
         warpgroup_wait<1>();  // dV and dQ (dK may run)
         warpgroup_fence_operand(tdQrdQ);
-        BWD_PHASE(6);
-        store_dq(h, m, buf);
-        BWD_PHASE(7);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tdVrdV);
-        warpgroup_fence_operand(tdKrdK);
-        Bar::arrive(&sm.bar_empty[st]);  // Q, dO, lse2, D of this stage are no longer read
-        BWD_PHASE(8);
+        if constexpr (T::kEarlyS) {
+            // the next step's Sᵀ, behind dK, once dQ_part is out of the registers; waited for at
+            // the end of this step (nothing is in flight across the loop's back edge). The
+            // last step issues one too, on its own stage, and drops it: with the product
+            // issued on a condition ptxas serialises the wgmma pipeline (C7515).
+            BWD_PHASE(6);
+            store_dq_smem(buf);
+            if (it + 1 < steps) TBar::wait(&sm.bar_full[(it + 1) % ST], ((it + 1) / ST) & 1);
+            issue_s(it + 1 < steps ? (it + 1) % ST : st);
+            store_dq_reduce(h, m, buf);
+            BWD_PHASE(7);
+            warpgroup_wait<1>();  // dK (the next Sᵀ may run)
+            warpgroup_fence_operand(tdVrdV);
+            warpgroup_fence_operand(tdKrdK);
+            Bar::arrive(&sm.bar_empty[st]);  // Q, dO, lse2, D of this stage are no longer read
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tSrS);
+            BWD_PHASE(8);
+        } else {
+            BWD_PHASE(6);
+            store_dq(h, m, buf);
+            BWD_PHASE(7);
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tdVrdV);
+            warpgroup_fence_operand(tdKrdK);
+            Bar::arrive(&sm.bar_empty[st]);  // Q, dO, lse2, D of this stage are no longer read
+            BWD_PHASE(8);
+        }
     }
 #if LONGCTX_NATIVE_PROFILE
     if (wtid == 0) {
