@@ -79,15 +79,22 @@ inline int band_width(int slices, int blocks, int sms) {
         if (slices % w == 0 && int64_t(w) * blocks >= 2 * int64_t(sms)) return w;
     return slices;
 }
-// Streaming multiprocessors of device `ordinal`, asked once per device (ordinals 0..63);
-// 132 (an H100/H200 SXM) if the driver cannot say.
+// Attribute A of device `ordinal`, asked of the driver once per device (ordinals 0..63;
+// others are asked every time); -1, and asked again next time, if the driver cannot say.
+template <cudaDeviceAttr A>
+inline int cached_device_attr(int ordinal) {
+    static std::atomic<int> values[64];  // 0: not asked yet
+    const bool slot = ordinal >= 0 && ordinal < 64;
+    int v = slot ? values[ordinal].load(std::memory_order_relaxed) : 0;
+    if (v > 0) return v;
+    if (cudaDeviceGetAttribute(&v, A, ordinal) != cudaSuccess || v <= 0) return -1;
+    if (slot) values[ordinal].store(v, std::memory_order_relaxed);
+    return v;
+}
+// Streaming multiprocessors of device `ordinal`; 132 (an H100/H200 SXM) if the driver cannot say.
 inline int sm_count(int ordinal) {
-    static std::atomic<int> counts[64];
-    int n = ordinal >= 0 && ordinal < 64 ? counts[ordinal].load(std::memory_order_relaxed) : 0;
-    if (n > 0) return n;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, ordinal) != cudaSuccess || n <= 0) n = 132;
-    if (ordinal >= 0 && ordinal < 64) counts[ordinal].store(n, std::memory_order_relaxed);
-    return n;
+    const int n = cached_device_attr<cudaDevAttrMultiProcessorCount>(ordinal);
+    return n > 0 ? n : 132;
 }
 // Device side: CTA `l` of a banded grid -> (slice, block index; 0 the longest).
 struct BandedCta {

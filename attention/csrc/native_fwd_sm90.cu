@@ -395,13 +395,8 @@ extern "C" const char *longctx_native_uncovered(const longctx_sdpa_desc *d, cons
         return "sizes (more than 2^31 - 1 thread blocks)";
     if ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) & 15)
         return "q/k/v not 16-byte aligned";
-    // the compute capability, asked once per device (ordinals 0..63; 0 = not asked yet)
-    static std::atomic<int> majors[64];
-    int major = d->ordinal >= 0 && d->ordinal < 64 ? majors[d->ordinal].load(std::memory_order_relaxed) : 0;
-    if (major == 0) {
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d->ordinal) != cudaSuccess) major = -1;
-        if (major > 0 && d->ordinal >= 0 && d->ordinal < 64) majors[d->ordinal].store(major, std::memory_order_relaxed);
-    }
+    // the compute capability, asked once per device
+    const int major = longctx_native_common::cached_device_attr<cudaDevAttrComputeCapabilityMajor>(d->ordinal);
     if (major != 9) return "the GPU is not a Hopper (compute capability 9.x; the kernel is built for sm_90a)";
     return nullptr;
 }

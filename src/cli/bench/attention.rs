@@ -55,10 +55,9 @@ pub struct BenchAttentionArgs {
     /// Timed calls (the median is reported).
     #[arg(long, default_value_t = 10)]
     pub iters: usize,
-    /// Rounds of the throughput table: every kernel is timed once per round, in the order
-    /// of `--kernel` in odd rounds and the reverse in even ones, and its fastest round is
-    /// reported (a kernel timed right after another at 16K read up to 10 % low on an H200,
-    /// whichever kernel it was). 1 times each kernel once.
+    /// Rounds of the throughput table: in each the kernels take turns call by call (so that
+    /// each meets the GPU in the same state: a kernel timed right after a run of another
+    /// read up to 10 % low at 16K on an H200), and each kernel's fastest round is reported.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=100))]
     pub rounds: u64,
     /// CUDA device ordinal.
@@ -202,18 +201,38 @@ pub(crate) fn median(mut xs: Vec<f64>) -> f64 {
 /// Median seconds of one call of `f`: CUDA events recorded on the device's stream around
 /// each call (as PyTorch benchmarks time), waiting for the end event after each call.
 fn time(dev: &Device, warmup: usize, iters: usize, mut f: impl FnMut() -> candle_core::Result<()>) -> anyhow::Result<f64> {
+    Ok(time_each(dev, warmup, iters, 1, |_| f())?[0])
+}
+
+/// Median seconds of one call of each of `n` calls `f(0)` … `f(n - 1)`, timed in turn call
+/// by call (in the order 0..n, then n..0, and so on), so that each meets the GPU in the same
+/// state: on an H200 a kernel timed right after a run of another read up to 10 % low at 16K,
+/// whichever it was. CUDA events recorded on the device's stream around each call (as
+/// PyTorch benchmarks time), waiting for the end event after each call.
+fn time_each(
+    dev: &Device,
+    warmup: usize,
+    iters: usize,
+    n: usize,
+    mut f: impl FnMut(usize) -> candle_core::Result<()>,
+) -> anyhow::Result<Vec<f64>> {
     for _ in 0..warmup {
-        f()?;
+        for i in 0..n {
+            f(i)?;
+        }
     }
     dev.synchronize()?;
-    let mut ts = Vec::with_capacity(iters);
-    for _ in 0..iters.max(1) {
-        let start = Mark::now(dev)?;
-        f()?;
-        let end = Mark::now(dev)?;
-        ts.push(start.seconds_to(&end)?);
+    let mut ts = vec![Vec::with_capacity(iters.max(1)); n];
+    for it in 0..iters.max(1) {
+        for j in 0..n {
+            let i = if it % 2 == 0 { j } else { n - 1 - j };
+            let start = Mark::now(dev)?;
+            f(i)?;
+            let end = Mark::now(dev)?;
+            ts[i].push(start.seconds_to(&end)?);
+        }
     }
-    Ok(median(ts))
+    Ok(ts.into_iter().map(median).collect())
 }
 
 fn randn(shape: &[usize], dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
@@ -226,7 +245,7 @@ fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs, kernels: &[Cud
     let scale = 1.0 / (d as f64).sqrt();
     let pool = if a.release_pool { "released at each sync" } else { "retained" };
     println!(
-        "\ncausal attention, {dtype:?}, b={b}, heads {h} (kv {hkv}) × {d}; median of {} after {} warmup, the fastest of {} round(s) (order reversed in even rounds); pool memory {pool}",
+        "\ncausal attention, {dtype:?}, b={b}, heads {h} (kv {hkv}) × {d}; median of {} after {} warmup, the fastest of {} round(s), the kernels taking turns call by call; pool memory {pool}",
         a.iters, a.warmup, a.rounds
     );
     println!("FLOP: fwd = 4·b·h·s²·d/2, bwd = 2.5·fwd, fwd+bwd = 3.5·fwd\n");
@@ -237,44 +256,53 @@ fn throughput(dev: &Device, dtype: DType, a: &BenchAttentionArgs, kernels: &[Cud
         let k = randn(&[b, s, hkv, d], dtype, dev)?;
         let v = randn(&[b, s, hkv, d], dtype, dev)?;
         let d_o = randn(&[b, s, h, d], dtype, dev)?;
-        // per kernel: label (from the first round) and the fastest (fwd, bwd, fwd+bwd)
-        // seconds over the rounds
-        let mut best: Vec<(String, [f64; 3])> = vec![(String::new(), [f64::INFINITY; 3]); kernels.len()];
-        for round in 0..a.rounds {
-            let order: Vec<usize> = if round % 2 == 0 { (0..kernels.len()).collect() } else { (0..kernels.len()).rev().collect() };
-            for i in order {
-                let kern = kernels[i];
-                kern.select();
-                let before = native_runs();
+        // per kernel: the forward's (o, lse) for its backward, and its label: which kernel
+        // ran each direction, from the native counters over one untimed fwd + bwd
+        let mut saved = Vec::with_capacity(kernels.len());
+        let mut labels = Vec::with_capacity(kernels.len());
+        for &kern in kernels {
+            kern.select();
+            let before = native_runs();
+            let (o, lse) = kernel::fwd(&q, &k, &v, Mask::Causal, scale)?;
+            kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale)?;
+            let ran = native_runs();
+            let which = |native: bool| if native { "native" } else { "cuDNN" };
+            labels.push(match (kern, ran.fwd > before.fwd, ran.bwd > before.bwd) {
+                (CudaKernel::Native, false, false) => "native (not covered: cuDNN ran)".to_string(),
+                (CudaKernel::Native, true, false) => "native fwd, cuDNN bwd (not covered)".to_string(),
+                (CudaKernel::Native, false, true) => "cuDNN fwd (not covered), native bwd".to_string(),
+                (CudaKernel::Auto, f, b) => format!("auto: {} fwd, {} bwd", which(f), which(b)),
+                (k, _, _) => k.name().to_string(),
+            });
+            saved.push((o, lse));
+        }
+        // per kernel the fastest round's (fwd, bwd, fwd+bwd) seconds; in a round the kernels
+        // take turns call by call
+        let mut best = vec![[f64::INFINITY; 3]; kernels.len()];
+        for _ in 0..a.rounds {
+            let fwd = time_each(dev, a.warmup, a.iters, kernels.len(), |i| {
+                kernels[i].select();
+                kernel::fwd(&q, &k, &v, Mask::Causal, scale).map(|_| ())
+            })?;
+            let bwd = time_each(dev, a.warmup, a.iters, kernels.len(), |i| {
+                kernels[i].select();
+                let (o, lse) = &saved[i];
+                kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, o, lse), Mask::Causal, scale).map(|_| ())
+            })?;
+            let fb = time_each(dev, a.warmup, a.iters, kernels.len(), |i| {
+                kernels[i].select();
                 let (o, lse) = kernel::fwd(&q, &k, &v, Mask::Causal, scale)?;
-                let t_f = time(dev, a.warmup, a.iters, || kernel::fwd(&q, &k, &v, Mask::Causal, scale).map(|_| ()))?;
-                let t_b = time(dev, a.warmup, a.iters, || {
-                    kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale).map(|_| ())
-                })?;
-                let t_fb = time(dev, a.warmup, a.iters, || {
-                    let (o, lse) = kernel::fwd(&q, &k, &v, Mask::Causal, scale)?;
-                    kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale).map(|_| ())
-                })?;
-                if round == 0 {
-                    // which kernel ran each direction: the native counters over these calls
-                    let ran = native_runs();
-                    let which = |native: bool| if native { "native" } else { "cuDNN" };
-                    best[i].0 = match (kern, ran.fwd > before.fwd, ran.bwd > before.bwd) {
-                        (CudaKernel::Native, false, false) => "native (not covered: cuDNN ran)".to_string(),
-                        (CudaKernel::Native, true, false) => "native fwd, cuDNN bwd (not covered)".to_string(),
-                        (CudaKernel::Native, false, true) => "cuDNN fwd (not covered), native bwd".to_string(),
-                        (CudaKernel::Auto, f, b) => format!("auto: {} fwd, {} bwd", which(f), which(b)),
-                        (k, _, _) => k.name().to_string(),
-                    };
-                }
-                for (slot, t) in best[i].1.iter_mut().zip([t_f, t_b, t_fb]) {
+                kernel::bwd(&d_o, kernel::Saved::new(&q, &k, &v, &o, &lse), Mask::Causal, scale).map(|_| ())
+            })?;
+            for (i, slots) in best.iter_mut().enumerate() {
+                for (slot, t) in slots.iter_mut().zip([fwd[i], bwd[i], fb[i]]) {
                     *slot = slot.min(t);
                 }
             }
         }
         let f = 4.0 * (b * h) as f64 * (s as f64) * (s as f64) * d as f64 / 2.0;
         let tf = |flop: f64, t: f64| flop / t / 1e12;
-        for (label, [t_f, t_b, t_fb]) in best {
+        for (label, [t_f, t_b, t_fb]) in labels.into_iter().zip(best) {
             println!(
                 "| {label} | {s} | {:.2} | {:.0} | {:.2} | {:.0} | {:.2} | {:.0} |",
                 t_f * 1e3,
