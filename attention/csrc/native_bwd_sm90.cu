@@ -733,3 +733,17 @@ extern "C" int longctx_native_bwd(const longctx_sdpa_desc *d, const void *q, con
     LONGCTX_DISPATCH(cutlass::half_t, 128);
 #undef LONGCTX_DISPATCH
 }
+
+#if LONGCTX_NATIVE_PROFILE
+// The names of the phase clock's phases at head dim d (BWD_PHASE(0..8) in the main loop):
+// with the next step's Sᵀ issued early (kEarlyS) phases 0, 1, 7 and 8 time other work.
+extern "C" const char *const *longctx_native_bwd_phase_names(int d) {
+    static const char *const plain[LONGCTX_BWD_PHASES] = {"wait Q/dO", "S", "exp", "dP", "dS+store",
+                                                          "barrier", "dQ", "store dQ", "dK"};
+    static const char *const early[LONGCTX_BWD_PHASES] = {"step start", "issue dP", "exp", "dP", "dS+store",
+                                                          "barrier", "dQ", "store dQ+issue next S", "dK+next S"};
+    using namespace longctx_nbwd;
+    const bool e = d == 64 ? BwdTraits<cutlass::bfloat16_t, 64>::kEarlyS : BwdTraits<cutlass::bfloat16_t, 128>::kEarlyS;
+    return e ? early : plain;
+}
+#endif

@@ -28,6 +28,7 @@
 #if LONGCTX_NATIVE_PROFILE
 // native_bwd_sm90.cu's phase clock (scripts/build_native_check.sh --profile)
 extern "C" int longctx_native_bwd_profile(unsigned long long *out);
+extern "C" const char *const *longctx_native_bwd_phase_names(int d);
 #endif
 
 #define CK(x)                                                                        \
@@ -329,7 +330,7 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn) {
             // SM cycles per consumer step, by phase (the 13 timed calls), per consumer warpgroup
             CK(cudaDeviceSynchronize());
             if (longctx_native_bwd_profile(&phases[0][0])) exit(2);
-            const char *names[9] = {"wait Q/dO", "S", "exp", "dP", "dS+store", "barrier", "dQ", "store dQ", "dK"};
+            const char *const *names = longctx_native_bwd_phase_names(int(desc.d));
             for (int w = 0; w < 2; ++w) {
                 const double steps = double(phases[w][9] ? phases[w][9] : 1);
                 double total = 0;
