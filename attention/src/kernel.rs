@@ -72,8 +72,9 @@ impl CudaKernel {
     /// for the diagonal block (else no mask; a band is not covered by the native kernel).
     ///
     /// `Auto` takes the native kernel where it was faster than cuDNN 9.14 on one H200
-    /// (docs/benchmarks.md, issue #36), and cuDNN where it was slower or within the noise of
-    /// about 1 %. Causal blocks, TFLOP/s native / cuDNN from `bench attention` with the two
+    /// (docs/benchmarks.md, issue #36), and cuDNN where it was slower by more than the
+    /// noise of about 1 % (where level, as the d 128 forward at 64K, the side of the longer
+    /// blocks). Causal blocks, TFLOP/s native / cuDNN from `bench attention` with the two
     /// taking turns call by call (session 24; earlier tables timed one kernel after the other
     /// and favoured the first):
     /// - backward, head dim 64: native at every length and mask (8K 453 / 388, 16K 461 /
