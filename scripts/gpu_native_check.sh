@@ -5,7 +5,7 @@
 #      alone against an f32 reference and cuDNN in one process;
 #   2. `bench attention --check` with the three kernels (cudnn, native, auto: the CUDA kernel against the CPU kernel,
 #      every parallel mode, document masks, windows);
-#   3. `bench attention` side by side at 16K / 64K / 128K, 32×128 and 32/4×64 (two rounds, order reversed);
+#   3. `bench attention` side by side at 16K / 64K / 128K, 32×128 and 32/4×64 (the kernels taking turns call by call, two rounds);
 #   4. a 10-step training comparison, TinyLlama-1.1B shape with 4 layers at 16K: cuDNN twice
 #      and native twice (the noise floor between two runs of one kernel, for each), and
 #      native against cuDNN.

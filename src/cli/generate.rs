@@ -205,6 +205,6 @@ mod tests {
         assert_eq!(parse(&[]).unwrap().attention_kernel, CudaKernel::Auto);
         assert_eq!(parse(&["--attention-kernel", "native"]).unwrap().attention_kernel, CudaKernel::Native);
         let e = parse(&["--attention-kernel", "sdpa"]).map(|_| ()).expect_err("sdpa is no kernel").to_string();
-        assert!(e.contains("--attention-kernel") && e.contains("sdpa") && e.contains("cudnn, native"), "{e}");
+        assert!(e.contains("--attention-kernel") && e.contains("sdpa") && e.contains("cudnn, native, auto"), "{e}");
     }
 }

@@ -65,11 +65,10 @@ pub fn kernel() -> crate::kernel::CudaKernel {
 }
 
 /// Whether this call of `pass` goes to the native kernel first ([`CudaKernel::uses_native`]
-/// of the process's kernel).
+/// of the process's kernel). Under `auto` a build without the kernel goes to cuDNN at once
+/// (a `native` by name still tries, to say why not).
 ///
 /// [`CudaKernel::uses_native`]: crate::kernel::CudaKernel::uses_native
-/// Under `auto` a build without the kernel goes to cuDNN at once (a `native` by name still
-/// tries, to say why not).
 fn native_first(pass: crate::kernel::Pass, desc: &ffi::Desc) -> bool {
     let k = kernel();
     (native_built() || k == crate::kernel::CudaKernel::Native)
