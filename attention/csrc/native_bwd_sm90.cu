@@ -111,6 +111,20 @@ struct BwdTraits {
 #define LONGCTX_BWD_EARLY_S 1
 #endif
     static constexpr bool kEarlyS = (LONGCTX_BWD_EARLY_S >> (kHeadDim == 128 ? 0 : 1)) & 1;
+    // Timing variants (default off): of every four value pairs of Pᵀ / dSᵀ, how many convert to
+    // bf16 on the integer pipes instead of by F2FP (convert_frag); Pᵀ in two halves of the
+    // query block with dV's first half issued between them (bit 0: d 128, bit 1: d 64).
+#ifndef LONGCTX_BWD_ICVT_P
+#define LONGCTX_BWD_ICVT_P 0
+#endif
+#ifndef LONGCTX_BWD_ICVT_DS
+#define LONGCTX_BWD_ICVT_DS 0
+#endif
+#ifndef LONGCTX_BWD_SPLIT_P
+#define LONGCTX_BWD_SPLIT_P 0
+#endif
+    static constexpr int kIcvtP = LONGCTX_BWD_ICVT_P, kIcvtDs = LONGCTX_BWD_ICVT_DS;
+    static constexpr int kPParts = (LONGCTX_BWD_SPLIT_P >> (kHeadDim == 128 ? 0 : 1)) & 1 ? 2 : 1;
     static_assert(!kEarlyS || kStages >= 2, "the next step's Sᵀ reads the next stage");
     // two consumer warpgroups (threads 0-255) and a producer warpgroup, which hands its
     // registers to the consumers (setmaxnreg: 240 each for dK, dV, Sᵀ, dPᵀ and dQ; without
@@ -409,11 +423,14 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     };
     // Pᵀ in place of Sᵀ (then as the A operand tP); keys past t and (causal) keys after the
     // query get 0. Two copies of the loop, so that blocks off the diagonal carry no mask tests.
-    auto compute_p = [&](int m, int st) {
+    // Part `part` of T::kPParts: that share of the query block's columns.
+    constexpr int kPCols = decltype(size<1>(S))::value / T::kPParts;
+    auto compute_p = [&](int m, int st, auto part) {
+        constexpr int c0 = decltype(part)::value * kPCols, c1 = c0 + kPCols;
         const bool masked = (kCausal && m * BM < n_block * BN + BN - 1) || (n_block + 1) * BN > p.t;
         if (masked) {
             CUTE_UNROLL
-            for (int c = 0; c < size<1>(S); ++c) {
+            for (int c = c0; c < c1; ++c) {
                 const int qc = get<1>(cS(0, c));
                 const float l2 = sm.lse2[st][qc];
                 CUTE_UNROLL
@@ -425,14 +442,15 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             }
         } else {
             CUTE_UNROLL
-            for (int c = 0; c < size<1>(S); ++c) {
+            for (int c = c0; c < c1; ++c) {
                 const float l2 = sm.lse2[st][get<1>(cS(0, c))];
                 CUTE_UNROLL
                 for (int r = 0; r < size<0>(S); ++r) S(r, c) = ex2(fmaf(S(r, c), p.scale_log2, -l2));
             }
         }
-        CUTE_UNROLL
-        for (int j = 0; j < size(tSrS); ++j) tP(j) = static_cast<Element>(tSrS(j));
+        // the columns of a part are a contiguous share of the fragment (see ds_base below)
+        constexpr int kJ = decltype(size(tSrS))::value / T::kPParts;
+        convert_frag<T::kIcvtP, decltype(part)::value * kJ, (decltype(part)::value + 1) * kJ>(tP, tSrS);
     };
     // dSᵀ = Pᵀ ∘ (dPᵀ − D) in place of dPᵀ, then as the A operand tdS
     auto compute_ds = [&](int st) {
@@ -442,20 +460,29 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             CUTE_UNROLL
             for (int r = 0; r < size<0>(S); ++r) dP(r, c) = S(r, c) * (dP(r, c) - dd);
         }
-        CUTE_UNROLL
-        for (int j = 0; j < size(tSrdP); ++j) tdS(j) = static_cast<Element>(tSrdP(j));
+        convert_frag<T::kIcvtDs, 0, decltype(size(tSrdP))::value>(tdS, tSrdP);
     };
     // acc += a·b with a from registers (dV += Pᵀ·dO, dK += dSᵀ·Q), b of stage st
-    auto issue_dkv = [&](auto &acc, auto &a, auto &b, int st) {
+    // (K slices [k0, k1) of the query block)
+    auto issue_dkv = [&](auto &acc, auto &a, auto &b, int st, auto k0, auto k1) {
         warpgroup_fence_operand(acc);
-        warpgroup_fence_operand(a);
+        CUTE_UNROLL
+        for (int k = decltype(k0)::value; k < decltype(k1)::value; ++k) {
+            auto ak = a(_, _, k);
+            warpgroup_fence_operand(ak);
+        }
         warpgroup_arrive();
         CUTE_UNROLL
-        for (int k = 0; k < size<2>(a); ++k) cute::gemm(mma_dkv, a(_, _, k), b(_, _, k, st), acc);
+        for (int k = decltype(k0)::value; k < decltype(k1)::value; ++k)
+            cute::gemm(mma_dkv, a(_, _, k), b(_, _, k, st), acc);
         warpgroup_commit_batch();
     };
-    auto issue_dv = [&](int st) { issue_dkv(tdVrdV, tPa, tdVrdO, st); };
-    auto issue_dk = [&](int st) { issue_dkv(tdKrdK, tdSa, tdKrQ, st); };
+    constexpr int kSlices = decltype(size<2>(tPa))::value, kPSlices = kSlices / T::kPParts;
+    auto issue_dv = [&](int st, auto part) {
+        constexpr int k0 = decltype(part)::value * kPSlices;
+        issue_dkv(tdVrdV, tPa, tdVrdO, st, Int<k0>{}, Int<k0 + kPSlices>{});
+    };
+    auto issue_dk = [&](int st) { issue_dkv(tdKrdK, tdSa, tdKrQ, st, Int<0>{}, Int<kSlices>{}); };
     // dSᵀ into shared memory buffer `buf`, two adjacent queries per 4-byte store
     auto store_ds = [&](int buf) {
         CUTE_UNROLL
@@ -546,10 +573,14 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             warpgroup_fence_operand(tSrS);
             BWD_PHASE(1);
         }
-        compute_p(m, st);
+        compute_p(m, st, Int<0>{});
+        issue_dv(st, Int<0>{});
+        if constexpr (T::kPParts == 2) {  // the second half's exponentials under dV's first
+            compute_p(m, st, Int<1>{});
+            issue_dv(st, Int<1>{});
+        }
         BWD_PHASE(2);
-        issue_dv(st);
-        warpgroup_wait<1>();  // dPᵀ (dV may run)
+        warpgroup_wait<T::kPParts>();  // dPᵀ (dV may run)
         warpgroup_fence_operand(tSrdP);
         BWD_PHASE(3);
         compute_ds(st);

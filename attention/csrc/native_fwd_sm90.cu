@@ -48,6 +48,12 @@ struct FwdTraits {
     // consumer warpgroups take turns to issue their products (H200, 64K causal: 625 against
     // 622 TFLOP/s without at d 128, 515 against 506 at d 64)
     static constexpr bool kPingPong = kWarpGroups > 1;
+    // Timing variant (default off): of every four value pairs of P, how many convert to bf16
+    // on the integer pipes instead of by F2FP (convert_frag in native_common.cuh)
+#ifndef LONGCTX_FWD_ICVT
+#define LONGCTX_FWD_ICVT 0
+#endif
+    static constexpr int kIcvt = LONGCTX_FWD_ICVT;
 
     using SmemLayoutQ =
         decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
@@ -282,8 +288,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
         warpgroup_commit_batch();
     };
     auto to_p = [&] {
-        CUTE_UNROLL
-        for (int j = 0; j < size(tSrS); ++j) tOrP(j) = static_cast<Element>(tSrS(j));
+        convert_frag<T::kIcvt, 0, decltype(size(tSrS))::value>(tOrP, tSrS);
     };
 
     TBar::wait(&sm.bar_q, 0);
