@@ -111,20 +111,6 @@ struct BwdTraits {
 #define LONGCTX_BWD_EARLY_S 1
 #endif
     static constexpr bool kEarlyS = (LONGCTX_BWD_EARLY_S >> (kHeadDim == 128 ? 0 : 1)) & 1;
-    // Timing variants (default off): of every four value pairs of Pᵀ / dSᵀ, how many convert to
-    // bf16 on the integer pipes instead of by F2FP (convert_frag); Pᵀ in two halves of the
-    // query block with dV's first half issued between them (bit 0: d 128, bit 1: d 64).
-#ifndef LONGCTX_BWD_ICVT_P
-#define LONGCTX_BWD_ICVT_P 0
-#endif
-#ifndef LONGCTX_BWD_ICVT_DS
-#define LONGCTX_BWD_ICVT_DS 0
-#endif
-#ifndef LONGCTX_BWD_SPLIT_P
-#define LONGCTX_BWD_SPLIT_P 0
-#endif
-    static constexpr int kIcvtP = LONGCTX_BWD_ICVT_P, kIcvtDs = LONGCTX_BWD_ICVT_DS;
-    static constexpr int kPParts = (LONGCTX_BWD_SPLIT_P >> (kHeadDim == 128 ? 0 : 1)) & 1 ? 2 : 1;
     static_assert(!kEarlyS || kStages >= 2, "the next step's Sᵀ reads the next stage");
     // two consumer warpgroups (threads 0-255) and a producer warpgroup, which hands its
     // registers to the consumers (setmaxnreg: 240 each for dK, dV, Sᵀ, dPᵀ and dQ; without
@@ -423,14 +409,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     };
     // Pᵀ in place of Sᵀ (then as the A operand tP); keys past t and (causal) keys after the
     // query get 0. Two copies of the loop, so that blocks off the diagonal carry no mask tests.
-    // Part `part` of T::kPParts: that share of the query block's columns.
-    constexpr int kPCols = decltype(size<1>(S))::value / T::kPParts;
-    auto compute_p = [&](int m, int st, auto part) {
-        constexpr int c0 = decltype(part)::value * kPCols, c1 = c0 + kPCols;
+    auto compute_p = [&](int m, int st) {
         const bool masked = (kCausal && m * BM < n_block * BN + BN - 1) || (n_block + 1) * BN > p.t;
         if (masked) {
             CUTE_UNROLL
-            for (int c = c0; c < c1; ++c) {
+            for (int c = 0; c < size<1>(S); ++c) {
                 const int qc = get<1>(cS(0, c));
                 const float l2 = sm.lse2[st][qc];
                 CUTE_UNROLL
@@ -442,15 +425,14 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             }
         } else {
             CUTE_UNROLL
-            for (int c = c0; c < c1; ++c) {
+            for (int c = 0; c < size<1>(S); ++c) {
                 const float l2 = sm.lse2[st][get<1>(cS(0, c))];
                 CUTE_UNROLL
                 for (int r = 0; r < size<0>(S); ++r) S(r, c) = ex2(fmaf(S(r, c), p.scale_log2, -l2));
             }
         }
-        // the columns of a part are a contiguous share of the fragment (see ds_base below)
-        constexpr int kJ = decltype(size(tSrS))::value / T::kPParts;
-        convert_frag<T::kIcvtP, decltype(part)::value * kJ, (decltype(part)::value + 1) * kJ>(tP, tSrS);
+        CUTE_UNROLL
+        for (int j = 0; j < size(tSrS); ++j) tP(j) = static_cast<Element>(tSrS(j));
     };
     // dSᵀ = Pᵀ ∘ (dPᵀ − D) in place of dPᵀ, then as the A operand tdS
     auto compute_ds = [&](int st) {
@@ -460,29 +442,20 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             CUTE_UNROLL
             for (int r = 0; r < size<0>(S); ++r) dP(r, c) = S(r, c) * (dP(r, c) - dd);
         }
-        convert_frag<T::kIcvtDs, 0, decltype(size(tSrdP))::value>(tdS, tSrdP);
+        CUTE_UNROLL
+        for (int j = 0; j < size(tSrdP); ++j) tdS(j) = static_cast<Element>(tSrdP(j));
     };
     // acc += a·b with a from registers (dV += Pᵀ·dO, dK += dSᵀ·Q), b of stage st
-    // (K slices [k0, k1) of the query block)
-    auto issue_dkv = [&](auto &acc, auto &a, auto &b, int st, auto k0, auto k1) {
+    auto issue_dkv = [&](auto &acc, auto &a, auto &b, int st) {
         warpgroup_fence_operand(acc);
-        CUTE_UNROLL
-        for (int k = decltype(k0)::value; k < decltype(k1)::value; ++k) {
-            auto ak = a(_, _, k);
-            warpgroup_fence_operand(ak);
-        }
+        warpgroup_fence_operand(a);
         warpgroup_arrive();
         CUTE_UNROLL
-        for (int k = decltype(k0)::value; k < decltype(k1)::value; ++k)
-            cute::gemm(mma_dkv, a(_, _, k), b(_, _, k, st), acc);
+        for (int k = 0; k < size<2>(a); ++k) cute::gemm(mma_dkv, a(_, _, k), b(_, _, k, st), acc);
         warpgroup_commit_batch();
     };
-    constexpr int kSlices = decltype(size<2>(tPa))::value, kPSlices = kSlices / T::kPParts;
-    auto issue_dv = [&](int st, auto part) {
-        constexpr int k0 = decltype(part)::value * kPSlices;
-        issue_dkv(tdVrdV, tPa, tdVrdO, st, Int<k0>{}, Int<k0 + kPSlices>{});
-    };
-    auto issue_dk = [&](int st) { issue_dkv(tdKrdK, tdSa, tdKrQ, st, Int<0>{}, Int<kSlices>{}); };
+    auto issue_dv = [&](int st) { issue_dkv(tdVrdV, tPa, tdVrdO, st); };
+    auto issue_dk = [&](int st) { issue_dkv(tdKrdK, tdSa, tdKrQ, st); };
     // dSᵀ into shared memory buffer `buf`, two adjacent queries per 4-byte store
     auto store_ds = [&](int buf) {
         CUTE_UNROLL
@@ -534,10 +507,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             tma_store_arrive();
         }
     };
-    auto store_dq = [&](int h, int m, int buf) {
-        store_dq_smem(buf);
-        store_dq_reduce(h, m, buf);
-    };
     // Both warpgroups meet once per step (barrier 1): dQ_part needs both one's dSᵀ. dQ is
     // issued before dK, so that its result goes to shared memory and on to the accumulator
     // while dK still runs (H200, 64K causal: 541 against 530 TFLOP/s at 32×128 and, with
@@ -573,14 +542,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             warpgroup_fence_operand(tSrS);
             BWD_PHASE(1);
         }
-        compute_p(m, st, Int<0>{});
-        issue_dv(st, Int<0>{});
-        if constexpr (T::kPParts == 2) {  // the second half's exponentials under dV's first
-            compute_p(m, st, Int<1>{});
-            issue_dv(st, Int<1>{});
-        }
+        compute_p(m, st);
         BWD_PHASE(2);
-        warpgroup_wait<T::kPParts>();  // dPᵀ (dV may run)
+        issue_dv(st);
+        warpgroup_wait<1>();  // dPᵀ (dV may run)
         warpgroup_fence_operand(tSrdP);
         BWD_PHASE(3);
         compute_ds(st);
@@ -594,34 +559,27 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         issue_dk(st);
         warpgroup_wait<1>();  // dV and dQ (dK may run)
         warpgroup_fence_operand(tdQrdQ);
+        BWD_PHASE(6);
+        store_dq_smem(buf);
         if constexpr (T::kEarlyS) {
             // the next step's Sᵀ, behind dK, once dQ_part is out of the registers; waited for at
             // the end of this step (nothing is in flight across the loop's back edge). The
             // last step issues one too, on its own stage, and drops it: with the product
             // issued on a condition ptxas serialises the wgmma pipeline (C7515).
-            BWD_PHASE(6);
-            store_dq_smem(buf);
             if (it + 1 < steps) TBar::wait(&sm.bar_full[(it + 1) % ST], ((it + 1) / ST) & 1);
             issue_s(it + 1 < steps ? (it + 1) % ST : st);
-            store_dq_reduce(h, m, buf);
-            BWD_PHASE(7);
-            warpgroup_wait<1>();  // dK (the next Sᵀ may run)
-            warpgroup_fence_operand(tdVrdV);
-            warpgroup_fence_operand(tdKrdK);
-            Bar::arrive(&sm.bar_empty[st]);  // Q, dO, lse2, D of this stage are no longer read
+        }
+        store_dq_reduce(h, m, buf);
+        BWD_PHASE(7);
+        warpgroup_wait<T::kEarlyS ? 1 : 0>();  // dK (the next Sᵀ may run)
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_fence_operand(tdKrdK);
+        Bar::arrive(&sm.bar_empty[st]);  // Q, dO, lse2, D of this stage are no longer read
+        if constexpr (T::kEarlyS) {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tSrS);
-            BWD_PHASE(8);
-        } else {
-            BWD_PHASE(6);
-            store_dq(h, m, buf);
-            BWD_PHASE(7);
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(tdVrdV);
-            warpgroup_fence_operand(tdKrdK);
-            Bar::arrive(&sm.bar_empty[st]);  // Q, dO, lse2, D of this stage are no longer read
-            BWD_PHASE(8);
         }
+        BWD_PHASE(8);
     }
 #if LONGCTX_NATIVE_PROFILE
     if (wtid == 0) {

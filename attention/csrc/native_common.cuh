@@ -4,11 +4,9 @@
 #define LONGCTX_NATIVE_COMMON_CUH
 
 #include <cute/tensor.hpp>
-#include <cutlass/numeric_types.h>
 
 #include <atomic>
 #include <cstdint>
-#include <type_traits>
 
 namespace longctx_native_common {
 using namespace cute;
@@ -42,41 +40,6 @@ __device__ __forceinline__ float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
-}
-
-// Two finite f32 -> bf16x2 (lo in the low half), rounded to nearest even. `cvt_bf16x2` is one
-// F2FP instruction; `cvt_bf16x2_int` the same rounding on the integer pipes (per value a
-// shift, a mask and a three-way add, then one byte permute), for taking conversions off
-// F2FP's pipe where that pipe is the one the step waits on.
-__device__ __forceinline__ uint32_t cvt_bf16x2(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ uint32_t cvt_bf16x2_int(float lo, float hi) {
-    uint32_t a = __float_as_uint(lo), b = __float_as_uint(hi);
-    a += 0x7fffu + ((a >> 16) & 1u);
-    b += 0x7fffu + ((b >> 16) & 1u);
-    return __byte_perm(a, b, 0x7632);
-}
-
-// dst(j) = src(j) for j in [J0, J1) (a register fragment of the element type from an f32
-// accumulator of the same layout). With bf16, kIntOf4 of every four value pairs convert on
-// the integer pipes (cvt_bf16x2_int), the rest by F2FP; f16 always by the plain conversion.
-template <int kIntOf4, int J0, int J1, class Dst, class Src>
-__device__ __forceinline__ void convert_frag(Dst &dst, Src const &src) {
-    using E = typename Dst::value_type;
-    static_assert(J0 % 2 == 0 && J1 % 2 == 0);
-    if constexpr (kIntOf4 > 0 && std::is_same_v<E, cutlass::bfloat16_t>) {
-        auto d32 = recast<uint32_t>(dst);
-        CUTE_UNROLL
-        for (int i = J0 / 2; i < J1 / 2; ++i)
-            d32(i) = i % 4 < kIntOf4 ? cvt_bf16x2_int(src(2 * i), src(2 * i + 1))
-                                     : cvt_bf16x2(src(2 * i), src(2 * i + 1));
-    } else {
-        CUTE_UNROLL
-        for (int j = J0; j < J1; ++j) dst(j) = static_cast<E>(src(j));
-    }
 }
 
 // Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads: sync waits for all
