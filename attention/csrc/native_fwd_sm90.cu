@@ -58,6 +58,18 @@ struct FwdTraits {
 #define LONGCTX_FWD_CHAINS 2
 #endif
     static constexpr int kChains = LONGCTX_FWD_CHAINS;
+    // The row sums from the tensor cores: P·1 by a second product in each P·V batch, P against
+    // eight columns of ones (m64n8), in place of the softmax's 64 additions a thread and block;
+    // the sums' accumulator takes O's rescale (bit 0: d 128, bit 1: d 64). H200, causal, fwd
+    // TFLOP/s, two rounds against the additions in one visit: 32/4 × 64 at 64K 523.7 / 522.1
+    // against 516.1 / 515.6, at 16K 490.2 / 488.7 against 482.2 / 490.5 (a later visit: 64K
+    // 522.8 / 523.0 against 515.0 / 516.0, 128K 521.2 / 522.3 against 518.7 / 516.5, 16K
+    // 492.4 / 492.4 against 469.9 / 489.0); at 32 × 128, where the extra product costs more
+    // than the additions, 607.6 / 613.0 against 629.4 / 629.7 (64K)
+#ifndef LONGCTX_FWD_ONES
+#define LONGCTX_FWD_ONES 2
+#endif
+    static constexpr bool kOnesSum = (LONGCTX_FWD_ONES >> (kHeadDim == 128 ? 0 : 1)) & 1;
 
     using SmemLayoutQ =
         decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
@@ -75,11 +87,21 @@ struct FwdTraits {
         GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>,
                              GMMA::Major::K, GMMA::Major::MN>(),
         Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+    // P·1: eight columns of ones, K-major, no swizzle (every element is 1, so the layout only
+    // has to be one wgmma accepts). One 8 × 16 tile read by every k-slice saves the loop 15
+    // instructions of descriptor arithmetic but is slower (H200, 64K causal fwd 32/4 × 64:
+    // 510.0 / 513.9 against 522.8 / 523.0 with a tile per k-slice)
+    using SmemLayoutOnes = decltype(tile_to_shape(GMMA::Layout_K_INTER_Atom<Element>{}, Shape<_8, Int<kBlockN>>{}));
+    using MmaL = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockM>, _8, Int<kBlockN>>, GMMA::Major::K,
+                             GMMA::Major::K>(),
+        Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
 
     struct Smem {
         alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
         alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutK>> k;
         alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutK>> v;
+        alignas(128) cute::ArrayEngine<Element, kOnesSum ? cosize_v<SmemLayoutOnes> : 8> ones;
         alignas(8) uint64_t bar_q;
         uint64_t bar_k[kStages];
         uint64_t bar_v[kStages];
@@ -201,6 +223,21 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
     clear(tOrO);
     Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
     Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
+    // kOnesSum: the row sums' accumulator (every column holds the row's sum)
+    typename T::MmaL mma_l;
+    auto thr_l = mma_l.get_thread_slice(ctid);
+    Tensor sOnes = make_tensor(make_smem_ptr(sm.ones.begin()), typename T::SmemLayoutOnes{});
+    Tensor tLrOnes = thr_l.partition_fragment_B(sOnes);  // (MMA, 1, BN/16)
+    Tensor tLrL = partition_fragment_C(mma_l, Shape<Int<BM>, _8>{});
+    Tensor L = make_tensor(tLrL.data(), rowcol(tLrL.layout()));
+    if constexpr (T::kOnesSum) {
+        clear(tLrL);
+        static_assert(decltype(size<0>(L))::value == decltype(size<0>(rowcol(tOrO.layout())))::value);
+        for (int i = ctid; i < int(cosize_v<typename T::SmemLayoutOnes>); i += T::kThreads - 128)
+            sm.ones.begin()[i] = Element(1.f);
+        cutlass::arch::fence_view_async_shared();
+        bar_sync(T::kWarpGroups + 1, T::kThreads - 128);
+    }
 
     Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
     Tensor cS = make_tensor(tScS.data(), rowcol(tScS.layout()));
@@ -269,12 +306,14 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
             for (int c = 0; c < C; ++c) {
                 const float e = ex2(fmaf(S(r, c), p.scale_log2, -mxs));
                 S(r, c) = e;
-                sc[c % NC] += e;
+                if constexpr (!T::kOnesSum) sc[c % NC] += e;
             }
-            float sum = sc[0];
-            CUTE_UNROLL
-            for (int j = 1; j < NC; ++j) sum += sc[j];
-            row_sum[r] = row_sum[r] * row_scale[r] + sum;
+            if constexpr (!T::kOnesSum) {
+                float sum = sc[0];
+                CUTE_UNROLL
+                for (int j = 1; j < NC; ++j) sum += sc[j];
+                row_sum[r] = row_sum[r] * row_scale[r] + sum;
+            }
         }
     };
     auto issue_s = [&](int st) {
@@ -298,6 +337,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
         for (int r = 0; r < R; ++r) {
             CUTE_UNROLL
             for (int c = 0; c < size<1>(O); ++c) O(r, c) *= row_scale[r];
+            if constexpr (T::kOnesSum) {
+                CUTE_UNROLL
+                for (int c = 0; c < size<1>(L); ++c) L(r, c) *= row_scale[r];
+            }
         }
     };
     // O += P·V from stage st
@@ -308,6 +351,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
         warpgroup_arrive();
         CUTE_UNROLL
         for (int k = 0; k < size<2>(tOrPa); ++k) cute::gemm(mma_o, tOrPa(_, _, k), tOrV(_, _, k, st), tOrO);
+        if constexpr (T::kOnesSum) {
+            warpgroup_fence_operand(tLrL);
+            CUTE_UNROLL
+            for (int k = 0; k < size<2>(tOrPa); ++k) cute::gemm(mma_l, tOrPa(_, _, k), tLrOnes(_, _, k), tLrL);
+        }
         warpgroup_commit_batch();
     };
     auto to_p = [&] {
@@ -343,6 +391,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
         softmax(n_blocks - 1 - i);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
+        if constexpr (T::kOnesSum) warpgroup_fence_operand(tLrL);
         Bar::arrive(&sm.bar_v_empty[pst]);
         rescale_o();
         to_p();
@@ -352,14 +401,20 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
         issue_o(last % ST, (last / ST) & 1);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
+        if constexpr (T::kOnesSum) warpgroup_fence_operand(tLrL);
     }
 
     // Epilogue: O / l into o, m·scale + ln l into lse.
     CUTE_UNROLL
     for (int r = 0; r < R; ++r) {
-        float sum = row_sum[r];
-        sum += __shfl_xor_sync(0xffffffff, sum, 1);
-        sum += __shfl_xor_sync(0xffffffff, sum, 2);
+        float sum;
+        if constexpr (T::kOnesSum) {
+            sum = L(r, 0);  // the whole row's, from the tensor cores
+        } else {
+            sum = row_sum[r];
+            sum += __shfl_xor_sync(0xffffffff, sum, 1);
+            sum += __shfl_xor_sync(0xffffffff, sum, 2);
+        }
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
         const int row = m_block * BM + get<0>(cO(r, 0));
         CUTE_UNROLL
