@@ -84,9 +84,10 @@ impl CudaKernel {
     ///   (8K × 8K 505 / 565, 32K × 32K 537 / 550, session 18);
     /// - forward, head dim 128: native from 64K (64K 590 / 594, its auto row 598; 128K 610 /
     ///   557); cuDNN below (8K 564 / 587, 16K 564 / 581, 32K 589 / 602);
-    /// - forward, head dim 64: native for causal blocks from 128K (506 / 498, native_check);
-    ///   cuDNN below (8K 459 / 470, 16K 460 / 478, 32K 481 / 492, 64K 490 / 502) and for
-    ///   unmasked blocks (8K × 8K 471 / 500, 64K × 64K 514 / 521).
+    /// - forward, head dim 64: native for causal blocks from 64K since its row sums come from
+    ///   the tensor cores (session 26: 64K 500 / 500, 128K 514 / 499; level at 16K, 510 /
+    ///   510); cuDNN below (session 24: 8K 459 / 470, 32K 481 / 492) and for unmasked blocks
+    ///   (8K × 8K 471 / 500, 64K × 64K 514 / 521).
     ///
     /// Other head dims go to cuDNN under `Auto` (the native kernel covers 64 and 128 only).
     pub fn uses_native(self, pass: Pass, d: usize, causal: bool, s: usize, t: usize) -> bool {
@@ -98,7 +99,7 @@ impl CudaKernel {
                 match (pass, d) {
                     (Pass::Bwd, 128) => causal && len >= 32 * 1024,
                     (Pass::Fwd, 128) => len >= 64 * 1024,
-                    (Pass::Fwd, 64) => causal && len >= 128 * 1024,
+                    (Pass::Fwd, 64) => causal && len >= 64 * 1024,
                     (_, d) => d == 64 || d == 128,
                 }
             }
@@ -332,10 +333,10 @@ mod tests {
         // head dim 128 forward: cuDNN below 64K, native from there (the shorter side counts)
         assert!(!auto(Pass::Fwd, 128, true, 8 * K, 8 * K) && !auto(Pass::Fwd, 128, true, 64 * K - 1, 64 * K - 1));
         assert!(auto(Pass::Fwd, 128, false, 64 * K, 64 * K) && !auto(Pass::Fwd, 128, false, 32 * K, 64 * K));
-        // head dim 64 forward: native only for causal blocks from 128K
-        assert!(auto(Pass::Fwd, 64, true, 128 * K, 128 * K));
+        // head dim 64 forward: native only for causal blocks from 64K
+        assert!(auto(Pass::Fwd, 64, true, 64 * K, 64 * K) && auto(Pass::Fwd, 64, true, 128 * K, 128 * K));
         assert!(!auto(Pass::Fwd, 64, true, 8 * K, 8 * K));
-        assert!(!auto(Pass::Fwd, 64, true, 128 * K - 1, 128 * K - 1));
+        assert!(!auto(Pass::Fwd, 64, true, 64 * K - 1, 64 * K - 1));
         assert!(!auto(Pass::Fwd, 64, false, 128 * K, 128 * K));
         // head dims the native kernel does not cover go to cuDNN
         assert!(!auto(Pass::Fwd, 96, true, 64 * K, 64 * K) && !auto(Pass::Bwd, 256, false, 8 * K, 8 * K));
