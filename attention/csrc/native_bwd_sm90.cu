@@ -111,12 +111,6 @@ struct BwdTraits {
 #define LONGCTX_BWD_EARLY_S 1
 #endif
     static constexpr bool kEarlyS = (LONGCTX_BWD_EARLY_S >> (kHeadDim == 128 ? 0 : 1)) & 1;
-    // dSᵀ into shared memory by stmatrix (four 8 x 8 matrices an instruction) instead of one
-    // 4-byte store and one address XOR per pair (bit 0: d 128, bit 1: d 64)
-#ifndef LONGCTX_BWD_STSM
-#define LONGCTX_BWD_STSM 0
-#endif
-    static constexpr bool kStsm = (LONGCTX_BWD_STSM >> (kHeadDim == 128 ? 0 : 1)) & 1;
     static_assert(!kEarlyS || kStages >= 2, "the next step's Sᵀ reads the next stage");
     // two consumer warpgroups (threads 0-255) and a producer warpgroup, which hands its
     // registers to the consumers (setmaxnreg: 240 each for dK, dV, Sᵀ, dPᵀ and dQ; without
@@ -385,16 +379,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         auto c = tScS(2 * v1);  // (key, query)
         ds_base[v1] = cast_smem_ptr_to_uint(&sdS(get<1>(c), get<0>(c), 0));
     }
-    // kStsm: dSᵀ by stmatrix, four 8 x 8 matrices an instruction: (v1, c8 = 2·g + dc) for
-    // matrix v1 + 2·dc of group g, whose rows are 16-byte chunks (8 queries of one key). This
-    // thread gives the address of row lane % 8 of matrix lane / 8: key kw + 8·v1 + lane % 8,
-    // chunk c8 % 8 XOR key % 8 of tile c8 / 8. With rows 128-byte aligned and key % 8 =
-    // lane % 8, the address is ds_row (tile 0, chunk dc) XOR ((2·g) % 8)·16 plus the tile.
-    // (not in the unmasked d 64 kernel, where it spills 4 bytes)
-    constexpr bool kStsm = T::kStsm && (kCausal || D == 128);
-    const int kw = int(get<0>(tScS(0))) - lane / 4;  // this warp's first key
-    const uint32_t ds_row =
-        cast_smem_ptr_to_uint(&sdS(8 * (lane / 16), kw + 8 * ((lane / 8) % 2) + lane % 8, 0));
     TBar::wait(&sm.bar_kv, 0);
     // Steps `it` run over (head g of the group, query block m). Every wgmma of a step is
     // waited for within it: issuing the next step's Sᵀ/dPᵀ across the loop's back edge made
@@ -474,24 +458,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     auto issue_dk = [&](int st) { issue_dkv(tdKrdK, tdSa, tdKrQ, st); };
     // dSᵀ into shared memory buffer `buf`, two adjacent queries per 4-byte store
     auto store_ds = [&](int buf) {
-        if constexpr (kStsm) {
-            CUTE_UNROLL
-            for (int g = 0; g < BM / 16; ++g) {
-                uint32_t r[4];
-                CUTE_UNROLL
-                for (int mi = 0; mi < 4; ++mi) {
-                    const int j = 4 * (2 * g + mi / 2) + 2 * (mi % 2);
-                    r[mi] = uint32_t(tdS(j).raw()) | (uint32_t(tdS(j + 1).raw()) << 16);
-                }
-                const int tile = buf * T::kDsTiles + (2 * g) / 8;
-                const uint32_t addr = (ds_row + tile * kDsTileBytes) ^ uint32_t(((2 * g) % 8) * 16);
-                asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
-                             "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
-                             : "memory");
-            }
-            cutlass::arch::fence_view_async_shared();
-            return;
-        }
         CUTE_UNROLL
         for (int j = 0; j < size(tdS); j += 2) {
             const uint32_t pair = uint32_t(tdS(j).raw()) | (uint32_t(tdS(j + 1).raw()) << 16);
