@@ -117,6 +117,14 @@ fn bench_engine_on_the_cpu() {
     fails(&run(&["bench", "engine", "--device", "cpu", "--model", "builtin:tiny", "--iters", "0"]), &["--iters"], true);
 }
 
+/// `bench attention`: a bad throughput shape is one clear error before any device is
+/// opened (so also in a build without CUDA).
+#[test]
+fn bench_attention_shape_errors() {
+    fails(&run(&["bench", "attention", "--heads", "32", "--kv-heads", "5"]), &["--kv-heads 5", "multiple"], false);
+    fails(&run(&["bench", "attention", "--seq", "0"]), &["--seq", "at least 1"], false);
+}
+
 /// `bench optimizer`: runs on a small shard and reports its time scaled to 7B; bad counts
 /// are one clear error.
 #[test]

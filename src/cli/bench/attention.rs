@@ -9,6 +9,8 @@
 //! backward = 2.5 × forward (five matmuls), forward+backward = 3.5 × forward.
 //!
 //! Every step runs for each `--kernel` (cuDNN, longctx's own Hopper kernels, and auto: per call the faster of the two).
+//! Before any buffer is allocated the shape flags are checked and the throughput table's
+//! estimated peak at the longest `--seq` is compared with the GPU's memory.
 //!
 //! `--check`: (1) the CUDA kernel against the CPU kernel on small shapes (inputs
 //! rounded to bf16/f16 once, the CPU runs on those values in f32), for o, lse, dq, dk, dv;
@@ -104,8 +106,16 @@ pub fn attention(args: &BenchAttentionArgs) -> anyhow::Result<()> {
     if kernels.is_empty() {
         bail!("--kernel: expected at least one of {}", CudaKernel::names());
     }
+    if !args.check {
+        check_shape(args)?;
+    }
     let dev = Device::new_cuda_with_stream(args.gpu)
         .with_context(|| format!("opening CUDA device {} (is this binary built with --features cuda?)", args.gpu))?;
+    if !args.check {
+        if let Some(total) = longctx::device::gpu_memory(&format!("cuda:{}", args.gpu), std::path::Path::new("--gpu"))? {
+            check_fits(args, dtype, kernels.len(), total)?;
+        }
+    }
     report_cudnn();
     if !args.release_pool {
         retain_pool(&dev)?;
@@ -187,6 +197,66 @@ fn retain_pool(_dev: &Device) -> anyhow::Result<()> {
 }
 
 // ---------------------------------------------------------------- throughput
+
+/// The throughput shape's flags: every size at least 1, the query heads a multiple of the
+/// key/value heads, every length at least 1.
+fn check_shape(a: &BenchAttentionArgs) -> anyhow::Result<()> {
+    let hkv = a.kv_heads.unwrap_or(a.heads);
+    for (flag, v) in [("--batch", a.batch), ("--heads", a.heads), ("--kv-heads", hkv), ("--head-dim", a.head_dim)] {
+        if v == 0 {
+            bail!("{flag} 0: expected at least 1");
+        }
+    }
+    if !a.heads.is_multiple_of(hkv) {
+        bail!("--heads {} --kv-heads {hkv}: the query heads must be a multiple of the key/value heads (GQA)", a.heads);
+    }
+    if a.seq.is_empty() || a.seq.contains(&0) {
+        bail!("--seq {:?}: expected lengths of at least 1 token", a.seq);
+    }
+    Ok(())
+}
+
+/// Device bytes the throughput table holds at its peak for length `s` with `kernels`
+/// kernels (`None` past u64): q, k, v, dO; each kernel's saved (o, lse); during a timed
+/// forward + backward one more (o, lse), dq, dk, dv and the native backward's f32 workspace
+/// (dQ's accumulator, lse·log2 e and D over rows rounded up to 128). cuDNN's own workspace
+/// is not counted.
+fn throughput_bytes(a: &BenchAttentionArgs, s: usize, kernels: usize, elt: u64) -> Option<u64> {
+    let (b, h, d) = (a.batch as u64, a.heads as u64, a.head_dim as u64);
+    let hkv = a.kv_heads.unwrap_or(a.heads) as u64;
+    let s = s as u64;
+    let s_pad = s.checked_add(127)? / 128 * 128;
+    let q = b.checked_mul(s)?.checked_mul(h)?.checked_mul(d)?.checked_mul(elt)?;
+    let kv = b.checked_mul(s)?.checked_mul(hkv)?.checked_mul(d)?.checked_mul(elt)?;
+    let lse = b.checked_mul(h)?.checked_mul(s)?.checked_mul(4)?;
+    let saved = q.checked_add(lse)?;
+    let workspace = b.checked_mul(h)?.checked_mul(s_pad)?.checked_mul(d.checked_add(2)?)?.checked_mul(4)?;
+    let inputs = q.checked_mul(2)?.checked_add(kv.checked_mul(2)?)?;
+    let grads = q.checked_add(kv.checked_mul(2)?)?;
+    saved.checked_mul(kernels as u64 + 1)?.checked_add(inputs)?.checked_add(grads)?.checked_add(workspace)
+}
+
+/// Refuses a throughput run whose longest length would not fit a GPU of `total` bytes.
+fn check_fits(a: &BenchAttentionArgs, dtype: DType, kernels: usize, total: u64) -> anyhow::Result<()> {
+    let elt = dtype.size_in_bytes() as u64;
+    let gib = |x: u64| x as f64 / (1u64 << 30) as f64;
+    for &s in &a.seq {
+        let need = throughput_bytes(a, s, kernels, elt);
+        if need.is_none_or(|n| n > total) {
+            let need = need.map_or("more than 2^64 bytes".to_string(), |n| format!("an estimated {:.1} GiB", gib(n)));
+            bail!(
+                "--seq {s} with --batch {} --heads {} --kv-heads {} --head-dim {} and {kernels} kernel(s) needs {need} \
+                 of GPU memory, the GPU has {:.1} GiB: use a shorter --seq, fewer --heads or --batch, or fewer --kernel",
+                a.batch,
+                a.heads,
+                a.kv_heads.unwrap_or(a.heads),
+                a.head_dim,
+                gib(total)
+            );
+        }
+    }
+    Ok(())
+}
 
 pub(crate) fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(|a, b| a.total_cmp(b));
@@ -666,4 +736,49 @@ fn check_modes_on(
         }
     }
     Ok(ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: BenchAttentionArgs,
+    }
+
+    fn args(flags: &[&str]) -> BenchAttentionArgs {
+        Cli::parse_from(std::iter::once("bench").chain(flags.iter().copied())).a
+    }
+
+    /// The estimate adds up the buffers by hand for one shape, and the check refuses what
+    /// does not fit and names the flags.
+    #[test]
+    fn throughput_memory_is_checked_before_allocating() {
+        let a = args(&["--seq", "65536", "--heads", "32", "--kv-heads", "4", "--head-dim", "64"]);
+        let (q, kv, lse) = (65536u64 * 32 * 64 * 2, 65536u64 * 4 * 64 * 2, 32u64 * 65536 * 4);
+        let work = 32u64 * 65536 * 66 * 4;
+        let want = 2 * q + 2 * kv + 4 * (q + lse) + q + 2 * kv + work;
+        assert_eq!(throughput_bytes(&a, 65536, 3, 2), Some(want));
+        assert!(check_fits(&a, DType::BF16, 3, 141 << 30).is_ok());
+        let e = check_fits(&a, DType::BF16, 3, want - 1).unwrap_err().to_string();
+        assert!(e.contains("--seq 65536") && e.contains("GiB") && e.contains("shorter --seq"), "{e}");
+        // past u64: an error, not an overflow
+        let huge = args(&["--seq", &usize::MAX.to_string(), "--heads", "65536"]);
+        let e = check_fits(&huge, DType::BF16, 1, 141 << 30).unwrap_err().to_string();
+        assert!(e.contains("more than 2^64 bytes"), "{e}");
+    }
+
+    #[test]
+    fn throughput_shape_flags_are_checked() {
+        assert!(check_shape(&args(&["--heads", "32", "--kv-heads", "8"])).is_ok());
+        let e = check_shape(&args(&["--heads", "32", "--kv-heads", "5"])).unwrap_err().to_string();
+        assert!(e.contains("multiple of the key/value heads"), "{e}");
+        for flags in [&["--batch", "0"][..], &["--head-dim", "0"], &["--kv-heads", "0"], &["--seq", "0"]] {
+            let e = check_shape(&args(flags)).unwrap_err().to_string();
+            assert!(e.contains(flags[0]) || e.contains("--seq"), "{flags:?}: {e}");
+        }
+    }
 }
