@@ -73,21 +73,24 @@ impl CudaKernel {
     ///
     /// `Auto` takes the native kernel where it was faster than cuDNN 9.14 on one H200
     /// (docs/benchmarks.md, issue #36), and cuDNN where it was slower by more than the
-    /// noise of about 1 % (where level, as the d 128 forward at 64K, the side of the longer
+    /// noise of about 1 % (where level, as the d 64 forward at 16K–64K, the side of the longer
     /// blocks). Causal blocks, TFLOP/s native / cuDNN from `bench attention` with the two
-    /// taking turns call by call (session 24; earlier tables timed one kernel after the other
-    /// and favoured the first):
+    /// taking turns call by call (sessions 24 and 26; earlier tables timed one kernel after
+    /// the other and favoured the first):
     /// - backward, head dim 64: native at every length and mask (8K 453 / 388, 16K 461 /
     ///   405, 64K 481 / 431; unmasked 8K × 8K 450 / 430, session 16);
     /// - backward, head dim 128: native for causal blocks from 32K (32K 536 / 527, 64K
     ///   548 / 530); cuDNN below (8K 459 / 477, 16K 509 / 518) and for unmasked blocks
     ///   (8K × 8K 505 / 565, 32K × 32K 537 / 550, session 18);
-    /// - forward, head dim 128: native from 64K (64K 590 / 594, its auto row 598; 128K 610 /
-    ///   557); cuDNN below (8K 564 / 587, 16K 564 / 581, 32K 589 / 602);
-    /// - forward, head dim 64: native for causal blocks from 64K since its row sums come from
-    ///   the tensor cores (session 26: 64K 500 / 500, 128K 514 / 499; level at 16K, 510 /
-    ///   510); cuDNN below (session 24: 8K 459 / 470, 32K 481 / 492) and for unmasked blocks
-    ///   (8K × 8K 471 / 500, 64K × 64K 514 / 521).
+    /// - forward, head dim 128: native for causal blocks at every length (session 26, after
+    ///   the forward's reordered rescale and split row statistics: 8K 576 / 567, 16K 580 /
+    ///   577, 32K 606 / 594, 64K 615 / 602, 128K 612 / 559; session 24 had cuDNN ahead below
+    ///   64K, 8K 564 / 587); for unmasked blocks from 64K (64K × 64K 629 / 625, native_check,
+    ///   session 16), cuDNN below (16K × 8K 668 / 680);
+    /// - forward, head dim 64: native for causal blocks at every length since its row sums
+    ///   come from the tensor cores (session 26: 8K 450 / 439, 16K 510 / 510, 32K 494 /
+    ///   494, 64K 500 / 500, 128K 514 / 499; where level, the side of the longer blocks);
+    ///   cuDNN for unmasked blocks (8K × 8K 471 / 500, 64K × 64K 514 / 521, session 16).
     ///
     /// Other head dims go to cuDNN under `Auto` (the native kernel covers 64 and 128 only).
     pub fn uses_native(self, pass: Pass, d: usize, causal: bool, s: usize, t: usize) -> bool {
@@ -98,8 +101,8 @@ impl CudaKernel {
                 let len = s.min(t);
                 match (pass, d) {
                     (Pass::Bwd, 128) => causal && len >= 32 * 1024,
-                    (Pass::Fwd, 128) => len >= 64 * 1024,
-                    (Pass::Fwd, 64) => causal && len >= 64 * 1024,
+                    (Pass::Fwd, 128) => causal || len >= 64 * 1024,
+                    (Pass::Fwd, 64) => causal,
                     (_, d) => d == 64 || d == 128,
                 }
             }
@@ -309,8 +312,8 @@ mod tests {
     }
 
     /// The shapes users run (docs/benchmarks.md): the backward native for the issue's
-    /// single-GPU shapes from 64K, the forward from 64K at head dim 128 and from 128K at 64;
-    /// cuDNN where the native kernel was measured slower.
+    /// single-GPU shapes from 64K, the forward for every causal block; cuDNN where the
+    /// native kernel was measured slower.
     #[test]
     fn auto_follows_the_measured_table() {
         let auto = |pass, d, causal, s: usize, t: usize| CudaKernel::Auto.uses_native(pass, d, causal, s, t);
@@ -330,14 +333,16 @@ mod tests {
         for (causal, s, t) in [(true, 8 * K, 8 * K), (true, 16 * K, 16 * K), (false, 8 * K, 8 * K), (false, 16 * K, 8 * K)] {
             assert!(auto(Pass::Bwd, 64, causal, s, t));
         }
-        // head dim 128 forward: cuDNN below 64K, native from there (the shorter side counts)
-        assert!(!auto(Pass::Fwd, 128, true, 8 * K, 8 * K) && !auto(Pass::Fwd, 128, true, 64 * K - 1, 64 * K - 1));
+        // forward, causal blocks: native at every length and both head dims
+        for len in [1, 8 * K, 16 * K, 64 * K - 1] {
+            assert!(auto(Pass::Fwd, 128, true, len, len) && auto(Pass::Fwd, 64, true, len, len), "fwd causal {len}");
+        }
+        // head dim 128 forward, unmasked blocks: cuDNN below 64K, native from there (the
+        // shorter side counts)
         assert!(auto(Pass::Fwd, 128, false, 64 * K, 64 * K) && !auto(Pass::Fwd, 128, false, 32 * K, 64 * K));
-        // head dim 64 forward: native only for causal blocks from 64K
-        assert!(auto(Pass::Fwd, 64, true, 64 * K, 64 * K) && auto(Pass::Fwd, 64, true, 128 * K, 128 * K));
-        assert!(!auto(Pass::Fwd, 64, true, 8 * K, 8 * K));
-        assert!(!auto(Pass::Fwd, 64, true, 64 * K - 1, 64 * K - 1));
-        assert!(!auto(Pass::Fwd, 64, false, 128 * K, 128 * K));
+        assert!(!auto(Pass::Fwd, 128, false, 8 * K, 8 * K));
+        // head dim 64 forward, unmasked blocks: cuDNN at every length
+        assert!(!auto(Pass::Fwd, 64, false, 8 * K, 8 * K) && !auto(Pass::Fwd, 64, false, 128 * K, 128 * K));
         // head dims the native kernel does not cover go to cuDNN
         assert!(!auto(Pass::Fwd, 96, true, 64 * K, 64 * K) && !auto(Pass::Bwd, 256, false, 8 * K, 8 * K));
     }
