@@ -40,7 +40,14 @@ struct FwdTraits {
     // through the softmax of a product that is only 64 deep
     static constexpr int kBlockM = kHeadDim == 64 ? 192 : 128;
     static constexpr int kBlockN = 128;
-    static constexpr int kStages = 2;
+    // K/V stages, a tunable for timing variants (scripts/build_native_check.sh --variant): a
+    // third gained nothing (H200, 64K causal fwd, two rounds in one visit: 32 × 128 641.5 /
+    // 640.3 against 640.9 / 634.9, 32/4 × 64 527.1 / 531.3 against 527.1 / 531.5), so the
+    // consumers do not wait on the loads
+#ifndef LONGCTX_FWD_STAGES
+#define LONGCTX_FWD_STAGES 2
+#endif
+    static constexpr int kStages = LONGCTX_FWD_STAGES;
     static constexpr int kWarpGroups = kBlockM / 64;          // consumers
     static constexpr int kThreads = 128 * (kWarpGroups + 1);  // + the producer warpgroup
     static constexpr int kConsumerRegs = kWarpGroups == 2 ? 240 : 160;
