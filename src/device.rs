@@ -47,6 +47,12 @@ pub fn gpu_memory(s: &str, file: &Path) -> Result<Option<u64>> {
     Ok(device_index(s, file)?.and_then(total_memory))
 }
 
+/// Total memory of GPU `index`, read from the driver without creating a context on it;
+/// `None` when this build or machine cannot tell.
+pub fn gpu_total_memory(index: usize) -> Option<u64> {
+    total_memory(index)
+}
+
 /// The name of the GPU `model.device` names (e.g. `NVIDIA H200`), from the driver; `None`
 /// for the CPU, a bad device string, or when this build or machine cannot tell.
 pub fn gpu_name(s: &str) -> Option<String> {

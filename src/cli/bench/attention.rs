@@ -108,14 +108,12 @@ pub fn attention(args: &BenchAttentionArgs) -> anyhow::Result<()> {
     }
     if !args.check {
         check_shape(args)?;
-    }
-    let dev = Device::new_cuda_with_stream(args.gpu)
-        .with_context(|| format!("opening CUDA device {} (is this binary built with --features cuda?)", args.gpu))?;
-    if !args.check {
-        if let Some(total) = longctx::device::gpu_memory(&format!("cuda:{}", args.gpu), std::path::Path::new("--gpu"))? {
+        if let Some(total) = longctx::device::gpu_total_memory(args.gpu) {
             check_fits(args, dtype, kernels.len(), total)?;
         }
     }
+    let dev = Device::new_cuda_with_stream(args.gpu)
+        .with_context(|| format!("opening CUDA device {} (is this binary built with --features cuda?)", args.gpu))?;
     report_cudnn();
     if !args.release_pool {
         retain_pool(&dev)?;
@@ -778,7 +776,7 @@ mod tests {
         assert!(e.contains("multiple of the key/value heads"), "{e}");
         for flags in [&["--batch", "0"][..], &["--head-dim", "0"], &["--kv-heads", "0"], &["--seq", "0"]] {
             let e = check_shape(&args(flags)).unwrap_err().to_string();
-            assert!(e.contains(flags[0]) || e.contains("--seq"), "{flags:?}: {e}");
+            assert!(e.contains(flags[0]) && e.contains("at least 1"), "{flags:?}: {e}");
         }
     }
 }
