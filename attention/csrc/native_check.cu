@@ -47,13 +47,24 @@ __device__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 template <>
 __device__ float to_f(__half x) { return __half2float(x); }
 
+__device__ uint32_t mix(uint32_t h) {
+    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
+    return h;
+}
+
+// Inputs: uniform on [-1, 1), or (normal) standard normal by Box-Muller, the distribution of
+// `longctx bench attention`'s randn inputs
 template <class T>
-__global__ void fill(T *x, size_t n, uint32_t seed) {
+__global__ void fill(T *x, size_t n, uint32_t seed, int normal) {
     for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-        uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-        h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
-        float u = (h >> 8) * (1.0f / 16777216.0f) * 2.f - 1.f;
-        x[i] = T(u);
+        uint32_t h = mix(uint32_t(i) * 2654435761u ^ seed);
+        float u = (h >> 8) * (1.0f / 16777216.0f);
+        if (normal) {
+            float u2 = (mix(h ^ 0x9e3779b9u) >> 8) * (1.0f / 16777216.0f);
+            x[i] = T(sqrtf(-2.f * logf(1.f - u)) * cospif(2.f * u2));
+        } else {
+            x[i] = T(u * 2.f - 1.f);
+        }
     }
 }
 
@@ -182,6 +193,7 @@ static double rel_diff(const T *x, const float *ref, size_t n) {
 
 struct Case {
     int b, s, t, hq, hkv, d, causal, f16;
+    int normal = 0;  // inputs standard normal instead of uniform on [-1, 1)
 };
 
 static float median(std::vector<float> x) {
@@ -203,10 +215,10 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn) {
     CK(cudaMalloc(&v, nk * sizeof(T)));
     CK(cudaMalloc(&o, nq * sizeof(T)));
     CK(cudaMalloc(&lse, nl * sizeof(float)));
-    fill<<<1024, 256>>>(q, nq, 1u);
-    fill<<<1024, 256>>>(k, nk, 2u);
-    fill<<<1024, 256>>>(v, nk, 3u);
-    fill<<<1024, 256>>>(d_o, nq, 4u);
+    fill<<<1024, 256>>>(q, nq, 1u, c.normal);
+    fill<<<1024, 256>>>(k, nk, 2u, c.normal);
+    fill<<<1024, 256>>>(v, nk, 3u, c.normal);
+    fill<<<1024, 256>>>(d_o, nq, 4u, c.normal);
     CK(cudaMemset(o, 0, nq * sizeof(T)));
     longctx_sdpa_desc desc{};
     desc.ordinal = 0;
@@ -367,10 +379,12 @@ static int run(const Case &c, bool check, bool bench, bool cudnn) {
 }
 
 int main(int argc, char **argv) {
-    // native_check [--no-cudnn] [--full [--kv-len T]] [--len N]...
+    // native_check [--no-cudnn] [--full [--kv-len T]] [--normal] [--len N]...
     //   speed at 16K, 64K and 128K unless --len is given; causal with t = s, or with --full
-    //   no mask and t = --kv-len (default s): the off-diagonal blocks of the ring modes
-    bool cudnn = true, full = false;
+    //   no mask and t = --kv-len (default s): the off-diagonal blocks of the ring modes;
+    //   --normal: the speed cases' inputs standard normal (as `bench attention` draws them)
+    //   instead of uniform on [-1, 1)
+    bool cudnn = true, full = false, normal = false;
     int kv_len = 0;
     std::vector<int> lens;
     for (int i = 1; i < argc; ++i) {
@@ -378,13 +392,15 @@ int main(int argc, char **argv) {
             cudnn = false;
         } else if (strcmp(argv[i], "--full") == 0) {
             full = true;
+        } else if (strcmp(argv[i], "--normal") == 0) {
+            normal = true;
         } else if (strcmp(argv[i], "--len") == 0 && i + 1 < argc && atoi(argv[i + 1]) > 0) {
             lens.push_back(atoi(argv[++i]));
         } else if (strcmp(argv[i], "--kv-len") == 0 && i + 1 < argc && atoi(argv[i + 1]) > 0) {
             kv_len = atoi(argv[++i]);
         } else {
             fprintf(stderr,
-                    "native_check: unknown argument '%s' (expected --no-cudnn, --full, --kv-len T or --len N; "
+                    "native_check: unknown argument '%s' (expected --no-cudnn, --full, --normal, --kv-len T or --len N; "
                     "N, T > 0)\n",
                     argv[i]);
             return 2;
@@ -411,8 +427,8 @@ int main(int argc, char **argv) {
     // speed at 16K / 64K / 128K: the shapes of issue #36 (32×128, and 32/4×64)
     for (int len : lens) {
         const int t = kv_len ? kv_len : len, causal = full ? 0 : 1;
-        failures += run({1, len, t, 32, 32, 128, causal, 0}, false, true, cudnn);
-        failures += run({1, len, t, 32, 4, 64, causal, 0}, false, true, cudnn);
+        failures += run({1, len, t, 32, 32, 128, causal, 0, int(normal)}, false, true, cudnn);
+        failures += run({1, len, t, 32, 4, 64, causal, 0, int(normal)}, false, true, cudnn);
     }
     return failures ? 1 : 0;
 }

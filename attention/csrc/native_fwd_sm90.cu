@@ -195,6 +195,13 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
         }
         cutlass::arch::fence_barrier_init();
     }
+    // kOnesSum: the tile of ones for the row sums, written by every thread and made visible
+    // to the tensor cores' (async) reads before the CTA's one barrier
+    if constexpr (T::kOnesSum) {
+        for (int i = tid; i < int(cosize_v<typename T::SmemLayoutOnes>); i += T::kThreads)
+            sm.ones.begin()[i] = Element(1.f);
+        cutlass::arch::fence_view_async_shared();
+    }
     __syncthreads();
 
     if (tid < 128) {
@@ -240,10 +247,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
     if constexpr (T::kOnesSum) {
         clear(tLrL);
         static_assert(decltype(size<0>(L))::value == decltype(size<0>(rowcol(tOrO.layout())))::value);
-        for (int i = ctid; i < int(cosize_v<typename T::SmemLayoutOnes>); i += T::kThreads - 128)
-            sm.ones.begin()[i] = Element(1.f);
-        cutlass::arch::fence_view_async_shared();
-        bar_sync(T::kWarpGroups + 1, T::kThreads - 128);
     }
 
     Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
