@@ -13,20 +13,57 @@
 # under $OUT (default /tmp/native-check), seven files (gpu, native_check, check, bench128,
 # bench64, train.log with the four runs' logs, train.jsonl). Run where the system CUDA/cuDNN
 # libraries are.
+#
+# gpu.txt also gets, per step, the SM clock and the power the GPU ran at while busy (nvidia-smi
+# every 200 ms; samples above 300 W): the H200 runs these kernels at its 700 W cap, its clock
+# then follows the power (and the chip's temperature), so absolute TFLOP/s move by a few
+# percent between visits while the kernels' ratios, timed in turns, do not.
 set -uo pipefail
 BIN=${1:-target-cuda/release/longctx}
 OUT=${OUT:-/tmp/native-check}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader | tee "$OUT/gpu.txt"
+runlog=$(mktemp) # one run's log, outside $OUT (a killed visit leaves no stray file there)
+smi=$(mktemp); marks=$(mktemp)
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active --format=csv,noheader,nounits \
+    -lms 200 > "$smi" 2>/dev/null &
+smi_pid=$!
+trap 'kill $smi_pid 2>/dev/null; rm -f "$runlog" "$smi" "$marks"' EXIT
+step() { echo "$(date +%Y/%m/%d\ %H:%M:%S.%N) $1" >> "$marks"; }
+clocks() { # per step: busy samples, median SM clock, median power, hottest, clock event reasons
+    kill $smi_pid 2>/dev/null; wait $smi_pid 2>/dev/null
+    python3 - "$smi" "$marks" <<'PY'
+import datetime, statistics, sys
+parse = lambda s: datetime.datetime.strptime(s.strip()[:26], "%Y/%m/%d %H:%M:%S.%f")
+marks = [(parse(l[:29]), l[30:].strip()) for l in open(sys.argv[2]) if l.strip()]
+steps = {}
+for line in open(sys.argv[1]):
+    f = [x.strip() for x in line.split(",")]
+    try:
+        t, clk, pw, temp, why = parse(f[0]), float(f[1]), float(f[2]), float(f[3]), f[4]
+    except (ValueError, IndexError):
+        continue
+    name = next((n for m, n in reversed(marks) if t >= m), None)
+    if name and pw > 300:
+        steps.setdefault(name, []).append((clk, pw, temp, why))
+for name, v in steps.items():
+    print(f"clock {name}: {len(v)} busy samples, SM {statistics.median(x[0] for x in v):.0f} MHz median "
+          f"(min {min(x[0] for x in v):.0f}), power {statistics.median(x[1] for x in v):.0f} W median, "
+          f"up to {max(x[2] for x in v):.0f} C, reasons {'/'.join(sorted(set(x[3] for x in v)))}")
+PY
+}
 if [[ -x target-cuda/native_check ]]; then
+    step native_check
     timeout 120 target-cuda/native_check 2>&1 | tee "$OUT/native_check.txt" | tail -8
 fi
+step check
 timeout 300 "$BIN" bench attention --check 2>&1 | tee "$OUT/check.txt" | grep -E "FAIL|passed|failed" | head -20
+step bench128
 timeout 400 "$BIN" bench attention --seq 16384,65536,131072 2>&1 | tee "$OUT/bench128.txt" | grep -E "^\|"
+step bench64
 timeout 400 "$BIN" bench attention --seq 16384,65536,131072 --heads 32 --kv-heads 4 --head-dim 64 2>&1 | tee "$OUT/bench64.txt" | grep -E "^\|"
 rm -f "$OUT/train.jsonl" "$OUT/train.log"
-runlog=$(mktemp) # one run's log, outside $OUT (a killed visit leaves no stray file there)
-trap 'rm -f "$runlog"' EXIT
+step train
 for run in cudnn-a:cudnn cudnn-b:cudnn native-a:native native-b:native; do
     label=${run%%:*}; kern=${run##*:}
     timeout 120 "$BIN" train --model builtin:tinyllama-1.1b-shape@layers=4 --seq-length 16384 --rope-theta 1e6 --max-train-steps 10 \
@@ -59,3 +96,4 @@ for a, b in [("cudnn-b", "cudnn-a"), ("native-b", "native-a"), ("native-a", "cud
 for k, d in r.items():
     print(f"{k}: {d['tokens_per_s']:.0f} tok/s")
 PY
+clocks | tee -a "$OUT/gpu.txt"

@@ -76,21 +76,25 @@ impl CudaKernel {
     /// noise of about 1 % (where level, as the d 64 forward at 16K–64K, the side of the longer
     /// blocks). Causal blocks, TFLOP/s native / cuDNN from `bench attention` with the two
     /// taking turns call by call (sessions 24 and 26; earlier tables timed one kernel after
-    /// the other and favoured the first):
+    /// the other and favoured the first); unmasked blocks (the ring's and FPDT's off the
+    /// diagonal) from native_check, native / cuDNN in one process (session 27):
     /// - backward, head dim 64: native at every length and mask (8K 453 / 388, 16K 461 /
-    ///   405, 64K 481 / 431; unmasked 8K × 8K 450 / 430, session 16);
+    ///   405, 64K 481 / 431; unmasked 8K × 8K 471 / 412, 16K × 16K 487 / 439, 128K × 64K
+    ///   490 / 452);
     /// - backward, head dim 128: native for causal blocks from 32K (32K 536 / 527, 64K
-    ///   548 / 530); cuDNN below (8K 459 / 477, 16K 509 / 518) and for unmasked blocks
-    ///   (8K × 8K 505 / 565, 32K × 32K 537 / 550, session 18);
-    /// - forward, head dim 128: native for causal blocks at every length (session 26, after
-    ///   the forward's reordered rescale and split row statistics: 8K 576 / 567, 16K 580 /
-    ///   577, 32K 606 / 594, 64K 615 / 602, 128K 612 / 559; session 24 had cuDNN ahead below
-    ///   64K, 8K 564 / 587); for unmasked blocks from 64K (64K × 64K 629 / 625, native_check,
-    ///   session 16), cuDNN below (16K × 8K 668 / 680);
+    ///   548 / 530) and for unmasked blocks from 64K (64K × 64K 564 / 552, 128K × 64K 555 /
+    ///   549, 64K × 128K 552 / 552); cuDNN below (causal 8K 459 / 477, 16K 509 / 518;
+    ///   unmasked 8K × 8K 510 / 555, 16K × 8K 521 / 531, 16K × 16K 534 / 540);
+    /// - forward, head dim 128: native at every length and mask (causal, session 26: 8K
+    ///   576 / 567, 16K 580 / 577, 32K 606 / 594, 64K 615 / 602, 128K 612 / 559; unmasked,
+    ///   session 27: 8K × 8K 665 / 647, 16K × 8K 672 / 657, 16K × 16K 620 / 677 and 682 /
+    ///   613 in two visits, 64K × 64K 637 / 629, 128K × 64K 621 / 603, 64K × 128K 619 / 588);
     /// - forward, head dim 64: native for causal blocks at every length since its row sums
     ///   come from the tensor cores (session 26: 8K 450 / 439, 16K 510 / 510, 32K 494 /
-    ///   494, 64K 500 / 500, 128K 514 / 499; where level, the side of the longer blocks);
-    ///   cuDNN for unmasked blocks (8K × 8K 471 / 500, 64K × 64K 514 / 521, session 16).
+    ///   494, 64K 500 / 500, 128K 514 / 499; where level, the side of the longer blocks),
+    ///   and for unmasked blocks from 64K, where level (64K × 64K 528 / 524, 128K × 64K 526 /
+    ///   521, 64K × 128K 525 / 521); cuDNN below (8K × 8K 476 / 517, 16K × 8K 489 / 527,
+    ///   16K × 16K 519 / 537).
     ///
     /// Other head dims go to cuDNN under `Auto` (the native kernel covers 64 and 128 only).
     pub fn uses_native(self, pass: Pass, d: usize, causal: bool, s: usize, t: usize) -> bool {
@@ -100,9 +104,8 @@ impl CudaKernel {
             CudaKernel::Auto => {
                 let len = s.min(t);
                 match (pass, d) {
-                    (Pass::Bwd, 128) => causal && len >= 32 * 1024,
-                    (Pass::Fwd, 128) => causal || len >= 64 * 1024,
-                    (Pass::Fwd, 64) => causal,
+                    (Pass::Bwd, 128) => len >= if causal { 32 * 1024 } else { 64 * 1024 },
+                    (Pass::Fwd, 64) => causal || len >= 64 * 1024,
                     (_, d) => d == 64 || d == 128,
                 }
             }
@@ -323,11 +326,13 @@ mod tests {
             }
             assert!(auto(Pass::Fwd, 128, true, len, len), "fwd d 128 causal {len}");
         }
-        // head dim 128 backward: cuDNN below 32K causal and for unmasked blocks
+        // head dim 128 backward: cuDNN below 32K causal and below 64K unmasked (the shorter
+        // side counts)
         assert!(auto(Pass::Bwd, 128, true, 32 * K, 32 * K));
         assert!(!auto(Pass::Bwd, 128, true, 32 * K - 1, 32 * K - 1));
         assert!(!auto(Pass::Bwd, 128, true, 8 * K, 8 * K));
-        assert!(!auto(Pass::Bwd, 128, false, 64 * K, 64 * K));
+        assert!(auto(Pass::Bwd, 128, false, 64 * K, 64 * K) && auto(Pass::Bwd, 128, false, 128 * K, 64 * K));
+        assert!(!auto(Pass::Bwd, 128, false, 32 * K, 32 * K) && !auto(Pass::Bwd, 128, false, 64 * K - 1, 128 * K));
         assert!(!auto(Pass::Bwd, 128, false, 8 * K, 16 * K));
         // head dim 64 backward: native everywhere
         for (causal, s, t) in [(true, 8 * K, 8 * K), (true, 16 * K, 16 * K), (false, 8 * K, 8 * K), (false, 16 * K, 8 * K)] {
@@ -337,12 +342,13 @@ mod tests {
         for len in [1, 8 * K, 16 * K, 64 * K - 1] {
             assert!(auto(Pass::Fwd, 128, true, len, len) && auto(Pass::Fwd, 64, true, len, len), "fwd causal {len}");
         }
-        // head dim 128 forward, unmasked blocks: cuDNN below 64K, native from there (the
-        // shorter side counts)
-        assert!(auto(Pass::Fwd, 128, false, 64 * K, 64 * K) && !auto(Pass::Fwd, 128, false, 32 * K, 64 * K));
-        assert!(!auto(Pass::Fwd, 128, false, 8 * K, 8 * K));
-        // head dim 64 forward, unmasked blocks: cuDNN at every length
-        assert!(!auto(Pass::Fwd, 64, false, 8 * K, 8 * K) && !auto(Pass::Fwd, 64, false, 128 * K, 128 * K));
+        // head dim 128 forward, unmasked blocks: native at every length
+        for (s, t) in [(1, 1), (8 * K, 8 * K), (16 * K, 8 * K), (64 * K, 128 * K)] {
+            assert!(auto(Pass::Fwd, 128, false, s, t), "fwd d 128 unmasked {s} x {t}");
+        }
+        // head dim 64 forward, unmasked blocks: cuDNN below 64K, native from there
+        assert!(!auto(Pass::Fwd, 64, false, 8 * K, 8 * K) && !auto(Pass::Fwd, 64, false, 32 * K, 128 * K));
+        assert!(auto(Pass::Fwd, 64, false, 64 * K, 64 * K) && auto(Pass::Fwd, 64, false, 128 * K, 64 * K));
         // head dims the native kernel does not cover go to cuDNN
         assert!(!auto(Pass::Fwd, 96, true, 64 * K, 64 * K) && !auto(Pass::Bwd, 256, false, 8 * K, 8 * K));
     }
