@@ -22,10 +22,11 @@
 # libraries are.
 #
 # gpu.txt also gets, per step, the SM clock and the power the GPU ran at while busy (nvidia-smi
-# every 200 ms; samples above 300 W): the H200 runs these kernels at its 700 W cap, its clock
+# every 200 ms; samples above 300 W; scripts/gpu_clocks.py): the H200 runs these kernels at its 700 W cap, its clock
 # then follows the power (and the chip's temperature), so absolute TFLOP/s move by a few
 # percent between visits while the kernels' ratios, timed in turns, do not.
 set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
 BIN=${1:-target-cuda/release/longctx}
 OUT=${OUT:-/tmp/native-check}
 mkdir -p "$OUT"
@@ -39,25 +40,7 @@ trap 'kill $smi_pid 2>/dev/null; rm -f "$runlog" "$smi" "$marks"' EXIT
 step() { echo "$(date +%Y/%m/%d\ %H:%M:%S.%N) $1" >> "$marks"; }
 clocks() { # per step: busy samples, median SM clock, median power, hottest, clock event reasons
     kill $smi_pid 2>/dev/null; wait $smi_pid 2>/dev/null
-    python3 - "$smi" "$marks" <<'PY'
-import datetime, statistics, sys
-parse = lambda s: datetime.datetime.strptime(s.strip()[:26], "%Y/%m/%d %H:%M:%S.%f")
-marks = [(parse(l[:29]), l[30:].strip()) for l in open(sys.argv[2]) if l.strip()]
-steps = {}
-for line in open(sys.argv[1]):
-    f = [x.strip() for x in line.split(",")]
-    try:
-        t, clk, pw, temp, why = parse(f[0]), float(f[1]), float(f[2]), float(f[3]), f[4]
-    except (ValueError, IndexError):
-        continue
-    name = next((n for m, n in reversed(marks) if t >= m), None)
-    if name and pw > 300:
-        steps.setdefault(name, []).append((clk, pw, temp, why))
-for name, v in steps.items():
-    print(f"clock {name}: {len(v)} busy samples, SM {statistics.median(x[0] for x in v):.0f} MHz median "
-          f"(min {min(x[0] for x in v):.0f}), power {statistics.median(x[1] for x in v):.0f} W median, "
-          f"up to {max(x[2] for x in v):.0f} C, reasons {'/'.join(sorted(set(x[3] for x in v)))}")
-PY
+    python3 "$HERE/gpu_clocks.py" "$smi" "$marks"
 }
 status=0
 # run NAME OUTFILE FILTER CMD...: the command's output into OUTFILE, the lines matching FILTER

@@ -8,7 +8,8 @@
 # builds (the device tool returns at most eight): runs.txt, every run's whole output under
 # a "== BUILD round N" line; summary.txt, each build's forward and backward TFLOP/s (native /
 # cuDNN) per case and round, its correctness line, and the phase clock's lines of a --profile
-# build; gpu.txt. Run where the system CUDA/cuDNN libraries are (as
+# build; gpu.txt, with the SM clock and power each build and round ran at (scripts/gpu_clocks.py:
+# these kernels run at the GPU's power cap, so a variant that draws less power runs faster). Run where the system CUDA/cuDNN libraries are (as
 # scripts/gpu_native_check.sh).
 set -uo pipefail
 OUT=${OUT:-/tmp/native-variants}
@@ -23,15 +24,20 @@ if [[ ${#bins[@]} -eq 0 ]]; then
     echo "no target-cuda/native_check*: build them with scripts/build_native_check.sh" >&2
     exit 2
 fi
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+HERE=$(cd "$(dirname "$0")" && pwd)
+nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 : > "$OUT/summary.txt"
 : > "$OUT/runs.txt"
-run=$(mktemp)
-trap 'rm -f "$run"' EXIT
+run=$(mktemp); smi=$(mktemp); marks=$(mktemp)
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active --format=csv,noheader,nounits \
+    -lms 200 > "$smi" 2>/dev/null &
+smi_pid=$!
+trap 'kill $smi_pid 2>/dev/null; rm -f "$run" "$smi" "$marks"' EXIT
 status=0
 for round in 1 2; do
     for b in "${bins[@]}"; do
         name=$(basename "$b")
+        echo "$(date +%Y/%m/%d\ %H:%M:%S.%N) $name round $round" >> "$marks"
         timeout 200 "$b" "${ARGS[@]}" > "$run" 2>&1 || { echo "$name round $round failed (see runs.txt)" | tee -a "$OUT/summary.txt"; status=1; }
         { echo "== $name round $round"; cat "$run"; } >> "$OUT/runs.txt"
         # one line per speed case: shape, forward and backward TFLOP/s of native / cuDNN
@@ -42,5 +48,7 @@ for round in 1 2; do
         grep -E "^correctness" "$run" | sed "s/^/$name round $round: /" >> "$OUT/summary.txt"
     done
 done
+kill $smi_pid 2>/dev/null; wait $smi_pid 2>/dev/null
+python3 "$HERE/gpu_clocks.py" "$smi" "$marks" | tee -a "$OUT/gpu.txt" >> "$OUT/summary.txt"
 cat "$OUT/summary.txt"
 exit $status
