@@ -61,8 +61,8 @@ run bench128 "$OUT/bench128.txt" "^\|" timeout 400 "$BIN" bench attention --seq 
 run bench64 "$OUT/bench64.txt" "^\|" timeout 400 "$BIN" bench attention --seq 16384,65536,131072 --heads 32 --kv-heads 4 --head-dim 64
 rm -f "$OUT/train.jsonl" "$OUT/train.log"
 step train
-for run in cudnn-a:cudnn cudnn-b:cudnn native-a:native native-b:native; do
-    label=${run%%:*}; kern=${run##*:}
+for pair in cudnn-a:cudnn cudnn-b:cudnn native-a:native native-b:native; do
+    label=${pair%%:*}; kern=${pair##*:}
     timeout 120 "$BIN" train --model builtin:tinyllama-1.1b-shape@layers=4 --seq-length 16384 --rope-theta 1e6 --max-train-steps 10 \
         --batch-size 1 --device cuda --dtype bf16 --token-chunk 16384 --learning-rate 1e-4 --dataset synthetic:passkey \
         --attention-kernel "$kern" --no-save --output-dir "/tmp/native-check-$label" --overwrite -q > "$runlog" 2>&1
