@@ -470,7 +470,7 @@ impl LayerPass<'_> {
             }
             None => (a_out, None),
         };
-        Ok((self.t(Phase::Copies, || Ok(self.rows(x, ch)?.add(&a)?))?, pre))
+        Ok((self.t(Phase::Adds, || Ok(self.rows(x, ch)?.add(&a)?))?, pre))
     }
 
     /// `y_c = h_c + down(act(gate(n2), up(n2)))`, `n2 = rms(h_c)·w2`, rows `[n, h]`
@@ -487,7 +487,7 @@ impl LayerPass<'_> {
             Some(norm) => self.t(Phase::NormRopeAct, || Ok(rms_forward(norm, &y)?.0))?,
             None => y,
         };
-        Ok((self.t(Phase::Copies, || Ok(hc.add(&y)?))?, g, u))
+        Ok((self.t(Phase::Adds, || Ok(hc.add(&y)?))?, g, u))
     }
 
     /// The layer's output `[b, s, h]` for its input `x [b, s, h]` (the model's
@@ -551,7 +551,7 @@ impl LayerPass<'_> {
         drop((dm, g, u));
         let dn2g = self.linear_backward(&m.gate_proj, sl.gate, &n2, &dg, acc)?;
         let dn2u = self.linear_backward(&m.up_proj, sl.up, &n2, &du, acc)?;
-        let dn2 = self.t(Phase::Copies, || Ok((dn2g + dn2u)?))?;
+        let dn2 = self.t(Phase::Adds, || Ok((dn2g + dn2u)?))?;
         // dh_c = dy_c (the residual) + the norm's backward, in one kernel.
         let (dh, dw2) = self.t(Phase::NormRopeAct, || rms_backward(layer.mlp_norm(), hc, &rstd2, &dn2, Some(dyc)))?;
         self.t(Phase::GradAccum, || accumulate(acc, sl.mlp_norm(), &dw2))?;
@@ -662,7 +662,7 @@ impl LayerPass<'_> {
             let dn1q = self.linear_backward(&a.q_proj, sl.q, &n1, &dqc, acc)?;
             let dn1k = self.linear_backward(&a.k_proj, sl.k, &n1, &dkc, acc)?;
             let dn1v = self.linear_backward(&a.v_proj, sl.v, &n1, &self.rows(&dv, ch)?, acc)?;
-            let dn1 = self.t(Phase::Copies, || Ok(((dn1q + dn1k)? + dn1v)?))?;
+            let dn1 = self.t(Phase::Adds, || Ok(((dn1q + dn1k)? + dn1v)?))?;
             // dx = dh (the residual) + the norm's backward, in one kernel.
             let dh = self.rows(&dy, ch)?;
             let (dx, dw1) = self.t(Phase::NormRopeAct, || rms_backward(&layer.input_layernorm, &xc, &rstd1, &dn1, Some(&dh)))?;

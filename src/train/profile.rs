@@ -28,6 +28,9 @@ pub enum Phase {
     GradAccum,
     /// Copies: concatenation of chunks, contiguous copies, activation store traffic, embedding.
     Copies,
+    /// Element-wise sums: the residual adds and the sums of the projections' input gradients
+    /// (q, k, v; gate and up), apart from the copies so that a profile tells the two apart.
+    Adds,
     /// The optimizer step (clipping included).
     Optimizer,
     /// Gradient/weight collectives outside attention.
@@ -35,8 +38,17 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 8] =
-        [Phase::Attention, Phase::Gemm, Phase::NormRopeAct, Phase::Loss, Phase::GradAccum, Phase::Copies, Phase::Optimizer, Phase::Comm];
+    pub const ALL: [Phase; 9] = [
+        Phase::Attention,
+        Phase::Gemm,
+        Phase::NormRopeAct,
+        Phase::Loss,
+        Phase::GradAccum,
+        Phase::Copies,
+        Phase::Adds,
+        Phase::Optimizer,
+        Phase::Comm,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -46,6 +58,7 @@ impl Phase {
             Phase::Loss => "loss",
             Phase::GradAccum => "grad_accum",
             Phase::Copies => "copies",
+            Phase::Adds => "adds",
             Phase::Optimizer => "optimizer",
             Phase::Comm => "comm",
         }

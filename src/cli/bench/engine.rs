@@ -68,7 +68,7 @@ pub struct BenchEngineArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Split each timed step by phase (CUDA events: attention, GEMMs, norms/RoPE/activation,
-    /// loss, gradient accumulation, copies) and print the mean seconds per phase.
+    /// loss, gradient accumulation, copies, element-wise adds) and print the mean seconds per phase.
     #[arg(long)]
     pub profile: bool,
     /// Keep each layer's attention tensors for the backward (selective recomputation).
