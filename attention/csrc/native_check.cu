@@ -17,10 +17,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <vector>
 
 #include "native_fmha.h"
@@ -201,8 +203,32 @@ static float median(std::vector<float> x) {
     return x[x.size() / 2];
 }
 
+// --sustain: each kernel of a speed case also runs back to back for `seconds` on its own, so
+// that the GPU's power and clock settle on that kernel's draw (the H200 runs these kernels at
+// its 700 W cap); `marks`, when given, gets a line `YYYY/MM/DD HH:MM:SS.NNNNNNNNN NAME` as
+// each such run starts, in local time as nvidia-smi stamps its samples, for
+// scripts/gpu_clocks.py.
+struct Sustain {
+    int seconds = 0;
+    FILE *marks = nullptr;
+};
+
+static void mark(FILE *f, const char *name) {
+    if (!f) return;
+    const auto now = std::chrono::system_clock::now();
+    const std::time_t secs = std::chrono::system_clock::to_time_t(now);
+    const long ns = long(std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count() %
+                         1000000000LL);
+    std::tm tm{};
+    localtime_r(&secs, &tm);
+    char stamp[32];
+    std::strftime(stamp, sizeof stamp, "%Y/%m/%d %H:%M:%S", &tm);
+    fprintf(f, "%s.%09ld %s\n", stamp, ns, name);
+    fflush(f);
+}
+
 template <class T>
-static int run_case(const Case &c, bool check, bool bench, bool cudnn) {
+static int run_case(const Case &c, bool check, bool bench, bool cudnn, const Sustain &sus) {
     size_t nq = size_t(c.b) * c.s * c.hq * c.d, nk = size_t(c.b) * c.t * c.hkv * c.d, nl = size_t(c.b) * c.hq * c.s;
     T *q, *k, *v, *o, *d_o, *dq, *dk, *dv;
     float *lse;
@@ -365,6 +391,46 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn) {
     }
     printf("\n");
     fflush(stdout);
+    if (bench && sus.seconds > 0) {
+        // each kernel alone, back to back, in batches of 4 calls between two events, until
+        // `seconds` have passed: TFLOP/s at the power and clock that kernel settles on
+        const double flop = 4.0 * c.b * c.hq * double(c.s) * c.t * c.d * (c.causal ? 0.5 : 1.0);
+        cudaEvent_t e0, e1;
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        auto sustain = [&](const char *what, double work, auto &&f) {
+            char name[160];
+            snprintf(name, sizeof name, "%s s%d t%d hq%d hkv%d d%d %s", what, c.s, c.t, c.hq, c.hkv, c.d,
+                     c.causal ? "causal" : "full");
+            mark(sus.marks, name);
+            double total_ms = 0;
+            long calls = 0;
+            while (total_ms < 1e3 * sus.seconds) {
+                CK(cudaEventRecord(e0));
+                for (int i = 0; i < 4; ++i) f();
+                CK(cudaEventRecord(e1));
+                CK(cudaEventSynchronize(e1));
+                float x;
+                CK(cudaEventElapsedTime(&x, e0, e1));
+                total_ms += x;
+                calls += 4;
+            }
+            printf("  sustain %s: %ld calls in %.1f s, %.3f ms a call, %.1f TFLOP/s\n", name, calls, total_ms / 1e3,
+                   total_ms / calls, work * calls / total_ms / 1e9);
+            fflush(stdout);
+        };
+        sustain("native fwd", flop, [&] { longctx_native_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err); });
+        if (cudnn)
+            sustain("cudnn fwd", flop, [&] { longctx_sdpa_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err); });
+        sustain("native bwd", 2.5 * flop,
+                [&] { longctx_native_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err); });
+        if (cudnn)
+            sustain("cudnn bwd", 2.5 * flop,
+                    [&] { longctx_sdpa_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err); });
+        mark(sus.marks, "idle");
+        CK(cudaEventDestroy(e0));
+        CK(cudaEventDestroy(e1));
+    }
     CK(cudaFree(q));
     CK(cudaFree(k));
     CK(cudaFree(v));
@@ -374,8 +440,8 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn) {
     return bad;
 }
 
-static int run(const Case &c, bool check, bool bench, bool cudnn) {
-    return c.f16 ? run_case<__half>(c, check, bench, cudnn) : run_case<__nv_bfloat16>(c, check, bench, cudnn);
+static int run(const Case &c, bool check, bool bench, bool cudnn, const Sustain &sus = Sustain{}) {
+    return c.f16 ? run_case<__half>(c, check, bench, cudnn, sus) : run_case<__nv_bfloat16>(c, check, bench, cudnn, sus);
 }
 
 int main(int argc, char **argv) {
@@ -384,7 +450,14 @@ int main(int argc, char **argv) {
     //   no mask and t = --kv-len (default s): the off-diagonal blocks of the ring modes;
     //   --normal: the speed cases' inputs standard normal (as `bench attention` draws them)
     //   instead of uniform on [-1, 1)
+    // native_check ... --sustain SECONDS [--marks FILE]: each speed case's kernels also run
+    //   alone for SECONDS each (see Sustain), e.g. with nvidia-smi sampling beside it:
+    //     nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
+    //       --format=csv,noheader,nounits -lms 100 > smi.csv &
+    //     target-cuda/native_check --len 65536 --sustain 5 --marks marks.txt; kill %1
+    //     scripts/gpu_clocks.py smi.csv marks.txt
     bool cudnn = true, full = false, normal = false;
+    Sustain sus;
     int kv_len = 0;
     std::vector<int> lens;
     for (int i = 1; i < argc; ++i) {
@@ -394,20 +467,33 @@ int main(int argc, char **argv) {
             full = true;
         } else if (strcmp(argv[i], "--normal") == 0) {
             normal = true;
+        } else if (strcmp(argv[i], "--sustain") == 0 && i + 1 < argc && atoi(argv[i + 1]) > 0) {
+            sus.seconds = atoi(argv[++i]);
+        } else if (strcmp(argv[i], "--marks") == 0 && i + 1 < argc) {
+            const char *path = argv[++i];
+            sus.marks = fopen(path, "w");
+            if (!sus.marks) {
+                fprintf(stderr, "native_check: --marks %s: cannot open it for writing\n", path);
+                return 2;
+            }
         } else if (strcmp(argv[i], "--len") == 0 && i + 1 < argc && atoi(argv[i + 1]) > 0) {
             lens.push_back(atoi(argv[++i]));
         } else if (strcmp(argv[i], "--kv-len") == 0 && i + 1 < argc && atoi(argv[i + 1]) > 0) {
             kv_len = atoi(argv[++i]);
         } else {
             fprintf(stderr,
-                    "native_check: unknown argument '%s' (expected --no-cudnn, --full, --normal, --kv-len T or --len N; "
-                    "N, T > 0)\n",
+                    "native_check: unknown argument '%s' (expected --no-cudnn, --full, --normal, --kv-len T, --len N, "
+                    "--sustain SECONDS or --marks FILE; N, T, SECONDS > 0)\n",
                     argv[i]);
             return 2;
         }
     }
     if (kv_len && !full) {
         fprintf(stderr, "native_check: --kv-len needs --full (causal blocks here have t = s)\n");
+        return 2;
+    }
+    if (sus.marks && !sus.seconds) {
+        fprintf(stderr, "native_check: --marks needs --sustain SECONDS (the marks are those runs' starts)\n");
         return 2;
     }
     if (lens.empty()) lens = {16384, 65536, 131072};
@@ -427,8 +513,9 @@ int main(int argc, char **argv) {
     // speed at 16K / 64K / 128K: the shapes of issue #36 (32×128, and 32/4×64)
     for (int len : lens) {
         const int t = kv_len ? kv_len : len, causal = full ? 0 : 1;
-        failures += run({1, len, t, 32, 32, 128, causal, 0, int(normal)}, false, true, cudnn);
-        failures += run({1, len, t, 32, 4, 64, causal, 0, int(normal)}, false, true, cudnn);
+        failures += run({1, len, t, 32, 32, 128, causal, 0, int(normal)}, false, true, cudnn, sus);
+        failures += run({1, len, t, 32, 4, 64, causal, 0, int(normal)}, false, true, cudnn, sus);
     }
+    if (sus.marks) fclose(sus.marks);
     return failures ? 1 : 0;
 }
