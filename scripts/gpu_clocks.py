@@ -1,22 +1,34 @@
 #!/usr/bin/env python3
 """The SM clock and power a GPU ran at, per step of a device script.
 
-    gpu_clocks.py SAMPLES MARKS
+    gpu_clocks.py sample SAMPLES [INTERVAL_MS]   (in the background; stop it with kill)
+    gpu_clocks.py report SAMPLES MARKS
 
-SAMPLES: `nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,
-clocks_event_reasons.active --format=csv,noheader,nounits -lms 200` output. MARKS: one line
-per step, `YYYY/MM/DD HH:MM:SS.NNNNNNNNN NAME` (`date +%Y/%m/%d\\ %H:%M:%S.%N`), written when
-the step starts. Prints, per step, the samples drawn while the GPU was busy (above 300 W),
-their median SM clock (and lowest), median power, the hottest reading and the clock event
-reasons seen (0x4: the software power cap). An H200 runs long attention kernels at its 700 W
-cap, so its clock, and with it a kernel's TFLOP/s, follows the power a kernel draws and the
-chip's temperature (docs/benchmarks.md, session 27).
+`sample` becomes nvidia-smi writing one line per INTERVAL_MS (default 200) to SAMPLES: time,
+SM clock, power, temperature and clock event reasons, the fields `report` reads (so both
+ends of the format live here). MARKS: one line per step, `YYYY/MM/DD HH:MM:SS.NNNNNNNNN NAME`
+(`date +%Y/%m/%d\\ %H:%M:%S.%N`), written when the step starts. `report` prints, per step,
+the samples drawn while the GPU was busy (above 300 W), their median SM clock (and lowest),
+median power, the hottest reading and the clock event reasons seen (0x4: the software power
+cap). An H200 runs long attention kernels at its 700 W cap, so its clock, and with it a
+kernel's TFLOP/s, follows the power a kernel draws and the chip's temperature
+(docs/benchmarks.md, session 27).
 """
 import datetime
+import os
 import statistics
 import sys
 
 BUSY_W = 300.0
+FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+
+
+def sample(path, interval_ms):
+    """Replace this process by nvidia-smi sampling FIELDS into `path` (the caller's pid is
+    then nvidia-smi's, so killing it stops the sampling)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.execvp("nvidia-smi", ["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", str(interval_ms)])
 
 
 def parse(stamp):
@@ -24,7 +36,7 @@ def parse(stamp):
     return datetime.datetime.strptime(stamp.strip()[:26], "%Y/%m/%d %H:%M:%S.%f")
 
 
-def main(samples_path, marks_path):
+def report(samples_path, marks_path):
     marks = []
     for line in open(marks_path):
         if line.strip():
@@ -49,6 +61,12 @@ def main(samples_path, marks_path):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: gpu_clocks.py SAMPLES MARKS")
-    main(sys.argv[1], sys.argv[2])
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "sample":
+        ms = sys.argv[3] if len(sys.argv) == 4 else "200"
+        if not ms.isdigit() or int(ms) == 0:
+            sys.exit(f"gpu_clocks.py sample: INTERVAL_MS {ms!r}: expected a whole number of milliseconds above 0")
+        sample(sys.argv[2], int(ms))
+    elif len(sys.argv) == 4 and sys.argv[1] == "report":
+        report(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit("usage: gpu_clocks.py sample SAMPLES [INTERVAL_MS] | gpu_clocks.py report SAMPLES MARKS")

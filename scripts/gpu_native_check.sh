@@ -33,14 +33,13 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader | tee "$OUT/gpu.txt"
 runlog=$(mktemp) # one run's log, outside $OUT (a killed visit leaves no stray file there)
 smi=$(mktemp); marks=$(mktemp)
-nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active --format=csv,noheader,nounits \
-    -lms 200 > "$smi" 2>/dev/null &
+python3 "$HERE/gpu_clocks.py" sample "$smi" 2>/dev/null &
 smi_pid=$!
 trap 'kill $smi_pid 2>/dev/null; rm -f "$runlog" "$smi" "$marks"' EXIT
 step() { echo "$(date +%Y/%m/%d\ %H:%M:%S.%N) $1" >> "$marks"; }
 clocks() { # per step: busy samples, median SM clock, median power, hottest, clock event reasons
     kill $smi_pid 2>/dev/null; wait $smi_pid 2>/dev/null
-    python3 "$HERE/gpu_clocks.py" "$smi" "$marks"
+    python3 "$HERE/gpu_clocks.py" report "$smi" "$marks"
 }
 status=0
 # run NAME OUTFILE FILTER CMD...: the command's output into OUTFILE, the lines matching FILTER

@@ -29,8 +29,7 @@ nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader > "
 : > "$OUT/summary.txt"
 : > "$OUT/runs.txt"
 run=$(mktemp); smi=$(mktemp); marks=$(mktemp)
-nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active --format=csv,noheader,nounits \
-    -lms 200 > "$smi" 2>/dev/null &
+python3 "$HERE/gpu_clocks.py" sample "$smi" 2>/dev/null &
 smi_pid=$!
 trap 'kill $smi_pid 2>/dev/null; rm -f "$run" "$smi" "$marks"' EXIT
 status=0
@@ -49,6 +48,6 @@ for round in 1 2; do
     done
 done
 kill $smi_pid 2>/dev/null; wait $smi_pid 2>/dev/null
-python3 "$HERE/gpu_clocks.py" "$smi" "$marks" | tee -a "$OUT/gpu.txt" >> "$OUT/summary.txt"
+python3 "$HERE/gpu_clocks.py" report "$smi" "$marks" | tee -a "$OUT/gpu.txt" >> "$OUT/summary.txt"
 cat "$OUT/summary.txt"
 exit $status

@@ -339,12 +339,15 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn, const Sus
             }
             return median(ms);
         };
+        // which of the timed kernels ran (--sustain repeats only those)
+        bool cudnn_fwd_ok = false, native_bwd_ok = false, cudnn_bwd_ok = false;
         float tn = time([&] { longctx_native_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err); });
         printf(" | native %.3f ms %.1f TFLOP/s", tn, flop / tn / 1e9);
         if (cudnn) {
             int rc2 = longctx_sdpa_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err);
             CK(cudaDeviceSynchronize());
             if (rc2 == LONGCTX_SDPA_OK) {
+                cudnn_fwd_ok = true;
                 float tc = time([&] { longctx_sdpa_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err); });
                 printf(" | cudnn %.3f ms %.1f TFLOP/s | native/cudnn %.3f", tc, flop / tc / 1e9, tc / tn);
             } else {
@@ -357,6 +360,7 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn, const Sus
         if (rcb != LONGCTX_SDPA_OK) {
             printf(" | bwd native rc %d (%s)", rcb, err);
         } else {
+            native_bwd_ok = true;
 #if LONGCTX_NATIVE_PROFILE
             unsigned long long phases[2][10];
             CK(cudaDeviceSynchronize());
@@ -381,6 +385,7 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn, const Sus
                 int rc3 = longctx_sdpa_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err);
                 CK(cudaDeviceSynchronize());
                 if (rc3 == LONGCTX_SDPA_OK) {
+                    cudnn_bwd_ok = true;
                     float tc = time([&] { longctx_sdpa_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err); });
                     printf(" | bwd cudnn %.3f ms %.1f TFLOP/s | native/cudnn %.3f", tc, 2.5 * flop / tc / 1e9, tc / tb);
                 } else {
@@ -388,48 +393,48 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn, const Sus
                 }
             }
         }
-    }
-    printf("\n");
-    fflush(stdout);
-    if (bench && sus.seconds > 0) {
-        // each kernel alone, back to back, in batches of 4 calls between two events, until
-        // `seconds` have passed: TFLOP/s at the power and clock that kernel settles on
-        const double flop = 4.0 * c.b * c.hq * double(c.s) * c.t * c.d * (c.causal ? 0.5 : 1.0);
-        cudaEvent_t e0, e1;
-        CK(cudaEventCreate(&e0));
-        CK(cudaEventCreate(&e1));
-        auto sustain = [&](const char *what, double work, auto &&f) {
-            char name[160];
-            snprintf(name, sizeof name, "%s s%d t%d hq%d hkv%d d%d %s", what, c.s, c.t, c.hq, c.hkv, c.d,
-                     c.causal ? "causal" : "full");
-            mark(sus.marks, name);
-            double total_ms = 0;
-            long calls = 0;
-            while (total_ms < 1e3 * sus.seconds) {
-                CK(cudaEventRecord(e0));
-                for (int i = 0; i < 4; ++i) f();
-                CK(cudaEventRecord(e1));
-                CK(cudaEventSynchronize(e1));
-                float x;
-                CK(cudaEventElapsedTime(&x, e0, e1));
-                total_ms += x;
-                calls += 4;
-            }
-            printf("  sustain %s: %ld calls in %.1f s, %.3f ms a call, %.1f TFLOP/s\n", name, calls, total_ms / 1e3,
-                   total_ms / calls, work * calls / total_ms / 1e9);
-            fflush(stdout);
-        };
-        sustain("native fwd", flop, [&] { longctx_native_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err); });
-        if (cudnn)
-            sustain("cudnn fwd", flop, [&] { longctx_sdpa_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err); });
-        sustain("native bwd", 2.5 * flop,
-                [&] { longctx_native_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err); });
-        if (cudnn)
-            sustain("cudnn bwd", 2.5 * flop,
-                    [&] { longctx_sdpa_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err); });
-        mark(sus.marks, "idle");
+        printf("\n");
+        fflush(stdout);
+        if (sus.seconds > 0) {
+            // each kernel alone, back to back, in batches of 4 calls between two events, until
+            // `seconds` have passed: TFLOP/s at the power and clock that kernel settles on
+            auto sustain = [&](const char *what, double work, auto &&f) {
+                char name[160];
+                snprintf(name, sizeof name, "%s s%d t%d hq%d hkv%d d%d %s", what, c.s, c.t, c.hq, c.hkv, c.d,
+                         c.causal ? "causal" : "full");
+                mark(sus.marks, name);
+                double total_ms = 0;
+                long calls = 0;
+                while (total_ms < 1e3 * sus.seconds) {
+                    CK(cudaEventRecord(e0));
+                    for (int i = 0; i < 4; ++i) f();
+                    CK(cudaEventRecord(e1));
+                    CK(cudaEventSynchronize(e1));
+                    float x;
+                    CK(cudaEventElapsedTime(&x, e0, e1));
+                    total_ms += x;
+                    calls += 4;
+                }
+                printf("  sustain %s: %ld calls in %.1f s, %.3f ms a call, %.1f TFLOP/s\n", name, calls, total_ms / 1e3,
+                       total_ms / calls, work * calls / total_ms / 1e9);
+                fflush(stdout);
+            };
+            sustain("native fwd", flop, [&] { longctx_native_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err); });
+            if (cudnn_fwd_ok)
+                sustain("cudnn fwd", flop, [&] { longctx_sdpa_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err); });
+            if (native_bwd_ok)
+                sustain("native bwd", 2.5 * flop,
+                        [&] { longctx_native_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err); });
+            if (cudnn_bwd_ok)
+                sustain("cudnn bwd", 2.5 * flop,
+                        [&] { longctx_sdpa_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err); });
+            mark(sus.marks, "idle");
+        }
         CK(cudaEventDestroy(e0));
         CK(cudaEventDestroy(e1));
+    } else {
+        printf("\n");
+        fflush(stdout);
     }
     CK(cudaFree(q));
     CK(cudaFree(k));
@@ -452,10 +457,9 @@ int main(int argc, char **argv) {
     //   instead of uniform on [-1, 1)
     // native_check ... --sustain SECONDS [--marks FILE]: each speed case's kernels also run
     //   alone for SECONDS each (see Sustain), e.g. with nvidia-smi sampling beside it:
-    //     nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
-    //       --format=csv,noheader,nounits -lms 100 > smi.csv &
+    //     scripts/gpu_clocks.py sample smi.csv 100 &
     //     target-cuda/native_check --len 65536 --sustain 5 --marks marks.txt; kill %1
-    //     scripts/gpu_clocks.py smi.csv marks.txt
+    //     scripts/gpu_clocks.py report smi.csv marks.txt
     bool cudnn = true, full = false, normal = false;
     Sustain sus;
     int kv_len = 0;
