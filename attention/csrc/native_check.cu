@@ -27,6 +27,11 @@
 
 #include "native_fmha.h"
 
+// cuda_profiler_api.h's two functions (libcudart has them; the runtime wheel the build takes
+// its headers from ships no cuda_profiler_api.h)
+extern "C" cudaError_t cudaProfilerStart(void);
+extern "C" cudaError_t cudaProfilerStop(void);
+
 #if LONGCTX_NATIVE_PROFILE
 // native_bwd_sm90.cu's phase clock (scripts/build_native_check.sh --profile)
 extern "C" int longctx_native_bwd_profile(unsigned long long *out);
@@ -208,9 +213,13 @@ static float median(std::vector<float> x) {
 // its 700 W cap); `marks`, when given, gets a line `YYYY/MM/DD HH:MM:SS.NNNNNNNNN NAME` as
 // each such run starts, in local time as nvidia-smi stamps its samples, for
 // scripts/gpu_clocks.py.
+// --ncu: after a speed case's timing, each of its kernels (native and cuDNN, forward and
+// backward) runs once more between cudaProfilerStart and cudaProfilerStop, so that
+// `ncu --profile-from-start off` profiles exactly those warm calls (scripts/gpu_ncu.sh).
 struct Sustain {
     int seconds = 0;
     FILE *marks = nullptr;
+    bool ncu = false;
 };
 
 static void mark(FILE *f, const char *name) {
@@ -395,6 +404,16 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn, const Sus
         }
         printf("\n");
         fflush(stdout);
+        if (sus.ncu) {
+            CK(cudaDeviceSynchronize());
+            CK(cudaProfilerStart());
+            longctx_native_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err);
+            if (cudnn_fwd_ok) longctx_sdpa_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err);
+            if (native_bwd_ok) longctx_native_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err);
+            if (cudnn_bwd_ok) longctx_sdpa_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err);
+            CK(cudaDeviceSynchronize());
+            CK(cudaProfilerStop());
+        }
         if (sus.seconds > 0) {
             // each kernel alone, back to back, in batches of 4 calls between two events, until
             // `seconds` have passed: TFLOP/s at the power and clock that kernel settles on
@@ -460,6 +479,8 @@ int main(int argc, char **argv) {
     //     scripts/gpu_clocks.py sample smi.csv 100 &
     //     target-cuda/native_check --len 65536 --sustain 5 --marks marks.txt; kill %1
     //     scripts/gpu_clocks.py report smi.csv marks.txt
+    // native_check ... --ncu: each speed case's kernels once more inside a profiler range
+    //   (see Sustain; scripts/gpu_ncu.sh runs it under `ncu --profile-from-start off`)
     bool cudnn = true, full = false, normal = false;
     Sustain sus;
     int kv_len = 0;
@@ -471,6 +492,8 @@ int main(int argc, char **argv) {
             full = true;
         } else if (strcmp(argv[i], "--normal") == 0) {
             normal = true;
+        } else if (strcmp(argv[i], "--ncu") == 0) {
+            sus.ncu = true;
         } else if (strcmp(argv[i], "--sustain") == 0 && i + 1 < argc && atoi(argv[i + 1]) > 0) {
             sus.seconds = atoi(argv[++i]);
         } else if (strcmp(argv[i], "--marks") == 0 && i + 1 < argc) {
@@ -487,7 +510,7 @@ int main(int argc, char **argv) {
         } else {
             fprintf(stderr,
                     "native_check: unknown argument '%s' (expected --no-cudnn, --full, --normal, --kv-len T, --len N, "
-                    "--sustain SECONDS or --marks FILE; N, T, SECONDS > 0)\n",
+                    "--sustain SECONDS, --marks FILE or --ncu; N, T, SECONDS > 0)\n",
                     argv[i]);
             return 2;
         }
