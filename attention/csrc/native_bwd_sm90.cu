@@ -125,6 +125,16 @@ struct BwdTraits {
 #define LONGCTX_BWD_S_BEFORE_STORE 0
 #endif
     static constexpr bool kNoProducer = kHeadDim == 128 && LONGCTX_BWD_NO_PRODUCER;
+    // Timing variant (default off): the bulk reductions of dQ_part issued by the producer
+    // warpgroup's second warp instead of each consumer warpgroup's first thread, which then
+    // no longer runs ahead of or behind its three other warps; a consumer warpgroup hands its
+    // stored, fenced buffer over with a named-barrier arrive and waits only for the buffer to
+    // be read before it writes the next step's.
+#ifndef LONGCTX_BWD_DQ_WRITER
+#define LONGCTX_BWD_DQ_WRITER 0
+#endif
+    static constexpr bool kDqWriter = kHeadDim == 128 && LONGCTX_BWD_DQ_WRITER && !kNoProducer;
+    static_assert(!kDqWriter || kDqBufs == 1, "the dQ writer frees one buffer per warpgroup");
     static constexpr bool kSBeforeStore = kHeadDim == 128 && kEarlyS && LONGCTX_BWD_S_BEFORE_STORE;
     static_assert(!kNoProducer || kStages >= 2, "loads are issued a step ahead at least");
     // two consumer warpgroups (threads 0-255) and a producer warpgroup, which hands its
@@ -305,7 +315,39 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
 
     if constexpr (!T::kNoProducer) {
         if (tid >= T::kConsumers) {
-            cutlass::arch::warpgroup_reg_dealloc<24>();
+            // 32 with the dQ writer: 128 x 32 + 256 x 240 is the register file exactly
+            cutlass::arch::warpgroup_reg_dealloc<T::kDqWriter ? 32 : 24>();
+            if constexpr (T::kDqWriter) {
+                if (tid / 32 == T::kConsumers / 32 + 1) {  // the dQ writer warp
+                    const int per_head = m_blocks - m_first, steps = group * per_head;
+                    bar_arrive(7, 160);  // both warpgroups' buffers start free
+                    bar_arrive(8, 160);
+                    // query block m of head h: (64-row block r = m · BM/64 + w·[d 64], column part
+                    // w·[d 128]) at head_base + m · BM·D + w · 64·(d 64 ? D : DQC)
+                    constexpr int kWgOffset = T::kDqSplitD ? 64 * DQC : 64 * D;
+                    const float *head_base = nullptr;
+                    for (int it = 0, j = per_head; it < steps; ++it, ++j) {
+                        if (j == per_head) {
+                            j = 0;
+                            head_base = p.dq_acc + (int64_t(bi) * p.hq + hk * group + it / per_head) *
+                                                       (int64_t(p.s_pad) * D);
+                        }
+                        const float *dst0 = head_base + int64_t(q_block(j)) * (BM * D);
+                        CUTE_UNROLL
+                        for (int w = 0; w < 2; ++w) {
+                            bar_sync(5 + w, 160);  // warpgroup w's dQ_part is stored and fenced
+                            if (tid % 32 == 0) {
+                                float *dst = const_cast<float *>(dst0) + w * kWgOffset;
+                                bulk_reduce_add(dst, sm.dq[w][0], 64 * DQC * 4);
+                                tma_store_arrive();
+                                tma_store_wait<0>();  // the buffer has been read
+                            }
+                            __syncwarp();
+                            if (it + 1 < steps) bar_arrive(7 + w, 160);
+                        }
+                    }
+                }
+            }
             if (tid == T::kConsumers) {
                 Tensor gK = local_tile(mK(_, _, hk, bi), Shape<Int<BN>, Int<D>>{}, make_coord(n_block, 0));
                 Tensor gV = local_tile(mV(_, _, hk, bi), Shape<Int<BN>, Int<D>>{}, make_coord(n_block, 0));
@@ -530,8 +572,12 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     // (in two halves: the registers are free after the first)
     // the reduction that last read this warpgroup's buffer (kDqBufs steps ago) is done with it
     auto store_dq_wait = [&]() {
-        if (wtid == 0) tma_store_wait<T::kDqBufs - 1>();
-        bar_sync(bar_wg, 128);
+        if constexpr (T::kDqWriter) {
+            bar_sync(7 + wg, 160);  // the writer warp has read this warpgroup's buffer
+        } else {
+            if (wtid == 0) tma_store_wait<T::kDqBufs - 1>();
+            bar_sync(bar_wg, 128);
+        }
     };
     // float4s lo .. hi − 1 of this thread's dQ_part into the buffer of step parity `buf`
     auto store_dq_vals = [&](int buf, auto lo, auto hi) {
@@ -550,6 +596,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     auto store_dq_reduce = [&](int h, int m, int buf) {
         float *dq_smem = sm.dq[wg][buf % T::kDqBufs];
         cutlass::arch::fence_view_async_shared();
+        if constexpr (T::kDqWriter) {
+            bar_arrive(5 + wg, 160);  // to the writer warp, which adds it into the accumulator
+            return;
+        }
         bar_sync(bar_wg, 128);
         if (wtid == 0) {
             const int r = T::kDqSplitD ? m : m * 2 + wg, part = T::kDqSplitD ? wg : 0;
@@ -653,7 +703,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         for (int i = 0; i <= LONGCTX_BWD_PHASES; ++i) atomicAdd(&longctx_bwd_phase_cycles[wg][i], phase_sum[wg][i]);
     }
 #endif
-    if (wtid == 0) tma_store_wait<0>();
+    if (!T::kDqWriter && wtid == 0) tma_store_wait<0>();
 
     // dK·scale and dV for this CTA's keys
     Tensor tdKcdK = thr_dkv.partition_C(make_identity_tensor(Shape<Int<BN>, Int<D>>{}));
