@@ -5,7 +5,7 @@
 #      alone against an f32 reference and cuDNN in one process;
 #   2. `bench attention --check` with the three kernels (cudnn, native, auto: the CUDA kernel against the CPU kernel,
 #      every parallel mode, document masks, windows);
-#   3. `bench attention` side by side at 16K / 64K / 128K, 32×128 and 32/4×64 (the kernels taking turns call by call, two rounds);
+#   3. `bench attention` side by side at 16K / 64K / 128K (env SEQS, comma-separated), 32×128 and 32/4×64 (the kernels taking turns call by call, two rounds);
 #   4. a 10-step training comparison, TinyLlama-1.1B shape with 4 layers at 16K: cuDNN twice
 #      and native twice (the noise floor between two runs of one kernel, for each), and
 #      native against cuDNN: for the losses and for the gradient norms, the median over the
@@ -29,6 +29,7 @@ set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 BIN=${1:-target-cuda/release/longctx}
 OUT=${OUT:-/tmp/native-check}
+SEQS=${SEQS:-16384,65536,131072}  # the benches' sequence lengths (a shorter visit: SEQS=65536)
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader | tee "$OUT/gpu.txt"
 runlog=$(mktemp) # one run's log, outside $OUT (a killed visit leaves no stray file there)
@@ -56,8 +57,8 @@ if [[ -x target-cuda/native_check ]]; then
     run native_check "$OUT/native_check.txt" "correctness|FAIL|TFLOP" timeout 120 target-cuda/native_check
 fi
 run check "$OUT/check.txt" "FAIL|passed|failed" timeout 300 "$BIN" bench attention --check
-run bench128 "$OUT/bench128.txt" "^\|" timeout 400 "$BIN" bench attention --seq 16384,65536,131072
-run bench64 "$OUT/bench64.txt" "^\|" timeout 400 "$BIN" bench attention --seq 16384,65536,131072 --heads 32 --kv-heads 4 --head-dim 64
+run bench128 "$OUT/bench128.txt" "^\|" timeout 400 "$BIN" bench attention --seq "$SEQS"
+run bench64 "$OUT/bench64.txt" "^\|" timeout 400 "$BIN" bench attention --seq "$SEQS" --heads 32 --kv-heads 4 --head-dim 64
 rm -f "$OUT/train.jsonl" "$OUT/train.log"
 step train
 for pair in cudnn-a:cudnn cudnn-b:cudnn native-a:native native-b:native; do
