@@ -315,8 +315,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
 
     if constexpr (!T::kNoProducer) {
         if (tid >= T::kConsumers) {
-            // 32 with the dQ writer: 128 x 32 + 256 x 240 is the register file exactly
-            cutlass::arch::warpgroup_reg_dealloc<T::kDqWriter ? 32 : 24>();
+            // 24: the CTA's pool is what the launch gave it, 168 x 384 = 128 x 24 + 256 x 240 (a
+            // dQ-writer build that kept 32 here hung on the H100: the consumers' setmaxnreg.inc
+            // waited forever for registers the pool does not have)
+            cutlass::arch::warpgroup_reg_dealloc<24>();
             if constexpr (T::kDqWriter) {
                 if (tid / 32 == T::kConsumers / 32 + 1) {  // the dQ writer warp
                     const int per_head = m_blocks - m_first, steps = group * per_head;
