@@ -112,37 +112,12 @@ struct BwdTraits {
 #endif
     static constexpr bool kEarlyS = (LONGCTX_BWD_EARLY_S >> (kHeadDim == 128 ? 0 : 1)) & 1;
     static_assert(!kEarlyS || kStages >= 2, "the next step's Sᵀ reads the next stage");
-    // Timing variant (d 128, default off): no producer warpgroup. Consumer thread 0 issues
-    // the loads, each step's at the step barrier kStages − 1 steps ahead (both warpgroups
-    // have then finished the step before, so its stage is free), and the two consumer
-    // warpgroups get 255 registers each instead of 240. LONGCTX_BWD_S_BEFORE_STORE (d 128,
-    // early Sᵀ; default off): the next step's Sᵀ issued between the two halves of the dQ
-    // store instead of after it.
-#ifndef LONGCTX_BWD_NO_PRODUCER
-#define LONGCTX_BWD_NO_PRODUCER 0
-#endif
-#ifndef LONGCTX_BWD_S_BEFORE_STORE
-#define LONGCTX_BWD_S_BEFORE_STORE 0
-#endif
-    static constexpr bool kNoProducer = kHeadDim == 128 && LONGCTX_BWD_NO_PRODUCER;
-    // Timing variant (default off): the bulk reductions of dQ_part issued by the producer
-    // warpgroup's second warp instead of each consumer warpgroup's first thread, which then
-    // no longer runs ahead of or behind its three other warps; a consumer warpgroup hands its
-    // stored, fenced buffer over with a named-barrier arrive and waits only for the buffer to
-    // be read before it writes the next step's.
-#ifndef LONGCTX_BWD_DQ_WRITER
-#define LONGCTX_BWD_DQ_WRITER 0
-#endif
-    static constexpr bool kDqWriter = kHeadDim == 128 && LONGCTX_BWD_DQ_WRITER && !kNoProducer;
-    static_assert(!kDqWriter || kDqBufs == 1, "the dQ writer frees one buffer per warpgroup");
-    static constexpr bool kSBeforeStore = kHeadDim == 128 && kEarlyS && LONGCTX_BWD_S_BEFORE_STORE;
-    static_assert(!kNoProducer || kStages >= 2, "loads are issued a step ahead at least");
     // two consumer warpgroups (threads 0-255) and a producer warpgroup, which hands its
     // registers to the consumers (setmaxnreg: 240 each for dK, dV, Sᵀ, dPᵀ and dQ; without
     // it 384 threads are capped at 168, and nine warps cannot hold more than that either:
     // one scheduler would carry three of them)
     static constexpr int kConsumers = 256;
-    static constexpr int kThreads = kConsumers + (kNoProducer ? 0 : 128);
+    static constexpr int kThreads = kConsumers + 128;
     // dQ_part = dS·K: each consumer warpgroup computes one 64-row x 64-column tile of it over
     // all 128 keys (so it needs both warpgroups' dSᵀ). At d 128 (one 64-row query block) the
     // warpgroups split the head dim (kDqSplitD); at d 64 each takes 64 of the 128 query rows.
@@ -313,76 +288,40 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     }
     __syncthreads();
 
-    if constexpr (!T::kNoProducer) {
-        if (tid >= T::kConsumers) {
-            // 24: the CTA's pool is what the launch gave it, 168 x 384 = 128 x 24 + 256 x 240 (a
-            // dQ-writer build that kept 32 here hung on the H100: the consumers' setmaxnreg.inc
-            // waited forever for registers the pool does not have)
-            cutlass::arch::warpgroup_reg_dealloc<24>();
-            if constexpr (T::kDqWriter) {
-                if (tid / 32 == T::kConsumers / 32 + 1) {  // the dQ writer warp
-                    const int per_head = m_blocks - m_first, steps = group * per_head;
-                    bar_arrive(7, 160);  // both warpgroups' buffers start free
-                    bar_arrive(8, 160);
-                    // query block m of head h: (64-row block r = m · BM/64 + w·[d 64], column part
-                    // w·[d 128]) at head_base + m · BM·D + w · 64·(d 64 ? D : DQC)
-                    constexpr int kWgOffset = T::kDqSplitD ? 64 * DQC : 64 * D;
-                    const float *head_base = nullptr;
-                    for (int it = 0, j = per_head; it < steps; ++it, ++j) {
-                        if (j == per_head) {
-                            j = 0;
-                            head_base = p.dq_acc + (int64_t(bi) * p.hq + hk * group + it / per_head) *
-                                                       (int64_t(p.s_pad) * D);
-                        }
-                        const float *dst0 = head_base + int64_t(q_block(j)) * (BM * D);
-                        CUTE_UNROLL
-                        for (int w = 0; w < 2; ++w) {
-                            bar_sync(5 + w, 160);  // warpgroup w's dQ_part is stored and fenced
-                            if (tid % 32 == 0) {
-                                float *dst = const_cast<float *>(dst0) + w * kWgOffset;
-                                bulk_reduce_add(dst, sm.dq[w][0], 64 * DQC * 4);
-                                tma_store_arrive();
-                                tma_store_wait<0>();  // the buffer has been read
-                            }
-                            __syncwarp();
-                            if (it + 1 < steps) bar_arrive(7 + w, 160);
-                        }
-                    }
+    if (tid >= T::kConsumers) {
+        cutlass::arch::warpgroup_reg_dealloc<24>();
+        if (tid == T::kConsumers) {
+            Tensor gK = local_tile(mK(_, _, hk, bi), Shape<Int<BN>, Int<D>>{}, make_coord(n_block, 0));
+            Tensor gV = local_tile(mV(_, _, hk, bi), Shape<Int<BN>, Int<D>>{}, make_coord(n_block, 0));
+            auto pk = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+            auto pv = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+            TBar::arrive_and_expect_tx(&sm.bar_kv, 2 * kBytesKV);
+            copy(p.tma_k.with(sm.bar_kv), get<0>(pk), get<1>(pk));
+            copy(p.tma_v.with(sm.bar_kv), get<0>(pv), get<1>(pv));
+            int it = 0;
+            for (int g = 0; g < group; ++g) {
+                const int h = hk * group + g;
+                Tensor gQ = local_tile(mQ(_, _, h, bi), Shape<Int<BM>, Int<D>>{}, make_coord(_, 0));
+                Tensor gdO = local_tile(mdO(_, _, h, bi), Shape<Int<BM>, Int<D>>{}, make_coord(_, 0));
+                auto pq = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+                auto pdo =
+                    tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+                const int64_t row0 = (int64_t(bi) * p.hq + h) * p.s_pad;
+                for (int j = 0; j < m_blocks - m_first; ++j, ++it) {
+                    const int m = q_block(j);
+                    const int st = it % ST;
+                    if (it >= ST) Bar::wait(&sm.bar_empty[st], ((it / ST) - 1) & 1);
+                    TBar::arrive_and_expect_tx(&sm.bar_full[st], kBytesStep);
+                    copy(p.tma_q.with(sm.bar_full[st]), get<0>(pq)(_, m), get<1>(pq)(_, st));
+                    copy(p.tma_do.with(sm.bar_full[st]), get<0>(pdo)(_, m), get<1>(pdo)(_, st));
+                    bulk_load(sm.lse2[st], p.lse2 + row0 + m * BM, BM * 4, &sm.bar_full[st]);
+                    bulk_load(sm.dd[st], p.dd + row0 + m * BM, BM * 4, &sm.bar_full[st]);
                 }
             }
-            if (tid == T::kConsumers) {
-                Tensor gK = local_tile(mK(_, _, hk, bi), Shape<Int<BN>, Int<D>>{}, make_coord(n_block, 0));
-                Tensor gV = local_tile(mV(_, _, hk, bi), Shape<Int<BN>, Int<D>>{}, make_coord(n_block, 0));
-                auto pk = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-                auto pv = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-                TBar::arrive_and_expect_tx(&sm.bar_kv, 2 * kBytesKV);
-                copy(p.tma_k.with(sm.bar_kv), get<0>(pk), get<1>(pk));
-                copy(p.tma_v.with(sm.bar_kv), get<0>(pv), get<1>(pv));
-                int it = 0;
-                for (int g = 0; g < group; ++g) {
-                    const int h = hk * group + g;
-                    Tensor gQ = local_tile(mQ(_, _, h, bi), Shape<Int<BM>, Int<D>>{}, make_coord(_, 0));
-                    Tensor gdO = local_tile(mdO(_, _, h, bi), Shape<Int<BM>, Int<D>>{}, make_coord(_, 0));
-                    auto pq = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-                    auto pdo =
-                        tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-                    const int64_t row0 = (int64_t(bi) * p.hq + h) * p.s_pad;
-                    for (int j = 0; j < m_blocks - m_first; ++j, ++it) {
-                        const int m = q_block(j);
-                        const int st = it % ST;
-                        if (it >= ST) Bar::wait(&sm.bar_empty[st], ((it / ST) - 1) & 1);
-                        TBar::arrive_and_expect_tx(&sm.bar_full[st], kBytesStep);
-                        copy(p.tma_q.with(sm.bar_full[st]), get<0>(pq)(_, m), get<1>(pq)(_, st));
-                        copy(p.tma_do.with(sm.bar_full[st]), get<0>(pdo)(_, m), get<1>(pdo)(_, st));
-                        bulk_load(sm.lse2[st], p.lse2 + row0 + m * BM, BM * 4, &sm.bar_full[st]);
-                        bulk_load(sm.dd[st], p.dd + row0 + m * BM, BM * 4, &sm.bar_full[st]);
-                    }
-                }
-            }
-            return;
         }
+        return;
     }
-    if constexpr (!T::kNoProducer) cutlass::arch::warpgroup_reg_alloc<240>();
+    cutlass::arch::warpgroup_reg_alloc<240>();
     const int ctid = tid;              // 0..255
     const int wg = ctid / 128;         // consumer warpgroup: keys wg*64 .. wg*64+63
     const int wtid = ctid % 128;       // thread within it
@@ -440,37 +379,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         auto c = tScS(2 * v1);  // (key, query)
         ds_base[v1] = cast_smem_ptr_to_uint(&sdS(get<1>(c), get<0>(c), 0));
     }
+    TBar::wait(&sm.bar_kv, 0);
     // Steps `it` run over (head g of the group, query block m). Every wgmma of a step is
     // waited for within it: issuing the next step's Sᵀ/dPᵀ across the loop's back edge made
     // ptxas serialise the wgmma pipeline (C7514) and spill at d 128.
     const int per_head = m_blocks - m_first, steps = group * per_head;
-    // Without a producer (kNoProducer): step j's Q, dO, lse2 and D into stage j % ST, issued by
-    // consumer thread 0
-    auto load_step = [&](int j) {
-        const int st = j % ST, h = hk * group + j / per_head, m = q_block(j % per_head);
-        Tensor gQ = local_tile(mQ(_, _, h, bi), Shape<Int<BM>, Int<D>>{}, make_coord(m, 0));
-        Tensor gdO = local_tile(mdO(_, _, h, bi), Shape<Int<BM>, Int<D>>{}, make_coord(m, 0));
-        auto pq = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-        auto pdo = tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-        const int64_t row0 = (int64_t(bi) * p.hq + h) * p.s_pad + int64_t(m) * BM;
-        TBar::arrive_and_expect_tx(&sm.bar_full[st], kBytesStep);
-        copy(p.tma_q.with(sm.bar_full[st]), get<0>(pq), get<1>(pq)(_, st));
-        copy(p.tma_do.with(sm.bar_full[st]), get<0>(pdo), get<1>(pdo)(_, st));
-        bulk_load(sm.lse2[st], p.lse2 + row0, BM * 4, &sm.bar_full[st]);
-        bulk_load(sm.dd[st], p.dd + row0, BM * 4, &sm.bar_full[st]);
-    };
-    if constexpr (T::kNoProducer) {
-        if (ctid == 0) {
-            Tensor gK = local_tile(mK(_, _, hk, bi), Shape<Int<BN>, Int<D>>{}, make_coord(n_block, 0));
-            Tensor gV = local_tile(mV(_, _, hk, bi), Shape<Int<BN>, Int<D>>{}, make_coord(n_block, 0));
-            auto pk = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-            auto pv = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-            TBar::arrive_and_expect_tx(&sm.bar_kv, 2 * kBytesKV);
-            copy(p.tma_k.with(sm.bar_kv), get<0>(pk), get<1>(pk));
-            copy(p.tma_v.with(sm.bar_kv), get<0>(pv), get<1>(pv));
-            for (int j = 0; j < ST - 1 && j < steps; ++j) load_step(j);
-        }
-    }
     // Sᵀ and dPᵀ in two commit groups: Pᵀ is computed while dPᵀ runs
     auto issue_s = [&](int st) {
         warpgroup_fence_operand(tSrS);
@@ -572,36 +485,20 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     // accumulator of query block m of head h: 64-row block r, column part `part` of it
     const int bar_wg = 3 + wg;  // this warpgroup's own named barrier
     // (in two halves: the registers are free after the first)
-    // the reduction that last read this warpgroup's buffer (kDqBufs steps ago) is done with it
-    auto store_dq_wait = [&]() {
-        if constexpr (T::kDqWriter) {
-            bar_sync(7 + wg, 160);  // the writer warp has read this warpgroup's buffer
-        } else {
-            if (wtid == 0) tma_store_wait<T::kDqBufs - 1>();
-            bar_sync(bar_wg, 128);
-        }
-    };
-    // float4s lo .. hi − 1 of this thread's dQ_part into the buffer of step parity `buf`
-    auto store_dq_vals = [&](int buf, auto lo, auto hi) {
-        float *dq_smem = sm.dq[wg][buf % T::kDqBufs];
+    auto store_dq_smem = [&](int buf) {
+        float *dq_smem = sm.dq[wg][buf % T::kDqBufs];  // buf: the step's parity
+        // the reduction that last read this buffer (kDqBufs steps ago) is done reading it
+        if (wtid == 0) tma_store_wait<T::kDqBufs - 1>();
+        bar_sync(bar_wg, 128);
         CUTE_UNROLL
-        for (int v4 = decltype(lo)::value; v4 < decltype(hi)::value; ++v4) {
+        for (int v4 = 0; v4 < T::kDqPerThread / 4; ++v4) {
             float4 x = make_float4(tdQrdQ(4 * v4), tdQrdQ(4 * v4 + 1), tdQrdQ(4 * v4 + 2), tdQrdQ(4 * v4 + 3));
             reinterpret_cast<float4 *>(dq_smem)[(warp * (T::kDqPerThread / 4) + v4) * 32 + lane] = x;
         }
     };
-    constexpr int kDqV4 = T::kDqPerThread / 4;
-    auto store_dq_smem = [&](int buf) {
-        store_dq_wait();
-        store_dq_vals(buf, Int<0>{}, Int<kDqV4>{});
-    };
     auto store_dq_reduce = [&](int h, int m, int buf) {
         float *dq_smem = sm.dq[wg][buf % T::kDqBufs];
         cutlass::arch::fence_view_async_shared();
-        if constexpr (T::kDqWriter) {
-            bar_arrive(5 + wg, 160);  // to the writer warp, which adds it into the accumulator
-            return;
-        }
         bar_sync(bar_wg, 128);
         if (wtid == 0) {
             const int r = T::kDqSplitD ? m : m * 2 + wg, part = T::kDqSplitD ? wg : 0;
@@ -616,7 +513,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     // 128-query steps, 486 against 453 at 32/4×64). Issuing a step's dQ in the next step,
     // beside Sᵀ and dPᵀ, needs more than 240 registers at both head dims (ptxas spills and
     // serialises the wgmma).
-    TBar::wait(&sm.bar_kv, 0);
 #if LONGCTX_NATIVE_PROFILE
     __shared__ unsigned long long phase_sum[2][LONGCTX_BWD_PHASES + 1];
     if (wtid == 0)
@@ -658,26 +554,14 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         store_ds(buf);
         BWD_PHASE(4);
         bar_sync(1, 256);
-        // both warpgroups are past step it − 1: its stage takes step it + ST − 1
-        if constexpr (T::kNoProducer)
-            if (ctid == 0 && it + ST - 1 < steps) load_step(it + ST - 1);
         BWD_PHASE(5);
         issue_dq(buf);
         issue_dk(st);
         warpgroup_wait<1>();  // dV and dQ (dK may run)
         warpgroup_fence_operand(tdQrdQ);
         BWD_PHASE(6);
-        if constexpr (T::kSBeforeStore) {
-            // the first half of dQ_part out of the registers, then the next Sᵀ, then the rest
-            store_dq_wait();
-            store_dq_vals(buf, Int<0>{}, Int<kDqV4 / 2>{});
-            if (it + 1 < steps) TBar::wait(&sm.bar_full[(it + 1) % ST], ((it + 1) / ST) & 1);
-            issue_s(it + 1 < steps ? (it + 1) % ST : st);
-            store_dq_vals(buf, Int<kDqV4 / 2>{}, Int<kDqV4>{});
-        } else {
-            store_dq_smem(buf);
-        }
-        if constexpr (T::kEarlyS && !T::kSBeforeStore) {
+        store_dq_smem(buf);
+        if constexpr (T::kEarlyS) {
             // the next step's Sᵀ, behind dK, once dQ_part is out of the registers; waited for at
             // the end of this step (nothing is in flight across the loop's back edge). The
             // last step issues one too, on its own stage, and drops it: with the product
@@ -690,9 +574,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         warpgroup_wait<T::kEarlyS ? 1 : 0>();  // dK (the next Sᵀ may run)
         warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);
-        // Q, dO, lse2, D of this stage are no longer read (without a producer: the next
-        // step's barrier says so)
-        if constexpr (!T::kNoProducer) Bar::arrive(&sm.bar_empty[st]);
+        Bar::arrive(&sm.bar_empty[st]);  // Q, dO, lse2, D of this stage are no longer read
         if constexpr (T::kEarlyS) {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tSrS);
@@ -705,7 +587,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         for (int i = 0; i <= LONGCTX_BWD_PHASES; ++i) atomicAdd(&longctx_bwd_phase_cycles[wg][i], phase_sum[wg][i]);
     }
 #endif
-    if (!T::kDqWriter && wtid == 0) tma_store_wait<0>();
+    if (wtid == 0) tma_store_wait<0>();
 
     // dK·scale and dV for this CTA's keys
     Tensor tdKcdK = thr_dkv.partition_C(make_identity_tensor(Shape<Int<BN>, Int<D>>{}));
