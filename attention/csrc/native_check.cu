@@ -348,16 +348,21 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn, const Sus
             }
             return median(ms);
         };
-        // which of the timed kernels ran (--sustain repeats only those)
+        // the four calls a speed case times (and --ncu, --sustain repeat)
+        auto native_fwd = [&] { longctx_native_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err); };
+        auto cudnn_fwd = [&] { longctx_sdpa_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err); };
+        auto native_bwd = [&] { longctx_native_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err); };
+        auto cudnn_bwd = [&] { longctx_sdpa_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err); };
+        // which of the timed kernels ran (--ncu and --sustain repeat only those)
         bool cudnn_fwd_ok = false, native_bwd_ok = false, cudnn_bwd_ok = false;
-        float tn = time([&] { longctx_native_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err); });
+        float tn = time(native_fwd);
         printf(" | native %.3f ms %.1f TFLOP/s", tn, flop / tn / 1e9);
         if (cudnn) {
             int rc2 = longctx_sdpa_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err);
             CK(cudaDeviceSynchronize());
             if (rc2 == LONGCTX_SDPA_OK) {
                 cudnn_fwd_ok = true;
-                float tc = time([&] { longctx_sdpa_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err); });
+                float tc = time(cudnn_fwd);
                 printf(" | cudnn %.3f ms %.1f TFLOP/s | native/cudnn %.3f", tc, flop / tc / 1e9, tc / tn);
             } else {
                 printf(" | cudnn rc %d (%s)", rc2, err);
@@ -375,7 +380,7 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn, const Sus
             CK(cudaDeviceSynchronize());
             if (longctx_native_bwd_profile(&phases[0][0])) exit(2);  // clears the warm-up call's sums
 #endif
-            float tb = time([&] { longctx_native_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err); });
+            float tb = time(native_bwd);
             printf(" || bwd native %.3f ms %.1f TFLOP/s", tb, 2.5 * flop / tb / 1e9);
 #if LONGCTX_NATIVE_PROFILE
             // SM cycles per consumer step, by phase (the 13 timed calls), per consumer warpgroup
@@ -395,7 +400,7 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn, const Sus
                 CK(cudaDeviceSynchronize());
                 if (rc3 == LONGCTX_SDPA_OK) {
                     cudnn_bwd_ok = true;
-                    float tc = time([&] { longctx_sdpa_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err); });
+                    float tc = time(cudnn_bwd);
                     printf(" | bwd cudnn %.3f ms %.1f TFLOP/s | native/cudnn %.3f", tc, 2.5 * flop / tc / 1e9, tc / tb);
                 } else {
                     printf(" | bwd cudnn rc %d (%s)", rc3, err);
@@ -407,10 +412,10 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn, const Sus
         if (sus.ncu) {
             CK(cudaDeviceSynchronize());
             CK(cudaProfilerStart());
-            longctx_native_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err);
-            if (cudnn_fwd_ok) longctx_sdpa_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err);
-            if (native_bwd_ok) longctx_native_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err);
-            if (cudnn_bwd_ok) longctx_sdpa_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err);
+            native_fwd();
+            if (cudnn_fwd_ok) cudnn_fwd();
+            if (native_bwd_ok) native_bwd();
+            if (cudnn_bwd_ok) cudnn_bwd();
             CK(cudaDeviceSynchronize());
             CK(cudaProfilerStop());
         }
@@ -438,15 +443,10 @@ static int run_case(const Case &c, bool check, bool bench, bool cudnn, const Sus
                        total_ms / calls, work * calls / total_ms / 1e9);
                 fflush(stdout);
             };
-            sustain("native fwd", flop, [&] { longctx_native_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err); });
-            if (cudnn_fwd_ok)
-                sustain("cudnn fwd", flop, [&] { longctx_sdpa_fwd(&desc, q, k, v, o, lse, nullptr, err, sizeof err); });
-            if (native_bwd_ok)
-                sustain("native bwd", 2.5 * flop,
-                        [&] { longctx_native_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err); });
-            if (cudnn_bwd_ok)
-                sustain("cudnn bwd", 2.5 * flop,
-                        [&] { longctx_sdpa_bwd(&desc, q, k, v, o, d_o, lse, dq, dk, dv, nullptr, err, sizeof err); });
+            sustain("native fwd", flop, native_fwd);
+            if (cudnn_fwd_ok) sustain("cudnn fwd", flop, cudnn_fwd);
+            if (native_bwd_ok) sustain("native bwd", 2.5 * flop, native_bwd);
+            if (cudnn_bwd_ok) sustain("cudnn bwd", 2.5 * flop, cudnn_bwd);
             mark(sus.marks, "idle");
         }
         CK(cudaEventDestroy(e0));
