@@ -122,6 +122,13 @@ struct BwdTraits {
 #define LONGCTX_BWD_DEFER_DK 0
 #endif
     static constexpr bool kDeferDk = kHeadDim == 128 && LONGCTX_BWD_DEFER_DK;
+    // Thread 0 of a warpgroup waits for its last dQ reduction to have read its buffer before
+    // the step barrier instead of before the dQ store (then behind a warpgroup barrier of its
+    // own): the step barrier makes the wait known to every thread, and one barrier a step goes
+#ifndef LONGCTX_BWD_DQ_WAIT_AT_STEP_BARRIER
+#define LONGCTX_BWD_DQ_WAIT_AT_STEP_BARRIER 0
+#endif
+    static constexpr bool kDqWaitAtBarrier = kHeadDim == 128 && LONGCTX_BWD_DQ_WAIT_AT_STEP_BARRIER && !kDeferDk;
     // two consumer warpgroups (threads 0-255) and a producer warpgroup, which hands its
     // registers to the consumers (setmaxnreg: 240 each for dK, dV, Sᵀ, dPᵀ and dQ; without
     // it 384 threads are capped at 168, and nine warps cannot hold more than that either:
@@ -520,17 +527,26 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     auto store_dq_smem = [&](int buf) {
         float *dq_smem = sm.dq[wg][buf % T::kDqBufs];  // buf: the step's parity
         // the reduction that last read this buffer (kDqBufs steps ago) is done reading it
-        if (wtid == 0) tma_store_wait<T::kDqBufs - 1>();
-        bar_sync(bar_wg, 128);
+        // (at d 128 with kDqWaitAtBarrier: waited for by thread 0 before the step barrier,
+        // which every thread of the warpgroup has passed since)
+        if constexpr (!T::kDqWaitAtBarrier) {
+            if (wtid == 0) tma_store_wait<T::kDqBufs - 1>();
+            bar_sync(bar_wg, 128);
+        }
         CUTE_UNROLL
         for (int v4 = 0; v4 < T::kDqPerThread / 4; ++v4) {
             float4 x = make_float4(tdQrdQ(4 * v4), tdQrdQ(4 * v4 + 1), tdQrdQ(4 * v4 + 2), tdQrdQ(4 * v4 + 3));
             reinterpret_cast<float4 *>(dq_smem)[(warp * (T::kDqPerThread / 4) + v4) * 32 + lane] = x;
         }
+#if LONGCTX_BWD_DQ_FENCE_EARLY
+        cutlass::arch::fence_view_async_shared();
+#endif
     };
     auto store_dq_reduce = [&](int h, int m, int buf) {
         float *dq_smem = sm.dq[wg][buf % T::kDqBufs];
+#if !LONGCTX_BWD_DQ_FENCE_EARLY
         cutlass::arch::fence_view_async_shared();
+#endif
         bar_sync(bar_wg, 128);
         if (wtid == 0) {
             const int r = T::kDqSplitD ? m : m * 2 + wg, part = T::kDqSplitD ? wg : 0;
@@ -646,6 +662,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         // previous step (it passed this step's barrier only after that dQ was done)
         store_ds(buf);
         BWD_PHASE(4);
+        if constexpr (T::kDqWaitAtBarrier) {
+            if (wtid == 0) tma_store_wait<T::kDqBufs - 1>();
+        }
         bar_sync(1, 256);
         BWD_PHASE(5);
         issue_dq(buf);
