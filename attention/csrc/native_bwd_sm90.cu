@@ -112,23 +112,13 @@ struct BwdTraits {
 #endif
     static constexpr bool kEarlyS = (LONGCTX_BWD_EARLY_S >> (kHeadDim == 128 ? 0 : 1)) & 1;
     static_assert(!kEarlyS || kStages >= 2, "the next step's Sᵀ reads the next stage");
-    // Defer each step's dK product behind the next step's Sᵀ (d 128): the step is cut after
-    // its dQ product, so a loop turn runs: store dQ_part(i), issue Sᵀ(i+1) then dK(i), wait
-    // for Sᵀ(i+1), issue dPᵀ(i+1), exponentials, dV(i+1), dSᵀ(i+1), barrier, dQ(i+1), wait.
-    // The tensor pipe then has dK(i) and dPᵀ(i+1) queued under the exponentials, and the next
-    // Sᵀ starts as soon as dQ_part leaves the registers instead of behind dK. Nothing is in
-    // flight at the loop's back edge (dK's operand dSᵀ(i) is live across it as a value).
-#ifndef LONGCTX_BWD_DEFER_DK
-#define LONGCTX_BWD_DEFER_DK 0
-#endif
-    static constexpr bool kDeferDk = kHeadDim == 128 && LONGCTX_BWD_DEFER_DK;
     // Thread 0 of a warpgroup waits for its last dQ reduction to have read its buffer before
     // the step barrier instead of before the dQ store (then behind a warpgroup barrier of its
     // own): the step barrier makes the wait known to every thread, and one barrier a step goes
 #ifndef LONGCTX_BWD_DQ_WAIT_AT_STEP_BARRIER
 #define LONGCTX_BWD_DQ_WAIT_AT_STEP_BARRIER 0
 #endif
-    static constexpr bool kDqWaitAtBarrier = kHeadDim == 128 && LONGCTX_BWD_DQ_WAIT_AT_STEP_BARRIER && !kDeferDk;
+    static constexpr bool kDqWaitAtBarrier = kHeadDim == 128 && LONGCTX_BWD_DQ_WAIT_AT_STEP_BARRIER;
     // two consumer warpgroups (threads 0-255) and a producer warpgroup, which hands its
     // registers to the consumers (setmaxnreg: 240 each for dK, dV, Sᵀ, dPᵀ and dQ; without
     // it 384 threads are capped at 168, and nine warps cannot hold more than that either:
@@ -167,8 +157,8 @@ struct BwdTraits {
                              GMMA::Major::K, GMMA::Major::MN>(),
         Layout<Shape<_2, _1, _1>>{}));
     // dSᵀ read back from shared memory as dK's (key, query) A operand, query-major (the same
-    // bytes as dS's (query, key) MN-major tiles), when dK is deferred: dSᵀ then need not stay
-    // in registers until the next step
+    // bytes as dS's (query, key) MN-major tiles; LONGCTX_BWD_DK_SMEM): dSᵀ then need not stay in
+    // registers while dK runs
     using SmemLayoutdSt = decltype(composition(
         SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, _64, Int<2 * kDsTiles>>{}, Step<_2, _1, _3>{})));
     using MmaDKss = decltype(make_tiled_mma(
@@ -482,7 +472,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     };
     auto issue_dv = [&](int st) { issue_dkv(tdVrdV, tPa, tdVrdO, st); };
     auto issue_dk = [&](int st) { issue_dkv(tdKrdK, tdSa, tdKrQ, st); };
-    // dK += dSᵀ·Q with dSᵀ from shared-memory buffer `buf` (kDeferDk; d 128: one dS tile a buffer)
+    // dK += dSᵀ·Q with dSᵀ from shared-memory buffer `buf` (d 128: one dS tile a buffer)
     typename T::MmaDKss mma_dk_ss;
     auto thr_dk_ss = mma_dk_ss.get_thread_slice(ctid);
     Tensor sdSt = make_tensor(make_smem_ptr(sm.ds.begin()), typename T::SmemLayoutdSt{});
@@ -567,67 +557,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         for (int i = 0; i <= LONGCTX_BWD_PHASES; ++i) phase_sum[wg][i] = 0;
     unsigned phase_t0 = clock();
 #endif
-    // Step `it` -> (query head h, query block m, stage st, dS/dQ buffer parity buf)
-    struct Step {
-        int h, m, st, buf;
-    };
-    auto step_of = [&](int it) {
-        return Step{hk * group + it / per_head, q_block(it % per_head), it % ST, it & 1};
-    };
-    if constexpr (T::kDeferDk) {
-        // The first half of step i: Sᵀ(i) is done; dK(i-1) may still run (it is the older of
-        // the groups that wait<1> below waits for)
-        auto first_half = [&](int it) {
-            const Step c = step_of(it);
-            BWD_PHASE(1);
-            issue_dp(c.st);
-            compute_p(c.m, c.st);
-            BWD_PHASE(2);
-            issue_dv(c.st);
-            warpgroup_wait<1>();  // dK(i-1) and dPᵀ(i) (dV may run)
-            warpgroup_fence_operand(tSrdP);
-            warpgroup_fence_operand(tdKrdK);
-            // Q and dO of step i-1 are no longer read (dV(i-1) was waited for in its step)
-            if (it > 0) Bar::arrive(&sm.bar_empty[(it - 1) % ST]);
-            BWD_PHASE(3);
-            compute_ds(c.st);
-            store_ds(c.buf);
-            BWD_PHASE(4);
-            bar_sync(1, 256);
-            BWD_PHASE(5);
-            issue_dq(c.buf);
-            warpgroup_wait<0>();  // dV and dQ
-            warpgroup_fence_operand(tdQrdQ);
-            warpgroup_fence_operand(tdVrdV);
-            BWD_PHASE(6);
-        };
-        TBar::wait(&sm.bar_full[0], 0);
-        issue_s(0);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tSrS);
-        first_half(0);
-        for (int it = 0; it + 1 < steps; ++it) {
-            const Step c = step_of(it);
-            store_dq_smem(c.buf);
-            BWD_PHASE(7);
-            const int nst = (it + 1) % ST;
-            TBar::wait(&sm.bar_full[nst], ((it + 1) / ST) & 1);
-            BWD_PHASE(0);
-            issue_s(nst);
-            issue_dk_smem(c.st, c.buf);
-            store_dq_reduce(c.h, c.m, c.buf);
-            BWD_PHASE(8);
-            warpgroup_wait<1>();  // Sᵀ(i+1) (dK(i) may run)
-            warpgroup_fence_operand(tSrS);
-            first_half(it + 1);
-        }
-        const Step c = step_of(steps - 1);
-        store_dq_smem(c.buf);
-        issue_dk_smem(c.st, c.buf);
-        store_dq_reduce(c.h, c.m, c.buf);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tdKrdK);
-    } else {
     if constexpr (T::kEarlyS) {  // step 0's Sᵀ (steps ≥ 1: every CTA has a query block)
         TBar::wait(&sm.bar_full[0], 0);
         issue_s(0);
@@ -695,7 +624,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             warpgroup_fence_operand(tSrS);
         }
         BWD_PHASE(8);
-    }
     }
 #if LONGCTX_NATIVE_PROFILE
     if (wtid == 0) {
@@ -866,13 +794,9 @@ extern "C" const char *const *longctx_native_bwd_phase_names(int d) {
                                                           "barrier", "dQ", "store dQ", "dK"};
     static const char *const early[LONGCTX_BWD_PHASES] = {"step start", "issue dP", "exp", "dP", "dS+store",
                                                           "barrier", "dQ", "store dQ+issue next S", "dK+next S"};
-    static const char *const deferred[LONGCTX_BWD_PHASES] = {"wait next Q/dO", "step start", "dP+exp", "dV+wait dP/dK",
-                                                             "dS+store", "barrier", "dQ", "store dQ",
-                                                             "issue S, dK, reduce"};
     using namespace longctx_nbwd;
     using T64 = BwdTraits<cutlass::bfloat16_t, 64>;
     using T128 = BwdTraits<cutlass::bfloat16_t, 128>;
-    if (d == 64 ? T64::kDeferDk : T128::kDeferDk) return deferred;
     const bool e = d == 64 ? T64::kEarlyS : T128::kEarlyS;
     return e ? early : plain;
 }
