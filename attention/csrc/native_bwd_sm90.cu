@@ -112,13 +112,6 @@ struct BwdTraits {
 #endif
     static constexpr bool kEarlyS = (LONGCTX_BWD_EARLY_S >> (kHeadDim == 128 ? 0 : 1)) & 1;
     static_assert(!kEarlyS || kStages >= 2, "the next step's Sᵀ reads the next stage");
-    // Thread 0 of a warpgroup waits for its last dQ reduction to have read its buffer before
-    // the step barrier instead of before the dQ store (then behind a warpgroup barrier of its
-    // own): the step barrier makes the wait known to every thread, and one barrier a step goes
-#ifndef LONGCTX_BWD_DQ_WAIT_AT_STEP_BARRIER
-#define LONGCTX_BWD_DQ_WAIT_AT_STEP_BARRIER 0
-#endif
-    static constexpr bool kDqWaitAtBarrier = kHeadDim == 128 && LONGCTX_BWD_DQ_WAIT_AT_STEP_BARRIER;
     // two consumer warpgroups (threads 0-255) and a producer warpgroup, which hands its
     // registers to the consumers (setmaxnreg: 240 each for dK, dV, Sᵀ, dPᵀ and dQ; without
     // it 384 threads are capped at 168, and nine warps cannot hold more than that either:
@@ -154,15 +147,6 @@ struct BwdTraits {
         Layout<Shape<_2, _1, _1>>{}));
     using MmaDKV = decltype(make_tiled_mma(
         GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
-                             GMMA::Major::K, GMMA::Major::MN>(),
-        Layout<Shape<_2, _1, _1>>{}));
-    // dSᵀ read back from shared memory as dK's (key, query) A operand, query-major (the same
-    // bytes as dS's (query, key) MN-major tiles; LONGCTX_BWD_DK_SMEM): dSᵀ then need not stay in
-    // registers while dK runs
-    using SmemLayoutdSt = decltype(composition(
-        SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, _64, Int<2 * kDsTiles>>{}, Step<_2, _1, _3>{})));
-    using MmaDKss = decltype(make_tiled_mma(
-        GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
                              GMMA::Major::K, GMMA::Major::MN>(),
         Layout<Shape<_2, _1, _1>>{}));
     using MmaDQ = decltype(make_tiled_mma(
@@ -472,19 +456,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     };
     auto issue_dv = [&](int st) { issue_dkv(tdVrdV, tPa, tdVrdO, st); };
     auto issue_dk = [&](int st) { issue_dkv(tdKrdK, tdSa, tdKrQ, st); };
-    // dK += dSᵀ·Q with dSᵀ from shared-memory buffer `buf` (d 128: one dS tile a buffer)
-    typename T::MmaDKss mma_dk_ss;
-    auto thr_dk_ss = mma_dk_ss.get_thread_slice(ctid);
-    Tensor sdSt = make_tensor(make_smem_ptr(sm.ds.begin()), typename T::SmemLayoutdSt{});
-    Tensor tdKsdS = thr_dk_ss.partition_fragment_A(sdSt);  // (MMA, 1, BM/16, 2 buffers)
-    Tensor tdKsQ = thr_dk_ss.partition_fragment_B(sQt);    // (MMA, 1, BM/16, ST)
-    auto issue_dk_smem = [&](int st, int buf) {
-        warpgroup_fence_operand(tdKrdK);
-        warpgroup_arrive();
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tdKsdS); ++k) cute::gemm(mma_dk_ss, tdKsdS(_, _, k, buf), tdKsQ(_, _, k, st), tdKrdK);
-        warpgroup_commit_batch();
-    };
     // dSᵀ into shared memory buffer `buf`, two adjacent queries per 4-byte store
     auto store_ds = [&](int buf) {
         CUTE_UNROLL
@@ -517,26 +488,17 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     auto store_dq_smem = [&](int buf) {
         float *dq_smem = sm.dq[wg][buf % T::kDqBufs];  // buf: the step's parity
         // the reduction that last read this buffer (kDqBufs steps ago) is done reading it
-        // (at d 128 with kDqWaitAtBarrier: waited for by thread 0 before the step barrier,
-        // which every thread of the warpgroup has passed since)
-        if constexpr (!T::kDqWaitAtBarrier) {
-            if (wtid == 0) tma_store_wait<T::kDqBufs - 1>();
-            bar_sync(bar_wg, 128);
-        }
+        if (wtid == 0) tma_store_wait<T::kDqBufs - 1>();
+        bar_sync(bar_wg, 128);
         CUTE_UNROLL
         for (int v4 = 0; v4 < T::kDqPerThread / 4; ++v4) {
             float4 x = make_float4(tdQrdQ(4 * v4), tdQrdQ(4 * v4 + 1), tdQrdQ(4 * v4 + 2), tdQrdQ(4 * v4 + 3));
             reinterpret_cast<float4 *>(dq_smem)[(warp * (T::kDqPerThread / 4) + v4) * 32 + lane] = x;
         }
-#if LONGCTX_BWD_DQ_FENCE_EARLY
-        cutlass::arch::fence_view_async_shared();
-#endif
     };
     auto store_dq_reduce = [&](int h, int m, int buf) {
         float *dq_smem = sm.dq[wg][buf % T::kDqBufs];
-#if !LONGCTX_BWD_DQ_FENCE_EARLY
         cutlass::arch::fence_view_async_shared();
-#endif
         bar_sync(bar_wg, 128);
         if (wtid == 0) {
             const int r = T::kDqSplitD ? m : m * 2 + wg, part = T::kDqSplitD ? wg : 0;
@@ -591,15 +553,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         // previous step (it passed this step's barrier only after that dQ was done)
         store_ds(buf);
         BWD_PHASE(4);
-        if constexpr (T::kDqWaitAtBarrier) {
-            if (wtid == 0) tma_store_wait<T::kDqBufs - 1>();
-        }
         bar_sync(1, 256);
         BWD_PHASE(5);
         issue_dq(buf);
-#if LONGCTX_BWD_DK_SMEM
-        if constexpr (D == 128) issue_dk_smem(st, buf); else
-#endif
         issue_dk(st);
         warpgroup_wait<1>();  // dV and dQ (dK may run)
         warpgroup_fence_operand(tdQrdQ);
