@@ -145,34 +145,6 @@ struct BwdTraits {
     using MmaSdP = decltype(make_tiled_mma(
         GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
         Layout<Shape<_2, _1, _1>>{}));
-    // K (for Sᵀ) and V (for dPᵀ) read once into registers as the A operand instead of from
-    // shared memory at every step: the first LONGCTX_BWD_{K,V}_RS_D128 (at d 64: _D64) of
-    // the head dim's 16-wide slices (all of them: 32 registers at d 128); each step's Sᵀ /
-    // dPᵀ then read that much less from shared memory (all of K: 32 KB a step at d 128)
-#ifndef LONGCTX_BWD_K_RS_D128
-#define LONGCTX_BWD_K_RS_D128 0
-#endif
-#ifndef LONGCTX_BWD_V_RS_D128
-#define LONGCTX_BWD_V_RS_D128 0
-#endif
-#ifndef LONGCTX_BWD_K_RS_D64
-#define LONGCTX_BWD_K_RS_D64 0
-#endif
-#ifndef LONGCTX_BWD_V_RS_D64
-#define LONGCTX_BWD_V_RS_D64 0
-#endif
-    // dSᵀ = Pᵀ ∘ (dPᵀ − D) from the 16-bit Pᵀ (the dV operand) rather than the f32 one, so
-    // that Pᵀ's f32 registers are free while dPᵀ and dV run (bit 0: d 128, bit 1: d 64)
-#ifndef LONGCTX_BWD_DS_FROM_P16
-#define LONGCTX_BWD_DS_FROM_P16 0
-#endif
-    static constexpr bool kDsFromP16 = (LONGCTX_BWD_DS_FROM_P16 >> (kHeadDim == 128 ? 0 : 1)) & 1;
-    static constexpr int kKrs = kHeadDim == 128 ? LONGCTX_BWD_K_RS_D128 : LONGCTX_BWD_K_RS_D64;
-    static constexpr int kVrs = kHeadDim == 128 ? LONGCTX_BWD_V_RS_D128 : LONGCTX_BWD_V_RS_D64;
-    static_assert(kKrs >= 0 && kKrs <= kHeadDim / 16 && kVrs >= 0 && kVrs <= kHeadDim / 16);
-    using MmaSdPrs = decltype(make_tiled_mma(
-        GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
-        Layout<Shape<_2, _1, _1>>{}));
     using MmaDKV = decltype(make_tiled_mma(
         GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
                              GMMA::Major::K, GMMA::Major::MN>(),
@@ -358,9 +330,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     typename T::MmaSdP mma_sdp;
     typename T::MmaDKV mma_dkv;
     typename T::MmaDQ mma_dq;
-    typename T::MmaSdPrs mma_sdp_rs;
     auto thr_sdp = mma_sdp.get_thread_slice(ctid);
-    auto thr_sdp_rs = mma_sdp_rs.get_thread_slice(ctid);
     auto thr_dkv = mma_dkv.get_thread_slice(ctid);
     auto thr_dq = mma_dq.get_thread_slice(wtid);
 
@@ -392,7 +362,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     Tensor tP = make_tensor<Element>(tSrS.layout());
     Tensor tdS = make_tensor<Element>(tSrS.layout());
     Tensor tPa = make_tensor(tP.data(), acc_as_a(tSrS.layout()));
-    Tensor P16 = make_tensor(tP.data(), rowcol(tSrS.layout()));
     Tensor tdSa = make_tensor(tdS.data(), acc_as_a(tSrS.layout()));
 
     // Shared-memory addresses of this thread's dSᵀ pairs (two adjacent queries) in tile 0.
@@ -411,50 +380,33 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         ds_base[v1] = cast_smem_ptr_to_uint(&sdS(get<1>(c), get<0>(c), 0));
     }
     TBar::wait(&sm.bar_kv, 0);
-    // the first T::kKrs / T::kVrs head-dim slices of K / V as register A operands, copied once
-    Tensor tSrKr = thr_sdp_rs.partition_fragment_A(sK);  // (MMA, 1, D/16) registers
-    Tensor tSrVr = thr_sdp_rs.partition_fragment_A(sV);
-    {
-        Tensor tSsK = thr_sdp_rs.partition_A(sK), tSsV = thr_sdp_rs.partition_A(sV);
-        CUTE_UNROLL
-        for (int k = 0; k < T::kKrs; ++k) copy(tSsK(_, _, k), tSrKr(_, _, k));
-        CUTE_UNROLL
-        for (int k = 0; k < T::kVrs; ++k) copy(tSsV(_, _, k), tSrVr(_, _, k));
-    }
     // Steps `it` run over (head g of the group, query block m). Every wgmma of a step is
     // waited for within it: issuing the next step's Sᵀ/dPᵀ across the loop's back edge made
     // ptxas serialise the wgmma pipeline (C7514) and spill at d 128.
     const int per_head = m_blocks - m_first, steps = group * per_head;
     // Sᵀ and dPᵀ in two commit groups: Pᵀ is computed while dPᵀ runs
-    // acc = a·b over the head dim: a (K or V) from registers for its first `rs` slices, from
-    // shared memory for the rest
-    auto issue_sdp = [&](auto &acc, auto &a, auto &a_regs, auto &b, int st, auto rs) {
-        constexpr int kRs = decltype(rs)::value;
-        warpgroup_fence_operand(acc);
-        CUTE_UNROLL
-        for (int k = 0; k < kRs; ++k) {
-            Tensor ak = a_regs(_, _, k);
-            warpgroup_fence_operand(ak);
-        }
+    auto issue_s = [&](int st) {
+        warpgroup_fence_operand(tSrS);
         warpgroup_arrive();
         mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-        mma_sdp_rs.accumulate_ = GMMA::ScaleOut::Zero;
         CUTE_UNROLL
-        for (int k = 0; k < size<2>(a); ++k) {
-            if (k < kRs) cute::gemm(mma_sdp_rs, a_regs(_, _, k), b(_, _, k, st), acc);
-            else cute::gemm(mma_sdp, a(_, _, k), b(_, _, k, st), acc);
+        for (int k = 0; k < size<2>(tSrK); ++k) {
+            cute::gemm(mma_sdp, tSrK(_, _, k), tSrQ(_, _, k, st), tSrS);
             mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-            mma_sdp_rs.accumulate_ = GMMA::ScaleOut::One;
         }
         warpgroup_commit_batch();
-        CUTE_UNROLL
-        for (int k = 0; k < kRs; ++k) {
-            Tensor ak = a_regs(_, _, k);
-            warpgroup_fence_operand(ak);
-        }
     };
-    auto issue_s = [&](int st) { issue_sdp(tSrS, tSrK, tSrKr, tSrQ, st, Int<T::kKrs>{}); };
-    auto issue_dp = [&](int st) { issue_sdp(tSrdP, tSrV, tSrVr, tSrdO, st, Int<T::kVrs>{}); };
+    auto issue_dp = [&](int st) {
+        warpgroup_fence_operand(tSrdP);
+        warpgroup_arrive();
+        mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tSrV); ++k) {
+            cute::gemm(mma_sdp, tSrV(_, _, k), tSrdO(_, _, k, st), tSrdP);
+            mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+    };
     // Pᵀ in place of Sᵀ (then as the A operand tP); keys past t and (causal) keys after the
     // query get 0. Two copies of the loop, so that blocks off the diagonal carry no mask tests.
     auto compute_p = [&](int m, int st) {
@@ -488,10 +440,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         for (int c = 0; c < size<1>(S); ++c) {
             const float dd = sm.dd[st][get<1>(cS(0, c))];
             CUTE_UNROLL
-            for (int r = 0; r < size<0>(S); ++r) {
-                const float pr = T::kDsFromP16 ? float(P16(r, c)) : S(r, c);
-                dP(r, c) = pr * (dP(r, c) - dd);
-            }
+            for (int r = 0; r < size<0>(S); ++r) dP(r, c) = S(r, c) * (dP(r, c) - dd);
         }
         CUTE_UNROLL
         for (int j = 0; j < size(tSrdP); ++j) tdS(j) = static_cast<Element>(tSrdP(j));
