@@ -12,22 +12,27 @@
 #        scripts/build_native_check.sh --variant NAME -DMACRO=VALUE...   target-cuda/native_check_NAME:
 #        the kernels built with the backward's tunables changed (LONGCTX_BWD_D128_STAGES,
 #        LONGCTX_BWD_D128_DQ_BUFS; see BwdTraits), gated like the plain build, to time beside it
+#        ... --variant NAME --allow-spills -D...   the same, with spills reported but not fatal (a
+#        few loop-invariant LDL a step may cost little); serialised wgmma still fails the build
 set -euo pipefail
 PROFILE=0
+ALLOW_SPILLS=0
 VARIANT=""
 DEFINES=()
 while [[ $# -gt 0 ]]; do
     case $1 in
         --profile) PROFILE=1;;
+        --allow-spills) ALLOW_SPILLS=1;;
         --variant)
             [[ $# -ge 2 && $2 =~ ^[A-Za-z0-9_]+$ ]] || { echo "--variant: expected a name of letters, digits and _ (got '${2:-}')" >&2; exit 2; }
             VARIANT=$2; shift;;
         -D*=*) DEFINES+=("$1");;
-        *) echo "usage: $0 [--profile] [--variant NAME -DMACRO=VALUE...] (got '$1')" >&2; exit 2;;
+        *) echo "usage: $0 [--profile] [--variant NAME [--allow-spills] -DMACRO=VALUE...] (got '$1')" >&2; exit 2;;
     esac
     shift
 done
 if [[ ${#DEFINES[@]} -gt 0 && -z $VARIANT ]]; then echo "-D...: give the build a name with --variant NAME" >&2; exit 2; fi
+if [[ $ALLOW_SPILLS == 1 && -z $VARIANT ]]; then echo "--allow-spills: only for a --variant build (the plain build stays gated)" >&2; exit 2; fi
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 eval "$("$ROOT/scripts/build_cuda.sh" --setup-only)"   # nvcc, cuDNN frontend and CUTLASS headers
 OUT=$ROOT/target-cuda/native_check.d
@@ -68,6 +73,10 @@ for f in "$OUT"/native_fwd_sm90.ptxas "$OUT"/native_bwd_sm90.ptxas; do
     [[ $PROFILE == 1 ]] && break
     bad=$(grep -E "\(C75(0[4-9]|1[0-8])\)" "$f" | cut -c1-160 | sort -u || true)
     spills=$(grep -E "[1-9][0-9]* bytes spill stores" "$f" | sort -u || true)
+    if [[ $ALLOW_SPILLS == 1 && -n $spills ]]; then
+        printf '[native_check] spills allowed in %s:\n%s\n' "$(basename "$f" .ptxas).cu" "$spills" >&2
+        spills=""
+    fi
     if [[ -n $bad || -n $spills ]]; then
         printf '%s\n%s\n' "$bad" "$spills" >&2
         echo "[native_check] ptxas serialised or spilled in $(basename "$f" .ptxas).cu (full report: $f)" >&2; exit 1
