@@ -626,12 +626,18 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         // dSᵀ in buffer `buf`: the other one may still feed the other warpgroup's dQ of the
         // previous step (it passed this step's barrier only after that dQ was done)
         store_ds(buf);
+        if constexpr (T::kDqSwap) {
+            // dV done (it ran under dSᵀ), so that Pᵀ's registers are free for dQᵀ's accumulator:
+            // with dV in flight across the dQ product ptxas serialised the wgmma
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tdVrdV);
+        }
         BWD_PHASE(4);
         bar_sync(1, 256);
         BWD_PHASE(5);
         issue_dq(buf);
         issue_dk(st);
-        warpgroup_wait<1>();  // dV and dQ (dK may run)
+        warpgroup_wait<1>();  // dV (if not yet) and dQ (dK may run)
         warpgroup_fence_operand(tdQrdQ);
         BWD_PHASE(6);
         store_dq_smem(buf);
