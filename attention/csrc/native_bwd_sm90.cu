@@ -32,9 +32,6 @@
 // Covered: d ∈ {64, 128}; bf16 and f16; GQA; no mask, or top-left causal with s == t.
 // Anything else answers LONGCTX_SDPA_UNSUPPORTED (the caller falls back to cuDNN).
 
-// wgmma's N of 80 (the query block of LONGCTX_BWD_D128_BM=80) is one of CuTe's "extended"
-// shapes; without this its selectors split such a product into five N = 16 instructions
-#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED 1
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -43,7 +40,6 @@
 
 #include <cmath>
 #include <cstdio>
-#include <type_traits>
 
 #include "native_common.cuh"
 #include "native_fmha.h"
@@ -85,21 +81,7 @@ struct BwdTraits {
     // query rows per step: 64 at d 128 (Sᵀ, dPᵀ, dK and dV fill the registers), 128 at d 64,
     // where Sᵀ and dPᵀ are then 64x128 per warpgroup: an N of 128 halves the shared-memory
     // reads per FLOP of those two products and halves the steps
-#ifndef LONGCTX_BWD_D128_BM
-#define LONGCTX_BWD_D128_BM 64
-#endif
-    static constexpr int kBlockM = kHeadDim == 64 ? 128 : LONGCTX_BWD_D128_BM;
-    static_assert(kBlockM == 64 || kBlockM == 80 || kBlockM == 128);
-    // A query block that is not a multiple of 64 rows (80 at d 128, LONGCTX_BWD_D128_BM=80)
-    // computes dQ transposed, dQᵀ = Kᵀ·dSᵀ with the head dim as M (dS then lies query by
-    // query with the keys contiguous, written from the Sᵀ accumulator by stmatrix.trans), and
-    // dSᵀ from the 16-bit Pᵀ, so that the f32 Sᵀ is dead before dPᵀ's 40 registers are read
-    // (Sᵀ, dPᵀ are 64 x 80 a warpgroup: 16 registers more than at 64 rows).
-    static constexpr bool kDqSwap = kBlockM % 64 != 0;
-#ifndef LONGCTX_BWD_P16
-#define LONGCTX_BWD_P16 1
-#endif
-    static constexpr bool kDsFromP16 = kDqSwap && LONGCTX_BWD_P16;
+    static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
     static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer warpgroup
     // Tunables of the d 128 kernel, for timing variants (scripts/build_native_check.sh
     // --variant; on the H200 neither a third stage nor a second dQ buffer gained: the step is
@@ -139,13 +121,9 @@ struct BwdTraits {
     // dQ_part = dS·K: each consumer warpgroup computes one 64-row x 64-column tile of it over
     // all 128 keys (so it needs both warpgroups' dSᵀ). At d 128 (one 64-row query block) the
     // warpgroups split the head dim (kDqSplitD); at d 64 each takes 64 of the 128 query rows.
-    // Transposed (kDqSwap), each warpgroup computes its head-dim half of dQᵀ for all BM rows.
-    static constexpr bool kDqSplitD = kBlockM != 128;
+    static constexpr bool kDqSplitD = kBlockM == 64;
     static constexpr int kDqCols = kDqSplitD ? kHeadDim / 2 : kHeadDim;
-    static_assert(kDqCols == 64 && (kDqSwap || kBlockM / (kDqSplitD ? 1 : 2) == 64));
-    // rows (queries) of a dQ_part tile and of the accumulator's blocks; f32 values of a tile
-    static constexpr int kDqRows = kDqSwap ? kBlockM : 64;
-    static constexpr int kDqTile = kDqRows * kDqCols;
+    static_assert(kDqCols == 64 && kBlockM / (kDqSplitD ? 1 : 2) == 64);
     // K and V in 128-byte swizzle atoms (64 head-dim columns wide), so that dQ's B operand
     // (Kᵀ, or one head-dim half of it at d 128) is a plain sub-tile of K's shared memory
     using AtomKV = GMMA::Layout_K_SW128_Atom<Element>;
@@ -160,13 +138,9 @@ struct BwdTraits {
         SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
     // dS as dQ's (query, key) A operand, query-major, in tiles of 64 queries x 128 keys: index
     // buffer · (kBlockM / 64) + query tile; two buffers. Written from the Sᵀ accumulator.
-    // Transposed: dS as dQᵀ's (query, key) B operand, key-major, (BM, BN, buffer).
-    static constexpr int kDsTiles = kDqSwap ? 1 : kBlockM / 64;
-    using SmemLayoutdS = std::conditional_t<
-        kDqSwap,
-        decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>, _2>{})),
-        decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                               Shape<_64, Int<kBlockN>, Int<2 * kDsTiles>>{}))>;
+    static constexpr int kDsTiles = kBlockM / 64;
+    using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                                Shape<_64, Int<kBlockN>, Int<2 * kDsTiles>>{}));
 
     using MmaSdP = decltype(make_tiled_mma(
         GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
@@ -175,19 +149,11 @@ struct BwdTraits {
         GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
                              GMMA::Major::K, GMMA::Major::MN>(),
         Layout<Shape<_2, _1, _1>>{}));
-    // dQ_part = dS·K (M = queries), or transposed dQᵀ = Kᵀ·dSᵀ (M = head dim, kDqSwap)
-    using MmaDQ = std::conditional_t<
-        kDqSwap,
-        decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float,
-                                                     Shape<Int<kDqCols>, Int<kBlockM>, Int<kBlockN>>,
-                                                     GMMA::Major::MN, GMMA::Major::K>(),
-                                Layout<Shape<_1, _1, _1>>{})),
-        decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kDqCols>, Int<kBlockN>>,
-                                                     GMMA::Major::MN, GMMA::Major::MN>(),
-                                Layout<Shape<_1, _1, _1>>{}))>;
-    // (M, N) of the dQ product a warpgroup runs
-    using DqShape = std::conditional_t<kDqSwap, Shape<Int<kDqCols>, Int<kBlockM>>, Shape<_64, Int<kDqCols>>>;
-    static constexpr int kDqPerThread = kDqTile / 128;  // f32 values of dQ_part per thread
+    using MmaDQ = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kDqCols>, Int<kBlockN>>, GMMA::Major::MN,
+                             GMMA::Major::MN>(),
+        Layout<Shape<_1, _1, _1>>{}));
+    static constexpr int kDqPerThread = 64 * kDqCols / 128;  // f32 values of dQ_part per thread
     static_assert(kDqPerThread % 4 == 0);
 
     struct Smem {
@@ -196,7 +162,7 @@ struct BwdTraits {
         alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> q;
         alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutQ>> d_o;
         alignas(1024) cute::ArrayEngine<Element, cosize_v<SmemLayoutdS>> ds;
-        alignas(128) float dq[2][kDqBufs][kDqTile];  // dQ_part buffers per consumer warpgroup
+        alignas(128) float dq[2][kDqBufs][64 * kDqCols];  // dQ_part buffers per consumer warpgroup
         alignas(16) float lse2[kStages][kBlockM];
         alignas(16) float dd[kStages][kBlockM];
         alignas(8) uint64_t bar_kv;
@@ -213,7 +179,7 @@ struct BwdParams {
     TmaK tma_k;
     TmaV tma_v;
     const float *lse2, *dd;  // workspace [b, hq, s_pad]
-    float *dq_acc;           // workspace [b, hq, s_pad / R, R·d], R = kDqRows
+    float *dq_acc;           // workspace [b, hq, s_pad / 64, 64·d]
     Element *dk, *dv;
     int b, s, t, hq, hkv, s_pad;
     float scale, scale_log2;
@@ -377,21 +343,14 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     // dQ's B operand: this warpgroup's head-dim half of K at d 128, all of it at d 64
     Tensor sKt = make_tensor(make_smem_ptr(sm.k.begin() + (T::kDqSplitD ? wg * BN * DQC : 0)),
                              typename T::SmemLayoutKt{});
-    // (MMA, 1, BN/16, 2·kDsTiles) and (MMA, 1, BN/16); A and B swap places when transposed
-    auto tdQrdS = [&] {
-        if constexpr (T::kDqSwap) return thr_dq.partition_fragment_B(sdS);
-        else return thr_dq.partition_fragment_A(sdS);
-    }();
-    auto tdQrKt = [&] {
-        if constexpr (T::kDqSwap) return thr_dq.partition_fragment_A(sKt);
-        else return thr_dq.partition_fragment_B(sKt);
-    }();
+    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);  // (MMA, 1, BN/16, 2·kDsTiles)
+    Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);  // (MMA, 1, BN/16)
 
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
     Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
     Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<D>>{});
     Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<D>>{});
-    Tensor tdQrdQ = partition_fragment_C(mma_dq, typename T::DqShape{});
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<_64, Int<DQC>>{});
     static_assert(decltype(size(tdQrdQ))::value == T::kDqPerThread);
     clear(tdVrdV);
     clear(tdKrdK);
@@ -403,7 +362,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     Tensor tP = make_tensor<Element>(tSrS.layout());
     Tensor tdS = make_tensor<Element>(tSrS.layout());
     Tensor tPa = make_tensor(tP.data(), acc_as_a(tSrS.layout()));
-    Tensor P16 = make_tensor(tP.data(), rowcol(tSrS.layout()));  // Pᵀ, 16-bit, (key, query)
     Tensor tdSa = make_tensor(tdS.data(), acc_as_a(tSrS.layout()));
 
     // Shared-memory addresses of this thread's dSᵀ pairs (two adjacent queries) in tile 0.
@@ -416,26 +374,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     static_assert(decltype(size(tdS))::value == 4 * (BM / 8), "one 64-key x BM-query accumulator tile per thread");
     constexpr uint32_t kDsTileBytes = 64 * BN * sizeof(Element);
     uint32_t ds_base[2];
-    if constexpr (!T::kDqSwap) {
-        CUTE_UNROLL
-        for (int v1 = 0; v1 < 2; ++v1) {
-            auto c = tScS(2 * v1);  // (key, query)
-            ds_base[v1] = cast_smem_ptr_to_uint(&sdS(get<1>(c), get<0>(c), 0));
-        }
-    } else {
-        // Transposed, key-major dS: stmatrix.x4.trans stores four 8 x 8 blocks of dSᵀ (keys x
-        // queries) as 8 query rows of 8 contiguous keys each. Pair j = v1 + 2·c8 of this
-        // thread's fragment is its part of block (keys 16·warp + 8·v1 .. +7 of the warpgroup,
-        // queries 8·c8 .. +7); instruction n stores pairs 4n .. 4n+3, and lane L gives the
-        // address of row L % 8 of block L / 8: v1 = L / 8 % 2, c8 = 2n + L / 16. The
-        // layout's swizzle atoms (8 rows of 64 keys, 1 KB) follow each other down the queries,
-        // so query q + 16 lies 2 KB past query q with the same swizzle (kDsStep: a constant,
-        // so that the five addresses are one register and immediate offsets).
-        const int q = 8 * (lane / 16) + lane % 8, key = 64 * wg + 16 * warp + 8 * (lane / 8 % 2);
-        ds_base[0] = cast_smem_ptr_to_uint(&sdS(q, key, 0));
-        ds_base[1] = 0;
+    CUTE_UNROLL
+    for (int v1 = 0; v1 < 2; ++v1) {
+        auto c = tScS(2 * v1);  // (key, query)
+        ds_base[v1] = cast_smem_ptr_to_uint(&sdS(get<1>(c), get<0>(c), 0));
     }
-    constexpr uint32_t kDsStep = 16 * 64 * sizeof(Element);
     TBar::wait(&sm.bar_kv, 0);
     // Steps `it` run over (head g of the group, query block m). Every wgmma of a step is
     // waited for within it: issuing the next step's Sᵀ/dPᵀ across the loop's back edge made
@@ -497,10 +440,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         for (int c = 0; c < size<1>(S); ++c) {
             const float dd = sm.dd[st][get<1>(cS(0, c))];
             CUTE_UNROLL
-            for (int r = 0; r < size<0>(S); ++r) {
-                const float pr = T::kDsFromP16 ? float(P16(r, c)) : S(r, c);
-                dP(r, c) = pr * (dP(r, c) - dd);
-            }
+            for (int r = 0; r < size<0>(S); ++r) dP(r, c) = S(r, c) * (dP(r, c) - dd);
         }
         CUTE_UNROLL
         for (int j = 0; j < size(tSrdP); ++j) tdS(j) = static_cast<Element>(tSrdP(j));
@@ -518,24 +458,12 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     auto issue_dk = [&](int st) { issue_dkv(tdKrdK, tdSa, tdKrQ, st); };
     // dSᵀ into shared memory buffer `buf`, two adjacent queries per 4-byte store
     auto store_ds = [&](int buf) {
-        auto pair = [&](int j) { return uint32_t(tdS(2 * j).raw()) | (uint32_t(tdS(2 * j + 1).raw()) << 16); };
-        if constexpr (T::kDqSwap) {
-            constexpr uint32_t kBufBytes = BM * BN * sizeof(Element);
-            static_assert(decltype(size(tdS))::value % 8 == 0);
-            CUTE_UNROLL
-            for (int n = 0; n < size(tdS) / 8; ++n) {
-                const uint32_t addr = ds_base[0] + buf * kBufBytes + n * kDsStep;
-                asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
-                             "r"(pair(4 * n)), "r"(pair(4 * n + 1)), "r"(pair(4 * n + 2)), "r"(pair(4 * n + 3))
-                             : "memory");
-            }
-        } else {
-            CUTE_UNROLL
-            for (int j = 0; j < size(tdS); j += 2) {
-                const int c8 = j / 4, tile = buf * T::kDsTiles + c8 / 8;
-                const uint32_t addr = (ds_base[(j / 2) % 2] + tile * kDsTileBytes) ^ uint32_t((c8 % 8) * 16);
-                asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(pair(j / 2)) : "memory");
-            }
+        CUTE_UNROLL
+        for (int j = 0; j < size(tdS); j += 2) {
+            const uint32_t pair = uint32_t(tdS(j).raw()) | (uint32_t(tdS(j + 1).raw()) << 16);
+            const int c8 = j / 4, tile = buf * T::kDsTiles + c8 / 8;
+            const uint32_t addr = (ds_base[(j / 2) % 2] + tile * kDsTileBytes) ^ uint32_t((c8 % 8) * 16);
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(pair) : "memory");
         }
         cutlass::arch::fence_view_async_shared();
     };
@@ -548,8 +476,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
         CUTE_UNROLL
         for (int k = 0; k < size<2>(tdQrdS); ++k) {
-            if constexpr (T::kDqSwap) cute::gemm(mma_dq, tdQrKt(_, _, k), tdQrdS(_, _, k, tile), tdQrdQ);
-            else cute::gemm(mma_dq, tdQrdS(_, _, k, tile), tdQrKt(_, _, k), tdQrdQ);
+            cute::gemm(mma_dq, tdQrdS(_, _, k, tile), tdQrKt(_, _, k), tdQrdQ);
             mma_dq.accumulate_ = GMMA::ScaleOut::One;
         }
         warpgroup_commit_batch();
@@ -574,10 +501,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         cutlass::arch::fence_view_async_shared();
         bar_sync(bar_wg, 128);
         if (wtid == 0) {
-            constexpr int R = T::kDqRows;
             const int r = T::kDqSplitD ? m : m * 2 + wg, part = T::kDqSplitD ? wg : 0;
-            float *dst = p.dq_acc + ((int64_t(bi) * p.hq + h) * (p.s_pad / R) + r) * (R * D) + part * (R * DQC);
-            bulk_reduce_add(dst, dq_smem, T::kDqTile * 4);
+            float *dst = p.dq_acc + ((int64_t(bi) * p.hq + h) * (p.s_pad / 64) + r) * (64 * D) + part * (64 * DQC);
+            bulk_reduce_add(dst, dq_smem, 64 * DQC * 4);
             tma_store_arrive();
         }
     };
@@ -626,18 +552,12 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         // dSᵀ in buffer `buf`: the other one may still feed the other warpgroup's dQ of the
         // previous step (it passed this step's barrier only after that dQ was done)
         store_ds(buf);
-        if constexpr (T::kDqSwap) {
-            // dV done (it ran under dSᵀ), so that Pᵀ's registers are free for dQᵀ's accumulator:
-            // with dV in flight across the dQ product ptxas serialised the wgmma
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(tdVrdV);
-        }
         BWD_PHASE(4);
         bar_sync(1, 256);
         BWD_PHASE(5);
         issue_dq(buf);
         issue_dk(st);
-        warpgroup_wait<1>();  // dV (if not yet) and dQ (dK may run)
+        warpgroup_wait<1>();  // dV and dQ (dK may run)
         warpgroup_fence_operand(tdQrdQ);
         BWD_PHASE(6);
         store_dq_smem(buf);
@@ -695,41 +615,31 @@ __global__ void __launch_bounds__(T::kHeadDim / T::kDqCols * 128) post_kernel(co
                                                                                float scale) {
     using Element = typename T::Element;
     constexpr int D = T::kHeadDim, DQC = T::kDqCols, NV = T::kDqPerThread, kThreads = D / DQC * 128;
-    constexpr int R = T::kDqRows;  // rows a block
     // floats per staged row: 8 of padding put the 4 rows of a half-warp's float2 stores in
     // different banks
     constexpr int kStride = D + 8;
-    __shared__ __align__(16) float tile[R * kStride];
+    __shared__ __align__(16) float tile[64 * kStride];
     const int r = blockIdx.x, h = blockIdx.y, bi = blockIdx.z, r_blocks = gridDim.x;
     const int part = threadIdx.x / 128, wtid = threadIdx.x % 128, warp = wtid / 32, lane = wtid % 32;
     typename T::MmaDQ mma_dq;
     auto thr_dq = mma_dq.get_thread_slice(wtid);
-    Tensor tc = thr_dq.partition_C(make_identity_tensor(typename T::DqShape{}));
+    Tensor tc = thr_dq.partition_C(make_identity_tensor(Shape<_64, Int<DQC>>{}));
     static_assert(decltype(size(tc))::value == NV && NV % 4 == 0);
     const float4 *src = reinterpret_cast<const float4 *>(
-        dq_acc + ((int64_t(bi) * hq + h) * r_blocks + r) * (R * D) + part * (R * DQC));
+        dq_acc + ((int64_t(bi) * hq + h) * r_blocks + r) * (64 * D) + part * (64 * DQC));
     CUTE_UNROLL
     for (int v4 = 0; v4 < NV / 4; ++v4) {
         const float4 x = src[(warp * (NV / 4) + v4) * 32 + lane];
-        if constexpr (T::kDqSwap) {  // (head dim, query) coordinates
-            const float xs[4] = {x.x, x.y, x.z, x.w};
-            CUTE_UNROLL
-            for (int e = 0; e < 4; ++e) {
-                auto c = tc(4 * v4 + e);
-                tile[get<1>(c) * kStride + part * DQC + get<0>(c)] = xs[e];
-            }
-        } else {
-            // a float4 holds columns c, c + 1 of rows y and y + 8 (the accumulator's 2 x 2 atom)
-            auto c0 = tc(4 * v4), c2 = tc(4 * v4 + 2);
-            *reinterpret_cast<float2 *>(&tile[get<0>(c0) * kStride + part * DQC + get<1>(c0)]) = make_float2(x.x, x.y);
-            *reinterpret_cast<float2 *>(&tile[get<0>(c2) * kStride + part * DQC + get<1>(c2)]) = make_float2(x.z, x.w);
-        }
+        // a float4 holds columns c, c + 1 of rows y and y + 8 (the accumulator's 2 x 2 atom)
+        auto c0 = tc(4 * v4), c2 = tc(4 * v4 + 2);
+        *reinterpret_cast<float2 *>(&tile[get<0>(c0) * kStride + part * DQC + get<1>(c0)]) = make_float2(x.x, x.y);
+        *reinterpret_cast<float2 *>(&tile[get<0>(c2) * kStride + part * DQC + get<1>(c2)]) = make_float2(x.z, x.w);
     }
     __syncthreads();
     constexpr int kChunks = D / 8;  // 8 elements (16 bytes) a chunk, kChunks a row
     CUTE_UNROLL
-    for (int i = threadIdx.x; i < R * kChunks; i += kThreads) {
-        const int row = i / kChunks, ch = i % kChunks, grow = r * R + row;
+    for (int i = threadIdx.x; i < 64 * kChunks; i += kThreads) {
+        const int row = i / kChunks, ch = i % kChunks, grow = r * 64 + row;
         if (grow >= s) continue;
         const float4 a = *reinterpret_cast<const float4 *>(&tile[row * kStride + ch * 8]);
         const float4 b = *reinterpret_cast<const float4 *>(&tile[row * kStride + ch * 8 + 4]);
@@ -796,7 +706,7 @@ int launch_bwd(const longctx_sdpa_desc &d, const void *q, const void *k, const v
     const dim3 grid = kCausal ? dim3(unsigned(n_blocks * hkv * b)) : dim3(n_blocks, hkv, b);
     kernel<<<grid, T::kThreads, smem, stream>>>(params);
     if ((e = cudaGetLastError()) != cudaSuccess) return fail("main launch");
-    post_kernel<T><<<dim3(s_pad / T::kDqRows, hq, b), D / T::kDqCols * 128, 0, stream>>>(
+    post_kernel<T><<<dim3(s_pad / 64, hq, b), D / T::kDqCols * 128, 0, stream>>>(
         dq_acc, reinterpret_cast<Element *>(dq), s, hq, d.scale);
     if ((e = cudaGetLastError()) != cudaSuccess) return fail("post launch");
     if ((e = cudaFreeAsync(ws, stream)) != cudaSuccess) {
