@@ -42,6 +42,7 @@ METRICS+=,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active
 METRICS+=,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active
 METRICS+=,sm__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.per_cycle_active
 METRICS+=,lts__t_sectors_op_red.sum,dram__bytes.sum.per_second,lts__t_bytes.sum.per_second
+METRICS+=,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors.avg.pct_of_peak_sustained_elapsed
 "$NCU" -i "$rep.ncu-rep" --page raw --csv --metrics "$METRICS" > "$OUT/metrics.csv" 2>&1
 for k in bwd_kernel fwd_kernel; do
     "$NCU" -i "$rep.ncu-rep" --page source --csv --print-source sass -k "regex:$k" > "$OUT/sass_$k.csv" 2>&1 ||

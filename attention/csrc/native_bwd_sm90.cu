@@ -311,9 +311,17 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
                     const int m = q_block(j);
                     const int st = it % ST;
                     if (it >= ST) Bar::wait(&sm.bar_empty[st], ((it / ST) - 1) & 1);
-                    TBar::arrive_and_expect_tx(&sm.bar_full[st], kBytesStep);
-                    copy(p.tma_q.with(sm.bar_full[st]), get<0>(pq)(_, m), get<1>(pq)(_, st));
-                    copy(p.tma_do.with(sm.bar_full[st]), get<0>(pdo)(_, m), get<1>(pdo)(_, st));
+#ifndef LONGCTX_BWD_QDO_SKIP_ODD
+#define LONGCTX_BWD_QDO_SKIP_ODD 0
+#endif
+                    // timing experiment (wrong results unless 0): Q and dO loaded on even steps only
+                    if (LONGCTX_BWD_QDO_SKIP_ODD && (it & 1)) {
+                        TBar::arrive_and_expect_tx(&sm.bar_full[st], 2 * BM * sizeof(float));
+                    } else {
+                        TBar::arrive_and_expect_tx(&sm.bar_full[st], kBytesStep);
+                        copy(p.tma_q.with(sm.bar_full[st]), get<0>(pq)(_, m), get<1>(pq)(_, st));
+                        copy(p.tma_do.with(sm.bar_full[st]), get<0>(pdo)(_, m), get<1>(pdo)(_, st));
+                    }
                     bulk_load(sm.lse2[st], p.lse2 + row0 + m * BM, BM * 4, &sm.bar_full[st]);
                     bulk_load(sm.dd[st], p.dd + row0 + m * BM, BM * 4, &sm.bar_full[st]);
                 }
@@ -503,7 +511,12 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         if (wtid == 0) {
             const int r = T::kDqSplitD ? m : m * 2 + wg, part = T::kDqSplitD ? wg : 0;
             float *dst = p.dq_acc + ((int64_t(bi) * p.hq + h) * (p.s_pad / 64) + r) * (64 * D) + part * (64 * DQC);
-            bulk_reduce_add(dst, dq_smem, 64 * DQC * 4);
+#ifndef LONGCTX_BWD_DQ_RED_SHIFT
+#define LONGCTX_BWD_DQ_RED_SHIFT 0
+#endif
+            // timing experiment (wrong dq unless 0): reduce 1/2^N of dQ_part's bytes, none at N = 31
+            if constexpr (LONGCTX_BWD_DQ_RED_SHIFT < 31)
+                bulk_reduce_add(dst, dq_smem, (64 * DQC * 4) >> LONGCTX_BWD_DQ_RED_SHIFT);
             tma_store_arrive();
         }
     };
