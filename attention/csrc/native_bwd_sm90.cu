@@ -111,13 +111,6 @@ struct BwdTraits {
 #define LONGCTX_BWD_EARLY_S 1
 #endif
     static constexpr bool kEarlyS = (LONGCTX_BWD_EARLY_S >> (kHeadDim == 128 ? 0 : 1)) & 1;
-    // CTAs per cluster (1 or 2; bit 0: d 128, bit 1: d 64). With 2, the CTAs of two adjacent key
-    // blocks of one head walk the same query blocks and each loads half of every Q and dO tile,
-    // multicast into both: the L2 reads of Q and dO are halved.
-#ifndef LONGCTX_BWD_CLUSTER
-#define LONGCTX_BWD_CLUSTER 0
-#endif
-    static constexpr int kCluster = ((LONGCTX_BWD_CLUSTER >> (kHeadDim == 128 ? 0 : 1)) & 1) ? 2 : 1;
     static_assert(!kEarlyS || kStages >= 2, "the next step's Sᵀ reads the next stage");
     // two consumer warpgroups (threads 0-255) and a producer warpgroup, which hands its
     // registers to the consumers (setmaxnreg: 240 each for dK, dV, Sᵀ, dPᵀ and dQ; without
@@ -236,7 +229,6 @@ template <class T, bool kCausal, class Params>
 __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT Params const p) {
     using Element = typename T::Element;
     constexpr int D = T::kHeadDim, BM = T::kBlockM, BN = T::kBlockN, ST = T::kStages, DQC = T::kDqCols;
-    constexpr int CL = T::kCluster;
     using TBar = cutlass::arch::ClusterTransactionBarrier;
     using Bar = cutlass::arch::ClusterBarrier;
 
@@ -244,15 +236,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     auto &sm = *reinterpret_cast<typename T::Smem *>(smem_raw);
     const int tid = threadIdx.x;
     // Causal: the first key blocks have the most query blocks; a one-dimensional grid in bands
-    // of KV heads, the longest CTAs first (band_width in native_common.cuh). With clusters of
-    // CL CTAs, the unit of the grid's order is the cluster (CL adjacent key blocks, `rank` this
-    // CTA's place in it); a key block past t (CL not dividing the blocks) has no keys.
-    const int rank = CL == 1 ? 0 : int(cute::block_rank_in_cluster());
-    const int n_units = ((p.t + BN - 1) / BN + CL - 1) / CL;
+    // of KV heads, the longest CTAs first (band_width in native_common.cuh)
     int n_block, hk, bi;
     if constexpr (kCausal) {
-        const BandedCta c = banded_cta(int(blockIdx.x) / CL, n_units, p.band);
-        n_block = c.block * CL + rank;
+        const BandedCta c = banded_cta(int(blockIdx.x), (p.t + BN - 1) / BN, p.band);
+        n_block = c.block;
         hk = c.slice % p.hkv;
         bi = c.slice / p.hkv;
     } else {
@@ -262,16 +250,13 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     }
     const int group = p.hq / p.hkv;
     const int m_blocks = p.s_pad / BM;  // s_pad = s rounded up to BM
-    // the CTAs of a cluster walk the same query blocks, from the first one its first key block
-    // sees (a later key block's first steps are then fully masked: P = 0)
-    const int n_lead = n_block - rank;
-    const int m_first = kCausal ? (n_lead * BN) / BM : 0;
+    const int m_first = kCausal ? (n_block * BN) / BM : 0;
     // Without a mask every CTA walks all query blocks. Started together at block 0, the CTAs
     // of one head would add their dQ_part into the same accumulator rows at the same time
     // (the bulk reductions of up to 64 CTAs meeting on one 16 KB tile in L2), so each starts
     // at its own rotation: query block (m_rot + j) % m_blocks at step j of a head, m_rot spread
     // over the key blocks. (Causal CTAs already start at different blocks: m_first.)
-    const int m_rot = kCausal ? 0 : int(int64_t(n_lead) * m_blocks / (n_units * CL));
+    const int m_rot = kCausal ? 0 : int(int64_t(n_block) * m_blocks / ((p.t + BN - 1) / BN));
     auto q_block = [&](int j) {  // the query block of step j of a head
         if constexpr (kCausal) return m_first + j;
         else return m_rot + j < m_blocks ? m_rot + j : m_rot + j - m_blocks;  // j < m_blocks
@@ -297,14 +282,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         TBar::init(&sm.bar_kv, 1);
         for (int st = 0; st < ST; ++st) {
             TBar::init(&sm.bar_full[st], 1);
-            // released by every consumer thread, or with clusters by one lane per consumer
-            // warp of each CTA of the cluster (the stage is written into all of them)
-            Bar::init(&sm.bar_empty[st], CL == 1 ? T::kConsumers : CL * (T::kConsumers / 32));
+            Bar::init(&sm.bar_empty[st], T::kConsumers);
         }
         cutlass::arch::fence_barrier_init();
     }
-    if constexpr (CL == 1) __syncthreads();
-    else cute::cluster_sync();  // the peers' barriers are initialised before any remote arrive
+    __syncthreads();
 
     if (tid >= T::kConsumers) {
         cutlass::arch::warpgroup_reg_dealloc<24>();
@@ -321,40 +303,20 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
                 const int h = hk * group + g;
                 Tensor gQ = local_tile(mQ(_, _, h, bi), Shape<Int<BM>, Int<D>>{}, make_coord(_, 0));
                 Tensor gdO = local_tile(mdO(_, _, h, bi), Shape<Int<BM>, Int<D>>{}, make_coord(_, 0));
-                // with clusters, this CTA's share of each tile, multicast to all of the cluster
-                auto pq = tma_partition(p.tma_q, rank, Layout<Int<CL>>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+                auto pq = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
                 auto pdo =
-                    tma_partition(p.tma_do, rank, Layout<Int<CL>>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+                    tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
                 const int64_t row0 = (int64_t(bi) * p.hq + h) * p.s_pad;
                 for (int j = 0; j < m_blocks - m_first; ++j, ++it) {
                     const int m = q_block(j);
                     const int st = it % ST;
                     if (it >= ST) Bar::wait(&sm.bar_empty[st], ((it / ST) - 1) & 1);
-#ifndef LONGCTX_BWD_QDO_SKIP_ODD
-#define LONGCTX_BWD_QDO_SKIP_ODD 0
-#endif
-                    // timing experiment (wrong results unless 0): Q and dO loaded on even steps only
-                    if (LONGCTX_BWD_QDO_SKIP_ODD && (it & 1)) {
-                        TBar::arrive_and_expect_tx(&sm.bar_full[st], 2 * BM * sizeof(float));
-                    } else {
-                        TBar::arrive_and_expect_tx(&sm.bar_full[st], kBytesStep);
-                        if constexpr (CL == 1) {
-                            copy(p.tma_q.with(sm.bar_full[st]), get<0>(pq)(_, m), get<1>(pq)(_, st));
-                            copy(p.tma_do.with(sm.bar_full[st]), get<0>(pdo)(_, m), get<1>(pdo)(_, st));
-                        } else {
-                            constexpr uint16_t kAll = (1u << CL) - 1;
-                            copy(p.tma_q.with(sm.bar_full[st], kAll), get<0>(pq)(_, m), get<1>(pq)(_, st));
-                            copy(p.tma_do.with(sm.bar_full[st], kAll), get<0>(pdo)(_, m), get<1>(pdo)(_, st));
-                        }
-                    }
+                    TBar::arrive_and_expect_tx(&sm.bar_full[st], kBytesStep);
+                    copy(p.tma_q.with(sm.bar_full[st]), get<0>(pq)(_, m), get<1>(pq)(_, st));
+                    copy(p.tma_do.with(sm.bar_full[st]), get<0>(pdo)(_, m), get<1>(pdo)(_, st));
                     bulk_load(sm.lse2[st], p.lse2 + row0 + m * BM, BM * 4, &sm.bar_full[st]);
                     bulk_load(sm.dd[st], p.dd + row0 + m * BM, BM * 4, &sm.bar_full[st]);
                 }
-            }
-            if constexpr (CL > 1) {
-                // stay until every consumer of the cluster has released every stage: the peers
-                // arrive on this CTA's barriers, which must outlive those arrivals
-                for (int j = it > ST ? it - ST : 0; j < it; ++j) Bar::wait(&sm.bar_empty[j % ST], (j / ST) & 1);
             }
         }
         return;
@@ -541,12 +503,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         if (wtid == 0) {
             const int r = T::kDqSplitD ? m : m * 2 + wg, part = T::kDqSplitD ? wg : 0;
             float *dst = p.dq_acc + ((int64_t(bi) * p.hq + h) * (p.s_pad / 64) + r) * (64 * D) + part * (64 * DQC);
-#ifndef LONGCTX_BWD_DQ_RED_SHIFT
-#define LONGCTX_BWD_DQ_RED_SHIFT 0
-#endif
-            // timing experiment (wrong dq unless 0): reduce 1/2^N of dQ_part's bytes, none at N = 31
-            if constexpr (LONGCTX_BWD_DQ_RED_SHIFT < 31)
-                bulk_reduce_add(dst, dq_smem, (64 * DQC * 4) >> LONGCTX_BWD_DQ_RED_SHIFT);
+            bulk_reduce_add(dst, dq_smem, 64 * DQC * 4);
             tma_store_arrive();
         }
     };
@@ -617,14 +574,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         warpgroup_wait<T::kEarlyS ? 1 : 0>();  // dK (the next Sᵀ may run)
         warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);
-        // Q, dO, lse2, D of this stage are no longer read (with clusters: by this warp; lane r
-        // tells CTA r of the cluster)
-        if constexpr (CL == 1) {
-            Bar::arrive(&sm.bar_empty[st]);
-        } else {
-            __syncwarp();
-            if (lane < CL) Bar::arrive(&sm.bar_empty[st], uint32_t(lane), 1u);
-        }
+        Bar::arrive(&sm.bar_empty[st]);  // Q, dO, lse2, D of this stage are no longer read
         if constexpr (T::kEarlyS) {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tSrS);
@@ -739,42 +689,23 @@ int launch_bwd(const longctx_sdpa_desc &d, const void *q, const void *k, const v
     };
     auto mQ = strided(q, s, hq, b), mdO = strided(d_o, s, hq, b);
     auto mK = strided(k, t, hkv, b), mV = strided(v, t, hkv, b);
-    constexpr int CL = T::kCluster;
-    using LoadQ = std::conditional_t<CL == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
-    auto tma_q = make_tma_atom(LoadQ{}, mQ, typename T::SmemLayoutQ{}(_, _, 0), Shape<Int<BM>, Int<D>>{}, Int<CL>{});
-    auto tma_do = make_tma_atom(LoadQ{}, mdO, typename T::SmemLayoutQ{}(_, _, 0), Shape<Int<BM>, Int<D>>{}, Int<CL>{});
+    auto tma_q = make_tma_atom(SM90_TMA_LOAD{}, mQ, typename T::SmemLayoutQ{}(_, _, 0), Shape<Int<BM>, Int<D>>{});
+    auto tma_do = make_tma_atom(SM90_TMA_LOAD{}, mdO, typename T::SmemLayoutQ{}(_, _, 0), Shape<Int<BM>, Int<D>>{});
     auto tma_k = make_tma_atom(SM90_TMA_LOAD{}, mK, typename T::SmemLayoutKV{}, Shape<Int<BN>, Int<D>>{});
     auto tma_v = make_tma_atom(SM90_TMA_LOAD{}, mV, typename T::SmemLayoutKV{}, Shape<Int<BN>, Int<D>>{});
     using P = BwdParams<decltype(tma_q), decltype(tma_do), decltype(tma_k), decltype(tma_v), Element>;
     P params{tma_q, tma_do, tma_k, tma_v, lse2, dd, dq_acc, reinterpret_cast<Element *>(dk),
              reinterpret_cast<Element *>(dv), b, s, t, hq, hkv, s_pad, d.scale, float(d.scale * M_LOG2E),
-             band_width(hkv * b, ((t + BN - 1) / BN + CL - 1) / CL, sm_count(d.ordinal) / CL)};
+             band_width(hkv * b, (t + BN - 1) / BN, sm_count(d.ordinal))};
     auto kernel = bwd_kernel<T, kCausal, P>;
     const int smem = int(sizeof(typename T::Smem));
     static std::atomic<uint64_t> smem_set{0};
     if ((e = set_smem_once(smem_set, kernel, smem, d.ordinal)) != cudaSuccess)
         return fail("shared memory attribute");
-    const int n_blocks = ((t + BN - 1) / BN + CL - 1) / CL * CL;  // whole clusters
+    const int n_blocks = (t + BN - 1) / BN;
     const dim3 grid = kCausal ? dim3(unsigned(n_blocks * hkv * b)) : dim3(n_blocks, hkv, b);
-    if constexpr (CL == 1) {
-        kernel<<<grid, T::kThreads, smem, stream>>>(params);
-        e = cudaGetLastError();
-    } else {
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = grid;
-        cfg.blockDim = dim3(T::kThreads);
-        cfg.dynamicSmemBytes = size_t(smem);
-        cfg.stream = stream;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeClusterDimension;
-        attr[0].val.clusterDim.x = CL;
-        attr[0].val.clusterDim.y = 1;
-        attr[0].val.clusterDim.z = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        e = cudaLaunchKernelEx(&cfg, kernel, params);
-    }
-    if (e != cudaSuccess) return fail("main launch");
+    kernel<<<grid, T::kThreads, smem, stream>>>(params);
+    if ((e = cudaGetLastError()) != cudaSuccess) return fail("main launch");
     post_kernel<T><<<dim3(s_pad / 64, hq, b), D / T::kDqCols * 128, 0, stream>>>(
         dq_acc, reinterpret_cast<Element *>(dq), s, hq, d.scale);
     if ((e = cudaGetLastError()) != cudaSuccess) return fail("post launch");
