@@ -31,7 +31,8 @@ tail -n 30 "$OUT/run.txt"
 [[ -f $rep.ncu-rep ]] || { echo "gpu_ncu: ncu wrote no report (exit $rc)" >&2; exit 1; }
 "$NCU" -i "$rep.ncu-rep" --page details --print-units base > "$OUT/details.txt" 2>&1
 # one row per kernel: time, SM and tensor-pipe activity, shared-memory traffic of ordinary
-# loads and stores (wgmma's operand reads are not in l1tex__data_pipe_lsu), issue picture
+# loads and stores (wgmma's operand reads are not in l1tex__data_pipe_lsu), issue picture,
+# L2 traffic (bytes, reduction sectors, throughput as a share of peak) and DRAM bytes
 METRICS=gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__throughput.avg.pct_of_peak_sustained_elapsed
 METRICS+=,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
 METRICS+=,sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active
