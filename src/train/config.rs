@@ -220,8 +220,8 @@ pub struct TrainSection {
     /// GPU only while it runs (DeepSpeed's `offload_param`; needs `zero_stage = 3`).
     pub offload_params: bool,
     /// Time each step by phase (attention, GEMMs, norms/RoPE/activation, loss, gradient
-    /// accumulation, copies, element-wise adds, optimizer, communication) into metrics.jsonl
-    /// (`profile`).
+    /// accumulation, device copies, host transfers, element-wise adds, optimizer,
+    /// communication) into metrics.jsonl (`profile`).
     pub profile: bool,
     /// Print one line per layer and phase of every step to stderr, with the seconds since
     /// the step began (each after waiting for the GPU, so slower): where a slow step, or one

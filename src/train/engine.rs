@@ -392,7 +392,8 @@ impl Engine {
     fn forward_layers(&self, ids: &Tensor, hooks: &dyn ParamHooks, pass: &LayerPass<'_>, store: &mut ActivationStore) -> Result<Tensor> {
         let dev = pass.dev;
         self.prof.time(Phase::Optimizer, dev, || hooks.prepare(0))?;
-        let mut x = self.prof.time(Phase::Copies, dev, || match self.unit_weights(hooks, 0)? {
+        let embed_w = self.prof.time(Phase::Transfers, dev, || self.unit_weights(hooks, 0))?;
+        let mut x = self.prof.time(Phase::Copies, dev, || match embed_w {
             None => self.plain.embed(ids),
             Some(mut w) => {
                 let e = w.remove("model.embed_tokens.weight").ok_or_else(|| crate::Error::Setting("engine: no embedding".into()))?;
@@ -404,13 +405,13 @@ impl Engine {
             self.prof.trace(dev, || format!("forward layer {l}"))?;
             // The layer's weights (ZeRO-3: gathered, or brought from the host).
             self.prof.time(Phase::Optimizer, dev, || hooks.prepare(layer_unit(l)))?;
-            let fetched = self.prof.time(Phase::Copies, dev, || self.layer_from(hooks, l))?;
+            let fetched = self.prof.time(Phase::Transfers, dev, || self.layer_from(hooks, l))?;
             let layer = fetched.as_ref().unwrap_or(&self.plain.layers[l]);
             let (y, sa, mlp) = pass.forward(layer, &x, keep_mlp)?;
             // The layer's input, and its attention's and MLP's tensors when they are kept
             // (all parked in host memory when offloading).
             let saved = SavedLayer { x, attention: keep_attention.then_some(sa), mlp };
-            self.prof.time(Phase::Copies, dev, || store.push(&saved.tensors()))?;
+            self.prof.time(Phase::Transfers, dev, || store.push(&saved.tensors()))?;
             x = y;
         }
         Ok(x)
@@ -430,7 +431,7 @@ impl Engine {
         let dev = pass.dev;
         for l in (0..self.plain.layers.len()).rev() {
             self.prof.trace(dev, || format!("backward layer {l}"))?;
-            let group = self.prof.time(Phase::Copies, dev, || {
+            let group = self.prof.time(Phase::Transfers, dev, || {
                 let group = store.take(l, dev)?;
                 if l > 0 {
                     store.prefetch(l - 1, dev)?; // its copy overlaps this layer's backward
@@ -441,7 +442,7 @@ impl Engine {
             let saved = SavedLayer::split(group, keep_attention, keep_mlp, pass.chunks.len())?;
             gx = match self.opts.layer_backward {
                 LayerBackward::Explicit => {
-                    let fetched = self.prof.time(Phase::Copies, dev, || self.layer_from(hooks, l))?;
+                    let fetched = self.prof.time(Phase::Transfers, dev, || self.layer_from(hooks, l))?;
                     let layer = fetched.as_ref().unwrap_or(&self.plain.layers[l]);
                     pass.backward(layer, &self.slots[l], saved, gx, acc)?
                 }

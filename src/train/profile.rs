@@ -26,8 +26,14 @@ pub enum Phase {
     Loss,
     /// Adding weight gradients into their f32 slots.
     GradAccum,
-    /// Copies: concatenation of chunks, contiguous copies, activation store traffic, embedding.
+    /// Copies on the device: chunks written into whole-sequence buffers, contiguous copies,
+    /// the embedding lookup.
     Copies,
+    /// Host↔device traffic the step waits on: a unit's weights brought from the host shard
+    /// (ZeRO-3 with offloaded weights), activations parked in host memory or brought back,
+    /// and the waits for copies started ahead; apart from `copies` so that a profile tells
+    /// device copies from transfers.
+    Transfers,
     /// Element-wise sums: the residual adds and the sums of the projections' input gradients
     /// (q, k, v; gate and up), apart from the copies so that a profile tells the two apart.
     Adds,
@@ -38,13 +44,14 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 9] = [
+    pub const ALL: [Phase; 10] = [
         Phase::Attention,
         Phase::Gemm,
         Phase::NormRopeAct,
         Phase::Loss,
         Phase::GradAccum,
         Phase::Copies,
+        Phase::Transfers,
         Phase::Adds,
         Phase::Optimizer,
         Phase::Comm,
@@ -58,6 +65,7 @@ impl Phase {
             Phase::Loss => "loss",
             Phase::GradAccum => "grad_accum",
             Phase::Copies => "copies",
+            Phase::Transfers => "transfers",
             Phase::Adds => "adds",
             Phase::Optimizer => "optimizer",
             Phase::Comm => "comm",

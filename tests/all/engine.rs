@@ -151,7 +151,9 @@ fn check(
     let worst = assert_close(case, &eng, &got, &want)?;
     // The profile saw every phase of the engine (wall clock on the CPU).
     let prof = eng.take_profile()?;
-    for p in [Phase::Attention, Phase::Gemm, Phase::NormRopeAct, Phase::Loss, Phase::GradAccum, Phase::Copies, Phase::Adds] {
+    for p in
+        [Phase::Attention, Phase::Gemm, Phase::NormRopeAct, Phase::Loss, Phase::GradAccum, Phase::Copies, Phase::Transfers, Phase::Adds]
+    {
         assert!(prof.get(p) > 0.0, "{case}: no time in phase {}: {prof:?}", p.name());
     }
     let full = eng.full_graph_step(&ids, &targets, &pos, s, &attn, scale)?;
