@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The kernel sources; each becomes one PTX module of the same name.
-const SOURCES: &[&str] = &["rmsnorm", "rope", "swiglu", "cross_entropy", "adamw", "accumulate", "reduce"];
+const SOURCES: &[&str] = &["rmsnorm", "rope", "swiglu", "cross_entropy", "adamw", "accumulate", "add", "reduce"];
 
 fn env_path(var: &str) -> Option<PathBuf> {
     println!("cargo:rerun-if-env-changed={var}");

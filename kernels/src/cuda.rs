@@ -21,6 +21,7 @@ pub(crate) enum Module {
     CrossEntropy,
     AdamW,
     Accumulate,
+    Add,
     Reduce,
 }
 
@@ -33,6 +34,7 @@ impl Module {
             Module::CrossEntropy => "longctx_cross_entropy",
             Module::AdamW => "longctx_adamw",
             Module::Accumulate => "longctx_accumulate",
+            Module::Add => "longctx_add",
             Module::Reduce => "longctx_reduce",
         }
     }
@@ -45,6 +47,7 @@ impl Module {
             Module::CrossEntropy => include_str!(concat!(env!("OUT_DIR"), "/cross_entropy.ptx")),
             Module::AdamW => include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx")),
             Module::Accumulate => include_str!(concat!(env!("OUT_DIR"), "/accumulate.ptx")),
+            Module::Add => include_str!(concat!(env!("OUT_DIR"), "/add.ptx")),
             Module::Reduce => include_str!(concat!(env!("OUT_DIR"), "/reduce.ptx")),
         }
     }

@@ -50,6 +50,7 @@
 
 mod accumulate;
 mod adamw;
+mod add;
 mod common;
 mod cross_entropy;
 #[cfg(feature = "cuda")]
@@ -64,6 +65,7 @@ mod swiglu;
 
 pub use accumulate::accumulate_f32;
 pub use adamw::{adamw_step, AdamWStep, Scalars as AdamWScalars};
+pub use add::{add, add_into};
 pub use cross_entropy::{cross_entropy_inplace, linear_cross_entropy, LinearCe};
 pub use gemm_acc::matmul_acc_f32;
 pub use gemma::{geglu_tanh_bwd, geglu_tanh_fwd, rms_norm_1p_bwd, rms_norm_1p_fwd};

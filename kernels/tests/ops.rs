@@ -240,6 +240,48 @@ fn swiglu_cpu() {
     swiglu_case(&Device::Cpu, DType::BF16);
 }
 
+// ---------------------------------------------------------------- sums
+
+/// `add` (two and three terms) and `add_into` (rows of a larger buffer, the other rows
+/// untouched) against Candle's `+` in f32 of the same values, rounded once to the dtype:
+/// f32 exact to 1e-6, bf16 within one ulp (a composed bf16 sum rounds after every term).
+fn add_case(dev: &Device, dtype: DType) {
+    let shape = [3, 7, 41]; // 861 elements: 107 packs of 8 and a tail of 5 on the GPU
+    let (a, b, c) = (rand(&shape, 41, 3.0, dtype, dev), rand(&shape, 42, 1.0, dtype, dev), rand(&shape, 43, 0.5, dtype, dev));
+    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let want2 = (f(&a) + f(&b)).unwrap().to_dtype(dtype).unwrap();
+    let want3 = ((f(&a) + f(&b)).unwrap() + f(&c)).unwrap().to_dtype(dtype).unwrap();
+    let tag = format!("{:?} {dtype:?}", dev.location());
+    let (rt, at) = if dtype == DType::F32 { (1e-6, 1e-7) } else { (8e-3, 0.0) };
+    assert_close(&format!("add a+b {tag}"), &add(&a, &b, None).unwrap(), &want2, rt, at);
+    assert_close(&format!("add a+b+c {tag}"), &add(&a, &b, Some(&c)).unwrap(), &want3, rt, at);
+    // rows 2..5 of a [1, 9, 41] buffer (a view one row in: 41 elements, not 16-byte aligned)
+    let (n, h) = (3, 41);
+    let buf = rand(&[1, 9, h], 44, 1.0, dtype, dev);
+    let before = vec32(&buf);
+    let dst = buf.narrow(1, 2, n).unwrap().reshape((n, h)).unwrap();
+    let (x, y) = (rand(&[n, h], 45, 2.0, dtype, dev), rand(&[n, h], 46, 2.0, dtype, dev));
+    add_into(&dst, &x, &y).unwrap();
+    let after = vec32(&buf);
+    let want = vec32(&(f(&x) + f(&y)).unwrap().to_dtype(dtype).unwrap());
+    for (i, (&got, &old)) in after.iter().zip(&before).enumerate() {
+        match i.checked_sub(2 * h).filter(|&k| k < n * h) {
+            Some(k) => assert!((got - want[k]).abs() <= rt * want[k].abs() + 1e-7, "add_into {tag}: element {i}: {got} vs {}", want[k]),
+            None => assert_eq!(got.to_bits(), old.to_bits(), "add_into {tag}: element {i} outside the rows changed"),
+        }
+    }
+    // bad input: shapes, dtypes, a destination that is an input
+    assert!(add(&a, &b.narrow(2, 0, 40).unwrap().contiguous().unwrap(), None).is_err());
+    assert!(add(&a, &b.to_dtype(DType::F16).unwrap(), None).is_err());
+    assert!(add_into(&x, &x, &y).is_err());
+}
+
+#[test]
+fn add_cpu() {
+    add_case(&Device::Cpu, DType::F32);
+    add_case(&Device::Cpu, DType::BF16);
+}
+
 // ---------------------------------------------------------------- Gemma: (1 + w) RMSNorm, GeGLU-tanh
 
 /// transformers' `Gemma3RMSNorm`, written out: f32 math, `· (1 + w)`, cast last.
@@ -676,6 +718,18 @@ mod cuda {
             rope_fwd_inplace(&xg, &c, &sn).unwrap();
             rope_fwd_inplace(&xc, &cpu(&c), &cpu(&sn)).unwrap();
             assert_close(&format!("cuda vs twin rope {dt:?}"), &cpu(&xg), &xc, 1e-6, 1e-6);
+        }
+    }
+
+    #[test]
+    fn cuda_add() {
+        let Some(g) = gpu() else { return };
+        for dt in [DType::F32, DType::BF16] {
+            super::add_case(&g, dt);
+            let (a, b, c) = (rand(&[64, 4096], 47, 3.0, dt, &g), rand(&[64, 4096], 48, 1.0, dt, &g), rand(&[64, 4096], 49, 1.0, dt, &g));
+            let got = add(&a, &b, Some(&c)).unwrap();
+            let want = add(&cpu(&a), &cpu(&b), Some(&cpu(&c))).unwrap();
+            assert_close(&format!("cuda vs twin add {dt:?}"), &cpu(&got), &want, 0.0, 0.0);
         }
     }
 

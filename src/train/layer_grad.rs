@@ -264,6 +264,17 @@ pub(crate) unsafe fn row_buffer(shape: impl Into<candle_core::Shape>, dtype: DTy
     Ok(unsafe { Tensor::empty(shape, dtype, dev) }?)
 }
 
+/// Rows `[st, st + len)` of `t [b, s, ..]` (contiguous) as a writable `[b·len, k]` view of
+/// its storage when they are one contiguous block (b = 1), else `None`.
+pub(crate) fn rows_view(t: &Tensor, (st, len): (usize, usize)) -> Result<Option<Tensor>> {
+    let c = t.narrow(1, st, len)?;
+    if !c.is_contiguous() {
+        return Ok(None);
+    }
+    let n = c.dims().iter().take(2).product::<usize>();
+    Ok(Some(c.reshape((n, c.elem_count() / n.max(1)))?))
+}
+
 /// Writes `rows [b·len, k]` into rows `[st, st + len)` of `dst [b, s, ..]` (contiguous).
 pub(crate) fn put_rows(dst: &Tensor, rows: &Tensor, (st, len): (usize, usize)) -> Result<()> {
     let mut shape = dst.dims().to_vec();
@@ -470,13 +481,13 @@ impl LayerPass<'_> {
             }
             None => (a_out, None),
         };
-        Ok((self.t(Phase::Adds, || Ok(self.rows(x, ch)?.add(&a)?))?, pre))
+        Ok((self.t(Phase::Adds, || Ok(kernels::add(&self.rows(x, ch)?, &a.contiguous()?, None)?))?, pre))
     }
 
     /// `y_c = h_c + down(act(gate(n2), up(n2)))`, `n2 = rms(h_c)·w2`, rows `[n, h]`
-    /// (Gemma 3: the branch normed before the add), and the gate and up projections
-    /// `g, u [n, i]`.
-    fn mlp_chunk(&self, layer: &DecoderLayer, hc: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    /// (Gemma 3: the branch normed before the add), written into rows `ch` of `y`, and the
+    /// gate and up projections `g, u [n, i]`.
+    fn mlp_chunk(&self, layer: &DecoderLayer, hc: &Tensor, y_all: &Tensor, ch: (usize, usize)) -> Result<(Tensor, Tensor)> {
         let m = &layer.mlp;
         let (n2, _) = self.t(Phase::NormRopeAct, || rms_forward(layer.mlp_norm(), hc))?;
         let g = self.linear(&m.gate_proj, &n2)?;
@@ -487,7 +498,17 @@ impl LayerPass<'_> {
             Some(norm) => self.t(Phase::NormRopeAct, || Ok(rms_forward(norm, &y)?.0))?,
             None => y,
         };
-        Ok((self.t(Phase::Adds, || Ok(hc.add(&y)?))?, g, u))
+        // The sum straight into the output's rows when they are one block (b = 1), else
+        // summed apart and copied there.
+        let y = y.contiguous()?;
+        match rows_view(y_all, ch)? {
+            Some(dst) => self.t(Phase::Adds, || Ok(kernels::add_into(&dst, hc, &y)?))?,
+            None => {
+                let yc = self.t(Phase::Adds, || Ok(kernels::add(hc, &y, None)?))?;
+                self.put(y_all, &yc, ch)?;
+            }
+        }
+        Ok((g, u))
     }
 
     /// The layer's output `[b, s, h]` for its input `x [b, s, h]` (the model's
@@ -501,8 +522,7 @@ impl LayerPass<'_> {
         let mut kept = Vec::with_capacity(if keep_mlp { self.chunks.len() } else { 0 });
         for &ch in self.chunks {
             let (hc, pre) = self.residual_chunk(layer, x, &core.o, ch)?;
-            let (yc, g, u) = self.mlp_chunk(layer, &hc)?;
-            self.put(&y, &yc, ch)?;
+            let (g, u) = self.mlp_chunk(layer, &hc, &y, ch)?;
             if keep_mlp {
                 // The residual stream itself, or (Gemma 3) the branch before its norm, which
                 // the backward's norm needs and rebuilds `h_c` from without `o_proj`.
@@ -551,7 +571,7 @@ impl LayerPass<'_> {
         drop((dm, g, u));
         let dn2g = self.linear_backward(&m.gate_proj, sl.gate, &n2, &dg, acc)?;
         let dn2u = self.linear_backward(&m.up_proj, sl.up, &n2, &du, acc)?;
-        let dn2 = self.t(Phase::Adds, || Ok((dn2g + dn2u)?))?;
+        let dn2 = self.t(Phase::Adds, || Ok(kernels::add(&dn2g, &dn2u, None)?))?;
         // dh_c = dy_c (the residual) + the norm's backward, in one kernel.
         let (dh, dw2) = self.t(Phase::NormRopeAct, || rms_backward(layer.mlp_norm(), hc, &rstd2, &dn2, Some(dyc)))?;
         self.t(Phase::GradAccum, || accumulate(acc, sl.mlp_norm(), &dw2))?;
@@ -662,7 +682,7 @@ impl LayerPass<'_> {
             let dn1q = self.linear_backward(&a.q_proj, sl.q, &n1, &dqc, acc)?;
             let dn1k = self.linear_backward(&a.k_proj, sl.k, &n1, &dkc, acc)?;
             let dn1v = self.linear_backward(&a.v_proj, sl.v, &n1, &self.rows(&dv, ch)?, acc)?;
-            let dn1 = self.t(Phase::Adds, || Ok(((dn1q + dn1k)? + dn1v)?))?;
+            let dn1 = self.t(Phase::Adds, || Ok(kernels::add(&dn1q, &dn1k, Some(&dn1v))?))?;
             // dx = dh (the residual) + the norm's backward, in one kernel.
             let dh = self.rows(&dy, ch)?;
             let (dx, dw1) = self.t(Phase::NormRopeAct, || rms_backward(&layer.input_layernorm, &xc, &rstd1, &dn1, Some(&dh)))?;
