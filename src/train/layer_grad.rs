@@ -246,9 +246,11 @@ impl SavedLayer {
 
 /// Rows `[st, st + len)` of `t [b, s, ..]` as a contiguous `[b·len, k]`, `k` the product
 /// of the trailing dims (a view when `b = 1`, a copy of the chunk otherwise).
-pub(crate) fn chunk_rows(t: &Tensor, (st, len): (usize, usize)) -> Result<Tensor> {
-    let c = t.narrow(1, st, len)?;
-    let c = if c.is_contiguous() { c } else { c.contiguous()? };
+pub(crate) fn chunk_rows(t: &Tensor, ch: (usize, usize)) -> Result<Tensor> {
+    if let Some(v) = rows_view(t, ch)? {
+        return Ok(v);
+    }
+    let c = t.narrow(1, ch.0, ch.1)?.contiguous()?;
     let n = c.dims().iter().take(2).product::<usize>();
     Ok(c.reshape((n, c.elem_count() / n.max(1)))?)
 }
