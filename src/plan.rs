@@ -29,8 +29,9 @@
 //! saved_attention    L·core                       with save_attention: each layer's q, k, v, o
 //!                                                 and f32 LSE; 0 when offloaded with the inputs
 //!   core = (2·e_q + 2·e_kv)·a + 4·b·hq·s
-//! saved_mlp          L·mlp                        with save_mlp: each layer's MLP input and
-//!   mlp = b·s·(h + 2i)·a                          gate and up projections; 0 when offloaded
+//! saved_mlp          L_mlp·mlp                    with save_mlp: each layer's MLP input and
+//!   mlp = b·s·(h + 2i)·a                          gate and up projections; 0 when offloaded;
+//!                                                 L_mlp = L, or save_mlp_layers (the top ones)
 //! in_flight          offloaded: 2·(b·s·h·a        the layer's input and the one below it,
 //!                    (+ core + mlp))              brought back ahead (and what they saved)
 //! layer_backward     b·s·h·a + core + (2·e_q + 2·e_kv)·a + chunk
@@ -179,6 +180,8 @@ pub struct PlanRequest {
     pub save_attention: bool,
     /// Keep each layer's MLP input and gate/up projections for the backward.
     pub save_mlp: bool,
+    /// Keep them for the top this many layers only (`parallel.save_mlp_layers`).
+    pub save_mlp_layers: Option<usize>,
     pub token_chunk: usize,
     /// Bytes per element of the model dtype (bf16/f16: 2, f32: 4).
     pub dtype_bytes: usize,
@@ -212,6 +215,7 @@ impl PlanRequest {
             offload_activations: false,
             save_attention: false,
             save_mlp: false,
+            save_mlp_layers: None,
             token_chunk: 4096,
             dtype_bytes: 2,
             optimizer_on_host: true,
@@ -233,6 +237,7 @@ impl PlanRequest {
         c.parallel.offload_activations = self.offload_activations;
         c.parallel.save_attention = self.save_attention;
         c.parallel.save_mlp = self.save_mlp;
+        c.parallel.save_mlp_layers = self.save_mlp_layers;
         c.parallel.token_chunk = self.token_chunk;
         c.train.batch_size = self.batch_size;
         c.train.zero_stage = self.zero_stage;
@@ -332,6 +337,8 @@ pub struct Suggestion {
     /// Keep the MLP's input and gate/up projections for the backward: on whenever it
     /// still fits (after the attention).
     pub save_mlp: bool,
+    /// For the top this many layers only, when not every layer's fits (`None`: all).
+    pub save_mlp_layers: Option<usize>,
     /// The memory levers: the optimizer state on the host, the ZeRO stage, the weights
     /// on the host (what was asked, unless nothing fit without them).
     pub optimizer_on_host: bool,
@@ -358,6 +365,11 @@ pub fn validate(model: &ModelShape, req: &PlanRequest) -> Result<Layout> {
         return bad("gpus", "must be at least 1".into());
     }
     crate::limits::check_range(flags, "gpus", req.gpus, 1, crate::limits::MAX_WORLD_SIZE)?;
+    if let Some(n) = req.save_mlp_layers {
+        if n == 0 || n > model.layers {
+            return bad("save_mlp_layers", format!("got {n}, expected 1 to the model's {} layers", model.layers));
+        }
+    }
     if req.nnodes == 0 || !req.gpus.is_multiple_of(req.nnodes) {
         return bad("nnodes", format!("{} GPUs cannot be spread equally over {} node(s)", req.gpus, req.nnodes));
     }
@@ -475,14 +487,17 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let (core, input) = (shape.core_bytes(), shape.input_bytes());
     let mlp = shape.mlp_bytes();
     let saved_attn = if req.save_attention { l * core } else { 0 };
-    let saved_mlp = if req.save_mlp { l * mlp } else { 0 };
-    let group = input + if req.save_attention { core } else { 0 } + if req.save_mlp { mlp } else { 0 };
+    // The top `l_mlp` layers keep their MLP tensors; a layer group (brought back when
+    // offloaded) is counted at its largest.
+    let l_mlp = u(crate::train::config::mlp_saved_layers(req.save_mlp, req.save_mlp_layers, model.layers));
+    let saved_mlp = l_mlp * mlp;
+    let group = input + if req.save_attention { core } else { 0 } + if l_mlp > 0 { mlp } else { 0 };
     let (off, on_host) = (req.offload_activations, req.optimizer_on_host);
     let piece = opt_elems.min(1 << 26); // the host optimizer's piece (`zero::HOST_PIECE`)
     let offload_params = zero == 3 && req.offload_params;
     let mut host = HostMemory {
         optimizer: cvt(if on_host { 12 * opt_elems } else { 0 })?,
-        saved_activations: cvt(if off { l * group } else { 0 })?,
+        saved_activations: cvt(if off { l * (input + if req.save_attention { core } else { 0 }) + saved_mlp } else { 0 })?,
         weights_copy: cvt(4 * p)?,
         grads_copy: cvt(if on_host { (4 + a) * piece } else { 0 })?,
         weights: cvt(if offload_params { shard * a } else { 0 })?,
@@ -664,7 +679,8 @@ pub fn suggest(model: &ModelShape, req: &PlanRequest) -> Option<Suggestion> {
         fpdt_offload: e.layout.mode == ParallelMode::Fpdt && r.fpdt_offload,
         offload_activations: r.offload_activations,
         save_attention: r.save_attention,
-        save_mlp: r.save_mlp,
+        save_mlp: crate::train::config::mlp_saved_layers(r.save_mlp, r.save_mlp_layers, model.layers) > 0,
+        save_mlp_layers: r.save_mlp_layers.filter(|&n| n < model.layers),
         optimizer_on_host: r.optimizer_on_host,
         zero_stage: r.zero_stage,
         offload_params: r.offload_params,
@@ -673,14 +689,32 @@ pub fn suggest(model: &ModelShape, req: &PlanRequest) -> Option<Suggestion> {
     let budget = (req.gpu_memory as f64 * (1.0 - SUGGESTION_HEADROOM)) as u64;
     // Saving the attention is faster (no attention forward in the backward), and then
     // saving the MLP's projections (no o_proj, gate and up GEMMs in the backward; more
-    // bytes for less time, so second): take each when it fits with the headroom, and keep
-    // what was asked otherwise.
+    // bytes for less time, so second): take the attention when it fits with the headroom,
+    // then every layer's MLP, else the MLP of as many top layers as fit; keep what was
+    // asked otherwise.
+    let layers = model.layers;
     let with_saved = |r: &PlanRequest| -> PlanRequest {
         let fits = |r: &PlanRequest| matches!(estimate(model, r), Ok(e) if e.fits && e.device.peak <= budget);
         let mut r = r.clone();
-        for on in [PlanRequest { save_attention: true, ..r.clone() }, PlanRequest { save_attention: true, save_mlp: true, ..r.clone() }] {
-            if on != r && fits(&on) {
-                r = on;
+        let attn = PlanRequest { save_attention: true, ..r.clone() };
+        if attn != r && fits(&attn) {
+            r = attn;
+        }
+        let have = crate::train::config::mlp_saved_layers(r.save_mlp, r.save_mlp_layers, layers);
+        if r.save_attention && have < layers {
+            let with = |n: usize| PlanRequest { save_mlp: true, save_mlp_layers: (n < layers).then_some(n), ..r.clone() };
+            // The peak grows with the layers kept: the largest count that fits, by bisection.
+            let (mut lo, mut hi) = (have, layers);
+            while lo < hi {
+                let mid = (lo + hi).div_ceil(2);
+                if fits(&with(mid)) {
+                    lo = mid;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            if lo > have {
+                r = with(lo);
             }
         }
         r
@@ -688,7 +722,7 @@ pub fn suggest(model: &ModelShape, req: &PlanRequest) -> Option<Suggestion> {
     if let Ok(e) = estimate(model, req) {
         if e.fits {
             let r = with_saved(req);
-            let changed = r.save_attention != req.save_attention || r.save_mlp != req.save_mlp;
+            let changed = r.save_attention != req.save_attention || r.save_mlp != req.save_mlp || r.save_mlp_layers != req.save_mlp_layers;
             let e = if changed { estimate(model, &r).unwrap_or(e) } else { e };
             return Some(mk(&r, &e, true));
         }
@@ -697,6 +731,11 @@ pub fn suggest(model: &ModelShape, req: &PlanRequest) -> Option<Suggestion> {
         let r = with_saved(r);
         estimate(model, &r).ok().filter(|e| e.fits && e.device.peak <= budget).map(|e| mk(&r, &e, false))
     })
+}
+
+/// How many layers (the top ones) keep their MLP tensors under request `req`.
+pub fn mlp_layers(model: &ModelShape, req: &PlanRequest) -> usize {
+    crate::train::config::mlp_saved_layers(req.save_mlp, req.save_mlp_layers, model.layers)
 }
 
 /// Estimate and suggestion for a request (errors when the request itself is invalid).
@@ -727,6 +766,7 @@ pub fn run_requests(cfg: &RunConfig, gpu_memory: u64, dtype_bytes: usize) -> Vec
             r.offload_activations = p.offload_activations;
             r.save_attention = p.save_attention;
             r.save_mlp = p.save_mlp;
+            r.save_mlp_layers = p.save_mlp_layers;
             r.token_chunk = p.token_chunk;
             r
         })
@@ -883,8 +923,10 @@ pub fn describe_suggestion(s: &Suggestion) -> String {
     if s.save_attention {
         out += ", save_attention = true";
     }
-    if s.save_mlp {
-        out += ", save_mlp = true";
+    match (s.save_mlp, s.save_mlp_layers) {
+        (true, Some(n)) => out += &format!(", save_mlp_layers = {n}"),
+        (true, None) => out += ", save_mlp = true",
+        _ => {}
     }
     out
 }
@@ -895,6 +937,15 @@ pub fn describe_suggestion(s: &Suggestion) -> String {
 /// replicas. `source` names the config.
 pub fn check_run(cfg: &RunConfig, model: &LlamaConfig, source: &Path) -> Result<()> {
     cfg.check_stage_ropes(model, source)?;
+    if let Some(n) = cfg.parallel.save_mlp_layers {
+        if n > model.num_hidden_layers {
+            let msg = format!(
+                "got {n}, expected at most the model's {} layers (leave it out, or set save_mlp = true, to keep every layer's MLP)",
+                model.num_hidden_layers
+            );
+            return Err(Error::config(source, "parallel.save_mlp_layers", msg));
+        }
+    }
     for (i, st) in cfg.stages.iter().enumerate() {
         let mode = st.parallel_mode.unwrap_or(cfg.parallel.mode);
         let field = if st.parallel_mode.is_some() { format!("stage[{i}].parallel_mode") } else { "parallel.mode".to_string() };

@@ -58,6 +58,11 @@ pub struct ParallelFlags {
     /// --offload-activations).
     #[arg(long)]
     pub save_mlp: bool,
+    /// Keep the MLP tensors of the top N layers only, the others recomputing theirs: the
+    /// memory between none and --save-mlp (`longctx plan` suggests N when every layer's
+    /// does not fit) (`parallel.save_mlp_layers`).
+    #[arg(long, value_name = "N")]
+    pub save_mlp_layers: Option<usize>,
     /// Tokens per chunk for the token-wise parts (MLP, norms, head, loss), e.g. 4096 or 4K
     /// [default: 4096].
     #[arg(long, value_parser = super::chunk_arg)]
@@ -91,6 +96,9 @@ impl ParallelFlags {
         p.offload_activations |= self.offload_activations;
         p.save_attention |= self.save_attention;
         p.save_mlp |= self.save_mlp;
+        if self.save_mlp_layers.is_some() {
+            p.save_mlp_layers = self.save_mlp_layers;
+        }
         set(&mut p.token_chunk, self.token_chunk);
         if let Some(k) = &self.attention_kernel {
             c.attention.kernel = k.parse().map_err(|e: String| longctx::Error::config(FLAGS, "--attention-kernel", e))?;

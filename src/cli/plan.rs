@@ -224,6 +224,11 @@ fn print_device(p: &plan::Plan) {
     let (r, e) = (&p.request, &p.estimate);
     let d = &e.device;
     let z = r.zero_stage;
+    let saved_mlp = match plan::mlp_layers(&p.model, r) {
+        0 => "off".to_string(),
+        n if n == p.model.layers => "MLP input, gate, up per layer".to_string(),
+        n => format!("MLP input, gate, up of the top {n} of {} layers", p.model.layers),
+    };
     let rows: [(&str, u64, &str); 15] = [
         (
             "weights",
@@ -246,7 +251,7 @@ fn print_device(p: &plan::Plan) {
         ),
         ("saved activations", d.saved_activations, if r.offload_activations { "offloaded" } else { "" }),
         ("saved attention", d.saved_attention, if r.save_attention { "q, k, v, o, lse per layer" } else { "off" }),
-        ("saved MLP", d.saved_mlp, if r.save_mlp { "MLP input, gate, up per layer" } else { "off" }),
+        ("saved MLP", d.saved_mlp, &saved_mlp),
         ("layer transient", d.layer_transient, "backward of one layer, of which:"),
         ("  layer groups in flight", d.in_flight, if r.offload_activations { "brought back from the host" } else { "" }),
         ("  gradient, core, chunk", d.layer_backward, "[b,s,h] gradient, q/k/v/o (+ grads), one chunk"),
@@ -302,16 +307,16 @@ fn print_host(p: &plan::Plan) {
 pub fn print_suggestion(p: &plan::Plan) {
     let r = &p.request;
     match &p.suggestion {
-        Some(s) if s.as_requested && s.save_attention == r.save_attention && s.save_mlp == r.save_mlp => {
+        Some(s) if s.as_requested && s.save_attention == r.save_attention && !mlp_added(p, s) => {
             println!("  suggestion: as requested ({} GB peak)", plan::gb(s.peak))
         }
         Some(s) if s.as_requested => {
             let mut added = Vec::new();
             if s.save_attention && !r.save_attention {
-                added.push("--save-attention");
+                added.push("--save-attention".to_string());
             }
-            if s.save_mlp && !r.save_mlp {
-                added.push("--save-mlp");
+            if mlp_added(p, s) {
+                added.push(mlp_flag(s));
             }
             println!(
                 "  suggestion: as requested, with {} (less recompute in the backward: faster; {} GB peak)",
@@ -340,6 +345,20 @@ pub fn print_suggestion(p: &plan::Plan) {
     }
 }
 
+/// Whether suggestion `s` keeps the MLP of more layers than the request asked.
+fn mlp_added(p: &plan::Plan, s: &plan::Suggestion) -> bool {
+    let l = p.model.layers;
+    longctx::train::config::mlp_saved_layers(s.save_mlp, s.save_mlp_layers, l) > plan::mlp_layers(&p.model, &p.request)
+}
+
+/// The flag that keeps the MLP tensors the way suggestion `s` does.
+fn mlp_flag(s: &plan::Suggestion) -> String {
+    match s.save_mlp_layers {
+        Some(n) => format!("--save-mlp-layers {n}"),
+        None => "--save-mlp".to_string(),
+    }
+}
+
 /// The flags that turn request `r` into suggestion `s` (the mode always named).
 fn suggestion_flags(s: &plan::Suggestion, r: &plan::PlanRequest) -> String {
     let mut flags = format!("--parallel-mode {}", s.mode);
@@ -361,8 +380,8 @@ fn suggestion_flags(s: &plan::Suggestion, r: &plan::PlanRequest) -> String {
     if s.save_attention && !r.save_attention {
         flags += " --save-attention";
     }
-    if s.save_mlp && !r.save_mlp {
-        flags += " --save-mlp";
+    if s.save_mlp && (s.save_mlp_layers != r.save_mlp_layers || !r.save_mlp) {
+        flags += &format!(" {}", mlp_flag(s));
     }
     if s.optimizer_on_host && !r.optimizer_on_host {
         flags += " --optimizer-on-host";

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use crate::data::docs::LabelSource;
 use crate::data::loader::{FilesConfig, MixSource};
 use crate::data::packing::Packing;
-use crate::limits::{check_range, MAX_BATCH, MAX_BATCH_TOKENS, MAX_SEQ_LEN, MAX_SHUFFLE_BUFFER, MAX_STEPS, MAX_WORLD_SIZE};
+use crate::limits::{check_range, MAX_BATCH, MAX_BATCH_TOKENS, MAX_LAYERS, MAX_SEQ_LEN, MAX_SHUFFLE_BUFFER, MAX_STEPS, MAX_WORLD_SIZE};
 use crate::parallel::LengthField;
 
 /// Largest learning rate accepted (AdamW moves each weight by about the learning rate
@@ -318,6 +318,11 @@ pub struct ParallelSection {
     /// up projection (costs `layers × tokens × (hidden + 2·intermediate)` elements, see
     /// `longctx plan`).
     pub save_mlp: bool,
+    /// Keep the MLP tensors of the top `save_mlp_layers` layers only (the others recompute
+    /// them): a memory budget between `save_mlp = false` and every layer, which `longctx
+    /// plan` suggests when all layers do not fit. Set, it applies whatever `save_mlp` says;
+    /// at most the model's layers.
+    pub save_mlp_layers: Option<usize>,
     /// Seconds a collective may wait for the other ranks before every rank aborts, naming
     /// the rank and the collective (a peer alive but stuck); 0 = wait forever. Applies to
     /// NCCL and to the CPU transports (threads, processes).
@@ -336,8 +341,28 @@ impl Default for ParallelSection {
             token_chunk: 4096,
             save_attention: false,
             save_mlp: false,
+            save_mlp_layers: None,
             collective_timeout_s: DEFAULT_COLLECTIVE_TIMEOUT_S,
         }
+    }
+}
+
+impl ParallelSection {
+    /// How many layers, the top ones, keep their MLP tensors for the backward, of a model
+    /// with `layers` layers: `save_mlp_layers` when set (at most `layers`), all with
+    /// `save_mlp`, else none.
+    pub fn mlp_saved_layers(&self, layers: usize) -> usize {
+        mlp_saved_layers(self.save_mlp, self.save_mlp_layers, layers)
+    }
+}
+
+/// [`ParallelSection::mlp_saved_layers`] from its two fields (also the planner's and the
+/// engine's rule).
+pub fn mlp_saved_layers(save_mlp: bool, save_mlp_layers: Option<usize>, layers: usize) -> usize {
+    match save_mlp_layers {
+        Some(n) => n.min(layers),
+        None if save_mlp => layers,
+        None => 0,
     }
 }
 
@@ -988,6 +1013,9 @@ impl RunConfig {
         check_range(source, "parallel.ulysses_size", p.ulysses_size, 0, MAX_WORLD_SIZE)?;
         check_range(source, "parallel.token_chunk", p.token_chunk, 1, MAX_SEQ_LEN)?;
         check_range(source, "parallel.fpdt_chunk_size", p.fpdt_chunk_size, 1, MAX_SEQ_LEN)?;
+        if let Some(n) = p.save_mlp_layers {
+            check_range(source, "parallel.save_mlp_layers", n, 1, MAX_LAYERS)?;
+        }
         check_range(source, "train.batch_size", t.batch_size, 1, MAX_BATCH)?;
         check_range(source, "train.gradient_accumulate_every", t.gradient_accumulate_every, 1, MAX_BATCH)?;
         check_range(source, "data.shuffle_buffer", self.data.shuffle_buffer, 0, MAX_SHUFFLE_BUFFER)?;
@@ -1154,6 +1182,20 @@ mod tests {
         c.parallel.fpdt_chunk_size = 96;
         let e = c.validate(src).unwrap_err().to_string();
         assert!(e.contains("multiple of the chunk size 96"), "{e}");
+
+        let mut c = RunConfig::default();
+        c.parallel.save_mlp_layers = Some(0);
+        let e = c.validate(src).unwrap_err().to_string();
+        assert!(e.contains("parallel.save_mlp_layers"), "{e}");
+        // The count applies without save_mlp, at most the model's layers.
+        c.parallel.save_mlp_layers = Some(3);
+        c.validate(src).unwrap();
+        assert_eq!(c.parallel.mlp_saved_layers(32), 3);
+        assert_eq!(c.parallel.mlp_saved_layers(2), 2);
+        c.parallel.save_mlp_layers = None;
+        assert_eq!(c.parallel.mlp_saved_layers(32), 0);
+        c.parallel.save_mlp = true;
+        assert_eq!(c.parallel.mlp_saved_layers(32), 32);
     }
 
     #[test]

@@ -54,6 +54,9 @@ pub struct EngineOptions {
     /// the up projection (explicit backward only; memory `layers × tokens × (h + 2·i)`
     /// elements).
     pub save_mlp: bool,
+    /// With `save_mlp`, or alone: keep the MLP tensors of the top `n` layers only (the
+    /// others recompute them); `None` with `save_mlp` keeps every layer's.
+    pub save_mlp_layers: Option<usize>,
     /// Print a line per layer and phase of every step, after waiting for the device
     /// (`train.trace`).
     pub trace: bool,
@@ -68,6 +71,7 @@ impl Default for EngineOptions {
             profile: false,
             save_attention: false,
             save_mlp: false,
+            save_mlp_layers: None,
             trace: false,
         }
     }
@@ -278,11 +282,14 @@ impl Engine {
         self.plain.rope = rope;
     }
 
-    /// What the forward keeps of each layer besides its input: `(attention, mlp)` (the
-    /// explicit backward only; the autograd reference recomputes everything).
-    fn keeps(&self) -> (bool, bool) {
+    /// What the forward keeps of layer `l` besides its input: `(attention, mlp)` (the
+    /// explicit backward only; the autograd reference recomputes everything). The MLP's
+    /// tensors are kept for the top layers ([`crate::train::config::mlp_saved_layers`]).
+    fn keeps(&self, l: usize) -> (bool, bool) {
         let explicit = self.opts.layer_backward == LayerBackward::Explicit;
-        (self.opts.save_attention && explicit, self.opts.save_mlp && explicit)
+        let n = self.plain.layers.len();
+        let mlp_from = n - crate::train::config::mlp_saved_layers(self.opts.save_mlp, self.opts.save_mlp_layers, n);
+        (self.opts.save_attention && explicit, l >= mlp_from && explicit)
     }
 
     fn chunks(&self, s: usize) -> Vec<(usize, usize)> {
@@ -400,9 +407,9 @@ impl Engine {
                 self.plain.embed_with(&e, ids)
             }
         })?; // [b, s, h]
-        let (keep_attention, keep_mlp) = self.keeps();
         for l in 0..self.plain.layers.len() {
             self.prof.trace(dev, || format!("forward layer {l}"))?;
+            let (keep_attention, keep_mlp) = self.keeps(l);
             // The layer's weights (ZeRO-3: gathered, or brought from the host).
             self.prof.time(Phase::Optimizer, dev, || hooks.prepare(layer_unit(l)))?;
             let fetched = self.prof.time(Phase::Transfers, dev, || self.layer_from(hooks, l))?;
@@ -438,7 +445,7 @@ impl Engine {
                 }
                 Ok(group)
             })?;
-            let (keep_attention, keep_mlp) = self.keeps();
+            let (keep_attention, keep_mlp) = self.keeps(l);
             let saved = SavedLayer::split(group, keep_attention, keep_mlp, pass.chunks.len())?;
             gx = match self.opts.layer_backward {
                 LayerBackward::Explicit => {

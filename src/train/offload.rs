@@ -41,13 +41,15 @@ pub struct ActivationStore {
     stash: Stash,
     /// Bytes of the first group in the last step (a change frees the old-size buffers).
     group_bytes: usize,
+    /// Tensors in the largest group pushed this step.
+    group_len: usize,
 }
 
 use crate::train::engine::bytes;
 
 impl ActivationStore {
     pub fn new(offload: bool) -> Self {
-        Self { offload, slots: Vec::new(), saved_bytes: 0, host_bytes: 0, stash: Stash::new(), group_bytes: 0 }
+        Self { offload, slots: Vec::new(), saved_bytes: 0, host_bytes: 0, stash: Stash::new(), group_bytes: 0, group_len: 0 }
     }
 
     /// Start a new step: forget the previous step's slots (buffers are kept).
@@ -82,7 +84,11 @@ impl ActivationStore {
             if self.slots.is_empty() && n != self.group_bytes {
                 self.stash.trim(); // a new length (stage): buffers of the old size go
                 self.group_bytes = n;
-                // Copies in flight before the compute stream waits: two layers' worth.
+            }
+            // Copies in flight before the compute stream waits: two layers' worth, of the
+            // largest group so far (the top layers may keep more: `save_mlp_layers`).
+            if self.slots.is_empty() || group.len() > self.group_len {
+                self.group_len = group.len();
                 self.stash.set_max_pending(2 * group.len());
             }
         }

@@ -595,6 +595,7 @@ fn build_engine(sh: &Shared<'_>, zc: &ZeroConfig, picked: Vec<(&String, &Tensor)
         trace: cfg.train.trace,
         save_attention: cfg.parallel.save_attention,
         save_mlp: cfg.parallel.save_mlp,
+        save_mlp_layers: cfg.parallel.save_mlp_layers,
         layer_backward: cfg.train.layer_backward,
     };
     if zc.shards_weights() {

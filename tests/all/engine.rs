@@ -170,16 +170,25 @@ fn check(
     assert_eq!(got_keep.memory.saved_host_bytes, host_want, "{case}: saved attention goes where the layer inputs go");
     // The MLP's input and gate/up projections kept from the forward: the same products the
     // backward would recompute, so the same gradients bit for bit, alone and with the
-    // attention kept; each kept tensor counted where the layer inputs go.
+    // attention kept, for every layer or the top one only; each kept tensor counted where
+    // the layer inputs go.
     let (l, i, h) = (cfg.num_hidden_layers, cfg.intermediate_size, cfg.hidden_size);
-    let mlp_bytes = l * b * s * (h + 2 * i) * 4;
-    for (opts, what, plain, plain_saved) in [
-        (EngineOptions { save_mlp: true, ..base.clone() }, "MLP saved", &got, got.memory.saved_bytes),
+    let layer_mlp_bytes = b * s * (h + 2 * i) * 4;
+    for (opts, what, plain, plain_saved, mlp_bytes) in [
+        (EngineOptions { save_mlp: true, ..base.clone() }, "MLP saved", &got, got.memory.saved_bytes, l * layer_mlp_bytes),
         (
             EngineOptions { save_mlp: true, save_attention: true, ..base.clone() },
             "attention and MLP saved",
             &got_keep,
             got_keep.memory.saved_bytes,
+            l * layer_mlp_bytes,
+        ),
+        (
+            EngineOptions { save_mlp_layers: Some(1), save_attention: true, ..base.clone() },
+            "attention and the top layer's MLP saved",
+            &got_keep,
+            got_keep.memory.saved_bytes,
+            layer_mlp_bytes,
         ),
     ] {
         let eng = engine_with(cfg, opts)?;

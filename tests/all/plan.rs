@@ -283,6 +283,14 @@ fn check_run_catches_heads_and_allows_dp_changes() {
     c.stages.push(Stage { parallel_mode: Some(ParallelMode::UlyssesAttn), ..Stage::new(2048, 1e6, 1) });
     let e = plan::check_run(&c, &tiny, src).unwrap_err().to_string();
     assert!(e.contains("parallel_mode") && e.contains("4 query heads"), "{e}");
+    // The MLP kept for more layers than the model has.
+    let mut c = RunConfig::default();
+    c.parallel.save_mlp_layers = Some(tiny.num_hidden_layers + 1);
+    let e = plan::check_run(&c, &tiny, src).unwrap_err().to_string();
+    let want = format!("expected at most the model's {} layers", tiny.num_hidden_layers);
+    assert!(e.contains("run.toml") && e.contains("parallel.save_mlp_layers") && e.contains(&want), "{e}");
+    c.parallel.save_mlp_layers = Some(tiny.num_hidden_layers);
+    plan::check_run(&c, &tiny, src).unwrap();
 }
 
 /// The config-derived count equals the sum of the shapes stored in every fixture
@@ -365,9 +373,27 @@ fn saved_attention_by_hand_and_chosen_when_it_fits() {
     let off_attn = plan::estimate(&shape(), &PlanRequest { offload_activations: true, save_mlp: false, ..both }).unwrap();
     assert_eq!(off.device.saved_mlp, 0);
     assert_eq!(off.host.saved_activations, off_attn.host.saved_activations + 32 * 855_638_016);
-    // At 256K (32K tokens each) the attention still fits with the headroom, the MLP no longer.
-    let s = plan::suggest(&shape(), &req(256 * K, ParallelMode::ZigzagRingAttn)).unwrap();
-    assert!(s.as_requested && s.save_attention && !s.save_mlp, "{s:?}");
+    // At 256K (32K tokens each) the attention still fits with the headroom, the MLP of
+    // every layer no longer: the suggestion keeps it for the most top layers that fit
+    // with the headroom (one more would not), each counted at 32768 × (4096 + 2·11008) × 2 bytes.
+    let r256 = req(256 * K, ParallelMode::ZigzagRingAttn);
+    let s = plan::suggest(&shape(), &r256).unwrap();
+    assert!(s.as_requested && s.save_attention && s.save_mlp, "{s:?}");
+    let n = s.save_mlp_layers.expect("a count of layers");
+    assert!((1..32).contains(&n), "{s:?}");
+    let budget = (H200 as f64 * (1.0 - plan::SUGGESTION_HEADROOM)) as u64;
+    let with = |n: usize| {
+        let r = PlanRequest { save_attention: true, save_mlp: false, save_mlp_layers: Some(n), ..r256.clone() };
+        plan::estimate(&shape(), &r).unwrap()
+    };
+    let (e, over) = (with(n), with(n + 1));
+    assert_eq!(s.peak, e.device.peak);
+    assert!(e.device.peak <= budget && over.device.peak > budget, "{} {} {budget}", e.device.peak, over.device.peak);
+    assert_eq!(e.device.saved_mlp, n as u64 * 32768 * 26112 * 2);
+    assert_eq!(over.device.peak - e.device.peak, 32768 * 26112 * 2);
+    // A count past the model's layers is refused, naming the field and the bound.
+    let err = plan::estimate(&shape(), &PlanRequest { save_mlp_layers: Some(33), ..r256 }).unwrap_err().to_string();
+    assert!(err.contains("save_mlp_layers") && err.contains("got 33") && err.contains("32 layers"), "{err}");
 }
 
 /// A run config for the 1.1B shape on one GPU, one stage of `seq` tokens.
