@@ -489,7 +489,7 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let saved_attn = if req.save_attention { l * core } else { 0 };
     // The top `l_mlp` layers keep their MLP tensors; a layer group (brought back when
     // offloaded) is counted at its largest.
-    let l_mlp = u(crate::train::config::mlp_saved_layers(req.save_mlp, req.save_mlp_layers, model.layers));
+    let l_mlp = u(mlp_layers(model, req));
     let saved_mlp = l_mlp * mlp;
     let group = input + if req.save_attention { core } else { 0 } + if l_mlp > 0 { mlp } else { 0 };
     let (off, on_host) = (req.offload_activations, req.optimizer_on_host);
@@ -679,7 +679,7 @@ pub fn suggest(model: &ModelShape, req: &PlanRequest) -> Option<Suggestion> {
         fpdt_offload: e.layout.mode == ParallelMode::Fpdt && r.fpdt_offload,
         offload_activations: r.offload_activations,
         save_attention: r.save_attention,
-        save_mlp: crate::train::config::mlp_saved_layers(r.save_mlp, r.save_mlp_layers, model.layers) > 0,
+        save_mlp: mlp_layers(model, r) > 0,
         save_mlp_layers: r.save_mlp_layers.filter(|&n| n < model.layers),
         optimizer_on_host: r.optimizer_on_host,
         zero_stage: r.zero_stage,
@@ -700,7 +700,7 @@ pub fn suggest(model: &ModelShape, req: &PlanRequest) -> Option<Suggestion> {
         if attn != r && fits(&attn) {
             r = attn;
         }
-        let have = crate::train::config::mlp_saved_layers(r.save_mlp, r.save_mlp_layers, layers);
+        let have = mlp_layers(model, &r);
         if r.save_attention && have < layers {
             let with = |n: usize| PlanRequest { save_mlp: true, save_mlp_layers: (n < layers).then_some(n), ..r.clone() };
             // The peak grows with the layers kept: the largest count that fits, by bisection.
@@ -722,8 +722,7 @@ pub fn suggest(model: &ModelShape, req: &PlanRequest) -> Option<Suggestion> {
     if let Ok(e) = estimate(model, req) {
         if e.fits {
             let r = with_saved(req);
-            let changed = r.save_attention != req.save_attention || r.save_mlp != req.save_mlp || r.save_mlp_layers != req.save_mlp_layers;
-            let e = if changed { estimate(model, &r).unwrap_or(e) } else { e };
+            let e = if r != *req { estimate(model, &r).unwrap_or(e) } else { e };
             return Some(mk(&r, &e, true));
         }
     }
@@ -736,6 +735,14 @@ pub fn suggest(model: &ModelShape, req: &PlanRequest) -> Option<Suggestion> {
 /// How many layers (the top ones) keep their MLP tensors under request `req`.
 pub fn mlp_layers(model: &ModelShape, req: &PlanRequest) -> usize {
     crate::train::config::mlp_saved_layers(req.save_mlp, req.save_mlp_layers, model.layers)
+}
+
+impl Suggestion {
+    /// How many layers (the top ones) keep their MLP tensors under this suggestion, of a
+    /// model with `layers` layers.
+    pub fn mlp_layers(&self, layers: usize) -> usize {
+        crate::train::config::mlp_saved_layers(self.save_mlp, self.save_mlp_layers, layers)
+    }
 }
 
 /// Estimate and suggestion for a request (errors when the request itself is invalid).

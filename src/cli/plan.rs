@@ -307,7 +307,7 @@ fn print_host(p: &plan::Plan) {
 pub fn print_suggestion(p: &plan::Plan) {
     let r = &p.request;
     match &p.suggestion {
-        Some(s) if s.as_requested && s.save_attention == r.save_attention && !mlp_added(p, s) => {
+        Some(s) if s.as_requested && s.save_attention == r.save_attention && !mlp_added(p.model.layers, s, r) => {
             println!("  suggestion: as requested ({} GB peak)", plan::gb(s.peak))
         }
         Some(s) if s.as_requested => {
@@ -315,7 +315,7 @@ pub fn print_suggestion(p: &plan::Plan) {
             if s.save_attention && !r.save_attention {
                 added.push("--save-attention".to_string());
             }
-            if mlp_added(p, s) {
+            if mlp_added(p.model.layers, s, r) {
                 added.push(mlp_flag(s));
             }
             println!(
@@ -324,13 +324,13 @@ pub fn print_suggestion(p: &plan::Plan) {
                 plan::gb(s.peak)
             )
         }
-        Some(s) => println!("  suggestion: {} ({} GB peak)", suggestion_flags(s, r), plan::gb(s.peak)),
+        Some(s) => println!("  suggestion: {} ({} GB peak)", suggestion_flags(p.model.layers, s, r), plan::gb(s.peak)),
         None => {
             let largest = match plan::largest_suggested(&p.model, r) {
                 Some((n, s)) => format!(
                     "the largest length that fits there is {} (with {}); for {}, add GPUs (the activation terms shrink with sp) or a smaller micro-batch",
                     plan::tokens_label(n),
-                    suggestion_flags(&s, &plan::PlanRequest { seq_len: n, ..r.clone() }),
+                    suggestion_flags(p.model.layers, &s, &plan::PlanRequest { seq_len: n, ..r.clone() }),
                     plan::tokens_label(r.seq_len)
                 ),
                 None => "no length from 1K up fits there; add GPUs or a smaller micro-batch".to_string(),
@@ -345,10 +345,9 @@ pub fn print_suggestion(p: &plan::Plan) {
     }
 }
 
-/// Whether suggestion `s` keeps the MLP of more layers than the request asked.
-fn mlp_added(p: &plan::Plan, s: &plan::Suggestion) -> bool {
-    let l = p.model.layers;
-    longctx::train::config::mlp_saved_layers(s.save_mlp, s.save_mlp_layers, l) > plan::mlp_layers(&p.model, &p.request)
+/// Whether suggestion `s` keeps the MLP of more of the model's `layers` than request `r`.
+fn mlp_added(layers: usize, s: &plan::Suggestion, r: &plan::PlanRequest) -> bool {
+    s.mlp_layers(layers) > longctx::train::config::mlp_saved_layers(r.save_mlp, r.save_mlp_layers, layers)
 }
 
 /// The flag that keeps the MLP tensors the way suggestion `s` does.
@@ -360,7 +359,7 @@ fn mlp_flag(s: &plan::Suggestion) -> String {
 }
 
 /// The flags that turn request `r` into suggestion `s` (the mode always named).
-fn suggestion_flags(s: &plan::Suggestion, r: &plan::PlanRequest) -> String {
+fn suggestion_flags(layers: usize, s: &plan::Suggestion, r: &plan::PlanRequest) -> String {
     let mut flags = format!("--parallel-mode {}", s.mode);
     if s.mode != ParallelMode::DataParallel && s.sp != r.world {
         flags += &format!(" --sp-size {}", s.sp);
@@ -380,7 +379,7 @@ fn suggestion_flags(s: &plan::Suggestion, r: &plan::PlanRequest) -> String {
     if s.save_attention && !r.save_attention {
         flags += " --save-attention";
     }
-    if s.save_mlp && (s.save_mlp_layers != r.save_mlp_layers || !r.save_mlp) {
+    if mlp_added(layers, s, r) {
         flags += &format!(" {}", mlp_flag(s));
     }
     if s.optimizer_on_host && !r.optimizer_on_host {

@@ -540,6 +540,27 @@ fn plan_text_and_json() {
     assert!(o.stdout.contains("suggestion: --parallel-mode ulysses_attn --sp-size 4"), "{}", o.stdout);
 }
 
+/// The planner's partial MLP suggestion as text: at 256K on 8 GPUs (zigzag) the attention and
+/// the MLP of some top layers fit (tests/all/plan.rs has the bytes); the flag it names is
+/// the one that, given back, makes the request what it suggests.
+#[test]
+fn plan_suggests_mlp_layers_as_flags() {
+    let d = tmp();
+    let m = llama2_7b_dir(d.path());
+    let m = m.to_str().unwrap();
+    let base = ["plan", "--model", m, "--seq-length", "256K", "--gpus", "8", "--parallel-mode", "zigzag_ring_attn", "--optimizer-on-host"];
+    let o = ok(&base);
+    let tail = o.stdout.split("suggestion: as requested, with --save-attention --save-mlp-layers ").nth(1);
+    let n: usize = tail.and_then(|t| t.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{}", o.stdout));
+    assert!((1..32).contains(&n), "{}", o.stdout);
+    let n_s = n.to_string();
+    let o = ok(&[&base[..], &["--save-attention", "--save-mlp-layers", &n_s]].concat());
+    assert!(o.stdout.contains(&format!("MLP input, gate, up of the top {n} of 32 layers")), "{}", o.stdout);
+    assert!(o.stdout.contains("suggestion: as requested ("), "{}", o.stdout);
+    // Past the model's layers: refused, naming the field and the bound.
+    fails(&run(&[&base[..], &["--save-mlp-layers", "33"]].concat()), &["save_mlp_layers", "got 33", "32 layers"], false);
+}
+
 #[test]
 fn inspect_fixture() {
     let o = ok(&["inspect", "--model", "tests/fixtures/llama_gqa_bias", "--json"]);
