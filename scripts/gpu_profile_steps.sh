@@ -8,6 +8,8 @@
 #   BINARY default target-cuda/release/longctx (a .xz is unpacked first); OUTDIR default
 #   $OUT; SEQ default 65536; SHAPES default "7b tiny". Writes LABEL.log,
 #   LABEL-metrics.jsonl and a table of the steady steps' phases (profile.md).
+# Env: TOKEN_CHUNK overrides both shapes' token chunk; EXTRA_FLAGS are appended to `train`
+#   (e.g. "--save-mlp-layers 6"); TAG is appended to the shape in the output names.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 BIN=${1:-target-cuda/release/longctx}
@@ -22,19 +24,22 @@ printf '[train]\nprofile = true\n' > "$CFG"
 status=0
 for shape in $SHAPES; do
     case $shape in
-        7b) model=builtin:llama2-7b-shape steps=4 chunk=8192
+        7b) model=builtin:llama2-7b-shape steps=4 chunk=${TOKEN_CHUNK:-8192}
             flags=(--zero-stage 3 --offload-params --optimizer-on-host --skip-memory-check --save-attention);;
-        tiny) model=builtin:tinyllama-1.1b-shape steps=3 chunk=16384 flags=(--save-attention --save-mlp);;
+        tiny) model=builtin:tinyllama-1.1b-shape steps=3 chunk=${TOKEN_CHUNK:-16384} flags=(--save-attention --save-mlp);;
         *) echo "SHAPES: expected 7b and/or tiny, got $shape" >&2; exit 2;;
     esac
-    run=/tmp/profile-$shape; rm -rf "$run"
+    # shellcheck disable=SC2206
+    flags+=(${EXTRA_FLAGS:-})
+    name=$shape${TAG:-}
+    run=/tmp/profile-$name; rm -rf "$run"
     LD_LIBRARY_PATH=$OUR_LD timeout 420 "$BIN" train --config "$CFG" --model "$model" --dataset synthetic:passkey \
         --seq-length "$SEQ" --rope-theta 1e6 --max-train-steps "$steps" --batch-size 1 --device cuda --dtype bf16 \
         --token-chunk "$chunk" --learning-rate 1e-5 --no-save --output-dir "$run" "${flags[@]}" \
-        >"$OUTDIR/$shape.log" 2>&1 || { echo "$shape failed (see $shape.log)"; status=1; }
-    cp "$run/metrics.jsonl" "$OUTDIR/$shape-metrics.jsonl" 2>/dev/null || status=1
+        >"$OUTDIR/$name.log" 2>&1 || { echo "$name failed (see $name.log)"; status=1; }
+    cp "$run/metrics.jsonl" "$OUTDIR/$name-metrics.jsonl" 2>/dev/null || status=1
 done
-python3 - "$OUTDIR" $SHAPES <<'EOF' | tee "$OUTDIR/profile.md"
+python3 - "$OUTDIR" $(for s in $SHAPES; do echo "$s${TAG:-}"; done) <<'EOF' | tee -a "$OUTDIR/profile.md"
 import json, os, sys
 out = sys.argv[1]
 for shape in sys.argv[2:]:

@@ -1,20 +1,110 @@
-//! A weight gradient accumulated into its f32 buffer by the GEMM itself:
-//! `acc ← acc + alpha · dyᵀ · x`, one cuBLAS `gemmEx` call with `beta = 1` (16-bit inputs,
-//! f32 output and f32 math), so that no 16-bit `dW` is materialised, rounded, and then
-//! added by a separate kernel.
+//! GEMMs that write into a buffer they are given, one cuBLAS `gemmEx` call each (f32 math):
+//! - [`matmul_acc_f32`]: a weight gradient accumulated into its f32 buffer by the GEMM
+//!   itself, `acc ← acc + alpha · dyᵀ · x` (`beta = 1`), so that no 16-bit `dW` is
+//!   materialised, rounded, and then added by a separate kernel;
+//! - [`matmul_into`]: `dst ← a · op(b)` or `dst ← dst + a · op(b)` in the activation dtype,
+//!   one rounding: a projection written straight into the rows of a whole-sequence buffer
+//!   (no copy after it), or summed onto the gradient already there (no sum after it).
 //!
 //! Shapes: `dy`: `[n, o]` (the gradient of a linear layer's output, rows = tokens), `x`:
 //! `[n, i]` (its input), both bf16, f16 or f32 of one dtype, contiguous; `acc`: `[o, i]`
 //! f32, contiguous (a view into a larger flat buffer is fine), updated in place.
+//! [`matmul_into`]: `a [n, k]`, `b [o, k]` ([`Rhs::Transposed`]) or `[k, o]` ([`Rhs::AsIs`]),
+//! `dst [n, o]` (a view is fine), all of one dtype, contiguous.
 //!
 //! cuBLAS is column-major: the row-major `acc [o, i]` is the column-major `[i, o]` matrix
 //! `xᵀ·dy` with `x` read as column-major `[i, n]` (no transpose) and `dy` as `[o, n]`
-//! (transposed). The CPU twin computes `dyᵀ·x` in f32 with Candle's matmul and adds it.
+//! (transposed); the row-major `dst [n, o]` is the column-major `[o, n]` matrix
+//! `op(b)ᵀ · aᵀ`, `aᵀ` being `a` read as column-major `[k, n]`. The CPU twins compute in f32
+//! with Candle's matmul, then add (and round once).
 
 use crate::common::*;
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor};
 
 const OP: &str = "matmul_acc_f32";
+const INTO: &str = "matmul_into";
+
+/// How `b` enters [`matmul_into`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rhs {
+    /// `b [o, k]` transposed, `a · bᵀ`: a linear layer's forward (`b` its weight `[out, in]`).
+    Transposed,
+    /// `b [k, o]` as is, `a · b`: a linear layer's input gradient (`b` its weight).
+    AsIs,
+}
+
+/// `dst [n, o] ← a [n, k] · op(b)`, or with `accumulate` `dst ← dst + a · op(b)`: f32 math,
+/// rounded once to the dtype of `a`, `b` and `dst` (bf16, f16 or f32, all one dtype,
+/// contiguous). `dst` may be rows of a larger buffer; it must not share storage with `a` or
+/// `b`.
+pub fn matmul_into(dst: &Tensor, a: &Tensor, b: &Tensor, rhs: Rhs, accumulate: bool) -> Result<()> {
+    check_float(INTO, "a", a)?;
+    for (name, t) in [("dst", dst), ("a", a), ("b", b)] {
+        check_dtype(INTO, name, t, a.dtype())?;
+        check_contiguous(INTO, name, t)?;
+        check_device(INTO, name, t, a)?;
+    }
+    let (n, k) = a.dims2()?;
+    let (b0, b1) = b.dims2()?;
+    let o = match rhs {
+        Rhs::Transposed if b1 == k => b0,
+        Rhs::AsIs if b0 == k => b1,
+        _ => bail!(
+            "{INTO}: `a` [{n}, {k}] and `b` [{b0}, {b1}] do not multiply ({rhs:?}: `b` must have {k} {})",
+            match rhs {
+                Rhs::Transposed => "columns",
+                Rhs::AsIs => "rows",
+            }
+        ),
+    };
+    check_dims(INTO, "dst", dst, &[n, o])?;
+    check_distinct(INTO, &[("dst", dst), ("a", a), ("b", b)])?;
+    if n == 0 || o == 0 {
+        return Ok(());
+    }
+    if a.device().is_cpu() {
+        let f = |t: &Tensor| t.to_dtype(DType::F32);
+        let p = match rhs {
+            Rhs::Transposed => f(a)?.matmul(&f(b)?.t()?)?,
+            Rhs::AsIs => f(a)?.matmul(&f(b)?)?,
+        };
+        return dst.inplace_op2(&p, &StoreOp { accumulate });
+    }
+    #[cfg(feature = "cuda")]
+    {
+        dst.inplace_op3(a, b, &cuda_op::GemmInto { dims: (n, k, o), rhs, accumulate })
+    }
+    #[cfg(not(feature = "cuda"))]
+    bail!("{INTO}: device {:?} is not supported (build with the `cuda` feature)", dst.device())
+}
+
+/// The CPU twin's write: `dst ← T(p + dst)` or `T(p)` for the f32 product `p`.
+struct StoreOp {
+    accumulate: bool,
+}
+
+impl InplaceOp2 for StoreOp {
+    fn name(&self) -> &'static str {
+        INTO
+    }
+
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
+        let p = cpu_slice::<f32>(INTO, "product", s2, l2)?;
+        dispatch_float!(INTO, s1.dtype(), T => {
+            let out = cpu_slice_mut::<T>(INTO, "dst", s1, l1)?;
+            for (o, &v) in out.iter_mut().zip(p) {
+                *o = T::from_f(if self.accumulate { v + o.to_f() } else { v });
+            }
+            Ok(())
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, _: &mut candle_core::CudaStorage, _: &Layout, _: &candle_core::CudaStorage, _: &Layout) -> Result<()> {
+        bail!("{INTO}: internal error, the GPU path does not use the CPU store")
+    }
+}
 
 /// `acc [o, i] f32 ← acc + alpha · dy [n, o]ᵀ · x [n, i]`, in place.
 pub fn matmul_acc_f32(acc: &Tensor, dy: &Tensor, x: &Tensor, alpha: f64) -> Result<()> {
@@ -51,7 +141,7 @@ pub fn matmul_acc_f32(acc: &Tensor, dy: &Tensor, x: &Tensor, alpha: f64) -> Resu
 
 #[cfg(feature = "cuda")]
 mod cuda_op {
-    use super::OP;
+    use super::{Rhs, INTO, OP};
     use crate::cuda::{view, view_mut};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::cublas::{result, sys};
@@ -66,8 +156,8 @@ mod cuda_op {
         pub dims: (usize, usize, usize),
     }
 
-    fn dims_i32(d: usize) -> Result<c_int> {
-        c_int::try_from(d).map_err(|_| candle_core::Error::Msg(format!("{OP}: dimension {d} exceeds cuBLAS's 32-bit limit")))
+    fn dims_i32(op: &str, d: usize) -> Result<c_int> {
+        c_int::try_from(d).map_err(|_| candle_core::Error::Msg(format!("{op}: dimension {d} exceeds cuBLAS's 32-bit limit")))
     }
 
     impl InplaceOp3 for GemmAcc {
@@ -106,7 +196,7 @@ mod cuda_op {
         (x, lx): (&CudaStorage, &Layout),
     ) -> Result<()> {
         let (n, o, i) = args.dims;
-        let (m_, n_, k_) = (dims_i32(i)?, dims_i32(o)?, dims_i32(n)?);
+        let (m_, n_, k_) = (dims_i32(OP, i)?, dims_i32(OP, o)?, dims_i32(OP, n)?);
         let dev = acc.device().clone();
         let blas = dev.cublas_handle();
         let stream = dev.cuda_stream();
@@ -144,5 +234,88 @@ mod cuda_op {
             )
         }
         .w()
+    }
+
+    pub(super) struct GemmInto {
+        /// `(n, k, o)`: rows of `a`, the inner dimension, columns of `dst`.
+        pub dims: (usize, usize, usize),
+        pub rhs: Rhs,
+        pub accumulate: bool,
+    }
+
+    impl InplaceOp3 for GemmInto {
+        fn name(&self) -> &'static str {
+            INTO
+        }
+
+        fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<()> {
+            bail!("{INTO}: internal error, the CPU path does not use the op")
+        }
+
+        fn cuda_fwd(&self, dst: &mut CudaStorage, ld: &Layout, a: &CudaStorage, la: &Layout, b: &CudaStorage, lb: &Layout) -> Result<()> {
+            match a.dtype() {
+                DType::BF16 => self.gemm::<half::bf16>(sys::cudaDataType_t::CUDA_R_16BF, (dst, ld), (a, la), (b, lb)),
+                DType::F16 => self.gemm::<half::f16>(sys::cudaDataType_t::CUDA_R_16F, (dst, ld), (a, la), (b, lb)),
+                DType::F32 => self.gemm::<f32>(sys::cudaDataType_t::CUDA_R_32F, (dst, ld), (a, la), (b, lb)),
+                other => bail!("{INTO}: dtype {other:?} is not supported"),
+            }
+        }
+    }
+
+    impl GemmInto {
+        /// Column-major `D [o, n] = op(B) [o, k] · A [k, n] (+ D)`, `A = a` (ld `k`), `B = b`
+        /// (`[k, o]` ld `k` transposed, or `[o, k]` ld `o` as is), `D = dst` (ld `o`).
+        fn gemm<E: CudaDType + DeviceRepr>(
+            &self,
+            ty: sys::cudaDataType_t,
+            (dst, ld): (&mut CudaStorage, &Layout),
+            (a, la): (&CudaStorage, &Layout),
+            (b, lb): (&CudaStorage, &Layout),
+        ) -> Result<()> {
+            let (n, k, o) = self.dims;
+            let (m_, n_, k_) = (dims_i32(INTO, o)?, dims_i32(INTO, n)?, dims_i32(INTO, k)?);
+            let (op_b, ld_b) = match self.rhs {
+                Rhs::Transposed => (sys::cublasOperation_t::CUBLAS_OP_T, k_),
+                Rhs::AsIs => (sys::cublasOperation_t::CUBLAS_OP_N, m_),
+            };
+            let dev = dst.device().clone();
+            let blas = dev.cublas_handle();
+            let stream = dev.cuda_stream();
+            let av = view::<E>(INTO, "a", a, la)?;
+            let bv = view::<E>(INTO, "b", b, lb)?;
+            let mut d = view_mut::<E>(INTO, "dst", dst, ld)?;
+            let (ap, _g1) = av.device_ptr(&stream);
+            let (bp, _g2) = bv.device_ptr(&stream);
+            let (dp, _g3) = d.device_ptr_mut(&stream);
+            let (alpha, beta) = (1.0f32, if self.accumulate { 1.0f32 } else { 0.0 });
+            // SAFETY: the pointers address contiguous buffers of the checked shapes (`a` n·k,
+            // `b` k·o, `dst` n·o elements, `dst` distinct from both) on the stream the
+            // cuBLAS handle is bound to; the guards order this call after their last writes
+            // and before later readers. With beta = 0 cuBLAS does not read `dst`.
+            unsafe {
+                result::gemm_ex(
+                    *blas.handle(),
+                    op_b,
+                    sys::cublasOperation_t::CUBLAS_OP_N,
+                    m_,
+                    n_,
+                    k_,
+                    (&alpha) as *const f32 as *const c_void,
+                    bp as *const c_void,
+                    ty,
+                    ld_b,
+                    ap as *const c_void,
+                    ty,
+                    k_,
+                    (&beta) as *const f32 as *const c_void,
+                    dp as *mut c_void,
+                    ty,
+                    m_,
+                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .w()
+        }
     }
 }

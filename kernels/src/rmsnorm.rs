@@ -13,11 +13,12 @@
 
 use crate::common::*;
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, InplaceOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 const FWD: &str = "rms_norm_fwd";
 const BWD: &str = "rms_norm_bwd";
+const BWD_INTO: &str = "rms_norm_bwd_into";
 
 /// Outputs of [`rms_norm_fwd`].
 #[derive(Debug, Clone)]
@@ -82,27 +83,53 @@ pub fn rms_norm_fwd(x: &Tensor, residual: Option<&Tensor>, weight: &Tensor, eps:
 /// `rstd [..]` f32 from the forward, `d_residual [.., h]` (T, optional): the gradient
 /// already arriving on the residual stream, added to `dx`. All contiguous.
 pub fn rms_norm_bwd(dy: &Tensor, x_sum: &Tensor, weight: &Tensor, rstd: &Tensor, d_residual: Option<&Tensor>) -> Result<RmsNormGrads> {
-    check_float(BWD, "dy", dy)?;
-    let (rows, h) = hidden(BWD, dy, weight)?;
-    for (name, t) in [("x_sum", x_sum), ("weight", weight)].into_iter().chain(d_residual.map(|t| ("d_residual", t))) {
-        check_dtype(BWD, name, t, dy.dtype())?;
-        check_contiguous(BWD, name, t)?;
-        check_device(BWD, name, t, dy)?;
-        if name != "weight" {
-            check_dims(BWD, name, t, dy.dims())?;
-        }
-    }
-    check_contiguous(BWD, "dy", dy)?;
-    check_dtype(BWD, "rstd", rstd, candle_core::DType::F32)?;
-    check_contiguous(BWD, "rstd", rstd)?;
-    check_device(BWD, "rstd", rstd, dy)?;
-    if rstd.elem_count() != rows {
-        bail!("{BWD}: `rstd` must hold one value per row ({rows}), got shape {:?}", rstd.dims());
-    }
+    let (_, h) = check_bwd_args(BWD, dy, x_sum, weight, rstd, d_residual)?;
     let op = BwdOp { h, rstd: rstd.clone(), d_residual: d_residual.cloned(), extras: Extras::default() };
     let dx = dy.apply_op3_no_bwd(x_sum, weight, &op)?;
     let dweight = op.extras.take(BWD, 1)?.remove(0);
     Ok(RmsNormGrads { dx, dweight })
+}
+
+/// [`rms_norm_bwd`] with the residual gradient updated in place: `d_residual ← d_residual +
+/// (the norm's input gradient)`, so that the gradient of `x_sum` lands where the residual
+/// gradient was (rows of a whole-sequence buffer: no copy after it). Returns `dweight [h]`
+/// f32. `d_residual` must not share storage with `dy` or `x_sum`.
+pub fn rms_norm_bwd_into(d_residual: &Tensor, dy: &Tensor, x_sum: &Tensor, weight: &Tensor, rstd: &Tensor) -> Result<Tensor> {
+    check_bwd_args(BWD_INTO, dy, x_sum, weight, rstd, Some(d_residual))?;
+    check_distinct(BWD_INTO, &[("d_residual", d_residual), ("dy", dy), ("x_sum", x_sum)])?;
+    let h = weight.elem_count();
+    let op = BwdOp { h, rstd: rstd.clone(), d_residual: None, extras: Extras::default() };
+    d_residual.inplace_op3(dy, x_sum, &InPlace { op: &op, weight: weight.clone() })?;
+    Ok(op.extras.take(BWD_INTO, 1)?.remove(0))
+}
+
+/// The checks both backward entry points make; `(rows, h)`.
+fn check_bwd_args(
+    op: &str,
+    dy: &Tensor,
+    x_sum: &Tensor,
+    weight: &Tensor,
+    rstd: &Tensor,
+    d_residual: Option<&Tensor>,
+) -> Result<(usize, usize)> {
+    check_float(op, "dy", dy)?;
+    let (rows, h) = hidden(op, dy, weight)?;
+    for (name, t) in [("x_sum", x_sum), ("weight", weight)].into_iter().chain(d_residual.map(|t| ("d_residual", t))) {
+        check_dtype(op, name, t, dy.dtype())?;
+        check_contiguous(op, name, t)?;
+        check_device(op, name, t, dy)?;
+        if name != "weight" {
+            check_dims(op, name, t, dy.dims())?;
+        }
+    }
+    check_contiguous(op, "dy", dy)?;
+    check_dtype(op, "rstd", rstd, candle_core::DType::F32)?;
+    check_contiguous(op, "rstd", rstd)?;
+    check_device(op, "rstd", rstd, dy)?;
+    if rstd.elem_count() != rows {
+        bail!("{op}: `rstd` must hold one value per row ({rows}), got shape {:?}", rstd.dims());
+    }
+    Ok((rows, h))
 }
 
 // ---------------------------------------------------------------- CPU twins
@@ -128,8 +155,17 @@ fn fwd_cpu<T: Elem>(x: &[T], res: Option<&[T]>, w: &[T], h: usize, eps: f32) -> 
 /// resumed run must reproduce a straight one bit for bit).
 const DW_BLOCK_ROWS: usize = 64;
 
-fn bwd_cpu<T: Elem>(dy: &[T], xs: &[T], w: &[T], rstd: &[f32], dres: Option<&[T]>, h: usize) -> (Vec<T>, Vec<f32>) {
-    let mut dx = vec![T::from_f(0.0); dy.len()];
+/// Where the backward's residual gradient comes from.
+#[derive(Clone, Copy)]
+enum Res<'a, T> {
+    None,
+    From(&'a [T]),
+    /// The output buffer holds it (updated in place).
+    InPlace,
+}
+
+/// Writes the gradient of `x_sum` into `dx` (plus the residual gradient), returns `dw`.
+fn bwd_cpu<T: Elem>(dy: &[T], xs: &[T], w: &[T], rstd: &[f32], dres: Res<T>, dx: &mut [T], h: usize) -> Vec<f32> {
     let inv_h = 1.0 / h as f32;
     let partials: Vec<Vec<f32>> = dx
         .par_chunks_mut(h * DW_BLOCK_ROWS)
@@ -150,8 +186,10 @@ fn bwd_cpu<T: Elem>(dy: &[T], xs: &[T], w: &[T], rstd: &[f32], dres: Option<&[T]
                 for j in 0..h {
                     let n = xr[j].to_f() * r;
                     let mut o = r * (dyr[j].to_f() * w[j].to_f() - n * dot);
-                    if let Some(dr) = dres {
-                        o += dr[base + j].to_f();
+                    match dres {
+                        Res::None => {}
+                        Res::From(dr) => o += dr[base + j].to_f(),
+                        Res::InPlace => o += dxr[j].to_f(),
                     }
                     dxr[j] = T::from_f(o);
                 }
@@ -163,7 +201,7 @@ fn bwd_cpu<T: Elem>(dy: &[T], xs: &[T], w: &[T], rstd: &[f32], dres: Option<&[T]
     for p in &partials {
         dw.iter_mut().zip(p).for_each(|(x, y)| *x += y);
     }
-    (dx, dw)
+    dw
 }
 
 // ---------------------------------------------------------------- forward op
@@ -311,13 +349,14 @@ impl CustomOp3 for BwdOp {
             let dy = cpu_slice::<T>(BWD, "dy", s1, l1)?;
             let xs = cpu_slice::<T>(BWD, "x_sum", s2, l2)?;
             let w = cpu_slice::<T>(BWD, "weight", s3, l3)?;
-            let (dx, dw) = with_cpu(BWD, "rstd", &self.rstd, |rs, rl| {
+            let mut dx = vec![T::from_f(0.0); dy.len()];
+            let dw = with_cpu(BWD, "rstd", &self.rstd, |rs, rl| {
                 let rstd = cpu_slice::<f32>(BWD, "rstd", rs, rl)?;
                 match &self.d_residual {
                     Some(t) => with_cpu(BWD, "d_residual", t, |ds, dl| {
-                        Ok(bwd_cpu(dy, xs, w, rstd, Some(cpu_slice::<T>(BWD, "d_residual", ds, dl)?), self.h))
+                        Ok(bwd_cpu(dy, xs, w, rstd, Res::From(cpu_slice::<T>(BWD, "d_residual", ds, dl)?), &mut dx, self.h))
                     }),
-                    None => Ok(bwd_cpu(dy, xs, w, rstd, None, self.h)),
+                    None => Ok(bwd_cpu(dy, xs, w, rstd, Res::None, &mut dx, self.h)),
                 }
             })?;
             self.extras.push(cpu_storage(dw), self.h);
@@ -335,50 +374,125 @@ impl CustomOp3 for BwdOp {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use crate::cuda::{alloc, launch, row_threads, sm_count, view, Module, NULL};
-        use candle_core::cuda::cudarc::driver::{CudaView, LaunchConfig};
-        use candle_core::{CudaStorage, Storage};
+        use crate::cuda::{alloc, view, NULL};
+        use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut};
         let dev = s1.device().clone();
+        let stream = dev.cuda_stream();
         let shape = l1.shape().clone();
-        let (n, h) = (shape.elem_count(), self.h);
-        let rows = n / h;
+        let n = shape.elem_count();
+        dispatch_float!(BWD, s1.dtype(), T => {
+            let (dyv, xsv, wv) = (view::<T>(BWD, "dy", s1, l1)?, view::<T>(BWD, "x_sum", s2, l2)?, view::<T>(BWD, "weight", s3, l3)?);
+            let mut dx = alloc::<T>(&dev, n)?;
+            {
+                let ((dyp, _g1), (xsp, _g2), (wp, _g3)) = (dyv.device_ptr(&stream), xsv.device_ptr(&stream), wv.device_ptr(&stream));
+                let (dxp, _g4) = dx.device_ptr_mut(&stream);
+                match &self.d_residual {
+                    Some(t) => with_cuda(BWD, "d_residual", t, |ds, dl| {
+                        let dv = view::<T>(BWD, "d_residual", ds, dl)?;
+                        let (dp, _g5) = dv.device_ptr(&stream);
+                        self.launch::<T>(BWD, &dev, n / self.h, [dyp, xsp, wp, dp, dxp])
+                    })?,
+                    None => self.launch::<T>(BWD, &dev, n / self.h, [dyp, xsp, wp, NULL, dxp])?,
+                }
+            }
+            Ok((candle_core::CudaStorage::wrap_cuda_slice(dx, dev), shape))
+        })
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl BwdOp {
+    /// Launches the backward over `rows` rows and pushes `dweight [h]` f32. The buffers
+    /// `[dy, x_sum, weight, d_residual, dx]` come as device addresses (the callers hold
+    /// their views and guards); `d_residual` 0 for none, or equal to `dx` (in place: the
+    /// kernel reads each residual element before it writes the same element, in the same
+    /// thread).
+    fn launch<T: Elem>(&self, op: &str, dev: &candle_core::CudaDevice, rows: usize, [dy, xs, w, dres, dx]: [u64; 5]) -> Result<()> {
+        use crate::cuda::{alloc, launch, row_threads, sm_count, view, Module};
+        use candle_core::cuda::cudarc::driver::LaunchConfig;
+        use candle_core::{CudaStorage, Storage};
+        let h = self.h;
         let smem = h * 4;
         if smem > 48 * 1024 {
-            bail!("{BWD}: hidden size {h} is above the CUDA kernel's limit of 12288 (its weight-gradient sum lives in shared memory)");
+            bail!("{op}: hidden size {h} is above the CUDA kernel's limit of 12288 (its weight-gradient sum lives in shared memory)");
         }
-        let parts = rows.clamp(1, 2 * sm_count(&dev)?);
-        dispatch_float!(BWD, s1.dtype(), T => {
-            let dyv = view::<T>(BWD, "dy", s1, l1)?;
-            let xsv = view::<T>(BWD, "x_sum", s2, l2)?;
-            let wv = view::<T>(BWD, "weight", s3, l3)?;
-            let mut dx = alloc::<T>(&dev, n)?;
-            let mut part = alloc::<f32>(&dev, parts * h)?;
-            let mut dw = alloc::<f32>(&dev, h)?;
-            let name = format!("rmsnorm_bwd_{}", T::SUFFIX);
-            let cfg = LaunchConfig { grid_dim: (parts as u32, 1, 1), block_dim: (row_threads(h, 8, 512), 1, 1), shared_mem_bytes: smem as u32 };
-            let (rows_arg, h_arg) = (rows, h as i32);
-            let mut run = |rstd: CudaView<f32>, dres: Option<CudaView<T>>| -> Result<()> {
-                if rows == 0 {
-                    return Ok(());
-                }
-                match &dres {
-                    Some(d) => launch!(dev, Module::RmsNorm, name, cfg, &dyv, &xsv, &wv, &rstd, d, &mut dx, &mut part, &rows_arg, &h_arg),
-                    None => launch!(dev, Module::RmsNorm, name, cfg, &dyv, &xsv, &wv, &rstd, &NULL, &mut dx, &mut part, &rows_arg, &h_arg),
-                }
+        let parts = rows.clamp(1, 2 * sm_count(dev)?);
+        let mut part = alloc::<f32>(dev, parts * h)?;
+        let mut dw = alloc::<f32>(dev, h)?;
+        let (rows_arg, h_arg) = (rows, h as i32);
+        if rows > 0 {
+            with_cuda(op, "rstd", &self.rstd, |rs, rl| {
+                let rstd = view::<f32>(op, "rstd", rs, rl)?;
+                let name = format!("rmsnorm_bwd_{}", T::SUFFIX);
+                let cfg = LaunchConfig {
+                    grid_dim: (parts as u32, 1, 1),
+                    block_dim: (row_threads(h, 8, 512), 1, 1),
+                    shared_mem_bytes: smem as u32,
+                };
+                launch!(dev, Module::RmsNorm, name, cfg, &dy, &xs, &w, &rstd, &dres, &dx, &mut part, &rows_arg, &h_arg);
                 Ok(())
-            };
-            with_cuda(BWD, "rstd", &self.rstd, |rs, rl| {
-                let rstd = view::<f32>(BWD, "rstd", rs, rl)?;
-                match &self.d_residual {
-                    Some(t) => with_cuda(BWD, "d_residual", t, |ds, dl| run(rstd, Some(view::<T>(BWD, "d_residual", ds, dl)?))),
-                    None => run(rstd, None),
-                }
             })?;
-            let cfg = LaunchConfig { grid_dim: (h.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            let parts_arg = if rows == 0 { 0i32 } else { parts as i32 };
-            launch!(dev, Module::RmsNorm, "rmsnorm_dw_reduce", cfg, &part, &mut dw, &parts_arg, &h_arg);
-            self.extras.push(Storage::Cuda(CudaStorage::wrap_cuda_slice(dw, dev.clone())), h);
-            Ok((CudaStorage::wrap_cuda_slice(dx, dev), shape))
+        }
+        let cfg = LaunchConfig { grid_dim: (h.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let parts_arg = if rows == 0 { 0i32 } else { parts as i32 };
+        launch!(dev, Module::RmsNorm, "rmsnorm_dw_reduce", cfg, &part, &mut dw, &parts_arg, &h_arg);
+        self.extras.push(Storage::Cuda(CudaStorage::wrap_cuda_slice(dw, dev.clone())), h);
+        Ok(())
+    }
+}
+
+/// [`rms_norm_bwd_into`]'s op: `d_residual` is the in-place buffer, `(dy, x_sum)` Candle's
+/// two other inputs, `weight` (and the backward's `rstd`) ride in the structs.
+struct InPlace<'a> {
+    op: &'a BwdOp,
+    weight: Tensor,
+}
+
+impl InplaceOp3 for InPlace<'_> {
+    fn name(&self) -> &'static str {
+        BWD_INTO
+    }
+
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<()> {
+        dispatch_float!(BWD_INTO, s2.dtype(), T => {
+            let dy = cpu_slice::<T>(BWD_INTO, "dy", s2, l2)?;
+            let xs = cpu_slice::<T>(BWD_INTO, "x_sum", s3, l3)?;
+            let dx = cpu_slice_mut::<T>(BWD_INTO, "d_residual", s1, l1)?;
+            let dw = with_cpu(BWD_INTO, "weight", &self.weight, |ws, wl| {
+                let w = cpu_slice::<T>(BWD_INTO, "weight", ws, wl)?;
+                with_cpu(BWD_INTO, "rstd", &self.op.rstd, |rs, rl| {
+                    Ok(bwd_cpu(dy, xs, w, cpu_slice::<f32>(BWD_INTO, "rstd", rs, rl)?, Res::InPlace, dx, self.op.h))
+                })
+            })?;
+            self.op.extras.push(cpu_storage(dw), self.op.h);
+            Ok(())
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<()> {
+        use crate::cuda::{view, view_mut};
+        use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut};
+        let dev = s1.device().clone();
+        let stream = dev.cuda_stream();
+        let rows = l1.shape().elem_count() / self.op.h;
+        dispatch_float!(BWD_INTO, s2.dtype(), T => {
+            let (dyv, xsv) = (view::<T>(BWD_INTO, "dy", s2, l2)?, view::<T>(BWD_INTO, "x_sum", s3, l3)?);
+            let mut dx = view_mut::<T>(BWD_INTO, "d_residual", s1, l1)?;
+            with_cuda(BWD_INTO, "weight", &self.weight, |ws, wl| {
+                let wv = view::<T>(BWD_INTO, "weight", ws, wl)?;
+                let ((dyp, _g1), (xsp, _g2), (wp, _g3)) = (dyv.device_ptr(&stream), xsv.device_ptr(&stream), wv.device_ptr(&stream));
+                let (dxp, _g4) = dx.device_ptr_mut(&stream);
+                self.op.launch::<T>(BWD_INTO, &dev, rows, [dyp, xsp, wp, dxp, dxp])
+            })
         })
     }
 }

@@ -157,8 +157,33 @@ fn rmsnorm_bwd_case(dev: &Device, dtype: DType) {
     assert_close(&format!("rmsnorm bwd dw {tag}"), &g.dweight, dw_ref, rt, at);
 }
 
+/// [`rms_norm_bwd_into`] against [`rms_norm_bwd`] with the same residual gradient: the same
+/// values (bit for bit: one kernel, one formula), written into rows of a larger buffer and
+/// nowhere else; `dweight` identical.
+fn rmsnorm_bwd_into_case(dev: &Device, dtype: DType, (n, h): (usize, usize)) {
+    let xs = rand(&[n, h], 15, 2.0, dtype, dev);
+    let w = (rand(&[h], 16, 0.5, DType::F32, dev) + 1.0).unwrap().to_dtype(dtype).unwrap();
+    let dy = rand(&[n, h], 17, 1.0, dtype, dev);
+    let fwd = rms_norm_fwd(&xs, None, &w, 1e-6).unwrap();
+    let whole = rand(&[n + 5, h], 18, 1.0, dtype, dev);
+    let before = vec32(&whole);
+    let rows = whole.narrow(0, 2, n).unwrap();
+    let want = rms_norm_bwd(&dy, &fwd.x_sum, &w, &fwd.rstd, Some(&rows.copy().unwrap())).unwrap();
+    let dw = rms_norm_bwd_into(&rows, &dy, &fwd.x_sum, &w, &fwd.rstd).unwrap();
+    let tag = format!("rmsnorm bwd_into {dtype:?} {n}x{h} on {:?}", dev.location());
+    assert_eq!(vec32(&rows), vec32(&want.dx), "{tag}: dx");
+    assert_eq!(vec32(&dw), vec32(&want.dweight), "{tag}: dweight");
+    let after = vec32(&whole);
+    assert_eq!(&after[..2 * h], &before[..2 * h], "{tag}: wrote before its rows");
+    assert_eq!(&after[(n + 2) * h..], &before[(n + 2) * h..], "{tag}: wrote past its rows");
+    let e = rms_norm_bwd_into(&dy, &dy, &fwd.x_sum, &w, &fwd.rstd).unwrap_err().to_string();
+    assert!(e.contains("share storage"), "{e}");
+}
+
 #[test]
 fn rmsnorm_cpu() {
+    rmsnorm_bwd_into_case(&Device::Cpu, DType::BF16, (130, 64));
+    rmsnorm_bwd_into_case(&Device::Cpu, DType::F32, (7, 83));
     for dt in [DType::F32, DType::BF16] {
         rmsnorm_fwd_case(&Device::Cpu, dt);
         rmsnorm_bwd_case(&Device::Cpu, dt);
@@ -565,6 +590,36 @@ fn matmul_acc_case(dev: &Device, dtype: DType, (n, o, i): (usize, usize, usize))
     assert_eq!(&a[7 + o * i..], &b[7 + o * i..], "matmul_acc wrote past its view");
 }
 
+/// `dst ← a·op(b) (+ dst)` against the composed f32 ops rounded once (`a`, `b`, `dst` of
+/// `dtype`; `dst` rows of a larger buffer, as the engine's whole-sequence buffers are): on
+/// the CPU exact (the twin is that composition), on the GPU within `tol` relative to the
+/// largest element (the f32 sums over `k` reorder, which may flip a rounding).
+fn matmul_into_case(dev: &Device, dtype: DType, (n, k, o): (usize, usize, usize), tol: f32) {
+    let a = rand(&[n, k], 130, 1.0, dtype, dev);
+    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    for (rhs, b) in [(Rhs::Transposed, rand(&[o, k], 131, 1.0, dtype, dev)), (Rhs::AsIs, rand(&[k, o], 132, 1.0, dtype, dev))] {
+        let prod = match rhs {
+            Rhs::Transposed => f(&a).matmul(&f(&b).t().unwrap()).unwrap(),
+            Rhs::AsIs => f(&a).matmul(&f(&b)).unwrap(),
+        };
+        for accumulate in [false, true] {
+            let whole = rand(&[n + 3, o], 133, 1.0, dtype, dev);
+            let before = vec32(&whole);
+            let dst = whole.narrow(0, 1, n).unwrap();
+            let want = match accumulate {
+                true => (&prod + f(&dst)).unwrap().to_dtype(dtype).unwrap(),
+                false => prod.to_dtype(dtype).unwrap(),
+            };
+            matmul_into(&dst, &a, &b, rhs, accumulate).unwrap();
+            let tag = format!("matmul_into {rhs:?} accumulate {accumulate} {dtype:?} ({n}, {k}, {o}) on {:?}", dev.location());
+            assert_close(&tag, &dst, &want, 0.0, tol);
+            let after = vec32(&whole);
+            assert_eq!(&after[..o], &before[..o], "{tag}: wrote before its rows");
+            assert_eq!(&after[(n + 1) * o..], &before[(n + 1) * o..], "{tag}: wrote past its rows");
+        }
+    }
+}
+
 #[test]
 fn matmul_acc_cpu() {
     for dt in [DType::F32, DType::BF16] {
@@ -574,6 +629,23 @@ fn matmul_acc_cpu() {
     let (dy, x) = (rand(&[5, 3], 1, 1.0, DType::F32, &Device::Cpu), rand(&[6, 4], 2, 1.0, DType::F32, &Device::Cpu));
     let e = matmul_acc_f32(&acc, &dy, &x, 1.0).unwrap_err().to_string();
     assert!(e.contains("same rows"), "{e}");
+}
+
+#[test]
+fn matmul_into_cpu() {
+    for dt in [DType::F32, DType::BF16] {
+        matmul_into_case(&Device::Cpu, dt, (37, 20, 12), 0.0);
+    }
+    let cpu = &Device::Cpu;
+    let (a, b) = (rand(&[5, 3], 1, 1.0, DType::F32, cpu), rand(&[4, 6], 2, 1.0, DType::F32, cpu));
+    let dst = Tensor::zeros((5, 4), DType::F32, cpu).unwrap();
+    let e = matmul_into(&dst, &a, &b, Rhs::Transposed, false).unwrap_err().to_string();
+    assert!(e.contains("do not multiply") && e.contains("[4, 6]"), "{e}");
+    let sq = rand(&[4, 4], 3, 1.0, DType::F32, cpu);
+    let e = matmul_into(&sq, &sq, &rand(&[4, 4], 4, 1.0, DType::F32, cpu), Rhs::AsIs, true).unwrap_err().to_string();
+    assert!(e.contains("share storage"), "{e}");
+    let e = matmul_into(&dst, &rand(&[5, 4], 5, 1.0, DType::BF16, cpu), &sq, Rhs::AsIs, false).unwrap_err().to_string();
+    assert!(e.contains("dst") && e.contains("BF16"), "{e}");
 }
 
 // ---------------------------------------------------------------- reductions
@@ -803,6 +875,26 @@ mod cuda {
         for dt in [DType::F32, DType::BF16, DType::F16] {
             matmul_acc_case(&g, dt, (4096, 256, 2048));
             matmul_acc_case(&g, dt, (37, 12, 20));
+        }
+    }
+
+    #[test]
+    fn cuda_matmul_into() {
+        let Some(g) = gpu() else { return };
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            // within one ulp of the dtype at the largest element (f32: the k-term sums reorder)
+            let tol = if dt == DType::F32 { 1e-5 } else { 8e-3 };
+            matmul_into_case(&g, dt, (4096, 256, 2048), tol);
+            matmul_into_case(&g, dt, (37, 20, 12), tol);
+        }
+    }
+
+    #[test]
+    fn cuda_rmsnorm_bwd_into() {
+        let Some(g) = gpu() else { return };
+        for dt in [DType::F32, DType::BF16] {
+            rmsnorm_bwd_into_case(&g, dt, (300, 2048));
+            rmsnorm_bwd_into_case(&g, dt, (37, 83));
         }
     }
 

@@ -43,6 +43,7 @@ use longctx_attention::kernel::Saved;
 use longctx_attention::AttentionMode;
 use longctx_attention::Masking;
 use longctx_kernels as kernels;
+use longctx_kernels::Rhs;
 
 use crate::model::{DecoderLayer, RmsNorm, RopeTable, RopeTables};
 use crate::train::profile::{Phase, Profiler};
@@ -126,7 +127,8 @@ pub(crate) fn rms_forward(norm: &RmsNorm, x: &Tensor) -> Result<(Tensor, Tensor)
 }
 
 /// RMSNorm backward: `(dx + d_residual [.., h], dw [h] f32)` for `dy [.., h]` (fused
-/// kernel, or Gemma's composed one).
+/// kernel, or Gemma's composed one). [`LayerPass::rms_backward_rows`] writes over the
+/// residual gradient instead where it can.
 pub(crate) fn rms_backward(
     norm: &RmsNorm,
     x: &Tensor,
@@ -399,16 +401,117 @@ impl LayerPass<'_> {
         self.t(Phase::Gemm, || Ok(lin.forward(x)?))
     }
 
-    /// A linear layer's backward on rows `x [n, in]`, `dy [n, out]`: weight (and bias)
-    /// gradients into their slots, returns `dx [n, in] = dy · W`.
-    fn linear_backward(&self, lin: &Linear, slots: LinSlots, x: &Tensor, dy: &Tensor, acc: &[Tensor]) -> Result<Tensor> {
+    /// `x·Wᵀ` on rows `x [n, in]` written into rows `ch` of `dst [b, s, ..]`: by the GEMM
+    /// itself when those rows are one block of `dst` (b = 1) and the layer has no bias,
+    /// else computed apart and copied there.
+    fn linear_into_rows(&self, lin: &Linear, x: &Tensor, dst: &Tensor, ch: (usize, usize)) -> Result<()> {
+        match (lin.bias(), rows_view(dst, ch)?) {
+            (None, Some(rows)) => self
+                .t(Phase::Gemm, || Ok(kernels::matmul_into(&rows, &x.contiguous()?, &lin.weight().contiguous()?, Rhs::Transposed, false)?)),
+            _ => self.put(dst, &self.linear(lin, x)?, ch),
+        }
+    }
+
+    /// A linear layer's weight (and bias) gradients for rows `x [n, in]`, `dy [n, out]`,
+    /// added into their slots.
+    fn weight_grads(&self, slots: LinSlots, x: &Tensor, dy: &Tensor, acc: &[Tensor]) -> Result<()> {
         let (x, dy) = (x.contiguous()?, dy.contiguous()?);
         // dW [out, in] += dyᵀ·x, straight into the f32 slot (the GEMM's beta = 1).
         self.t(Phase::Gemm, || Ok(kernels::matmul_acc_f32(&acc[slots.w], &dy, &x, 1.0)?))?;
         if let Some(b) = slots.b {
             self.t(Phase::GradAccum, || accumulate(acc, b, &dy.to_dtype(DType::F32)?.sum(0)?))?;
         }
-        self.t(Phase::Gemm, || Ok(dy.matmul(lin.weight())?))
+        Ok(())
+    }
+
+    /// A linear layer's backward on rows `x [n, in]`, `dy [n, out]`: weight (and bias)
+    /// gradients into their slots, returns `dx [n, in] = dy · W`.
+    fn linear_backward(&self, lin: &Linear, slots: LinSlots, x: &Tensor, dy: &Tensor, acc: &[Tensor]) -> Result<Tensor> {
+        self.weight_grads(slots, x, dy, acc)?;
+        self.t(Phase::Gemm, || Ok(dy.contiguous()?.matmul(lin.weight())?))
+    }
+
+    /// [`Self::linear_backward`] with `dy · W` written into `dst [n, in]` (a fresh buffer or
+    /// rows of one), or with `accumulate` added to what `dst` holds: the sum of several
+    /// projections' input gradients made by the GEMMs (one rounding each, no separate sum).
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward_into(
+        &self,
+        lin: &Linear,
+        slots: LinSlots,
+        x: &Tensor,
+        dy: &Tensor,
+        acc: &[Tensor],
+        dst: &Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.weight_grads(slots, x, dy, acc)?;
+        self.t(Phase::Gemm, || Ok(kernels::matmul_into(dst, &dy.contiguous()?, &lin.weight().contiguous()?, Rhs::AsIs, accumulate)?))
+    }
+
+    /// [`Self::linear_backward`] with `dy · W` written into rows `ch` of `dst [b, s, ..]`
+    /// (straight into them when they are one block, b = 1; else copied there).
+    fn linear_backward_rows(
+        &self,
+        lin: &Linear,
+        slots: LinSlots,
+        x: &Tensor,
+        dy: &Tensor,
+        acc: &[Tensor],
+        dst: &Tensor,
+        ch: (usize, usize),
+    ) -> Result<()> {
+        match rows_view(dst, ch)? {
+            Some(rows) => self.linear_backward_into(lin, slots, x, dy, acc, &rows, false),
+            None => self.put(dst, &self.linear_backward(lin, slots, x, dy, acc)?, ch),
+        }
+    }
+
+    /// The sum of the input gradients `Σ dy_j · W_j` of linear layers that share their
+    /// input `x [n, in]` (q, k, v; gate and up), made by the GEMMs into one fresh `[n, in]`
+    /// buffer; every layer's weight gradients into its slots.
+    fn linear_backward_sum(&self, parts: &[(&Linear, LinSlots, &Tensor)], x: &Tensor, acc: &[Tensor]) -> Result<Tensor> {
+        let (n, width) = x.dims2()?;
+        // SAFETY: the first GEMM below writes every element (accumulate = false).
+        let sum = unsafe { row_buffer((n, width), x.dtype(), x.device()) }?;
+        for (j, &(lin, slots, dy)) in parts.iter().enumerate() {
+            self.linear_backward_into(lin, slots, x, dy, acc, &sum, j > 0)?;
+        }
+        Ok(sum)
+    }
+
+    /// The backward of the RMSNorm whose input `x` fed the residual stream: `dx` added to the
+    /// residual gradient in rows `ch` of `d_res [b, s, h]`, in place (the fused kernel, when
+    /// the rows are one block); else `dx` plus the residual gradient `d_res_rows` computed
+    /// apart and copied there. The weight gradient into slot `slot`.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_backward_rows(
+        &self,
+        norm: &RmsNorm,
+        x: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        d_res: &Tensor,
+        ch: (usize, usize),
+        slot: usize,
+        acc: &[Tensor],
+    ) -> Result<()> {
+        let rows = match norm.one_plus {
+            false => rows_view(d_res, ch)?,
+            true => None,
+        };
+        let dw = match rows {
+            Some(rows) => self.t(Phase::NormRopeAct, || {
+                Ok(kernels::rms_norm_bwd_into(&rows, &dy.contiguous()?, &x.contiguous()?, &norm.weight, rstd)?)
+            })?,
+            None => {
+                let dres = self.rows(d_res, ch)?;
+                let (dx, dw) = self.t(Phase::NormRopeAct, || rms_backward(norm, x, rstd, dy, Some(&dres)))?;
+                self.put(d_res, &dx, ch)?;
+                dw
+            }
+        };
+        self.t(Phase::GradAccum, || accumulate(acc, slot, &dw))
     }
 
     fn rope_of(&self, layer: &DecoderLayer) -> &RopeTable {
@@ -434,16 +537,20 @@ impl LayerPass<'_> {
         let (q, k, v) = (z(hq)?, z(hkv)?, z(hkv)?);
         for &ch in self.chunks {
             let (n1, _) = self.t(Phase::NormRopeAct, || rms_forward(&layer.input_layernorm, &self.rows(x, ch)?))?;
-            let (qc, kc) = (self.linear(&a.q_proj, &n1)?, self.linear(&a.k_proj, &n1)?);
-            let (qc, kc) = match (&a.q_norm, &a.k_norm) {
+            match (&a.q_norm, &a.k_norm) {
                 (Some(qn), Some(kn)) => {
-                    self.t(Phase::NormRopeAct, || Ok((head_norm_forward(qn, &qc, d)?.0, head_norm_forward(kn, &kc, d)?.0)))?
+                    let (qc, kc) = (self.linear(&a.q_proj, &n1)?, self.linear(&a.k_proj, &n1)?);
+                    let (qc, kc) =
+                        self.t(Phase::NormRopeAct, || Ok((head_norm_forward(qn, &qc, d)?.0, head_norm_forward(kn, &kc, d)?.0)))?;
+                    self.put(&q, &qc, ch)?;
+                    self.put(&k, &kc, ch)?;
                 }
-                _ => (qc, kc),
-            };
-            self.put(&q, &qc, ch)?;
-            self.put(&k, &kc, ch)?;
-            self.put(&v, &self.linear(&a.v_proj, &n1)?, ch)?;
+                _ => {
+                    self.linear_into_rows(&a.q_proj, &n1, &q, ch)?;
+                    self.linear_into_rows(&a.k_proj, &n1, &k, ch)?;
+                }
+            }
+            self.linear_into_rows(&a.v_proj, &n1, &v, ch)?;
         }
         let rope = self.rope_of(layer);
         self.t(Phase::NormRopeAct, || {
@@ -534,8 +641,9 @@ impl LayerPass<'_> {
         Ok((y, core, keep_mlp.then_some(SavedMlp { chunks: kept })))
     }
 
-    /// `dh_c` of one chunk of the MLP half for `dy_c` (rows `[n, h]`): the residual plus
-    /// the branch's gradient. Weight gradients into their slots.
+    /// `dh_c` of one chunk of the MLP half for `dy_c` (rows `ch` of `dy [b, s, h]`): the
+    /// residual plus the branch's gradient, written over `dy_c`. Weight gradients into their
+    /// slots.
     /// `gu`: the chunk's gate and up projections when the forward kept them (else
     /// recomputed from `hc`).
     fn mlp_chunk_backward(
@@ -544,10 +652,11 @@ impl LayerPass<'_> {
         sl: &LayerSlots,
         hc: &Tensor,
         gu: Option<(Tensor, Tensor)>,
-        dyc: &Tensor,
+        (dy, ch): (&Tensor, (usize, usize)),
         acc: &[Tensor],
-    ) -> Result<Tensor> {
+    ) -> Result<()> {
         let m = &layer.mlp;
+        let dyc = &self.rows(dy, ch)?;
         let (n2, rstd2) = self.t(Phase::NormRopeAct, || rms_forward(layer.mlp_norm(), hc))?;
         let (g, u) = match gu {
             Some(gu) => gu,
@@ -571,13 +680,10 @@ impl LayerPass<'_> {
         drop((gu, dbranch));
         let (dg, du) = self.t(Phase::NormRopeAct, || act_backward(layer, &dm, &g, &u))?;
         drop((dm, g, u));
-        let dn2g = self.linear_backward(&m.gate_proj, sl.gate, &n2, &dg, acc)?;
-        let dn2u = self.linear_backward(&m.up_proj, sl.up, &n2, &du, acc)?;
-        let dn2 = self.t(Phase::Adds, || Ok(kernels::add(&dn2g, &dn2u, None)?))?;
-        // dh_c = dy_c (the residual) + the norm's backward, in one kernel.
-        let (dh, dw2) = self.t(Phase::NormRopeAct, || rms_backward(layer.mlp_norm(), hc, &rstd2, &dn2, Some(dyc)))?;
-        self.t(Phase::GradAccum, || accumulate(acc, sl.mlp_norm(), &dw2))?;
-        Ok(dh)
+        let dn2 = self.linear_backward_sum(&[(&m.gate_proj, sl.gate, &dg), (&m.up_proj, sl.up, &du)], &n2, acc)?;
+        drop((dg, du));
+        // dh_c = dy_c (the residual) + the norm's backward, in one kernel, over dy_c.
+        self.rms_backward_rows(layer.mlp_norm(), hc, &rstd2, &dn2, dy, ch, sl.mlp_norm(), acc)
     }
 
     /// The gradient of the attention branch (o_proj's output) for `dh`, the gradient of the
@@ -641,12 +747,10 @@ impl LayerPass<'_> {
                     (hc, pre, None)
                 }
             };
-            let dh = self.mlp_chunk_backward(layer, sl, &hc, gu, &self.rows(&dy, ch)?, acc)?;
+            self.mlp_chunk_backward(layer, sl, &hc, gu, (&dy, ch), acc)?;
             drop(hc);
-            let da = self.attn_out_backward(layer, sl, pre, &dh, acc)?;
-            let doc = self.linear_backward(&a.o_proj, sl.o, &self.rows(&core.o, ch)?, &da, acc)?;
-            self.put(&d_o, &doc, ch)?;
-            self.put(&dy, &dh, ch)?;
+            let da = self.attn_out_backward(layer, sl, pre, &self.rows(&dy, ch)?, acc)?;
+            self.linear_backward_rows(&a.o_proj, sl.o, &self.rows(&core.o, ch)?, &da, acc, &d_o, ch)?;
         }
         let d = a.head_dim;
         let SavedAttention { q, k, v, o, lse } = core;
@@ -681,15 +785,11 @@ impl LayerPass<'_> {
                 (None, None, _, _) => (dqc, dkc),
                 _ => return Err(crate::Error::Setting("engine: q/k norm weights without gradient slots".into())),
             };
-            let dn1q = self.linear_backward(&a.q_proj, sl.q, &n1, &dqc, acc)?;
-            let dn1k = self.linear_backward(&a.k_proj, sl.k, &n1, &dkc, acc)?;
-            let dn1v = self.linear_backward(&a.v_proj, sl.v, &n1, &self.rows(&dv, ch)?, acc)?;
-            let dn1 = self.t(Phase::Adds, || Ok(kernels::add(&dn1q, &dn1k, Some(&dn1v))?))?;
-            // dx = dh (the residual) + the norm's backward, in one kernel.
-            let dh = self.rows(&dy, ch)?;
-            let (dx, dw1) = self.t(Phase::NormRopeAct, || rms_backward(&layer.input_layernorm, &xc, &rstd1, &dn1, Some(&dh)))?;
-            self.t(Phase::GradAccum, || accumulate(acc, sl.ln1, &dw1))?;
-            self.put(&dy, &dx, ch)?;
+            let dvc = self.rows(&dv, ch)?;
+            let parts = [(&a.q_proj, sl.q, &dqc), (&a.k_proj, sl.k, &dkc), (&a.v_proj, sl.v, &dvc)];
+            let dn1 = self.linear_backward_sum(&parts, &n1, acc)?;
+            // dx = dh (the residual) + the norm's backward, in one kernel, over dh.
+            self.rms_backward_rows(&layer.input_layernorm, &xc, &rstd1, &dn1, &dy, ch, sl.ln1, acc)?;
         }
         Ok(dy)
     }

@@ -62,10 +62,11 @@ __device__ void rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ res, 
 
 // Rows blockIdx.x, blockIdx.x + gridDim.x, ...; each block sums its weight gradient in
 // shared memory (h floats, dynamic; each column owned by one thread) and leaves it in
-// dw_part[blockIdx.x]. dres == nullptr: no incoming residual gradient.
+// dw_part[blockIdx.x]. dres == nullptr: no incoming residual gradient; dres == dx: in place
+// (each thread reads its residual elements before it writes the same elements).
 template <typename T>
 __device__ void rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ xs, const T* __restrict__ w,
-                            const float* __restrict__ rstd, const T* __restrict__ dres, T* __restrict__ dx,
+                            const float* __restrict__ rstd, const T* dres, T* dx,
                             float* __restrict__ dw_part, size_t rows, int h) {
     __shared__ float scratch[32];
     extern __shared__ float dw_acc[];  // [h]
