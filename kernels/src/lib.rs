@@ -72,4 +72,4 @@ pub use gemma::{geglu_tanh_bwd, geglu_tanh_fwd, rms_norm_1p_bwd, rms_norm_1p_fwd
 pub use reduce::{count_non_finite, sum_squares};
 pub use rmsnorm::{rms_norm_bwd, rms_norm_bwd_into, rms_norm_fwd, RmsNormGrads, RmsNormOut};
 pub use rope::{rope_bwd_inplace, rope_fwd_inplace};
-pub use swiglu::{swiglu_bwd, swiglu_fwd};
+pub use swiglu::{swiglu_bwd, swiglu_bwd_fwd, swiglu_fwd};

@@ -1,6 +1,8 @@
 //! SwiGLU, the activation of the Llama MLP: `out = silu(gate)·up` with
 //! `silu(g) = g/(1 + e^−g)`, and its backward
-//! `dgate = dout·up·σ(g)·(1 + g·(1 − σ(g)))`, `dup = dout·silu(g)`.
+//! `dgate = dout·up·σ(g)·(1 + g·(1 − σ(g)))`, `dup = dout·silu(g)`. [`swiglu_bwd_fwd`] is the
+//! backward that also gives the forward's output (one pass over `gate` and `up` where a
+//! recomputing backward needs both).
 //!
 //! Shapes: `..` any dims (`[b, s, i]` or `[tokens, i]`, `i` intermediate); `gate`, `up`,
 //! `out`, `dout`, `dgate`, `dup`: `[..]` (T ∈ {bf16, f16, f32}, contiguous, all the same shape).
@@ -32,10 +34,21 @@ pub fn swiglu_fwd(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 /// Backward of [`swiglu_fwd`]: `dout [..]`, `gate [..]`, `up [..]` -> `(dgate [..], dup [..])`, all T.
 pub fn swiglu_bwd(dout: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
     check(BWD, &["dout", "gate", "up"], &[dout, gate, up])?;
-    let op = BwdOp { extras: Extras::default() };
+    let op = BwdOp { with_out: false, extras: Extras::default() };
     let dgate = dout.apply_op3_no_bwd(gate, up, &op)?;
     let dup = op.extras.take(BWD, 1)?.remove(0);
     Ok((dgate, dup))
+}
+
+/// [`swiglu_bwd`] and [`swiglu_fwd`] in one pass: `dout [..]`, `gate [..]`, `up [..]` ->
+/// `(dgate [..], dup [..], silu(gate)·up [..])`, all T, each value as the two ops give it.
+pub fn swiglu_bwd_fwd(dout: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    check(BWD, &["dout", "gate", "up"], &[dout, gate, up])?;
+    let op = BwdOp { with_out: true, extras: Extras::default() };
+    let dgate = dout.apply_op3_no_bwd(gate, up, &op)?;
+    let mut ex = op.extras.take(BWD, 2)?.into_iter();
+    let (Some(dup), Some(out)) = (ex.next(), ex.next()) else { candle_core::bail!("{BWD}: internal error, missing outputs") };
+    Ok((dgate, dup, out))
 }
 
 #[inline]
@@ -83,7 +96,9 @@ impl CustomOp2 for FwdOp {
     }
 }
 
+/// Outputs beyond `dgate` in `extras`: `dup`, then (`with_out`) the forward's output.
 struct BwdOp {
+    with_out: bool,
     extras: Extras,
 }
 
@@ -115,6 +130,13 @@ impl CustomOp3 for BwdOp {
                 *dui = T::from_f(d * g * sg);
             });
             self.extras.push(cpu_storage(du), shape.clone());
+            if self.with_out {
+                let out: Vec<T> = g.par_iter().zip(u).map(|(&g, &u)| {
+                    let g = g.to_f();
+                    T::from_f(g / (1.0 + (-g).exp()) * u.to_f())
+                }).collect();
+                self.extras.push(cpu_storage(out), shape.clone());
+            }
             Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(dg), shape))
         })
     }
@@ -129,7 +151,7 @@ impl CustomOp3 for BwdOp {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use crate::cuda::{alloc, elementwise, launch, view, Module};
+        use crate::cuda::{alloc, elementwise, launch, view, Module, NULL};
         use candle_core::{CudaStorage, Storage};
         let dev = s1.device().clone();
         let shape = l1.shape().clone();
@@ -139,10 +161,18 @@ impl CustomOp3 for BwdOp {
             let g = view::<T>(BWD, "gate", s2, l2)?;
             let u = view::<T>(BWD, "up", s3, l3)?;
             let (mut dg, mut du) = (alloc::<T>(&dev, n)?, alloc::<T>(&dev, n)?);
+            let mut out = if self.with_out { Some(alloc::<T>(&dev, n)?) } else { None };
             if n > 0 {
-                launch!(dev, Module::SwiGlu, format!("swiglu_bwd_{}", T::SUFFIX), elementwise(&dev, n)?, &d, &g, &u, &mut dg, &mut du, &n);
+                let (name, cfg) = (format!("swiglu_bwd_{}", T::SUFFIX), elementwise(&dev, n)?);
+                match &mut out {
+                    Some(o) => launch!(dev, Module::SwiGlu, name, cfg, &d, &g, &u, &mut dg, &mut du, o, &n),
+                    None => launch!(dev, Module::SwiGlu, name, cfg, &d, &g, &u, &mut dg, &mut du, &NULL, &n),
+                }
             }
             self.extras.push(Storage::Cuda(CudaStorage::wrap_cuda_slice(du, dev.clone())), shape.clone());
+            if let Some(o) = out {
+                self.extras.push(Storage::Cuda(CudaStorage::wrap_cuda_slice(o, dev.clone())), shape.clone());
+            }
             Ok((CudaStorage::wrap_cuda_slice(dg, dev), shape))
         })
     }

@@ -257,6 +257,11 @@ fn swiglu_case(dev: &Device, dtype: DType) {
     let (rt, at) = tol(dtype, false);
     assert_close(&format!("swiglu bwd dgate {tag}"), &dg, grads.get(gv.as_tensor()).unwrap(), rt, at);
     assert_close(&format!("swiglu bwd dup {tag}"), &du, grads.get(uv.as_tensor()).unwrap(), rt, at);
+    // the one-pass backward: the same three values as the two ops, bit for bit
+    let (dg2, du2, out) = swiglu_bwd_fwd(&dout, &g, &u).unwrap();
+    assert_eq!(vec32(&dg2), vec32(&dg), "swiglu bwd_fwd dgate {tag}");
+    assert_eq!(vec32(&du2), vec32(&du), "swiglu bwd_fwd dup {tag}");
+    assert_eq!(vec32(&out), vec32(&swiglu_fwd(&g, &u).unwrap()), "swiglu bwd_fwd out {tag}");
 }
 
 #[test]

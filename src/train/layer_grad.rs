@@ -26,7 +26,12 @@
 //! device), not fused kernels.
 //!
 //! Weight gradients `dW += dyᵀ·x` are accumulated in f32 by the GEMM itself into the
-//! engine's gradient buffer (`longctx_kernels::matmul_acc_f32`, beta = 1). RMSNorm (its
+//! engine's gradient buffer (`longctx_kernels::matmul_acc_f32`, beta = 1). With one
+//! sequence per micro-batch (b = 1) a chunk's rows are one block of each whole-sequence
+//! buffer, and nothing is copied there: q, k, v and `do` are written by their GEMMs
+//! (`longctx_kernels::matmul_into`), the sums `dn1`, `dn2` are made by the GEMMs (beta = 1,
+//! one rounding each), and `dh_c`, `dx_c` by the norm's backward over `dy_c`
+//! (`longctx_kernels::rms_norm_bwd_into`); with b > 1 they are computed apart and copied. RMSNorm (its
 //! residual add fused into the backward), RoPE (in place), SwiGLU and the accumulation
 //! are the fused kernels of `longctx-kernels` (CUDA, or their CPU twins); RMSNorm follows
 //! transformers (f32 math, the normalised value rounded to the model dtype before the
@@ -434,7 +439,6 @@ impl LayerPass<'_> {
     /// [`Self::linear_backward`] with `dy · W` written into `dst [n, in]` (a fresh buffer or
     /// rows of one), or with `accumulate` added to what `dst` holds: the sum of several
     /// projections' input gradients made by the GEMMs (one rounding each, no separate sum).
-    #[allow(clippy::too_many_arguments)]
     fn linear_backward_into(
         &self,
         lin: &Linear,
@@ -442,8 +446,7 @@ impl LayerPass<'_> {
         x: &Tensor,
         dy: &Tensor,
         acc: &[Tensor],
-        dst: &Tensor,
-        accumulate: bool,
+        (dst, accumulate): (&Tensor, bool),
     ) -> Result<()> {
         self.weight_grads(slots, x, dy, acc)?;
         self.t(Phase::Gemm, || Ok(kernels::matmul_into(dst, &dy.contiguous()?, &lin.weight().contiguous()?, Rhs::AsIs, accumulate)?))
@@ -458,11 +461,10 @@ impl LayerPass<'_> {
         x: &Tensor,
         dy: &Tensor,
         acc: &[Tensor],
-        dst: &Tensor,
-        ch: (usize, usize),
+        (dst, ch): (&Tensor, (usize, usize)),
     ) -> Result<()> {
         match rows_view(dst, ch)? {
-            Some(rows) => self.linear_backward_into(lin, slots, x, dy, acc, &rows, false),
+            Some(rows) => self.linear_backward_into(lin, slots, x, dy, acc, (&rows, false)),
             None => self.put(dst, &self.linear_backward(lin, slots, x, dy, acc)?, ch),
         }
     }
@@ -475,24 +477,22 @@ impl LayerPass<'_> {
         // SAFETY: the first GEMM below writes every element (accumulate = false).
         let sum = unsafe { row_buffer((n, width), x.dtype(), x.device()) }?;
         for (j, &(lin, slots, dy)) in parts.iter().enumerate() {
-            self.linear_backward_into(lin, slots, x, dy, acc, &sum, j > 0)?;
+            self.linear_backward_into(lin, slots, x, dy, acc, (&sum, j > 0))?;
         }
         Ok(sum)
     }
 
-    /// The backward of the RMSNorm whose input `x` fed the residual stream: `dx` added to the
+    /// The backward of the RMSNorm (forward input `x`, its `rstd`) whose input fed the
+    /// residual stream, for the gradient `dy` of its output: the input gradient added to the
     /// residual gradient in rows `ch` of `d_res [b, s, h]`, in place (the fused kernel, when
-    /// the rows are one block); else `dx` plus the residual gradient `d_res_rows` computed
-    /// apart and copied there. The weight gradient into slot `slot`.
-    #[allow(clippy::too_many_arguments)]
+    /// the rows are one block); else the sum computed apart and copied there. The weight
+    /// gradient into slot `slot`.
     fn rms_backward_rows(
         &self,
         norm: &RmsNorm,
-        x: &Tensor,
-        rstd: &Tensor,
+        (x, rstd): (&Tensor, &Tensor),
         dy: &Tensor,
-        d_res: &Tensor,
-        ch: (usize, usize),
+        (d_res, ch): (&Tensor, (usize, usize)),
         slot: usize,
         acc: &[Tensor],
     ) -> Result<()> {
@@ -662,28 +662,43 @@ impl LayerPass<'_> {
             Some(gu) => gu,
             None => (self.linear(&m.gate_proj, &n2)?, self.linear(&m.up_proj, &n2)?), // [n, i] each
         };
-        let gu = self.t(Phase::NormRopeAct, || act_forward(layer, &g, &u))?;
-        // Gemma 3: through the MLP-output norm, on the recomputed branch.
-        let dbranch = match (layer.mlp_out_norm(), sl.ff) {
-            (Some(norm), Some((_, slot))) => {
-                let y = self.linear(&m.down_proj, &gu)?;
-                self.t(Phase::NormRopeAct, || {
-                    let (_, rstd) = rms_forward(norm, &y)?;
-                    let (dbranch, dw) = rms_backward(norm, &y, &rstd, dyc, None)?;
-                    accumulate(acc, slot, &dw)?;
-                    Ok(dbranch)
-                })?
+        let (dg, du) = match (layer.mlp_out_norm(), sl.ff, layer.mlp.gelu_tanh) {
+            // SwiGLU without an output norm: the down projection's input gradient first, then
+            // one pass over gate and up gives their gradients and the down projection's
+            // input, which its weight gradient needs.
+            (None, _, false) => {
+                let dm = self.t(Phase::Gemm, || Ok(dyc.contiguous()?.matmul(m.down_proj.weight())?))?; // [n, i]
+                let (dg, du, gu) = self.t(Phase::NormRopeAct, || Ok(kernels::swiglu_bwd_fwd(&dm, &g, &u)?))?;
+                drop((dm, g, u));
+                self.weight_grads(sl.down, &gu, dyc, acc)?;
+                (dg, du)
             }
-            _ => dyc.clone(),
+            (out_norm, ff, _) => {
+                let gu = self.t(Phase::NormRopeAct, || act_forward(layer, &g, &u))?;
+                // Gemma 3: through the MLP-output norm, on the recomputed branch.
+                let dbranch = match (out_norm, ff) {
+                    (Some(norm), Some((_, slot))) => {
+                        let y = self.linear(&m.down_proj, &gu)?;
+                        self.t(Phase::NormRopeAct, || {
+                            let (_, rstd) = rms_forward(norm, &y)?;
+                            let (dbranch, dw) = rms_backward(norm, &y, &rstd, dyc, None)?;
+                            accumulate(acc, slot, &dw)?;
+                            Ok(dbranch)
+                        })?
+                    }
+                    _ => dyc.clone(),
+                };
+                let dm = self.linear_backward(&m.down_proj, sl.down, &gu, &dbranch, acc)?; // [n, i]
+                drop((gu, dbranch));
+                let d = self.t(Phase::NormRopeAct, || act_backward(layer, &dm, &g, &u))?;
+                drop((dm, g, u));
+                d
+            }
         };
-        let dm = self.linear_backward(&m.down_proj, sl.down, &gu, &dbranch, acc)?; // [n, i]
-        drop((gu, dbranch));
-        let (dg, du) = self.t(Phase::NormRopeAct, || act_backward(layer, &dm, &g, &u))?;
-        drop((dm, g, u));
         let dn2 = self.linear_backward_sum(&[(&m.gate_proj, sl.gate, &dg), (&m.up_proj, sl.up, &du)], &n2, acc)?;
         drop((dg, du));
         // dh_c = dy_c (the residual) + the norm's backward, in one kernel, over dy_c.
-        self.rms_backward_rows(layer.mlp_norm(), hc, &rstd2, &dn2, dy, ch, sl.mlp_norm(), acc)
+        self.rms_backward_rows(layer.mlp_norm(), (hc, &rstd2), &dn2, (dy, ch), sl.mlp_norm(), acc)
     }
 
     /// The gradient of the attention branch (o_proj's output) for `dh`, the gradient of the
@@ -750,7 +765,7 @@ impl LayerPass<'_> {
             self.mlp_chunk_backward(layer, sl, &hc, gu, (&dy, ch), acc)?;
             drop(hc);
             let da = self.attn_out_backward(layer, sl, pre, &self.rows(&dy, ch)?, acc)?;
-            self.linear_backward_rows(&a.o_proj, sl.o, &self.rows(&core.o, ch)?, &da, acc, &d_o, ch)?;
+            self.linear_backward_rows(&a.o_proj, sl.o, &self.rows(&core.o, ch)?, &da, acc, (&d_o, ch))?;
         }
         let d = a.head_dim;
         let SavedAttention { q, k, v, o, lse } = core;
@@ -789,7 +804,7 @@ impl LayerPass<'_> {
             let parts = [(&a.q_proj, sl.q, &dqc), (&a.k_proj, sl.k, &dkc), (&a.v_proj, sl.v, &dvc)];
             let dn1 = self.linear_backward_sum(&parts, &n1, acc)?;
             // dx = dh (the residual) + the norm's backward, in one kernel, over dh.
-            self.rms_backward_rows(&layer.input_layernorm, &xc, &rstd1, &dn1, &dy, ch, sl.ln1, acc)?;
+            self.rms_backward_rows(&layer.input_layernorm, (&xc, &rstd1), &dn1, (&dy, ch), sl.ln1, acc)?;
         }
         Ok(dy)
     }
