@@ -511,8 +511,13 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
         (3, false) => shard * a + 2 * unit_max * a,
         _ => p * a,
     };
-    // Stage 2 and 3: this rank's slice, the embedding's scratch and one unit's.
-    let gradients = if zero >= 2 { 4 * (shard + w * (v * h) + w * unit_max) } else { 4 * shard * w };
+    // Stage 2 and 3: this rank's slice, the embedding's scratch and one unit's (one rank:
+    // the slice only, written in place).
+    let gradients = match (zero >= 2, w) {
+        (true, 1) => 4 * shard,
+        (true, _) => 4 * (shard + w * (v * h) + w * unit_max),
+        (false, _) => 4 * shard * w,
+    };
     let optimizer = if on_host { 0 } else { 12 * opt_elems };
     let grad_reduce = match zero {
         // The host update's piece on its way; a device update writes in place.

@@ -239,7 +239,15 @@ fn print_device(p: &plan::Plan) {
                 _ => "",
             },
         ),
-        ("gradients (f32)", d.gradients, if z >= 2 { "ZeRO-2: this rank's slice and one layer's" } else { "one flat buffer" }),
+        (
+            "gradients (f32)",
+            d.gradients,
+            match (z >= 2, p.estimate.layout.world) {
+                (true, 1) => "ZeRO-2, one rank: the whole slice, written in place",
+                (true, _) => "ZeRO-2: this rank's slice and one layer's",
+                _ => "one flat buffer",
+            },
+        ),
         (
             "optimizer (f32 master, m, v)",
             d.optimizer,

@@ -472,8 +472,9 @@ fn disk_check_counts_the_checkpoint_beside_the_previous_and_the_export() {
 /// ZeRO-3 with the weights and optimizer state on the host, one GPU, 64K: the GPU holds
 /// two whole layers of weights (202,383,360 elements each, the largest unit) instead of
 /// the model, and the gradient as this rank's slice (all of it on one rank, 34 units
-/// padded by one element each) plus the embedding's and one layer's scratch; the host
-/// holds the 16-bit slice. ZeRO-2 keeps the whole weights on the GPU.
+/// padded by one element each, written in place); with two ranks half of it plus the
+/// embedding's and one layer's scratch (both ranks' parts of them); the host holds the
+/// 16-bit slice. ZeRO-2 keeps the whole weights on the GPU.
 #[test]
 fn zero_3_with_offloads_by_hand() {
     let mut r = PlanRequest::new(64 * K, 1, H200, ParallelMode::DataParallel);
@@ -483,7 +484,13 @@ fn zero_3_with_offloads_by_hand() {
     let (layer, units) = (202_383_360u64, 34u64);
     let shard = 6_738_415_616 + units;
     assert_eq!(e.device.weights, 2 * layer * 2);
-    assert_eq!(e.device.gradients, 4 * (shard + 131_072_000 + layer));
+    assert_eq!(e.device.gradients, 4 * shard);
+    let two = plan::estimate(
+        &shape(),
+        &PlanRequest { zero_stage: 3, offload_params: true, ..PlanRequest::new(64 * K, 2, H200, ParallelMode::DataParallel) },
+    )
+    .unwrap();
+    assert_eq!(two.device.gradients, 4 * ((6_738_415_616 / 2 + units) + 2 * 131_072_000 + 2 * layer));
     assert_eq!(e.device.optimizer, 0);
     assert_eq!(e.host.weights, 2 * shard);
     assert_eq!(e.host.optimizer, 12 * shard);

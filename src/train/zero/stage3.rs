@@ -6,7 +6,9 @@
 //!   buffer the size of one unit (`[W·L_u]` f32; the embedding has its own, since the
 //!   tied head adds to it early); when the unit is done they are reduce-scattered and this
 //!   rank's slice is added into its shard of the gradient (`[Σ L_u]` f32), then the scratch
-//!   is zeroed for the next unit. No rank ever holds the whole model's gradient.
+//!   is zeroed for the next unit. No rank ever holds the whole model's gradient. With one
+//!   rank the slice is the whole gradient: the engine writes the shard itself (no scratch,
+//!   nothing reduced, added or zeroed per unit).
 //! - **Weights (stage 3)**: each rank keeps only its slices of the weights (`[Σ L_u]` in
 //!   the run dtype) on the device, or in host memory with `offload_param`; a unit's
 //!   weights are all-gathered (after a host-to-device copy when offloaded) just before the
@@ -286,15 +288,23 @@ pub struct ShardedGrads {
 impl ShardedGrads {
     pub fn new(part: Partition, shapes: &[Shape], dev: &Device, comm: Arc<dyn Comm>) -> Result<Self> {
         let w = part.world;
-        let embed_len = part.units.first().map_or(0, |u| u.shard * w);
-        let other = part.units.iter().skip(1).map(|u| u.shard * w).max().unwrap_or(0);
+        let direct = w == 1;
+        let scratch_len = |len: usize| if direct { 0 } else { len };
+        let embed_len = scratch_len(part.units.first().map_or(0, |u| u.shard * w));
+        let other = scratch_len(part.units.iter().skip(1).map(|u| u.shard * w).max().unwrap_or(0));
         let embed_scratch = Tensor::zeros(embed_len, DType::F32, dev)?;
         let scratch = Tensor::zeros(other, DType::F32, dev)?;
-        // Each unit's parameters as views of its scratch buffer.
+        let shard = Tensor::zeros(part.shard_len(), DType::F32, dev)?;
+        // Each unit's parameters as views of its scratch buffer, or (one rank) of its part
+        // of the shard, which then holds the unit whole in the same order.
         let mut slots: Vec<Option<Tensor>> = vec![None; part.sizes.len()];
-        for u in 0..part.units.len() {
-            let buf = if u == 0 { &embed_scratch } else { &scratch };
-            for (p, t) in part.split_unit(u, buf)? {
+        for (u, unit) in part.units.iter().enumerate() {
+            let buf = match (direct, u) {
+                (true, _) => shard.narrow(0, unit.shard_off, unit.shard)?,
+                (false, 0) => embed_scratch.clone(),
+                (false, _) => scratch.clone(),
+            };
+            for (p, t) in part.split_unit(u, &buf)? {
                 slots[p] = Some(t.reshape(shapes[p].clone())?);
             }
         }
@@ -302,7 +312,6 @@ impl ShardedGrads {
             .into_iter()
             .map(|t| t.ok_or_else(|| Error::Setting("ZeRO: a parameter outside every unit".into())))
             .collect::<Result<_>>()?;
-        let shard = Tensor::zeros(part.shard_len(), DType::F32, dev)?;
         Ok(Self { part, embed_scratch, scratch, slots, shard, comm })
     }
 
@@ -332,8 +341,12 @@ impl ShardedGrads {
         4 * (self.shard.elem_count() + self.scratch.elem_count() + self.embed_scratch.elem_count())
     }
 
-    /// Reduce-scatter unit `u`'s scratch, add this rank's slice into the shard, zero it.
+    /// Reduce-scatter unit `u`'s scratch, add this rank's slice into the shard, zero it
+    /// (one rank: nothing, the engine wrote the shard).
     pub(super) fn done(&self, u: usize) -> Result<()> {
+        if self.part.world == 1 {
+            return Ok(());
+        }
         let unit = &self.part.units[u];
         let buf = if u == 0 { &self.embed_scratch } else { &self.scratch };
         let w = self.part.world;
