@@ -63,7 +63,7 @@ mod rmsnorm;
 mod rope;
 mod swiglu;
 
-pub use accumulate::accumulate_f32;
+pub use accumulate::{accumulate_f32, embedding_grad_add};
 pub use adamw::{adamw_step, AdamWStep, Scalars as AdamWScalars};
 pub use add::{add, add_into};
 pub use cross_entropy::{cross_entropy_inplace, linear_cross_entropy, LinearCe};

@@ -578,6 +578,26 @@ fn accumulate_cpu() {
     }
 }
 
+/// The embedding's gradient rows against Candle's `index_add` of the f32 rows times the
+/// scale (ids repeating, as tokens do): exact on the CPU (rows added in order, as
+/// `index_add` does), within f32 reordering on the GPU (atomics); a view of a larger
+/// buffer as the engine's slot is.
+fn embed_grad_case(dev: &Device, dtype: DType, (n, v, h): (usize, usize, usize), tol: f32) {
+    let flat = rand(&[3 + v * h + 4], 140, 1.0, DType::F32, dev);
+    let slot = flat.narrow(0, 3, v * h).unwrap().reshape((v, h)).unwrap();
+    let before = vec32(&flat);
+    let ids: Vec<u32> = (0..n).map(|r| ((r * 7 + r / 3) % (v - 1)) as u32).collect();
+    let ids = Tensor::from_vec(ids, n, &Device::Cpu).unwrap().to_device(dev).unwrap();
+    let g = rand(&[n, h], 141, 1.0, dtype, dev);
+    let want = slot.copy().unwrap().index_add(&ids, &(g.to_dtype(DType::F32).unwrap() * 0.75).unwrap(), 0).unwrap();
+    embedding_grad_add(&slot, &ids, &g, 0.75).unwrap();
+    let tag = format!("embedding_grad_add {dtype:?} ({n}, {v}, {h}) on {:?}", dev.location());
+    assert_close(&tag, &slot, &want, 0.0, tol);
+    let after = vec32(&flat);
+    assert_eq!(&after[..3], &before[..3], "{tag}: wrote before its view");
+    assert_eq!(&after[3 + v * h..], &before[3 + v * h..], "{tag}: wrote past its view");
+}
+
 /// `acc [o, i] += alpha · dyᵀ · x` against the composed f32 ops (`dy`, `x` of `dtype`;
 /// a view into a larger f32 buffer as the engine's gradient slots are).
 fn matmul_acc_case(dev: &Device, dtype: DType, (n, o, i): (usize, usize, usize)) {
@@ -634,6 +654,20 @@ fn matmul_acc_cpu() {
     let (dy, x) = (rand(&[5, 3], 1, 1.0, DType::F32, &Device::Cpu), rand(&[6, 4], 2, 1.0, DType::F32, &Device::Cpu));
     let e = matmul_acc_f32(&acc, &dy, &x, 1.0).unwrap_err().to_string();
     assert!(e.contains("same rows"), "{e}");
+}
+
+#[test]
+fn embedding_grad_add_cpu() {
+    for dt in [DType::F32, DType::BF16] {
+        embed_grad_case(&Device::Cpu, dt, (300, 37, 300), 0.0);
+    }
+    let cpu = &Device::Cpu;
+    let slot = Tensor::zeros((4, 8), DType::F32, cpu).unwrap();
+    let ids = Tensor::from_vec(vec![1u32, 4, 2], 3, cpu).unwrap();
+    let e = embedding_grad_add(&slot, &ids, &rand(&[3, 8], 1, 1.0, DType::F32, cpu), 1.0).unwrap_err().to_string();
+    assert!(e.contains("token id 4 at row 1") && e.contains("vocabulary size 4"), "{e}");
+    let e = embedding_grad_add(&slot, &ids, &rand(&[3, 7], 1, 1.0, DType::F32, cpu), 1.0).unwrap_err().to_string();
+    assert!(e.contains("`g`"), "{e}");
 }
 
 #[test]
@@ -891,6 +925,16 @@ mod cuda {
             let tol = if dt == DType::F32 { 1e-5 } else { 8e-3 };
             matmul_into_case(&g, dt, (4096, 256, 2048), tol);
             matmul_into_case(&g, dt, (37, 20, 12), tol);
+        }
+    }
+
+    #[test]
+    fn cuda_embedding_grad_add() {
+        let Some(g) = gpu() else { return };
+        for dt in [DType::F32, DType::BF16] {
+            // each slot row sums up to ~n/v rows: f32 reordering, relative to the largest
+            embed_grad_case(&g, dt, (8192, 100, 2048), 1e-5);
+            embed_grad_case(&g, dt, (37, 11, 83), 1e-5);
         }
     }
 

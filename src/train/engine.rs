@@ -386,7 +386,7 @@ impl Engine {
         self.prof.trace(&dev, || "embedding backward".into())?;
         // 4. embedding: rows of dL/dx_0 added into the rows of their token ids.
         self.prof.time(Phase::GradAccum, &dev, || {
-            self.embed_backward(ids, &gx, &chunks, acc)?;
+            self.embed_backward(ids, &gx, acc)?;
             hooks.grads_done(0)
         })?;
 
@@ -562,26 +562,15 @@ impl Engine {
         Ok((Tensor::cat(&gx_chunks, 1)?, loss_sum))
     }
 
-    /// `dE [V, h]` f32 for `dL/dx_0 = gx [b, s, h]`, chunk by chunk (one f32 chunk of
-    /// `gx` at a time), added into the embedding's slot.
-    fn embed_backward(&self, ids: &Tensor, gx: &Tensor, chunks: &[(usize, usize)], acc: &[Tensor]) -> Result<()> {
+    /// `dE [V, h]` f32 for `dL/dx_0 = gx [b, s, h]`: every row of `gx` added into its
+    /// token's row of the embedding's slot, in place, in one pass.
+    fn embed_backward(&self, ids: &Tensor, gx: &Tensor, acc: &[Tensor]) -> Result<()> {
         let h = self.tracked.cfg.hidden_size;
-        let slot = &acc[self.embed_slot];
-        let mut de = slot.clone();
         // Gemma 3 scales the embedding output: its gradient flows back times the same factor.
-        let factor = self.plain.embed_factor(gx.dtype())?;
-        for &(st, len) in chunks {
-            let rows = gx.narrow(1, st, len)?.to_dtype(DType::F32)?.reshape(((), h))?;
-            let rows = match factor {
-                Some(f) => (rows * f)?,
-                None => rows,
-            };
-            de = de.index_add(&ids.narrow(1, st, len)?.flatten_all()?, &rows, 0)?;
-        }
-        if !chunks.is_empty() {
-            slot.slice_set(&de, 0, 0)?; // index_add made a new tensor: write it back
-        }
-        Ok(())
+        let factor = self.plain.embed_factor(gx.dtype())?.unwrap_or(1.0);
+        let rows = gx.contiguous()?.reshape(((), h))?;
+        let ids = ids.contiguous()?.flatten_all()?;
+        Ok(longctx_kernels::embedding_grad_add(&acc[self.embed_slot], &ids, &rows, factor)?)
     }
 
     /// The sizes of one layer's pass over `x [b, s, h]` in chunks of `chunk` tokens.
