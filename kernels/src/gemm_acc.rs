@@ -21,6 +21,7 @@
 use crate::common::*;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor};
+use rayon::prelude::*;
 
 const OP: &str = "matmul_acc_f32";
 const INTO: &str = "matmul_into";
@@ -93,9 +94,8 @@ impl InplaceOp2 for StoreOp {
         let p = cpu_slice::<f32>(INTO, "product", s2, l2)?;
         dispatch_float!(INTO, s1.dtype(), T => {
             let out = cpu_slice_mut::<T>(INTO, "dst", s1, l1)?;
-            for (o, &v) in out.iter_mut().zip(p) {
-                *o = T::from_f(if self.accumulate { v + o.to_f() } else { v });
-            }
+            let acc = self.accumulate;
+            out.par_iter_mut().zip(p).for_each(|(o, &v)| *o = T::from_f(if acc { v + o.to_f() } else { v }));
             Ok(())
         })
     }

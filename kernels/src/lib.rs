@@ -33,7 +33,14 @@
 //!    gradient of the layer input and `dw_in`.
 //!
 //! Weight gradients from GEMMs in bf16 go into f32 accumulators with
-//! [`accumulate_f32`] (no f32 copy, no new tensor). The head: [`rms_norm_fwd`] (final
+//! [`accumulate_f32`] (no f32 copy, no new tensor), or straight from the GEMM with
+//! [`matmul_acc_f32`]. Where a token chunk's rows are one block of a whole-sequence buffer,
+//! [`matmul_into`] writes a projection there (or sums the input gradients of q, k, v, and
+//! of gate and up, onto it: beta = 1) and [`rms_norm_bwd_into`] writes the norm's input
+//! gradient over the residual gradient, so nothing is copied after them;
+//! [`swiglu_bwd_fwd`] gives a recomputing backward the down projection's input with the
+//! gate and up gradients in one pass; [`embedding_grad_add`] adds `dL/dx_0` into the
+//! embedding's rows. The head: [`rms_norm_fwd`] (final
 //! norm) then [`linear_cross_entropy`]`(hidden, lm_head, targets, 1/global_count,
 //! chunk, Some(dw_lm_head))`, whose `dhidden` feeds [`rms_norm_bwd`] of the final norm; the
 //! chunked logits `[c, V]` exist once (their gradient is written over them). The
