@@ -31,8 +31,9 @@
 //! buffer, and nothing is copied there: q, k, v and `do` are written by their GEMMs
 //! (`longctx_kernels::matmul_into`), the sums `dn1`, `dn2` are made by the GEMMs (beta = 1,
 //! one rounding each), and `dh_c`, `dx_c` by the norm's backward over `dy_c`
-//! (`longctx_kernels::rms_norm_bwd_into`); with b > 1 they are computed apart and copied. RMSNorm (its
-//! residual add fused into the backward), RoPE (in place), SwiGLU and the accumulation
+//! (`longctx_kernels::rms_norm_bwd_into`); with b > 1 they are computed apart and copied.
+//! RMSNorm (its residual add fused into the backward), RoPE (in place), SwiGLU (its backward
+//! giving the down projection's input too: `longctx_kernels::swiglu_bwd_fwd`) and the accumulation
 //! are the fused kernels of `longctx-kernels` (CUDA, or their CPU twins); RMSNorm follows
 //! transformers (f32 math, the normalised value rounded to the model dtype before the
 //! weight), so its backward is the exact derivative of that.
