@@ -52,37 +52,35 @@ impl candle_core::InplaceOp3 for EmbedOp {
     }
 
     fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<()> {
-        let h = l1.dims()[1];
+        let (vocab, h) = (l1.dims()[0], l1.dims()[1]);
         let slot = cpu_f32_mut(EMBED, "slot", s1, l1)?;
-        let vocab = slot.len() / h.max(1);
         let ids = cpu_slice::<u32>(EMBED, "ids", s2, l2)?;
         if let Some((r, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
             candle_core::bail!("{EMBED}: token id {id} at row {r} is not below the vocabulary size {vocab}");
         }
+        // The rows of each id in row order (a counting sort), then every id's slot row on its
+        // own thread: rows add in row order, so the result does not depend on scheduling.
+        let mut start = vec![0usize; vocab + 1];
+        for &id in ids {
+            start[id as usize + 1] += 1;
+        }
+        for v in 0..vocab {
+            start[v + 1] += start[v];
+        }
+        let mut next = start.clone();
+        let mut order = vec![0usize; ids.len()];
+        for (r, &id) in ids.iter().enumerate() {
+            order[next[id as usize]] = r;
+            next[id as usize] += 1;
+        }
         let scale = self.scale;
         dispatch_float!(EMBED, s3.dtype(), T => {
             let g = cpu_slice::<T>(EMBED, "g", s3, l3)?;
-            // Column blocks in parallel, rows in order within each: deterministic.
-            const COLS: usize = 256;
-            let blocks = h.div_ceil(COLS);
-            let sums: Vec<Vec<(usize, Vec<f32>)>> = (0..blocks).into_par_iter().map(|b| {
-                let (c0, c1) = (b * COLS, ((b + 1) * COLS).min(h));
-                let mut rows: std::collections::BTreeMap<usize, Vec<f32>> = std::collections::BTreeMap::new();
-                for (r, &id) in ids.iter().enumerate() {
-                    let id = id as usize;
-                    let acc = rows.entry(id).or_insert_with(|| slot[id * h + c0..id * h + c1].to_vec());
-                    for (a, v) in acc.iter_mut().zip(&g[r * h + c0..r * h + c1]) {
-                        *a += scale * v.to_f();
-                    }
+            slot.par_chunks_mut(h.max(1)).enumerate().for_each(|(id, row)| {
+                for &r in &order[start[id]..start[id + 1]] {
+                    row.iter_mut().zip(&g[r * h..(r + 1) * h]).for_each(|(a, v)| *a += scale * v.to_f());
                 }
-                rows.into_iter().collect()
-            }).collect();
-            for (b, rows) in sums.into_iter().enumerate() {
-                let c0 = b * COLS;
-                for (id, vals) in rows {
-                    slot[id * h + c0..id * h + c0 + vals.len()].copy_from_slice(&vals);
-                }
-            }
+            });
             Ok(())
         })
     }

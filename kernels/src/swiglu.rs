@@ -56,6 +56,13 @@ fn sigmoid(g: f32) -> f32 {
     1.0 / (1.0 + (-g).exp())
 }
 
+/// The forward's value, `silu(g)·u` rounded to T (the CPU twins of both ops).
+#[inline]
+fn silu_mul<T: Elem>(g: T, u: T) -> T {
+    let g = g.to_f();
+    T::from_f(g / (1.0 + (-g).exp()) * u.to_f())
+}
+
 struct FwdOp;
 
 impl CustomOp2 for FwdOp {
@@ -66,10 +73,7 @@ impl CustomOp2 for FwdOp {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         dispatch_float!(FWD, s1.dtype(), T => {
             let (g, u) = (cpu_slice::<T>(FWD, "gate", s1, l1)?, cpu_slice::<T>(FWD, "up", s2, l2)?);
-            let out: Vec<T> = g.par_iter().zip(u).map(|(&g, &u)| {
-                let g = g.to_f();
-                T::from_f(g / (1.0 + (-g).exp()) * u.to_f())
-            }).collect();
+            let out: Vec<T> = g.par_iter().zip(u).map(|(&g, &u)| silu_mul(g, u)).collect();
             Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(out), l1.shape().clone()))
         })
     }
@@ -131,10 +135,7 @@ impl CustomOp3 for BwdOp {
             });
             self.extras.push(cpu_storage(du), shape.clone());
             if self.with_out {
-                let out: Vec<T> = g.par_iter().zip(u).map(|(&g, &u)| {
-                    let g = g.to_f();
-                    T::from_f(g / (1.0 + (-g).exp()) * u.to_f())
-                }).collect();
+                let out: Vec<T> = g.par_iter().zip(u).map(|(&g, &u)| silu_mul(g, u)).collect();
                 self.extras.push(cpu_storage(out), shape.clone());
             }
             Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(dg), shape))

@@ -637,9 +637,33 @@ fn matmul_into_case(dev: &Device, dtype: DType, (n, k, o): (usize, usize, usize)
                 true => (&prod + f(&dst)).unwrap().to_dtype(dtype).unwrap(),
                 false => prod.to_dtype(dtype).unwrap(),
             };
+            let start = vec32(&dst);
             matmul_into(&dst, &a, &b, rhs, accumulate).unwrap();
             let tag = format!("matmul_into {rhs:?} accumulate {accumulate} {dtype:?} ({n}, {k}, {o}) on {:?}", dev.location());
             assert_close(&tag, &dst, &want, 0.0, tol);
+            if n * k * o <= 1 << 16 {
+                // and against a naive f64 loop over the same values: within one rounding to
+                // the dtype (bf16: 2⁻⁸ relative) plus f32's error over k terms
+                let (av, bv) = (vec32(&a), vec32(&b));
+                let naive: Vec<f32> = (0..n * o)
+                    .map(|e| {
+                        let (r, c) = (e / o, e % o);
+                        let dot: f64 = (0..k)
+                            .map(|j| {
+                                av[r * k + j] as f64
+                                    * match rhs {
+                                        Rhs::Transposed => bv[c * k + j] as f64,
+                                        Rhs::AsIs => bv[j * o + c] as f64,
+                                    }
+                            })
+                            .sum();
+                        (dot + if accumulate { start[e] as f64 } else { 0.0 }) as f32
+                    })
+                    .collect();
+                let naive = Tensor::from_vec(naive, (n, o), &Device::Cpu).unwrap();
+                let rel = if dtype == DType::F32 { 1e-6 } else { 8e-3 };
+                assert_close(&format!("{tag} vs f64"), &dst.to_device(&Device::Cpu).unwrap(), &naive, rel, 1e-6 * k as f32);
+            }
             let after = vec32(&whole);
             assert_eq!(&after[..o], &before[..o], "{tag}: wrote before its rows");
             assert_eq!(&after[(n + 1) * o..], &before[(n + 1) * o..], "{tag}: wrote past its rows");
