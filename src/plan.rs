@@ -113,6 +113,12 @@ pub const DEFAULT_OVERHEAD: u64 = 3_000_000_000;
 /// GPU free: the model is an estimate, and a layout at 99% of memory is not a good tip.
 pub const SUGGESTION_HEADROOM: f64 = 0.05;
 
+/// Memory of one GPU where none is named or at hand: an H200 as its driver reports it
+/// (143,771 MiB = 150.8 GB; the datasheet's "141 GB" is about its GiB).
+pub const DEFAULT_GPU_MEMORY: u64 = 143_771 * 1024 * 1024;
+/// [`DEFAULT_GPU_MEMORY`] as the command line's default value.
+pub const DEFAULT_GPU_MEMORY_ARG: &str = "143771MiB";
+
 /// The sizes of a model that memory depends on.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ModelShape {

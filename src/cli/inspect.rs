@@ -23,8 +23,9 @@ pub struct InspectArgs {
     /// GPUs of the memory estimate.
     #[arg(long, default_value_t = 1)]
     pub gpus: usize,
-    /// Memory of one GPU: bytes or a size such as 141GB, 80GiB.
-    #[arg(long, default_value = "141GB", value_parser = size_arg)]
+    /// Memory of one GPU: bytes or a size such as 141GB, 80GiB; the default is an H200 as its
+    /// driver reports it (150.8 GB).
+    #[arg(long, default_value = longctx::plan::DEFAULT_GPU_MEMORY_ARG, value_parser = size_arg)]
     pub gpu_memory: u64,
     /// Parallel mode of the estimate [default: data_parallel on 1 GPU, zigzag_ring_attn on more].
     #[arg(long)]

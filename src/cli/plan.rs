@@ -46,8 +46,9 @@ pub struct PlanArgs {
     /// Nodes the GPUs are spread over.
     #[arg(long, default_value_t = 1)]
     pub nnodes: usize,
-    /// Memory of one GPU: bytes or a size such as 141GB, 80GB, 96GiB.
-    #[arg(long, default_value = "141GB", value_parser = size_arg)]
+    /// Memory of one GPU: bytes or a size such as 141GB, 80GB, 96GiB; the default is an H200 as
+    /// its driver reports it (150.8 GB).
+    #[arg(long, default_value = longctx::plan::DEFAULT_GPU_MEMORY_ARG, value_parser = size_arg)]
     pub gpu_memory: u64,
     /// Host memory of one node (checked only when given), e.g. 2TB.
     #[arg(long, value_parser = size_arg)]
@@ -406,9 +407,9 @@ fn suggestion_flags(layers: usize, s: &plan::Suggestion, r: &plan::PlanRequest) 
 /// comments (the output stays a config file): per stage its length, θ,
 /// steps, layout, batch × accumulation × data-parallel ranks = tokens per optimizer step,
 /// data and seed; the total tokens; and, when the model's config is at hand, the planner's
-/// peak per GPU of each stage against `gpu_memory` (the GPU's, else 141 GB).
+/// peak per GPU of each stage against `gpu_memory` (the GPU's, else an H200's, [`longctx::plan::DEFAULT_GPU_MEMORY`]).
 pub fn print_run_plan(cfg: &RunConfig, model: Option<&longctx::model::LlamaConfig>, gpu_memory: Option<u64>) -> Result<()> {
-    let gpu = gpu_memory.unwrap_or(141_000_000_000);
+    let gpu = gpu_memory.unwrap_or(longctx::plan::DEFAULT_GPU_MEMORY);
     let reqs = match model {
         Some(_) => plan::run_requests(cfg, gpu, plan::weight_bytes(cfg, Path::new(super::FLAGS))?),
         None => Vec::new(),
