@@ -304,8 +304,9 @@ pub struct HostMemory {
     pub fpdt_parked: u64,
     /// The trainer's f32 copy of the start weights.
     pub weights_copy: u64,
-    /// The piece of the reduced gradient the host optimizer works on, in f32, and its
-    /// new weights (optimizer on the host).
+    /// The host optimizer's pinned pieces of the reduced gradient in f32 (a piece and the
+    /// next; three units' slices when the update is deferred into the next forward) and a
+    /// piece of its new weights (optimizer on the host).
     pub grads_copy: u64,
     /// This rank's slice of the weights (stage 3 with `offload_params`).
     pub weights: u64,
@@ -501,11 +502,19 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let (off, on_host) = (req.offload_activations, req.optimizer_on_host);
     let piece = opt_elems.min(1 << 26); // the host optimizer's piece (`zero::HOST_PIECE`)
     let offload_params = zero == 3 && req.offload_params;
+    // The host update's pinned f32 gradient pieces (`ShardedAdamW::pinned_piece_bytes`):
+    // deferred (weights and state on the host) three units' slices in flight, at most;
+    // otherwise a piece and the next, and a piece of new weights in the run dtype.
+    let grads_copy = match (on_host, offload_params) {
+        (false, _) => 0,
+        (true, true) => 4 * (3 * unit_max.div_ceil(w)).min(opt_elems),
+        (true, false) => (8 + a) * piece,
+    };
     let mut host = HostMemory {
         optimizer: cvt(if on_host { 12 * opt_elems } else { 0 })?,
         saved_activations: cvt(if off { l * (input + if req.save_attention { core } else { 0 }) + saved_mlp } else { 0 })?,
         weights_copy: cvt(4 * p)?,
-        grads_copy: cvt(if on_host { (4 + a) * piece } else { 0 })?,
+        grads_copy: cvt(grads_copy)?,
         weights: cvt(if offload_params { shard * a } else { 0 })?,
         ..Default::default()
     };

@@ -217,6 +217,21 @@ impl Stash {
         }
     }
 
+    /// Page-lock host buffers of these byte sizes into the pool ahead of the parks that
+    /// will take them (CUDA; elsewhere nothing to do). Page-locking runs at a few GB/s: a
+    /// caller that knows its sizes (the host optimizer's gradient pieces) pays for it at
+    /// start-up instead of inside its first step.
+    pub fn reserve(&mut self, dev: &Device, sizes: &[usize]) -> Result<()> {
+        match dev {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(cdev) => self.gpu_for(cdev)?.reserve(sizes),
+            _ => {
+                let _ = sizes;
+                Ok(())
+            }
+        }
+    }
+
     /// Hand every parked tensor's device memory back (the compute stream waits for the
     /// copies first); call when no more parks follow for a while.
     pub fn settle(&mut self) -> Result<()> {
@@ -372,25 +387,37 @@ mod gpu {
             self.pool.allocated.fetch_sub(freed.iter().map(|b| b.len()).sum(), Ordering::Relaxed);
         }
 
+        /// A new page-locked buffer of `n` bytes, counted in the pool's total.
+        fn alloc(&self, n: usize) -> Result<PinnedHostSlice<u8>> {
+            // SAFETY: every user writes a pooled buffer entirely (by a copy) before reading it.
+            // Flags 0: plain page-locked memory (read back by DMA, not write-combined).
+            let b = unsafe { self.compute.context().alloc_pinned_with_flags::<u8>(n, 0) }.map_err(|e| {
+                err(format!(
+                    "cannot page-lock {} MiB of host memory ({e}; {} MiB already held); shorten the sequence or turn the offload off",
+                    n >> 20,
+                    self.pinned_bytes() >> 20
+                ))
+            })?;
+            self.pool.allocated.fetch_add(n, Ordering::Relaxed);
+            Ok(b)
+        }
+
         fn take_buf(&self, n: usize) -> Result<PooledBuf> {
             let reuse = self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&n).and_then(|v| v.pop());
             let buf = match reuse {
                 Some(b) => b,
-                None => {
-                    // SAFETY: written entirely by the copy that follows before any read.
-                    // Flags 0: plain page-locked memory (read back by DMA, not write-combined).
-                    let b = unsafe { self.compute.context().alloc_pinned_with_flags::<u8>(n, 0) }.map_err(|e| {
-                        err(format!(
-                            "cannot page-lock {} MiB of host memory ({e}; {} MiB already held); shorten the sequence or turn the offload off",
-                            n >> 20,
-                            self.pinned_bytes() >> 20
-                        ))
-                    })?;
-                    self.pool.allocated.fetch_add(n, Ordering::Relaxed);
-                    b
-                }
+                None => self.alloc(n)?,
             };
             Ok(PooledBuf { buf: Some(buf), pool: self.pool.clone() })
+        }
+
+        /// Buffers of `sizes` bytes put in the pool (free), for parks to come.
+        pub fn reserve(&self, sizes: &[usize]) -> Result<()> {
+            for &n in sizes.iter().filter(|&&n| n > 0) {
+                let b = self.alloc(n)?;
+                self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).entry(n).or_default().push(b);
+            }
+            Ok(())
         }
 
         pub fn park(&mut self, t: &Tensor) -> Result<PinnedTensor> {

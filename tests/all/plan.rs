@@ -88,12 +88,12 @@ fn zigzag_512k_on_8_gpus_by_hand() {
     assert_eq!(d.peak, PEAK);
     assert!(e.fits);
     // Host per rank: optimizer 12P/8 (ZeRO-1 over all 8 ranks, though dp = 1), the host
-    // update's piece of 2^26 gradient elements (f32) and of new weights (bf16), and the
-    // f32 start weights 4P; 8 ranks on the node.
+    // update's two pinned pieces of 2^26 gradient elements (f32, one copying while the other
+    // updates) and one of new weights (bf16), and the f32 start weights 4P; 8 ranks on the node.
     assert_eq!(e.host.optimizer, 10_107_623_424);
-    assert_eq!(e.host.grads_copy, 6 << 26);
-    assert_eq!(e.host.per_rank, 10_107_623_424 + (6 << 26) + 26_953_662_464);
-    assert_eq!(e.host.per_node, 8 * (10_107_623_424 + (6 << 26) + 26_953_662_464));
+    assert_eq!(e.host.grads_copy, 10 << 26);
+    assert_eq!(e.host.per_rank, 10_107_623_424 + (10 << 26) + 26_953_662_464);
+    assert_eq!(e.host.per_node, 8 * (10_107_623_424 + (10 << 26) + 26_953_662_464));
     assert_eq!(e.fits_host, None);
 }
 

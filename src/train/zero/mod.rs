@@ -208,7 +208,11 @@ impl ZeroState {
             Grads::Full(GradBuffer::new(start.params, optim.padded_len(), device)?)
         };
         let n_params = sizes.iter().sum();
-        Ok(Self { cfg, world, device: device.clone(), dtype, optim, grads, weights, n_params, pending: None })
+        let mut me = Self { cfg, world, device: device.clone(), dtype, optim, grads, weights, n_params, pending: None };
+        // The host update's pinned gradient buffers, page-locked now rather than in step 2.
+        let defers = me.defers();
+        me.optim.reserve_pinned(device, defers)?;
+        Ok(me)
     }
 
     /// What this rank holds.
@@ -290,10 +294,15 @@ impl ZeroState {
         Ok(stats)
     }
 
+    /// The update is deferred into the next forward: weights and optimizer state both on
+    /// the host (ZeRO-3 with `offload_params` and `optimizer_on_host`).
+    fn defers(&self) -> bool {
+        matches!(&self.weights, Weights::Sharded { store, .. } if store.on_host()) && self.optim.on_host()
+    }
+
     fn optimizer_step(&mut self, lr: f64) -> Result<(StepStats, Option<Deferred>)> {
         let clip = self.cfg.clip_grad;
-        let defer = matches!(&self.weights, Weights::Sharded { store, .. } if store.on_host()) && self.optim.on_host();
-        if let (true, Grads::Sharded(g)) = (defer, &self.grads) {
+        if let (true, Grads::Sharded(g)) = (self.defers(), &self.grads) {
             // Norm and clip now; the AdamW pass during the next step's forward.
             return self.optim.begin_deferred(&self.world, g.shard(), lr, clip);
         }
