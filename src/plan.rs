@@ -503,11 +503,20 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let piece = opt_elems.min(1 << 26); // the host optimizer's piece (`zero::HOST_PIECE`)
     let offload_params = zero == 3 && req.offload_params;
     // The host update's pinned f32 gradient pieces (`ShardedAdamW::pinned_piece_bytes`):
-    // deferred (weights and state on the host) three units' slices in flight, at most;
+    // deferred (weights and state on the host) three units' pieces in flight, at most;
     // otherwise a piece and the next, and a piece of new weights in the run dtype.
-    let grads_copy = match (on_host, offload_params) {
+    let grads_copy = match (on_host, zero >= 2) {
         (false, _) => 0,
-        (true, true) => 4 * (3 * unit_max.div_ceil(w)).min(opt_elems),
+        // ZeRO-2/3's units: the embedding, the layers, the final norm with the head (as
+        // `zero::units` cuts them; a tied head counted as untied), each this rank's slice.
+        (true, true) => {
+            let slice = |n: u128| usize::try_from(n.div_ceil(w)).ok();
+            let mut shards = vec![slice(v * h)?; 1];
+            shards.extend(std::iter::repeat_n(slice(u128::from(model.layer_params))?, model.layers));
+            shards.push(slice(v * h + h)?);
+            let pieces = crate::train::zero::peak_pieces(&shards, crate::train::zero::HOST_PIECE, offload_params);
+            4 * pieces.iter().map(|&n| n as u128).sum::<u128>() + if offload_params { 0 } else { a * piece }
+        }
         (true, false) => (8 + a) * piece,
     };
     let mut host = HostMemory {

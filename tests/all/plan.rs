@@ -494,10 +494,21 @@ fn zero_3_with_offloads_by_hand() {
     assert_eq!(e.device.optimizer, 0);
     assert_eq!(e.host.weights, 2 * shard);
     assert_eq!(e.host.optimizer, 12 * shard);
+    // The deferred host update's pinned f32 pieces (2^26 elements at most, cut per unit):
+    // three units in flight, per size the most any three hold. A layer is 3 full pieces and
+    // 1,056,768 elements; the embedding (131,072,000) and the norm + head (131,076,096) are
+    // one full piece and 63,963,136 / 63,967,232: 9 full pieces, 3 layer rests, one of each.
+    let full = 1u64 << 26;
+    assert_eq!(e.host.grads_copy, 4 * (9 * full + 3 * (layer - 3 * full) + (131_072_000 - full) + (131_076_096 - full)));
+    assert_eq!(e.host.grads_copy, 2_940_321_792);
     r.offload_params = false;
     let on_gpu = plan::estimate(&shape(), &r).unwrap();
     assert_eq!(on_gpu.device.weights, 2 * shard + 2 * layer * 2);
     assert_eq!(on_gpu.host.weights, 0);
+    // Not deferred: a piece and the next (f32), per size the most any two hold (the pool
+    // keeps a buffer of each size it met), and a piece of new weights (bf16).
+    let f32_pieces = 2 * full + (layer - 3 * full) + (131_072_000 - full) + (131_076_096 - full);
+    assert_eq!(on_gpu.host.grads_copy, 4 * f32_pieces + 2 * full);
     r.zero_stage = 2;
     assert_eq!(plan::estimate(&shape(), &r).unwrap().device.weights, 2 * 6_738_415_616);
 }

@@ -27,7 +27,7 @@ pub mod weights;
 
 pub use grads::GradBuffer;
 pub use hooks::{apply_deferred, Hooks, Zero3Hooks};
-pub use stage12::{all_reduce_scalar, ranks_flagging, Deferred, ShardedAdamW, StepStats, DEFER_LOOKAHEAD, HOST_PIECE};
+pub use stage12::{all_reduce_scalar, peak_pieces, ranks_flagging, Deferred, ShardedAdamW, StepStats, DEFER_LOOKAHEAD, HOST_PIECE};
 pub use stage3::{ParamStore, ShardedGrads};
 pub use units::{layer_groups, layer_unit, ParamHooks, Partition};
 pub use weights::{HostWeights, HostWeightsMut, Out};

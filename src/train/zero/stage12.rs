@@ -535,7 +535,7 @@ fn pieces_of(len: usize, piece: usize) -> impl Iterator<Item = (usize, usize)> {
 /// ([`ShardedAdamW::advance`]) parks the pieces of units `u ..= u + DEFER_LOOKAHEAD` before
 /// it applies unit `u`; the whole update ([`ShardedAdamW::host_update`]) holds a piece and
 /// the next. Per length, the most of it any such window holds; sorted.
-fn peak_pieces(shards: &[usize], piece: usize, deferred: bool) -> Vec<usize> {
+pub fn peak_pieces(shards: &[usize], piece: usize, deferred: bool) -> Vec<usize> {
     let of_units = |us: &[usize]| -> Vec<usize> { us.iter().flat_map(|&s| pieces_of(s, piece).map(|(_, len)| len)).collect() };
     let windows: Vec<Vec<usize>> = if deferred {
         (0..shards.len()).map(|u| of_units(&shards[u..=(u + DEFER_LOOKAHEAD).min(shards.len() - 1)])).collect()
