@@ -461,7 +461,7 @@ impl ShardedAdamW {
 
     /// Page-lock ahead, in `dev`'s stash pool, the host buffers the host update's gradient
     /// pieces will take at its peak ([`Self::pinned_piece_bytes`]), so the first update
-    /// does not pay for page-locking (about 0.85 s of the 7B shape's second step, 2.4 GB).
+    /// does not pay for page-locking (about 0.85 s of the 7B shape's second step, 2.9 GB).
     /// Nothing to do with the state on the device or off CUDA.
     pub fn reserve_pinned(&mut self, dev: &Device, deferred: bool) -> Result<()> {
         if self.device.is_some() || !dev.is_cuda() {
