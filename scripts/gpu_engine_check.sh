@@ -8,7 +8,8 @@
 #      and f32 (explicit within 1e-4, recomputing and with both saved);
 #   2. losses of 10 training steps of the tiny model and of the 2-layer 1.1B shape (1K
 #      tokens): explicit bf16 vs f32 within twice autograd bf16 vs f32.
-# Env: MODEL (default builtin:tinyllama-1.1b-shape@layers=2), SEQ (default 1024).
+# Env: MODEL (default builtin:tinyllama-1.1b-shape@layers=2), SEQ (default 1024); ONLY=train
+#   runs part 2 alone.
 # Usage: scripts/gpu_engine_check.sh BINARY(.gz) OUTDIR
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -20,6 +21,8 @@ export LONGCTX_ATTN_FALLBACK=1
 MODEL=${MODEL:-builtin:tinyllama-1.1b-shape@layers=2}; SEQ=${SEQ:-1024}
 W=/tmp/gec; rm -rf $W; mkdir -p $W
 status=0
+# ONLY=train skips the gradient checks (part 1) and runs the training comparison alone.
+if [[ ${ONLY:-} != train ]]; then
 for extra in "" "--save-attention" "--save-attention --save-mlp"; do
   timeout 120 "$BIN" bench engine --check-grads --model "$MODEL" --seq "$SEQ" --token-chunk 256 $extra \
     >>"$OUTDIR/check_grads.jsonl" 2>>"$OUTDIR/check_grads.log" || { echo "check-grads $extra FAILED"; status=1; }
@@ -31,6 +34,7 @@ for extra in "" "--save-attention --save-mlp"; do
     >>"$OUTDIR/check_grads.jsonl" 2>>"$OUTDIR/check_grads.log" || { echo "check-grads f32 $extra FAILED"; status=1; }
 done
 grep -E "^seq" "$OUTDIR/check_grads.log"
+fi
 train() { # name dtype layer_backward model seq steps batch lr
   printf '[train]\nlayer_backward = "%s"\n' "$3" > $W/$1.toml
   timeout 120 "$BIN" train --config $W/$1.toml --model "$4" --dataset synthetic:passkey --seq-length "$5" --rope-theta 1e6 \
