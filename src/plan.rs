@@ -502,22 +502,28 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let (off, on_host) = (req.offload_activations, req.optimizer_on_host);
     let piece = opt_elems.min(1 << 26); // the host optimizer's piece (`zero::HOST_PIECE`)
     let offload_params = zero == 3 && req.offload_params;
-    // The host update's pinned f32 gradient pieces (`ShardedAdamW::pinned_piece_bytes`):
-    // deferred (weights and state on the host) three units' pieces in flight, at most;
-    // otherwise a piece and the next, and a piece of new weights in the run dtype.
-    let grads_copy = match (on_host, zero >= 2) {
-        (false, _) => 0,
-        // ZeRO-2/3's units: the embedding, the layers, the final norm with the head (as
-        // `zero::units` cuts them; a tied head counted as untied), each this rank's slice.
-        (true, true) => {
-            let slice = |n: u128| usize::try_from(n.div_ceil(w)).ok();
-            let mut shards = vec![slice(v * h)?; 1];
-            shards.extend(std::iter::repeat_n(slice(u128::from(model.layer_params))?, model.layers));
-            shards.push(slice(v * h + h)?);
-            let pieces = crate::train::zero::peak_pieces(&shards, crate::train::zero::HOST_PIECE, offload_params);
-            4 * pieces.iter().map(|&n| n as u128).sum::<u128>() + if offload_params { 0 } else { a * piece }
-        }
-        (true, false) => (8 + a) * piece,
+    // The host update's pinned f32 gradient pieces (`ShardedAdamW::pinned_piece_bytes`, the
+    // engine's own `peak_pieces` over this rank's unit slices): deferred (weights and state on
+    // the host) three units' pieces in flight, otherwise a piece and the next; and, not
+    // deferred, a piece of new weights in the run dtype.
+    let grads_copy = if on_host {
+        let elems = |n: u128| usize::try_from(n).ok();
+        let shards = if zero >= 2 {
+            // The embedding, the layers, the final norm with the head (as `zero::units` cuts
+            // them; a tied head counted as untied), each this rank's slice.
+            let mut s = vec![elems((v * h).div_ceil(w))?];
+            // Three layers give every window a deferred update or a piece and the next meet.
+            let layers = model.layers.min(crate::train::zero::DEFER_LOOKAHEAD + 1);
+            s.extend(std::iter::repeat_n(elems(u128::from(model.layer_params).div_ceil(w))?, layers));
+            s.push(elems((v * h + h).div_ceil(w))?);
+            s
+        } else {
+            vec![elems(opt_elems)?] // stages 0–1: one unit, the whole slice
+        };
+        let pieces = crate::train::zero::peak_pieces(&shards, crate::train::zero::HOST_PIECE, offload_params);
+        4 * pieces.iter().map(|&(len, k)| len as u128 * k as u128).sum::<u128>() + if offload_params { 0 } else { a * piece }
+    } else {
+        0
     };
     let mut host = HostMemory {
         optimizer: cvt(if on_host { 12 * opt_elems } else { 0 })?,

@@ -95,9 +95,8 @@ pub fn rms_norm_bwd(dy: &Tensor, x_sum: &Tensor, weight: &Tensor, rstd: &Tensor,
 /// gradient was (rows of a whole-sequence buffer: no copy after it). Returns `dweight [h]`
 /// f32. `d_residual` must not share storage with `dy` or `x_sum`.
 pub fn rms_norm_bwd_into(d_residual: &Tensor, dy: &Tensor, x_sum: &Tensor, weight: &Tensor, rstd: &Tensor) -> Result<Tensor> {
-    check_bwd_args(BWD_INTO, dy, x_sum, weight, rstd, Some(d_residual))?;
+    let (_, h) = check_bwd_args(BWD_INTO, dy, x_sum, weight, rstd, Some(d_residual))?;
     check_distinct(BWD_INTO, &[("d_residual", d_residual), ("dy", dy), ("x_sum", x_sum)])?;
-    let h = weight.elem_count();
     let op = BwdOp { h, rstd: rstd.clone(), d_residual: None, extras: Extras::default() };
     d_residual.inplace_op3(dy, x_sum, &InPlace { op: &op, weight: weight.clone() })?;
     Ok(op.extras.take(BWD_INTO, 1)?.remove(0))

@@ -88,12 +88,17 @@ fn zigzag_512k_on_8_gpus_by_hand() {
     assert_eq!(d.peak, PEAK);
     assert!(e.fits);
     // Host per rank: optimizer 12P/8 (ZeRO-1 over all 8 ranks, though dp = 1), the host
-    // update's two pinned pieces of 2^26 gradient elements (f32, one copying while the other
-    // updates) and one of new weights (bf16), and the f32 start weights 4P; 8 ranks on the node.
+    // update's pinned f32 pieces of its P/8 = 842,301,952-element slice (12 of 2^26 and a
+    // rest of 36,995,584; a piece and the next at once: two full ones, and the rest beside
+    // one) and one piece of new weights (bf16), and the f32 start weights 4P; 8 ranks on the
+    // node.
+    let pieces = 4 * (2 * (1 << 26) + 36_995_584) + 2 * (1 << 26);
+    assert_eq!(6_738_415_616u64 / 8 - 12 * (1 << 26), 36_995_584);
+    let pieces: u64 = pieces;
     assert_eq!(e.host.optimizer, 10_107_623_424);
-    assert_eq!(e.host.grads_copy, 10 << 26);
-    assert_eq!(e.host.per_rank, 10_107_623_424 + (10 << 26) + 26_953_662_464);
-    assert_eq!(e.host.per_node, 8 * (10_107_623_424 + (10 << 26) + 26_953_662_464));
+    assert_eq!(e.host.grads_copy, pieces);
+    assert_eq!(e.host.per_rank, 10_107_623_424 + pieces + 26_953_662_464);
+    assert_eq!(e.host.per_node, 8 * (10_107_623_424 + pieces + 26_953_662_464));
     assert_eq!(e.fits_host, None);
 }
 

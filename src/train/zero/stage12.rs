@@ -474,7 +474,8 @@ impl ShardedAdamW {
     /// at most ([`peak_pieces`] of this rank's unit slices).
     pub fn pinned_piece_bytes(&self, deferred: bool) -> Vec<usize> {
         let shards: Vec<usize> = self.part.units.iter().map(|u| u.shard).collect();
-        peak_pieces(&shards, HOST_PIECE, deferred).into_iter().map(|len| len * std::mem::size_of::<f32>()).collect()
+        let pieces = peak_pieces(&shards, HOST_PIECE, deferred);
+        pieces.into_iter().flat_map(|(len, k)| std::iter::repeat_n(len * std::mem::size_of::<f32>(), k)).collect()
     }
 
     /// Refresh the host copy of a device-resident state (before a checkpoint).
@@ -530,31 +531,48 @@ fn pieces_of(len: usize, piece: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..len).step_by(piece.max(1)).map(move |at| (at, piece.min(len - at)))
 }
 
-/// The lengths of the gradient pieces (at most `piece` elements, cut per unit slice of
-/// `shards`) a host update holds in host memory at once, at most: a deferred update
-/// ([`ShardedAdamW::advance`]) parks the pieces of units `u ..= u + DEFER_LOOKAHEAD` before
-/// it applies unit `u`; the whole update ([`ShardedAdamW::host_update`]) holds a piece and
-/// the next. Per length, the most of it any such window holds; sorted.
-pub fn peak_pieces(shards: &[usize], piece: usize, deferred: bool) -> Vec<usize> {
-    let of_units = |us: &[usize]| -> Vec<usize> { us.iter().flat_map(|&s| pieces_of(s, piece).map(|(_, len)| len)).collect() };
-    let windows: Vec<Vec<usize>> = if deferred {
-        (0..shards.len()).map(|u| of_units(&shards[u..=(u + DEFER_LOOKAHEAD).min(shards.len() - 1)])).collect()
-    } else {
-        let all = of_units(shards);
-        all.windows(all.len().clamp(1, 2)).map(<[usize]>::to_vec).collect()
-    };
+/// The gradient pieces (at most `piece` elements, cut per unit slice of `shards`) a host
+/// update holds in host memory at once, at most, as `(length, how many)` sorted by length:
+/// a deferred update ([`ShardedAdamW::advance`]) parks the pieces of units
+/// `u ..= u + DEFER_LOOKAHEAD` before it applies unit `u`; the whole update
+/// ([`ShardedAdamW::host_update`]) holds a piece and the next. Per length, the most of it any
+/// such window holds. Counted from each slice's full pieces and rest, never piece by piece
+/// (the planner asks about any size).
+pub fn peak_pieces(shards: &[usize], piece: usize, deferred: bool) -> Vec<(usize, usize)> {
+    let piece = piece.max(1);
+    // A slice's pieces as runs `(length, count)`: the full ones, then the rest.
+    let runs = |s: usize| [(piece, s / piece), (s % piece, 1)].into_iter().filter(|&(len, k)| len > 0 && k > 0);
     let mut most = std::collections::BTreeMap::<usize, usize>::new();
-    for w in &windows {
+    let mut keep = |window: &mut dyn Iterator<Item = (usize, usize)>| {
         let mut here = std::collections::BTreeMap::<usize, usize>::new();
-        for &len in w {
-            *here.entry(len).or_default() += 1;
+        for (len, k) in window {
+            *here.entry(len).or_default() += k;
         }
         for (len, k) in here {
             let m = most.entry(len).or_default();
             *m = (*m).max(k);
         }
+    };
+    if deferred {
+        for u in 0..shards.len() {
+            keep(&mut shards[u..=(u + DEFER_LOOKAHEAD).min(shards.len() - 1)].iter().flat_map(|&s| runs(s)));
+        }
+    } else {
+        let all: Vec<(usize, usize)> = shards.iter().flat_map(|&s| runs(s)).collect();
+        match all.as_slice() {
+            [(len, 1)] => keep(&mut std::iter::once((*len, 1))), // one piece in all
+            _ => {
+                // Two in a row: inside a run, or the last of one run and the first of the next.
+                for &(len, k) in all.iter().filter(|r| r.1 >= 2) {
+                    keep(&mut std::iter::once((len, 2.min(k))));
+                }
+                for w in all.windows(2) {
+                    keep(&mut [(w[0].0, 1), (w[1].0, 1)].into_iter());
+                }
+            }
+        }
     }
-    most.into_iter().flat_map(|(len, k)| std::iter::repeat_n(len, k)).collect()
+    most.into_iter().collect()
 }
 
 /// Units whose gradient copies a deferred update starts ahead of the one it applies
@@ -795,20 +813,46 @@ mod tests {
         assert_eq!(DEFER_LOOKAHEAD, 2, "the cases below count three units in flight");
         // units of 9, 9, 2, 9 elements: pieces [4,4,1] [4,4,1] [2] [4,4,1]; windows of three
         // units hold 4 fours and 2 ones (units 0-2), one 2 at most, and (units 1-3) 4 fours.
-        assert_eq!(peak_pieces(&[9, 9, 2, 9], 4, true), [1, 1, 2, 4, 4, 4, 4]);
+        assert_eq!(peak_pieces(&[9, 9, 2, 9], 4, true), [(1, 2), (2, 1), (4, 4)]);
         // two pieces at once: (4,4) or (4,1) or (1,4), (1,2), (2,4)
-        assert_eq!(peak_pieces(&[9, 9, 2, 9], 4, false), [1, 2, 4, 4]);
+        assert_eq!(peak_pieces(&[9, 9, 2, 9], 4, false), [(1, 1), (2, 1), (4, 2)]);
+        // the same against every window listed piece by piece
+        for shards in [&[9usize, 9, 2, 9][..], &[4, 4], &[1, 1, 1], &[8], &[0, 5, 0, 3], &[13, 2, 2, 7, 16]] {
+            for deferred in [true, false] {
+                assert_eq!(peak_pieces(shards, 4, deferred), by_windows(shards, 4, deferred), "{shards:?} {deferred}");
+            }
+        }
         // one unit, one piece; empty slices (a rank's share of a tiny unit) take nothing
-        assert_eq!(peak_pieces(&[3], 4, true), [3]);
-        assert_eq!(peak_pieces(&[3], 4, false), [3]);
-        assert_eq!(peak_pieces(&[0, 0], 4, true), Vec::<usize>::new());
-        assert_eq!(peak_pieces(&[], 4, false), Vec::<usize>::new());
+        assert_eq!(peak_pieces(&[3], 4, true), [(3, 1)]);
+        assert_eq!(peak_pieces(&[3], 4, false), [(3, 1)]);
+        assert_eq!(peak_pieces(&[0, 0], 4, true), []);
+        assert_eq!(peak_pieces(&[], 4, false), []);
         // the 7B shape's layer slice at one rank (202,383,360 elements), HOST_PIECE pieces:
         // three layers in flight, 9 full pieces and 3 of the rest.
         let layer = 202_383_360usize;
-        let rest = layer - 3 * HOST_PIECE;
-        let want: Vec<usize> = std::iter::repeat_n(rest, 3).chain(std::iter::repeat_n(HOST_PIECE, 9)).collect();
-        assert_eq!(peak_pieces(&[layer; 32], HOST_PIECE, true), want);
+        assert_eq!(peak_pieces(&[layer; 32], HOST_PIECE, true), [(layer - 3 * HOST_PIECE, 3), (HOST_PIECE, 9)]);
+        // a slice of 2^60 elements is counted, not cut (the planner asks about any size)
+        assert_eq!(peak_pieces(&[1 << 60], HOST_PIECE, false), [(HOST_PIECE, 2)]);
+    }
+
+    /// [`peak_pieces`] the long way: every window's pieces listed one by one.
+    fn by_windows(shards: &[usize], piece: usize, deferred: bool) -> Vec<(usize, usize)> {
+        let of = |us: &[usize]| -> Vec<usize> { us.iter().flat_map(|&s| pieces_of(s, piece).map(|(_, len)| len)).collect() };
+        let windows: Vec<Vec<usize>> = if deferred {
+            (0..shards.len()).map(|u| of(&shards[u..=(u + DEFER_LOOKAHEAD).min(shards.len() - 1)])).collect()
+        } else {
+            let all = of(shards);
+            all.windows(all.len().clamp(1, 2)).map(<[usize]>::to_vec).collect()
+        };
+        let mut most = std::collections::BTreeMap::<usize, usize>::new();
+        for w in &windows {
+            for &len in w {
+                let k = w.iter().filter(|&&l| l == len).count();
+                let m = most.entry(len).or_default();
+                *m = (*m).max(k);
+            }
+        }
+        most.into_iter().collect()
     }
 
     /// A deferred update applied unit by unit: the units reached so far hold their new
