@@ -115,6 +115,17 @@ fn bench_engine_on_the_cpu() {
         assert!(host["tokens_per_s"].as_f64().unwrap() > 0.0);
     }
     fails(&run(&["bench", "engine", "--device", "cpu", "--model", "builtin:tiny", "--iters", "0"]), &["--iters"], true);
+    fails(&run(&["bench", "engine", "--device", "cpu", "--model", "builtin:tiny", "--seq", "64,0"]), &["--seq", "at least 1"], true);
+}
+
+/// `bench engine` refuses a length that cannot fit before it allocates anything (it
+/// aborted allocating 25.6 GB for 10⁸ tokens of the tiny model): the estimate, what the
+/// machine has and the fix, whatever the machine (10⁹ tokens need terabytes).
+#[test]
+fn bench_engine_refuses_what_cannot_fit() {
+    let o = run(&["bench", "engine", "--device", "cpu", "--model", "builtin:tiny", "--seq", "64,1000000000"]);
+    fails(&o, &["--seq 1000000000", "needs an estimated", "host memory available", "lower --seq"], true);
+    assert!(o.stdout.is_empty(), "nothing may run before the check: {}", o.stdout);
 }
 
 /// `bench attention`: a bad throughput shape is one clear error before any device is

@@ -242,15 +242,75 @@ fn check_grads(a: &BenchEngineArgs, cfg: &LlamaConfig, vars: &HashMap<String, Va
     Ok(())
 }
 
+/// Refuses, before anything is allocated, a length whose estimated memory (`longctx
+/// plan`'s model of the engine: weights, f32 gradients, saved tensors, one layer's
+/// transients) exceeds what the device has: the GPU's memory, or on the CPU the host's
+/// available memory. `--check-grads` is counted in f32 (its reference runs in f32).
+fn check_memory(a: &BenchEngineArgs, cfg: &LlamaConfig, dev: &candle_core::Device, dtype: DType) -> anyhow::Result<()> {
+    use longctx::parallel::dims::ParallelMode;
+    use longctx::plan::{estimate, gb, ModelShape, PlanRequest};
+    let host = longctx::device::host_available();
+    let (have, what) = if dev.is_cpu() {
+        (host, "host memory available")
+    } else {
+        (longctx::device::gpu_memory(&a.device, Path::new("--device"))?, "GPU memory")
+    };
+    let Some(have) = have else { return Ok(()) }; // the machine does not say
+    let shape = ModelShape::from_config(cfg);
+    for &s in &a.seq {
+        let mut r = PlanRequest::new(s, 1, have, ParallelMode::DataParallel);
+        r.batch_size = a.batch;
+        r.token_chunk = a.token_chunk;
+        r.save_attention = a.save_attention;
+        r.save_mlp = a.save_mlp;
+        r.offload_activations = a.offload != "off" && !a.check_grads && !dev.is_cpu();
+        r.dtype_bytes = if a.check_grads { 4 } else { dtype.size_in_bytes() };
+        if dev.is_cpu() {
+            r.overhead = 0; // no CUDA context or workspaces
+        } else {
+            r.host_memory = host;
+        }
+        let e = estimate(&shape, &r).with_context(|| format!("--seq {s}: estimating its memory"))?;
+        if e.device.peak > have {
+            bail!(
+                "--seq {s} (batch {}): needs an estimated {} GB on {}, the {what} is {} GB; lower --seq or --batch{} \
+                 (`longctx plan` gives the estimate by part)",
+                a.batch,
+                a.device,
+                gb(e.device.peak),
+                gb(have),
+                if a.save_attention || a.save_mlp { ", or drop --save-attention / --save-mlp" } else { "" }
+            );
+        }
+        if e.fits_host == Some(false) {
+            bail!(
+                "--seq {s} (batch {}): the offloaded layer inputs need an estimated {} GB of host memory, {} GB are available; \
+                 use --offload off or a shorter --seq",
+                a.batch,
+                gb(e.host.per_node),
+                gb(host.unwrap_or(0))
+            );
+        }
+    }
+    Ok(())
+}
+
 pub fn engine(a: &BenchEngineArgs) -> anyhow::Result<()> {
     if a.iters == 0 {
         bail!("--iters must be at least 1");
+    }
+    if a.batch == 0 || a.token_chunk == 0 || a.seq.contains(&0) {
+        bail!("--batch, --token-chunk and every --seq must be at least 1");
     }
     let dev = parse_device(&a.device, Path::new("--device"))?;
     let dtype = if dev.is_cpu() { DType::F32 } else { longctx::train::trainer::parse_dtype(&a.dtype, Path::new("--dtype"), "dtype")? };
     let mut rc = RunConfig::plain();
     rc.model.source = a.model.clone();
     rc.seed = a.seed;
+    let opts = longctx::hub::HubOptions::from_env();
+    if let Some(m) = longctx::hub::model_config(&a.model, &opts, false).context("reading the model config")? {
+        check_memory(a, &m.cfg, &dev, dtype)?;
+    }
     let start = load_start_model(&rc).context("loading the model")?;
     let cfg: &LlamaConfig = &start.cfg;
     let mut vars: HashMap<String, Var> = HashMap::new();
