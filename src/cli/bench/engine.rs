@@ -257,13 +257,20 @@ fn check_memory(a: &BenchEngineArgs, cfg: &LlamaConfig, dev: &candle_core::Devic
     };
     let Some(have) = have else { return Ok(()) }; // the machine does not say
     let shape = ModelShape::from_config(cfg);
-    for &s in &a.seq {
+    // Each offload setting that runs (on the CPU the layer inputs stay in the same memory).
+    let offloads: &[bool] = match a.offload.as_str() {
+        _ if a.check_grads || dev.is_cpu() => &[false],
+        "on" => &[true],
+        "off" => &[false],
+        _ => &[false, true],
+    };
+    for (&s, &off) in a.seq.iter().flat_map(|s| offloads.iter().map(move |o| (s, o))) {
         let mut r = PlanRequest::new(s, 1, have, ParallelMode::DataParallel);
         r.batch_size = a.batch;
         r.token_chunk = a.token_chunk;
         r.save_attention = a.save_attention;
         r.save_mlp = a.save_mlp;
-        r.offload_activations = a.offload != "off" && !a.check_grads && !dev.is_cpu();
+        r.offload_activations = off;
         r.dtype_bytes = if a.check_grads { 4 } else { dtype.size_in_bytes() };
         if dev.is_cpu() {
             r.overhead = 0; // no CUDA context or workspaces
