@@ -124,7 +124,15 @@ fn bench_engine_on_the_cpu() {
 #[test]
 fn bench_engine_refuses_what_cannot_fit() {
     let o = run(&["bench", "engine", "--device", "cpu", "--model", "builtin:tiny", "--seq", "64,1000000000"]);
-    fails(&o, &["--seq 1000000000", "needs an estimated", "host memory available", "lower --seq"], true);
+    let e =
+        fails(&o, &["--seq 1000000000 (batch 1): needs an estimated ", " GB on cpu, the host memory available is ", "lower --seq"], true);
+    // the figures in their places: the estimate (terabytes) against what the machine has
+    let num = |after: &str| -> f64 {
+        let rest = &e[e.find(after).unwrap() + after.len()..];
+        rest.split(' ').next().unwrap().parse().unwrap_or_else(|_| panic!("no number after `{after}`: {e}"))
+    };
+    let (need, have) = (num("needs an estimated "), num("available is "));
+    assert!(need > 1000.0 && have > 0.0 && need > have, "{e}");
     assert!(o.stdout.is_empty(), "nothing may run before the check: {}", o.stdout);
 }
 

@@ -92,9 +92,8 @@ fn zigzag_512k_on_8_gpus_by_hand() {
     // rest of 36,995,584; a piece and the next at once: two full ones, and the rest beside
     // one) and one piece of new weights (bf16), and the f32 start weights 4P; 8 ranks on the
     // node.
-    let pieces = 4 * (2 * (1 << 26) + 36_995_584) + 2 * (1 << 26);
     assert_eq!(6_738_415_616u64 / 8 - 12 * (1 << 26), 36_995_584);
-    let pieces: u64 = pieces;
+    let pieces: u64 = 4 * (2 * (1 << 26) + 36_995_584) + 2 * (1 << 26);
     assert_eq!(e.host.optimizer, 10_107_623_424);
     assert_eq!(e.host.grads_copy, pieces);
     assert_eq!(e.host.per_rank, 10_107_623_424 + pieces + 26_953_662_464);

@@ -279,23 +279,18 @@ fn check_memory(a: &BenchEngineArgs, cfg: &LlamaConfig, dev: &candle_core::Devic
         }
         let e = estimate(&shape, &r).with_context(|| format!("--seq {s}: estimating its memory"))?;
         if e.device.peak > have {
+            let (batch, device, need, have) = (a.batch, &a.device, gb(e.device.peak), gb(have));
+            let saved = if a.save_attention || a.save_mlp { ", or drop --save-attention / --save-mlp" } else { "" };
             bail!(
-                "--seq {s} (batch {}): needs an estimated {} GB on {}, the {what} is {} GB; lower --seq or --batch{} \
-                 (`longctx plan` gives the estimate by part)",
-                a.batch,
-                a.device,
-                gb(e.device.peak),
-                gb(have),
-                if a.save_attention || a.save_mlp { ", or drop --save-attention / --save-mlp" } else { "" }
+                "--seq {s} (batch {batch}): needs an estimated {need} GB on {device}, the {what} is {have} GB; lower --seq or \
+                 --batch{saved} (`longctx plan` gives the estimate by part)"
             );
         }
         if e.fits_host == Some(false) {
+            let (batch, need, have) = (a.batch, gb(e.host.per_node), gb(host.unwrap_or(0)));
             bail!(
-                "--seq {s} (batch {}): the offloaded layer inputs need an estimated {} GB of host memory, {} GB are available; \
-                 use --offload off or a shorter --seq",
-                a.batch,
-                gb(e.host.per_node),
-                gb(host.unwrap_or(0))
+                "--seq {s} (batch {batch}): the offloaded layer inputs need an estimated {need} GB of host memory, {have} GB are \
+                 available; use --offload off or a shorter --seq"
             );
         }
     }
