@@ -193,6 +193,9 @@ pub struct PlanRequest {
     pub dtype_bytes: usize,
     /// AdamW state (f32 master, m, v) in host memory (the trainer's choice) or on the GPU.
     pub optimizer_on_host: bool,
+    /// With `optimizer_on_host`: the first units whose state stays on the GPU
+    /// (`train.optimizer_device_units`).
+    pub optimizer_device_units: usize,
     /// ZeRO stage (0–3, `train.zero_stage`): what is sharded over the ranks.
     pub zero_stage: u8,
     /// Stage 3's slice of the weights in host memory (`train.offload_params`).
@@ -225,6 +228,7 @@ impl PlanRequest {
             token_chunk: 4096,
             dtype_bytes: 2,
             optimizer_on_host: true,
+            optimizer_device_units: 0,
             zero_stage: 1,
             offload_params: false,
             overhead: DEFAULT_OVERHEAD,
@@ -248,6 +252,8 @@ impl PlanRequest {
         c.train.batch_size = self.batch_size;
         c.train.zero_stage = self.zero_stage;
         c.train.offload_params = self.offload_params;
+        c.train.optimizer_on_host = self.optimizer_on_host;
+        c.train.optimizer_device_units = self.optimizer_device_units;
         c.stages = vec![Stage::new(self.seq_len, 10_000.0, 1)];
         c
     }
@@ -376,6 +382,17 @@ pub fn validate(model: &ModelShape, req: &PlanRequest) -> Result<Layout> {
         if n == 0 || n > model.layers {
             return bad("save_mlp_layers", format!("got {n}, expected 1 to the model's {} layers", model.layers));
         }
+    }
+    let units = if req.zero_stage >= 2 { model.layers + 2 } else { 1 };
+    if req.optimizer_device_units > units {
+        return bad(
+            "optimizer_device_units",
+            format!(
+                "got {}, but the model has {units} ZeRO unit(s) under stage {} (the embedding, one per decoder layer, the norm \
+                 with the head; stages 0-1: one); give at most {units}",
+                req.optimizer_device_units, req.zero_stage
+            ),
+        );
     }
     if req.nnodes == 0 || !req.gpus.is_multiple_of(req.nnodes) {
         return bad("nnodes", format!("{} GPUs cannot be spread equally over {} node(s)", req.gpus, req.nnodes));
@@ -506,21 +523,30 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     // engine's own `peak_pieces` over this rank's unit slices): deferred (weights and state on
     // the host) three units' pieces in flight, otherwise a piece and the next; and, not
     // deferred, a piece of new weights in the run dtype.
-    let grads_copy = if on_host {
+    let all_on_device = req.optimizer_device_units >= if zero >= 2 { model.layers + 2 } else { 1 };
+    let grads_copy = if on_host && !all_on_device {
         let elems = |n: u128| usize::try_from(n).ok();
         let shards = if zero >= 2 {
             // The embedding, the layers, the final norm with the head (as `zero::units` cuts
-            // them; a tied head counted as untied), each this rank's slice.
-            let mut s = vec![elems((v * h).div_ceil(w))?];
+            // them; a tied head counted as untied), each this rank's slice, but the first
+            // `optimizer_device_units` (their state is on the GPU).
+            let on_dev = req.optimizer_device_units;
+            let mut s = if on_dev == 0 { vec![elems((v * h).div_ceil(w))?] } else { Vec::new() };
             // Three layers give every window a deferred update or a piece and the next meet.
-            let layers = model.layers.min(crate::train::zero::DEFER_LOOKAHEAD + 1);
+            let layers = model.layers.saturating_sub(on_dev.saturating_sub(1)).min(crate::train::zero::DEFER_LOOKAHEAD + 1);
             s.extend(std::iter::repeat_n(elems(u128::from(model.layer_params).div_ceil(w))?, layers));
-            s.push(elems((v * h + h).div_ceil(w))?);
+            if on_dev < model.layers + 2 {
+                s.push(elems((v * h + h).div_ceil(w))?);
+            }
             s
         } else {
             vec![elems(opt_elems)?] // stages 0–1: one unit, the whole slice
         };
-        let pieces = crate::train::zero::peak_pieces(&shards, crate::train::zero::HOST_PIECE, offload_params);
+        let pieces = if shards.is_empty() {
+            Vec::new()
+        } else {
+            crate::train::zero::peak_pieces(&shards, crate::train::zero::HOST_PIECE, offload_params)
+        };
         4 * pieces.iter().map(|&(len, k)| len as u128 * k as u128).sum::<u128>() + if offload_params { 0 } else { a * piece }
     } else {
         0
@@ -548,7 +574,18 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
         (true, _) => 4 * (shard + w * (v * h) + w * unit_max),
         (false, _) => 4 * shard * w,
     };
-    let optimizer = if on_host { 0 } else { 12 * opt_elems };
+    // A split placement keeps the first units' state on the GPU (the embedding's slice, then
+    // a layer's each, the head's last; stages 0–1: one unit, the whole slice).
+    let dev_units = u(req.optimizer_device_units).min(if zero >= 2 { units } else { 1 });
+    let dev_elems = if zero < 2 {
+        opt_elems * dev_units
+    } else {
+        let layers = dev_units.saturating_sub(1).min(l);
+        let head = if dev_units == units { (v * h + h).div_ceil(w) } else { 0 };
+        let embedding = if dev_units > 0 { (v * h).div_ceil(w) } else { 0 };
+        embedding + layers * u128::from(model.layer_params).div_ceil(w) + head
+    };
+    let optimizer = if on_host { 12 * dev_elems } else { 12 * opt_elems };
     let grad_reduce = match zero {
         // The host update's piece on its way; a device update writes in place.
         2 | 3 if on_host => (4 + a) * piece,
@@ -797,6 +834,7 @@ pub fn run_requests(cfg: &RunConfig, gpu_memory: u64, dtype_bytes: usize) -> Vec
         .map(|(i, st)| {
             let mut r = PlanRequest::new(st.seq_length, p.world_size, gpu_memory, st.parallel_mode.unwrap_or(p.mode));
             r.optimizer_on_host = cfg.train.optimizer_on_host;
+            r.optimizer_device_units = cfg.train.optimizer_device_units;
             r.zero_stage = cfg.train.zero_stage;
             r.offload_params = cfg.train.offload_params;
             r.dtype_bytes = dtype_bytes;

@@ -217,6 +217,34 @@ impl Stash {
         }
     }
 
+    /// Copy `t` (`[dst.len()]` elements of `T`, on `dev`) into host memory `dst` and wait
+    /// for it: on CUDA one DMA copy on the copy stream after the compute queued so far (at
+    /// full speed when `dst` is page-locked, e.g. by a [`HostPin`]); elsewhere a plain copy.
+    pub fn download<T: candle_core::WithDType>(&mut self, t: &Tensor, dst: &mut [T], dev: &Device) -> Result<()> {
+        if t.elem_count() != dst.len() || t.dtype() != T::DTYPE {
+            return Err(candle_core::Error::Msg(format!(
+                "stash: download of a {:?} tensor of {} elements into {} host elements of {:?}",
+                t.dtype(),
+                t.elem_count(),
+                dst.len(),
+                T::DTYPE
+            )));
+        }
+        match dev {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(cdev) => {
+                // SAFETY: plain bytes of `dst` (any `WithDType` is plain old data), written
+                // by the copy, which is waited for before this returns.
+                let bytes = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(dst)) };
+                self.gpu_for(cdev)?.download(t, bytes)
+            }
+            _ => {
+                dst.copy_from_slice(&t.flatten_all()?.to_vec1::<T>()?);
+                Ok(())
+            }
+        }
+    }
+
     /// Page-lock host buffers of these byte sizes into the pool ahead of the parks that
     /// will take them (CUDA; elsewhere nothing to do). Page-locking runs at a few GB/s: a
     /// caller that knows its sizes (the host optimizer's gradient pieces) pays for it at
@@ -443,6 +471,19 @@ mod gpu {
             let (shape, dtype) = (t.shape().clone(), t.dtype());
             self.pending.push((t, done));
             Ok(PinnedTensor { buf: pooled, shape, dtype, copied })
+        }
+
+        /// `t` (contiguous or not, made so) into `dst`, its bytes, after the compute queued so
+        /// far; waited for.
+        pub fn download(&mut self, t: &Tensor, dst: &mut [u8]) -> Result<()> {
+            let t = t.contiguous()?;
+            self.copy.join(&self.compute).w()?;
+            {
+                let (st, l) = t.storage_and_layout();
+                self.copy.memcpy_dtoh(&raw::bytes(raw::cuda(&st)?, l)?, dst).w()?;
+            }
+            self.copy.synchronize().w()?;
+            Ok(())
         }
 
         /// Starts the copy of `p` back to `dev`: the tensor, and the copy the compute stream

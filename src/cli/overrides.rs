@@ -141,6 +141,12 @@ pub struct LayoutFlags {
     /// DeepSpeed's offload_optimizer [default: on the GPU] (`train.optimizer_on_host`).
     #[arg(long)]
     pub optimizer_on_host: bool,
+    /// With the AdamW state in host memory: keep the first N ZeRO units' (the embedding,
+    /// then one decoder layer each) and their update on the GPU, like DeepSpeed's
+    /// offload_optimizer ratio; implies --optimizer-on-host [default: 0]
+    /// (`train.optimizer_device_units`).
+    #[arg(long, value_name = "N")]
+    pub optimizer_device_units: Option<usize>,
     /// ZeRO stage, as DeepSpeed numbers them: 0 replicated optimizer state, 1 sharded
     /// optimizer state [default], 2 also sharded gradients (reduced layer by layer), 3 also
     /// sharded weights (gathered layer by layer) (`train.zero_stage`).
@@ -166,6 +172,10 @@ impl LayoutFlags {
             c.stages.iter_mut().for_each(|s| s.batch_size = None);
         }
         c.train.optimizer_on_host |= self.optimizer_on_host;
+        if let Some(n) = self.optimizer_device_units {
+            c.train.optimizer_device_units = n;
+            c.train.optimizer_on_host |= n > 0;
+        }
         if let Some(z) = self.zero_stage {
             c.train.zero_stage = z;
         }

@@ -170,6 +170,9 @@ fn requests(a: &PlanArgs, run: &RunConfig, from_file: bool) -> Result<Vec<(Strin
             r.host_memory = a.host_memory;
             // As `train` runs it: the config's `train.optimizer_on_host` (default: the GPU).
             r.optimizer_on_host = run.train.optimizer_on_host && !a.optimizer_on_device;
+            if !r.optimizer_on_host {
+                r.optimizer_device_units = 0; // the whole state on the GPU
+            }
             r.overhead = a.overhead;
             // A config's sp_size 0 is "all ranks", the request's None (a flag goes as given);
             // without a config, an unset --ulysses-size stays unset, as the planner's default.
@@ -203,7 +206,12 @@ fn print_plan(p: &plan::Plan) {
         r.dtype_bytes,
         r.token_chunk,
         if r.offload_activations { ", activations offloaded" } else { "" },
-        optimizer_place(r.optimizer_on_host)
+        match r.optimizer_device_units {
+            n if n > 0 && r.optimizer_on_host => {
+                format!("optimizer state on the host but the first {n} unit(s)' on the GPU: --optimizer-device-units {n}")
+            }
+            _ => optimizer_place(r.optimizer_on_host).to_string(),
+        }
     );
     print_device(p);
     print_host(p);

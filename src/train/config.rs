@@ -211,6 +211,15 @@ pub struct TrainSection {
     /// On a GPU, keep the optimizer state and its update in host memory (rayon AdamW,
     /// like DeepSpeed's offload_optimizer) instead of on the device. CPU runs: always host.
     pub optimizer_on_host: bool,
+    /// With `optimizer_on_host`: the first N ZeRO units keep their AdamW state and its
+    /// update on the GPU, the rest on the host (a split placement, like DeepSpeed's
+    /// `offload_optimizer.ratio`). Units in the model's order: the embedding, one decoder
+    /// layer each, the final norm with the head; under stages 0–1 the whole model is one
+    /// unit. Under ZeRO-3 with `offload_params` the host update runs during the next step's
+    /// forward, which must wait for the first units' (about 0.15 s at 7B): on the GPU they
+    /// take milliseconds. Each unit costs 12 bytes per parameter of GPU memory (`longctx
+    /// plan` counts it). 0: all of it on the host.
+    pub optimizer_device_units: usize,
     /// ZeRO stage, as DeepSpeed numbers them: 0 every rank keeps the whole optimizer
     /// state (gradients all-reduced); 1 the optimizer state is sharded over the ranks (the
     /// default); 2 the gradients too, reduce-scattered layer by layer during the backward;
@@ -259,6 +268,7 @@ impl Default for TrainSection {
             save: true,
             max_skipped_steps: 5,
             optimizer_on_host: false,
+            optimizer_device_units: 0,
             zero_stage: 1,
             offload_params: false,
             profile: false,
@@ -983,6 +993,18 @@ impl RunConfig {
                 format!("parameter offload needs `train.zero_stage = 3` (got {}); set it, or turn the offload off", t.zero_stage),
             ));
         }
+        if t.optimizer_device_units > 0 && !t.optimizer_on_host {
+            return Err(Error::config(
+                source,
+                "train.optimizer_device_units",
+                format!(
+                    "got {} without `train.optimizer_on_host`: the whole AdamW state is on the GPU already; set \
+                     `optimizer_on_host = true` (--optimizer-on-host) to keep the other units' on the host, or drop it",
+                    t.optimizer_device_units
+                ),
+            ));
+        }
+        check_range(source, "train.optimizer_device_units", t.optimizer_device_units as u64, 0, 1 << 20)?;
         if t.zero_stage >= 2 && t.layer_backward != crate::train::engine::LayerBackward::Explicit {
             return Err(Error::config(
                 source,

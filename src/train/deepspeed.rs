@@ -175,7 +175,11 @@ fn no_effect(key: &str) -> Option<&'static str> {
             "host copies always use page-locked memory: offloaded activations and the offloaded weight slice are pinned, the host \
              optimizer's gradients arrive through pinned buffers (its own state is not pinned)"
         }
-        "buffer_count" | "fast_init" | "ratio" | "pipeline_read" | "pipeline_write" | "max_in_cpu" | "nvme_path" => {
+        "ratio" => {
+            "longctx splits the optimizer state by units, not by a fraction: `train.optimizer_device_units = N` \
+             (--optimizer-device-units N) keeps the first N units' (the embedding, then one decoder layer each) on the GPU"
+        }
+        "buffer_count" | "fast_init" | "pipeline_read" | "pipeline_write" | "max_in_cpu" | "nvme_path" => {
             "no counterpart in longctx's host offload"
         }
         _ => return None,

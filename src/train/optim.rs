@@ -292,16 +292,38 @@ impl Segment {
 impl DeviceAdamW {
     /// Upload a host optimizer's state to `device`.
     pub fn from_host(h: &AdamW, device: &candle_core::Device) -> candle_core::Result<Self> {
+        Self::from_host_prefix(h, h.master.len(), device)
+    }
+
+    /// Upload the first `len` elements of a host optimizer's state to `device` (the part
+    /// of a split state that lives there; the host keeps the rest).
+    pub fn from_host_prefix(h: &AdamW, len: usize, device: &candle_core::Device) -> candle_core::Result<Self> {
         use candle_core::Tensor;
-        let up = |x: &[f32]| Tensor::from_slice(x, x.len(), device);
+        if len > h.master.len() {
+            candle_core::bail!("device optimizer of {len} elements over a host state of {}", h.master.len());
+        }
+        let up = |x: &[f32]| Tensor::from_slice(&x[..len], len, device);
         Ok(Self { master: up(&h.master)?, m: up(&h.m)?, v: up(&h.v)? })
     }
 
-    /// Copy the state back into `h` (for a checkpoint).
+    /// Elements of the state held here.
+    pub fn elems(&self) -> usize {
+        self.master.elem_count()
+    }
+
+    /// Copy the state back into `h` (for a checkpoint): the whole vectors when this holds
+    /// all of it (`h`'s may have been released), else the first [`Self::elems`] elements.
     pub fn to_host(&self, h: &mut AdamW) -> candle_core::Result<()> {
-        h.master = self.master.to_vec1()?;
-        h.m = self.m.to_vec1()?;
-        h.v = self.v.to_vec1()?;
+        let n = self.elems();
+        if h.master.len() <= n {
+            h.master = self.master.to_vec1()?;
+            h.m = self.m.to_vec1()?;
+            h.v = self.v.to_vec1()?;
+        } else {
+            h.master[..n].copy_from_slice(&self.master.to_vec1::<f32>()?);
+            h.m[..n].copy_from_slice(&self.m.to_vec1::<f32>()?);
+            h.v[..n].copy_from_slice(&self.v.to_vec1::<f32>()?);
+        }
         Ok(())
     }
 
@@ -317,16 +339,33 @@ impl DeviceAdamW {
         segments: &[Segment],
     ) -> candle_core::Result<()> {
         h.step += 1;
-        let c = &h.cfg;
+        self.update_at(&h.cfg, h.step, grad, lr, grad_scale, segments)
+    }
+
+    /// [`Self::update`] of step number `step` (after increment), counted by the caller:
+    /// the device part of a step whose host part counted it. `grad` covers at least the
+    /// segments (`[len]` or longer).
+    pub fn update_at(
+        &mut self,
+        c: &AdamWConfig,
+        step: u64,
+        grad: &candle_core::Tensor,
+        lr: f64,
+        grad_scale: f64,
+        segments: &[Segment],
+    ) -> candle_core::Result<()> {
         let grad = grad.contiguous()?;
         for s in segments {
+            if s.start + s.len > self.elems() {
+                candle_core::bail!("optimizer segment [{}, {}) past the {} elements on the device", s.start, s.start + s.len, self.elems());
+            }
             let hp = longctx_kernels::AdamWStep {
                 lr,
                 beta1: c.beta1,
                 beta2: c.beta2,
                 eps: c.eps,
                 weight_decay: if s.decay { c.weight_decay } else { 0.0 },
-                step: h.step,
+                step,
                 grad_scale,
             };
             let part = |t: &candle_core::Tensor| t.narrow(0, s.start, s.len);

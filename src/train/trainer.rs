@@ -622,6 +622,7 @@ fn zero_config(t: &crate::train::config::TrainSection) -> ZeroConfig {
         stage: t.zero_stage,
         offload_params: t.offload_params,
         optimizer_on_host: t.optimizer_on_host,
+        optimizer_device_units: t.optimizer_device_units,
         adamw: t.adamw.clone(),
         clip_grad: t.clip_grad,
     }
@@ -634,7 +635,11 @@ fn report_start(sh: &Shared<'_>, wsize: usize, resident: &Resident) {
         "ZeRO stage {} over {wsize} rank(s){}{}: each rank holds {resident}",
         t.zero_stage,
         if t.offload_params { ", weights offloaded" } else { "" },
-        if t.optimizer_on_host { ", optimizer offloaded" } else { "" },
+        match (t.optimizer_on_host, t.optimizer_device_units) {
+            (false, _) => String::new(),
+            (true, 0) => ", optimizer offloaded".to_string(),
+            (true, n) => format!(", optimizer offloaded but the first {n} unit(s)' (on the GPU)"),
+        },
     );
     let total = sh.began.elapsed().as_secs_f64();
     eprintln!("start-up: {total:.1} s (start model {:.1} s, weights and optimizer state {:.1} s)", sh.loaded_in, total - sh.loaded_in);

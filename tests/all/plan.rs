@@ -531,3 +531,48 @@ fn the_suggestion_reaches_for_zero_3_when_nothing_else_fits() {
     assert_eq!((s.zero_stage, s.offload_params, s.optimizer_on_host, s.offload_activations), (3, true, true, false), "{s:?}");
     assert!(s.peak <= H200);
 }
+
+/// A split optimizer placement (`train.optimizer_device_units`), 7B at 64K, ZeRO-3 with
+/// weights and state on the host, one rank: the first units' AdamW state (12 bytes a
+/// parameter) moves onto the GPU, the host keeps the whole slice's, and the deferred
+/// update's pinned pieces start after them (as `ShardedAdamW::pinned_piece_bytes` counts).
+#[test]
+fn a_split_optimizer_placement_by_hand() {
+    let mut r = PlanRequest::new(64 * K, 1, H200, ParallelMode::DataParallel);
+    r.zero_stage = 3;
+    r.offload_params = true;
+    let base = plan::estimate(&shape(), &r).unwrap();
+    let (embedding, layer, head, units) = (131_072_000u64, 202_383_360u64, 131_076_096u64, 34usize);
+    let full = 1u64 << 26;
+    for (n, on_gpu, pieces) in [
+        (0, 0, 9 * full + 3 * (layer - 3 * full) + (embedding - full) + (head - full)),
+        // Units 1..: no embedding piece; three layers still follow.
+        (2, embedding + layer, 9 * full + 3 * (layer - 3 * full) + (head - full)),
+        // The last layer and the head left: one window holds both.
+        (32, embedding + 31 * layer, 4 * full + (layer - 3 * full) + (head - full)),
+        (units, embedding + 32 * layer + head, 0),
+    ] {
+        r.optimizer_device_units = n;
+        let e = plan::estimate(&shape(), &r).unwrap();
+        assert_eq!(e.device.optimizer, 12 * on_gpu, "{n} units");
+        assert_eq!(e.device.peak, base.device.peak + 12 * on_gpu, "{n} units: the peak grows by the state alone");
+        assert_eq!(e.host.optimizer, base.host.optimizer, "{n} units: the host keeps the whole slice's state");
+        assert_eq!(e.host.grads_copy, 4 * pieces, "{n} units");
+    }
+    // Validated as `train` validates it: without the host optimizer it is refused.
+    r.optimizer_on_host = false;
+    r.optimizer_device_units = 2;
+    assert!(err(&r).contains("train.optimizer_device_units"), "{}", err(&r));
+}
+
+#[test]
+fn more_device_units_than_the_model_has_are_refused() {
+    let mut r = PlanRequest::new(64 * K, 1, H200, ParallelMode::DataParallel);
+    r.zero_stage = 3;
+    r.optimizer_device_units = 35;
+    let e = err(&r);
+    assert!(e.contains("optimizer_device_units") && e.contains("got 35") && e.contains("at most 34"), "{e}");
+    r.zero_stage = 1;
+    r.optimizer_device_units = 2;
+    assert!(err(&r).contains("at most 1"), "{}", err(&r));
+}

@@ -258,3 +258,68 @@ fn the_deferred_update_holds_under_accumulation_and_mid_run_checkpoints() {
     assert_eq!(log(&deferred), log(&reference), "per-step loss and gradient norm");
     assert_eq!(log(&deferred).len(), 4);
 }
+
+/// A split optimizer placement (`train.optimizer_device_units`, two ranks, ZeRO-3 with the
+/// weights on the host): the first units' AdamW on the device (on a CPU device, its CPU
+/// twin) applied at once when the next forward starts, the others' deferred on the host as
+/// before. The host and device AdamW agree bit for bit, so the weights, the checkpoint and
+/// the per-step loss and gradient norm are exactly the all-host run's, with 2 units (the
+/// embedding and layer 0) and with 7 (all but the head); a checkpoint written split
+/// resumes on the host and the other way round, the same bits again.
+#[test]
+fn a_split_optimizer_placement_equals_the_host_one_and_resumes_across_placements() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = |dir: &Path, units: usize| {
+        let mut c = config(dir, ParallelMode::DataParallel, 3, true, true);
+        c.train.optimizer_device_units = units;
+        c.train.batch_size = 1;
+        c.train.gradient_accumulate_every = 2;
+        c.train.checkpoint_every = 2;
+        c
+    };
+    let bits = |got: &Path, want: &Path, what: &str| {
+        for file in ["export/model.safetensors", "checkpoint/model.safetensors"] {
+            let (a, b) = (weights(&got.join(file)), weights(&want.join(file)));
+            assert_eq!(a.len(), b.len(), "{what}: {file}");
+            for (k, vb) in &b {
+                let same = a[k].iter().zip(vb).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{what}: {file}: `{k}` differs from the all-host run");
+            }
+        }
+    };
+    let host = tmp.path().join("host");
+    train(&host, &cfg(&host, 0));
+    for units in [2, 7] {
+        let dir = tmp.path().join(format!("split-{units}"));
+        let s = train(&dir, &cfg(&dir, units));
+        bits(&dir, &host, &format!("{units} units on the device"));
+        assert_eq!(log(&dir), log(&host), "{units} units on the device: per-step loss and gradient norm");
+        // The device part is counted where it lives; the host keeps the whole slice's state.
+        assert!(s.resident.optimizer > s.resident.optimizer_host, "{units} units: {}", s.resident);
+    }
+    for (first, then) in [(2, 0), (0, 7)] {
+        let dir = tmp.path().join(format!("resume-{first}-then-{then}"));
+        let s = run_with(&cfg(&dir, first), false, &RunOptions { stop_at_global_step: Some(2), ..Default::default() })
+            .unwrap_or_else(|e| panic!("{first} units: {e}"));
+        assert!(!s.completed);
+        let s = run(&cfg(&dir, then), true).unwrap_or_else(|e| panic!("resumed with {then} units: {e}"));
+        assert!(s.completed);
+        bits(&dir, &host, &format!("{first} units, resumed with {then}"));
+    }
+}
+
+/// More device units than the model has, or device units with the whole state on the GPU
+/// already: one error naming the field, the count and the fix, before anything trains.
+#[test]
+fn device_units_beyond_the_model_or_without_the_host_optimizer_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("too-many");
+    let mut c = config(&dir, ParallelMode::DataParallel, 3, true, true);
+    c.train.optimizer_device_units = 9;
+    let e = run(&c, false).err().expect("9 units of 8").to_string();
+    assert!(e.contains("optimizer_device_units = 9") && e.contains("8 ZeRO unit(s)") && e.contains("at most 8"), "{e}");
+    c.train.optimizer_on_host = false;
+    c.train.optimizer_device_units = 2;
+    let e = c.validate(Path::new("run.toml")).err().expect("units without the host optimizer").to_string();
+    assert!(e.contains("train.optimizer_device_units") && e.contains("optimizer_on_host"), "{e}");
+}

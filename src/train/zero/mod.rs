@@ -53,6 +53,8 @@ pub struct ZeroConfig {
     pub offload_params: bool,
     /// The optimizer state in host memory (always on a CPU device).
     pub optimizer_on_host: bool,
+    /// With `optimizer_on_host`: the first units whose state stays on the device (0: none).
+    pub optimizer_device_units: usize,
     pub adamw: AdamWConfig,
     /// Clip the gradient's global norm to this (`<= 0`: no clipping).
     pub clip_grad: f64,
@@ -197,7 +199,23 @@ impl ZeroState {
             None => Weights::Model(start.params.to_vec()),
         };
         drop(start.sliced);
-        let on_device = (!device.is_cpu() && !cfg.optimizer_on_host).then_some(device);
+        // The whole state on the GPU, or (a split placement) its first units' there. On a CPU
+        // device the split runs the same way, both parts in host memory.
+        let units = part.units.len();
+        let on_device = if !device.is_cpu() && !cfg.optimizer_on_host {
+            Some((device, stage12::ALL_UNITS))
+        } else if cfg.optimizer_device_units > 0 {
+            if cfg.optimizer_device_units > units {
+                return Err(Error::Setting(format!(
+                    "train.optimizer_device_units = {} (--optimizer-device-units), but this model has {units} ZeRO unit(s) under \
+                     stage {} (the embedding, one per decoder layer, the norm with the head; stages 0-1: one); give at most {units}",
+                    cfg.optimizer_device_units, cfg.stage
+                )));
+            }
+            Some((device, cfg.optimizer_device_units))
+        } else {
+            None
+        };
         let resume = start.resume.map(|l| (l.state.adam_step, l));
         let optim = ShardedAdamW::new(cfg.adamw.clone(), start.meta, &start.masters, part.clone(), on_device, resume)?;
         drop(start.masters);

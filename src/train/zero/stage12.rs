@@ -22,7 +22,7 @@ use super::grads::GradBuffer;
 use super::units::Partition;
 use super::weights::{HostWeightsMut, Out};
 use crate::train::checkpoint::{Loaded, OptimShard};
-use crate::train::optim::{AdamW, AdamWConfig, DeviceAdamW, HostElem, Segment};
+use crate::train::optim::{AdamW, AdamWConfig, DeviceAdamW, HostElem, Segment, StepConsts};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use longctx_attention::comm::Comm;
@@ -35,7 +35,12 @@ pub struct ShardedAdamW {
     /// The slice's state on the host (authoritative unless `device` is set; then it is
     /// refreshed by [`Self::sync_to_host`] for checkpoints).
     pub host: AdamW,
+    /// The state of the first [`Self::device_units`] units on a device (all of them, or a
+    /// prefix of the shard: a split placement, the host keeping the rest).
     device: Option<DeviceAdamW>,
+    /// Units whose state is on the device (`part.units.len()` when all of it is; 0 without
+    /// a device part).
+    dev_units: usize,
     /// The units and slices.
     pub part: Partition,
     /// `Σ L_u`, the slice length.
@@ -61,16 +66,19 @@ impl ShardedAdamW {
     /// This rank's slices of `part` (built for `params`, `(name, shape)` in the model's
     /// order). Masters start from `start` (f32 host copies of the start weights, every
     /// parameter), or, when `resume` is given, from that checkpoint's optimizer state
-    /// (whatever its layout and world size were). `device`: keep and update the state
-    /// there instead of the host.
+    /// (whatever its layout and world size were). `device`: keep and update the state of
+    /// the first `units` units there ([`ALL_UNITS`]: the whole state) and the rest on the
+    /// host; `None`: all of it on the host.
     pub fn new(
         cfg: AdamWConfig,
         params: &[(String, Shape)],
         start: &HashMap<String, Tensor>,
         part: Partition,
-        device: Option<&Device>,
+        device: Option<(&Device, usize)>,
         resume: Option<(u64, &Loaded)>,
     ) -> Result<Self> {
+        let device = device.filter(|&(_, units)| units > 0);
+        let dev_units = device.map_or(0, |(_, units)| units.min(part.units.len()));
         let shard_len = part.shard_len();
         let decays: Vec<bool> = params.iter().map(|(_, s)| s.rank() >= 2).collect();
         let rank = part.rank;
@@ -110,24 +118,41 @@ impl ShardedAdamW {
             (st.master, st.m, st.v) = (w, m, v);
             st.step = step;
         }
-        let device = device.map(|d| DeviceAdamW::from_host(&st, d)).transpose()?;
-        if device.is_none() && resume.is_none() {
+        let dev_len = prefix_len(&part, dev_units);
+        let device = device.map(|(d, _)| DeviceAdamW::from_host_prefix(&st, dev_len, d)).transpose()?;
+        if dev_len < shard_len && resume.is_none() {
             // The moments stay here: touch their (lazily zeroed) pages now, on every core,
             // rather than one page fault at a time inside the first update (54 GB for 7B).
             use rayon::prelude::*;
             st.m.par_chunks_mut(1 << 20).for_each(|c| c.fill(0.0));
             st.v.par_chunks_mut(1 << 20).for_each(|c| c.fill(0.0));
         }
-        let mut me = Self { host: st, device, part, shard_len, decays, stash: Stash::new() };
+        let mut me = Self { host: st, device, dev_units, part, shard_len, decays, stash: Stash::new() };
         me.release_host();
         Ok(me)
     }
 
-    /// With the state on the device, drop its host copy (refilled by
+    /// Units whose state lives on the device: the first ones (all, or none).
+    pub fn device_units(&self) -> usize {
+        self.dev_units
+    }
+
+    /// Elements of the shard whose state is on the device (a prefix: the first units').
+    fn dev_len(&self) -> usize {
+        prefix_len(&self.part, self.dev_units)
+    }
+
+    /// The whole state is on the device.
+    fn whole_on_device(&self) -> bool {
+        self.device.is_some() && self.dev_units >= self.part.units.len()
+    }
+
+    /// With the whole state on the device, drop its host copy (refilled by
     /// [`Self::sync_to_host`] for a checkpoint): 12 bytes per parameter of this rank's
-    /// slice, 81 GB for a 7B model on one GPU.
+    /// slice, 81 GB for a 7B model on one GPU. A split state keeps its host vectors whole
+    /// (the device part's stretch is what a checkpoint refreshes).
     pub fn release_host(&mut self) {
-        if self.device.is_some() {
+        if self.whole_on_device() {
             self.host.master = Vec::new();
             self.host.m = Vec::new();
             self.host.v = Vec::new();
@@ -142,7 +167,7 @@ impl ShardedAdamW {
     /// Bytes of optimizer state this rank holds on the device and on the host.
     pub fn resident_bytes(&self) -> (usize, usize) {
         let host = 4 * (self.host.master.len() + self.host.m.len() + self.host.v.len());
-        (if self.device.is_some() { 12 * self.shard_len } else { 0 }, host)
+        (if self.device.is_some() { 12 * self.dev_len() } else { 0 }, host)
     }
 
     /// This rank's slice of the summed gradient from a padded flat buffer (ZeRO-1):
@@ -192,10 +217,14 @@ impl ShardedAdamW {
             return Ok(StepStats { grad_norm, skipped: true });
         };
         // 3. Clip and update; 4. the new weights in the run dtype.
-        if self.device.is_some() {
-            self.device_update(comm, gshard, out, lr, coef, dtype)?;
+        if self.whole_on_device() {
+            self.host.step += 1;
+            let mut out = out;
+            self.device_update(comm, gshard, &mut out, (lr, coef, self.host.step), dtype)?;
         } else {
-            self.host_update(comm, gshard, out, lr, coef, (dtype, device))?;
+            // The host's units (and first the device's, where the state is split).
+            let k = self.host.begin_step(lr, coef as f32);
+            self.host_update(comm, gshard, out, (k, lr, coef), (dtype, device))?;
         }
         Ok(StepStats { grad_norm, skipped: false })
     }
@@ -220,14 +249,15 @@ impl ShardedAdamW {
     /// `None` with the stats: the update is skipped (non-finite norm).
     pub fn begin_deferred(&mut self, comm: &Arc<dyn Comm>, gshard: &Tensor, lr: f64, clip: f64) -> Result<(StepStats, Option<Deferred>)> {
         self.check_slice(comm, gshard)?;
-        if self.device.is_some() {
+        if self.whole_on_device() {
             return Err(Error::Setting("a deferred update needs the optimizer state in host memory".into()));
         }
         let (grad_norm, coef) = self.norm_and_clip(comm, gshard, clip)?;
         let Some(coef) = coef else {
             return Ok((StepStats { grad_norm, skipped: true }, None));
         };
-        let d = Deferred::new(self.host.begin_step(lr, coef as f32));
+        let k = self.host.begin_step(lr, coef as f32);
+        let d = Deferred::new(k, (lr, coef, self.host.step));
         Ok((StepStats { grad_norm, skipped: false }, Some(d)))
     }
 
@@ -271,10 +301,21 @@ impl ShardedAdamW {
         // Copies outrun the update by a few units: the views stay valid (the gradient is
         // not touched until `unit_done`), so nothing needs the compute stream to wait.
         self.stash.set_max_pending(usize::MAX);
-        if d.poison && d.next == 0 {
+        if d.poison && d.next == 0 && self.device.is_none() {
             if let Some(w) = self.host.master.first_mut() {
                 *w = f32::NAN; // fault injection: this update's first weight goes NaN
             }
+        }
+        if self.device.is_some() && d.next < self.dev_units {
+            // The units whose state is on the device, all at once (a few milliseconds).
+            let n = self.dev_len();
+            let finite = self.device_prefix(d, gshard, &mut out[..n])?;
+            d.finite &= finite;
+            for u in d.next..self.dev_units {
+                unit_done(u)?;
+            }
+            d.next = self.dev_units;
+            d.parked_to = d.parked_to.max(self.dev_units);
         }
         while d.next <= upto.min(units.saturating_sub(1)) && d.next < units {
             let u = d.next;
@@ -323,23 +364,33 @@ impl ShardedAdamW {
         Ok(())
     }
 
-    /// The device update: one kernel per parameter's part of the shard, each writing its
-    /// new weights straight into the model (one rank), into the parameter shard (ZeRO-3),
-    /// or into a shard buffer that is then all-gathered (several ranks).
-    fn device_update(&mut self, comm: &Arc<dyn Comm>, gshard: &Tensor, out: Out<'_>, lr: f64, coef: f64, dtype: DType) -> Result<()> {
+    /// The device update of the units whose state is on the device (all of them, or the
+    /// first ones of a split state): one kernel per parameter's part of the shard, each
+    /// writing its new weights straight into the model (one rank), into the parameter shard
+    /// (ZeRO-3), or into a buffer that is then all-gathered (several ranks) or copied to
+    /// the host shard. `step`: the step number, already counted.
+    fn device_update(
+        &mut self,
+        comm: &Arc<dyn Comm>,
+        gshard: &Tensor,
+        out: &mut Out<'_>,
+        (lr, coef, step): (f64, f64, u64),
+        dtype: DType,
+    ) -> Result<()> {
+        let n = self.dev_len();
         let part = &self.part;
         let (rank, w) = (part.rank, part.world);
-        let buf = match (&out, w) {
+        let buf = match (&*out, w) {
             (Out::Params(_), 1) => None,
-            (Out::Params(_), _) => Some(Tensor::zeros(self.shard_len, dtype, gshard.device())?),
+            (Out::Params(_), _) => Some(Tensor::zeros(n, dtype, gshard.device())?),
             // Written in place, or (a shard in host memory) through a device buffer.
-            (Out::Shard(s), _) if s.device().same_device(gshard.device()) => Some((*s).clone()),
-            (Out::Shard(_) | Out::HostShard(_), _) => Some(Tensor::zeros(self.shard_len, dtype, gshard.device())?),
+            (Out::Shard(s), _) if s.device().same_device(gshard.device()) => Some(s.narrow(0, 0, n)?),
+            (Out::Shard(_) | Out::HostShard(_), _) => Some(Tensor::zeros(n, dtype, gshard.device())?),
         };
         let mut segs = Vec::new();
-        for u in 0..part.units.len() {
+        for u in 0..self.dev_units {
             for (p, x, start) in part.parts(u, rank) {
-                let copy = match (&buf, &out) {
+                let copy = match (&buf, &*out) {
                     (Some(buf), _) => buf.narrow(0, start, x.len())?,
                     // A view: writes reach the model.
                     (None, Out::Params(params)) => params[p].1.as_tensor().flatten_all()?.narrow(0, x.start - part.offsets[p], x.len())?,
@@ -349,18 +400,46 @@ impl ShardedAdamW {
             }
         }
         let d = self.device.as_mut().ok_or_else(|| Error::Setting("device optimizer missing".into()))?;
-        d.update(&mut self.host, gshard, lr, coef, &segs)?;
+        d.update_at(&self.host.cfg, step, &gshard.narrow(0, 0, n)?, lr, coef, &segs)?;
         match (&buf, out) {
-            (Some(buf), Out::Params(params)) => gather_into(comm, part, buf, params)?,
+            (Some(buf), Out::Params(params)) => gather_into(comm, part, self.dev_units, buf, params)?,
             (Some(buf), Out::Shard(s)) if !s.device().same_device(buf.device()) => s.slice_set(&buf.to_device(s.device())?, 0, 0)?,
-            (Some(buf), Out::HostShard(h)) => match h {
-                HostWeightsMut::BF16(v) => v.copy_from_slice(&buf.to_vec1::<half::bf16>()?),
-                HostWeightsMut::F16(v) => v.copy_from_slice(&buf.to_vec1::<half::f16>()?),
-                HostWeightsMut::F32(v) => v.copy_from_slice(&buf.to_vec1::<f32>()?),
-            },
+            (Some(buf), Out::HostShard(h)) => {
+                let dev = buf.device().clone();
+                match h {
+                    HostWeightsMut::BF16(v) => self.stash.download(buf, &mut v[..n], &dev)?,
+                    HostWeightsMut::F16(v) => self.stash.download(buf, &mut v[..n], &dev)?,
+                    HostWeightsMut::F32(v) => self.stash.download(buf, &mut v[..n], &dev)?,
+                }
+            }
             _ => {}
         }
         Ok(())
+    }
+
+    /// The device part of a split state's deferred update ([`Self::advance`]): its units'
+    /// AdamW on the device, their new weights copied into `out` (this rank's host shard,
+    /// the part of those units); whether every one is finite.
+    fn device_prefix<P: HostElem>(&mut self, d: &Deferred, gshard: &Tensor, out: &mut [P]) -> Result<bool> {
+        use rayon::prelude::*;
+        let n = out.len();
+        let dv = self.device.as_mut().ok_or_else(|| Error::Setting("device optimizer missing".into()))?;
+        let dev = dv.master.device().clone();
+        let buf = Tensor::zeros(n, P::DTYPE, &dev)?;
+        let mut segs = Vec::new();
+        for u in 0..self.dev_units {
+            for (p, x, start) in self.part.parts(u, self.part.rank) {
+                segs.push(Segment { start, len: x.len(), decay: self.decays[p], copy: Some(buf.narrow(0, start, x.len())?) });
+            }
+        }
+        if d.poison && n > 0 {
+            // Fault injection: this update's first weight goes NaN.
+            dv.master.slice_set(&Tensor::new(&[f32::NAN], &dev)?, 0, 0)?;
+        }
+        let (lr, coef, step) = d.hp;
+        dv.update_at(&self.host.cfg, step, &gshard.narrow(0, 0, n)?, lr, coef, &segs)?;
+        self.stash.download(&buf, out, &dev)?;
+        Ok(out.par_chunks(1 << 16).all(|c| c.iter().all(|x| x.to_f64().is_finite())))
     }
 
     /// The host update, piece by piece (at most [`HOST_PIECE`] elements, within a unit):
@@ -371,42 +450,52 @@ impl ShardedAdamW {
     /// shard on the device, the model's weights (one rank), or a unit buffer all-gathered
     /// when the unit is done. Host memory beyond the state: two gradient pieces and one of
     /// weights, never a copy of the whole gradient.
+    ///
+    /// A split state's device units are updated first, on the device ([`Self::device_update`]),
+    /// the host pass then starts at the first unit of the host's part. `k`: the step's
+    /// scalars (the step already counted), with its `lr` and clip factor `coef`.
     fn host_update(
         &mut self,
         comm: &Arc<dyn Comm>,
         gshard: &Tensor,
-        out: Out<'_>,
-        lr: f64,
-        coef: f64,
+        mut out: Out<'_>,
+        (k, lr, coef): (StepConsts, f64, f64),
         (dtype, device): (DType, &Device),
     ) -> Result<()> {
         if let Out::HostShard(h) = out {
             // Weights and state both on the host: the deferred pass, applied at once.
-            let mut d = Deferred::new(self.host.begin_step(lr, coef as f32));
+            let mut d = Deferred::new(k, (lr, coef, self.host.step));
             return self.advance(&mut d, usize::MAX, gshard, h, |_| Ok(()));
         }
+        if self.device.is_some() {
+            self.device_update(comm, gshard, &mut out, (lr, coef, self.host.step), dtype)?;
+        }
         match dtype {
-            DType::BF16 => self.host_pass::<half::bf16>(comm, gshard, out, lr, coef, device),
-            DType::F16 => self.host_pass::<half::f16>(comm, gshard, out, lr, coef, device),
-            DType::F32 => self.host_pass::<f32>(comm, gshard, out, lr, coef, device),
+            DType::BF16 => self.host_pass::<half::bf16>(comm, gshard, out, &k, device),
+            DType::F16 => self.host_pass::<half::f16>(comm, gshard, out, &k, device),
+            DType::F32 => self.host_pass::<f32>(comm, gshard, out, &k, device),
             other => Err(Error::Setting(format!("host optimizer: weights of dtype {other:?} are not supported"))),
         }
     }
 
+    /// The host's units (from [`Self::device_units`] on), piece by piece.
     fn host_pass<P: HostElem>(
         &mut self,
         comm: &Arc<dyn Comm>,
         gshard: &Tensor,
         out: Out<'_>,
-        lr: f64,
-        coef: f64,
+        k: &StepConsts,
         device: &Device,
     ) -> Result<()> {
-        let k = self.host.begin_step(lr, coef as f32);
         let part = self.part.clone();
         // (unit, offset in the unit's slice, length), in order.
-        let pieces: Vec<(usize, usize, usize)> =
-            part.units.iter().enumerate().flat_map(|(u, unit)| host_pieces(unit.shard).map(move |(at, len)| (u, at, len))).collect();
+        let pieces: Vec<(usize, usize, usize)> = part
+            .units
+            .iter()
+            .enumerate()
+            .skip(self.dev_units)
+            .flat_map(|(u, unit)| host_pieces(unit.shard).map(move |(at, len)| (u, at, len)))
+            .collect();
         let mut stash = std::mem::take(&mut self.stash);
         stash.set_max_pending(2);
         let park = |stash: &mut Stash, (u, at, len): (usize, usize, usize)| -> Result<_> {
@@ -424,7 +513,7 @@ impl ShardedAdamW {
             let lo = unit.shard_off + at;
             let host = &mut self.host;
             buf.resize(len, P::from_f32(0.0));
-            cur.with_host_f32(|g| host.apply_range(&k, lo, g, Some(&mut buf[..len])))?;
+            cur.with_host_f32(|g| host.apply_range(k, lo, g, Some(&mut buf[..len])))?;
             match &out {
                 Out::Shard(s) => s.slice_set(&Tensor::from_slice(&buf[..len], len, s.device())?, 0, lo)?,
                 Out::Params(_) if part.world > 1 => {
@@ -464,16 +553,19 @@ impl ShardedAdamW {
     /// does not pay for page-locking (about 0.85 s of the 7B shape's second step, 2.9 GB).
     /// Nothing to do with the state on the device or off CUDA.
     pub fn reserve_pinned(&mut self, dev: &Device, deferred: bool) -> Result<()> {
-        if self.device.is_some() || !dev.is_cuda() {
+        if self.whole_on_device() || !dev.is_cuda() {
             return Ok(());
         }
         Ok(self.stash.reserve(dev, &self.pinned_piece_bytes(deferred))?)
     }
 
     /// Byte sizes of the f32 gradient pieces the host update holds in host memory at once,
-    /// at most ([`peak_pieces`] of this rank's unit slices).
+    /// at most ([`peak_pieces`] of this rank's unit slices whose state is on the host).
     pub fn pinned_piece_bytes(&self, deferred: bool) -> Vec<usize> {
-        let shards: Vec<usize> = self.part.units.iter().map(|u| u.shard).collect();
+        let shards: Vec<usize> = self.part.units.iter().skip(self.dev_units).map(|u| u.shard).collect();
+        if shards.is_empty() {
+            return Vec::new();
+        }
         let pieces = peak_pieces(&shards, HOST_PIECE, deferred);
         pieces.into_iter().flat_map(|(len, k)| std::iter::repeat_n(len * std::mem::size_of::<f32>(), k)).collect()
     }
@@ -501,15 +593,16 @@ impl ShardedAdamW {
         self.host.step = 0;
         if let Some(d) = &self.device {
             let dev = d.master.device().clone();
-            self.device = Some(DeviceAdamW::from_host(&self.host, &dev)?);
+            self.device = Some(DeviceAdamW::from_host_prefix(&self.host, self.dev_len(), &dev)?);
         }
         self.release_host();
         Ok(())
     }
 
-    /// The state lives in host memory (the host update), not on a GPU.
+    /// The state lives in host memory (the host update), all of it or (a split state)
+    /// all but the first units'.
     pub fn on_host(&self) -> bool {
-        self.device.is_none()
+        !self.whole_on_device()
     }
 
     /// AdamW steps taken.
@@ -517,6 +610,14 @@ impl ShardedAdamW {
         self.host.step
     }
 }
+
+/// Elements of a shard cut by `part` that the first `units` units take (a prefix).
+fn prefix_len(part: &Partition, units: usize) -> usize {
+    part.units.get(units).map_or(part.shard_len(), |u| u.shard_off)
+}
+
+/// [`ShardedAdamW::new`]'s `units` for a state wholly on the device.
+pub const ALL_UNITS: usize = usize::MAX;
 
 /// Elements the host optimizer updates at a time (64 Mi: 256 MiB of gradient).
 pub const HOST_PIECE: usize = 1 << 26;
@@ -585,6 +686,9 @@ pub const DEFER_LOOKAHEAD: usize = 2;
 /// [`ShardedAdamW::advance`].
 pub struct Deferred {
     k: crate::train::optim::StepConsts,
+    /// Learning rate, clip factor and step number (counted): what a split state's device
+    /// part is updated with.
+    hp: (f64, f64, u64),
     /// Units `< next` are applied.
     next: usize,
     /// Units `< parked_to` have their gradient pieces parked (or applied).
@@ -598,8 +702,8 @@ pub struct Deferred {
 }
 
 impl Deferred {
-    fn new(k: crate::train::optim::StepConsts) -> Self {
-        Self { k, next: 0, parked_to: 0, parked: VecDeque::new(), finite: true, poison: false }
+    fn new(k: crate::train::optim::StepConsts, hp: (f64, f64, u64)) -> Self {
+        Self { k, hp, next: 0, parked_to: 0, parked: VecDeque::new(), finite: true, poison: false }
     }
 
     /// Every unit is applied.
@@ -623,10 +727,10 @@ impl Deferred {
     }
 }
 
-/// All-gather every rank's new slice `shard [Σ L_u]` (run dtype) unit by unit and write
-/// the weights into the parameters.
-fn gather_into(comm: &Arc<dyn Comm>, part: &Partition, shard: &Tensor, params: &[(String, Var)]) -> Result<()> {
-    for (u, unit) in part.units.iter().enumerate() {
+/// All-gather every rank's new slice `shard` (run dtype; `[Σ L_u]` of the first `units`
+/// units at least) unit by unit and write the weights of those units into the parameters.
+fn gather_into(comm: &Arc<dyn Comm>, part: &Partition, units: usize, shard: &Tensor, params: &[(String, Var)]) -> Result<()> {
+    for (u, unit) in part.units.iter().enumerate().take(units) {
         gather_unit(comm, part, u, &shard.narrow(0, unit.shard_off, unit.shard)?, params)?;
     }
     Ok(())
@@ -909,13 +1013,50 @@ mod tests {
         assert_eq!(done, [0, 1, 2]);
         assert!(d.is_done(3) && d.all_finite());
 
-        let mut dev = ShardedAdamW::new(AdamWConfig::default(), meta, start, part(), Some(&Device::Cpu), None).unwrap();
+        let mut dev = ShardedAdamW::new(AdamWConfig::default(), meta, start, part(), Some((&Device::Cpu, ALL_UNITS)), None).unwrap();
         let shard = Tensor::zeros(20, DType::F32, &Device::Cpu).unwrap();
         let st = dev.step(comm, &gshard, Out::Shard(&shard), lr, clip, (DType::F32, &Device::Cpu)).unwrap();
         assert_eq!(st.grad_norm, stats.grad_norm);
         let want = shard.to_vec1::<f32>().unwrap();
         for (i, (a, b)) in out.iter().zip(&want).enumerate() {
             assert_eq!(a.to_bits(), b.to_bits(), "element {i}: deferred {a} vs step {b}");
+        }
+
+        for units in [1, 2] {
+            // A split state: the first units' AdamW on the device (its CPU twin), all at once
+            // when the forward first asks, their gradients then released; the same bits.
+            let mut split = ShardedAdamW::new(AdamWConfig::default(), meta, start, part(), Some((&Device::Cpu, units)), None).unwrap();
+            let mut got = first.clone();
+            let (st, d) = split.begin_deferred(comm, &gshard, lr, clip).unwrap();
+            let mut d = d.expect("a finite norm");
+            assert_eq!(st.grad_norm, stats.grad_norm);
+            let mut done = Vec::new();
+            split
+                .advance(&mut d, 0, &gshard, HostWeightsMut::F32(&mut got), |u| {
+                    done.push(u);
+                    Ok(())
+                })
+                .unwrap();
+            assert_eq!(done, (0..units).collect::<Vec<_>>(), "{units} unit(s) on the device, applied together");
+            split.advance(&mut d, usize::MAX, &gshard, HostWeightsMut::F32(&mut got), |_| Ok(())).unwrap();
+            assert!(d.is_done(3) && d.all_finite());
+            for (i, (a, b)) in got.iter().zip(&out).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{units} unit(s) on the device, element {i}: {a} vs the host's {b}");
+            }
+            // A checkpoint's copy of the state is the host run's.
+            split.sync_to_host().unwrap();
+            assert_eq!(
+                (split.host.master.clone(), split.host.m.clone(), split.host.v.clone()),
+                (host.host.master.clone(), host.host.m.clone(), host.host.v.clone())
+            );
+            assert_eq!(split.steps(), host.steps());
+            // Fault injection reaches the device part too.
+            let mut bad = ShardedAdamW::new(AdamWConfig::default(), meta, start, part(), Some((&Device::Cpu, units)), None).unwrap();
+            let mut out = first.clone();
+            let mut d = bad.begin_deferred(comm, &gshard, lr, clip).unwrap().1.unwrap();
+            d.poison();
+            bad.advance(&mut d, usize::MAX, &gshard, HostWeightsMut::F32(&mut out), |_| Ok(())).unwrap();
+            assert!(!d.all_finite() && out[0].is_nan(), "{units} unit(s) on the device");
         }
 
         let mut bad = ShardedAdamW::new(AdamWConfig::default(), meta, start, part(), None, None).unwrap();
@@ -942,8 +1083,63 @@ mod tests {
 
     fn sharded_step_case(on_device: bool) {
         for per_unit in [false, true] {
-            sharded_step_layout(on_device, per_unit);
+            sharded_step_layout(on_device.then_some(ALL_UNITS), per_unit);
         }
+    }
+
+    /// A split state (`train.optimizer_device_units`): the first unit's AdamW on the
+    /// device (its CPU twin), the second's on the host, into the parameter shard (ZeRO-3,
+    /// the shard on the device), the model's weights (ZeRO-1/2, all-gathered unit by unit)
+    /// and both at once; the same naive AdamW as the whole state in one place.
+    #[test]
+    fn a_split_state_steps_like_the_whole_state_in_one_place() {
+        sharded_step_layout(Some(1), true);
+        split_into_params();
+    }
+
+    /// The split with the model's weights as the output (each parameter its own unit).
+    fn split_into_params() {
+        let shapes: [&[usize]; 2] = [&[5, 7], &[4]];
+        let init = |p: usize, i: usize| (p as f32 + 1.0) * 0.1 + i as f32 * 0.01;
+        let (world, lr, clip) = (3usize, 1e-2, 2.0);
+        let cfg = AdamWConfig::default();
+        let out = run_ranks(world, |comm| {
+            let e = |e: Error| candle_core::Error::Msg(e.to_string());
+            let params: Vec<(String, Var)> = shapes
+                .iter()
+                .enumerate()
+                .map(|(p, sh)| {
+                    let n: usize = sh.iter().product();
+                    let v: Vec<f32> = (0..n).map(|i| init(p, i)).collect();
+                    Ok((format!("p{p}"), Var::from_tensor(&Tensor::from_vec(v, *sh, &Device::Cpu)?)?))
+                })
+                .collect::<candle_core::Result<_>>()?;
+            let meta: Vec<(String, Shape)> = params.iter().map(|(n, v)| (n.clone(), v.as_tensor().shape().clone())).collect();
+            let start: HashMap<String, Tensor> = params.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+            let part = Partition::new(&[35, 4], vec![0..1, 1..2], (comm.rank(), comm.world())).map_err(e)?;
+            let mut opt = ShardedAdamW::new(cfg.clone(), &meta, &start, part.clone(), Some((&Device::Cpu, 1)), None).map_err(e)?;
+            assert_eq!(opt.device_units(), 1);
+            let mut norms = Vec::new();
+            for s in 0..2 {
+                let grads = shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(p, sh)| {
+                        let n: usize = sh.iter().product();
+                        Tensor::from_vec((0..n).map(|i| g(comm.rank(), p, i, s)).collect::<Vec<_>>(), *sh, &Device::Cpu)
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                let gshard = reduce_per_unit(&comm, &part, &grads)?;
+                let st = opt.step(&comm, &gshard, Out::Params(&params), lr, clip, (DType::F32, &Device::Cpu)).map_err(e)?;
+                norms.push(st.grad_norm);
+            }
+            assert_eq!(opt.steps(), 2, "one count a step, whichever part updates");
+            let w: Vec<Vec<f32>> =
+                params.iter().map(|(_, v)| v.as_tensor().flatten_all()?.to_vec1::<f32>()).collect::<candle_core::Result<_>>()?;
+            Ok((w, norms))
+        })
+        .unwrap();
+        check_naive(&out, &shapes, &init, (world, lr, clip), &cfg);
     }
 
     /// This rank's slice of the summed gradients `grads`, reduce-scattered unit by unit as
@@ -961,7 +1157,8 @@ mod tests {
 
     /// `per_unit`: each parameter is its own unit (sliced on its own, ZeRO-3's layout) and
     /// the new weights go into a parameter shard; else one unit and the model's weights.
-    fn sharded_step_layout(on_device: bool, per_unit: bool) {
+    /// `on_device`: the units whose state is on the device (its CPU twin; `None`: the host).
+    fn sharded_step_layout(on_device: Option<usize>, per_unit: bool) {
         let shapes: [&[usize]; 2] = [&[5, 7], &[4]];
         let init = |p: usize, i: usize| (p as f32 + 1.0) * 0.1 + i as f32 * 0.01;
         let (world, lr, clip) = (3usize, 1e-2, 2.0);
@@ -983,7 +1180,7 @@ mod tests {
             let rw = (comm.rank(), comm.world());
             let part = if per_unit { Partition::new(&sizes, vec![0..1, 1..2], rw) } else { Partition::whole(&sizes, rw) }.map_err(e)?;
             let mut opt =
-                ShardedAdamW::new(cfg.clone(), &meta, &start, part.clone(), on_device.then_some(&Device::Cpu), None).map_err(e)?;
+                ShardedAdamW::new(cfg.clone(), &meta, &start, part.clone(), on_device.map(|u| (&Device::Cpu, u)), None).map_err(e)?;
             // ZeRO-3's parameter shard: this rank's slices of the start weights.
             let pshard = Tensor::zeros(opt.shard_len, DType::F32, &Device::Cpu)?;
             let mut norms = Vec::new();
@@ -1020,13 +1217,18 @@ mod tests {
             // A device-resident state keeps no host copy until a checkpoint asks for one
             // (12 bytes per parameter of the slice otherwise), and drops it again after.
             let held = |o: &ShardedAdamW| o.host.master.len() + o.host.m.len() + o.host.v.len();
-            if on_device {
+            let (dev, host) = opt.resident_bytes();
+            if on_device == Some(ALL_UNITS) {
+                assert_eq!((dev, host), (12 * opt.shard_len, 0));
                 assert_eq!(held(&opt), 0, "host copy of a device-resident state");
                 opt.sync_to_host().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
                 assert_eq!(held(&opt), 3 * opt.shard_len, "sync_to_host refills the whole slice");
                 opt.release_host();
                 assert_eq!(held(&opt), 0);
             } else {
+                // A split state keeps its host vectors whole; the device holds its units'.
+                let first = if on_device.is_some() { part.units[1].shard_off } else { 0 };
+                assert_eq!((dev, host), (12 * first, 12 * opt.shard_len));
                 assert_eq!(held(&opt), 3 * opt.shard_len);
             }
             let w: Vec<Vec<f32>> =
