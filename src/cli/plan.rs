@@ -261,6 +261,7 @@ fn print_device(p: &plan::Plan) {
             "optimizer (f32 master, m, v)",
             d.optimizer,
             match (r.optimizer_on_host, z) {
+                (true, _) if r.optimizer_device_units > 0 => "the first units' (--optimizer-device-units), the rest on the host",
                 (true, _) => "on the host",
                 (false, 0) => "ZeRO-0: whole on every rank",
                 _ => "sharded over all ranks",
