@@ -325,3 +325,26 @@ fn device_units_beyond_the_model_or_without_the_host_optimizer_are_refused() {
     let e = e.to_string();
     assert!(e.contains("train.optimizer_device_units") && e.contains("optimizer_on_host"), "{e}");
 }
+
+/// The split placement without the deferred update (ZeRO-2, the weights in the model, two
+/// ranks: the device units' new weights all-gathered unit by unit, then the host pass from
+/// the first host unit) and under ZeRO-1 (one unit: all of it on the device): the same
+/// bits as the optimizer wholly on the host.
+#[test]
+fn a_split_optimizer_placement_holds_under_stages_1_and_2() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (stage, units) in [(2u8, 3usize), (1, 1)] {
+        let host = tmp.path().join(format!("stage{stage}-host"));
+        train(&host, &config(&host, ParallelMode::DataParallel, stage, false, true));
+        let dir = tmp.path().join(format!("stage{stage}-split{units}"));
+        let mut c = config(&dir, ParallelMode::DataParallel, stage, false, true);
+        c.train.optimizer_device_units = units;
+        train(&dir, &c);
+        let (a, b) = (weights(&dir.join("export/model.safetensors")), weights(&host.join("export/model.safetensors")));
+        for (k, vb) in &b {
+            let same = a[k].iter().zip(vb).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "stage {stage}, {units} unit(s) on the device: `{k}` differs from the all-host run");
+        }
+        assert_eq!(log(&dir), log(&host), "stage {stage}, {units} unit(s): per-step loss and gradient norm");
+    }
+}
