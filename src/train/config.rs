@@ -216,9 +216,10 @@ pub struct TrainSection {
     /// `offload_optimizer.ratio`). Units in the model's order: the embedding, one decoder
     /// layer each, the final norm with the head; under stages 0–1 the whole model is one
     /// unit. Under ZeRO-3 with `offload_params` the host update runs during the next step's
-    /// forward, which must wait for the first units' (about 0.15 s at 7B): on the GPU they
-    /// take milliseconds. Each unit costs 12 bytes per parameter of GPU memory (`longctx
-    /// plan` counts it). 0: all of it on the host.
+    /// forward, which must wait for the first units'; on the GPU their update takes
+    /// milliseconds, but their new weights still go to the host shard and back (no faster
+    /// step measured at 7B 64K, docs/benchmarks.md session 38). Each unit costs 12 bytes per
+    /// parameter of GPU memory (`longctx plan` counts it). 0: all of it on the host.
     pub optimizer_device_units: usize,
     /// ZeRO stage, as DeepSpeed numbers them: 0 every rank keeps the whole optimizer
     /// state (gradients all-reduced); 1 the optimizer state is sharded over the ranks (the
