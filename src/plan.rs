@@ -586,6 +586,9 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
         embedding + layers * u128::from(model.layer_params).div_ceil(w) + head
     };
     let optimizer = if on_host { 12 * dev_elems } else { 12 * opt_elems };
+    // A split state under ZeRO-3 with the weights on the host keeps those units' weights on
+    // the GPU too (`ParamStore`'s resident prefix).
+    let weights = weights + if offload_params && on_host && !all_on_device { a * dev_elems } else { 0 };
     let grad_reduce = match zero {
         // The host update's piece on its way; a device update writes in place.
         2 | 3 if on_host => (4 + a) * piece,

@@ -450,7 +450,7 @@ fn zero3_hooks_give_the_resident_gradients() -> longctx::Result<()> {
             let e = |e: longctx::Error| candle_core::Error::Msg(e.to_string());
             let part = Partition::per_layer(&names, &sizes, (0, 1)).map_err(e)?;
             let store =
-                ParamStore::new(part.clone(), &sharded.meta, &weights, DType::F32, (&Device::Cpu, true), comm.clone()).map_err(e)?;
+                ParamStore::new(part.clone(), &sharded.meta, &weights, DType::F32, (&Device::Cpu, true, 0), comm.clone()).map_err(e)?;
             let grads = ShardedGrads::new(part, &meta_shapes, &Device::Cpu, comm.clone()).map_err(e)?;
             let hooks = Recording {
                 inner: Zero3Hooks { store: Some(&store), grads: &grads, update: None },

@@ -534,7 +534,7 @@ fn the_suggestion_reaches_for_zero_3_when_nothing_else_fits() {
 
 /// A split optimizer placement (`train.optimizer_device_units`), 7B at 64K, ZeRO-3 with
 /// weights and state on the host, one rank: the first units' AdamW state (12 bytes a
-/// parameter) moves onto the GPU, the host keeps the whole slice's, and the deferred
+/// parameter) and their weights (2) move onto the GPU, the host keeps the whole slice's, and the deferred
 /// update's pinned pieces start after them (as `ShardedAdamW::pinned_piece_bytes` counts).
 #[test]
 fn a_split_optimizer_placement_by_hand() {
@@ -555,7 +555,11 @@ fn a_split_optimizer_placement_by_hand() {
         r.optimizer_device_units = n;
         let e = plan::estimate(&shape(), &r).unwrap();
         assert_eq!(e.device.optimizer, 12 * on_gpu, "{n} units");
-        assert_eq!(e.device.peak, base.device.peak + 12 * on_gpu, "{n} units: the peak grows by the state alone");
+        // Split, those units' 16-bit weights stay on the GPU beside their state; all of it
+        // there, the weights stay on the host as with the state on the GPU.
+        let resident = if n < units { 2 * on_gpu } else { 0 };
+        assert_eq!(e.device.weights, base.device.weights + resident, "{n} units");
+        assert_eq!(e.device.peak, base.device.peak + 12 * on_gpu + resident, "{n} units: the peak grows by the state and weights");
         assert_eq!(e.host.optimizer, base.host.optimizer, "{n} units: the host keeps the whole slice's state");
         assert_eq!(e.host.grads_copy, 4 * pieces, "{n} units");
     }

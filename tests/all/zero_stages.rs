@@ -296,6 +296,8 @@ fn a_split_optimizer_placement_equals_the_host_one_and_resumes_across_placements
         assert_eq!(log(&dir), log(&host), "{units} units on the device: per-step loss and gradient norm");
         // The device part is counted where it lives; the host keeps the whole slice's state.
         assert!(s.resident.optimizer > s.resident.optimizer_host, "{units} units: {}", s.resident);
+        // ...and so are those units' weights (beside the host shard, which keeps its length).
+        assert!(s.resident.weights > s.resident.weights_host, "{units} units: {}", s.resident);
     }
     for (first, then) in [(2, 0), (0, 7)] {
         let dir = tmp.path().join(format!("resume-{first}-then-{then}"));

@@ -191,14 +191,6 @@ impl ZeroState {
             1 => Partition::whole(&sizes, (rank, wsize))?,
             _ => Partition::per_layer(&names, &sizes, (rank, wsize))?,
         };
-        let weights = match &start.sliced {
-            Some(w) => Weights::Sharded {
-                store: Box::new(ParamStore::new(part.clone(), start.meta, w, dtype, (device, cfg.offload_params), world.clone())?),
-                names: names.iter().map(|n| n.to_string()).collect(),
-            },
-            None => Weights::Model(start.params.to_vec()),
-        };
-        drop(start.sliced);
         // The whole state on the GPU, or (a split placement) its first units' there. On a CPU
         // device the split runs the same way, both parts in host memory.
         let units = part.units.len();
@@ -216,6 +208,27 @@ impl ZeroState {
         } else {
             None
         };
+        // A split state keeps those units' weights beside it on the device too (with the
+        // weights on the host: updated in place, never copied there and back).
+        let resident = match on_device {
+            Some((_, n)) if n < units && cfg.optimizer_on_host => n,
+            _ => 0,
+        };
+        let weights = match &start.sliced {
+            Some(w) => Weights::Sharded {
+                store: Box::new(ParamStore::new(
+                    part.clone(),
+                    start.meta,
+                    w,
+                    dtype,
+                    (device, cfg.offload_params, resident),
+                    world.clone(),
+                )?),
+                names: names.iter().map(|n| n.to_string()).collect(),
+            },
+            None => Weights::Model(start.params.to_vec()),
+        };
+        drop(start.sliced);
         let resume = start.resume.map(|l| (l.state.adam_step, l));
         let optim = ShardedAdamW::new(cfg.adamw.clone(), start.meta, &start.masters, part.clone(), on_device, resume)?;
         drop(start.masters);
@@ -238,7 +251,7 @@ impl ZeroState {
         let (opt_dev, opt_host) = self.optim.resident_bytes();
         let (weights, weights_host) = match &self.weights {
             Weights::Model(_) => (self.n_params * self.dtype.size_in_bytes(), 0),
-            Weights::Sharded { store, .. } => (store.bytes(), if store.on_host() { store.bytes() } else { 0 }),
+            Weights::Sharded { store, .. } => (store.bytes() + store.resident_bytes(), if store.on_host() { store.bytes() } else { 0 }),
         };
         let grads = match &self.grads {
             Grads::Full(b) => b.bytes(),

@@ -267,18 +267,22 @@ impl ShardedAdamW {
     /// [`DEFER_LOOKAHEAD`] units start their copies to host memory first, so they arrive
     /// while this unit is updated; `unit_done(u)` is called once unit `u`'s gradient has
     /// been read (its slice may then be overwritten).
+    ///
+    /// A split state's device units are applied all at once, first, on the device: their
+    /// new weights into `resident` (the store's prefix of them kept on the device, in
+    /// place), or without one into `out`.
     pub fn advance(
         &mut self,
         d: &mut Deferred,
         upto: usize,
         gshard: &Tensor,
-        mut out: HostWeightsMut<'_>,
+        (mut out, resident): (HostWeightsMut<'_>, Option<&Tensor>),
         mut unit_done: impl FnMut(usize) -> Result<()>,
     ) -> Result<()> {
         match &mut out {
-            HostWeightsMut::BF16(v) => self.advance_as(d, upto, gshard, v, &mut unit_done),
-            HostWeightsMut::F16(v) => self.advance_as(d, upto, gshard, v, &mut unit_done),
-            HostWeightsMut::F32(v) => self.advance_as(d, upto, gshard, v, &mut unit_done),
+            HostWeightsMut::BF16(v) => self.advance_as(d, upto, gshard, (v, resident), &mut unit_done),
+            HostWeightsMut::F16(v) => self.advance_as(d, upto, gshard, (v, resident), &mut unit_done),
+            HostWeightsMut::F32(v) => self.advance_as(d, upto, gshard, (v, resident), &mut unit_done),
         }
     }
 
@@ -287,7 +291,7 @@ impl ShardedAdamW {
         d: &mut Deferred,
         upto: usize,
         gshard: &Tensor,
-        out: &mut [P],
+        (out, resident): (&mut [P], Option<&Tensor>),
         unit_done: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<()> {
         let units = self.part.units.len();
@@ -309,7 +313,7 @@ impl ShardedAdamW {
         if self.device.is_some() && d.next < self.dev_units {
             // The units whose state is on the device, all at once (a few milliseconds).
             let n = self.dev_len();
-            let finite = self.device_prefix(d, gshard, &mut out[..n])?;
+            let finite = self.device_prefix(d, gshard, &mut out[..n], resident)?;
             d.finite &= finite;
             for u in d.next..self.dev_units {
                 unit_done(u)?;
@@ -418,13 +422,25 @@ impl ShardedAdamW {
     }
 
     /// The device part of a split state's deferred update ([`Self::advance`]): its units'
-    /// AdamW on the device, their new weights copied into `out` (this rank's host shard,
-    /// the part of those units); whether every one is finite.
-    fn device_prefix<P: HostElem>(&mut self, d: &Deferred, gshard: &Tensor, out: &mut [P]) -> Result<bool> {
+    /// AdamW on the device, their new weights written into `resident` (`[n]`, the store's
+    /// device copy of them) or else copied into `out` (this rank's host shard, the part of
+    /// those units); whether every one is finite.
+    fn device_prefix<P: HostElem>(&mut self, d: &Deferred, gshard: &Tensor, out: &mut [P], resident: Option<&Tensor>) -> Result<bool> {
         let n = out.len();
         let dv = self.device.as_mut().ok_or_else(|| Error::Setting("device optimizer missing".into()))?;
         let dev = dv.master.device().clone();
-        let buf = Tensor::zeros(n, P::DTYPE, &dev)?;
+        let buf = match resident {
+            Some(t) if t.elem_count() == n && t.dtype() == P::DTYPE && t.device().same_device(&dev) => t.clone(),
+            Some(t) => {
+                return Err(Error::Setting(format!(
+                    "split optimizer: the device weights hold {} {:?} elements, the device state {n} {:?}",
+                    t.elem_count(),
+                    t.dtype(),
+                    P::DTYPE
+                )))
+            }
+            None => Tensor::zeros(n, P::DTYPE, &dev)?,
+        };
         let mut segs = Vec::new();
         for u in 0..self.dev_units {
             for (p, x, start) in self.part.parts(u, self.part.rank) {
@@ -440,7 +456,9 @@ impl ShardedAdamW {
         // Checked where they are (one reduction; on the host it was a scalar pass over
         // every weight, ~0.1 s for the 7B's first three units).
         let finite = crate::guard::finite_flags(std::slice::from_ref(&buf))?.iter().all(|ok| *ok);
-        self.stash.download(&buf, out, &dev)?;
+        if resident.is_none() {
+            self.stash.download(&buf, out, &dev)?;
+        }
         Ok(finite)
     }
 
@@ -467,7 +485,7 @@ impl ShardedAdamW {
         if let Out::HostShard(h) = out {
             // Weights and state both on the host: the deferred pass, applied at once.
             let mut d = Deferred::new(k, (lr, coef, self.host.step));
-            return self.advance(&mut d, usize::MAX, gshard, h, |_| Ok(()));
+            return self.advance(&mut d, usize::MAX, gshard, (h, None), |_| Ok(()));
         }
         if self.device.is_some() {
             self.device_update(comm, gshard, &mut out, (lr, coef, self.host.step), dtype)?;
@@ -998,7 +1016,7 @@ mod tests {
         let mut d = d.expect("a finite norm");
         assert!(!stats.skipped && stats.grad_norm > clip);
         let mut done = Vec::new();
-        host.advance(&mut d, 1, &gshard, HostWeightsMut::F32(&mut out), |u| {
+        host.advance(&mut d, 1, &gshard, (HostWeightsMut::F32(&mut out), None), |u| {
             done.push(u);
             Ok(())
         })
@@ -1007,7 +1025,7 @@ mod tests {
         assert!(out[..16].iter().zip(&first).all(|(a, b)| a != b), "units 0 and 1 are updated");
         assert_eq!(out[16..], first[16..], "unit 2 is not updated yet");
         assert!(!d.is_done(3));
-        host.advance(&mut d, usize::MAX, &gshard, HostWeightsMut::F32(&mut out), |u| {
+        host.advance(&mut d, usize::MAX, &gshard, (HostWeightsMut::F32(&mut out), None), |u| {
             done.push(u);
             Ok(())
         })
@@ -1034,13 +1052,13 @@ mod tests {
             assert_eq!(st.grad_norm, stats.grad_norm);
             let mut done = Vec::new();
             split
-                .advance(&mut d, 0, &gshard, HostWeightsMut::F32(&mut got), |u| {
+                .advance(&mut d, 0, &gshard, (HostWeightsMut::F32(&mut got), None), |u| {
                     done.push(u);
                     Ok(())
                 })
                 .unwrap();
             assert_eq!(done, (0..units).collect::<Vec<_>>(), "{units} unit(s) on the device, applied together");
-            split.advance(&mut d, usize::MAX, &gshard, HostWeightsMut::F32(&mut got), |_| Ok(())).unwrap();
+            split.advance(&mut d, usize::MAX, &gshard, (HostWeightsMut::F32(&mut got), None), |_| Ok(())).unwrap();
             assert!(d.is_done(3) && d.all_finite());
             for (i, (a, b)) in got.iter().zip(&out).enumerate() {
                 assert_eq!(a.to_bits(), b.to_bits(), "{units} unit(s) on the device, element {i}: {a} vs the host's {b}");
@@ -1057,7 +1075,7 @@ mod tests {
             let mut out = first.clone();
             let mut d = bad.begin_deferred(comm, &gshard, lr, clip).unwrap().1.unwrap();
             d.poison();
-            bad.advance(&mut d, usize::MAX, &gshard, HostWeightsMut::F32(&mut out), |_| Ok(())).unwrap();
+            bad.advance(&mut d, usize::MAX, &gshard, (HostWeightsMut::F32(&mut out), None), |_| Ok(())).unwrap();
             assert!(!d.all_finite() && out[0].is_nan(), "{units} unit(s) on the device");
         }
 
@@ -1065,7 +1083,7 @@ mod tests {
         let mut out = first.clone();
         let mut d = bad.begin_deferred(comm, &gshard, lr, clip).unwrap().1.unwrap();
         d.poison();
-        bad.advance(&mut d, usize::MAX, &gshard, HostWeightsMut::F32(&mut out), |_| Ok(())).unwrap();
+        bad.advance(&mut d, usize::MAX, &gshard, (HostWeightsMut::F32(&mut out), None), |_| Ok(())).unwrap();
         assert!(!d.all_finite() && out[0].is_nan());
     }
 

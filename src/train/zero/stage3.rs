@@ -86,6 +86,11 @@ pub struct ParamStore {
     _pin: Option<longctx_attention::stash::HostPin>,
     /// `[Σ L_u]`, run dtype: on the device, or in host memory (`offload_params`).
     shard: ShardHome,
+    /// With the shard in host memory, the first units' slices kept on the device instead
+    /// (`[prefix]`, run dtype): the units whose optimizer state is there too
+    /// (`train.optimizer_device_units`), updated in place, never copied. Their stretch of
+    /// the host shard is then stale.
+    resident: Option<(usize, Tensor)>,
     /// Where the engine computes.
     dev: Device,
     comm: Arc<dyn Comm>,
@@ -94,12 +99,13 @@ pub struct ParamStore {
 impl ParamStore {
     /// This rank's slices of `weights` (every parameter, any device; converted to
     /// `dtype`), kept on the compute device `dev`, or in host memory (`offload`).
+    /// With `offload`, the first `resident_units` units' slices stay on `dev` (0: none).
     pub fn new(
         part: Partition,
         params: &[(String, Shape)],
         weights: &HashMap<String, Tensor>,
         dtype: DType,
-        (dev, offload): (&Device, bool),
+        (dev, offload, resident_units): (&Device, bool, usize),
         comm: Arc<dyn Comm>,
     ) -> Result<Self> {
         // Rounded to the run dtype on the host, every core at once, straight into the
@@ -109,6 +115,13 @@ impl ParamStore {
             DType::F16 => HostWeights::F16(host_slices(&part, params, weights)?),
             DType::F32 => HostWeights::F32(host_slices(&part, params, weights)?),
             other => return Err(Error::Setting(format!("ZeRO-3: weights of dtype {other:?} are not supported"))),
+        };
+        let units = resident_units.min(part.units.len());
+        let resident = if offload && units > 0 {
+            let len = part.units.get(units).map_or(part.shard_len(), |u| u.shard_off);
+            Some((units, host.to_tensor(0, len, dev)?))
+        } else {
+            None
         };
         let mut shard =
             if offload { ShardHome::Host(RefCell::new(host)) } else { ShardHome::Device(host.to_tensor(0, part.shard_len(), dev)?) };
@@ -135,6 +148,7 @@ impl ParamStore {
             last: Cell::new(None),
             _pin,
             shard,
+            resident,
             dev: dev.clone(),
             comm,
         })
@@ -161,16 +175,35 @@ impl ParamStore {
         }
     }
 
+    /// The first units' slices kept on the device (`[prefix]`), when the shard is on the
+    /// host: where a split optimizer writes their new weights.
+    pub fn resident_prefix(&self) -> Option<&Tensor> {
+        self.resident.as_ref().map(|(_, t)| t)
+    }
+
+    /// Bytes of the first units' slices kept on the device beside a host shard.
+    pub fn resident_bytes(&self) -> usize {
+        self.resident.as_ref().map_or(0, |(_, t)| t.elem_count() * t.dtype().size_in_bytes())
+    }
+
     /// Some weight of this rank's slice is NaN or infinite.
     pub fn any_non_finite(&self) -> Result<bool> {
+        let resident_bad = match &self.resident {
+            Some((_, t)) => !crate::guard::finite_flags(std::slice::from_ref(t))?.iter().all(|ok| *ok),
+            None => false,
+        };
+        let skip = self.resident.as_ref().map_or(0, |(_, t)| t.elem_count()); // stale on the host
         match &self.shard {
             ShardHome::Device(t) => Ok(!crate::guard::finite_flags(std::slice::from_ref(t))?.iter().all(|ok| *ok)),
-            ShardHome::Host(h) => Ok(h.borrow().any_non_finite()),
+            ShardHome::Host(h) => Ok(resident_bad || h.borrow().any_non_finite_from(skip)),
         }
     }
 
     /// Make this rank's first weight NaN (fault injection in tests).
     pub fn poison(&mut self) -> Result<()> {
+        if let Some((_, t)) = &self.resident {
+            return Ok(t.slice_set(&t.narrow(0, 0, 1)?.affine(f64::NAN, 0.0)?, 0, 0)?);
+        }
         match &mut self.shard {
             ShardHome::Device(t) => t.slice_set(&t.narrow(0, 0, 1)?.affine(f64::NAN, 0.0)?, 0, 0)?,
             ShardHome::Host(h) => match h.get_mut() {
@@ -186,9 +219,10 @@ impl ParamStore {
     /// it for the same unit in the same order).
     pub fn fetch(&self, u: usize) -> Result<Vec<Tensor>> {
         let unit = &self.part.units[u];
-        let mine = match &self.shard {
-            ShardHome::Device(t) => t.narrow(0, unit.shard_off, unit.shard)?,
-            ShardHome::Host(h) => match self.ahead.borrow_mut().take() {
+        let resident = self.resident.as_ref().filter(|(k, _)| u < *k).map(|(_, t)| t);
+        let mine = match (&self.shard, resident) {
+            (ShardHome::Device(t), _) | (ShardHome::Host(_), Some(t)) => t.narrow(0, unit.shard_off, unit.shard)?,
+            (ShardHome::Host(h), None) => match self.ahead.borrow_mut().take() {
                 Some((v, copy)) if v == u => copy.ready()?,
                 _ => h.borrow().to_tensor(unit.shard_off, unit.shard, &self.dev)?,
             },
@@ -207,6 +241,9 @@ impl ParamStore {
     pub fn prefetch(&self, u: usize) -> Result<()> {
         let ShardHome::Host(h) = &self.shard else { return Ok(()) };
         let Some(unit) = self.part.units.get(u) else { return Ok(()) };
+        if self.resident.as_ref().is_some_and(|(k, _)| u < *k) {
+            return Ok(()); // on the device already
+        }
         if self.ahead.borrow().as_ref().is_some_and(|(v, _)| *v == u) {
             return Ok(());
         }
@@ -380,7 +417,7 @@ mod tests {
         run_ranks(1, |comm| {
             let e = |e: Error| candle_core::Error::Msg(e.to_string());
             let part = Partition::per_layer(&names, &[3, 3, 3, 3], (0, 1)).map_err(e)?;
-            let mut store = ParamStore::new(part.clone(), &meta, &weights, DType::F32, (&Device::Cpu, true), comm).map_err(e)?;
+            let mut store = ParamStore::new(part.clone(), &meta, &weights, DType::F32, (&Device::Cpu, true, 0), comm).map_err(e)?;
             let unit = |s: &ParamStore, u: usize| -> Vec<f32> { s.fetch(u).unwrap()[0].to_vec1::<f32>().unwrap() };
             let write = |s: &ParamStore, u: usize, x: f32| {
                 let at = part.units[u].shard_off;
@@ -405,6 +442,45 @@ mod tests {
                 v[part.units[1].shard_off] = 7.0;
             }
             assert_eq!(unit(&store, 1), [7.0, 1.0, 1.0], "the optimizer's `out` discards the copy");
+            Ok(())
+        })
+        .unwrap();
+    }
+
+    /// The first units kept on the device beside a host shard (a split optimizer state):
+    /// fetched from there, never copied ahead, written in place; the host's stretch of
+    /// them is not read (not by a fetch, not by the finite check); the fault injection
+    /// reaches them.
+    #[test]
+    fn resident_units_are_fetched_from_the_device_copy() {
+        let names = ["model.embed_tokens.weight", "model.layers.0.w", "model.layers.1.w", "lm_head.weight"];
+        let meta: Vec<(String, Shape)> = names.iter().map(|n| (n.to_string(), Shape::from(3))).collect();
+        let weights: HashMap<String, Tensor> =
+            names.iter().enumerate().map(|(p, n)| (n.to_string(), Tensor::from_vec(vec![p as f32; 3], 3, &Device::Cpu).unwrap())).collect();
+        run_ranks(1, |comm| {
+            let e = |e: Error| candle_core::Error::Msg(e.to_string());
+            let part = Partition::per_layer(&names, &[3, 3, 3, 3], (0, 1)).map_err(e)?;
+            let mut store = ParamStore::new(part.clone(), &meta, &weights, DType::F32, (&Device::Cpu, true, 2), comm).map_err(e)?;
+            let unit = |s: &ParamStore, u: usize| -> Vec<f32> { s.fetch(u).unwrap()[0].to_vec1::<f32>().unwrap() };
+            assert_eq!(store.resident_bytes(), 6 * 4, "units 0 and 1, f32");
+            let res = store.resident_prefix().expect("a resident prefix").clone();
+            assert_eq!(res.to_vec1::<f32>()?, [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]);
+            res.slice_set(&Tensor::new(&[5f32, 5., 5.], &Device::Cpu)?, 0, 3)?; // the optimizer, in place
+            store
+                .with_host_mut(|h| {
+                    if let HostWeightsMut::F32(v) = h {
+                        v[..6].fill(f32::NAN); // the host's stale stretch
+                    }
+                    Ok(())
+                })
+                .map_err(e)?;
+            store.prefetch(1).map_err(e)?;
+            assert_eq!(unit(&store, 1), [5.0; 3], "from the device copy");
+            assert_eq!(unit(&store, 2), [2.0; 3], "from the host shard");
+            assert!(!store.any_non_finite().map_err(e)?, "the host's stretch of resident units is not checked");
+            store.poison().map_err(e)?;
+            assert!(store.any_non_finite().map_err(e)?);
+            assert!(unit(&store, 0)[0].is_nan(), "poisoned where it is read");
             Ok(())
         })
         .unwrap();

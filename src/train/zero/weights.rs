@@ -58,13 +58,13 @@ impl HostWeights {
         })
     }
 
-    /// Some element is NaN or infinite (all cores).
-    pub(super) fn any_non_finite(&self) -> bool {
+    /// Some element from `skip` on is NaN or infinite (all cores).
+    pub(super) fn any_non_finite_from(&self, skip: usize) -> bool {
         use rayon::prelude::*;
         match self {
-            Self::BF16(v) => v.par_iter().any(|x| !x.is_finite()),
-            Self::F16(v) => v.par_iter().any(|x| !x.is_finite()),
-            Self::F32(v) => v.par_iter().any(|x| !x.is_finite()),
+            Self::BF16(v) => v.get(skip..).is_some_and(|v| v.par_iter().any(|x| !x.is_finite())),
+            Self::F16(v) => v.get(skip..).is_some_and(|v| v.par_iter().any(|x| !x.is_finite())),
+            Self::F32(v) => v.get(skip..).is_some_and(|v| v.par_iter().any(|x| !x.is_finite())),
         }
     }
 
