@@ -217,9 +217,9 @@ pub struct TrainSection {
     /// layer each, the final norm with the head; under stages 0–1 the whole model is one
     /// unit. Under ZeRO-3 with `offload_params` the host update runs during the next step's
     /// forward, which must wait for the first units'; on the GPU their update takes
-    /// milliseconds, but their new weights still go to the host shard and back (no faster
-    /// step measured at 7B 64K, docs/benchmarks.md session 38). Each unit costs 12 bytes per
-    /// parameter of GPU memory (`longctx plan` counts it). 0: all of it on the host.
+    /// milliseconds, and their weights stay there too (docs/benchmarks.md, session 38). Each
+    /// unit costs 12 bytes per parameter of GPU memory, 14 with its weights (`longctx plan`
+    /// counts it). 0: all of it on the host.
     pub optimizer_device_units: usize,
     /// ZeRO stage, as DeepSpeed numbers them: 0 every rank keeps the whole optimizer
     /// state (gradients all-reduced); 1 the optimizer state is sharded over the ranks (the
