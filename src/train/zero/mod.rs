@@ -344,6 +344,11 @@ impl ZeroState {
             Grads::Sharded(g) => g.shard().clone(),
         };
         let out = match &mut self.weights {
+            // A resident prefix exists only with the deferred update (split state, weights on
+            // the host); written through the host shard, it would go stale.
+            Weights::Sharded { store, .. } if store.resident_bytes() > 0 => {
+                return Err(Error::Setting("ZeRO-3: an update at once of a shard with units kept on the device".into()))
+            }
             Weights::Sharded { store, .. } => store.out(),
             Weights::Model(params) => Out::Params(params),
         };
