@@ -542,11 +542,7 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
         } else {
             vec![elems(opt_elems)?] // stages 0–1: one unit, the whole slice
         };
-        let pieces = if shards.is_empty() {
-            Vec::new()
-        } else {
-            crate::train::zero::peak_pieces(&shards, crate::train::zero::HOST_PIECE, offload_params)
-        };
+        let pieces = crate::train::zero::peak_pieces(&shards, crate::train::zero::HOST_PIECE, offload_params);
         4 * pieces.iter().map(|&(len, k)| len as u128 * k as u128).sum::<u128>() + if offload_params { 0 } else { a * piece }
     } else {
         0

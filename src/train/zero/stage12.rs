@@ -220,7 +220,8 @@ impl ShardedAdamW {
         if self.whole_on_device() {
             self.host.step += 1;
             let mut out = out;
-            self.device_update(comm, gshard, &mut out, (lr, coef, self.host.step), dtype)?;
+            let buf = self.device_update(gshard, &mut out, (lr, coef, self.host.step), dtype)?;
+            self.gather_device_units(comm, buf, &out)?;
         } else {
             // The host's units (and first the device's, where the state is split).
             let k = self.host.begin_step(lr, coef as f32);
@@ -279,10 +280,38 @@ impl ShardedAdamW {
         (mut out, resident): (HostWeightsMut<'_>, Option<&Tensor>),
         mut unit_done: impl FnMut(usize) -> Result<()>,
     ) -> Result<()> {
+        if self.device.is_some() && d.next < self.dev_units {
+            // The units whose state is on the device, all at once (a few milliseconds), their
+            // new weights checked where they were written (one reduction).
+            if d.poison {
+                // Fault injection: this update's first weight goes NaN.
+                if let Some(dv) = &self.device {
+                    dv.master.slice_set(&Tensor::new(&[f32::NAN], dv.master.device())?, 0, 0)?;
+                }
+            }
+            let (n, dtype) = (self.dev_len(), out.dtype());
+            let mut target = match resident {
+                Some(t) if t.elem_count() == n => Out::Shard(t),
+                Some(t) => {
+                    return Err(Error::Setting(format!(
+                        "split optimizer: {} device weights for {n} elements of device state",
+                        t.elem_count()
+                    )))
+                }
+                None => Out::HostShard(out.reborrow()),
+            };
+            let written = self.device_update(gshard, &mut target, d.hp, dtype)?;
+            d.finite &= written.map_or(Ok(true), |b| crate::guard::finite_flags(&[b]).map(|f| f.iter().all(|ok| *ok)))?;
+            for u in d.next..self.dev_units {
+                unit_done(u)?;
+            }
+            d.next = self.dev_units;
+            d.parked_to = d.parked_to.max(self.dev_units);
+        }
         match &mut out {
-            HostWeightsMut::BF16(v) => self.advance_as(d, upto, gshard, (v, resident), &mut unit_done),
-            HostWeightsMut::F16(v) => self.advance_as(d, upto, gshard, (v, resident), &mut unit_done),
-            HostWeightsMut::F32(v) => self.advance_as(d, upto, gshard, (v, resident), &mut unit_done),
+            HostWeightsMut::BF16(v) => self.advance_as(d, upto, gshard, v, &mut unit_done),
+            HostWeightsMut::F16(v) => self.advance_as(d, upto, gshard, v, &mut unit_done),
+            HostWeightsMut::F32(v) => self.advance_as(d, upto, gshard, v, &mut unit_done),
         }
     }
 
@@ -291,7 +320,7 @@ impl ShardedAdamW {
         d: &mut Deferred,
         upto: usize,
         gshard: &Tensor,
-        (out, resident): (&mut [P], Option<&Tensor>),
+        out: &mut [P],
         unit_done: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<()> {
         let units = self.part.units.len();
@@ -309,17 +338,6 @@ impl ShardedAdamW {
             if let Some(w) = self.host.master.first_mut() {
                 *w = f32::NAN; // fault injection: this update's first weight goes NaN
             }
-        }
-        if self.device.is_some() && d.next < self.dev_units {
-            // The units whose state is on the device, all at once (a few milliseconds).
-            let n = self.dev_len();
-            let finite = self.device_prefix(d, gshard, &mut out[..n], resident)?;
-            d.finite &= finite;
-            for u in d.next..self.dev_units {
-                unit_done(u)?;
-            }
-            d.next = self.dev_units;
-            d.parked_to = d.parked_to.max(self.dev_units);
         }
         while d.next <= upto.min(units.saturating_sub(1)) && d.next < units {
             let u = d.next;
@@ -372,15 +390,17 @@ impl ShardedAdamW {
     /// first ones of a split state): one kernel per parameter's part of the shard, each
     /// writing its new weights straight into the model (one rank), into the parameter shard
     /// (ZeRO-3), or into a buffer that is then all-gathered (several ranks) or copied to
-    /// the host shard. `step`: the step number, already counted.
+    /// the host shard. `step`: the step number, already counted. Returns the buffer the new
+    /// weights went to (`[prefix]` on the device; `None`: the model's own weights, one
+    /// rank); with several ranks and the model's weights as the output the caller
+    /// all-gathers it ([`gather_into`]).
     fn device_update(
         &mut self,
-        comm: &Arc<dyn Comm>,
         gshard: &Tensor,
         out: &mut Out<'_>,
         (lr, coef, step): (f64, f64, u64),
         dtype: DType,
-    ) -> Result<()> {
+    ) -> Result<Option<Tensor>> {
         let n = self.dev_len();
         let part = &self.part;
         let (rank, w) = (part.rank, part.world);
@@ -406,7 +426,6 @@ impl ShardedAdamW {
         let d = self.device.as_mut().ok_or_else(|| Error::Setting("device optimizer missing".into()))?;
         d.update_at(&self.host.cfg, step, &gshard.narrow(0, 0, n)?, lr, coef, &segs)?;
         match (&buf, out) {
-            (Some(buf), Out::Params(params)) => gather_into(comm, part, self.dev_units, buf, params)?,
             (Some(buf), Out::Shard(s)) if !s.device().same_device(buf.device()) => s.slice_set(&buf.to_device(s.device())?, 0, 0)?,
             (Some(buf), Out::HostShard(h)) => {
                 let dev = buf.device().clone();
@@ -418,48 +437,16 @@ impl ShardedAdamW {
             }
             _ => {}
         }
-        Ok(())
+        Ok(buf)
     }
 
-    /// The device part of a split state's deferred update ([`Self::advance`]): its units'
-    /// AdamW on the device, their new weights written into `resident` (`[n]`, the store's
-    /// device copy of them) or else copied into `out` (this rank's host shard, the part of
-    /// those units); whether every one is finite.
-    fn device_prefix<P: HostElem>(&mut self, d: &Deferred, gshard: &Tensor, out: &mut [P], resident: Option<&Tensor>) -> Result<bool> {
-        let n = out.len();
-        let dv = self.device.as_mut().ok_or_else(|| Error::Setting("device optimizer missing".into()))?;
-        let dev = dv.master.device().clone();
-        let buf = match resident {
-            Some(t) if t.elem_count() == n && t.dtype() == P::DTYPE && t.device().same_device(&dev) => t.clone(),
-            Some(t) => {
-                return Err(Error::Setting(format!(
-                    "split optimizer: the device weights hold {} {:?} elements, the device state {n} {:?}",
-                    t.elem_count(),
-                    t.dtype(),
-                    P::DTYPE
-                )))
-            }
-            None => Tensor::zeros(n, P::DTYPE, &dev)?,
-        };
-        let mut segs = Vec::new();
-        for u in 0..self.dev_units {
-            for (p, x, start) in self.part.parts(u, self.part.rank) {
-                segs.push(Segment { start, len: x.len(), decay: self.decays[p], copy: Some(buf.narrow(0, start, x.len())?) });
-            }
+    /// The model's weights of the device units from every rank's new slices `buf` (several
+    /// ranks; one rank's were written in place).
+    fn gather_device_units(&self, comm: &Arc<dyn Comm>, buf: Option<Tensor>, out: &Out<'_>) -> Result<()> {
+        match (buf, out) {
+            (Some(buf), Out::Params(params)) => gather_into(comm, &self.part, self.dev_units, &buf, params),
+            _ => Ok(()),
         }
-        if d.poison && n > 0 {
-            // Fault injection: this update's first weight goes NaN.
-            dv.master.slice_set(&Tensor::new(&[f32::NAN], &dev)?, 0, 0)?;
-        }
-        let (lr, coef, step) = d.hp;
-        dv.update_at(&self.host.cfg, step, &gshard.narrow(0, 0, n)?, lr, coef, &segs)?;
-        // Checked where they are (one reduction; on the host it was a scalar pass over
-        // every weight, ~0.1 s for the 7B's first three units).
-        let finite = crate::guard::finite_flags(std::slice::from_ref(&buf))?.iter().all(|ok| *ok);
-        if resident.is_none() {
-            self.stash.download(&buf, out, &dev)?;
-        }
-        Ok(finite)
     }
 
     /// The host update, piece by piece (at most [`HOST_PIECE`] elements, within a unit):
@@ -488,7 +475,8 @@ impl ShardedAdamW {
             return self.advance(&mut d, usize::MAX, gshard, (h, None), |_| Ok(()));
         }
         if self.device.is_some() {
-            self.device_update(comm, gshard, &mut out, (lr, coef, self.host.step), dtype)?;
+            let buf = self.device_update(gshard, &mut out, (lr, coef, self.host.step), dtype)?;
+            self.gather_device_units(comm, buf, &out)?;
         }
         match dtype {
             DType::BF16 => self.host_pass::<half::bf16>(comm, gshard, out, &k, device),
@@ -583,9 +571,6 @@ impl ShardedAdamW {
     /// at most ([`peak_pieces`] of this rank's unit slices whose state is on the host).
     pub fn pinned_piece_bytes(&self, deferred: bool) -> Vec<usize> {
         let shards: Vec<usize> = self.part.units.iter().skip(self.dev_units).map(|u| u.shard).collect();
-        if shards.is_empty() {
-            return Vec::new();
-        }
         let pieces = peak_pieces(&shards, HOST_PIECE, deferred);
         pieces.into_iter().flat_map(|(len, k)| std::iter::repeat_n(len * std::mem::size_of::<f32>(), k)).collect()
     }

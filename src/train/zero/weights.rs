@@ -29,6 +29,25 @@ pub enum HostWeightsMut<'a> {
     F32(&'a mut [f32]),
 }
 
+impl HostWeightsMut<'_> {
+    /// The same weights lent again, for a shorter while.
+    pub fn reborrow(&mut self) -> HostWeightsMut<'_> {
+        match self {
+            Self::BF16(v) => HostWeightsMut::BF16(v),
+            Self::F16(v) => HostWeightsMut::F16(v),
+            Self::F32(v) => HostWeightsMut::F32(v),
+        }
+    }
+
+    pub fn dtype(&self) -> candle_core::DType {
+        match self {
+            Self::BF16(_) => candle_core::DType::BF16,
+            Self::F16(_) => candle_core::DType::F16,
+            Self::F32(_) => candle_core::DType::F32,
+        }
+    }
+}
+
 impl HostWeights {
     /// Address and length in bytes of the elements.
     pub(super) fn raw_bytes(&mut self) -> (*mut u8, usize) {
