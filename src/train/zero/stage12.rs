@@ -1087,64 +1087,30 @@ mod tests {
     }
 
     fn sharded_step_case(on_device: bool) {
-        for per_unit in [false, true] {
-            sharded_step_layout(on_device.then_some(ALL_UNITS), per_unit);
+        for layout in [Layout::Whole, Layout::PerUnitShard] {
+            sharded_step_layout(on_device.then_some(ALL_UNITS), layout);
         }
     }
 
     /// A split state (`train.optimizer_device_units`): the first unit's AdamW on the
     /// device (its CPU twin), the second's on the host, into the parameter shard (ZeRO-3,
-    /// the shard on the device), the model's weights (ZeRO-1/2, all-gathered unit by unit)
-    /// and both at once; the same naive AdamW as the whole state in one place.
+    /// the shard on the device) and into the model's weights (ZeRO-1/2, all-gathered unit
+    /// by unit); the same naive AdamW as the whole state in one place.
     #[test]
     fn a_split_state_steps_like_the_whole_state_in_one_place() {
-        sharded_step_layout(Some(1), true);
-        split_into_params();
+        sharded_step_layout(Some(1), Layout::PerUnitShard);
+        sharded_step_layout(Some(1), Layout::PerUnitParams);
     }
 
-    /// The split with the model's weights as the output (each parameter its own unit).
-    fn split_into_params() {
-        let shapes: [&[usize]; 2] = [&[5, 7], &[4]];
-        let init = |p: usize, i: usize| (p as f32 + 1.0) * 0.1 + i as f32 * 0.01;
-        let (world, lr, clip) = (3usize, 1e-2, 2.0);
-        let cfg = AdamWConfig::default();
-        let out = run_ranks(world, |comm| {
-            let e = |e: Error| candle_core::Error::Msg(e.to_string());
-            let params: Vec<(String, Var)> = shapes
-                .iter()
-                .enumerate()
-                .map(|(p, sh)| {
-                    let n: usize = sh.iter().product();
-                    let v: Vec<f32> = (0..n).map(|i| init(p, i)).collect();
-                    Ok((format!("p{p}"), Var::from_tensor(&Tensor::from_vec(v, *sh, &Device::Cpu)?)?))
-                })
-                .collect::<candle_core::Result<_>>()?;
-            let meta: Vec<(String, Shape)> = params.iter().map(|(n, v)| (n.clone(), v.as_tensor().shape().clone())).collect();
-            let start: HashMap<String, Tensor> = params.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
-            let part = Partition::new(&[35, 4], vec![0..1, 1..2], (comm.rank(), comm.world())).map_err(e)?;
-            let mut opt = ShardedAdamW::new(cfg.clone(), &meta, &start, part.clone(), Some((&Device::Cpu, 1)), None).map_err(e)?;
-            assert_eq!(opt.device_units(), 1);
-            let mut norms = Vec::new();
-            for s in 0..2 {
-                let grads = shapes
-                    .iter()
-                    .enumerate()
-                    .map(|(p, sh)| {
-                        let n: usize = sh.iter().product();
-                        Tensor::from_vec((0..n).map(|i| g(comm.rank(), p, i, s)).collect::<Vec<_>>(), *sh, &Device::Cpu)
-                    })
-                    .collect::<candle_core::Result<Vec<_>>>()?;
-                let gshard = reduce_per_unit(&comm, &part, &grads)?;
-                let st = opt.step(&comm, &gshard, Out::Params(&params), lr, clip, (DType::F32, &Device::Cpu)).map_err(e)?;
-                norms.push(st.grad_norm);
-            }
-            assert_eq!(opt.steps(), 2, "one count a step, whichever part updates");
-            let w: Vec<Vec<f32>> =
-                params.iter().map(|(_, v)| v.as_tensor().flatten_all()?.to_vec1::<f32>()).collect::<candle_core::Result<_>>()?;
-            Ok((w, norms))
-        })
-        .unwrap();
-        check_naive(&out, &shapes, &init, (world, lr, clip), &cfg);
+    /// How the test's two parameters are cut and where the new weights go.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Layout {
+        /// One unit, into the model's weights.
+        Whole,
+        /// Each parameter its own unit (ZeRO-3's layout), into a parameter shard.
+        PerUnitShard,
+        /// Each parameter its own unit, into the model's weights.
+        PerUnitParams,
     }
 
     /// This rank's slice of the summed gradients `grads`, reduce-scattered unit by unit as
@@ -1160,10 +1126,9 @@ mod tests {
         Tensor::cat(&mine, 0)
     }
 
-    /// `per_unit`: each parameter is its own unit (sliced on its own, ZeRO-3's layout) and
-    /// the new weights go into a parameter shard; else one unit and the model's weights.
     /// `on_device`: the units whose state is on the device (its CPU twin; `None`: the host).
-    fn sharded_step_layout(on_device: Option<usize>, per_unit: bool) {
+    fn sharded_step_layout(on_device: Option<usize>, layout: Layout) {
+        let per_unit = layout != Layout::Whole;
         let shapes: [&[usize]; 2] = [&[5, 7], &[4]];
         let init = |p: usize, i: usize| (p as f32 + 1.0) * 0.1 + i as f32 * 0.01;
         let (world, lr, clip) = (3usize, 1e-2, 2.0);
@@ -1207,11 +1172,12 @@ mod tests {
                     }
                     opt.reduce(&comm, &buf).map_err(e)?
                 };
-                let target = if per_unit { Out::Shard(&pshard) } else { Out::Params(&params) };
+                let target = if layout == Layout::PerUnitShard { Out::Shard(&pshard) } else { Out::Params(&params) };
                 let st = opt.step(&comm, &gshard, target, lr, clip, (DType::F32, &Device::Cpu)).map_err(e)?;
                 norms.push(st.grad_norm);
             }
-            if per_unit {
+            assert_eq!(opt.steps(), 2, "one count a step, whichever part updates");
+            if layout == Layout::PerUnitShard {
                 // The model's weights are the all-gathered shards.
                 for (u, (_, v)) in params.iter().enumerate() {
                     let unit = &part.units[u];

@@ -405,15 +405,22 @@ mod tests {
     use super::*;
     use longctx_attention::comm::thread::run_ranks;
 
+    const NAMES: [&str; 4] = ["model.embed_tokens.weight", "model.layers.0.w", "model.layers.1.w", "lm_head.weight"];
+
+    /// Embedding, two layers and the head, one 3-vector each, unit `p` all `p`.
+    fn four_units() -> (Vec<(String, Shape)>, HashMap<String, Tensor>) {
+        let meta = NAMES.iter().map(|n| (n.to_string(), Shape::from(3))).collect();
+        let weights =
+            NAMES.iter().enumerate().map(|(p, n)| (n.to_string(), Tensor::from_vec(vec![p as f32; 3], 3, &Device::Cpu).unwrap())).collect();
+        (meta, weights)
+    }
+
     /// A unit copied ahead is what the next fetch of it returns, the weights as they were
     /// at the copy; `drop_prefetch` and the optimizer's `out` discard it, so a fetch after
     /// an update sees the new weights.
     #[test]
     fn a_unit_copied_ahead_is_fetched_until_an_update_discards_it() {
-        let names = ["model.embed_tokens.weight", "model.layers.0.w", "model.layers.1.w", "lm_head.weight"];
-        let meta: Vec<(String, Shape)> = names.iter().map(|n| (n.to_string(), Shape::from(3))).collect();
-        let weights: HashMap<String, Tensor> =
-            names.iter().enumerate().map(|(p, n)| (n.to_string(), Tensor::from_vec(vec![p as f32; 3], 3, &Device::Cpu).unwrap())).collect();
+        let (names, (meta, weights)) = (NAMES, four_units());
         run_ranks(1, |comm| {
             let e = |e: Error| candle_core::Error::Msg(e.to_string());
             let part = Partition::per_layer(&names, &[3, 3, 3, 3], (0, 1)).map_err(e)?;
@@ -453,10 +460,7 @@ mod tests {
     /// reaches them.
     #[test]
     fn resident_units_are_fetched_from_the_device_copy() {
-        let names = ["model.embed_tokens.weight", "model.layers.0.w", "model.layers.1.w", "lm_head.weight"];
-        let meta: Vec<(String, Shape)> = names.iter().map(|n| (n.to_string(), Shape::from(3))).collect();
-        let weights: HashMap<String, Tensor> =
-            names.iter().enumerate().map(|(p, n)| (n.to_string(), Tensor::from_vec(vec![p as f32; 3], 3, &Device::Cpu).unwrap())).collect();
+        let (names, (meta, weights)) = (NAMES, four_units());
         run_ranks(1, |comm| {
             let e = |e: Error| candle_core::Error::Msg(e.to_string());
             let part = Partition::per_layer(&names, &[3, 3, 3, 3], (0, 1)).map_err(e)?;
