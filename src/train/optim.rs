@@ -328,23 +328,10 @@ impl DeviceAdamW {
     }
 
     /// One update of `segments` with `grad [shard] · grad_scale` (the clip factor, 1 for
-    /// none); `h.step` is the shared step counter (incremented here). Elements outside
-    /// every segment (the padding) are left as they are, as a zero gradient would.
-    pub fn update(
-        &mut self,
-        h: &mut AdamW,
-        grad: &candle_core::Tensor,
-        lr: f64,
-        grad_scale: f64,
-        segments: &[Segment],
-    ) -> candle_core::Result<()> {
-        h.step += 1;
-        self.update_at(&h.cfg, h.step, grad, lr, grad_scale, segments)
-    }
-
-    /// [`Self::update`] of step number `step` (after increment), counted by the caller:
-    /// the device part of a step whose host part counted it. `grad` covers at least the
-    /// segments (`[len]` or longer).
+    /// none), step number `step` (after increment; the caller counts it in the host
+    /// state's `step`, shared by a split state's two parts). `grad` covers at least the
+    /// segments. Elements outside every segment (the padding) are left as they are, as a
+    /// zero gradient would.
     pub fn update_at(
         &mut self,
         c: &AdamWConfig,
@@ -578,7 +565,8 @@ mod tests {
             let coef = 0.5f64;
             host.update(&g.iter().map(|x| x * coef as f32).collect::<Vec<_>>(), 1e-3);
             let gt = candle_core::Tensor::from_slice(&g, n, &candle_core::Device::Cpu).unwrap();
-            dev.update(&mut twin, &gt, 1e-3, coef, &segs).unwrap();
+            twin.step += 1;
+            dev.update_at(&twin.cfg, twin.step, &gt, 1e-3, coef, &segs).unwrap();
         }
         dev.to_host(&mut twin).unwrap();
         assert_eq!(host.step, twin.step);

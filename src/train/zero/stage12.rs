@@ -118,7 +118,7 @@ impl ShardedAdamW {
             (st.master, st.m, st.v) = (w, m, v);
             st.step = step;
         }
-        let dev_len = prefix_len(&part, dev_units);
+        let dev_len = part.prefix_len(dev_units);
         let device = device.map(|(d, _)| DeviceAdamW::from_host_prefix(&st, dev_len, d)).transpose()?;
         if dev_len < shard_len && resume.is_none() {
             // The moments stay here: touch their (lazily zeroed) pages now, on every core,
@@ -139,7 +139,7 @@ impl ShardedAdamW {
 
     /// Elements of the shard whose state is on the device (a prefix: the first units').
     fn dev_len(&self) -> usize {
-        prefix_len(&self.part, self.dev_units)
+        self.part.prefix_len(self.dev_units)
     }
 
     /// The whole state is on the device.
@@ -614,11 +614,6 @@ impl ShardedAdamW {
     pub fn steps(&self) -> u64 {
         self.host.step
     }
-}
-
-/// Elements of a shard cut by `part` that the first `units` units take (a prefix).
-fn prefix_len(part: &Partition, units: usize) -> usize {
-    part.units.get(units).map_or(part.shard_len(), |u| u.shard_off)
 }
 
 /// [`ShardedAdamW::new`]'s `units` for a state wholly on the device.

@@ -117,12 +117,7 @@ impl ParamStore {
             other => return Err(Error::Setting(format!("ZeRO-3: weights of dtype {other:?} are not supported"))),
         };
         let units = resident_units.min(part.units.len());
-        let resident = if offload && units > 0 {
-            let len = part.units.get(units).map_or(part.shard_len(), |u| u.shard_off);
-            Some((units, host.to_tensor(0, len, dev)?))
-        } else {
-            None
-        };
+        let resident = if offload && units > 0 { Some((units, host.to_tensor(0, part.prefix_len(units), dev)?)) } else { None };
         let mut shard =
             if offload { ShardHome::Host(RefCell::new(host)) } else { ShardHome::Device(host.to_tensor(0, part.shard_len(), dev)?) };
         let _pin = match &mut shard {

@@ -104,6 +104,12 @@ impl Partition {
         self.units.iter().map(|u| u.shard).sum()
     }
 
+    /// Elements of a rank's slice that its first `units` units take (a prefix; all of it
+    /// from the unit count on).
+    pub fn prefix_len(&self, units: usize) -> usize {
+        self.units.get(units).map_or(self.shard_len(), |u| u.shard_off)
+    }
+
     /// Elements of the padded flat buffer (`Σ W·L_u`).
     pub fn padded_len(&self) -> usize {
         self.shard_len() * self.world
