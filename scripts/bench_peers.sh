@@ -10,9 +10,9 @@
 #   7b64k-mlp6           the same with --save-mlp-layers 6 (the top 6 layers' MLP kept; what
 #                        `longctx plan` suggests on an H200)
 #   7b64k-dev3           the same with --optimizer-device-units 3 (the embedding's, layer 0's
-#                        and layer 1's AdamW state and weights on the GPU: the next forward
-#                        waits for no host update; session 38 measured a first form with 2
-#                        units at 1.33×, as 7b64k-mlp6)
+#                        and layer 1's AdamW state and weights on the GPU, so that the next
+#                        forward should wait for no host update; not measured in this form:
+#                        session 38's first form, 2 units, gave 1.33× as 7b64k-mlp6)
 # transformers runs once per shape and length: with the first row of that shape and length
 # in ROWS; the later rows are compared with it.
 # Usage: scripts/bench_peers.sh [BINARY] [OUTDIR] [ROWS]    ROWS: comma-separated of the
