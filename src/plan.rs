@@ -519,29 +519,25 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let (off, on_host) = (req.offload_activations, req.optimizer_on_host);
     let piece = opt_elems.min(1 << 26); // the host optimizer's piece (`zero::HOST_PIECE`)
     let offload_params = zero == 3 && req.offload_params;
+    // This rank's slice of each ZeRO unit (`zero::units`): from stage 2 the embedding, every
+    // layer, then the final norm with the head (a tied head counted as untied); below, one
+    // unit, the whole slice. A split placement keeps the first `optimizer_device_units` of
+    // them on the GPU.
+    let unit_slices: Vec<u128> = if zero >= 2 {
+        let layer = u128::from(model.layer_params).div_ceil(w);
+        std::iter::once((v * h).div_ceil(w)).chain(std::iter::repeat_n(layer, model.layers)).chain([(v * h + h).div_ceil(w)]).collect()
+    } else {
+        vec![opt_elems]
+    };
+    let on_dev = req.optimizer_device_units.min(unit_slices.len());
+    let all_on_device = on_dev == unit_slices.len();
+    let dev_elems: u128 = unit_slices[..on_dev].iter().sum();
     // The host update's pinned f32 gradient pieces (`ShardedAdamW::pinned_piece_bytes`, the
-    // engine's own `peak_pieces` over this rank's unit slices): deferred (weights and state on
+    // engine's own `peak_pieces` over the host units' slices): deferred (weights and state on
     // the host) three units' pieces in flight, otherwise a piece and the next; and, not
     // deferred, a piece of new weights in the run dtype.
-    let all_on_device = req.optimizer_device_units >= if zero >= 2 { model.layers + 2 } else { 1 };
     let grads_copy = if on_host && !all_on_device {
-        let elems = |n: u128| usize::try_from(n).ok();
-        let shards = if zero >= 2 {
-            // The embedding, the layers, the final norm with the head (as `zero::units` cuts
-            // them; a tied head counted as untied), each this rank's slice, but the first
-            // `optimizer_device_units` (their state is on the GPU).
-            let on_dev = req.optimizer_device_units;
-            let mut s = if on_dev == 0 { vec![elems((v * h).div_ceil(w))?] } else { Vec::new() };
-            // Three layers give every window a deferred update or a piece and the next meet.
-            let layers = model.layers.saturating_sub(on_dev.saturating_sub(1)).min(crate::train::zero::DEFER_LOOKAHEAD + 1);
-            s.extend(std::iter::repeat_n(elems(u128::from(model.layer_params).div_ceil(w))?, layers));
-            if on_dev < model.layers + 2 {
-                s.push(elems((v * h + h).div_ceil(w))?);
-            }
-            s
-        } else {
-            vec![elems(opt_elems)?] // stages 0–1: one unit, the whole slice
-        };
+        let shards = unit_slices[on_dev..].iter().map(|&n| usize::try_from(n).ok()).collect::<Option<Vec<usize>>>()?;
         let pieces = crate::train::zero::peak_pieces(&shards, crate::train::zero::HOST_PIECE, offload_params);
         4 * pieces.iter().map(|&(len, k)| len as u128 * k as u128).sum::<u128>() + if offload_params { 0 } else { a * piece }
     } else {
@@ -569,17 +565,6 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
         (true, 1) => 4 * shard,
         (true, _) => 4 * (shard + w * (v * h) + w * unit_max),
         (false, _) => 4 * shard * w,
-    };
-    // A split placement keeps the first units' state on the GPU (the embedding's slice, then
-    // a layer's each, the head's last; stages 0–1: one unit, the whole slice).
-    let dev_units = u(req.optimizer_device_units).min(if zero >= 2 { units } else { 1 });
-    let dev_elems = if zero < 2 {
-        opt_elems * dev_units
-    } else {
-        let layers = dev_units.saturating_sub(1).min(l);
-        let head = if dev_units == units { (v * h + h).div_ceil(w) } else { 0 };
-        let embedding = if dev_units > 0 { (v * h).div_ceil(w) } else { 0 };
-        embedding + layers * u128::from(model.layer_params).div_ceil(w) + head
     };
     let optimizer = if on_host { 12 * dev_elems } else { 12 * opt_elems };
     // A split state under ZeRO-3 with the weights on the host keeps those units' weights on
