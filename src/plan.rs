@@ -517,7 +517,7 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let saved_mlp = l_mlp * mlp;
     let group = input + if req.save_attention { core } else { 0 } + if l_mlp > 0 { mlp } else { 0 };
     let (off, on_host) = (req.offload_activations, req.optimizer_on_host);
-    let piece = opt_elems.min(1 << 26); // the host optimizer's piece (`zero::HOST_PIECE`)
+    let piece = opt_elems.min(u(crate::train::zero::HOST_PIECE)); // the host optimizer's piece
     let offload_params = zero == 3 && req.offload_params;
     // This rank's slice of each ZeRO unit (`zero::units`): from stage 2 the embedding, every
     // layer, then the final norm with the head (a tied head counted as untied); below, one
