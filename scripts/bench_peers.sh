@@ -13,6 +13,9 @@
 #                        and layer 1's AdamW state and weights on the GPU, so that the next
 #                        forward should wait for no host update; not measured in this form:
 #                        session 38's first form, 2 units, gave 1.33× as 7b64k-mlp6)
+#   7b64k-in10           --offload-layer-inputs (the layer inputs in host memory, 17 GB of the
+#                        GPU freed) spent on --save-mlp-layers 10 and --optimizer-device-units 3
+#                        (`longctx plan`: 148.9 of 150.8 GB)
 # transformers runs once per shape and length: with the first row of that shape and length
 # in ROWS; the later rows are compared with it.
 # Usage: scripts/bench_peers.sh [BINARY] [OUTDIR] [ROWS]    ROWS: comma-separated of the
@@ -23,7 +26,7 @@ set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 BIN=${1:-target-cuda/release/longctx}
 OUTDIR=${2:-${OUT:-bench-out}}
-ROWS=${3:-tiny16k,tiny64k,tiny64k-mlp,tiny128k,7b64k,7b64k-saved,7b64k-mlp6,7b64k-dev3}
+ROWS=${3:-tiny16k,tiny64k,tiny64k-mlp,tiny128k,7b64k,7b64k-saved,7b64k-mlp6,7b64k-dev3,7b64k-in10}
 STEPS=${STEPS:-3}
 STEPS_7B=${STEPS_7B:-$STEPS}
 # --skip-memory-check: the planner's GPU and host estimates may not refuse a 7B row (its
@@ -49,7 +52,8 @@ for r in ${ROWS//,/ }; do
         7b64k-saved) row llama2-7b 65536 8192 "$STEPS_7B" llama2-7b-saved "$ZERO --save-attention";;
         7b64k-mlp6) row llama2-7b 65536 8192 "$STEPS_7B" llama2-7b-mlp6 "$ZERO --save-attention --save-mlp-layers 6";;
         7b64k-dev3) row llama2-7b 65536 8192 "$STEPS_7B" llama2-7b-dev3 "$ZERO --save-attention --save-mlp-layers 6 --optimizer-device-units 3";;
-        *) echo "unknown row $r (tiny16k, tiny64k, tiny64k-mlp, tiny128k, 7b64k, 7b64k-saved, 7b64k-mlp6, 7b64k-dev3)" >&2; exit 2;;
+        7b64k-in10) row llama2-7b 65536 8192 "$STEPS_7B" llama2-7b-in10 "$ZERO --save-attention --offload-layer-inputs --save-mlp-layers 10 --optimizer-device-units 3";;
+        *) echo "unknown row $r (tiny16k, tiny64k, tiny64k-mlp, tiny128k, 7b64k, 7b64k-saved, 7b64k-mlp6, 7b64k-dev3, 7b64k-in10)" >&2; exit 2;;
     esac || status=1
 done
 python3 "$HERE/bench_table.py" "$OUTDIR/compare.jsonl" | tee "$OUTDIR/compare.md"

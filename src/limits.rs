@@ -67,7 +67,9 @@ pub fn physical_memory() -> Option<u64> {
     (pages > 0 && size > 0).then(|| (pages as u64).saturating_mul(size as u64))
 }
 
-/// What a run keeps in host memory before its first step, by part (bytes).
+/// What a run keeps in host memory at its peak, by part (bytes). The start weights are
+/// freed once every rank has built its weights and optimizer state, before the first step
+/// saves an activation, so [`Self::total`] counts the larger of the two, not both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostNeed {
     /// The f32 copy of the start weights (every run).
@@ -86,7 +88,7 @@ pub struct HostNeed {
 
 impl HostNeed {
     pub fn total(&self) -> Result<u64> {
-        add("the host memory estimate", &[self.start_weights, self.cpu_ranks, self.optimizer, self.activations, self.weights])
+        add("the host memory estimate", &[self.start_weights.max(self.activations), self.cpu_ranks, self.optimizer, self.weights])
     }
 }
 

@@ -26,6 +26,7 @@
 //!                                                 the reduce-scattered f32 shard, its new
 //!                                                 weights and their all-gather (parts, joined)
 //! saved_activations  L·b·s·h·a                    each layer's input; 0 when offloaded
+//!                                                 (offload_activations or offload_layer_inputs)
 //! saved_attention    L·core                       with save_attention: each layer's q, k, v, o
 //!                                                 and f32 LSE; 0 when offloaded with the inputs
 //!   core = (2·e_q + 2·e_kv)·a + 4·b·hq·s
@@ -33,7 +34,8 @@
 //!   mlp = b·s·(h + 2i)·a                          gate and up projections; 0 when offloaded;
 //!                                                 L_mlp = L, or save_mlp_layers (the top ones)
 //! in_flight          offloaded: 2·(b·s·h·a        the layer's input and the one below it,
-//!                    (+ core + mlp))              brought back ahead (and what they saved)
+//!                    (+ core + mlp))              brought back ahead (and what they saved;
+//!                                                 the inputs alone with offload_layer_inputs)
 //! layer_backward     b·s·h·a + core + (2·e_q + 2·e_kv)·a + chunk
 //!                    (core left out when saved: counted above)   the incoming gradient
 //!                    (overwritten with the outgoing one), the attention core and its
@@ -72,7 +74,8 @@
 //! ```text
 //! static        = weights + gradients + optimizer
 //! layer         = in_flight + layer_backward + attention_work + attention_mode
-//! head'         = head + (offloaded: one layer's group brought back)
+//! head'         = head + (offloaded: one layer's group brought back, its input alone with
+//!                 offload_layer_inputs)
 //! pool_peak     = max(static + saved_activations + saved_attention + saved_mlp + max(layer, head'),
 //!                     static + grad_reduce)       what the CUDA memory pool holds at most
 //! peak          = pool_peak + overhead            fits ⇔ peak ≤ GPU memory
@@ -81,7 +84,8 @@
 //! `scripts/gpu_long_check.sh` compares the two (within 10 % on an H200 from 16K to 1M).
 //! Host memory per rank: the optimizer (12·⌈P/W⌉) and this rank's shard of the reduced
 //! gradient (4·⌈P/W⌉) when on the host, offloaded saved activations, FPDT's parked
-//! tensors with `fpdt_offload`, and the trainer's f32 copy of the start weights (4·P). Per node: times
+//! tensors with `fpdt_offload`, and the trainer's f32 copy of the start weights (4·P; freed before
+//! the first step, so the larger of it and the two before is counted). Per node: times
 //! the ranks per node. Host memory is checked only when given.
 //!
 //! Suggestion: the requested layout when it fits; otherwise the first layout that fits
@@ -182,6 +186,8 @@ pub struct PlanRequest {
     pub fpdt_chunk: usize,
     pub fpdt_offload: bool,
     pub offload_activations: bool,
+    /// Only the layer inputs in host memory (`parallel.offload_layer_inputs`).
+    pub offload_layer_inputs: bool,
     /// Keep each layer's attention tensors for the backward (selective recomputation).
     pub save_attention: bool,
     /// Keep each layer's MLP input and gate/up projections for the backward.
@@ -222,6 +228,7 @@ impl PlanRequest {
             fpdt_chunk: 65536,
             fpdt_offload: false,
             offload_activations: false,
+            offload_layer_inputs: false,
             save_attention: false,
             save_mlp: false,
             save_mlp_layers: None,
@@ -245,6 +252,7 @@ impl PlanRequest {
         c.parallel.fpdt_chunk_size = self.fpdt_chunk;
         c.parallel.fpdt_offload = self.fpdt_offload;
         c.parallel.offload_activations = self.offload_activations;
+        c.parallel.offload_layer_inputs = self.offload_layer_inputs;
         c.parallel.save_attention = self.save_attention;
         c.parallel.save_mlp = self.save_mlp;
         c.parallel.save_mlp_layers = self.save_mlp_layers;
@@ -345,6 +353,8 @@ pub struct Suggestion {
     pub fpdt_chunk: Option<usize>,
     pub fpdt_offload: bool,
     pub offload_activations: bool,
+    /// Only the layer inputs in host memory (as requested; never added by the suggestion).
+    pub offload_layer_inputs: bool,
     /// Keep attention tensors for the backward: on whenever it still fits.
     pub save_attention: bool,
     /// Keep the MLP's input and gate/up projections for the backward: on whenever it
@@ -517,6 +527,8 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let saved_mlp = l_mlp * mlp;
     let group = input + if req.save_attention { core } else { 0 } + if l_mlp > 0 { mlp } else { 0 };
     let (off, on_host) = (req.offload_activations, req.optimizer_on_host);
+    // Only the layer inputs offloaded: the rest of each group stays on the device.
+    let off_inputs = req.offload_layer_inputs && !off;
     let piece = opt_elems.min(u(crate::train::zero::HOST_PIECE)); // the host optimizer's piece
     let offload_params = zero == 3 && req.offload_params;
     // This rank's slice of each ZeRO unit (`zero::units`): from stage 2 the embedding, every
@@ -545,7 +557,11 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     };
     let mut host = HostMemory {
         optimizer: cvt(if on_host { 12 * opt_elems } else { 0 })?,
-        saved_activations: cvt(if off { l * (input + if req.save_attention { core } else { 0 }) + saved_mlp } else { 0 })?,
+        saved_activations: cvt(match (off, off_inputs) {
+            (true, _) => l * (input + if req.save_attention { core } else { 0 }) + saved_mlp,
+            (false, true) => l * input,
+            (false, false) => 0,
+        })?,
         weights_copy: cvt(4 * p)?,
         grads_copy: cvt(grads_copy)?,
         weights: cvt(if offload_params { shard * a } else { 0 })?,
@@ -579,13 +595,29 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
         _ if lay.world > 1 => (4 + a) * shard + 2 * p * a,
         _ => 4 << 26,
     };
-    let saved = if off { (0, 0, 0) } else { (l * input, saved_attn, saved_mlp) };
-    let in_flight = if off { 2 * group } else { 0 };
+    let saved = match (off, off_inputs) {
+        (true, _) => (0, 0, 0),
+        (false, true) => (0, saved_attn, saved_mlp),
+        (false, false) => (l * input, saved_attn, saved_mlp),
+    };
+    // Offloaded groups in flight: the one coming back and the one in use.
+    let in_flight = match (off, off_inputs) {
+        (true, _) => 2 * group,
+        (false, true) => 2 * input,
+        (false, false) => 0,
+    };
     let layer_backward = shape.backward_bytes() - if req.save_attention { core } else { 0 };
     let attention_work = shape.attention_work_bytes();
     let head = shape.head_bytes();
     let layer_transient = in_flight + layer_backward + attention_work + attention_mode;
-    let head_transient = head + if off { group } else { 0 };
+    let head_transient = head
+        + if off {
+            group
+        } else if off_inputs {
+            input
+        } else {
+            0
+        };
     let transient = layer_transient.max(head_transient);
     let fixed = weights + gradients + optimizer;
     let peak_compute = fixed + saved.0 + saved.1 + saved.2 + transient;
@@ -648,10 +680,10 @@ fn attention_mode_bytes(model: &ModelShape, req: &PlanRequest, lay: &Layout, hos
 
 /// Host memory per rank and per node from its terms.
 fn host_totals(host: &mut HostMemory, req: &PlanRequest) -> Option<()> {
+    // The start weights are freed before the first step parks anything (`limits::HostNeed`).
+    let steps = u128::from(host.saved_activations) + u128::from(host.fpdt_parked);
     host.per_rank = cvt(u128::from(host.optimizer)
-        + u128::from(host.saved_activations)
-        + u128::from(host.fpdt_parked)
-        + u128::from(host.weights_copy)
+        + steps.max(u128::from(host.weights_copy))
         + u128::from(host.grads_copy)
         + u128::from(host.weights))?;
     host.ranks_per_node = req.world / req.nnodes.max(1);
@@ -703,7 +735,15 @@ fn layout_candidates(req: &PlanRequest) -> Vec<PlanRequest> {
     let mut out = Vec::new();
     for offload in [false, true] {
         for sp in divisors(req.world) {
-            let base = PlanRequest { offload_activations: offload, sp: Some(sp), ulysses: None, fpdt_offload: false, ..req.clone() };
+            // Everything offloaded includes the layer inputs (the two are not set together).
+            let base = PlanRequest {
+                offload_activations: offload,
+                offload_layer_inputs: req.offload_layer_inputs && !offload,
+                sp: Some(sp),
+                ulysses: None,
+                fpdt_offload: false,
+                ..req.clone()
+            };
             if sp == 1 {
                 out.push(PlanRequest { mode: ParallelMode::DataParallel, sp: None, ..base });
                 continue;
@@ -734,6 +774,7 @@ pub fn suggest(model: &ModelShape, req: &PlanRequest) -> Option<Suggestion> {
         fpdt_chunk: (e.layout.mode == ParallelMode::Fpdt).then_some(r.fpdt_chunk),
         fpdt_offload: e.layout.mode == ParallelMode::Fpdt && r.fpdt_offload,
         offload_activations: r.offload_activations,
+        offload_layer_inputs: r.offload_layer_inputs,
         save_attention: r.save_attention,
         save_mlp: mlp_layers(model, r) > 0,
         save_mlp_layers: r.save_mlp_layers.filter(|&n| n < model.layers),
@@ -828,6 +869,7 @@ pub fn run_requests(cfg: &RunConfig, gpu_memory: u64, dtype_bytes: usize) -> Vec
             r.fpdt_chunk = st.fpdt_chunk_size.unwrap_or(p.fpdt_chunk_size);
             r.fpdt_offload = p.fpdt_offload;
             r.offload_activations = p.offload_activations;
+            r.offload_layer_inputs = p.offload_layer_inputs;
             r.save_attention = p.save_attention;
             r.save_mlp = p.save_mlp;
             r.save_mlp_layers = p.save_mlp_layers;
@@ -983,6 +1025,9 @@ pub fn describe_suggestion(s: &Suggestion) -> String {
     }
     if s.offload_activations {
         out += ", offload_activations = true";
+    }
+    if s.offload_layer_inputs {
+        out += ", offload_layer_inputs = true";
     }
     if s.save_attention {
         out += ", save_attention = true";

@@ -49,6 +49,11 @@ pub struct ParallelFlags {
     /// Keep saved layer inputs in host memory between forward and backward.
     #[arg(long)]
     pub offload_activations: bool,
+    /// Keep only the saved layer inputs in host memory, the attention's and MLP's saved
+    /// tensors on the GPU (the device memory for more --save-mlp-layers, at the host cost
+    /// of one [b, s, h] tensor a layer); a part of --offload-activations.
+    #[arg(long, conflicts_with = "offload_activations")]
+    pub offload_layer_inputs: bool,
     /// Keep each layer's attention q, k, v, o and LSE from the forward for the backward
     /// (no attention recompute; in host memory with --offload-activations).
     #[arg(long)]
@@ -94,6 +99,7 @@ impl ParallelFlags {
         set(&mut p.fpdt_chunk_size, self.fpdt_chunk_size);
         p.fpdt_offload |= self.fpdt_offload;
         p.offload_activations |= self.offload_activations;
+        p.offload_layer_inputs |= self.offload_layer_inputs;
         p.save_attention |= self.save_attention;
         p.save_mlp |= self.save_mlp;
         if self.save_mlp_layers.is_some() {

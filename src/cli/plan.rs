@@ -205,7 +205,11 @@ fn print_plan(p: &plan::Plan) {
         r.batch_size,
         r.dtype_bytes,
         r.token_chunk,
-        if r.offload_activations { ", activations offloaded" } else { "" },
+        match (r.offload_activations, r.offload_layer_inputs) {
+            (true, _) => ", activations offloaded",
+            (false, true) => ", layer inputs offloaded",
+            (false, false) => "",
+        },
         match r.optimizer_device_units {
             n if n > 0 && r.optimizer_on_host => {
                 format!("optimizer state on the host but the first {n} unit(s)' on the GPU: --optimizer-device-units {n}")
@@ -267,11 +271,19 @@ fn print_device(p: &plan::Plan) {
                 _ => "sharded over all ranks",
             },
         ),
-        ("saved activations", d.saved_activations, if r.offload_activations { "offloaded" } else { "" }),
+        ("saved activations", d.saved_activations, if r.offload_activations || r.offload_layer_inputs { "offloaded" } else { "" }),
         ("saved attention", d.saved_attention, if r.save_attention { "q, k, v, o, lse per layer" } else { "off" }),
         ("saved MLP", d.saved_mlp, &saved_mlp),
         ("layer transient", d.layer_transient, "backward of one layer, of which:"),
-        ("  layer groups in flight", d.in_flight, if r.offload_activations { "brought back from the host" } else { "" }),
+        (
+            "  layer groups in flight",
+            d.in_flight,
+            match (r.offload_activations, r.offload_layer_inputs) {
+                (true, _) => "brought back from the host",
+                (false, true) => "layer inputs brought back from the host",
+                (false, false) => "",
+            },
+        ),
         ("  gradient, core, chunk", d.layer_backward, "[b,s,h] gradient, q/k/v/o (+ grads), one chunk"),
         ("  attention workspace", d.attention_work, "f32 accumulators of the fused backward"),
         ("  attention mode", d.attention_mode, ""),

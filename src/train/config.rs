@@ -318,6 +318,10 @@ pub struct ParallelSection {
     pub fpdt_offload: bool,
     /// Keep saved layer inputs in host memory between forward and backward.
     pub offload_activations: bool,
+    /// Keep only the saved layer inputs in host memory (the attention's and MLP's saved
+    /// tensors stay on the device): a part of `offload_activations`, whose device memory
+    /// goes to `save_mlp_layers` or the optimizer's device units.
+    pub offload_layer_inputs: bool,
     /// Tokens per chunk for token-wise parts (norms, MLP, head, loss).
     pub token_chunk: usize,
     /// Keep each layer's attention output, LSE, q, k and v from the forward on the device
@@ -349,6 +353,7 @@ impl Default for ParallelSection {
             fpdt_chunk_size: 65536,
             fpdt_offload: false,
             offload_activations: false,
+            offload_layer_inputs: false,
             token_chunk: 4096,
             save_attention: false,
             save_mlp: false,
@@ -913,6 +918,14 @@ impl RunConfig {
             return bad(
                 "parallel.collective_timeout_s",
                 format!("must be a number of seconds >= 0 (0 = no timeout), got {}", p.collective_timeout_s),
+            );
+        }
+        if p.offload_activations && p.offload_layer_inputs {
+            return bad(
+                "parallel.offload_layer_inputs",
+                "set together with parallel.offload_activations, which already keeps the layer inputs (and the rest of what \
+                 is saved) in host memory; keep one of the two"
+                    .into(),
             );
         }
         self.validate_stages(source)?;

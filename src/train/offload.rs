@@ -7,6 +7,9 @@
 //! copy runs under the head and loss); backward, top layer first: [`ActivationStore::take`]
 //! `l`, then [`ActivationStore::prefetch`] `l - 1` before running layer `l`'s backward.
 //!
+//! What goes to host memory is the store's [`Offload`]: nothing, each group's first tensor
+//! (the layer input), or the whole group.
+//!
 //! Without offload the device tensors are kept as they are. With offload they are parked
 //! in host memory through a [`Stash`] (on CUDA: page-locked buffers, copies on their own
 //! stream ordered by events, so a layer input's copy runs while the next layer computes
@@ -30,25 +33,64 @@ enum Item {
     Coming(Fetched),
 }
 
+/// What of each layer's saved group an [`ActivationStore`] keeps in host memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Offload {
+    /// Nothing: every saved tensor stays where it was computed.
+    #[default]
+    Off,
+    /// The layer's input (a group's first tensor) only; the attention's and MLP's saved
+    /// tensors stay on the device (`parallel.offload_layer_inputs`).
+    Inputs,
+    /// The whole group (`parallel.offload_activations`).
+    All,
+}
+
+impl Offload {
+    /// From the two settings (`all` wins).
+    pub fn of(all: bool, inputs: bool) -> Self {
+        match (all, inputs) {
+            (true, _) => Self::All,
+            (false, true) => Self::Inputs,
+            (false, false) => Self::Off,
+        }
+    }
+
+    /// Tensor `i` of a group goes to host memory.
+    fn parks(self, i: usize) -> bool {
+        match self {
+            Self::Off => false,
+            Self::Inputs => i == 0,
+            Self::All => true,
+        }
+    }
+
+    /// Tensors of a group of `n` that go to host memory.
+    fn parked_of(self, n: usize) -> usize {
+        (0..n).filter(|&i| self.parks(i)).count()
+    }
+}
+
 /// The engine's saved tensors, one group per layer (its input, and with selective
 /// recomputation its attention's q, k, v, o and LSE); keeps its stash (and pinned
 /// buffers) across steps.
 pub struct ActivationStore {
-    offload: bool,
+    offload: Offload,
     slots: Vec<Vec<Item>>,
     saved_bytes: usize,
     host_bytes: usize,
     stash: Stash,
-    /// Bytes of the first group in the last step (a change frees the old-size buffers).
+    /// Bytes parked of the first group in the last step (a change frees the old-size
+    /// buffers).
     group_bytes: usize,
-    /// Tensors in the largest group pushed this step.
+    /// Tensors parked of the largest group pushed this step.
     group_len: usize,
 }
 
 use crate::train::engine::bytes;
 
 impl ActivationStore {
-    pub fn new(offload: bool) -> Self {
+    pub fn new(offload: Offload) -> Self {
         Self { offload, slots: Vec::new(), saved_bytes: 0, host_bytes: 0, stash: Stash::new(), group_bytes: 0, group_len: 0 }
     }
 
@@ -77,24 +119,25 @@ impl ActivationStore {
 
     /// Save the next layer's group of tensors (at least its input).
     pub fn push(&mut self, group: &[&Tensor]) -> Result<()> {
-        let n: usize = group.iter().map(|t| bytes(t)).sum();
-        self.saved_bytes += n;
-        if self.offload {
-            self.host_bytes += n;
-            if self.slots.is_empty() && n != self.group_bytes {
+        self.saved_bytes += group.iter().map(|t| bytes(t)).sum::<usize>();
+        let parked: usize = group.iter().enumerate().filter(|&(i, _)| self.offload.parks(i)).map(|(_, t)| bytes(t)).sum();
+        let n_parked = self.offload.parked_of(group.len());
+        if n_parked > 0 {
+            self.host_bytes += parked;
+            if self.slots.is_empty() && parked != self.group_bytes {
                 self.stash.trim(); // a new length (stage): buffers of the old size go
-                self.group_bytes = n;
+                self.group_bytes = parked;
             }
             // Copies in flight before the compute stream waits: two layers' worth, of the
             // largest group so far (the top layers may keep more: `save_mlp_layers`).
-            if self.slots.is_empty() || group.len() > self.group_len {
-                self.group_len = group.len();
-                self.stash.set_max_pending(2 * group.len());
+            if self.slots.is_empty() || n_parked > self.group_len {
+                self.group_len = n_parked;
+                self.stash.set_max_pending(2 * n_parked);
             }
         }
         let mut items = Vec::with_capacity(group.len());
-        for t in group {
-            items.push(match (self.offload, t.device()) {
+        for (i, t) in group.iter().enumerate() {
+            items.push(match (self.offload.parks(i), t.device()) {
                 (false, _) => Item::Kept((*t).clone()),
                 (true, Device::Cpu) => Item::Kept(t.copy()?),
                 (true, _) => Item::Parked(self.stash.park(t).map_err(offload_err)?),
@@ -149,5 +192,5 @@ impl ActivationStore {
 }
 
 fn offload_err(e: candle_core::Error) -> Error {
-    Error::Setting(format!("activation offload: {e}; or turn `offload_activations` off"))
+    Error::Setting(format!("activation offload: {e}; or turn `offload_activations` / `offload_layer_inputs` off"))
 }

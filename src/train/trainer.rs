@@ -206,12 +206,14 @@ fn check_host_memory(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Resul
     let cpu = cfg.model.device == "cpu";
     let what = "the saved activations";
     let mut act = 0u64;
-    if cpu || cfg.parallel.offload_activations {
+    // The layer inputs in the run's dtype (f32 on the CPU).
+    let elem = if cpu { 4 } else { parse_dtype(&cfg.model.dtype, Path::new("<run config>"), "model.dtype")?.size_in_bytes() as u64 };
+    if cpu || cfg.parallel.offload_activations || cfg.parallel.offload_layer_inputs {
         for i in 0..cfg.stages.len() {
             let s = cfg.stage_settings(i);
             let local = (s.seq_length / s.sp) as u64;
             let (l, b, h) = (mcfg.num_hidden_layers as u64, s.batch_size as u64, mcfg.hidden_size as u64);
-            act = act.max(mul(what, &[l, b, local, h, 4])?);
+            act = act.max(mul(what, &[l, b, local, h, elem])?);
         }
     }
     let params = mcfg.param_count()?;
@@ -591,6 +593,7 @@ fn build_engine(sh: &Shared<'_>, zc: &ZeroConfig, picked: Vec<(&String, &Tensor)
     let opts = EngineOptions {
         token_chunk: cfg.parallel.token_chunk,
         offload_activations: cfg.parallel.offload_activations,
+        offload_layer_inputs: cfg.parallel.offload_layer_inputs,
         profile: cfg.train.profile,
         trace: cfg.train.trace,
         save_attention: cfg.parallel.save_attention,

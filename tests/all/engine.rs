@@ -200,6 +200,22 @@ fn check(
         assert_eq!(r.memory.saved_bytes, plain_saved + mlp_bytes, "{case} ({what}): saved bytes");
         assert_eq!(r.memory.saved_host_bytes, if offload { r.memory.saved_bytes } else { 0 }, "{case} ({what}): host bytes");
     }
+    // Only the layer inputs in host memory (`offload_layer_inputs`), the attention's and the
+    // MLP's tensors kept beside them on the device: the same gradients bit for bit, the
+    // inputs alone (one [b, s, h] tensor a layer) counted in host memory.
+    if !offload {
+        let opts = EngineOptions { offload_layer_inputs: true, save_attention: true, save_mlp: true, ..base.clone() };
+        let both =
+            engine_with(cfg, EngineOptions { offload_layer_inputs: false, ..opts.clone() })?.step(&ids, &targets, &pos, s, &attn, scale)?;
+        let eng = engine_with(cfg, opts)?;
+        let r = eng.step(&ids, &targets, &pos, s, &attn, scale)?;
+        assert_eq!(r.loss_sum, both.loss_sum, "{case} (layer inputs offloaded): loss");
+        for ((name, _), (a, b)) in eng.params.iter().zip(r.grads.iter().zip(&both.grads)) {
+            assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?, "{case} (layer inputs offloaded): {name}");
+        }
+        assert_eq!(r.memory.saved_bytes, both.memory.saved_bytes, "{case} (layer inputs offloaded): saved bytes");
+        assert_eq!(r.memory.saved_host_bytes, l * b * s * h * 4, "{case} (layer inputs offloaded): host bytes, the inputs only");
+    }
     eprintln!(
         "{case}: worst grad rel {worst:.2e} (full_graph_step {worst_full:.2e}, autograd layers {worst_auto:.2e}, attention saved {worst_keep:.2e}; MLP saved: bit-identical)"
     );
@@ -281,16 +297,16 @@ fn data_ptr(t: &Tensor) -> usize {
 
 /// The activation store hands back exactly what was pushed (a group of tensors per
 /// layer, in order), in the backward's order (take `l`, prefetch `l − 1`), keeps copies
-/// (not aliases) when offloading, counts bytes, and refuses a second take or a missing
-/// slot with an error.
+/// (not aliases) of what it offloads (every tensor, or a group's first, the layer input,
+/// alone), counts bytes, and refuses a second take or a missing slot with an error.
 #[test]
 fn activation_store_protocol() -> longctx::Result<()> {
-    use longctx::train::offload::ActivationStore;
+    use longctx::train::offload::{ActivationStore, Offload};
     let dev = Device::Cpu;
     let xs: Vec<Tensor> =
         (0..3).map(|i| Tensor::arange(0f32, 24.0, &dev)?.affine(1.0, i as f64)?.reshape((2, 3, 4))).collect::<candle_core::Result<_>>()?;
     let ys: Vec<Tensor> = xs.iter().map(|x| x.narrow(2, 0, 2)?.affine(2.0, 100.0)).collect::<candle_core::Result<_>>()?;
-    for offload in [false, true] {
+    for offload in [Offload::Off, Offload::Inputs, Offload::All] {
         let mut st = ActivationStore::new(offload);
         for step in 0..2 {
             st.begin()?;
@@ -300,18 +316,24 @@ fn activation_store_protocol() -> longctx::Result<()> {
             st.end_forward()?;
             assert_eq!(st.len(), 3);
             let n = 3 * (24 + 12) * 4;
-            assert_eq!(st.bytes(), (n, if offload { n } else { 0 }), "offload {offload} step {step}");
+            let host = match offload {
+                Offload::Off => 0,
+                Offload::Inputs => 3 * 24 * 4,
+                Offload::All => n,
+            };
+            assert_eq!(st.bytes(), (n, host), "offload {offload:?} step {step}");
             for l in (0..3).rev() {
                 let group = st.take(l, &dev)?;
                 if l > 0 {
                     st.prefetch(l - 1, &dev)?;
                 }
                 assert_eq!(group.len(), 2, "group {l}");
-                for (t, want) in group.iter().zip([&xs[l], &ys[l]]) {
+                for (i, (t, want)) in group.iter().zip([&xs[l], &ys[l]]).enumerate() {
                     assert_eq!(t.dims(), want.dims());
                     assert_eq!(t.flatten_all()?.to_vec1::<f32>()?, want.flatten_all()?.to_vec1::<f32>()?, "slot {l}");
                     let same_storage = data_ptr(t) == data_ptr(want);
-                    assert_eq!(same_storage, !offload, "offload {offload}: slot {l} must be a copy exactly when offloading");
+                    let offloaded = offload == Offload::All || (offload == Offload::Inputs && i == 0);
+                    assert_eq!(same_storage, !offloaded, "offload {offload:?}: slot {l} tensor {i} must be a copy exactly when offloaded");
                 }
                 let again = st.take(l, &dev);
                 assert!(again.is_err_and(|e| e.to_string().contains("taken twice")), "slot {l} taken twice");
@@ -354,18 +376,21 @@ fn planner_figures_equal_the_engine_report() -> longctx::Result<()> {
     for (seq, gpus, mode) in
         [(64, 1, ParallelMode::DataParallel), (96, 1, ParallelMode::DataParallel), (128, 2, ParallelMode::ZigzagRingAttn)]
     {
-        for (offload, save, mlp) in [
-            (false, false, false),
-            (true, false, false),
-            (false, true, false),
-            (true, true, false),
-            (false, false, true),
-            (true, true, true),
+        // (offload everything, offload the layer inputs only, save attention, save MLP)
+        for (offload, inputs, save, mlp) in [
+            (false, false, false, false),
+            (true, false, false, false),
+            (false, true, false, false),
+            (false, false, true, false),
+            (true, false, true, false),
+            (false, false, false, true),
+            (true, false, true, true),
+            (false, true, true, true),
         ] {
             let chunk = 40;
             let mut req = PlanRequest::new(seq, gpus, 1 << 40, mode);
             (req.dtype_bytes, req.token_chunk, req.batch_size) = (4, chunk, 2);
-            (req.offload_activations, req.save_attention, req.save_mlp) = (offload, save, mlp);
+            (req.offload_activations, req.offload_layer_inputs, req.save_attention, req.save_mlp) = (offload, inputs, save, mlp);
             let e = plan::estimate(&ModelShape::from_config(&cfg), &req)?;
             let s = e.layout.local_tokens; // this rank's tokens: what the engine is given
             let eng = engine_with(
@@ -373,6 +398,7 @@ fn planner_figures_equal_the_engine_report() -> longctx::Result<()> {
                 EngineOptions {
                     token_chunk: chunk,
                     offload_activations: offload,
+                    offload_layer_inputs: inputs,
                     save_attention: save,
                     save_mlp: mlp,
                     ..Default::default()
@@ -380,7 +406,7 @@ fn planner_figures_equal_the_engine_report() -> longctx::Result<()> {
             )?;
             let (ids, targets, pos) = batch(2, s, cfg.vocab_size, |_, _| false)?;
             let m = eng.step(&ids, &targets, &pos, seq, &attn, 0.01)?.memory;
-            let case = format!("S={seq} {mode:?} offload={offload} save={save} mlp={mlp}");
+            let case = format!("S={seq} {mode:?} offload={offload} inputs={inputs} save={save} mlp={mlp}");
             let (d, h) = (&e.device, &e.host);
             assert_eq!(m.saved_bytes as u64, d.saved_activations + d.saved_attention + d.saved_mlp + h.saved_activations, "{case}: saved");
             assert_eq!(d.saved_mlp > 0, mlp && !offload, "{case}: saved MLP on the device");
