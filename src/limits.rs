@@ -192,4 +192,18 @@ mod tests {
         assert!(e.contains("run.toml") && e.contains("host memory") && e.contains("start weights"), "{e}");
         check_host_memory(&host_need(1000, 1, true, true, 1000, 0).unwrap(), Some(1 << 30), Path::new("x")).unwrap();
     }
+
+    /// The start weights are gone before a step saves anything: the larger of the two
+    /// counts, not their sum. The 7B shape at 64K with its layer inputs on the host (17.2 GB
+    /// of bf16) and the weights and optimizer there: 121.3 GB, which a 128 GiB machine holds.
+    #[test]
+    fn start_weights_and_saved_activations_are_not_held_together() {
+        let p = 6_738_415_616u64;
+        let act = 32 * 65_536 * 4096 * 2;
+        let need = host_need(p, 1, false, true, act, 2 * p).unwrap();
+        assert_eq!(need.total().unwrap(), 4 * p + 12 * p + 2 * p);
+        let long = host_need(p, 1, false, true, 4 * act, 2 * p).unwrap();
+        assert_eq!(long.total().unwrap(), 4 * act + 12 * p + 2 * p);
+        check_host_memory(&need, Some(128 << 30), Path::new("x")).unwrap();
+    }
 }

@@ -59,6 +59,7 @@ fn help_lists_every_flag() {
                 "--sp-size",
                 "--ulysses-size",
                 "--offload-activations",
+                "--offload-layer-inputs",
                 "--token-chunk",
                 "--dtype",
                 "--device",
@@ -78,7 +79,7 @@ fn help_lists_every_flag() {
             &[
                 "--model", "--config", "--seq-length", "--gpus", "--nnodes", "--world-size", "--gpu-memory", "--host-memory",
                 "--parallel-mode", "--sp-size", "--ulysses-size", "--fpdt-chunk-size", "--fpdt-offload", "--offload-activations",
-                "--token-chunk", "--batch-size", "--dtype", "--optimizer-on-device", "--overhead", "--json",
+                "--offload-layer-inputs", "--token-chunk", "--batch-size", "--dtype", "--optimizer-on-device", "--overhead", "--json",
             ],
         ),
         (&["launch", "--help"], &["--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-timeout"]),
@@ -745,4 +746,48 @@ fn an_integer_too_large_for_toml_is_named() {
     std::fs::write(&f, "[[stage]]\nseq_length = 64\nrope_theta = 1e4\nsteps = 99999999999999999999\n").unwrap();
     let o = run(&["train", "--config", f.to_str().unwrap(), "--dry-run"]);
     fails(&o, &["big.toml", "line 4", "9223372036854775807"], true);
+}
+
+/// `--offload-layer-inputs` in the shape users run it: a CPU training run (attention and
+/// MLP saved, 3 steps) gives the loss and gradient norm of the run that keeps its layer
+/// inputs, to the bit (on the CPU the store copies what it offloads; the bookkeeping is
+/// the GPU's); with `--offload-activations` too clap refuses the flags, and a config with
+/// both keys is refused naming them.
+#[test]
+fn offload_layer_inputs_trains_like_keeping_them() {
+    let d = tmp();
+    let train = |name: &str, extra: &[&str]| -> Vec<(f64, f64)> {
+        let out = d.path().join(name);
+        let mut a = vec![
+            "train", "--model", "builtin:tiny", "--device", "cpu", "--dataset", "synthetic:passkey", "--seq-length", "64", "--rope-theta",
+            "1e4", "--max-train-steps", "3", "--token-chunk", "24", "--save-attention", "--save-mlp", "--no-save", "-q", "--output-dir",
+        ];
+        a.push(out.to_str().unwrap());
+        a.extend_from_slice(extra);
+        ok(&a);
+        let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v.get("loss").is_some())
+            .map(|v| (v["loss"].as_f64().unwrap(), v["grad_norm"].as_f64().unwrap()))
+            .collect()
+    };
+    let kept = train("kept", &[]);
+    assert_eq!(kept.len(), 3, "{kept:?}");
+    assert_eq!(train("inputs", &["--offload-layer-inputs"]), kept);
+    fails(
+        &run(&["train", "--dry-run", "--offload-activations", "--offload-layer-inputs"]),
+        &["--offload-activations", "--offload-layer-inputs"],
+        false,
+    );
+    let cfg = write(
+        d.path(),
+        "both.toml",
+        "[parallel]\noffload_activations = true\noffload_layer_inputs = true\n[[stage]]\nseq_length = 64\nrope_theta = 1e4\nsteps = 2\n",
+    );
+    fails(
+        &run(&["train", "--dry-run", "--config", cfg.to_str().unwrap()]),
+        &["both.toml", "parallel.offload_layer_inputs", "offload_activations"],
+        false,
+    );
 }

@@ -580,3 +580,35 @@ fn more_device_units_than_the_model_has_are_refused() {
     r.optimizer_device_units = 2;
     assert!(err(&r).contains("at most 1"), "{}", err(&r));
 }
+
+/// Only the layer inputs in host memory (`parallel.offload_layer_inputs`), 7B at 64K,
+/// ZeRO-3 with weights and state on the host, attention and 10 layers' MLP saved: the
+/// inputs (32 × 65536 × 4096 bf16) leave the GPU and land on the host, the attention's
+/// and MLP's tensors stay, two inputs are in flight in a layer's backward and one beside
+/// the head; the host counts the start weights or the inputs, whichever is larger (never
+/// both: the start weights are freed before the first step). With everything offloaded
+/// as well, the request is refused by the config's rule, naming both keys.
+#[test]
+fn layer_inputs_offloaded_by_hand() {
+    let mut r = PlanRequest::new(64 * K, 1, H200, ParallelMode::DataParallel);
+    (r.zero_stage, r.offload_params, r.save_attention, r.save_mlp_layers, r.token_chunk) = (3, true, true, Some(10), 8192);
+    let kept = plan::estimate(&shape(), &r).unwrap();
+    r.offload_layer_inputs = true;
+    let off = plan::estimate(&shape(), &r).unwrap();
+    let input = 65_536u64 * 4096 * 2;
+    assert_eq!(kept.device.saved_activations, 32 * input);
+    assert_eq!(off.device.saved_activations, 0);
+    assert_eq!(off.host.saved_activations, 32 * input);
+    assert_eq!((off.device.saved_attention, off.device.saved_mlp), (kept.device.saved_attention, kept.device.saved_mlp));
+    assert_eq!((kept.device.in_flight, off.device.in_flight), (0, 2 * input));
+    assert_eq!(off.device.head_transient, kept.device.head_transient + input);
+    assert_eq!(off.device.pool_peak, kept.device.pool_peak - 32 * input + 2 * input, "the layer's backward is the peak");
+    // 17.2 GB of inputs against 27.0 GB of start weights: the host total does not move.
+    assert!(off.host.weights_copy > off.host.saved_activations);
+    assert_eq!(off.host.per_rank, kept.host.per_rank);
+    let many = plan::estimate(&shape(), &PlanRequest { seq_len: 128 * K, ..r.clone() }).unwrap();
+    let kept_many = plan::estimate(&shape(), &PlanRequest { seq_len: 128 * K, offload_layer_inputs: false, ..r.clone() }).unwrap();
+    assert_eq!(many.host.per_rank, kept_many.host.per_rank - many.host.weights_copy + 64 * input, "inputs larger than the start weights");
+    let both = plan::estimate(&shape(), &PlanRequest { offload_activations: true, ..r.clone() }).unwrap_err().to_string();
+    assert!(both.contains("offload_layer_inputs") && both.contains("offload_activations"), "{both}");
+}
