@@ -931,13 +931,14 @@ pub fn preflight(cfg: &RunConfig, model: &LlamaConfig, gpu_memory: u64, host_ava
                 "parallel.offload_activations",
                 format!(
                     "{what} need {} GB of host memory per node (offloaded activations {} GB, optimizer {} GB, FPDT {} GB, \
-                     trainer copies {} GB), {} GB are available; use a shorter length, more GPUs, or keep activations on \
-                     the GPU (see `longctx plan`; --skip-memory-check runs anyway)",
+                     gradient pieces {} GB, start weights {} GB until the first step), {} GB are available; use a shorter \
+                     length, more GPUs, or keep activations on the GPU (see `longctx plan`; --skip-memory-check runs anyway)",
                     gb(e.host.per_node),
                     gb(e.host.saved_activations),
                     gb(e.host.optimizer),
                     gb(e.host.fpdt_parked),
-                    gb(e.host.weights_copy + e.host.grads_copy),
+                    gb(e.host.grads_copy),
+                    gb(e.host.weights_copy),
                     gb(host_available.unwrap_or(0))
                 ),
             ));

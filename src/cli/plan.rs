@@ -315,13 +315,15 @@ fn print_host(p: &plan::Plan) {
     let (r, e) = (&p.request, &p.estimate);
     let h = &e.host;
     println!(
-        "  host: {} GB per rank (optimizer {}, weights {}, offloaded activations {}, fpdt parked {}, trainer copies {}), {} GB per node of {} rank(s){}",
+        "  host: {} GB per rank (optimizer {}, weights {}, offloaded activations {}, fpdt parked {}, gradient pieces {}, \
+         start weights {}, freed before the first step: the larger of them and the two before counts), {} GB per node of {} rank(s){}",
         plan::gb(h.per_rank),
         plan::gb(h.optimizer),
         plan::gb(h.weights),
         plan::gb(h.saved_activations),
         plan::gb(h.fpdt_parked),
-        plan::gb(h.weights_copy + h.grads_copy),
+        plan::gb(h.grads_copy),
+        plan::gb(h.weights_copy),
         plan::gb(h.per_node),
         h.ranks_per_node,
         match (e.fits_host, r.host_memory) {
@@ -404,7 +406,8 @@ fn suggestion_flags(layers: usize, s: &plan::Suggestion, r: &plan::PlanRequest) 
         flags += " --fpdt-offload";
     }
     if s.offload_activations && !r.offload_activations {
-        flags += " --offload-activations";
+        flags +=
+            if r.offload_layer_inputs { " --offload-activations (instead of --offload-layer-inputs)" } else { " --offload-activations" };
     }
     if s.save_attention && !r.save_attention {
         flags += " --save-attention";
