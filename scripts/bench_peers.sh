@@ -15,7 +15,8 @@
 #                        session 38's first form, 2 units, gave 1.33× as 7b64k-mlp6)
 #   7b64k-in10           --offload-layer-inputs (the layer inputs in host memory, 17 GB of the
 #                        GPU freed) spent on --save-mlp-layers 10 and --optimizer-device-units 3
-#                        (`longctx plan`: 148.9 of 150.8 GB)
+#                        (`longctx plan`: 148.9 of 150.8 GB; not measured at 64K yet: session 41
+#                        ran the flag on an H100 only, docs/benchmarks.md)
 # transformers runs once per shape and length: with the first row of that shape and length
 # in ROWS; the later rows are compared with it.
 # Usage: scripts/bench_peers.sh [BINARY] [OUTDIR] [ROWS]    ROWS: comma-separated of the
