@@ -242,6 +242,11 @@ impl PlanRequest {
         }
     }
 
+    /// What of each layer's saved tensors goes to host memory (`offload_activations` wins).
+    pub fn offload(&self) -> crate::train::offload::Offload {
+        crate::train::offload::Offload::of(self.offload_activations, self.offload_layer_inputs)
+    }
+
     /// The run config the trainer would validate for this request (one stage).
     fn run_config(&self) -> RunConfig {
         let mut c = RunConfig::default();
@@ -526,9 +531,17 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let l_mlp = u(mlp_layers(model, req));
     let saved_mlp = l_mlp * mlp;
     let group = input + if req.save_attention { core } else { 0 } + if l_mlp > 0 { mlp } else { 0 };
-    let (off, on_host) = (req.offload_activations, req.optimizer_on_host);
-    // Only the layer inputs offloaded: the rest of each group stays on the device.
-    let off_inputs = req.offload_layer_inputs && !off;
+    let on_host = req.optimizer_on_host;
+    // What goes to host memory: the layer inputs, and (everything offloaded) the rest of
+    // each group; `parked` of one group.
+    let (off_inputs, off) = (req.offload().inputs(), req.offload().all());
+    let parked = if off {
+        group
+    } else if off_inputs {
+        input
+    } else {
+        0
+    };
     let piece = opt_elems.min(u(crate::train::zero::HOST_PIECE)); // the host optimizer's piece
     let offload_params = zero == 3 && req.offload_params;
     // This rank's slice of each ZeRO unit (`zero::units`): from stage 2 the embedding, every
@@ -557,11 +570,7 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     };
     let mut host = HostMemory {
         optimizer: cvt(if on_host { 12 * opt_elems } else { 0 })?,
-        saved_activations: cvt(match (off, off_inputs) {
-            (true, _) => l * (input + if req.save_attention { core } else { 0 }) + saved_mlp,
-            (false, true) => l * input,
-            (false, false) => 0,
-        })?,
+        saved_activations: cvt(if off_inputs { l * input } else { 0 } + if off { saved_attn + saved_mlp } else { 0 })?,
         weights_copy: cvt(4 * p)?,
         grads_copy: cvt(grads_copy)?,
         weights: cvt(if offload_params { shard * a } else { 0 })?,
@@ -595,29 +604,14 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
         _ if lay.world > 1 => (4 + a) * shard + 2 * p * a,
         _ => 4 << 26,
     };
-    let saved = match (off, off_inputs) {
-        (true, _) => (0, 0, 0),
-        (false, true) => (0, saved_attn, saved_mlp),
-        (false, false) => (l * input, saved_attn, saved_mlp),
-    };
-    // Offloaded groups in flight: the one coming back and the one in use.
-    let in_flight = match (off, off_inputs) {
-        (true, _) => 2 * group,
-        (false, true) => 2 * input,
-        (false, false) => 0,
-    };
+    let saved = (if off_inputs { 0 } else { l * input }, if off { 0 } else { saved_attn }, if off { 0 } else { saved_mlp });
+    // What was offloaded, in flight: the group coming back and the one in use.
+    let in_flight = 2 * parked;
     let layer_backward = shape.backward_bytes() - if req.save_attention { core } else { 0 };
     let attention_work = shape.attention_work_bytes();
     let head = shape.head_bytes();
     let layer_transient = in_flight + layer_backward + attention_work + attention_mode;
-    let head_transient = head
-        + if off {
-            group
-        } else if off_inputs {
-            input
-        } else {
-            0
-        };
+    let head_transient = head + parked;
     let transient = layer_transient.max(head_transient);
     let fixed = weights + gradients + optimizer;
     let peak_compute = fixed + saved.0 + saved.1 + saved.2 + transient;

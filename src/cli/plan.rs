@@ -9,6 +9,7 @@ use clap::Args;
 use longctx::plan::{self, PlanRequest};
 use longctx::train::config::{ParallelMode, RunConfig};
 use longctx::train::deepspeed::{Applied, BatchFlags};
+use longctx::train::offload::Offload;
 use std::path::{Path, PathBuf};
 
 const MODEL_HELP: &str = "Model: `builtin:NAME`, a Hugging Face model directory (or its config.json), or a hub id \
@@ -205,10 +206,10 @@ fn print_plan(p: &plan::Plan) {
         r.batch_size,
         r.dtype_bytes,
         r.token_chunk,
-        match (r.offload_activations, r.offload_layer_inputs) {
-            (true, _) => ", activations offloaded",
-            (false, true) => ", layer inputs offloaded",
-            (false, false) => "",
+        match r.offload() {
+            Offload::All => ", activations offloaded",
+            Offload::Inputs => ", layer inputs offloaded",
+            Offload::Off => "",
         },
         match r.optimizer_device_units {
             n if n > 0 && r.optimizer_on_host => {
@@ -271,17 +272,17 @@ fn print_device(p: &plan::Plan) {
                 _ => "sharded over all ranks",
             },
         ),
-        ("saved activations", d.saved_activations, if r.offload_activations || r.offload_layer_inputs { "offloaded" } else { "" }),
+        ("saved activations", d.saved_activations, if r.offload().inputs() { "offloaded" } else { "" }),
         ("saved attention", d.saved_attention, if r.save_attention { "q, k, v, o, lse per layer" } else { "off" }),
         ("saved MLP", d.saved_mlp, &saved_mlp),
         ("layer transient", d.layer_transient, "backward of one layer, of which:"),
         (
             "  layer groups in flight",
             d.in_flight,
-            match (r.offload_activations, r.offload_layer_inputs) {
-                (true, _) => "brought back from the host",
-                (false, true) => "layer inputs brought back from the host",
-                (false, false) => "",
+            match r.offload() {
+                Offload::All => "brought back from the host",
+                Offload::Inputs => "layer inputs brought back from the host",
+                Offload::Off => "",
             },
         ),
         ("  gradient, core, chunk", d.layer_backward, "[b,s,h] gradient, q/k/v/o (+ grads), one chunk"),

@@ -343,6 +343,14 @@ pub struct ParallelSection {
     /// NCCL and to the CPU transports (threads, processes).
     pub collective_timeout_s: f64,
 }
+impl ParallelSection {
+    /// What of each layer's saved tensors goes to host memory (`offload_activations` wins;
+    /// the two are not set together, see [`RunConfig::validate`]).
+    pub fn offload(&self) -> crate::train::offload::Offload {
+        crate::train::offload::Offload::of(self.offload_activations, self.offload_layer_inputs)
+    }
+}
+
 impl Default for ParallelSection {
     fn default() -> Self {
         Self {

@@ -24,7 +24,8 @@ use crate::model::{DecoderLayer, Llama, RmsNorm, RopeTables};
 use crate::train::layer_grad::{
     accumulate, chunk_rows, put_rows, rms_backward, rms_forward, row_buffer, LayerPass, LayerShape, LayerSlots, SavedLayer,
 };
-use crate::train::offload::{ActivationStore, Offload};
+use crate::train::offload::ActivationStore;
+pub use crate::train::offload::Offload;
 use crate::train::profile::{Phase, PhaseTimes, Profiler};
 use crate::train::zero::{layer_unit, GradBuffer, ParamHooks};
 use crate::Result;
@@ -39,12 +40,9 @@ use std::sync::{Arc, Mutex};
 pub struct EngineOptions {
     /// Tokens per chunk for the token-wise parts (MLP, norms, head, loss, embedding).
     pub token_chunk: usize,
-    /// Keep saved layer inputs in host memory between forward and backward (and the
-    /// attention's and MLP's saved tensors with them).
-    pub offload_activations: bool,
-    /// Keep only the layer inputs in host memory, the attention's and MLP's saved tensors
-    /// on the device (ignored with `offload_activations`).
-    pub offload_layer_inputs: bool,
+    /// What of each layer's saved tensors is kept in host memory between forward and
+    /// backward: nothing, the layer inputs, or everything.
+    pub offload: Offload,
     /// How a decoder layer's backward is computed.
     pub layer_backward: LayerBackward,
     /// Time each phase of the step ([`Engine::take_profile`]).
@@ -70,8 +68,7 @@ impl Default for EngineOptions {
     fn default() -> Self {
         Self {
             token_chunk: 4096,
-            offload_activations: false,
-            offload_layer_inputs: false,
+            offload: Offload::Off,
             layer_backward: LayerBackward::Explicit,
             profile: false,
             save_attention: false,
@@ -188,7 +185,7 @@ impl Engine {
         let head_slot = if plain.cfg.tie_word_embeddings { embed_slot } else { slot("lm_head.weight")? };
         let norm_slot = slot("model.norm.weight")?;
         let units = crate::train::zero::layer_groups(&names)?;
-        let store = Mutex::new(ActivationStore::new(Offload::of(opts.offload_activations, opts.offload_layer_inputs)));
+        let store = Mutex::new(ActivationStore::new(opts.offload));
         let prof = Profiler::new(opts.profile).with_trace(opts.trace);
         Ok(Self { tracked, plain, params, meta, opts, store, slots, prof, embed_slot, head_slot, norm_slot, units })
     }

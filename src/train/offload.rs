@@ -56,6 +56,16 @@ impl Offload {
         }
     }
 
+    /// The layer inputs go to host memory.
+    pub fn inputs(self) -> bool {
+        self != Self::Off
+    }
+
+    /// The attention's and MLP's saved tensors go there too.
+    pub fn all(self) -> bool {
+        self == Self::All
+    }
+
     /// Tensor `i` of a group goes to host memory.
     fn parks(self, i: usize) -> bool {
         match self {

@@ -206,9 +206,9 @@ fn check_host_memory(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Resul
     let cpu = cfg.model.device == "cpu";
     let what = "the saved activations";
     let mut act = 0u64;
-    // The layer inputs in the run's dtype (f32 on the CPU).
-    let elem = if cpu { 4 } else { parse_dtype(&cfg.model.dtype, Path::new("<run config>"), "model.dtype")?.size_in_bytes() as u64 };
-    if cpu || cfg.parallel.offload_activations || cfg.parallel.offload_layer_inputs {
+    if cpu || cfg.parallel.offload().inputs() {
+        // The layer inputs in the run's dtype (f32 on the CPU).
+        let elem = if cpu { 4 } else { parse_dtype(&cfg.model.dtype, Path::new("<run config>"), "model.dtype")?.size_in_bytes() as u64 };
         for i in 0..cfg.stages.len() {
             let s = cfg.stage_settings(i);
             let local = (s.seq_length / s.sp) as u64;
@@ -592,8 +592,7 @@ fn build_engine(sh: &Shared<'_>, zc: &ZeroConfig, picked: Vec<(&String, &Tensor)
     let (cfg, mcfg) = (sh.cfg, &sh.model.cfg);
     let opts = EngineOptions {
         token_chunk: cfg.parallel.token_chunk,
-        offload_activations: cfg.parallel.offload_activations,
-        offload_layer_inputs: cfg.parallel.offload_layer_inputs,
+        offload: cfg.parallel.offload(),
         profile: cfg.train.profile,
         trace: cfg.train.trace,
         save_attention: cfg.parallel.save_attention,

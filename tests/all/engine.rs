@@ -16,6 +16,7 @@ use candle_core::{DType, Device, Tensor};
 use longctx::model::{LlamaConfig, IGNORE_INDEX};
 use longctx::train::engine::{Engine, EngineOptions, LayerBackward, StepResult};
 use longctx::train::init::{random_init, to_vars};
+use longctx::train::offload::Offload;
 use longctx::train::profile::Phase;
 use longctx_attention::local::LocalAttention;
 use longctx_attention::AttentionMode;
@@ -57,7 +58,7 @@ fn config(hq: usize, hkv: usize, tied: bool, bias: bool, layers: usize) -> Llama
 }
 
 fn engine(cfg: &LlamaConfig, token_chunk: usize, offload: bool) -> longctx::Result<Engine> {
-    engine_with(cfg, EngineOptions { token_chunk, offload_activations: offload, profile: true, ..Default::default() })
+    engine_with(cfg, EngineOptions { token_chunk, offload: Offload::of(offload, false), profile: true, ..Default::default() })
 }
 
 fn engine_with(cfg: &LlamaConfig, opts: EngineOptions) -> longctx::Result<Engine> {
@@ -158,7 +159,7 @@ fn check(
     }
     let full = eng.full_graph_step(&ids, &targets, &pos, s, &attn, scale)?;
     let worst_full = assert_close(&format!("{case} (full_graph_step)"), &eng, &full, &want)?;
-    let base = EngineOptions { token_chunk: chunk, offload_activations: offload, ..Default::default() };
+    let base = EngineOptions { token_chunk: chunk, offload: Offload::of(offload, false), ..Default::default() };
     let auto = engine_with(cfg, EngineOptions { layer_backward: LayerBackward::Autograd, ..base.clone() })?;
     let got_auto = auto.step(&ids, &targets, &pos, s, &attn, scale)?;
     let worst_auto = assert_close(&format!("{case} (autograd layer backward)"), &auto, &got_auto, &want)?;
@@ -204,9 +205,9 @@ fn check(
     // MLP's tensors kept beside them on the device: the same gradients bit for bit, the
     // inputs alone (one [b, s, h] tensor a layer) counted in host memory.
     if !offload {
-        let opts = EngineOptions { offload_layer_inputs: true, save_attention: true, save_mlp: true, ..base.clone() };
+        let opts = EngineOptions { offload: Offload::Inputs, save_attention: true, save_mlp: true, ..base.clone() };
         let both =
-            engine_with(cfg, EngineOptions { offload_layer_inputs: false, ..opts.clone() })?.step(&ids, &targets, &pos, s, &attn, scale)?;
+            engine_with(cfg, EngineOptions { offload: Offload::Off, ..opts.clone() })?.step(&ids, &targets, &pos, s, &attn, scale)?;
         let eng = engine_with(cfg, opts)?;
         let r = eng.step(&ids, &targets, &pos, s, &attn, scale)?;
         assert_eq!(r.loss_sum, both.loss_sum, "{case} (layer inputs offloaded): loss");
@@ -301,7 +302,7 @@ fn data_ptr(t: &Tensor) -> usize {
 /// alone), counts bytes, and refuses a second take or a missing slot with an error.
 #[test]
 fn activation_store_protocol() -> longctx::Result<()> {
-    use longctx::train::offload::{ActivationStore, Offload};
+    use longctx::train::offload::ActivationStore;
     let dev = Device::Cpu;
     let xs: Vec<Tensor> =
         (0..3).map(|i| Tensor::arange(0f32, 24.0, &dev)?.affine(1.0, i as f64)?.reshape((2, 3, 4))).collect::<candle_core::Result<_>>()?;
@@ -397,8 +398,7 @@ fn planner_figures_equal_the_engine_report() -> longctx::Result<()> {
                 &cfg,
                 EngineOptions {
                     token_chunk: chunk,
-                    offload_activations: offload,
-                    offload_layer_inputs: inputs,
+                    offload: Offload::of(offload, inputs),
                     save_attention: save,
                     save_mlp: mlp,
                     ..Default::default()

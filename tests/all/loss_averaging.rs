@@ -28,6 +28,7 @@ use longctx::parallel::dims::ParallelMode;
 use longctx::train::config::{RunConfig, Stage};
 use longctx::train::engine::{Engine, EngineOptions};
 use longctx::train::init::{random_init, to_vars};
+use longctx::train::offload::Offload;
 use longctx_attention::comm::thread::run_ranks;
 use longctx_attention::comm::Comm;
 use longctx_attention::layout;
@@ -66,8 +67,11 @@ use common::rel_err;
 /// Mean loss and gradients of the single-device run.
 fn single(cfg: &LlamaConfig, w: &HashMap<String, Tensor>, ids: &Tensor, targets: &Tensor) -> longctx::Result<(f64, Vec<Tensor>)> {
     let (b, s) = ids.dims2()?;
-    let eng =
-        Engine::from_vars(cfg, &to_vars(w.clone())?, EngineOptions { token_chunk: 8, offload_activations: false, ..Default::default() })?;
+    let eng = Engine::from_vars(
+        cfg,
+        &to_vars(w.clone())?,
+        EngineOptions { token_chunk: 8, offload: Offload::of(false, false), ..Default::default() },
+    )?;
     let n = count(targets)?;
     let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
     let r = eng.step(ids, targets, &positions(b, s)?, s, &attn, 1.0 / n as f64)?;
@@ -137,7 +141,7 @@ fn sp_uneven(
         let eng = Engine::from_vars(
             &cfg,
             &to_vars(w.clone()).map_err(err)?,
-            EngineOptions { token_chunk: 3, offload_activations: false, ..Default::default() },
+            EngineOptions { token_chunk: 3, offload: Offload::of(false, false), ..Default::default() },
         )
         .map_err(err)?;
         rank_step(&comm, &eng, &lids, &lt, &lpos, S, &make(comm.clone())).map_err(err)
@@ -198,7 +202,7 @@ fn data_parallel_matches_concatenated_batch() -> longctx::Result<()> {
         let eng = Engine::from_vars(
             &cfg,
             &to_vars(w.clone()).map_err(err)?,
-            EngineOptions { token_chunk: 7, offload_activations: r == 1, ..Default::default() },
+            EngineOptions { token_chunk: 7, offload: Offload::of(r == 1, false), ..Default::default() },
         )
         .map_err(err)?;
         let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
@@ -345,7 +349,7 @@ fn trainer_step_is_clip_then_adamw_of_the_mean_gradient() -> longctx::Result<()>
     let eng = Engine::from_vars(
         &mcfg,
         &to_vars(w0.clone())?,
-        EngineOptions { token_chunk: 24, offload_activations: false, ..Default::default() },
+        EngineOptions { token_chunk: 24, offload: Offload::of(false, false), ..Default::default() },
     )?;
     let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
     let r = eng.step(&ids, &targets, &positions(2, seq)?, seq, &attn, 1.0 / n as f64)?;

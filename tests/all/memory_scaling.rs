@@ -15,6 +15,7 @@ use candle_core::{DType, Device, Tensor};
 use longctx::model::LlamaConfig;
 use longctx::train::engine::{Engine, EngineOptions, MemoryReport};
 use longctx::train::init::{random_init, to_vars};
+use longctx::train::offload::Offload;
 use longctx_attention::local::LocalAttention;
 use longctx_attention::AttentionMode;
 use std::path::Path;
@@ -49,7 +50,8 @@ fn config(layers: usize) -> LlamaConfig {
 fn report(layers: usize, b: usize, s: usize, chunk: usize, offload: bool) -> longctx::Result<MemoryReport> {
     let cfg = config(layers);
     let vars = to_vars(random_init(&cfg, 3, DType::F32, &Device::Cpu)?)?;
-    let eng = Engine::from_vars(&cfg, &vars, EngineOptions { token_chunk: chunk, offload_activations: offload, ..Default::default() })?;
+    let eng =
+        Engine::from_vars(&cfg, &vars, EngineOptions { token_chunk: chunk, offload: Offload::of(offload, false), ..Default::default() })?;
     let ids: Vec<u32> = (0..b * s).map(|i| (i * 7 % VOCAB) as u32).collect();
     let targets: Vec<i64> = (0..b * s).map(|i| (i * 11 % VOCAB) as i64).collect();
     let pos: Vec<u32> = (0..b).flat_map(|_| 0..s as u32).collect();

@@ -17,6 +17,7 @@ use longctx::model::LlamaConfig;
 use longctx::parallel::dims::{build_groups, DimsRequest, ParallelDims, ParallelMode};
 use longctx::train::engine::{Engine, EngineOptions};
 use longctx::train::init::{random_init, to_vars};
+use longctx::train::offload::Offload;
 use longctx_attention::comm::thread::run_ranks;
 use longctx_attention::local::LocalAttention;
 use longctx_attention::mode::with_docs;
@@ -56,8 +57,12 @@ struct Outcome {
 }
 
 fn engine(cfg: &LlamaConfig, w: &HashMap<String, Tensor>, token_chunk: usize) -> Engine {
-    Engine::from_vars(cfg, &to_vars(w.clone()).unwrap(), EngineOptions { token_chunk, offload_activations: false, ..Default::default() })
-        .unwrap()
+    Engine::from_vars(
+        cfg,
+        &to_vars(w.clone()).unwrap(),
+        EngineOptions { token_chunk, offload: Offload::of(false, false), ..Default::default() },
+    )
+    .unwrap()
 }
 
 fn one_by_one(cfg: &LlamaConfig, w: &HashMap<String, Tensor>, ids: &[u32], targets: &[i64], n: f64) -> Outcome {

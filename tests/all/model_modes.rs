@@ -17,6 +17,7 @@ use longctx::model::LlamaConfig;
 use longctx::parallel::dims::{build_groups, DimsRequest, ParallelDims, ParallelMode};
 use longctx::train::engine::{Engine, EngineOptions};
 use longctx::train::init::{random_init, to_vars};
+use longctx::train::offload::Offload;
 use longctx_attention::comm::thread::run_ranks;
 use longctx_attention::layout;
 use longctx_attention::local::LocalAttention;
@@ -73,7 +74,7 @@ fn single_device(
     let eng = Engine::from_vars(
         cfg,
         &to_vars(weights.clone())?,
-        EngineOptions { token_chunk: 5, offload_activations: false, ..Default::default() },
+        EngineOptions { token_chunk: 5, offload: Offload::of(false, false), ..Default::default() },
     )?;
     let pos = Tensor::arange(0u32, S as u32, &Device::Cpu)?.unsqueeze(0)?.repeat((B, 1))?;
     let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
@@ -134,7 +135,7 @@ fn distributed(
         let eng = Engine::from_vars(
             cfg,
             &vars,
-            EngineOptions { token_chunk: TOKEN_CHUNK, offload_activations: sp_rank % 2 == 1, ..Default::default() },
+            EngineOptions { token_chunk: TOKEN_CHUNK, offload: Offload::of(sp_rank % 2 == 1, false), ..Default::default() },
         )
         .map_err(err)?;
         let local = ltargets.ge(0i64)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()? as f64;

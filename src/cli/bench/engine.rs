@@ -19,7 +19,7 @@ use super::attention::median;
 use anyhow::{bail, Context};
 use candle_core::{DType, Tensor, Var};
 use longctx::model::LlamaConfig;
-use longctx::train::engine::{Engine, EngineOptions};
+use longctx::train::engine::{Engine, EngineOptions, Offload};
 use longctx::train::metrics::device_memory;
 use longctx::train::trainer::{load_start_model, parse_device};
 use longctx::train::RunConfig;
@@ -134,7 +134,7 @@ fn run_setting(
     let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
     let opts = EngineOptions {
         token_chunk: a.token_chunk,
-        offload_activations: off,
+        offload: Offload::of(off, false),
         profile: a.profile,
         save_attention: a.save_attention,
         save_mlp: a.save_mlp,
