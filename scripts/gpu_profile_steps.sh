@@ -9,7 +9,9 @@
 #   $OUT; SEQ default 65536; SHAPES default "7b tiny". Writes LABEL.log,
 #   LABEL-metrics.jsonl and a table of the steady steps' phases (profile.md).
 # Env: TOKEN_CHUNK overrides both shapes' token chunk; EXTRA_FLAGS are appended to `train`
-#   (e.g. "--save-mlp-layers 6"); TAG is appended to the shape in the output names.
+#   (e.g. "--save-mlp-layers 6"); TAG is appended to the shape in the output names; LAYERS
+#   cuts both shapes to that many decoder layers (`@layers=N`: the 7B shape's per-layer
+#   work and host traffic at 64K on an 80 GB GPU, e.g. LAYERS=16).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 BIN=${1:-target-cuda/release/longctx}
@@ -24,9 +26,9 @@ printf '[train]\nprofile = true\n' > "$CFG"
 status=0
 for shape in $SHAPES; do
     case $shape in
-        7b) model=builtin:llama2-7b-shape steps=4 chunk=${TOKEN_CHUNK:-8192}
+        7b) model=builtin:llama2-7b-shape${LAYERS:+@layers=$LAYERS} steps=4 chunk=${TOKEN_CHUNK:-8192}
             flags=(--zero-stage 3 --offload-params --optimizer-on-host --skip-memory-check --save-attention);;
-        tiny) model=builtin:tinyllama-1.1b-shape steps=3 chunk=${TOKEN_CHUNK:-16384} flags=(--save-attention --save-mlp);;
+        tiny) model=builtin:tinyllama-1.1b-shape${LAYERS:+@layers=$LAYERS} steps=3 chunk=${TOKEN_CHUNK:-16384} flags=(--save-attention --save-mlp);;
         *) echo "SHAPES: expected 7b and/or tiny, got $shape" >&2; exit 2;;
     esac
     # shellcheck disable=SC2206
