@@ -11,12 +11,14 @@
 #                        `longctx plan` suggests on an H200)
 #   7b64k-dev3           the same with --optimizer-device-units 3 (the embedding's, layer 0's
 #                        and layer 1's AdamW state and weights on the GPU, so that the next
-#                        forward should wait for no host update; not measured in this form:
-#                        session 38's first form, 2 units, gave 1.33× as 7b64k-mlp6)
+#                        forward should wait for no host update; not measured at 32 layers:
+#                        session 38's first form, 2 units, gave 1.33× as 7b64k-mlp6; at 16
+#                        layers on an H100, session 42, the optimizer wait 0.17 -> 0.09 s)
 #   7b64k-in10           --offload-layer-inputs (the layer inputs in host memory, 17 GB of the
 #                        GPU freed) spent on --save-mlp-layers 10 and --optimizer-device-units 3
-#                        (`longctx plan`: 148.9 of 150.8 GB; not measured at 64K yet: session 41
-#                        ran the flag on an H100 only, docs/benchmarks.md)
+#                        (`longctx plan`: 148.9 of 150.8 GB; not measured at 32 layers yet; at
+#                        16 layers on an H100, session 42: 0.13 s a step less than mlp2 alone,
+#                        docs/benchmarks.md)
 # transformers runs once per shape and length: with the first row of that shape and length
 # in ROWS; the later rows are compared with it.
 # Usage: scripts/bench_peers.sh [BINARY] [OUTDIR] [ROWS]    ROWS: comma-separated of the
