@@ -370,7 +370,7 @@ impl Engine {
         }
 
         self.prof.trace(&dev, || "head and loss".into())?;
-        self.prof.time(Phase::Optimizer, &dev, || hooks.prepare(tail))?;
+        self.prof.time(Phase::UpdateWait, &dev, || hooks.prepare(tail))?;
         // 2. head + loss, chunked; dL/dx_L.
         let (gx, loss_sum) = self.prof.time(Phase::Loss, &dev, || match self.opts.layer_backward {
             LayerBackward::Explicit => {
@@ -400,7 +400,7 @@ impl Engine {
     /// the last layer's output `[b, s, h]`.
     fn forward_layers(&self, ids: &Tensor, hooks: &dyn ParamHooks, pass: &LayerPass<'_>, store: &mut ActivationStore) -> Result<Tensor> {
         let dev = pass.dev;
-        self.prof.time(Phase::Optimizer, dev, || hooks.prepare(0))?;
+        self.prof.time(Phase::UpdateFirst, dev, || hooks.prepare(0))?;
         let embed_w = self.prof.time(Phase::Transfers, dev, || self.unit_weights(hooks, 0))?;
         let mut x = self.prof.time(Phase::Copies, dev, || match embed_w {
             None => self.plain.embed(ids),
@@ -413,7 +413,7 @@ impl Engine {
             self.prof.trace(dev, || format!("forward layer {l}"))?;
             let (keep_attention, keep_mlp) = self.keeps(l);
             // The layer's weights (ZeRO-3: gathered, or brought from the host).
-            self.prof.time(Phase::Optimizer, dev, || hooks.prepare(layer_unit(l)))?;
+            self.prof.time(Phase::UpdateWait, dev, || hooks.prepare(layer_unit(l)))?;
             let fetched = self.prof.time(Phase::Transfers, dev, || self.layer_from(hooks, l))?;
             let layer = fetched.as_ref().unwrap_or(&self.plain.layers[l]);
             let (y, sa, mlp) = pass.forward(layer, &x, keep_mlp)?;

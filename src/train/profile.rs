@@ -37,14 +37,22 @@ pub enum Phase {
     /// Element-wise sums: the residual adds and the sums of the projections' input gradients
     /// (q, k, v; gate and up), apart from the copies so that a profile tells the two apart.
     Adds,
-    /// The optimizer step (clipping included).
+    /// The optimizer step at the step's end (norm and clipping included; the whole update
+    /// when it is applied at once, and a pending deferred update settled).
     Optimizer,
+    /// The next forward's first unit made ready: with a deferred update (ZeRO-3, weights
+    /// and optimizer state on the host) the device units' update, or the host update of
+    /// the first units, as far as the GPU waits for it.
+    UpdateFirst,
+    /// The later units and the head made ready in the forward: the GPU's waits for the
+    /// deferred host update (zero while the host keeps ahead of the forward).
+    UpdateWait,
     /// Gradient/weight collectives outside attention.
     Comm,
 }
 
 impl Phase {
-    pub const ALL: [Phase; 10] = [
+    pub const ALL: [Phase; 12] = [
         Phase::Attention,
         Phase::Gemm,
         Phase::NormRopeAct,
@@ -54,6 +62,8 @@ impl Phase {
         Phase::Transfers,
         Phase::Adds,
         Phase::Optimizer,
+        Phase::UpdateFirst,
+        Phase::UpdateWait,
         Phase::Comm,
     ];
 
@@ -68,6 +78,8 @@ impl Phase {
             Phase::Transfers => "transfers",
             Phase::Adds => "adds",
             Phase::Optimizer => "optimizer",
+            Phase::UpdateFirst => "update_first",
+            Phase::UpdateWait => "update_wait",
             Phase::Comm => "comm",
         }
     }

@@ -350,3 +350,34 @@ fn a_split_optimizer_placement_holds_under_stages_1_and_2() {
         assert_eq!(log(&dir), log(&host), "stage {stage}, {units} unit(s): per-step loss and gradient norm");
     }
 }
+
+/// The step profile (`train.profile`) tells the deferred update's parts apart: the
+/// step's end (`optimizer`: norm and clipping), the next forward's first unit
+/// (`update_first`: here the 2 device units' update) and its later units and head
+/// (`update_wait`: the host update, applied unit by unit as the forward reaches them).
+/// Every step after the first has time in all three (the first has no pending update);
+/// the phases never add up to more than the step.
+#[test]
+fn the_profile_splits_the_deferred_update_into_its_three_places() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("profiled");
+    let mut c = config(&dir, ParallelMode::DataParallel, 3, true, true);
+    c.train.optimizer_device_units = 2;
+    c.train.profile = true;
+    train(&dir, &c);
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).expect("metrics.jsonl");
+    let steps: Vec<serde_json::Value> =
+        text.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).filter(|v| v.get("profile").is_some()).collect();
+    assert_eq!(steps.len(), 4, "{text}");
+    for (i, s) in steps.iter().enumerate() {
+        let p = s["profile"].as_object().expect("profile object");
+        let secs = |k: &str| p.get(k).and_then(|v| v.as_f64()).unwrap_or_else(|| panic!("step {}: no `{k}` in {p:?}", i + 1));
+        let named: f64 = p.iter().filter(|(k, _)| k.as_str() != "other").map(|(_, v)| v.as_f64().unwrap_or(0.0)).sum();
+        let step = s["seconds"].as_f64().expect("seconds");
+        assert!(named <= step * 1.001 + 1e-4, "step {}: phases {named} s in a {step} s step: {p:?}", i + 1);
+        assert!(secs("optimizer") > 0.0, "step {}: {p:?}", i + 1);
+        if i > 0 {
+            assert!(secs("update_first") > 0.0 && secs("update_wait") > 0.0, "step {}: {p:?}", i + 1);
+        }
+    }
+}
