@@ -79,7 +79,9 @@ pub struct HostNeed {
     pub cpu_ranks: u64,
     /// The f32 master weights and AdamW moments, when they live on the host.
     pub optimizer: u64,
-    /// Saved layer inputs of each in-process rank on the CPU (or offloaded), largest stage.
+    /// Saved activations of the in-process ranks in host memory, largest stage: every
+    /// layer input on the CPU; on GPUs what the step offloads (inputs, the attention's and
+    /// MLP's saved tensors with `offload_activations`, FPDT's parked chunks).
     pub activations: u64,
     /// The 16-bit weights kept in host memory (ZeRO-3 with `offload_params`; all ranks'
     /// slices together).
@@ -121,13 +123,25 @@ pub fn check_host_memory(need: &HostNeed, have: Option<u64>, source: &Path) -> R
         return Ok(());
     }
     let gb = |b: u64| format!("{:.1} GB", b as f64 / 1e9);
+    // GPU ranks whose offloaded activations decide it: offloading less is the first fix.
+    let offloads = need.cpu_ranks == 0 && need.activations > need.start_weights;
+    let (fields, fix) = match offloads {
+        true => (
+            "parallel.offload_activations / parallel.offload_layer_inputs / stage.seq_length",
+            "offload less (`parallel.offload_layer_inputs` alone parks only the layer inputs; without either the \
+             activations stay on the GPU), shorter sequences or more GPUs",
+        ),
+        false => (
+            "model.source / stage.seq_length / train.batch_size / parallel.world_size",
+            "use a smaller model, shorter sequences, a smaller batch or fewer in-process ranks (or run on GPUs)",
+        ),
+    };
     Err(Error::config(
         source,
-        "model.source / stage.seq_length / train.batch_size / parallel.world_size",
+        fields,
         format!(
             "this run needs at least {} of host memory before its first step (start weights {}, CPU ranks {}, optimizer {}, \
-             saved activations {}, offloaded weights {}) but this machine has {}; use a smaller model, shorter sequences, a \
-             smaller batch or fewer in-process ranks (or run on GPUs)",
+             saved activations {}, offloaded weights {}) but this machine has {}; {fix}",
             gb(total),
             gb(need.start_weights),
             gb(need.cpu_ranks),

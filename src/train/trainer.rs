@@ -202,13 +202,24 @@ pub fn load_start_model_for(cfg: &RunConfig, ranks: usize) -> Result<StartModel>
 /// The host memory the run needs at least (start weights, CPU ranks, host optimizer,
 /// saved activations on the host) against the machine's ([`crate::limits`]).
 fn check_host_memory(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Result<()> {
+    let need = host_need(cfg, mcfg, ranks)?;
+    crate::limits::check_host_memory(&need, crate::limits::physical_memory(), Path::new("<run config>"))
+}
+
+/// What a run of `ranks` in-process ranks keeps in host memory at least, by part
+/// ([`crate::limits::HostNeed`]). The saved activations there: on the CPU every layer
+/// input (f32); on GPUs what the step offloads, as `longctx plan` counts it (the layer
+/// inputs, with `offload_activations` the attention's and MLP's saved tensors too, and
+/// FPDT's parked chunks with `fpdt_offload`), the largest stage's.
+pub fn host_need(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Result<crate::limits::HostNeed> {
     use crate::limits::mul;
     let cpu = cfg.model.device == "cpu";
     let what = "the saved activations";
+    let dtype = parse_dtype(&cfg.model.dtype, Path::new("<run config>"), "model.dtype")?;
     let mut act = 0u64;
     if cpu || cfg.parallel.offload().inputs() {
-        // The layer inputs in the run's dtype (f32 on the CPU).
-        let elem = if cpu { 4 } else { parse_dtype(&cfg.model.dtype, Path::new("<run config>"), "model.dtype")?.size_in_bytes() as u64 };
+        // The layer inputs in the run's dtype (f32 on the CPU): a lower bound.
+        let elem = if cpu { 4 } else { dtype.size_in_bytes() as u64 };
         for i in 0..cfg.stages.len() {
             let s = cfg.stage_settings(i);
             let local = (s.seq_length / s.sp) as u64;
@@ -216,10 +227,19 @@ fn check_host_memory(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Resul
             act = act.max(mul(what, &[l, b, local, h, elem])?);
         }
     }
+    if !cpu {
+        // Everything the step parks, from the planner (one owner of these sizes); a layout
+        // it cannot estimate keeps the lower bound above (the run's own checks name it).
+        let shape = crate::plan::ModelShape::from_config(mcfg);
+        for req in crate::plan::run_requests(cfg, u64::MAX, dtype.size_in_bytes()) {
+            if let Ok(e) = crate::plan::estimate(&shape, &req) {
+                act = act.max(e.host.saved_activations.saturating_add(e.host.fpdt_parked));
+            }
+        }
+    }
     let params = mcfg.param_count()?;
     let offloaded = if cfg.train.zero_stage == 3 && cfg.train.offload_params && !cpu { mul(what, &[params, 2])? } else { 0 };
-    let need = crate::limits::host_need(params, ranks as u64, cpu, cfg.train.optimizer_on_host, act, offloaded)?;
-    crate::limits::check_host_memory(&need, crate::limits::physical_memory(), Path::new("<run config>"))
+    crate::limits::host_need(params, ranks as u64, cpu, cfg.train.optimizer_on_host, act, offloaded)
 }
 
 /// The data spec of a stage (its dataset, column and seed: [`RunConfig::stage_settings`]).

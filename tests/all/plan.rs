@@ -612,3 +612,47 @@ fn layer_inputs_offloaded_by_hand() {
     let both = plan::estimate(&shape(), &PlanRequest { offload_activations: true, ..r.clone() }).unwrap_err().to_string();
     assert!(both.contains("offload_layer_inputs") && both.contains("offload_activations"), "{both}");
 }
+
+/// The trainer's host check before any weight is allocated (`trainer::host_need`), 7B at
+/// 64K on one GPU, ZeRO-3 with weights and optimizer state on the host, attention and the
+/// top 6 layers' MLP saved: the offloaded tensors counted as `longctx plan` counts them,
+/// by hand. Inputs only: 32 × 65536 × 4096 × 2 bytes. Everything: plus each layer's q, k,
+/// v, o (4 × 65536 × 4096 × 2) and f32 LSE (4 × 32 × 65536), and the 6 layers' MLP input,
+/// gate and up (65536 × (4096 + 2 × 11008) × 2). Before, the check counted the inputs
+/// alone for both, so a run that overflows the host (this one: 86 GB more) got past it.
+#[test]
+fn the_trainers_host_check_counts_what_the_step_offloads() {
+    use longctx::train::config::{RunConfig, Stage};
+    let m = llama2_7b();
+    let mut c = RunConfig::default();
+    c.model.device = "cuda".into();
+    c.model.dtype = "bf16".into();
+    c.train.zero_stage = 3;
+    c.train.offload_params = true;
+    c.train.optimizer_on_host = true;
+    c.parallel.save_attention = true;
+    c.parallel.save_mlp_layers = Some(6);
+    c.parallel.token_chunk = 8192;
+    c.train.batch_size = 1;
+    c.stages = vec![Stage::new(64 * K, 1e6, 1)];
+    let (s, h, i, l, heads) = (65_536u64, 4096u64, 11_008u64, 32u64, 32u64);
+    let inputs = l * s * h * 2;
+    let attention = l * (4 * s * h * 2 + 4 * heads * s);
+    let mlp = 6 * s * (h + 2 * i) * 2;
+    for (all, inp, want) in [(false, false, 0), (false, true, inputs), (true, false, inputs + attention + mlp)] {
+        (c.parallel.offload_activations, c.parallel.offload_layer_inputs) = (all, inp);
+        let need = longctx::train::trainer::host_need(&c, &m, 1).unwrap();
+        assert_eq!(need.activations, want, "offload_activations {all}, offload_layer_inputs {inp}");
+        let req = &plan::run_requests(&c, H200, 2)[0];
+        assert_eq!(need.activations, plan::estimate(&shape(), req).unwrap().host.saved_activations, "{all} {inp}: as plan counts");
+        // Optimizer (12 bytes a parameter) and the bf16 weights on the host besides.
+        assert_eq!(need.optimizer, 12 * 6_738_415_616);
+        assert_eq!(need.weights, 2 * 6_738_415_616);
+    }
+    // Everything offloaded needs more than a 128 GiB machine has: refused, naming the parts.
+    (c.parallel.offload_activations, c.parallel.offload_layer_inputs) = (true, false);
+    let need = longctx::train::trainer::host_need(&c, &m, 1).unwrap();
+    let e = longctx::limits::check_host_memory(&need, Some(128 << 30), Path::new("run.toml")).unwrap_err().to_string();
+    assert!(e.contains("saved activations 106.7 GB") && e.contains("run.toml"), "{e}");
+    assert!(e.contains("parallel.offload_activations") && e.contains("`parallel.offload_layer_inputs` alone"), "{e}");
+}
