@@ -216,26 +216,33 @@ pub fn host_need(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Result<cr
     let cpu = cfg.model.device == "cpu";
     let what = "the saved activations";
     let dtype = parse_dtype(&cfg.model.dtype, Path::new("<run config>"), "model.dtype")?;
+    // Every layer input of stage `i`, `elem` bytes an element.
+    let inputs = |i: usize, elem: u64| {
+        let s = cfg.stage_settings(i);
+        let (l, b, local, h) = (mcfg.num_hidden_layers as u64, s.batch_size as u64, (s.seq_length / s.sp) as u64, mcfg.hidden_size as u64);
+        mul(what, &[l, b, local, h, elem])
+    };
+    // On GPUs what the planner counts (one owner of these sizes); a stage it cannot
+    // estimate (the run's own checks name such layouts) keeps the inputs as a lower bound.
+    let planned = match cpu {
+        true => Vec::new(),
+        false => {
+            let shape = crate::plan::ModelShape::from_config(mcfg);
+            let reqs = crate::plan::run_requests(cfg, u64::MAX, dtype.size_in_bytes());
+            reqs.iter()
+                .map(|r| crate::plan::estimate(&shape, r).ok().map(|e| e.host.saved_activations.saturating_add(e.host.fpdt_parked)))
+                .collect()
+        }
+    };
     let mut act = 0u64;
-    if cpu || cfg.parallel.offload().inputs() {
-        // The layer inputs in the run's dtype (f32 on the CPU): a lower bound.
-        let elem = if cpu { 4 } else { dtype.size_in_bytes() as u64 };
-        for i in 0..cfg.stages.len() {
-            let s = cfg.stage_settings(i);
-            let local = (s.seq_length / s.sp) as u64;
-            let (l, b, h) = (mcfg.num_hidden_layers as u64, s.batch_size as u64, mcfg.hidden_size as u64);
-            act = act.max(mul(what, &[l, b, local, h, elem])?);
-        }
-    }
-    if !cpu {
-        // Everything the step parks, from the planner (one owner of these sizes); a layout
-        // it cannot estimate keeps the lower bound above (the run's own checks name it).
-        let shape = crate::plan::ModelShape::from_config(mcfg);
-        for req in crate::plan::run_requests(cfg, u64::MAX, dtype.size_in_bytes()) {
-            if let Ok(e) = crate::plan::estimate(&shape, &req) {
-                act = act.max(e.host.saved_activations.saturating_add(e.host.fpdt_parked));
-            }
-        }
+    for i in 0..cfg.stages.len() {
+        let parked = match (cpu, planned.get(i).copied().flatten()) {
+            (true, _) => inputs(i, 4)?, // f32, all in host memory
+            (false, Some(b)) => b,
+            (false, None) if cfg.parallel.offload().inputs() => inputs(i, dtype.size_in_bytes() as u64)?,
+            (false, None) => 0,
+        };
+        act = act.max(parked);
     }
     let params = mcfg.param_count()?;
     let offloaded = if cfg.train.zero_stage == 3 && cfg.train.offload_params && !cpu { mul(what, &[params, 2])? } else { 0 };

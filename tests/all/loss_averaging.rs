@@ -67,11 +67,7 @@ use common::rel_err;
 /// Mean loss and gradients of the single-device run.
 fn single(cfg: &LlamaConfig, w: &HashMap<String, Tensor>, ids: &Tensor, targets: &Tensor) -> longctx::Result<(f64, Vec<Tensor>)> {
     let (b, s) = ids.dims2()?;
-    let eng = Engine::from_vars(
-        cfg,
-        &to_vars(w.clone())?,
-        EngineOptions { token_chunk: 8, offload: Offload::of(false, false), ..Default::default() },
-    )?;
+    let eng = Engine::from_vars(cfg, &to_vars(w.clone())?, EngineOptions { token_chunk: 8, offload: Offload::Off, ..Default::default() })?;
     let n = count(targets)?;
     let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
     let r = eng.step(ids, targets, &positions(b, s)?, s, &attn, 1.0 / n as f64)?;
@@ -141,7 +137,7 @@ fn sp_uneven(
         let eng = Engine::from_vars(
             &cfg,
             &to_vars(w.clone()).map_err(err)?,
-            EngineOptions { token_chunk: 3, offload: Offload::of(false, false), ..Default::default() },
+            EngineOptions { token_chunk: 3, offload: Offload::Off, ..Default::default() },
         )
         .map_err(err)?;
         rank_step(&comm, &eng, &lids, &lt, &lpos, S, &make(comm.clone())).map_err(err)
@@ -346,11 +342,8 @@ fn trainer_step_is_clip_then_adamw_of_the_mean_gradient() -> longctx::Result<()>
     let batch = Batch::from_samples(&[gen.sample(0).sample, gen.sample(1).sample], seq);
     let (ids, targets) = batch.to_tensors(&Device::Cpu)?;
     let n = count(&targets)?;
-    let eng = Engine::from_vars(
-        &mcfg,
-        &to_vars(w0.clone())?,
-        EngineOptions { token_chunk: 24, offload: Offload::of(false, false), ..Default::default() },
-    )?;
+    let eng =
+        Engine::from_vars(&mcfg, &to_vars(w0.clone())?, EngineOptions { token_chunk: 24, offload: Offload::Off, ..Default::default() })?;
     let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
     let r = eng.step(&ids, &targets, &positions(2, seq)?, seq, &attn, 1.0 / n as f64)?;
     let loss = r.loss_sum / n as f64;

@@ -57,12 +57,8 @@ struct Outcome {
 }
 
 fn engine(cfg: &LlamaConfig, w: &HashMap<String, Tensor>, token_chunk: usize) -> Engine {
-    Engine::from_vars(
-        cfg,
-        &to_vars(w.clone()).unwrap(),
-        EngineOptions { token_chunk, offload: Offload::of(false, false), ..Default::default() },
-    )
-    .unwrap()
+    Engine::from_vars(cfg, &to_vars(w.clone()).unwrap(), EngineOptions { token_chunk, offload: Offload::Off, ..Default::default() })
+        .unwrap()
 }
 
 fn one_by_one(cfg: &LlamaConfig, w: &HashMap<String, Tensor>, ids: &[u32], targets: &[i64], n: f64) -> Outcome {

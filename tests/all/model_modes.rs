@@ -71,11 +71,8 @@ fn single_device(
     targets: &Tensor,
     n: usize,
 ) -> longctx::Result<Outcome> {
-    let eng = Engine::from_vars(
-        cfg,
-        &to_vars(weights.clone())?,
-        EngineOptions { token_chunk: 5, offload: Offload::of(false, false), ..Default::default() },
-    )?;
+    let eng =
+        Engine::from_vars(cfg, &to_vars(weights.clone())?, EngineOptions { token_chunk: 5, offload: Offload::Off, ..Default::default() })?;
     let pos = Tensor::arange(0u32, S as u32, &Device::Cpu)?.unsqueeze(0)?.repeat((B, 1))?;
     let attn: Arc<dyn AttentionMode> = Arc::new(LocalAttention);
     let r = eng.step(ids, targets, &pos, S, &attn, 1.0 / n as f64)?;
