@@ -280,9 +280,11 @@ impl Stash {
     }
 
     /// How many parks may still be copying before the compute stream waits for the
-    /// oldest (2 by default; raise it when a step parks several tensors at once).
+    /// oldest (2 by default; raise it when a step parks several tensors at once). 0: each
+    /// park first makes the compute stream wait for every earlier park's copy, so a caller
+    /// that parks from two buffers in turn may reuse the other one after its next park.
     pub fn set_max_pending(&mut self, n: usize) {
-        self.max_pending = n.max(1);
+        self.max_pending = n;
         #[cfg(feature = "cuda")]
         if let Some(g) = self.gpu.as_mut() {
             g.max_pending = self.max_pending;

@@ -652,6 +652,7 @@ fn zero_config(t: &crate::train::config::TrainSection) -> ZeroConfig {
         offload_params: t.offload_params,
         optimizer_on_host: t.optimizer_on_host,
         optimizer_device_units: t.optimizer_device_units,
+        offload_gradients: t.offload_gradients,
         adamw: t.adamw.clone(),
         clip_grad: t.clip_grad,
     }

@@ -477,7 +477,7 @@ fn zero3_hooks_give_the_resident_gradients() -> longctx::Result<()> {
             let part = Partition::per_layer(&names, &sizes, (0, 1)).map_err(e)?;
             let store =
                 ParamStore::new(part.clone(), &sharded.meta, &weights, DType::F32, (&Device::Cpu, true, 0), comm.clone()).map_err(e)?;
-            let grads = ShardedGrads::new(part, &meta_shapes, &Device::Cpu, comm.clone()).map_err(e)?;
+            let grads = ShardedGrads::new(part, &meta_shapes, &Device::Cpu, comm.clone(), None).map_err(e)?;
             let hooks = Recording {
                 inner: Zero3Hooks { store: Some(&store), grads: &grads, update: None },
                 store: &store,

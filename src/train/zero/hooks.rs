@@ -17,7 +17,7 @@ pub fn apply_deferred(optim: &mut ShardedAdamW, d: &mut Deferred, upto: usize, s
     if d.is_done(grads.units()) {
         return Ok(());
     }
-    store.with_host_mut(|h| optim.advance(d, upto, grads.shard(), (h, store.resident_prefix()), |v| grads.zero_unit(v)))
+    store.with_host_mut(|h| optim.advance(d, upto, &grads.source(), (h, store.resident_prefix()), |v| grads.zero_unit(v)))
 }
 
 /// The engine's hooks for stage 2 (`store` None: the model's own weights) and stage 3.

@@ -55,6 +55,10 @@ pub struct ZeroConfig {
     pub optimizer_on_host: bool,
     /// With `optimizer_on_host`: the first units whose state stays on the device (0: none).
     pub optimizer_device_units: usize,
+    /// Stage 3 with the weights and the optimizer state in host memory: each unit's
+    /// gradient slice goes there too once the backward is done with it (the device units'
+    /// stay on the device).
+    pub offload_gradients: bool,
     pub adamw: AdamWConfig,
     /// Clip the gradient's global norm to this (`<= 0`: no clipping).
     pub clip_grad: f64,
@@ -112,6 +116,9 @@ pub struct Resident {
     /// The f32 gradient buffers (the whole padded model below stage 2; this rank's slice
     /// and one unit's scratch from stage 2).
     pub grads: usize,
+    /// Of them in host memory (`offload_gradients`: the slices of the units whose
+    /// optimizer state is there).
+    pub grads_host: usize,
     /// The f32 master weights and AdamW moments of this rank.
     pub optimizer: usize,
     /// Of them in host memory (`optimizer_on_host`, and always on a CPU device).
@@ -123,10 +130,11 @@ impl std::fmt::Display for Resident {
         let size = |b: usize| if b >= 1_000_000_000 { format!("{:.3} GB", b as f64 / 1e9) } else { format!("{:.3} MB", b as f64 / 1e6) };
         write!(
             f,
-            "weights {} ({} on the host), gradients {}, optimizer {} ({} on the host)",
+            "weights {} ({} on the host), gradients {} ({} on the host), optimizer {} ({} on the host)",
             size(self.weights),
             size(self.weights_host),
             size(self.grads),
+            size(self.grads_host),
             size(self.optimizer),
             size(self.optimizer_host)
         )
@@ -234,15 +242,27 @@ impl ZeroState {
         drop(start.masters);
         let grads = if cfg.stage >= 2 {
             let shapes: Vec<Shape> = start.meta.iter().map(|(_, s)| s.clone()).collect();
-            Grads::Sharded(ShardedGrads::new(part, &shapes, device, world.clone())?)
+            // Gradients in host memory from the first unit whose optimizer state is there.
+            let host_from = cfg.offload_gradients.then(|| optim.device_units());
+            Grads::Sharded(ShardedGrads::new(part, &shapes, device, world.clone(), host_from)?)
         } else {
             Grads::Full(GradBuffer::new(start.params, optim.padded_len(), device)?)
         };
+        if cfg.offload_gradients && !(cfg.stage == 3 && cfg.offload_params && cfg.optimizer_on_host) {
+            return Err(Error::Setting(
+                "train.offload_gradients needs ZeRO stage 3 with `offload_params` and `optimizer_on_host` (the update that reads \
+                 the gradients in host memory); set them, or turn the gradient offload off"
+                    .into(),
+            ));
+        }
         let n_params = sizes.iter().sum();
         let mut me = Self { cfg, world, device: device.clone(), dtype, optim, grads, weights, n_params, pending: None };
         // The host update's pinned gradient buffers, page-locked now rather than in step 2.
         let defers = me.defers();
         me.optim.reserve_pinned(device, defers)?;
+        if let Grads::Sharded(g) = &me.grads {
+            g.reserve_pinned()?; // the gradient slices' host buffers (offload_gradients)
+        }
         Ok(me)
     }
 
@@ -253,11 +273,11 @@ impl ZeroState {
             Weights::Model(_) => (self.n_params * self.dtype.size_in_bytes(), 0),
             Weights::Sharded { store, .. } => (store.bytes() + store.resident_bytes(), if store.on_host() { store.bytes() } else { 0 }),
         };
-        let grads = match &self.grads {
-            Grads::Full(b) => b.bytes(),
-            Grads::Sharded(g) => g.bytes(),
+        let (grads, grads_host) = match &self.grads {
+            Grads::Full(b) => (b.bytes(), 0),
+            Grads::Sharded(g) => (g.bytes() + g.host_bytes(), g.host_bytes()),
         };
-        Resident { weights, weights_host, grads, optimizer: opt_dev + opt_host, optimizer_host: opt_host }
+        Resident { weights, weights_host, grads, grads_host, optimizer: opt_dev + opt_host, optimizer_host: opt_host }
     }
 
     /// The engine's hooks for one step (every micro-batch of it), the step's gradients
@@ -335,7 +355,7 @@ impl ZeroState {
         let clip = self.cfg.clip_grad;
         if let (true, Grads::Sharded(g)) = (self.defers(), &self.grads) {
             // Norm and clip now; the AdamW pass during the next step's forward.
-            return self.optim.begin_deferred(&self.world, g.shard(), lr, clip);
+            return self.optim.begin_deferred(&self.world, &g.source(), lr, clip);
         }
         let gshard = match &self.grads {
             // Stage 0: every rank sums the whole gradient and updates the whole state.
@@ -461,7 +481,7 @@ impl ZeroState {
     pub fn poison_gradient(&self) -> Result<()> {
         let first = match &self.grads {
             Grads::Full(b) => b.views().first().cloned(),
-            Grads::Sharded(g) => Some(g.shard().clone()),
+            Grads::Sharded(g) => return g.poison(),
         };
         if let Some(t) = first {
             t.slice_set(&t.affine(f64::NAN, 0.0)?, 0, 0)?;

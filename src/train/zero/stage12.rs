@@ -19,6 +19,7 @@
 //! the GPU's work instead of stalling it. Same result, bit for bit.
 
 use super::grads::GradBuffer;
+use super::stage3::GradSource;
 use super::units::Partition;
 use super::weights::{HostWeightsMut, Out};
 use crate::train::checkpoint::{Loaded, OptimShard};
@@ -234,8 +235,12 @@ impl ShardedAdamW {
     /// norm is not finite, the same value on every rank, so all skip this update together
     /// (the trainer counts it and aborts after too many in a row).
     fn norm_and_clip(&self, comm: &Arc<dyn Comm>, gshard: &Tensor, clip: f64) -> Result<(f64, Option<f64>)> {
-        let local = sum_sq(gshard)?;
-        let grad_norm = if self.part.world > 1 { all_reduce_scalar(comm, local, gshard.device())? } else { local }.sqrt();
+        self.norm_and_clip_of(comm, sum_sq(gshard)?, gshard.device(), clip)
+    }
+
+    /// [`Self::norm_and_clip`] from this rank's `Σ x²` (`local`).
+    fn norm_and_clip_of(&self, comm: &Arc<dyn Comm>, local: f64, device: &Device, clip: f64) -> Result<(f64, Option<f64>)> {
+        let grad_norm = if self.part.world > 1 { all_reduce_scalar(comm, local, device)? } else { local }.sqrt();
         if !grad_norm.is_finite() {
             return Ok((grad_norm, None));
         }
@@ -248,12 +253,21 @@ impl ShardedAdamW {
     /// `u` just before the next step's forward needs its weights, so the pass runs while
     /// the GPU computes the layers before it. The result is exactly [`Self::step`]'s.
     /// `None` with the stats: the update is skipped (non-finite norm).
-    pub fn begin_deferred(&mut self, comm: &Arc<dyn Comm>, gshard: &Tensor, lr: f64, clip: f64) -> Result<(StepStats, Option<Deferred>)> {
-        self.check_slice(comm, gshard)?;
+    pub fn begin_deferred(
+        &mut self,
+        comm: &Arc<dyn Comm>,
+        src: &GradSource<'_>,
+        lr: f64,
+        clip: f64,
+    ) -> Result<(StepStats, Option<Deferred>)> {
+        self.check_source(comm, src)?;
         if self.whole_on_device() {
             return Err(Error::Setting("a deferred update needs the optimizer state in host memory".into()));
         }
-        let (grad_norm, coef) = self.norm_and_clip(comm, gshard, clip)?;
+        let (grad_norm, coef) = match src {
+            GradSource::Device(g) => self.norm_and_clip(comm, g, clip)?,
+            GradSource::Host { prefix, sumsq, .. } => self.norm_and_clip_of(comm, sum_sq(prefix)? + sumsq, prefix.device(), clip)?,
+        };
         let Some(coef) = coef else {
             return Ok((StepStats { grad_norm, skipped: true }, None));
         };
@@ -276,10 +290,11 @@ impl ShardedAdamW {
         &mut self,
         d: &mut Deferred,
         upto: usize,
-        gshard: &Tensor,
+        src: &GradSource<'_>,
         (mut out, resident): (HostWeightsMut<'_>, Option<&Tensor>),
         mut unit_done: impl FnMut(usize) -> Result<()>,
     ) -> Result<()> {
+        let gshard = src.device_part();
         if self.device.is_some() && d.next < self.dev_units {
             // The units whose state is on the device, all at once (a few milliseconds), their
             // new weights checked where they were written (one reduction).
@@ -309,9 +324,9 @@ impl ShardedAdamW {
             d.parked_to = d.parked_to.max(self.dev_units);
         }
         match &mut out {
-            HostWeightsMut::BF16(v) => self.advance_as(d, upto, gshard, v, &mut unit_done),
-            HostWeightsMut::F16(v) => self.advance_as(d, upto, gshard, v, &mut unit_done),
-            HostWeightsMut::F32(v) => self.advance_as(d, upto, gshard, v, &mut unit_done),
+            HostWeightsMut::BF16(v) => self.advance_as(d, upto, src, v, &mut unit_done),
+            HostWeightsMut::F16(v) => self.advance_as(d, upto, src, v, &mut unit_done),
+            HostWeightsMut::F32(v) => self.advance_as(d, upto, src, v, &mut unit_done),
         }
     }
 
@@ -319,7 +334,7 @@ impl ShardedAdamW {
         &mut self,
         d: &mut Deferred,
         upto: usize,
-        gshard: &Tensor,
+        src: &GradSource<'_>,
         out: &mut [P],
         unit_done: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<()> {
@@ -339,6 +354,25 @@ impl ShardedAdamW {
                 *w = f32::NAN; // fault injection: this update's first weight goes NaN
             }
         }
+        let gshard = match src {
+            GradSource::Device(g) => *g,
+            GradSource::Host { take, .. } => {
+                // Each unit's slice is in host memory already: read in place, whole.
+                while d.next <= upto.min(units.saturating_sub(1)) && d.next < units {
+                    let u = d.next;
+                    let unit = &self.part.units[u];
+                    let g = take.take_unit(u).ok_or_else(|| {
+                        Error::Setting(format!("deferred update: no gradient of unit {u} in host memory (offload_gradients)"))
+                    })?;
+                    let (lo, host, k) = (unit.shard_off, &mut self.host, &d.k);
+                    d.finite &= g.with_host_f32(|g| host.apply_range(k, lo, g, Some(&mut out[lo..lo + g.len()])))?;
+                    drop(g); // its pinned buffer back to the pool
+                    unit_done(u)?;
+                    d.next += 1;
+                }
+                return Ok(());
+            }
+        };
         while d.next <= upto.min(units.saturating_sub(1)) && d.next < units {
             let u = d.next;
             while d.parked_to < units && d.parked_to <= u + DEFER_LOOKAHEAD {
@@ -359,6 +393,27 @@ impl ShardedAdamW {
             d.next += 1;
         }
         Ok(())
+    }
+
+    /// This rank's communicator and a gradient source of this shard's layout: the whole
+    /// slice, or (gradients in host memory) the device units' prefix.
+    fn check_source(&self, comm: &Arc<dyn Comm>, src: &GradSource<'_>) -> Result<()> {
+        match src {
+            GradSource::Device(g) => self.check_slice(comm, g),
+            GradSource::Host { prefix, .. } => {
+                self.check(comm)?;
+                if prefix.elem_count() != self.dev_len() {
+                    return Err(Error::Setting(format!(
+                        "gradients in host memory from unit {}, but the optimizer keeps {} unit(s) on the device ({} elements, got {})",
+                        self.dev_units,
+                        self.dev_units,
+                        self.dev_len(),
+                        prefix.elem_count()
+                    )));
+                }
+                Ok(())
+            }
+        }
     }
 
     /// This rank's communicator and a gradient slice of this shard's length.
@@ -472,7 +527,7 @@ impl ShardedAdamW {
         if let Out::HostShard(h) = out {
             // Weights and state both on the host: the deferred pass, applied at once.
             let mut d = Deferred::new(k, (lr, coef, self.host.step));
-            return self.advance(&mut d, usize::MAX, gshard, (h, None), |_| Ok(()));
+            return self.advance(&mut d, usize::MAX, &GradSource::Device(gshard), (h, None), |_| Ok(()));
         }
         if self.device.is_some() {
             let buf = self.device_update(gshard, &mut out, (lr, coef, self.host.step), dtype)?;
@@ -992,11 +1047,11 @@ mod tests {
 
         let mut host = ShardedAdamW::new(AdamWConfig::default(), meta, start, part(), None, None).unwrap();
         let mut out = first.clone();
-        let (stats, d) = host.begin_deferred(comm, &gshard, lr, clip).unwrap();
+        let (stats, d) = host.begin_deferred(comm, &GradSource::Device(&gshard), lr, clip).unwrap();
         let mut d = d.expect("a finite norm");
         assert!(!stats.skipped && stats.grad_norm > clip);
         let mut done = Vec::new();
-        host.advance(&mut d, 1, &gshard, (HostWeightsMut::F32(&mut out), None), |u| {
+        host.advance(&mut d, 1, &GradSource::Device(&gshard), (HostWeightsMut::F32(&mut out), None), |u| {
             done.push(u);
             Ok(())
         })
@@ -1005,7 +1060,7 @@ mod tests {
         assert!(out[..16].iter().zip(&first).all(|(a, b)| a != b), "units 0 and 1 are updated");
         assert_eq!(out[16..], first[16..], "unit 2 is not updated yet");
         assert!(!d.is_done(3));
-        host.advance(&mut d, usize::MAX, &gshard, (HostWeightsMut::F32(&mut out), None), |u| {
+        host.advance(&mut d, usize::MAX, &GradSource::Device(&gshard), (HostWeightsMut::F32(&mut out), None), |u| {
             done.push(u);
             Ok(())
         })
@@ -1027,18 +1082,18 @@ mod tests {
             // when the forward first asks, their gradients then released; the same bits.
             let mut split = ShardedAdamW::new(AdamWConfig::default(), meta, start, part(), Some((&Device::Cpu, units)), None).unwrap();
             let mut got = first.clone();
-            let (st, d) = split.begin_deferred(comm, &gshard, lr, clip).unwrap();
+            let (st, d) = split.begin_deferred(comm, &GradSource::Device(&gshard), lr, clip).unwrap();
             let mut d = d.expect("a finite norm");
             assert_eq!(st.grad_norm, stats.grad_norm);
             let mut done = Vec::new();
             split
-                .advance(&mut d, 0, &gshard, (HostWeightsMut::F32(&mut got), None), |u| {
+                .advance(&mut d, 0, &GradSource::Device(&gshard), (HostWeightsMut::F32(&mut got), None), |u| {
                     done.push(u);
                     Ok(())
                 })
                 .unwrap();
             assert_eq!(done, (0..units).collect::<Vec<_>>(), "{units} unit(s) on the device, applied together");
-            split.advance(&mut d, usize::MAX, &gshard, (HostWeightsMut::F32(&mut got), None), |_| Ok(())).unwrap();
+            split.advance(&mut d, usize::MAX, &GradSource::Device(&gshard), (HostWeightsMut::F32(&mut got), None), |_| Ok(())).unwrap();
             assert!(d.is_done(3) && d.all_finite());
             for (i, (a, b)) in got.iter().zip(&out).enumerate() {
                 assert_eq!(a.to_bits(), b.to_bits(), "{units} unit(s) on the device, element {i}: {a} vs the host's {b}");
@@ -1053,17 +1108,17 @@ mod tests {
             // Fault injection reaches the device part too.
             let mut bad = ShardedAdamW::new(AdamWConfig::default(), meta, start, part(), Some((&Device::Cpu, units)), None).unwrap();
             let mut out = first.clone();
-            let mut d = bad.begin_deferred(comm, &gshard, lr, clip).unwrap().1.unwrap();
+            let mut d = bad.begin_deferred(comm, &GradSource::Device(&gshard), lr, clip).unwrap().1.unwrap();
             d.poison();
-            bad.advance(&mut d, usize::MAX, &gshard, (HostWeightsMut::F32(&mut out), None), |_| Ok(())).unwrap();
+            bad.advance(&mut d, usize::MAX, &GradSource::Device(&gshard), (HostWeightsMut::F32(&mut out), None), |_| Ok(())).unwrap();
             assert!(!d.all_finite() && out[0].is_nan(), "{units} unit(s) on the device");
         }
 
         let mut bad = ShardedAdamW::new(AdamWConfig::default(), meta, start, part(), None, None).unwrap();
         let mut out = first.clone();
-        let mut d = bad.begin_deferred(comm, &gshard, lr, clip).unwrap().1.unwrap();
+        let mut d = bad.begin_deferred(comm, &GradSource::Device(&gshard), lr, clip).unwrap().1.unwrap();
         d.poison();
-        bad.advance(&mut d, usize::MAX, &gshard, (HostWeightsMut::F32(&mut out), None), |_| Ok(())).unwrap();
+        bad.advance(&mut d, usize::MAX, &GradSource::Device(&gshard), (HostWeightsMut::F32(&mut out), None), |_| Ok(())).unwrap();
         assert!(!d.all_finite() && out[0].is_nan());
     }
 

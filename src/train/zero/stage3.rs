@@ -22,7 +22,7 @@ use super::weights::{HostWeights, HostWeightsMut, Out};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Shape, Tensor};
 use longctx_attention::comm::Comm;
-use longctx_attention::stash::{Fetched, Stash};
+use longctx_attention::stash::{Fetched, Parked, Stash};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -312,29 +312,80 @@ pub struct ShardedGrads {
     scratch: Tensor,
     /// Every parameter's slot: a view of its unit's scratch, shaped like the parameter.
     pub(super) slots: Vec<Tensor>,
-    /// `[Σ L_u]` f32: Σ over micro-batches of this rank's slices of the summed gradient.
+    /// `[Σ L_u]` f32: Σ over micro-batches of this rank's slices of the summed gradient
+    /// (with [`HostSide`], of the device units' slices only).
     shard: Tensor,
+    /// `train.offload_gradients`: the slices of the units from `first` on in host memory.
+    host: Option<HostSide>,
     comm: Arc<dyn Comm>,
 }
 
+/// The gradient slices of the units from `first` on, in host memory
+/// (`train.offload_gradients`): each unit's slice is copied there when the backward is
+/// done with it, its `Σ x²` taken on the device first, and the device memory reused, so
+/// the device holds two units' scratch instead of the whole shard. The copies run on the
+/// stash's copy stream under the next unit's backward; each park makes the compute stream
+/// wait for the previous park's copy, after which that buffer is zeroed for the unit after
+/// next (one rank: the units write two buffers in turn; several ranks: the reduced slice is
+/// a fresh tensor and the shared scratch is zeroed as without offload). A later
+/// micro-batch of the same step brings the unit's slice back and adds its own.
+struct HostSide {
+    /// The first unit whose slice lives here (the units before: a split optimizer's
+    /// device units, in the device shard).
+    first: usize,
+    /// One rank: the two buffers the host units after the embedding write in turn
+    /// (`u % 2`), `[max L_u]` f32 (empty with several ranks).
+    turns: [Tensor; 2],
+    /// Each unit's slice, parked in host memory (`None`: not written this step, or read).
+    parked: RefCell<Vec<Option<Parked>>>,
+    /// Each unit's `Σ x²` of its slice as parked last.
+    sumsq: RefCell<Vec<f64>>,
+    stash: RefCell<Stash>,
+    /// One rank: the buffer parked last, zeroed after the next park (the compute stream
+    /// then waits for its copy).
+    last: RefCell<Option<Tensor>>,
+    /// Fault injection: the gradient's norm reads NaN.
+    poisoned: Cell<bool>,
+}
+
 impl ShardedGrads {
-    pub fn new(part: Partition, shapes: &[Shape], dev: &Device, comm: Arc<dyn Comm>) -> Result<Self> {
+    /// `host_from`: keep the slices of the units from this one on in host memory
+    /// (`train.offload_gradients`; the units before it: a split optimizer's device units).
+    pub fn new(part: Partition, shapes: &[Shape], dev: &Device, comm: Arc<dyn Comm>, host_from: Option<usize>) -> Result<Self> {
         let w = part.world;
         let direct = w == 1;
+        let n_units = part.units.len();
+        let first = host_from.map(|f| f.min(n_units));
+        let on_host = |u: usize| first.is_some_and(|f| u >= f);
         let scratch_len = |len: usize| if direct { 0 } else { len };
-        let embed_len = scratch_len(part.units.first().map_or(0, |u| u.shard * w));
+        let embed_len = match (direct, on_host(0)) {
+            (true, true) => part.units.first().map_or(0, |u| u.shard),
+            _ => scratch_len(part.units.first().map_or(0, |u| u.shard * w)),
+        };
         let other = scratch_len(part.units.iter().skip(1).map(|u| u.shard * w).max().unwrap_or(0));
         let embed_scratch = Tensor::zeros(embed_len, DType::F32, dev)?;
         let scratch = Tensor::zeros(other, DType::F32, dev)?;
-        let shard = Tensor::zeros(part.shard_len(), DType::F32, dev)?;
+        let shard_len = match first {
+            Some(f) => part.prefix_len(f),
+            None => part.shard_len(),
+        };
+        let shard = Tensor::zeros(shard_len, DType::F32, dev)?;
+        let turn_len = match (direct, first) {
+            (true, Some(f)) => part.units.iter().enumerate().skip(f.max(1)).map(|(_, u)| u.shard).max().unwrap_or(0),
+            _ => 0,
+        };
+        let turns = [Tensor::zeros(turn_len, DType::F32, dev)?, Tensor::zeros(turn_len, DType::F32, dev)?];
         // Each unit's parameters as views of its scratch buffer, or (one rank) of its part
-        // of the shard, which then holds the unit whole in the same order.
+        // of the shard, which then holds the unit whole in the same order; one rank's host
+        // units write the embedding's buffer or one of the two turns.
         let mut slots: Vec<Option<Tensor>> = vec![None; part.sizes.len()];
         for (u, unit) in part.units.iter().enumerate() {
-            let buf = match (direct, u) {
-                (true, _) => shard.narrow(0, unit.shard_off, unit.shard)?,
-                (false, 0) => embed_scratch.clone(),
-                (false, _) => scratch.clone(),
+            let buf = match (direct, on_host(u), u) {
+                (true, false, _) => shard.narrow(0, unit.shard_off, unit.shard)?,
+                (true, true, 0) => embed_scratch.clone(),
+                (true, true, _) => turns[u % 2].narrow(0, 0, unit.shard)?,
+                (false, _, 0) => embed_scratch.clone(),
+                (false, _, _) => scratch.clone(),
             };
             for (p, t) in part.split_unit(u, &buf)? {
                 slots[p] = Some(t.reshape(shapes[p].clone())?);
@@ -344,23 +395,80 @@ impl ShardedGrads {
             .into_iter()
             .map(|t| t.ok_or_else(|| Error::Setting("ZeRO: a parameter outside every unit".into())))
             .collect::<Result<_>>()?;
-        Ok(Self { part, embed_scratch, scratch, slots, shard, comm })
+        let host = first.map(|first| {
+            let mut stash = Stash::new();
+            stash.set_max_pending(0);
+            HostSide {
+                first,
+                turns,
+                parked: RefCell::new((0..n_units).map(|_| None).collect()),
+                sumsq: RefCell::new(vec![0.0; n_units]),
+                stash: RefCell::new(stash),
+                last: RefCell::new(None),
+                poisoned: Cell::new(false),
+            }
+        });
+        Ok(Self { part, embed_scratch, scratch, slots, shard, host, comm })
     }
 
-    /// `[Σ L_u]` f32, this rank's slices of the gradient summed over ranks and micro-batches.
+    /// `[Σ L_u]` f32, this rank's slices of the gradient summed over ranks and micro-batches
+    /// (with the gradients in host memory: the device units' only, `[Σ L_u]` of them).
     pub fn shard(&self) -> &Tensor {
         &self.shard
     }
 
-    /// Zero the shard (the start of an optimizer step).
+    /// Where the optimizer reads this step's gradient: the device shard, or its device
+    /// part and the units in host memory (each handed over once by [`Self::take_unit`]).
+    pub fn source(&self) -> GradSource<'_> {
+        match &self.host {
+            None => GradSource::Device(&self.shard),
+            Some(h) => {
+                let sumsq = if h.poisoned.get() { f64::NAN } else { h.sumsq.borrow().iter().skip(h.first).sum() };
+                GradSource::Host { prefix: &self.shard, sumsq, take: self }
+            }
+        }
+    }
+
+    /// Unit `u`'s slice in host memory, handed over (its buffer goes back to the pool when
+    /// dropped); `None` for a unit on the device or not written this step.
+    pub fn take_unit(&self, u: usize) -> Option<Parked> {
+        self.host.as_ref().and_then(|h| h.parked.borrow_mut().get_mut(u).and_then(Option::take))
+    }
+
+    /// Zero the shard (the start of an optimizer step); host slices are forgotten.
     pub fn zero(&self) -> Result<()> {
+        if let Some(h) = &self.host {
+            h.stash.borrow_mut().settle()?;
+            h.parked.borrow_mut().iter_mut().for_each(|p| *p = None);
+            h.sumsq.borrow_mut().fill(0.0);
+            h.poisoned.set(false);
+            h.last.borrow_mut().take();
+            for t in h.turns.iter().chain([&self.embed_scratch]) {
+                if t.elem_count() > 0 {
+                    t.zero_set()?;
+                }
+            }
+        }
         super::grads::zero_flat(&self.shard)
     }
 
     /// Zero unit `u`'s slice of the shard (a deferred update has read it).
     pub fn zero_unit(&self, u: usize) -> Result<()> {
+        if let Some(h) = self.host.as_ref().filter(|h| u >= h.first) {
+            h.parked.borrow_mut()[u] = None;
+            return Ok(());
+        }
         let unit = &self.part.units[u];
         super::grads::zero_flat(&self.shard.narrow(0, unit.shard_off, unit.shard)?)
+    }
+
+    /// Fault injection: this rank's gradient made NaN where the optimizer reads it.
+    pub fn poison(&self) -> Result<()> {
+        match &self.host {
+            Some(h) if self.shard.elem_count() == 0 => h.poisoned.set(true),
+            _ => self.shard.slice_set(&self.shard.narrow(0, 0, 1)?.affine(f64::NAN, 0.0)?, 0, 0)?,
+        }
+        Ok(())
     }
 
     /// Units of the partition.
@@ -368,30 +476,118 @@ impl ShardedGrads {
         self.part.units.len()
     }
 
-    /// Bytes on the device: the shard and the two scratch buffers.
+    /// Bytes on the device: the shard and the scratch buffers.
     pub fn bytes(&self) -> usize {
-        4 * (self.shard.elem_count() + self.scratch.elem_count() + self.embed_scratch.elem_count())
+        let turns = self.host.as_ref().map_or(0, |h| h.turns.iter().map(|t| t.elem_count()).sum());
+        4 * (self.shard.elem_count() + self.scratch.elem_count() + self.embed_scratch.elem_count() + turns)
+    }
+
+    /// Bytes of the slices in host memory (`offload_gradients`; 0 otherwise): this rank's
+    /// slices of the host units, as a step holds them at its end.
+    pub fn host_bytes(&self) -> usize {
+        self.host.as_ref().map_or(0, |h| 4 * (self.part.shard_len() - self.part.prefix_len(h.first)))
+    }
+
+    /// Page-lock ahead the host buffers the units' slices will be parked in (CUDA; one
+    /// per host unit), so the first backward does not pay for page-locking them.
+    pub fn reserve_pinned(&self) -> Result<()> {
+        let Some(h) = &self.host else { return Ok(()) };
+        let dev = self.shard.device();
+        let sizes: Vec<usize> = self.part.units.iter().skip(h.first).map(|u| 4 * u.shard).collect();
+        Ok(h.stash.borrow_mut().reserve(dev, &sizes)?)
     }
 
     /// Reduce-scatter unit `u`'s scratch, add this rank's slice into the shard, zero it
-    /// (one rank: nothing, the engine wrote the shard).
+    /// (one rank: nothing, the engine wrote the shard); a host unit's slice goes to host
+    /// memory instead.
     pub(super) fn done(&self, u: usize) -> Result<()> {
-        if self.part.world == 1 {
+        let unit = &self.part.units[u];
+        let w = self.part.world;
+        if let Some(h) = self.host.as_ref().filter(|h| u >= h.first) {
+            if w > 1 {
+                self.park(h, u, &self.reduced(u)?)?;
+            } else {
+                let buf = if u == 0 { self.embed_scratch.clone() } else { h.turns[u % 2].clone() };
+                self.park(h, u, &buf.narrow(0, 0, unit.shard)?)?;
+                // The park made the compute stream wait for the previous park's copy: that
+                // buffer may be zeroed now, for the unit after next.
+                if let Some(prev) = h.last.borrow_mut().replace(buf) {
+                    prev.zero_set()?;
+                }
+            }
+            if u == 0 {
+                self.flush(h)?;
+            }
             return Ok(());
         }
+        if let Some(h) = &self.host {
+            self.flush(h)?; // a device unit: the host units are all done
+        }
+        if w == 1 {
+            return Ok(());
+        }
+        let mine = self.reduced(u)?;
+        let dst = self.shard.narrow(0, unit.shard_off, unit.shard)?;
+        longctx_kernels::accumulate_f32(&dst, &mine, 1.0)?;
+        Ok(())
+    }
+
+    /// Several ranks: unit `u`'s slice of this rank, reduce-scattered from its scratch
+    /// (a fresh tensor), the scratch zeroed for the next unit.
+    fn reduced(&self, u: usize) -> Result<Tensor> {
         let unit = &self.part.units[u];
         let buf = if u == 0 { &self.embed_scratch } else { &self.scratch };
         let w = self.part.world;
-        let mine = if w > 1 {
-            let parts = (0..w).map(|i| buf.narrow(0, i * unit.shard, unit.shard)).collect::<candle_core::Result<Vec<_>>>()?;
-            self.comm.reduce_scatter_sum(parts)?
-        } else {
-            buf.narrow(0, 0, unit.shard)?
-        };
-        let dst = self.shard.narrow(0, unit.shard_off, unit.shard)?;
-        longctx_kernels::accumulate_f32(&dst, &mine, 1.0)?;
+        let parts = (0..w).map(|i| buf.narrow(0, i * unit.shard, unit.shard)).collect::<candle_core::Result<Vec<_>>>()?;
+        let mine = self.comm.reduce_scatter_sum(parts)?;
         buf.narrow(0, 0, unit.shard * w)?.zero_set()?;
+        Ok(mine)
+    }
+
+    /// Unit `u`'s slice `mine` (on the device) to host memory: added to what an earlier
+    /// micro-batch of the step parked, its `Σ x²` taken, then parked.
+    fn park(&self, h: &HostSide, u: usize, mine: &Tensor) -> Result<()> {
+        let dev = self.shard.device();
+        let mut stash = h.stash.borrow_mut();
+        if let Some(prev) = h.parked.borrow_mut()[u].take() {
+            let back = stash.fetch(&prev, dev)?.ready()?;
+            longctx_kernels::accumulate_f32(mine, &back, 1.0)?;
+        }
+        h.sumsq.borrow_mut()[u] = longctx_kernels::sum_squares(mine)?;
+        // Off CUDA a park keeps the tensor itself: copy it, the buffer is reused.
+        let p = if dev.is_cuda() { stash.park(mine)? } else { stash.park(&mine.copy()?)? };
+        h.parked.borrow_mut()[u] = Some(p);
         Ok(())
+    }
+
+    /// Every host unit of this backward is done: the compute stream waits for their
+    /// copies and the buffers are zeroed for the next micro-batch or step.
+    fn flush(&self, h: &HostSide) -> Result<()> {
+        h.stash.borrow_mut().settle()?;
+        if let Some(prev) = h.last.borrow_mut().take() {
+            prev.zero_set()?;
+        }
+        Ok(())
+    }
+}
+
+/// Where the optimizer reads this rank's gradient slice `[Σ L_u]` f32.
+pub enum GradSource<'a> {
+    /// All of it on the device (or the CPU device).
+    Device(&'a Tensor),
+    /// `train.offload_gradients`: the device units' slices in `prefix` (`[Σ L_u]` of the
+    /// first units, as many as the optimizer keeps on the device), every later unit's in
+    /// host memory (handed over by [`ShardedGrads::take_unit`]), their `Σ x²` summed.
+    Host { prefix: &'a Tensor, sumsq: f64, take: &'a ShardedGrads },
+}
+
+impl<'a> GradSource<'a> {
+    /// The part on the device: the whole slice, or the device units' prefix.
+    pub fn device_part(&self) -> &'a Tensor {
+        match self {
+            Self::Device(t) => t,
+            Self::Host { prefix, .. } => prefix,
+        }
     }
 }
 
