@@ -86,11 +86,15 @@ pub struct HostNeed {
     /// The 16-bit weights kept in host memory (ZeRO-3 with `offload_params`; all ranks'
     /// slices together).
     pub weights: u64,
+    /// The f32 gradient slices kept in host memory (`offload_gradients`; all ranks'),
+    /// page-locked once the start weights are gone, like the activations.
+    pub gradients: u64,
 }
 
 impl HostNeed {
     pub fn total(&self) -> Result<u64> {
-        add("the host memory estimate", &[self.start_weights.max(self.activations), self.cpu_ranks, self.optimizer, self.weights])
+        let steps = add("the host memory estimate", &[self.activations, self.gradients])?;
+        add("the host memory estimate", &[self.start_weights.max(steps), self.cpu_ranks, self.optimizer, self.weights])
     }
 }
 
@@ -111,7 +115,7 @@ pub fn host_need(
     let cpu_ranks = if cpu { mul(what, &[params, 12, ranks])? } else { 0 };
     let optimizer = if cpu || optimizer_on_host { mul(what, &[params, 12])? } else { 0 };
     let activations = mul(what, &[act_per_rank, ranks])?;
-    Ok(HostNeed { start_weights, cpu_ranks, optimizer, activations, weights: offloaded_weights })
+    Ok(HostNeed { start_weights, cpu_ranks, optimizer, activations, weights: offloaded_weights, gradients: 0 })
 }
 
 /// Errors when `need` exceeds the physical memory `have` (bytes): the message names the
@@ -124,8 +128,13 @@ pub fn check_host_memory(need: &HostNeed, have: Option<u64>, source: &Path) -> R
     }
     let gb = |b: u64| format!("{:.1} GB", b as f64 / 1e9);
     // GPU ranks whose offloaded activations decide it: offloading less is the first fix.
-    let offloads = need.cpu_ranks == 0 && need.activations > need.start_weights;
+    let offloads = need.cpu_ranks == 0 && need.activations + need.gradients > need.start_weights;
     let (fields, fix) = match offloads {
+        true if need.gradients > 0 => (
+            "train.offload_gradients / parallel.offload_activations / parallel.offload_layer_inputs / stage.seq_length",
+            "keep the gradients on the GPU (`train.offload_gradients = false`) or offload fewer activations, shorter \
+             sequences or more GPUs",
+        ),
         true => (
             "parallel.offload_activations / parallel.offload_layer_inputs / stage.seq_length",
             "offload less (`parallel.offload_layer_inputs` alone parks only the layer inputs; without either the \
@@ -141,13 +150,14 @@ pub fn check_host_memory(need: &HostNeed, have: Option<u64>, source: &Path) -> R
         fields,
         format!(
             "this run needs at least {} of host memory before its first step (start weights {}, CPU ranks {}, optimizer {}, \
-             saved activations {}, offloaded weights {}) but this machine has {}; {fix}",
+             saved activations {}, offloaded weights {}, offloaded gradients {}) but this machine has {}; {fix}",
             gb(total),
             gb(need.start_weights),
             gb(need.cpu_ranks),
             gb(need.optimizer),
             gb(need.activations),
             gb(need.weights),
+            gb(need.gradients),
             gb(have)
         ),
     ))

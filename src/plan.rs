@@ -206,6 +206,9 @@ pub struct PlanRequest {
     pub zero_stage: u8,
     /// Stage 3's slice of the weights in host memory (`train.offload_params`).
     pub offload_params: bool,
+    /// Each unit's f32 gradient slice in host memory once the backward is done with it
+    /// (`train.offload_gradients`; stage 3 with `offload_params` and the host optimizer).
+    pub offload_gradients: bool,
     /// Fixed allowance per GPU, bytes.
     pub overhead: u64,
 }
@@ -238,6 +241,7 @@ impl PlanRequest {
             optimizer_device_units: 0,
             zero_stage: 1,
             offload_params: false,
+            offload_gradients: false,
             overhead: DEFAULT_OVERHEAD,
         }
     }
@@ -265,6 +269,7 @@ impl PlanRequest {
         c.train.batch_size = self.batch_size;
         c.train.zero_stage = self.zero_stage;
         c.train.offload_params = self.offload_params;
+        c.train.offload_gradients = self.offload_gradients;
         c.train.optimizer_on_host = self.optimizer_on_host;
         c.train.optimizer_device_units = self.optimizer_device_units;
         c.stages = vec![Stage::new(self.seq_len, 10_000.0, 1)];
@@ -329,6 +334,9 @@ pub struct HostMemory {
     pub grads_copy: u64,
     /// This rank's slice of the weights (stage 3 with `offload_params`).
     pub weights: u64,
+    /// This rank's f32 gradient slices of the units whose optimizer state is on the host
+    /// (`offload_gradients`; page-locked).
+    pub gradients: u64,
     pub per_rank: u64,
     pub ranks_per_node: usize,
     pub per_node: u64,
@@ -561,7 +569,9 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     // engine's own `peak_pieces` over the host units' slices): deferred (weights and state on
     // the host) three units' pieces in flight, otherwise a piece and the next; and, not
     // deferred, a piece of new weights in the run dtype.
-    let grads_copy = if on_host && !all_on_device {
+    let offload_grads = req.offload_gradients && offload_params && on_host;
+    let host_grads = if offload_grads { shard - dev_elems.min(shard) } else { 0 };
+    let grads_copy = if on_host && !all_on_device && !offload_grads {
         let shards = unit_slices[on_dev..].iter().map(|&n| usize::try_from(n).ok()).collect::<Option<Vec<usize>>>()?;
         let pieces = crate::train::zero::peak_pieces(&shards, crate::train::zero::HOST_PIECE, offload_params);
         4 * pieces.iter().map(|&(len, k)| len as u128 * k as u128).sum::<u128>() + if offload_params { 0 } else { a * piece }
@@ -574,6 +584,7 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
         weights_copy: cvt(4 * p)?,
         grads_copy: cvt(grads_copy)?,
         weights: cvt(if offload_params { shard * a } else { 0 })?,
+        gradients: cvt(4 * host_grads)?,
         ..Default::default()
     };
     let attention_mode = attention_mode_bytes(model, req, lay, &mut host)?;
@@ -586,17 +597,27 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     };
     // Stage 2 and 3: this rank's slice, the embedding's scratch and one unit's (one rank:
     // the slice only, written in place).
-    let gradients = match (zero >= 2, w) {
-        (true, 1) => 4 * shard,
-        (true, _) => 4 * (shard + w * (v * h) + w * unit_max),
-        (false, _) => 4 * shard * w,
+    // With the gradients in host memory the device keeps the device units' slices and,
+    // one rank, two units' turns (and the embedding's slice when it is a host unit); several
+    // ranks, the scratch as before and two reduced slices in flight.
+    let gradients = match (zero >= 2, w, offload_grads) {
+        (true, 1, true) => {
+            let layer_max = unit_slices.iter().skip(on_dev.max(1)).copied().max().unwrap_or(0);
+            4 * (dev_elems + 2 * layer_max + if on_dev == 0 { unit_slices[0] } else { 0 })
+        }
+        (true, _, true) => 4 * (dev_elems + w * (v * h) + w * unit_max + 2 * unit_max.div_ceil(w)),
+        (true, 1, false) => 4 * shard,
+        (true, _, false) => 4 * (shard + w * (v * h) + w * unit_max),
+        (false, _, _) => 4 * shard * w,
     };
     let optimizer = if on_host { 12 * dev_elems } else { 12 * opt_elems };
     // A split state under ZeRO-3 with the weights on the host keeps those units' weights on
     // the GPU too (`ParamStore`'s resident prefix).
     let weights = weights + if offload_params && on_host && !all_on_device { a * dev_elems } else { 0 };
     let grad_reduce = match zero {
-        // The host update's piece on its way; a device update writes in place.
+        // The host update's piece on its way (none when the gradients are in host memory
+        // already); a device update writes in place.
+        2 | 3 if offload_grads => 0,
         2 | 3 if on_host => (4 + a) * piece,
         2 | 3 if offload_params => shard * a,
         2 | 3 => 0,
@@ -675,7 +696,7 @@ fn attention_mode_bytes(model: &ModelShape, req: &PlanRequest, lay: &Layout, hos
 /// Host memory per rank and per node from its terms.
 fn host_totals(host: &mut HostMemory, req: &PlanRequest) -> Option<()> {
     // The start weights are freed before the first step parks anything (`limits::HostNeed`).
-    let steps = u128::from(host.saved_activations) + u128::from(host.fpdt_parked);
+    let steps = u128::from(host.saved_activations) + u128::from(host.fpdt_parked) + u128::from(host.gradients);
     host.per_rank = cvt(u128::from(host.optimizer)
         + steps.max(u128::from(host.weights_copy))
         + u128::from(host.grads_copy)
@@ -856,6 +877,7 @@ pub fn run_requests(cfg: &RunConfig, gpu_memory: u64, dtype_bytes: usize) -> Vec
             r.optimizer_device_units = cfg.train.optimizer_device_units;
             r.zero_stage = cfg.train.zero_stage;
             r.offload_params = cfg.train.offload_params;
+            r.offload_gradients = cfg.train.offload_gradients;
             r.dtype_bytes = dtype_bytes;
             r.batch_size = cfg.stage_settings(i).batch_size;
             r.sp = (p.sp_size > 0).then_some(p.sp_size);

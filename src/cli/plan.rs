@@ -256,9 +256,11 @@ fn print_device(p: &plan::Plan) {
         (
             "gradients (f32)",
             d.gradients,
-            match (z >= 2, p.estimate.layout.world) {
-                (true, 1) => "ZeRO-2, one rank: the whole slice, written in place",
-                (true, _) => "ZeRO-2: this rank's slice and one layer's",
+            match (z >= 2, p.estimate.layout.world, r.offload_gradients && e.host.gradients > 0) {
+                (true, 1, true) => "on the host but two layers' (--offload-gradients) and the device units'",
+                (true, _, true) => "on the host but one layer's, two in flight (--offload-gradients) and the device units'",
+                (true, 1, false) => "ZeRO-2, one rank: the whole slice, written in place",
+                (true, _, false) => "ZeRO-2: this rank's slice and one layer's",
                 _ => "one flat buffer",
             },
         ),
@@ -316,13 +318,14 @@ fn print_host(p: &plan::Plan) {
     let (r, e) = (&p.request, &p.estimate);
     let h = &e.host;
     println!(
-        "  host: {} GB per rank (optimizer {}, weights {}, offloaded activations {}, fpdt parked {}, gradient pieces {}, \
-         start weights {}, freed before the first step: the larger of them and the two before counts), {} GB per node of {} rank(s){}",
+        "  host: {} GB per rank (optimizer {}, weights {}, offloaded activations {}, fpdt parked {}, gradients {}, gradient pieces {}, \
+         start weights {}, freed before the first step: the larger of them and the three before counts), {} GB per node of {} rank(s){}",
         plan::gb(h.per_rank),
         plan::gb(h.optimizer),
         plan::gb(h.weights),
         plan::gb(h.saved_activations),
         plan::gb(h.fpdt_parked),
+        plan::gb(h.gradients),
         plan::gb(h.grads_copy),
         plan::gb(h.weights_copy),
         plan::gb(h.per_node),

@@ -210,7 +210,8 @@ fn check_host_memory(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Resul
 /// ([`crate::limits::HostNeed`]). The saved activations there: on the CPU every layer
 /// input (f32); on GPUs what the step offloads, as `longctx plan` counts it (the layer
 /// inputs, with `offload_activations` the attention's and MLP's saved tensors too, and
-/// FPDT's parked chunks with `fpdt_offload`), the largest stage's.
+/// FPDT's parked chunks with `fpdt_offload`), the largest stage's; and the gradients
+/// there with `offload_gradients`.
 pub fn host_need(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Result<crate::limits::HostNeed> {
     use crate::limits::mul;
     let cpu = cfg.model.device == "cpu";
@@ -246,7 +247,13 @@ pub fn host_need(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Result<cr
     }
     let params = mcfg.param_count()?;
     let offloaded = if cfg.train.zero_stage == 3 && cfg.train.offload_params && !cpu { mul(what, &[params, 2])? } else { 0 };
-    crate::limits::host_need(params, ranks as u64, cpu, cfg.train.optimizer_on_host, act, offloaded)
+    let mut need = crate::limits::host_need(params, ranks as u64, cpu, cfg.train.optimizer_on_host, act, offloaded)?;
+    // The gradient slices in host memory (all ranks' together: 4 bytes a parameter; the
+    // device units' stay on the GPU, counted here too, an upper bound).
+    if cfg.train.offload_gradients && !cpu {
+        need.gradients = mul("the host memory estimate", &[params, 4])?;
+    }
+    Ok(need)
 }
 
 /// The data spec of a stage (its dataset, column and seed: [`RunConfig::stage_settings`]).

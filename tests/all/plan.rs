@@ -656,3 +656,56 @@ fn the_trainers_host_check_counts_what_the_step_offloads() {
     assert!(e.contains("saved activations 106.7 GB") && e.contains("run.toml"), "{e}");
     assert!(e.contains("parallel.offload_activations") && e.contains("`parallel.offload_layer_inputs` alone"), "{e}");
 }
+
+/// `train.offload_gradients` in the planner and the trainer's host check, by hand at the
+/// 7B shape on one GPU (ZeRO-3, weights and optimizer on the host; units: the embedding,
+/// 32 layers of 202,383,360 parameters, the norm with the head): the device keeps two
+/// layers' f32 turns and the embedding's slice (`4·(2·202,383,360 + 131,072,000)`), or with
+/// 3 device units their slices and two turns; the host the other units' slices (4 bytes a
+/// parameter) and no gradient pieces. The device memory freed is what more saved MLP
+/// layers take. The trainer's check counts the 4 bytes a parameter with the activations
+/// (after the start weights are gone) and names the setting when it does not fit.
+#[test]
+fn gradients_in_host_memory_move_four_bytes_a_parameter_off_the_gpu() {
+    use longctx::train::config::{RunConfig, Stage};
+    let (p, layer, embed) = (6_738_415_616u128, 202_383_360u128, 131_072_000u128);
+    let mut r = PlanRequest::new(64 * K, 1, H200, ParallelMode::DataParallel);
+    (r.zero_stage, r.offload_params, r.optimizer_on_host, r.save_attention, r.token_chunk) = (3, true, true, true, 8192);
+    let base = plan::estimate(&shape(), &r).unwrap();
+    let shard = p + 34; // the planner pads each of the 34 units by up to one element
+    assert_eq!(u128::from(base.device.gradients), 4 * shard, "the whole slice on the device");
+    r.offload_gradients = true;
+    let e = plan::estimate(&shape(), &r).unwrap();
+    assert_eq!(u128::from(e.device.gradients), 4 * (2 * layer + embed));
+    assert_eq!(u128::from(e.host.gradients), 4 * shard);
+    assert_eq!(e.host.grads_copy, 0, "the update reads the slices in place: no pieces");
+    assert_eq!(e.device.pool_peak - e.device.gradients, base.device.pool_peak - base.device.gradients, "the rest is the same");
+    r.optimizer_device_units = 3;
+    let e = plan::estimate(&shape(), &r).unwrap();
+    let dev = embed + 2 * layer;
+    assert_eq!(u128::from(e.device.gradients), 4 * (dev + 2 * layer));
+    assert_eq!(u128::from(e.host.gradients), 4 * (shard - dev));
+    // Not where the weights and the optimizer are on the host: refused by the trainer's rules.
+    r.offload_params = false;
+    let err = plan::estimate(&shape(), &r).unwrap_err().to_string();
+    assert!(err.contains("train.offload_gradients"), "{err}");
+
+    let mut c = RunConfig::default();
+    c.model.device = "cuda".into();
+    c.model.dtype = "bf16".into();
+    (c.train.zero_stage, c.train.offload_params, c.train.optimizer_on_host, c.train.offload_gradients) = (3, true, true, true);
+    c.parallel.save_attention = true;
+    c.parallel.offload_layer_inputs = true;
+    c.train.batch_size = 1;
+    c.stages = vec![Stage::new(64 * K, 1e6, 1)];
+    let need = longctx::train::trainer::host_need(&c, &llama2_7b(), 1).unwrap();
+    assert_eq!(u128::from(need.gradients), 4 * p);
+    let inputs = 32 * 65_536 * 4096 * 2u64;
+    assert_eq!(need.total().unwrap(), inputs + need.gradients + need.optimizer + need.weights, "the start weights are gone by then");
+    // With the layer inputs also on the host it outgrows a 128 GiB machine: the gradients are named.
+    let e = longctx::limits::check_host_memory(&need, Some(128 << 30), Path::new("run.toml")).unwrap_err().to_string();
+    assert!(e.contains("offloaded gradients 27.0 GB") && e.contains("train.offload_gradients = false"), "{e}");
+    c.parallel.offload_layer_inputs = false;
+    let need = longctx::train::trainer::host_need(&c, &llama2_7b(), 1).unwrap();
+    longctx::limits::check_host_memory(&need, Some(128 << 30), Path::new("run.toml")).unwrap();
+}
