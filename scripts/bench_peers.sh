@@ -19,6 +19,12 @@
 #                        (`longctx plan`: 148.9 of 150.8 GB; not measured at 32 layers yet; at
 #                        16 layers on an H100, session 42: 0.13 s a step less than mlp2 alone,
 #                        docs/benchmarks.md)
+#   7b64k-g14            --offload-gradients (each layer's f32 gradient in host memory once
+#                        the backward is done with it: 24.8 GB of the GPU freed) spent on
+#                        --save-mlp-layers 14 (`longctx plan`: 146.4 of 150.8 GB; not yet run
+#                        on a GPU)
+#   7b64k-g12d3          --offload-gradients with --save-mlp-layers 12 and
+#                        --optimizer-device-units 3 (plan: 148.6 of 150.8 GB; not yet run)
 # transformers runs once per shape and length: with the first row of that shape and length
 # in ROWS; the later rows are compared with it.
 # Usage: scripts/bench_peers.sh [BINARY] [OUTDIR] [ROWS]    ROWS: comma-separated of the
@@ -29,7 +35,7 @@ set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 BIN=${1:-target-cuda/release/longctx}
 OUTDIR=${2:-${OUT:-bench-out}}
-ROWS=${3:-tiny16k,tiny64k,tiny64k-mlp,tiny128k,7b64k,7b64k-saved,7b64k-mlp6,7b64k-dev3,7b64k-in10}
+ROWS=${3:-tiny16k,tiny64k,tiny64k-mlp,tiny128k,7b64k,7b64k-saved,7b64k-mlp6,7b64k-dev3,7b64k-in10,7b64k-g14,7b64k-g12d3}
 STEPS=${STEPS:-3}
 STEPS_7B=${STEPS_7B:-$STEPS}
 # --skip-memory-check: the planner's GPU and host estimates may not refuse a 7B row (its
@@ -56,7 +62,9 @@ for r in ${ROWS//,/ }; do
         7b64k-mlp6) row llama2-7b 65536 8192 "$STEPS_7B" llama2-7b-mlp6 "$ZERO --save-attention --save-mlp-layers 6";;
         7b64k-dev3) row llama2-7b 65536 8192 "$STEPS_7B" llama2-7b-dev3 "$ZERO --save-attention --save-mlp-layers 6 --optimizer-device-units 3";;
         7b64k-in10) row llama2-7b 65536 8192 "$STEPS_7B" llama2-7b-in10 "$ZERO --save-attention --offload-layer-inputs --save-mlp-layers 10 --optimizer-device-units 3";;
-        *) echo "unknown row $r (tiny16k, tiny64k, tiny64k-mlp, tiny128k, 7b64k, 7b64k-saved, 7b64k-mlp6, 7b64k-dev3, 7b64k-in10)" >&2; exit 2;;
+        7b64k-g14) row llama2-7b 65536 8192 "$STEPS_7B" llama2-7b-g14 "$ZERO --save-attention --offload-gradients --save-mlp-layers 14";;
+        7b64k-g12d3) row llama2-7b 65536 8192 "$STEPS_7B" llama2-7b-g12d3 "$ZERO --save-attention --offload-gradients --save-mlp-layers 12 --optimizer-device-units 3";;
+        *) echo "unknown row $r (tiny16k, tiny64k, tiny64k-mlp, tiny128k, 7b64k, 7b64k-saved, 7b64k-mlp6, 7b64k-dev3, 7b64k-in10, 7b64k-g14, 7b64k-g12d3)" >&2; exit 2;;
     esac || status=1
 done
 python3 "$HERE/bench_table.py" "$OUTDIR/compare.jsonl" | tee "$OUTDIR/compare.md"

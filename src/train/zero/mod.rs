@@ -259,7 +259,9 @@ impl ZeroState {
         let mut me = Self { cfg, world, device: device.clone(), dtype, optim, grads, weights, n_params, pending: None };
         // The host update's pinned gradient buffers, page-locked now rather than in step 2.
         let defers = me.defers();
-        me.optim.reserve_pinned(device, defers)?;
+        if !me.cfg.offload_gradients {
+            me.optim.reserve_pinned(device, defers)?; // (with the gradients on the host it parks no pieces)
+        }
         if let Grads::Sharded(g) = &me.grads {
             g.reserve_pinned()?; // the gradient slices' host buffers (offload_gradients)
         }
