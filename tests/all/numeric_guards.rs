@@ -216,21 +216,24 @@ fn checkpoint_and_export_writers_refuse_non_finite_values() -> longctx::Result<(
 }
 
 /// The same guards under ZeRO-3 with the weights in host memory (each rank holds only its
-/// slice): a NaN gradient on one rank skips the update on both (the weights after the
+/// slice), also with the gradients there: a NaN gradient on one rank skips the update on both (the weights after the
 /// skipped step equal those before it), and NaN weights after an update abort the run
 /// before anything non-finite is written.
 #[test]
 fn the_guards_hold_under_zero_3_with_offloaded_weights() -> longctx::Result<()> {
     // With the optimizer state on the device, the update is applied at once and guarded
     // after the step; with it on the host too, the update is deferred into the next
-    // step's forward and guarded when it is settled (here: before the checkpoint).
-    for optimizer_on_host in [false, true] {
+    // step's forward and guarded when it is settled (here: before the checkpoint); and so
+    // with the gradients in host memory too (`offload_gradients`: the NaN reaches the norm
+    // through the units' sums of squares).
+    for (optimizer_on_host, offload_gradients) in [(false, false), (true, false), (true, true)] {
         let tmp = tempfile::tempdir().map_err(|e| longctx::Error::io("<tempdir>", e))?;
         let zero3 = |dir: &Path, every: u64| {
             let mut c = config(dir, 2, every);
             c.train.zero_stage = 3;
             c.train.offload_params = true;
             c.train.optimizer_on_host = optimizer_on_host;
+            c.train.offload_gradients = offload_gradients;
             c
         };
         let (at2, faulty) = (tmp.path().join("z3-clean-2"), tmp.path().join("z3-faulty"));
