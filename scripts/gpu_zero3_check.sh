@@ -6,6 +6,9 @@
 #   64k-again the same once more (run-to-run spread of the losses: see SAME_LOSSES)
 #   64k-saved the same with the attention kept from the forward (--save-attention)
 #   256k      256K tokens in one sequence, 1 step
+#   64k-grads the 64k case with each layer's gradient in host memory (--offload-gradients;
+#             its losses must equal 64k's: SAME_LOSSES="64k 64k-grads"); fits an 80 GB GPU
+#   64k-grads-mlp14  --offload-gradients with the attention and 14 layers' MLP saved (H200)
 # The cost of each offload, 64K, 3 steps each (step 3 is the steady state):
 #   64k-weights-gpu   ZeRO-3 with the optimizer on the host, the weights kept on the GPU
 #   64k-all-gpu       nothing of the model on the host (stage 0, AdamW on the GPU); the layer
@@ -94,6 +97,8 @@ for c in $CASES; do
     64k-again) run7b 64k-again 65536 "${STEPS:-5}" --token-chunk 8192 "${ZERO[@]}";;
     64k-saved) run7b 64k-saved 65536 5 --token-chunk 8192 --save-attention "${ZERO[@]}";;
     256k) run7b 256k 262144 1 --token-chunk 8192 "${ZERO[@]}";;
+    64k-grads) run7b 64k-grads 65536 "${STEPS:-5}" --token-chunk 8192 "${ZERO[@]}" --offload-gradients;;
+    64k-grads-mlp14) run7b 64k-grads-mlp14 65536 "${STEPS:-5}" --token-chunk 8192 --save-attention --save-mlp-layers 14 "${ZERO[@]}" --offload-gradients;;
     64k-weights-gpu) run7b 64k-weights-gpu 65536 3 --token-chunk 8192 --zero-stage 3 --optimizer-on-host;;
     64k-all-gpu) run7b 64k-all-gpu 65536 3 --token-chunk 8192 --zero-stage 0 --offload-activations;;
     *) echo "unknown case $c" >> "$S";;

@@ -316,7 +316,7 @@ pub struct ShardedGrads {
     /// (with [`HostSide`], of the device units' slices only).
     shard: Tensor,
     /// `train.offload_gradients`: the slices of the units from `first` on in host memory.
-    host: Option<HostSide>,
+    host: Option<Box<HostSide>>,
     comm: Arc<dyn Comm>,
 }
 
@@ -398,7 +398,7 @@ impl ShardedGrads {
         let host = first.map(|first| {
             let mut stash = Stash::new();
             stash.set_max_pending(0);
-            HostSide {
+            Box::new(HostSide {
                 first,
                 turns,
                 parked: RefCell::new((0..n_units).map(|_| None).collect()),
@@ -406,7 +406,7 @@ impl ShardedGrads {
                 stash: RefCell::new(stash),
                 last: RefCell::new(None),
                 poisoned: Cell::new(false),
-            }
+            })
         });
         Ok(Self { part, embed_scratch, scratch, slots, shard, host, comm })
     }
