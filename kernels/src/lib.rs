@@ -76,7 +76,7 @@ pub use add::{add, add_into};
 pub use cross_entropy::{cross_entropy_inplace, linear_cross_entropy, LinearCe};
 pub use gemm_acc::{matmul_acc_f32, matmul_into, Rhs};
 pub use gemma::{geglu_tanh_bwd, geglu_tanh_fwd, rms_norm_1p_bwd, rms_norm_1p_fwd};
-pub use reduce::{count_non_finite, sum_squares};
+pub use reduce::{count_non_finite, sum_squares, sum_squares_partials};
 pub use rmsnorm::{rms_norm_bwd, rms_norm_bwd_into, rms_norm_fwd, RmsNormGrads, RmsNormOut};
 pub use rope::{rope_bwd_inplace, rope_fwd_inplace};
 pub use swiglu::{swiglu_bwd, swiglu_bwd_fwd, swiglu_fwd};

@@ -40,6 +40,36 @@ pub fn sum_squares(x: &Tensor) -> Result<f64> {
     }
 }
 
+/// [`sum_squares`] without waiting for it: `[k]` f64 partial sums on `x`'s device (one
+/// per block on CUDA, one on the CPU) whose sum in order is `sum_squares(x)`, bit for bit.
+/// For sums taken while the device works on (a gradient slice per layer), read later
+/// with one transfer.
+pub fn sum_squares_partials(x: &Tensor) -> Result<Tensor> {
+    check_float(SUMSQ, "x", x)?;
+    check_contiguous(SUMSQ, "x", x)?;
+    if x.elem_count() == 0 {
+        return Tensor::zeros(1, candle_core::DType::F64, x.device());
+    }
+    match x.device() {
+        candle_core::Device::Cpu => Tensor::new(&[sum_squares(x)?], x.device()),
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(_) => {
+            let (st, l) = x.storage_and_layout();
+            let candle_core::Storage::Cuda(s) = &*st else { candle_core::bail!("{SUMSQ}: x is not on a CUDA device") };
+            let (partials, dev) = sum_squares_cuda_partials(s, l)?;
+            let k = partials.len();
+            Ok(Tensor::from_storage(
+                candle_core::Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(partials, dev)),
+                k,
+                candle_core::op::BackpropOp::none(),
+                false,
+            ))
+        }
+        #[allow(unreachable_patterns)]
+        d => candle_core::bail!("{SUMSQ}: device {d:?} is not supported (CPU or CUDA)"),
+    }
+}
+
 /// The number of NaN and ±∞ elements of each of `xs` (all on one device), with one
 /// transfer to the host for all of them.
 pub fn count_non_finite(xs: &[Tensor]) -> Result<Vec<u64>> {
@@ -87,8 +117,19 @@ fn grid(dev: &candle_core::CudaDevice, n: usize) -> Result<candle_core::cuda::cu
 
 #[cfg(feature = "cuda")]
 fn sum_squares_cuda(s: &candle_core::CudaStorage, l: &candle_core::Layout) -> Result<f64> {
-    use crate::cuda::{alloc, launch, view, Module};
     use candle_core::cuda::WrapErr;
+    let (partials, dev) = sum_squares_cuda_partials(s, l)?;
+    let host = dev.cuda_stream().clone_dtoh(&partials).w()?;
+    Ok(host.iter().sum())
+}
+
+/// The per-block f64 partial sums of [`sum_squares_cuda`], left on the device.
+#[cfg(feature = "cuda")]
+fn sum_squares_cuda_partials(
+    s: &candle_core::CudaStorage,
+    l: &candle_core::Layout,
+) -> Result<(candle_core::cuda::cudarc::driver::CudaSlice<f64>, candle_core::CudaDevice)> {
+    use crate::cuda::{alloc, launch, view, Module};
     let dev = s.device().clone();
     let n = l.shape().elem_count();
     let cfg = grid(&dev, n)?;
@@ -98,8 +139,7 @@ fn sum_squares_cuda(s: &candle_core::CudaStorage, l: &candle_core::Layout) -> Re
         launch!(dev, Module::Reduce, format!("sum_squares_{}", T::SUFFIX), cfg, &x, &n, &mut partials);
         Ok::<(), candle_core::Error>(())
     })?;
-    let host = dev.cuda_stream().clone_dtoh(&partials).w()?;
-    Ok(host.iter().sum())
+    Ok((partials, dev))
 }
 
 #[cfg(feature = "cuda")]

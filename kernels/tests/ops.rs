@@ -724,6 +724,11 @@ fn reductions_case(dev: &Device, dtype: DType, n: usize) {
     let got = sum_squares(&x).unwrap();
     assert!((got - want).abs() <= 1e-12 * want, "sum_squares {dtype:?} n={n} on {dev:?}: {got} vs {want}");
     assert_eq!(sum_squares(&x).unwrap().to_bits(), got.to_bits(), "sum_squares not deterministic");
+    // The partial sums left on the device add up, in order, to the same bits.
+    let parts = sum_squares_partials(&x).unwrap();
+    assert!(parts.device().same_device(dev) && parts.dtype() == DType::F64, "partials on {:?} as {:?}", parts.device(), parts.dtype());
+    let summed: f64 = parts.to_vec1::<f64>().unwrap().iter().sum();
+    assert_eq!(summed.to_bits(), got.to_bits(), "sum_squares_partials {dtype:?} n={n} on {dev:?}: {summed} vs {got}");
     let mut v = vec32(&x);
     let bad = [0, n / 2, n - 1];
     v[bad[0]] = f32::NAN;
@@ -742,6 +747,8 @@ fn reductions_cpu() {
         reductions_case(&Device::Cpu, dt, 5);
     }
     assert_eq!(sum_squares(&Tensor::zeros(0, DType::F32, &Device::Cpu).unwrap()).unwrap(), 0.0);
+    let none = sum_squares_partials(&Tensor::zeros(0, DType::F32, &Device::Cpu).unwrap()).unwrap();
+    assert_eq!(none.to_vec1::<f64>().unwrap(), [0.0]);
     assert!(count_non_finite(&[]).unwrap().is_empty());
     let xt = rand(&[4, 8], 121, 1.0, DType::F32, &Device::Cpu).t().unwrap();
     assert!(sum_squares(&xt).unwrap_err().to_string().contains("contiguous"));

@@ -266,7 +266,9 @@ impl ShardedAdamW {
         }
         let (grad_norm, coef) = match src {
             GradSource::Device(g) => self.norm_and_clip(comm, g, clip)?,
-            GradSource::Host { prefix, sumsq, .. } => self.norm_and_clip_of(comm, sum_sq(prefix)? + sumsq, prefix.device(), clip)?,
+            GradSource::Host { prefix, grads } => {
+                self.norm_and_clip_of(comm, sum_sq(prefix)? + grads.host_sumsq()?, prefix.device(), clip)?
+            }
         };
         let Some(coef) = coef else {
             return Ok((StepStats { grad_norm, skipped: true }, None));
@@ -356,7 +358,7 @@ impl ShardedAdamW {
         }
         let gshard = match src {
             GradSource::Device(g) => *g,
-            GradSource::Host { take, .. } => {
+            GradSource::Host { grads: take, .. } => {
                 // Each unit's slice is in host memory already: read in place, whole.
                 while d.next <= upto.min(units.saturating_sub(1)) && d.next < units {
                     let u = d.next;

@@ -338,8 +338,9 @@ struct HostSide {
     turns: [Tensor; 2],
     /// Each unit's slice, parked in host memory (`None`: not written this step, or read).
     parked: RefCell<Vec<Option<Parked>>>,
-    /// Each unit's `Σ x²` of its slice as parked last.
-    sumsq: RefCell<Vec<f64>>,
+    /// Each unit's `Σ x²` of its slice as parked last: f64 partial sums left on the
+    /// device (read once, for the norm, not per unit).
+    sumsq: RefCell<Vec<Option<Tensor>>>,
     stash: RefCell<Stash>,
     /// One rank: the buffer parked last, zeroed after the next park (the compute stream
     /// then waits for its copy).
@@ -402,7 +403,7 @@ impl ShardedGrads {
                 first,
                 turns,
                 parked: RefCell::new((0..n_units).map(|_| None).collect()),
-                sumsq: RefCell::new(vec![0.0; n_units]),
+                sumsq: RefCell::new(vec![None; n_units]),
                 stash: RefCell::new(stash),
                 last: RefCell::new(None),
                 poisoned: Cell::new(false),
@@ -422,11 +423,22 @@ impl ShardedGrads {
     pub fn source(&self) -> GradSource<'_> {
         match &self.host {
             None => GradSource::Device(&self.shard),
-            Some(h) => {
-                let sumsq = if h.poisoned.get() { f64::NAN } else { h.sumsq.borrow().iter().skip(h.first).sum() };
-                GradSource::Host { prefix: &self.shard, sumsq, take: self }
-            }
+            Some(_) => GradSource::Host { prefix: &self.shard, grads: self },
         }
+    }
+
+    /// `Σ x²` of the slices in host memory (this rank's), from the partial sums taken on
+    /// the device as each was parked: one transfer. NaN after [`Self::poison`].
+    pub fn host_sumsq(&self) -> Result<f64> {
+        let Some(h) = &self.host else { return Ok(0.0) };
+        if h.poisoned.get() {
+            return Ok(f64::NAN);
+        }
+        let parts: Vec<Tensor> = h.sumsq.borrow().iter().skip(h.first).flatten().cloned().collect();
+        if parts.is_empty() {
+            return Ok(0.0);
+        }
+        Ok(Tensor::cat(&parts, 0)?.to_vec1::<f64>()?.iter().sum())
     }
 
     /// Unit `u`'s slice in host memory, handed over (its buffer goes back to the pool when
@@ -440,7 +452,7 @@ impl ShardedGrads {
         if let Some(h) = &self.host {
             h.stash.borrow_mut().settle()?;
             h.parked.borrow_mut().iter_mut().for_each(|p| *p = None);
-            h.sumsq.borrow_mut().fill(0.0);
+            h.sumsq.borrow_mut().iter_mut().for_each(|p| *p = None);
             h.poisoned.set(false);
             h.last.borrow_mut().take();
             for t in h.turns.iter().chain([&self.embed_scratch]) {
@@ -553,7 +565,7 @@ impl ShardedGrads {
             let back = stash.fetch(&prev, dev)?.ready()?;
             longctx_kernels::accumulate_f32(mine, &back, 1.0)?;
         }
-        h.sumsq.borrow_mut()[u] = longctx_kernels::sum_squares(mine)?;
+        h.sumsq.borrow_mut()[u] = Some(longctx_kernels::sum_squares_partials(mine)?);
         // Off CUDA a park keeps the tensor itself: copy it, the buffer is reused.
         let p = if dev.is_cuda() { stash.park(mine)? } else { stash.park(&mine.copy()?)? };
         h.parked.borrow_mut()[u] = Some(p);
@@ -577,8 +589,9 @@ pub enum GradSource<'a> {
     Device(&'a Tensor),
     /// `train.offload_gradients`: the device units' slices in `prefix` (`[Σ L_u]` of the
     /// first units, as many as the optimizer keeps on the device), every later unit's in
-    /// host memory (handed over by [`ShardedGrads::take_unit`]), their `Σ x²` summed.
-    Host { prefix: &'a Tensor, sumsq: f64, take: &'a ShardedGrads },
+    /// host memory (handed over by [`ShardedGrads::take_unit`]; their `Σ x²`:
+    /// [`ShardedGrads::host_sumsq`]).
+    Host { prefix: &'a Tensor, grads: &'a ShardedGrads },
 }
 
 impl<'a> GradSource<'a> {
