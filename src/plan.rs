@@ -207,7 +207,7 @@ pub struct PlanRequest {
     /// Stage 3's slice of the weights in host memory (`train.offload_params`).
     pub offload_params: bool,
     /// Each unit's f32 gradient slice in host memory once the backward is done with it
-    /// (`train.offload_gradients`; stage 3 with `offload_params` and the host optimizer).
+    /// (`train.offload_gradients`; stage 2 or 3 with the host optimizer).
     pub offload_gradients: bool,
     /// Fixed allowance per GPU, bytes.
     pub overhead: u64,
@@ -569,9 +569,17 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     // engine's own `peak_pieces` over the host units' slices): deferred (weights and state on
     // the host) three units' pieces in flight, otherwise a piece and the next; and, not
     // deferred, a piece of new weights in the run dtype.
-    let offload_grads = req.offload_gradients && offload_params && on_host;
+    let offload_grads = req.offload_gradients && zero >= 2 && on_host;
     let host_grads = if offload_grads { shard - dev_elems.min(shard) } else { 0 };
-    let grads_copy = if on_host && !all_on_device && !offload_grads {
+    let grads_copy = if offload_grads {
+        // No gradient pieces; an update at once (the weights not on the host) rounds a
+        // whole unit's new weights into one buffer.
+        if offload_params || all_on_device {
+            0
+        } else {
+            a * unit_max
+        }
+    } else if on_host && !all_on_device {
         let shards = unit_slices[on_dev..].iter().map(|&n| usize::try_from(n).ok()).collect::<Option<Vec<usize>>>()?;
         let pieces = crate::train::zero::peak_pieces(&shards, crate::train::zero::HOST_PIECE, offload_params);
         4 * pieces.iter().map(|&(len, k)| len as u128 * k as u128).sum::<u128>() + if offload_params { 0 } else { a * piece }
@@ -617,7 +625,9 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let grad_reduce = match zero {
         // The host update's piece on its way (none when the gradients are in host memory
         // already); a device update writes in place.
-        2 | 3 if offload_grads => 0,
+        2 | 3 if offload_grads && offload_params => 0,
+        // A whole unit's new weights on their way (and, several ranks, gathered).
+        2 | 3 if offload_grads => 3 * a * unit_max,
         2 | 3 if on_host => (4 + a) * piece,
         2 | 3 if offload_params => shard * a,
         2 | 3 => 0,

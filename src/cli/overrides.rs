@@ -163,10 +163,10 @@ pub struct LayoutFlags {
     /// (`train.offload_params`).
     #[arg(long)]
     pub offload_params: bool,
-    /// With the weights and the optimizer in host memory, put each layer's f32 gradient
-    /// there too once the backward is done with it: the GPU keeps two layers' gradients
-    /// instead of the whole model's (4 bytes a parameter), the host holds them instead;
-    /// implies --offload-params and --optimizer-on-host (`train.offload_gradients`).
+    /// With the optimizer in host memory (ZeRO stage 2 or 3), put each layer's f32
+    /// gradient there too once the backward is done with it: the GPU keeps two layers'
+    /// gradients instead of the whole model's (4 bytes a parameter), the host holds them
+    /// instead; implies --optimizer-on-host (`train.offload_gradients`).
     #[arg(long)]
     pub offload_gradients: bool,
     #[command(flatten)]
@@ -195,7 +195,7 @@ impl LayoutFlags {
             c.train.offload_gradients = true;
             c.train.optimizer_on_host = true;
         }
-        if self.offload_params || self.offload_gradients {
+        if self.offload_params {
             c.train.offload_params = true;
             if self.zero_stage.is_none() {
                 c.train.zero_stage = 3;

@@ -229,13 +229,13 @@ pub struct TrainSection {
     /// Keep this rank's slice of the weights in host memory and copy each layer to the
     /// GPU only while it runs (DeepSpeed's `offload_param`; needs `zero_stage = 3`).
     pub offload_params: bool,
-    /// With the weights and the optimizer state in host memory (`zero_stage = 3`,
-    /// `offload_params`, `optimizer_on_host`): each layer's f32 gradient slice goes there
-    /// too as soon as the backward is done with it (copied under the next layer's
-    /// backward), so the GPU holds two layers' gradients instead of the whole model's
-    /// (4 bytes a parameter: 27 GB for 7B), memory for more `save_mlp_layers`. The host
-    /// then holds them (the same 4 bytes a parameter, page-locked) and the update reads
-    /// them there. The `optimizer_device_units` keep theirs on the GPU.
+    /// With the optimizer state in host memory under ZeRO stage 2 or 3
+    /// (`optimizer_on_host`): each layer's f32 gradient slice goes there too as soon as
+    /// the backward is done with it (copied under the next layer's backward), so the GPU
+    /// holds two layers' gradients instead of the whole model's (4 bytes a parameter: 27 GB
+    /// for 7B), memory for more `save_mlp_layers`. The host then holds them (the same 4
+    /// bytes a parameter, page-locked) and the update reads them there. The
+    /// `optimizer_device_units` keep theirs on the GPU.
     pub offload_gradients: bool,
     /// Time each step by phase (attention, GEMMs, norms/RoPE/activation, loss, gradient
     /// accumulation, device copies, host transfers, element-wise adds, optimizer,
@@ -1024,15 +1024,15 @@ impl RunConfig {
                 format!("parameter offload needs `train.zero_stage = 3` (got {}); set it, or turn the offload off", t.zero_stage),
             ));
         }
-        if t.offload_gradients && !(t.zero_stage == 3 && t.offload_params && t.optimizer_on_host) {
+        if t.offload_gradients && !(t.zero_stage >= 2 && t.optimizer_on_host) {
             return Err(Error::config(
                 source,
                 "train.offload_gradients",
                 format!(
-                    "the gradients go to host memory only where the weights and the optimizer state are (got zero_stage = {}, \
-                     offload_params = {}, optimizer_on_host = {}); set zero_stage = 3, offload_params = true and \
-                     optimizer_on_host = true (--offload-params --optimizer-on-host), or turn it off",
-                    t.zero_stage, t.offload_params, t.optimizer_on_host
+                    "the gradients go to host memory unit by unit under ZeRO stage 2 or 3, for the optimizer there (got \
+                     zero_stage = {}, optimizer_on_host = {}); set zero_stage = 2 or 3 and optimizer_on_host = true \
+                     (--zero-stage 3 --optimizer-on-host), or turn it off",
+                    t.zero_stage, t.optimizer_on_host
                 ),
             ));
         }

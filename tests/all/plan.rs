@@ -658,7 +658,8 @@ fn the_trainers_host_check_counts_what_the_step_offloads() {
 }
 
 /// `train.offload_gradients` in the planner and the trainer's host check, by hand at the
-/// 7B shape on one GPU (ZeRO-3, weights and optimizer on the host; units: the embedding,
+/// 7B shape on one GPU (ZeRO-3, weights and optimizer on the host, then the weights on the
+/// GPU; units: the embedding,
 /// 32 layers of 202,383,360 parameters, the norm with the head): the device keeps two
 /// layers' f32 turns and the embedding's slice (`4·(2·202,383,360 + 131,072,000)`), or with
 /// 3 device units their slices and two turns; the host the other units' slices (4 bytes a
@@ -685,10 +686,18 @@ fn gradients_in_host_memory_move_four_bytes_a_parameter_off_the_gpu() {
     let dev = embed + 2 * layer;
     assert_eq!(u128::from(e.device.gradients), 4 * (dev + 2 * layer));
     assert_eq!(u128::from(e.host.gradients), 4 * (shard - dev));
-    // Not where the weights and the optimizer are on the host: refused by the trainer's rules.
+    // The weights on the GPU (an update at once after the backward): the same gradient
+    // figures; the host rounds a whole layer's new weights (bf16) instead of pieces.
     r.offload_params = false;
-    let err = plan::estimate(&shape(), &r).unwrap_err().to_string();
-    assert!(err.contains("train.offload_gradients"), "{err}");
+    let e = plan::estimate(&shape(), &r).unwrap();
+    assert_eq!(u128::from(e.device.gradients), 4 * (dev + 2 * layer));
+    assert_eq!(u128::from(e.host.grads_copy), 2 * layer);
+    // Not where the optimizer is on the GPU, nor below stage 2: refused by the trainer's rules.
+    for (stage, host_opt) in [(3u8, false), (1, true)] {
+        (r.zero_stage, r.optimizer_on_host, r.optimizer_device_units) = (stage, host_opt, 0);
+        let err = plan::estimate(&shape(), &r).unwrap_err().to_string();
+        assert!(err.contains("train.offload_gradients"), "{err}");
+    }
 
     let mut c = RunConfig::default();
     c.model.device = "cuda".into();

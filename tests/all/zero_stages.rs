@@ -185,15 +185,16 @@ fn launched_processes_under_stages_0_2_and_3_with_offloads_equal_the_thread_runs
         ("stage0", &["--zero-stage", "0"][..]),
         ("stage2", &["--zero-stage", "2"][..]),
         ("stage3", &["--offload-params", "--optimizer-on-host"][..]),
-        ("stage3-grads", &["--offload-gradients"][..]), // implies the other two offloads
+        ("stage3-grads", &["--offload-params", "--offload-gradients"][..]), // implies the host optimizer
+        ("stage2-grads", &["--zero-stage", "2", "--offload-gradients"][..]),
     ] {
         let procs = tmp.path().join(format!("processes-{name}"));
         let mut a: Vec<String> = ["launch", "--nproc-per-node", "2", "--master-port", "0", "--"].iter().map(|s| s.to_string()).collect();
         a.extend(args(&procs, extra));
         let err = check(common::longctx_cmd(&[]).args(&a).output().unwrap(), name);
         assert!(err.contains(&format!("ZeRO stage {} over 2 rank(s)", &name[5..6])), "{err}");
-        if name == "stage3-grads" {
-            assert!(err.contains("weights offloaded, optimizer offloaded") && !err.contains("(0.000 MB on the host), optimizer"), "{err}");
+        if name.ends_with("-grads") {
+            assert!(err.contains("optimizer offloaded") && !err.contains("(0.000 MB on the host), optimizer"), "{err}");
         }
         same_weights(
             &procs.join("export/model.safetensors"),
@@ -386,20 +387,23 @@ fn the_profile_splits_the_deferred_update_into_its_three_places() {
     }
 }
 
-/// The gradients in host memory (`train.offload_gradients`, ZeRO-3 with the weights and
-/// the optimizer there): each unit's slice is parked there when the backward is done with
-/// it and the deferred update reads it in place. Against the same run keeping the
-/// gradient shard on the device: the exported weights, the checkpoint and the per-step
-/// loss and gradient norm within TOL (the norm is summed unit by unit, so its last bits
-/// may differ), on one and on two ranks, with two micro-batches a step (a unit's slice
-/// comes back and the second micro-batch's is added) and with a split optimizer (the
-/// device units' slices stay on the device). The device holds less gradient memory and
-/// the host the slices' 4 bytes a parameter. Any other placement is refused by name.
+/// The gradients in host memory (`train.offload_gradients`, the optimizer there under
+/// ZeRO-2 or 3): each unit's slice is parked there when the backward is done with it and
+/// the update reads it in place: deferred into the next forward (ZeRO-3 with the weights
+/// on the host too), or at once after the backward (ZeRO-3 with the weights on the
+/// device; ZeRO-2, the model's own weights). Against the same run keeping the gradient
+/// shard on the device: the exported weights, the checkpoint and the per-step loss and
+/// gradient norm within TOL (the norm is summed unit by unit, so its last bits may
+/// differ), on one and on two ranks, with two micro-batches a step (a unit's slice comes
+/// back and the second micro-batch's is added) and with a split optimizer (the device
+/// units' slices stay on the device). The device holds less gradient memory and the host
+/// the slices' 4 bytes a parameter. Stages 0–1 or the optimizer on the GPU are refused by
+/// name.
 #[test]
 fn gradients_in_host_memory_train_like_the_device_shard() {
     let tmp = tempfile::tempdir().unwrap();
-    let cfg = |dir: &Path, world: usize, units: usize, grads: bool| {
-        let mut c = config(dir, ParallelMode::DataParallel, 3, true, true);
+    let cfg = |dir: &Path, (stage, weights_on_host): (u8, bool), world: usize, units: usize, grads: bool| {
+        let mut c = config(dir, ParallelMode::DataParallel, stage, weights_on_host, true);
         c.parallel.world_size = world;
         c.train.optimizer_device_units = units;
         c.train.offload_gradients = grads;
@@ -411,12 +415,25 @@ fn gradients_in_host_memory_train_like_the_device_shard() {
         }
         c
     };
-    for (world, units) in [(1usize, 0usize), (2, 0), (1, 2), (2, 3)] {
-        let what = format!("{world} rank(s), {units} device unit(s)");
-        let reference = tmp.path().join(format!("dev-{world}-{units}"));
-        let r = train(&reference, &cfg(&reference, world, units, false)).resident;
-        let dir = tmp.path().join(format!("host-{world}-{units}"));
-        let h = train(&dir, &cfg(&dir, world, units, true)).resident;
+    let deferred = (3u8, true);
+    let cases = [
+        (deferred, 1usize, 0usize),
+        (deferred, 2, 0),
+        (deferred, 1, 2),
+        (deferred, 2, 3),
+        ((3, false), 1, 0),
+        ((3, false), 2, 0),
+        ((2, false), 1, 0),
+        ((2, false), 2, 2),
+    ];
+    for (layout, world, units) in cases {
+        let what =
+            format!("stage {}{}, {world} rank(s), {units} device unit(s)", layout.0, if layout.1 { " weights on the host" } else { "" });
+        let tag = format!("{}{}-{world}-{units}", layout.0, layout.1);
+        let reference = tmp.path().join(format!("dev-{tag}"));
+        let r = train(&reference, &cfg(&reference, layout, world, units, false)).resident;
+        let dir = tmp.path().join(format!("host-{tag}"));
+        let h = train(&dir, &cfg(&dir, layout, world, units, true)).resident;
         for file in ["export/model.safetensors", "checkpoint/model.safetensors"] {
             close_weights(&dir.join(file), &reference.join(file), TOL, &format!("{what}: {file}"));
         }
@@ -427,10 +444,15 @@ fn gradients_in_host_memory_train_like_the_device_shard() {
         // shared scratch); well under the whole slice the reference keeps there.
         assert!(h.grads - h.grads_host < (r.grads - r.grads_host) * 3 / 4, "{what}: {h} against {r}");
     }
-    let dir = tmp.path().join("refused");
-    let mut c = config(&dir, ParallelMode::DataParallel, 3, false, true);
-    c.train.offload_gradients = true;
-    let Err(e) = c.validate(Path::new("run.toml")) else { panic!("gradients offloaded with the weights on the device validated") };
-    let e = e.to_string();
-    assert!(e.contains("train.offload_gradients") && e.contains("offload_params = false") && e.contains("--offload-params"), "{e}");
+    for (stage, host_opt) in [(1u8, true), (3, false)] {
+        let dir = tmp.path().join("refused");
+        let mut c = config(&dir, ParallelMode::DataParallel, stage, false, host_opt);
+        c.train.offload_gradients = true;
+        let Err(e) = c.validate(Path::new("run.toml")) else {
+            panic!("gradients offloaded under stage {stage}, host optimizer {host_opt}")
+        };
+        let e = e.to_string();
+        let got = format!("zero_stage = {stage}, optimizer_on_host = {host_opt}");
+        assert!(e.contains("train.offload_gradients") && e.contains(&got) && e.contains("--zero-stage 3 --optimizer-on-host"), "{e}");
+    }
 }

@@ -28,7 +28,7 @@ pub mod weights;
 pub use grads::GradBuffer;
 pub use hooks::{apply_deferred, Hooks, Zero3Hooks};
 pub use stage12::{all_reduce_scalar, peak_pieces, ranks_flagging, Deferred, ShardedAdamW, StepStats, DEFER_LOOKAHEAD, HOST_PIECE};
-pub use stage3::{ParamStore, ShardedGrads};
+pub use stage3::{GradSource, ParamStore, ShardedGrads};
 pub use units::{layer_groups, layer_unit, ParamHooks, Partition};
 pub use weights::{HostWeights, HostWeightsMut, Out};
 
@@ -248,10 +248,10 @@ impl ZeroState {
         } else {
             Grads::Full(GradBuffer::new(start.params, optim.padded_len(), device)?)
         };
-        if cfg.offload_gradients && !(cfg.stage == 3 && cfg.offload_params && cfg.optimizer_on_host) {
+        if cfg.offload_gradients && !(cfg.stage >= 2 && cfg.optimizer_on_host) {
             return Err(Error::Setting(
-                "train.offload_gradients needs ZeRO stage 3 with `offload_params` and `optimizer_on_host` (the update that reads \
-                 the gradients in host memory); set them, or turn the gradient offload off"
+                "train.offload_gradients needs ZeRO stage 2 or 3 (gradients reduced unit by unit) and `optimizer_on_host` (the \
+                 update that reads them in host memory); set them, or turn the gradient offload off"
                     .into(),
             ));
         }
@@ -359,11 +359,18 @@ impl ZeroState {
             // Norm and clip now; the AdamW pass during the next step's forward.
             return self.optim.begin_deferred(&self.world, &g.source(), lr, clip);
         }
-        let gshard = match &self.grads {
+        let full: Tensor;
+        let src = match &self.grads {
             // Stage 0: every rank sums the whole gradient and updates the whole state.
-            Grads::Full(b) if self.cfg.stage == 0 && self.world.world() > 1 => self.world.all_reduce_sum(b.flat())?,
-            Grads::Full(b) => self.optim.reduce(&self.world, b)?,
-            Grads::Sharded(g) => g.shard().clone(),
+            Grads::Full(b) if self.cfg.stage == 0 && self.world.world() > 1 => {
+                full = self.world.all_reduce_sum(b.flat())?;
+                GradSource::Device(&full)
+            }
+            Grads::Full(b) => {
+                full = self.optim.reduce(&self.world, b)?;
+                GradSource::Device(&full)
+            }
+            Grads::Sharded(g) => g.source(),
         };
         let out = match &mut self.weights {
             // A resident prefix exists only with the deferred update (split state, weights on
@@ -374,7 +381,7 @@ impl ZeroState {
             Weights::Sharded { store, .. } => store.out(),
             Weights::Model(params) => Out::Params(params),
         };
-        let stats = self.optim.step(&self.world, &gshard, out, lr, clip, (self.dtype, &self.device))?;
+        let stats = self.optim.step(&self.world, &src, out, lr, clip, (self.dtype, &self.device))?;
         Ok((stats, None))
     }
 

@@ -201,19 +201,20 @@ impl ShardedAdamW {
     pub fn step(
         &mut self,
         comm: &Arc<dyn Comm>,
-        gshard: &Tensor,
+        src: &GradSource<'_>,
         out: Out<'_>,
         lr: f64,
         clip: f64,
         (dtype, device): (DType, &Device),
     ) -> Result<StepStats> {
-        self.check_slice(comm, gshard)?;
+        self.check_source(comm, src)?;
+        let gshard = src.device_part();
         if let Out::Params(p) = &out {
             if p.len() != self.part.sizes.len() {
                 return Err(Error::Setting(format!("{} parameters for an optimizer over {}", p.len(), self.part.sizes.len())));
             }
         }
-        let (grad_norm, coef) = self.norm_and_clip(comm, gshard, clip)?;
+        let (grad_norm, coef) = self.norm_and_clip_src(comm, src, clip)?;
         let Some(coef) = coef else {
             return Ok(StepStats { grad_norm, skipped: true });
         };
@@ -226,7 +227,7 @@ impl ShardedAdamW {
         } else {
             // The host's units (and first the device's, where the state is split).
             let k = self.host.begin_step(lr, coef as f32);
-            self.host_update(comm, gshard, out, (k, lr, coef), (dtype, device))?;
+            self.host_update(comm, src, out, (k, lr, coef), (dtype, device))?;
         }
         Ok(StepStats { grad_norm, skipped: false })
     }
@@ -236,6 +237,15 @@ impl ShardedAdamW {
     /// (the trainer counts it and aborts after too many in a row).
     fn norm_and_clip(&self, comm: &Arc<dyn Comm>, gshard: &Tensor, clip: f64) -> Result<(f64, Option<f64>)> {
         self.norm_and_clip_of(comm, sum_sq(gshard)?, gshard.device(), clip)
+    }
+
+    /// [`Self::norm_and_clip`] of a gradient source (with the gradients in host memory:
+    /// the device units' prefix and the host units' sums of squares).
+    fn norm_and_clip_src(&self, comm: &Arc<dyn Comm>, src: &GradSource<'_>, clip: f64) -> Result<(f64, Option<f64>)> {
+        match src {
+            GradSource::Device(g) => self.norm_and_clip(comm, g, clip),
+            GradSource::Host { prefix, grads } => self.norm_and_clip_of(comm, sum_sq(prefix)? + grads.host_sumsq()?, prefix.device(), clip),
+        }
     }
 
     /// [`Self::norm_and_clip`] from this rank's `Σ x²` (`local`).
@@ -264,12 +274,7 @@ impl ShardedAdamW {
         if self.whole_on_device() {
             return Err(Error::Setting("a deferred update needs the optimizer state in host memory".into()));
         }
-        let (grad_norm, coef) = match src {
-            GradSource::Device(g) => self.norm_and_clip(comm, g, clip)?,
-            GradSource::Host { prefix, grads } => {
-                self.norm_and_clip_of(comm, sum_sq(prefix)? + grads.host_sumsq()?, prefix.device(), clip)?
-            }
-        };
+        let (grad_norm, coef) = self.norm_and_clip_src(comm, src, clip)?;
         let Some(coef) = coef else {
             return Ok((StepStats { grad_norm, skipped: true }, None));
         };
@@ -521,7 +526,7 @@ impl ShardedAdamW {
     fn host_update(
         &mut self,
         comm: &Arc<dyn Comm>,
-        gshard: &Tensor,
+        src: &GradSource<'_>,
         mut out: Out<'_>,
         (k, lr, coef): (StepConsts, f64, f64),
         (dtype, device): (DType, &Device),
@@ -529,42 +534,60 @@ impl ShardedAdamW {
         if let Out::HostShard(h) = out {
             // Weights and state both on the host: the deferred pass, applied at once.
             let mut d = Deferred::new(k, (lr, coef, self.host.step));
-            return self.advance(&mut d, usize::MAX, &GradSource::Device(gshard), (h, None), |_| Ok(()));
+            return self.advance(&mut d, usize::MAX, src, (h, None), |_| Ok(()));
         }
         if self.device.is_some() {
-            let buf = self.device_update(gshard, &mut out, (lr, coef, self.host.step), dtype)?;
+            let buf = self.device_update(src.device_part(), &mut out, (lr, coef, self.host.step), dtype)?;
             self.gather_device_units(comm, buf, &out)?;
         }
         match dtype {
-            DType::BF16 => self.host_pass::<half::bf16>(comm, gshard, out, &k, device),
-            DType::F16 => self.host_pass::<half::f16>(comm, gshard, out, &k, device),
-            DType::F32 => self.host_pass::<f32>(comm, gshard, out, &k, device),
+            DType::BF16 => self.host_pass::<half::bf16>(comm, src, out, &k, device),
+            DType::F16 => self.host_pass::<half::f16>(comm, src, out, &k, device),
+            DType::F32 => self.host_pass::<f32>(comm, src, out, &k, device),
             other => Err(Error::Setting(format!("host optimizer: weights of dtype {other:?} are not supported"))),
         }
     }
 
-    /// The host's units (from [`Self::device_units`] on), piece by piece.
+    /// The host's units (from [`Self::device_units`] on), piece by piece; with the
+    /// gradients in host memory already, unit by unit, each read in place.
     fn host_pass<P: HostElem>(
         &mut self,
         comm: &Arc<dyn Comm>,
-        gshard: &Tensor,
+        src: &GradSource<'_>,
         out: Out<'_>,
         k: &StepConsts,
         device: &Device,
     ) -> Result<()> {
         let part = self.part.clone();
+        let host_grads = match src {
+            GradSource::Device(_) => None,
+            GradSource::Host { grads, .. } => Some(*grads),
+        };
         // (unit, offset in the unit's slice, length), in order.
         let pieces: Vec<(usize, usize, usize)> = part
             .units
             .iter()
             .enumerate()
             .skip(self.dev_units)
-            .flat_map(|(u, unit)| host_pieces(unit.shard).map(move |(at, len)| (u, at, len)))
+            .flat_map(|(u, unit)| {
+                match host_grads {
+                    None => host_pieces(unit.shard).collect::<Vec<_>>(),
+                    Some(_) => vec![(0, unit.shard)],
+                }
+                .into_iter()
+                .map(move |(at, len)| (u, at, len))
+            })
             .collect();
         let mut stash = std::mem::take(&mut self.stash);
         stash.set_max_pending(2);
+        let gshard = src.device_part();
         let park = |stash: &mut Stash, (u, at, len): (usize, usize, usize)| -> Result<_> {
-            Ok(stash.park(&gshard.narrow(0, part.units[u].shard_off + at, len)?)?)
+            match host_grads {
+                None => Ok(stash.park(&gshard.narrow(0, part.units[u].shard_off + at, len)?)?),
+                Some(g) => g
+                    .take_unit(u)
+                    .ok_or_else(|| Error::Setting(format!("host optimizer: no gradient of unit {u} in host memory (offload_gradients)"))),
+            }
         };
         let mut buf: Vec<P> = Vec::new(); // the new weights of a piece bound for the device
         let mut gather_buf: Option<Tensor> = None;
@@ -1072,7 +1095,7 @@ mod tests {
 
         let mut dev = ShardedAdamW::new(AdamWConfig::default(), meta, start, part(), Some((&Device::Cpu, ALL_UNITS)), None).unwrap();
         let shard = Tensor::zeros(20, DType::F32, &Device::Cpu).unwrap();
-        let st = dev.step(comm, &gshard, Out::Shard(&shard), lr, clip, (DType::F32, &Device::Cpu)).unwrap();
+        let st = dev.step(comm, &GradSource::Device(&gshard), Out::Shard(&shard), lr, clip, (DType::F32, &Device::Cpu)).unwrap();
         assert_eq!(st.grad_norm, stats.grad_norm);
         let want = shard.to_vec1::<f32>().unwrap();
         for (i, (a, b)) in out.iter().zip(&want).enumerate() {
@@ -1225,7 +1248,7 @@ mod tests {
                     opt.reduce(&comm, &buf).map_err(e)?
                 };
                 let target = if layout == Layout::PerUnitShard { Out::Shard(&pshard) } else { Out::Params(&params) };
-                let st = opt.step(&comm, &gshard, target, lr, clip, (DType::F32, &Device::Cpu)).map_err(e)?;
+                let st = opt.step(&comm, &GradSource::Device(&gshard), target, lr, clip, (DType::F32, &Device::Cpu)).map_err(e)?;
                 norms.push(st.grad_norm);
             }
             assert_eq!(opt.steps(), 2, "one count a step, whichever part updates");
