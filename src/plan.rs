@@ -606,14 +606,18 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     // Stage 2 and 3: this rank's slice, the embedding's scratch and one unit's (one rank:
     // the slice only, written in place).
     // With the gradients in host memory the device keeps the device units' slices and,
-    // one rank, two units' turns (and the embedding's slice when it is a host unit); several
-    // ranks, the scratch as before and two reduced slices in flight.
+    // one rank, two turns (each the largest host unit of its parity; and the embedding's
+    // slice when it is a host unit); several ranks, the scratch as before and two reduced
+    // slices in flight; and, from a step's second micro-batch, one slice brought back.
+    let host_slice_max = unit_slices.iter().skip(on_dev).copied().max().unwrap_or(0);
     let gradients = match (zero >= 2, w, offload_grads) {
         (true, 1, true) => {
-            let layer_max = unit_slices.iter().skip(on_dev.max(1)).copied().max().unwrap_or(0);
-            4 * (dev_elems + 2 * layer_max + if on_dev == 0 { unit_slices[0] } else { 0 })
+            let turn = |parity: usize| {
+                unit_slices.iter().enumerate().skip(on_dev.max(1)).filter(|(u, _)| u % 2 == parity).map(|(_, &n)| n).max().unwrap_or(0)
+            };
+            4 * (dev_elems + turn(0) + turn(1) + if on_dev == 0 { unit_slices[0] } else { 0 } + host_slice_max)
         }
-        (true, _, true) => 4 * (dev_elems + w * (v * h) + w * unit_max + 2 * unit_max.div_ceil(w)),
+        (true, _, true) => 4 * (dev_elems + w * (v * h) + w * unit_max + 3 * unit_max.div_ceil(w)),
         (true, 1, false) => 4 * shard,
         (true, _, false) => 4 * (shard + w * (v * h) + w * unit_max),
         (false, _, _) => 4 * shard * w,

@@ -232,10 +232,10 @@ pub struct TrainSection {
     /// With the optimizer state in host memory under ZeRO stage 2 or 3
     /// (`optimizer_on_host`): each layer's f32 gradient slice goes there too as soon as
     /// the backward is done with it (copied under the next layer's backward), so the GPU
-    /// holds two layers' gradients instead of the whole model's (4 bytes a parameter: 27 GB
-    /// for 7B), memory for more `save_mlp_layers`. The host then holds them (the same 4
-    /// bytes a parameter, page-locked) and the update reads them there. The
-    /// `optimizer_device_units` keep theirs on the GPU.
+    /// holds two or three layers' gradients instead of the whole model's (4 bytes a
+    /// parameter: 27 GB for 7B), memory for more `save_mlp_layers`. The host then holds
+    /// them (the same 4 bytes a parameter, page-locked) and the update reads them there.
+    /// The `optimizer_device_units` keep theirs on the GPU.
     pub offload_gradients: bool,
     /// Time each step by phase (attention, GEMMs, norms/RoPE/activation, loss, gradient
     /// accumulation, device copies, host transfers, element-wise adds, optimizer,

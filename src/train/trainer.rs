@@ -231,15 +231,22 @@ pub fn host_need(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Result<cr
             let shape = crate::plan::ModelShape::from_config(mcfg);
             let reqs = crate::plan::run_requests(cfg, u64::MAX, dtype.size_in_bytes());
             reqs.iter()
-                .map(|r| crate::plan::estimate(&shape, r).ok().map(|e| e.host.saved_activations.saturating_add(e.host.fpdt_parked)))
+                .map(|r| {
+                    crate::plan::estimate(&shape, r)
+                        .ok()
+                        .map(|e| (e.host.saved_activations.saturating_add(e.host.fpdt_parked), e.host.gradients))
+                })
                 .collect()
         }
     };
-    let mut act = 0u64;
+    let (mut act, mut grads) = (0u64, None::<u64>);
     for i in 0..cfg.stages.len() {
         let parked = match (cpu, planned.get(i).copied().flatten()) {
             (true, _) => inputs(i, 4)?, // f32, all in host memory
-            (false, Some(b)) => b,
+            (false, Some((b, g))) => {
+                grads = Some(grads.unwrap_or(0).max(g));
+                b
+            }
             (false, None) if cfg.parallel.offload().inputs() => inputs(i, dtype.size_in_bytes() as u64)?,
             (false, None) => 0,
         };
@@ -248,10 +255,14 @@ pub fn host_need(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Result<cr
     let params = mcfg.param_count()?;
     let offloaded = if cfg.train.zero_stage == 3 && cfg.train.offload_params && !cpu { mul(what, &[params, 2])? } else { 0 };
     let mut need = crate::limits::host_need(params, ranks as u64, cpu, cfg.train.optimizer_on_host, act, offloaded)?;
-    // The gradient slices in host memory (all ranks' together: 4 bytes a parameter; the
-    // device units' stay on the GPU, counted here too, an upper bound).
+    // The gradient slices in host memory (`offload_gradients`): the planner's figure per
+    // rank (the host units' slices), or 4 bytes a parameter where it cannot estimate.
     if cfg.train.offload_gradients && !cpu {
-        need.gradients = mul("the host memory estimate", &[params, 4])?;
+        let per_rank = match grads {
+            Some(g) => g,
+            None => mul("the host memory estimate", &[params, 4])?.div_ceil(ranks.max(1) as u64),
+        };
+        need.gradients = mul("the host memory estimate", &[per_rank, ranks as u64])?;
     }
     Ok(need)
 }

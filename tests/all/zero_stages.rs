@@ -404,6 +404,11 @@ fn gradients_in_host_memory_train_like_the_device_shard() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = |dir: &Path, (stage, weights_on_host): (u8, bool), world: usize, units: usize, grads: bool| {
         let mut c = config(dir, ParallelMode::DataParallel, stage, weights_on_host, true);
+        if units == usize::MAX {
+            // A tied head (the embedding's gradient gets the head's first, its unit last).
+            c.model.source = "tests/fixtures/qwen2_tied".into();
+        }
+        let units = if units == usize::MAX { 0 } else { units };
         c.parallel.world_size = world;
         c.train.optimizer_device_units = units;
         c.train.offload_gradients = grads;
@@ -425,10 +430,14 @@ fn gradients_in_host_memory_train_like_the_device_shard() {
         ((3, false), 2, 0),
         ((2, false), 1, 0),
         ((2, false), 2, 2),
+        ((2, false), 1, 8), // every unit's state on the device: nothing goes to the host
+        (deferred, 1, usize::MAX),
+        ((2, false), 2, usize::MAX),
     ];
     for (layout, world, units) in cases {
-        let what =
-            format!("stage {}{}, {world} rank(s), {units} device unit(s)", layout.0, if layout.1 { " weights on the host" } else { "" });
+        let tied = units == usize::MAX;
+        let model = if tied { "the tied fixture".to_string() } else { format!("{units} device unit(s)") };
+        let what = format!("stage {}{}, {world} rank(s), {model}", layout.0, if layout.1 { " weights on the host" } else { "" });
         let tag = format!("{}{}-{world}-{units}", layout.0, layout.1);
         let reference = tmp.path().join(format!("dev-{tag}"));
         let r = train(&reference, &cfg(&reference, layout, world, units, false)).resident;
@@ -439,10 +448,34 @@ fn gradients_in_host_memory_train_like_the_device_shard() {
         }
         same_log(&dir, &reference, &what);
         assert_eq!(r.grads_host, 0, "{what}: {r}");
+        if units == 8 {
+            assert_eq!(h, r, "{what}: all on the device either way");
+            continue;
+        }
         assert!(h.grads_host > 0 && h.grads > h.grads_host, "{what}: {h}");
+        if tied {
+            continue; // two layers beside a large embedding: the turns are not much smaller
+        }
         // On the device: the device units' slices and, one rank, two units' turns (else the
         // shared scratch); well under the whole slice the reference keeps there.
         assert!(h.grads - h.grads_host < (r.grads - r.grads_host) * 3 / 4, "{what}: {h} against {r}");
+    }
+    // A checkpoint written with the gradients on the host resumes with them on the device
+    // and the other way round (the checkpoint holds no gradient): the straight run's result.
+    let straight = tmp.path().join(format!("host-{}{}-1-0", deferred.0, deferred.1));
+    for (first, then) in [(true, false), (false, true)] {
+        let dir = tmp.path().join(format!("resume-{first}-{then}"));
+        let s = run_with(&cfg(&dir, deferred, 1, 0, first), false, &RunOptions { stop_at_global_step: Some(2), ..Default::default() })
+            .unwrap_or_else(|e| panic!("offload_gradients {first}: {e}"));
+        assert!(!s.completed);
+        let s = run(&cfg(&dir, deferred, 1, 0, then), true).unwrap_or_else(|e| panic!("resumed with offload_gradients {then}: {e}"));
+        assert!(s.completed);
+        close_weights(
+            &dir.join("export/model.safetensors"),
+            &straight.join("export/model.safetensors"),
+            TOL,
+            &format!("resume {first} -> {then}"),
+        );
     }
     for (stage, host_opt) in [(1u8, true), (3, false)] {
         let dir = tmp.path().join("refused");

@@ -262,9 +262,6 @@ impl ZeroState {
         if !me.cfg.offload_gradients {
             me.optim.reserve_pinned(device, defers)?; // (with the gradients on the host it parks no pieces)
         }
-        if let Grads::Sharded(g) = &me.grads {
-            g.reserve_pinned()?; // the gradient slices' host buffers (offload_gradients)
-        }
         Ok(me)
     }
 

@@ -347,6 +347,12 @@ struct HostSide {
     last: RefCell<Option<Tensor>>,
     /// Fault injection: the gradient's norm reads NaN.
     poisoned: Cell<bool>,
+    /// A later micro-batch: the next unit's slice on its way back to the device, fetched
+    /// when the unit before it was parked (so its copy runs under that unit's backward).
+    ahead: RefCell<Option<(usize, Fetched)>>,
+    /// The host buffers are page-locked at the first park (when every rank is past its
+    /// start-up and the start weights are gone), not at start-up.
+    reserved: Cell<bool>,
 }
 
 impl ShardedGrads {
@@ -371,11 +377,15 @@ impl ShardedGrads {
             None => part.shard_len(),
         };
         let shard = Tensor::zeros(shard_len, DType::F32, dev)?;
-        let turn_len = match (direct, first) {
-            (true, Some(f)) => part.units.iter().enumerate().skip(f.max(1)).map(|(_, u)| u.shard).max().unwrap_or(0),
+        // Each turn as long as the largest host unit of its parity (the head's turn may be
+        // longer than the layers' other one).
+        let turn_len = |parity: usize| match (direct, first) {
+            (true, Some(f)) => {
+                part.units.iter().enumerate().skip(f.max(1)).filter(|(u, _)| u % 2 == parity).map(|(_, u)| u.shard).max().unwrap_or(0)
+            }
             _ => 0,
         };
-        let turns = [Tensor::zeros(turn_len, DType::F32, dev)?, Tensor::zeros(turn_len, DType::F32, dev)?];
+        let turns = [Tensor::zeros(turn_len(0), DType::F32, dev)?, Tensor::zeros(turn_len(1), DType::F32, dev)?];
         // Each unit's parameters as views of its scratch buffer, or (one rank) of its part
         // of the shard, which then holds the unit whole in the same order; one rank's host
         // units write the embedding's buffer or one of the two turns.
@@ -407,6 +417,8 @@ impl ShardedGrads {
                 stash: RefCell::new(stash),
                 last: RefCell::new(None),
                 poisoned: Cell::new(false),
+                ahead: RefCell::new(None),
+                reserved: Cell::new(false),
             })
         });
         Ok(Self { part, embed_scratch, scratch, slots, shard, host, comm })
@@ -434,7 +446,13 @@ impl ShardedGrads {
         if h.poisoned.get() {
             return Ok(f64::NAN);
         }
-        let parts: Vec<Tensor> = h.sumsq.borrow().iter().skip(h.first).flatten().cloned().collect();
+        let sums = h.sumsq.borrow();
+        if let Some(u) = (h.first..sums.len()).find(|&u| sums[u].is_none()) {
+            return Err(Error::Setting(format!(
+                "gradient norm: unit {u}'s gradient was not parked in host memory this step (offload_gradients)"
+            )));
+        }
+        let parts: Vec<Tensor> = sums.iter().skip(h.first).flatten().cloned().collect();
         if parts.is_empty() {
             return Ok(0.0);
         }
@@ -455,6 +473,7 @@ impl ShardedGrads {
             h.sumsq.borrow_mut().iter_mut().for_each(|p| *p = None);
             h.poisoned.set(false);
             h.last.borrow_mut().take();
+            h.ahead.borrow_mut().take();
             for t in h.turns.iter().chain([&self.embed_scratch]) {
                 if t.elem_count() > 0 {
                     t.zero_set()?;
@@ -500,10 +519,12 @@ impl ShardedGrads {
         self.host.as_ref().map_or(0, |h| 4 * (self.part.shard_len() - self.part.prefix_len(h.first)))
     }
 
-    /// Page-lock ahead the host buffers the units' slices will be parked in (CUDA; one
-    /// per host unit), so the first backward does not pay for page-locking them.
-    pub fn reserve_pinned(&self) -> Result<()> {
-        let Some(h) = &self.host else { return Ok(()) };
+    /// Page-lock the host buffers the units' slices will be parked in (CUDA; one per host
+    /// unit), all at once at the first park rather than one unit at a time.
+    fn reserve_pinned(&self, h: &HostSide) -> Result<()> {
+        if h.reserved.replace(true) {
+            return Ok(());
+        }
         let dev = self.shard.device();
         let sizes: Vec<usize> = self.part.units.iter().skip(h.first).map(|u| 4 * u.shard).collect();
         Ok(h.stash.borrow_mut().reserve(dev, &sizes)?)
@@ -559,16 +580,30 @@ impl ShardedGrads {
     /// Unit `u`'s slice `mine` (on the device) to host memory: added to what an earlier
     /// micro-batch of the step parked, its `Σ x²` taken, then parked.
     fn park(&self, h: &HostSide, u: usize, mine: &Tensor) -> Result<()> {
+        self.reserve_pinned(h)?;
         let dev = self.shard.device();
         let mut stash = h.stash.borrow_mut();
-        if let Some(prev) = h.parked.borrow_mut()[u].take() {
-            let back = stash.fetch(&prev, dev)?.ready()?;
-            longctx_kernels::accumulate_f32(mine, &back, 1.0)?;
+        // A later micro-batch: add what the earlier ones parked (fetched ahead, or now).
+        let ahead = h.ahead.borrow_mut().take();
+        let back = match (ahead, h.parked.borrow_mut()[u].take()) {
+            (Some((v, f)), _) if v == u => Some(f),
+            (_, Some(prev)) => Some(stash.fetch(&prev, dev)?),
+            (_, None) => None,
+        };
+        if let Some(back) = back {
+            longctx_kernels::accumulate_f32(mine, &back.ready()?, 1.0)?;
         }
         h.sumsq.borrow_mut()[u] = Some(longctx_kernels::sum_squares_partials(mine)?);
         // Off CUDA a park keeps the tensor itself: copy it, the buffer is reused.
         let p = if dev.is_cuda() { stash.park(mine)? } else { stash.park(&mine.copy()?)? };
         h.parked.borrow_mut()[u] = Some(p);
+        // The unit the backward finishes next (the one below), if an earlier micro-batch
+        // parked it: its copy back starts now, under that unit's backward.
+        if let Some(v) = u.checked_sub(1).filter(|&v| v >= h.first) {
+            if let Some(prev) = h.parked.borrow_mut()[v].take() {
+                *h.ahead.borrow_mut() = Some((v, stash.fetch(&prev, dev)?));
+            }
+        }
         Ok(())
     }
 
