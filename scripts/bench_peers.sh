@@ -20,11 +20,11 @@
 #                        16 layers on an H100, session 42: 0.13 s a step less than mlp2 alone,
 #                        docs/benchmarks.md)
 #   7b64k-g14            --offload-gradients (each layer's f32 gradient in host memory once
-#                        the backward is done with it: 24.8 GB of the GPU freed) spent on
-#                        --save-mlp-layers 14 (`longctx plan`: 146.4 of 150.8 GB; not yet run
+#                        the backward is done with it: 24 GB of the GPU freed) spent on
+#                        --save-mlp-layers 14 (`longctx plan`: 147.2 of 150.8 GB; not yet run
 #                        on a GPU)
 #   7b64k-g12d3          --offload-gradients with --save-mlp-layers 12 and
-#                        --optimizer-device-units 3 (plan: 148.6 of 150.8 GB; not yet run)
+#                        --optimizer-device-units 3 (plan: 149.4 of 150.8 GB; not yet run)
 # transformers runs once per shape and length: with the first row of that shape and length
 # in ROWS; the later rows are compared with it.
 # Usage: scripts/bench_peers.sh [BINARY] [OUTDIR] [ROWS]    ROWS: comma-separated of the
