@@ -258,7 +258,7 @@ fn print_device(p: &plan::Plan) {
             d.gradients,
             match (z >= 2, p.estimate.layout.world, r.offload_gradients && e.host.gradients > 0) {
                 (true, 1, true) => "on the host but two layers' turns, one brought back (--offload-gradients), the device units'",
-                (true, _, true) => "on the host but one layer's, two in flight (--offload-gradients) and the device units'",
+                (true, _, true) => "on the host but one layer's scratch, three slices in flight (--offload-gradients), the device units'",
                 (true, 1, false) => "ZeRO-2, one rank: the whole slice, written in place",
                 (true, _, false) => "ZeRO-2: this rank's slice and one layer's",
                 _ => "one flat buffer",
