@@ -368,9 +368,7 @@ impl ShardedAdamW {
                 while d.next <= upto.min(units.saturating_sub(1)) && d.next < units {
                     let u = d.next;
                     let unit = &self.part.units[u];
-                    let g = take.take_unit(u).ok_or_else(|| {
-                        Error::Setting(format!("deferred update: no gradient of unit {u} in host memory (offload_gradients)"))
-                    })?;
+                    let g = take.take_unit(u)?;
                     let (lo, host, k) = (unit.shard_off, &mut self.host, &d.k);
                     d.finite &= g.with_host_f32(|g| host.apply_range(k, lo, g, Some(&mut out[lo..lo + g.len()])))?;
                     drop(g); // its pinned buffer back to the pool
@@ -584,9 +582,7 @@ impl ShardedAdamW {
         let park = |stash: &mut Stash, (u, at, len): (usize, usize, usize)| -> Result<_> {
             match host_grads {
                 None => Ok(stash.park(&gshard.narrow(0, part.units[u].shard_off + at, len)?)?),
-                Some(g) => g
-                    .take_unit(u)
-                    .ok_or_else(|| Error::Setting(format!("host optimizer: no gradient of unit {u} in host memory (offload_gradients)"))),
+                Some(g) => g.take_unit(u),
             }
         };
         let mut buf: Vec<P> = Vec::new(); // the new weights of a piece bound for the device

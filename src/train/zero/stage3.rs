@@ -459,10 +459,13 @@ impl ShardedGrads {
         Ok(Tensor::cat(&parts, 0)?.to_vec1::<f64>()?.iter().sum())
     }
 
-    /// Unit `u`'s slice in host memory, handed over (its buffer goes back to the pool when
-    /// dropped); `None` for a unit on the device or not written this step.
-    pub fn take_unit(&self, u: usize) -> Option<Parked> {
-        self.host.as_ref().and_then(|h| h.parked.borrow_mut().get_mut(u).and_then(Option::take))
+    /// Unit `u`'s slice in host memory, handed over once (its buffer goes back to the pool
+    /// when dropped); an error for a unit on the device or not parked this step.
+    pub fn take_unit(&self, u: usize) -> Result<Parked> {
+        self.host
+            .as_ref()
+            .and_then(|h| h.parked.borrow_mut().get_mut(u).and_then(Option::take))
+            .ok_or_else(|| Error::Setting(format!("optimizer: no gradient of unit {u} in host memory (offload_gradients)")))
     }
 
     /// Zero the shard (the start of an optimizer step); host slices are forgotten.
