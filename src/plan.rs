@@ -380,6 +380,8 @@ pub struct Suggestion {
     pub optimizer_on_host: bool,
     pub zero_stage: u8,
     pub offload_params: bool,
+    /// The last lever: each layer's f32 gradient in host memory (`offload_gradients`).
+    pub offload_gradients: bool,
     /// Peak device memory of this layout, bytes.
     pub peak: u64,
 }
@@ -743,11 +745,14 @@ pub fn fpdt_chunk_candidates(seq: usize, sp: usize) -> Vec<usize> {
 /// The layouts the suggestion tries, in order of preference (see the module doc).
 fn candidates(req: &PlanRequest) -> Vec<PlanRequest> {
     // The memory levers, each tried over every layout before the next: as asked; the
-    // optimizer state on the host; ZeRO-3 with the weights on the host too.
+    // optimizer state on the host; ZeRO-3 with the weights on the host too; and the
+    // gradients on the host as well.
+    let zero3 = PlanRequest { optimizer_on_host: true, zero_stage: 3, offload_params: true, ..req.clone() };
     let levers = [
         req.clone(),
         PlanRequest { optimizer_on_host: true, ..req.clone() },
-        PlanRequest { optimizer_on_host: true, zero_stage: 3, offload_params: true, ..req.clone() },
+        zero3.clone(),
+        PlanRequest { offload_gradients: true, ..zero3 },
     ];
     let mut out = Vec::new();
     for (i, lever) in levers.iter().enumerate() {
@@ -810,6 +815,7 @@ pub fn suggest(model: &ModelShape, req: &PlanRequest) -> Option<Suggestion> {
         optimizer_on_host: r.optimizer_on_host,
         zero_stage: r.zero_stage,
         offload_params: r.offload_params,
+        offload_gradients: r.offload_gradients && e.host.gradients > 0,
         peak: e.device.peak,
     };
     let budget = (req.gpu_memory as f64 * (1.0 - SUGGESTION_HEADROOM)) as u64;
@@ -941,7 +947,7 @@ pub fn preflight(cfg: &RunConfig, model: &LlamaConfig, gpu_memory: u64, host_ava
                     format!("the largest length that fits this layout is {}", tokens_label(n))
                 });
             let fix = match suggest(&shape, &PlanRequest { host_memory: None, ..req.clone() }) {
-                Some(s) => format!("; {} tokens fit with {}", req.seq_len, describe_suggestion(&s)),
+                Some(s) => format!("; {} tokens fit with {}", req.seq_len, describe_suggestion(&s, &req)),
                 None => String::new(),
             };
             return Err(Error::config(
@@ -956,19 +962,35 @@ pub fn preflight(cfg: &RunConfig, model: &LlamaConfig, gpu_memory: u64, host_ava
             ));
         }
         if e.fits_host == Some(false) {
+            // Name the setting behind the largest host term that can be turned off.
+            let h = &e.host;
+            let field = [
+                (h.saved_activations, if req.offload_layer_inputs { "parallel.offload_layer_inputs" } else { "parallel.offload_activations" }),
+                (h.gradients, "train.offload_gradients"),
+                (h.weights, "train.offload_params"),
+                (h.fpdt_parked, "parallel.fpdt_offload"),
+                (h.optimizer, "train.optimizer_on_host"),
+            ]
+            .into_iter()
+            .filter(|&(b, _)| b > 0)
+            .max_by_key(|&(b, _)| b)
+            .map_or("parallel.offload_activations", |(_, f)| f);
             return Err(Error::config(
                 source,
-                "parallel.offload_activations",
+                field,
                 format!(
-                    "{what} need {} GB of host memory per node (offloaded activations {} GB, optimizer {} GB, FPDT {} GB, \
-                     gradient pieces {} GB, start weights {} GB until the first step), {} GB are available; use a shorter \
-                     length, more GPUs, or keep activations on the GPU (see `longctx plan`; --skip-memory-check runs anyway)",
-                    gb(e.host.per_node),
-                    gb(e.host.saved_activations),
-                    gb(e.host.optimizer),
-                    gb(e.host.fpdt_parked),
-                    gb(e.host.grads_copy),
-                    gb(e.host.weights_copy),
+                    "{what} need {} GB of host memory per node (offloaded activations {} GB, optimizer {} GB, weights {} GB, \
+                     gradients {} GB, FPDT {} GB, gradient pieces {} GB, start weights {} GB until the first step), {} GB are \
+                     available; use a shorter length, more GPUs, or keep more on the GPU (see `longctx plan`; \
+                     --skip-memory-check runs anyway)",
+                    gb(h.per_node),
+                    gb(h.saved_activations),
+                    gb(h.optimizer),
+                    gb(h.weights),
+                    gb(h.gradients),
+                    gb(h.fpdt_parked),
+                    gb(h.grads_copy),
+                    gb(h.weights_copy),
                     gb(host_available.unwrap_or(0))
                 ),
             ));
@@ -1042,8 +1064,9 @@ pub fn preflight_disk(cfg: &RunConfig, model: &LlamaConfig, free: u64, resume: b
     ))
 }
 
-/// A suggestion in the words of the config keys.
-pub fn describe_suggestion(s: &Suggestion) -> String {
+/// Suggestion `s` for request `req` in the words of the config keys (the memory levers
+/// named where they differ from the request's).
+pub fn describe_suggestion(s: &Suggestion, req: &PlanRequest) -> String {
     let mut out = format!("parallel.mode = \"{}\"", s.mode);
     if s.sp > 1 {
         out += &format!(", sp_size = {}", s.sp);
@@ -1067,6 +1090,19 @@ pub fn describe_suggestion(s: &Suggestion) -> String {
         (true, Some(n)) => out += &format!(", save_mlp_layers = {n}"),
         (true, None) => out += ", save_mlp = true",
         _ => {}
+    }
+    // The memory levers the suggestion pulled beyond the request's.
+    if s.zero_stage != req.zero_stage {
+        out += &format!(", train.zero_stage = {}", s.zero_stage);
+    }
+    if s.optimizer_on_host && !req.optimizer_on_host {
+        out += ", train.optimizer_on_host = true";
+    }
+    if s.offload_params && !req.offload_params {
+        out += ", train.offload_params = true";
+    }
+    if s.offload_gradients && !req.offload_gradients {
+        out += ", train.offload_gradients = true";
     }
     out
 }

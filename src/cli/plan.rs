@@ -428,6 +428,9 @@ fn suggestion_flags(layers: usize, s: &plan::Suggestion, r: &plan::PlanRequest) 
     if s.offload_params && !r.offload_params {
         flags += " --offload-params";
     }
+    if s.offload_gradients && !r.offload_gradients {
+        flags += " --offload-gradients";
+    }
     flags
 }
 

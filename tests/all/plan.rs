@@ -430,6 +430,7 @@ fn preflight_refuses_with_the_numbers_and_a_fix() {
     // Offloading 512K needs about 47 GB of host memory for the layer inputs.
     let e = plan::preflight(&run_1b(512 * K, true), &cfg, h200, Some(20_000_000_000), src).unwrap_err().to_string();
     assert!(e.contains("host memory") && e.contains("offloaded activations 47.24 GB") && e.contains("20.00 GB are available"), "{e}");
+    assert!(e.contains("parallel.offload_activations") && e.contains("gradients 0.00 GB"), "the largest term's setting: {e}");
     plan::preflight(&run_1b(512 * K, true), &cfg, h200, Some(200_000_000_000), src).unwrap();
     plan::preflight(&run_1b(64 * K, false), &cfg, h200, None, src).unwrap();
 }
@@ -530,6 +531,43 @@ fn the_suggestion_reaches_for_zero_3_when_nothing_else_fits() {
     let s = p.suggestion.expect("a suggestion");
     assert_eq!((s.zero_stage, s.offload_params, s.optimizer_on_host, s.offload_activations), (3, true, true, false), "{s:?}");
     assert!(s.peak <= H200);
+}
+
+/// The last lever: 7B on one 80 GB GPU with 256 GB of host memory. At 320K ZeRO-3 with
+/// the weights and optimizer on the host (activations offloaded) still fits; at 384K only
+/// with the gradients on the host too, and the suggestion (and `train`'s refusal, in the
+/// config's words) names `offload_gradients`; it never reaches for it when it is not needed.
+#[test]
+fn the_suggestion_puts_the_gradients_on_the_host_last() {
+    let gpu = 80_000_000_000u64;
+    let req = |n: usize| {
+        let mut r = PlanRequest::new(n, 1, gpu, ParallelMode::DataParallel);
+        r.optimizer_on_host = false;
+        r.host_memory = Some(256_000_000_000);
+        r
+    };
+    let s = plan::suggest(&shape(), &req(320 * K)).expect("320K fits");
+    assert_eq!((s.zero_stage, s.offload_params, s.offload_gradients), (3, true, false), "{s:?}");
+    let s = plan::suggest(&shape(), &req(384 * K)).expect("384K fits with the gradients on the host");
+    assert_eq!((s.zero_stage, s.offload_params, s.optimizer_on_host, s.offload_gradients), (3, true, true, true), "{s:?}");
+    assert!(s.peak <= gpu);
+    // Without that lever, nothing fits 384K there.
+    let mut without = req(384 * K);
+    (without.zero_stage, without.offload_params, without.optimizer_on_host, without.offload_activations) = (3, true, true, true);
+    for save_attention in [false, true] {
+        let e = plan::estimate(&shape(), &PlanRequest { save_attention, ..without.clone() }).unwrap();
+        assert!(e.device.peak > gpu - gpu / 20, "{} GB", plan::gb(e.device.peak));
+        let g = plan::estimate(&shape(), &PlanRequest { save_attention, offload_gradients: true, ..without.clone() }).unwrap();
+        assert_eq!(e.device.peak - g.device.peak, e.device.gradients - g.device.gradients);
+    }
+    let d = plan::describe_suggestion(&s, &req(384 * K));
+    for key in ["train.zero_stage = 3", "train.optimizer_on_host = true", "train.offload_params = true", "train.offload_gradients = true"] {
+        assert!(d.contains(key), "{key} in {d}");
+    }
+    // Levers the request already pulled are not named again.
+    let asked = PlanRequest { zero_stage: 3, offload_params: true, optimizer_on_host: true, ..req(384 * K) };
+    let d = plan::describe_suggestion(&plan::suggest(&shape(), &asked).unwrap(), &asked);
+    assert!(d.contains("train.offload_gradients = true") && !d.contains("zero_stage") && !d.contains("offload_params"), "{d}");
 }
 
 /// A split optimizer placement (`train.optimizer_device_units`), 7B at 64K, ZeRO-3 with
