@@ -605,11 +605,11 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
         (3, false) => shard * a + 2 * unit_max * a,
         _ => p * a,
     };
-    // Stage 2 and 3: this rank's slice, the embedding's scratch and one unit's (one rank:
-    // the slice only, written in place).
+    // Stage 2 and 3: this rank's slice, the embedding's scratch and one unit's, each a whole
+    // unit (the reduce-scatter's input; one rank: the slice only, written in place).
     // With the gradients in host memory the device keeps the device units' slices and,
     // one rank, two turns (each the largest host unit of its parity; and the embedding's
-    // slice when it is a host unit); several ranks, the scratch as before and two reduced
+    // slice when it is a host unit); several ranks, the scratch as before and three reduced
     // slices in flight; and, from a step's second micro-batch, one slice brought back.
     let host_slice_max = unit_slices.iter().skip(on_dev).copied().max().unwrap_or(0);
     let gradients = match (zero >= 2, w, offload_grads) {
@@ -619,9 +619,9 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
             };
             4 * (dev_elems + turn(0) + turn(1) + if on_dev == 0 { unit_slices[0] } else { 0 } + host_slice_max)
         }
-        (true, _, true) => 4 * (dev_elems + w * (v * h) + w * unit_max + 3 * unit_max.div_ceil(w)),
+        (true, _, true) => 4 * (dev_elems + v * h + unit_max + 3 * unit_max.div_ceil(w)),
         (true, 1, false) => 4 * shard,
-        (true, _, false) => 4 * (shard + w * (v * h) + w * unit_max),
+        (true, _, false) => 4 * (shard + v * h + unit_max),
         (false, _, _) => 4 * shard * w,
     };
     let optimizer = if on_host { 12 * dev_elems } else { 12 * opt_elems };

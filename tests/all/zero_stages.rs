@@ -459,6 +459,23 @@ fn gradients_in_host_memory_train_like_the_device_shard() {
         // On the device: the device units' slices and, one rank, two units' turns (else the
         // shared scratch); well under the whole slice the reference keeps there.
         assert!(h.grads - h.grads_host < (r.grads - r.grads_host) * 3 / 4, "{what}: {h} against {r}");
+        // What `longctx plan` counts, both ways: on the device, what was allocated plus the
+        // slices in flight (one brought back with one rank; several ranks, three reduced
+        // slices); in host memory, this rank's slices of the host units. Within the padding
+        // of each unit's slice to a multiple of the ranks.
+        let model = longctx::model::init::builtin_config("tiny@layers=6").unwrap();
+        let shape = longctx::plan::ModelShape::from_config(&model);
+        let unit_max = (shape.layer_params as usize).max(model.vocab_size * model.hidden_size + model.hidden_size);
+        let in_flight = if world == 1 { unit_max } else { 3 * unit_max.div_ceil(world) };
+        let pad = 4 * world * (model.num_hidden_layers + 2);
+        for (grads, res, name) in [(true, &h, "host"), (false, &r, "device")] {
+            let c = cfg(tmp.path(), layout, world, units, grads);
+            let e = longctx::plan::estimate(&shape, &longctx::plan::run_requests(&c, 141_000_000_000, 4)[0]).unwrap();
+            let planned = e.device.gradients as usize - if grads { 4 * in_flight } else { 0 };
+            let (dev, host) = (res.grads - res.grads_host, res.grads_host);
+            assert!(planned.abs_diff(dev) <= pad, "{what}, gradients on the {name}: plan {planned} B on the device, allocated {dev}");
+            assert!((e.host.gradients as usize).abs_diff(host) <= pad, "{what}, {name}: plan {} B on the host, got {host}", e.host.gradients);
+        }
     }
     // A checkpoint written with the gradients on the host resumes with them on the device
     // and the other way round (the checkpoint holds no gradient): the straight run's result.
