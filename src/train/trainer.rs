@@ -180,14 +180,28 @@ pub use crate::device::{parse_device, parse_dtype};
 /// Resolve `model.source` into a config and initial weights (seeded random ones for a
 /// built-in model), for a process running all `parallel.world_size` ranks.
 pub fn load_start_model(cfg: &RunConfig) -> Result<StartModel> {
-    load_start_model_for(cfg, cfg.parallel.world_size)
+    load_start_model_for(cfg, NodeRanks::InProcess(cfg.parallel.world_size))
 }
 
-/// [`load_start_model`] for a process running `ranks` ranks: the host memory the run
-/// needs is checked against the machine's before any weight is allocated.
-pub fn load_start_model_for(cfg: &RunConfig, ranks: usize) -> Result<StartModel> {
+/// Where a run's ranks live on a node, for its host memory check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeRanks {
+    /// This process runs this many ranks (one copy of the start weights for all).
+    InProcess(usize),
+    /// A launched rank, one of this many processes on its node (`LOCAL_WORLD_SIZE`),
+    /// each with its own start weights.
+    Launched(usize),
+}
+
+/// [`load_start_model`] for a process whose node holds `ranks`: the host memory the
+/// node's ranks need is checked against the machine's before any weight is allocated.
+pub fn load_start_model_for(cfg: &RunConfig, ranks: NodeRanks) -> Result<StartModel> {
     let m = crate::hub::resolve_model_config(&cfg.model.source, &crate::hub::HubOptions::from_env())?;
-    check_host_memory(cfg, &m.cfg, ranks)?;
+    let need = match ranks {
+        NodeRanks::InProcess(n) => host_need(cfg, &m.cfg, n)?,
+        NodeRanks::Launched(n) => host_need_on_node(cfg, &m.cfg, n)?,
+    };
+    crate::limits::check_host_memory(&need, crate::limits::physical_memory(), Path::new("<run config>"))?;
     cfg.check_stage_ropes(&m.cfg, Path::new("<run config>"))?; // every stage's `rope` before any work
     let (mcfg, json) = (m.cfg, m.json);
     let Some(dir) = m.dir else {
@@ -199,11 +213,23 @@ pub fn load_start_model_for(cfg: &RunConfig, ranks: usize) -> Result<StartModel>
     Ok(StartModel { cfg: mcfg, config_json: json, weights, source_dir: Some(dir), tokenizer })
 }
 
-/// The host memory the run needs at least (start weights, CPU ranks, host optimizer,
-/// saved activations on the host) against the machine's ([`crate::limits`]).
-fn check_host_memory(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Result<()> {
-    let need = host_need(cfg, mcfg, ranks)?;
-    crate::limits::check_host_memory(&need, crate::limits::physical_memory(), Path::new("<run config>"))
+/// What the `local` launched processes of one node keep in host memory at least: each
+/// its own f32 start weights, CPU rank, saved activations and gradient slices, and its
+/// shard (one of the run's `world_size`) of the host optimizer state and offloaded weights.
+pub fn host_need_on_node(cfg: &RunConfig, mcfg: &LlamaConfig, local: usize) -> Result<crate::limits::HostNeed> {
+    use crate::limits::mul;
+    let one = host_need(cfg, mcfg, 1)?;
+    let (n, w) = (local as u64, cfg.parallel.world_size.max(1) as u64);
+    let what = "the host memory estimate";
+    let shards = |total: u64| -> Result<u64> { Ok(mul(what, &[total.div_ceil(w), n])?) };
+    Ok(crate::limits::HostNeed {
+        start_weights: mul(what, &[one.start_weights, n])?,
+        cpu_ranks: mul(what, &[one.cpu_ranks, n])?,
+        optimizer: shards(one.optimizer)?,
+        activations: mul(what, &[one.activations, n])?,
+        weights: shards(one.weights)?,
+        gradients: mul(what, &[one.gradients, n])?,
+    })
 }
 
 /// What a run of `ranks` in-process ranks keeps in host memory at least, by part
@@ -260,7 +286,7 @@ pub fn host_need(cfg: &RunConfig, mcfg: &LlamaConfig, ranks: usize) -> Result<cr
     if cfg.train.offload_gradients && !cpu {
         let per_rank = match grads {
             Some(g) => g,
-            None => mul("the host memory estimate", &[params, 4])?.div_ceil(ranks.max(1) as u64),
+            None => mul("the host memory estimate", &[params, 4])?.div_ceil(cfg.parallel.world_size.max(1) as u64),
         };
         need.gradients = mul("the host memory estimate", &[per_rank, ranks as u64])?;
     }
@@ -1222,7 +1248,7 @@ pub fn run_launched(cfg: &RunConfig, resume: bool, env: &crate::parallel::env::D
             rundir::write_config(cfg)?;
         }
         let began = Instant::now();
-        let mut model = load_start_model_for(cfg, 1)?;
+        let mut model = load_start_model_for(cfg, NodeRanks::Launched(env.local_world))?;
         let start = StartWeights::new(std::mem::take(&mut model.weights), 1);
         let loaded_in = began.elapsed().as_secs_f64();
         let shared =

@@ -763,3 +763,40 @@ fn gradients_in_host_memory_move_four_bytes_a_parameter_off_the_gpu() {
     let need = longctx::train::trainer::host_need(&c, &llama2_7b(), 1).unwrap();
     longctx::limits::check_host_memory(&need, Some(128 << 30), Path::new("run.toml")).unwrap();
 }
+
+/// Launched ranks (`longctx launch`, one process each) check their node's host memory,
+/// not their own: 7B, ZeRO-3 with weights, optimizer and gradients on the host, on 16
+/// ranks, 8 processes a node. Each process loads its own f32 start weights (8 × 27 GB
+/// until the first step); the optimizer state, the offloaded weights and the gradient
+/// slices are per rank, so a node holds 8 of the 16 shards. In-process ranks share one
+/// copy of the start weights.
+#[test]
+fn launched_ranks_check_their_nodes_host_memory() {
+    use longctx::train::config::{RunConfig, Stage};
+    use longctx::train::trainer::{host_need, host_need_on_node};
+    let m = llama2_7b();
+    let p = 6_738_415_616u64;
+    let mut c = RunConfig::default();
+    c.model.device = "cuda".into();
+    c.model.dtype = "bf16".into();
+    (c.train.zero_stage, c.train.offload_params, c.train.optimizer_on_host, c.train.offload_gradients) = (3, true, true, true);
+    c.parallel.world_size = 16;
+    c.train.batch_size = 1;
+    c.stages = vec![Stage::new(64 * K, 1e6, 1)];
+    let node = host_need_on_node(&c, &m, 8).unwrap();
+    let rank = host_need(&c, &m, 1).unwrap();
+    assert_eq!(node.start_weights, 8 * 4 * p, "each process its own start weights");
+    assert_eq!(node.optimizer, 8 * (12 * p).div_ceil(16), "8 of the 16 shards");
+    assert_eq!(node.weights, 8 * (2 * p).div_ceil(16));
+    assert_eq!(node.gradients, 8 * rank.gradients);
+    assert!(rank.gradients.abs_diff(4 * p / 16) <= 4 * 34, "a rank's slice: {}", rank.gradients);
+    // 216 GB of start weights: more than a node of 128 GiB has, refused before any weight
+    // is allocated; in one process the same ranks would share one copy.
+    let e = longctx::limits::check_host_memory(&node, Some(128 << 30), Path::new("run.toml")).unwrap_err().to_string();
+    assert!(e.contains("start weights 215.6 GB"), "{e}");
+    let in_process = host_need(&c, &m, 8).unwrap();
+    assert_eq!(in_process.start_weights, 4 * p);
+    // One process on its own node, one rank in all: the same as in-process.
+    c.parallel.world_size = 1;
+    assert_eq!(host_need_on_node(&c, &m, 1).unwrap(), host_need(&c, &m, 1).unwrap());
+}
