@@ -206,33 +206,61 @@ mod cuda_op {
         let (dyp, _g1) = dyv.device_ptr(&stream);
         let (xp, _g2) = xv.device_ptr(&stream);
         let (cp, _g3) = c.device_ptr_mut(&stream);
-        let (alpha, beta) = (args.alpha, 1.0f32);
         // SAFETY: the pointers address contiguous buffers of the checked shapes (`x` n·i,
         // `dy` n·o, `acc` o·i elements) on the stream the cuBLAS handle is bound to; the
         // guards order this call after their last writes and before later readers.
         unsafe {
-            result::gemm_ex(
+            gemm_ex(
                 *blas.handle(),
-                sys::cublasOperation_t::CUBLAS_OP_N,
-                sys::cublasOperation_t::CUBLAS_OP_T,
-                m_,
-                n_,
-                k_,
-                (&alpha) as *const f32 as *const c_void,
-                xp as *const c_void,
+                (sys::cublasOperation_t::CUBLAS_OP_N, sys::cublasOperation_t::CUBLAS_OP_T),
+                (m_, n_, k_),
+                (args.alpha, 1.0),
+                (xp as *const c_void, m_),
+                (dyp as *const c_void, n_),
                 ty,
-                m_,
-                dyp as *const c_void,
-                ty,
-                n_,
-                (&beta) as *const f32 as *const c_void,
-                cp as *mut c_void,
-                sys::cudaDataType_t::CUDA_R_32F,
-                m_,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                (cp as *mut c_void, m_, sys::cudaDataType_t::CUDA_R_32F),
             )
         }
+    }
+
+    /// One `cublasGemmEx` with f32 compute and scalars: column-major
+    /// `C [m, n] = alpha · op_a(A) · op_b(B) + beta · C`, A and B of type `ty`.
+    ///
+    /// # Safety
+    /// The pointers must address device buffers of the shapes the arguments describe, on
+    /// the stream `handle` is bound to, C distinct from A and B.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm_ex(
+        handle: sys::cublasHandle_t,
+        (op_a, op_b): (sys::cublasOperation_t, sys::cublasOperation_t),
+        (m, n, k): (c_int, c_int, c_int),
+        (alpha, beta): (f32, f32),
+        (a, lda): (*const c_void, c_int),
+        (b, ldb): (*const c_void, c_int),
+        ty: sys::cudaDataType_t,
+        (c, ldc, c_ty): (*mut c_void, c_int, sys::cudaDataType_t),
+    ) -> Result<()> {
+        result::gemm_ex(
+            handle,
+            op_a,
+            op_b,
+            m,
+            n,
+            k,
+            (&alpha) as *const f32 as *const c_void,
+            a,
+            ty,
+            lda,
+            b,
+            ty,
+            ldb,
+            (&beta) as *const f32 as *const c_void,
+            c,
+            c_ty,
+            ldc,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
         .w()
     }
 
@@ -287,35 +315,23 @@ mod cuda_op {
             let (ap, _g1) = av.device_ptr(&stream);
             let (bp, _g2) = bv.device_ptr(&stream);
             let (dp, _g3) = d.device_ptr_mut(&stream);
-            let (alpha, beta) = (1.0f32, if self.accumulate { 1.0f32 } else { 0.0 });
+            let beta = if self.accumulate { 1.0f32 } else { 0.0 };
             // SAFETY: the pointers address contiguous buffers of the checked shapes (`a` n·k,
             // `b` k·o, `dst` n·o elements, `dst` distinct from both) on the stream the
             // cuBLAS handle is bound to; the guards order this call after their last writes
             // and before later readers. With beta = 0 cuBLAS does not read `dst`.
             unsafe {
-                result::gemm_ex(
+                gemm_ex(
                     *blas.handle(),
-                    op_b,
-                    sys::cublasOperation_t::CUBLAS_OP_N,
-                    m_,
-                    n_,
-                    k_,
-                    (&alpha) as *const f32 as *const c_void,
-                    bp as *const c_void,
+                    (op_b, sys::cublasOperation_t::CUBLAS_OP_N),
+                    (m_, n_, k_),
+                    (1.0, beta),
+                    (bp as *const c_void, ld_b),
+                    (ap as *const c_void, k_),
                     ty,
-                    ld_b,
-                    ap as *const c_void,
-                    ty,
-                    k_,
-                    (&beta) as *const f32 as *const c_void,
-                    dp as *mut c_void,
-                    ty,
-                    m_,
-                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    (dp as *mut c_void, m_, ty),
                 )
             }
-            .w()
         }
     }
 }
