@@ -965,7 +965,10 @@ pub fn preflight(cfg: &RunConfig, model: &LlamaConfig, gpu_memory: u64, host_ava
             // Name the setting behind the largest host term that can be turned off.
             let h = &e.host;
             let field = [
-                (h.saved_activations, if req.offload_layer_inputs { "parallel.offload_layer_inputs" } else { "parallel.offload_activations" }),
+                (
+                    h.saved_activations,
+                    if req.offload_layer_inputs { "parallel.offload_layer_inputs" } else { "parallel.offload_activations" },
+                ),
                 (h.gradients, "train.offload_gradients"),
                 (h.weights, "train.offload_params"),
                 (h.fpdt_parked, "parallel.fpdt_offload"),

@@ -474,7 +474,11 @@ fn gradients_in_host_memory_train_like_the_device_shard() {
             let planned = e.device.gradients as usize - if grads { 4 * in_flight } else { 0 };
             let (dev, host) = (res.grads - res.grads_host, res.grads_host);
             assert!(planned.abs_diff(dev) <= pad, "{what}, gradients on the {name}: plan {planned} B on the device, allocated {dev}");
-            assert!((e.host.gradients as usize).abs_diff(host) <= pad, "{what}, {name}: plan {} B on the host, got {host}", e.host.gradients);
+            assert!(
+                (e.host.gradients as usize).abs_diff(host) <= pad,
+                "{what}, {name}: plan {} B on the host, got {host}",
+                e.host.gradients
+            );
         }
     }
     // A checkpoint written with the gradients on the host resumes with them on the device
