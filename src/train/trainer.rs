@@ -221,7 +221,7 @@ pub fn host_need_on_node(cfg: &RunConfig, mcfg: &LlamaConfig, local: usize) -> R
     let one = host_need(cfg, mcfg, 1)?;
     let (n, w) = (local as u64, cfg.parallel.world_size.max(1) as u64);
     let what = "the host memory estimate";
-    let shards = |total: u64| -> Result<u64> { Ok(mul(what, &[total.div_ceil(w), n])?) };
+    let shards = |total: u64| -> Result<u64> { mul(what, &[total.div_ceil(w), n]) };
     Ok(crate::limits::HostNeed {
         start_weights: mul(what, &[one.start_weights, n])?,
         cpu_ranks: mul(what, &[one.cpu_ranks, n])?,
