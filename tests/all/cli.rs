@@ -559,6 +559,13 @@ fn plan_text_and_json() {
     let o = ok(&["plan", "--model", m, "--seq-length", "512K", "--gpus", "8", "--parallel-mode", "data_parallel"]);
     assert!(o.stdout.contains("does NOT fit"), "{}", o.stdout);
     assert!(o.stdout.contains("suggestion: --parallel-mode ulysses_attn --sp-size 4"), "{}", o.stdout);
+    // The last lever as a flag (tests/all/plan.rs has the bytes): given back, the flags fit.
+    let base = ["plan", "--model", m, "--seq-length", "384K", "--gpu-memory", "80GB", "--host-memory", "256GB"];
+    let o = ok(&base);
+    let flags = o.stdout.split("suggestion: ").nth(1).and_then(|t| t.split(" (").next()).unwrap_or_else(|| panic!("{}", o.stdout));
+    assert!(flags.contains("--offload-gradients") && flags.contains("--offload-params"), "{}", o.stdout);
+    let o = ok(&[&base[..], &flags.split_whitespace().collect::<Vec<_>>()].concat());
+    assert!(o.stdout.contains("suggestion: as requested (") && !o.stdout.contains("does NOT fit"), "{}", o.stdout);
 }
 
 /// The planner's partial MLP suggestion as text: at 256K on 8 GPUs (zigzag) the attention and
