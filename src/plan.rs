@@ -932,13 +932,22 @@ pub fn largest_suggested(model: &ModelShape, req: &PlanRequest) -> Option<(usize
 }
 
 /// Before any work: refuses a run whose stage would not fit the GPU's `gpu_memory` or,
-/// when given, the host's `host_available` bytes, naming the numbers, the largest
+/// when given, the host's `host_available` bytes (the ranks spread over `nodes` nodes,
+/// launched: one process a rank), naming the numbers, the largest
 /// length that fits as configured and a layout that fits the requested length.
-pub fn preflight(cfg: &RunConfig, model: &LlamaConfig, gpu_memory: u64, host_available: Option<u64>, source: &Path) -> Result<()> {
+pub fn preflight(
+    cfg: &RunConfig,
+    model: &LlamaConfig,
+    gpu_memory: u64,
+    host_available: Option<u64>,
+    nodes: usize,
+    source: &Path,
+) -> Result<()> {
     let shape = ModelShape::from_config(model);
     let dtype_bytes = crate::train::trainer::parse_dtype(&cfg.model.dtype, source, "model.dtype")?.size_in_bytes();
     for (i, mut req) in run_requests(cfg, gpu_memory, dtype_bytes).into_iter().enumerate() {
         req.host_memory = host_available;
+        req.nnodes = nodes.max(1);
         let e = estimate(&shape, &req)?;
         let what = format!("stage {i}: {} tokens ({})", req.seq_len, e.layout.mode);
         if !e.fits_gpu {
@@ -946,7 +955,9 @@ pub fn preflight(cfg: &RunConfig, model: &LlamaConfig, gpu_memory: u64, host_ava
                 .map_or("no length from 1K up fits this layout".to_string(), |n| {
                     format!("the largest length that fits this layout is {}", tokens_label(n))
                 });
-            let fix = match suggest(&shape, &PlanRequest { host_memory: None, ..req.clone() }) {
+            // A layout that fits the host too (the GPU alone could suggest an offload
+            // the host then refuses).
+            let fix = match suggest(&shape, &req) {
                 Some(s) => format!("; {} tokens fit with {}", req.seq_len, describe_suggestion(&s, &req)),
                 None => String::new(),
             };
@@ -964,11 +975,14 @@ pub fn preflight(cfg: &RunConfig, model: &LlamaConfig, gpu_memory: u64, host_ava
         if e.fits_host == Some(false) {
             // Name the setting behind the largest host term that can be turned off.
             let h = &e.host;
+            let activations = match req.offload() {
+                crate::train::offload::Offload::Inputs => "parallel.offload_layer_inputs",
+                _ => "parallel.offload_activations",
+            };
             let field = [
-                (
-                    h.saved_activations,
-                    if req.offload_layer_inputs { "parallel.offload_layer_inputs" } else { "parallel.offload_activations" },
-                ),
+                (h.saved_activations, activations),
+                // Every rank's own f32 start weights: fewer ranks a node.
+                (h.weights_copy, "parallel.world_size"),
                 (h.gradients, "train.offload_gradients"),
                 (h.weights, "train.offload_params"),
                 (h.fpdt_parked, "parallel.fpdt_offload"),

@@ -222,7 +222,9 @@ pub fn train(a: TrainArgs) -> Result<()> {
         // activations or the optimizer live there) is refused with the numbers.
         if !a.skip_memory_check && !a.dry_run {
             if let Some(gpu) = longctx::device::gpu_memory(&cfg.model.device, &src)? {
-                longctx::plan::preflight(&cfg, &m.cfg, gpu, longctx::device::host_available(), &src).context("checking memory")?;
+                // Launched ranks: the host check counts the ranks of this node.
+                let nodes = dist.as_ref().map_or(1, |d| d.world / d.local_world.max(1));
+                longctx::plan::preflight(&cfg, &m.cfg, gpu, longctx::device::host_available(), nodes, &src).context("checking memory")?;
             }
             // Disk: the checkpoints and the export must fit the output directory's filesystem.
             if let Some(free) = longctx::device::disk_free(&cfg.output_dir).filter(|_| cfg.train.save) {

@@ -215,7 +215,8 @@ pub fn load_start_model_for(cfg: &RunConfig, ranks: NodeRanks) -> Result<StartMo
 
 /// What the `local` launched processes of one node keep in host memory at least: each
 /// its own f32 start weights, CPU rank, saved activations and gradient slices, and its
-/// shard (one of the run's `world_size`) of the host optimizer state and offloaded weights.
+/// shard (one of the run's `world_size`) of the host optimizer state (the whole state
+/// under ZeRO stage 0) and offloaded weights.
 pub fn host_need_on_node(cfg: &RunConfig, mcfg: &LlamaConfig, local: usize) -> Result<crate::limits::HostNeed> {
     use crate::limits::mul;
     let one = host_need(cfg, mcfg, 1)?;
@@ -225,7 +226,8 @@ pub fn host_need_on_node(cfg: &RunConfig, mcfg: &LlamaConfig, local: usize) -> R
     Ok(crate::limits::HostNeed {
         start_weights: mul(what, &[one.start_weights, n])?,
         cpu_ranks: mul(what, &[one.cpu_ranks, n])?,
-        optimizer: shards(one.optimizer)?,
+        // Stage 0 gives every rank the whole state; from stage 1 each holds its shard.
+        optimizer: if cfg.train.zero_stage == 0 { mul(what, &[one.optimizer, n])? } else { shards(one.optimizer)? },
         activations: mul(what, &[one.activations, n])?,
         weights: shards(one.weights)?,
         gradients: mul(what, &[one.gradients, n])?,

@@ -420,7 +420,7 @@ fn preflight_refuses_with_the_numbers_and_a_fix() {
     let src = Path::new("run.toml");
     let h200 = 141_000_000_000u64;
     // 2M tokens on the device (no offload): does not fit one H200.
-    let e = plan::preflight(&run_1b(2 * K * K, false), &cfg, h200, None, src).unwrap_err().to_string();
+    let e = plan::preflight(&run_1b(2 * K * K, false), &cfg, h200, None, 1, src).unwrap_err().to_string();
     assert!(e.contains("stage[0].seq_length") && e.contains("2097152 tokens") && e.contains("141.00 GB"), "{e}");
     let largest =
         plan::largest_fitting(&ModelShape::from_config(&cfg), &plan::run_requests(&run_1b(2 * K * K, false), h200, 2)[0]).unwrap();
@@ -428,11 +428,29 @@ fn preflight_refuses_with_the_numbers_and_a_fix() {
     assert!((256 * K..2 * K * K).contains(&largest), "{largest}");
     assert!(e.contains("offload_activations = true") || e.contains("fpdt"), "a layout that fits: {e}");
     // Offloading 512K needs about 47 GB of host memory for the layer inputs.
-    let e = plan::preflight(&run_1b(512 * K, true), &cfg, h200, Some(20_000_000_000), src).unwrap_err().to_string();
+    let e = plan::preflight(&run_1b(512 * K, true), &cfg, h200, Some(20_000_000_000), 1, src).unwrap_err().to_string();
     assert!(e.contains("host memory") && e.contains("offloaded activations 47.24 GB") && e.contains("20.00 GB are available"), "{e}");
     assert!(e.contains("parallel.offload_activations") && e.contains("gradients 0.00 GB"), "the largest term's setting: {e}");
-    plan::preflight(&run_1b(512 * K, true), &cfg, h200, Some(200_000_000_000), src).unwrap();
-    plan::preflight(&run_1b(64 * K, false), &cfg, h200, None, src).unwrap();
+    plan::preflight(&run_1b(512 * K, true), &cfg, h200, Some(200_000_000_000), 1, src).unwrap();
+    plan::preflight(&run_1b(64 * K, false), &cfg, h200, None, 1, src).unwrap();
+    // Two launched ranks: on one node they need twice one rank's host memory, on two
+    // nodes one rank's each.
+    let mut two = run_1b(512 * K, true);
+    two.parallel.world_size = 2;
+    let req = &plan::run_requests(&two, h200, 2)[0];
+    let per_rank = plan::estimate(&ModelShape::from_config(&cfg), req).unwrap().host.per_rank;
+    let host = Some(per_rank * 3 / 2);
+    let e = plan::preflight(&two, &cfg, h200, host, 1, src).unwrap_err().to_string();
+    assert!(e.contains("host memory per node"), "{e}");
+    plan::preflight(&two, &cfg, h200, host, 2, src).unwrap();
+    // The optimizer state the largest part on the host: its setting is the one named,
+    // and the parts list the weights and gradients there.
+    let mut z3 = run_1b(8 * K, false);
+    (z3.train.zero_stage, z3.train.offload_params, z3.train.optimizer_on_host, z3.train.offload_gradients) = (3, true, true, true);
+    let e = plan::preflight(&z3, &cfg, h200, Some(1_000_000_000), 1, src).unwrap_err().to_string();
+    assert!(e.contains("train.optimizer_on_host") && !e.contains("parallel.offload_activations"), "{e}");
+    let p = plan::param_count(&cfg);
+    assert!(e.contains(&format!("weights {} GB", plan::gb(2 * p))) && e.contains(&format!("optimizer {} GB", plan::gb(12 * p))), "{e}");
 }
 
 /// `train`'s disk check before any work: Llama-2-7B (6,738,415,616 parameters) in bf16
@@ -799,4 +817,11 @@ fn launched_ranks_check_their_nodes_host_memory() {
     // One process on its own node, one rank in all: the same as in-process.
     c.parallel.world_size = 1;
     assert_eq!(host_need_on_node(&c, &m, 1).unwrap(), host_need(&c, &m, 1).unwrap());
+    // ZeRO stage 0: every rank keeps the whole optimizer state.
+    c.parallel.world_size = 16;
+    (c.train.zero_stage, c.train.offload_params, c.train.offload_gradients) = (0, false, false);
+    let node = host_need_on_node(&c, &m, 8).unwrap();
+    assert_eq!((node.optimizer, node.weights, node.gradients), (8 * 12 * p, 0, 0));
+    c.train.zero_stage = 1;
+    assert_eq!(host_need_on_node(&c, &m, 8).unwrap().optimizer, 8 * (12 * p).div_ceil(16));
 }
