@@ -136,6 +136,9 @@ pub struct ModelShape {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub vocab: usize,
+    /// The head shares the embedding's weights (`tie_word_embeddings`): the last ZeRO unit
+    /// is the final norm alone.
+    pub tied_head: bool,
 }
 
 impl ModelShape {
@@ -150,6 +153,7 @@ impl ModelShape {
             kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
             vocab: cfg.vocab_size,
+            tied_head: cfg.tie_word_embeddings,
         }
     }
 }
@@ -516,7 +520,12 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     // stage 2 the units are the layers, the embedding and the head, each cut in `w`.
     let (h, v) = (u(model.hidden), u(model.vocab));
     let units = l + 2;
-    let unit_max = u128::from(model.layer_params).max(v * h + h);
+    // The last unit: the final norm, with the head unless it is tied to the embedding.
+    let head_unit = if model.tied_head { h } else { v * h + h };
+    // The largest unit (gathered whole under stage 3), and the largest after the
+    // embedding's (the gradient scratch of several ranks).
+    let after_embedding = u128::from(model.layer_params).max(head_unit);
+    let unit_max = after_embedding.max(v * h);
     let zero = req.zero_stage;
     let shard = if zero >= 2 { p.div_ceil(w) + units } else { p.div_ceil(w) };
     let opt_elems = if zero == 0 { p } else { shard };
@@ -555,12 +564,12 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
     let piece = opt_elems.min(u(crate::train::zero::HOST_PIECE)); // the host optimizer's piece
     let offload_params = zero == 3 && req.offload_params;
     // This rank's slice of each ZeRO unit (`zero::units`): from stage 2 the embedding, every
-    // layer, then the final norm with the head (a tied head counted as untied); below, one
+    // layer, then the final norm with the head (the norm alone when tied); below, one
     // unit, the whole slice. A split placement keeps the first `optimizer_device_units` of
     // them on the GPU.
     let unit_slices: Vec<u128> = if zero >= 2 {
         let layer = u128::from(model.layer_params).div_ceil(w);
-        std::iter::once((v * h).div_ceil(w)).chain(std::iter::repeat_n(layer, model.layers)).chain([(v * h + h).div_ceil(w)]).collect()
+        std::iter::once((v * h).div_ceil(w)).chain(std::iter::repeat_n(layer, model.layers)).chain([head_unit.div_ceil(w)]).collect()
     } else {
         vec![opt_elems]
     };
@@ -619,9 +628,9 @@ fn device_and_host(model: &ModelShape, req: &PlanRequest, lay: &Layout) -> Optio
             };
             4 * (dev_elems + turn(0) + turn(1) + if on_dev == 0 { unit_slices[0] } else { 0 } + host_slice_max)
         }
-        (true, _, true) => 4 * (dev_elems + v * h + unit_max + 3 * unit_max.div_ceil(w)),
+        (true, _, true) => 4 * (dev_elems + v * h + after_embedding + 3 * unit_max.div_ceil(w)),
         (true, 1, false) => 4 * shard,
-        (true, _, false) => 4 * (shard + v * h + unit_max),
+        (true, _, false) => 4 * (shard + v * h + after_embedding),
         (false, _, _) => 4 * shard * w,
     };
     let optimizer = if on_host { 12 * dev_elems } else { 12 * opt_elems };

@@ -165,6 +165,7 @@ fn the_planner_reports_overflow_instead_of_wrapping() {
         kv_heads: 2,
         head_dim: 16,
         vocab: 256,
+        tied_head: false,
     };
     let req = PlanRequest::new(1024, 1, 80_000_000_000, ParallelMode::DataParallel);
     let e = plan::estimate(&shape, &req).unwrap_err().to_string();
