@@ -1117,18 +1117,36 @@ pub fn describe_suggestion(s: &Suggestion, req: &PlanRequest) -> String {
         (true, None) => out += ", save_mlp = true",
         _ => {}
     }
-    // The memory levers the suggestion pulled beyond the request's.
+    for lever in added_levers(s, req) {
+        out += &format!(", {}", lever.key);
+    }
+    out
+}
+
+/// A memory lever a suggestion pulls, in the words of the config and of `train`'s flags.
+pub struct Lever {
+    /// `train.zero_stage = 3`
+    pub key: String,
+    /// `--zero-stage 3`
+    pub flag: String,
+}
+
+/// The memory levers suggestion `s` pulls beyond request `req` (the one list the refusal's
+/// config keys and `plan`'s flags are both written from).
+pub fn added_levers(s: &Suggestion, req: &PlanRequest) -> Vec<Lever> {
+    let on = |name: &str| Lever { key: format!("train.{name} = true"), flag: format!("--{}", name.replace('_', "-")) };
+    let mut out = Vec::new();
     if s.zero_stage != req.zero_stage {
-        out += &format!(", train.zero_stage = {}", s.zero_stage);
+        out.push(Lever { key: format!("train.zero_stage = {}", s.zero_stage), flag: format!("--zero-stage {}", s.zero_stage) });
     }
-    if s.optimizer_on_host && !req.optimizer_on_host {
-        out += ", train.optimizer_on_host = true";
-    }
-    if s.offload_params && !req.offload_params {
-        out += ", train.offload_params = true";
-    }
-    if s.offload_gradients && !req.offload_gradients {
-        out += ", train.offload_gradients = true";
+    for (pulled, asked, name) in [
+        (s.optimizer_on_host, req.optimizer_on_host, "optimizer_on_host"),
+        (s.offload_params, req.offload_params, "offload_params"),
+        (s.offload_gradients, req.offload_gradients, "offload_gradients"),
+    ] {
+        if pulled && !asked {
+            out.push(on(name));
+        }
     }
     out
 }

@@ -419,17 +419,8 @@ fn suggestion_flags(layers: usize, s: &plan::Suggestion, r: &plan::PlanRequest) 
     if mlp_added(layers, s, r) {
         flags += &format!(" {}", mlp_flag(s));
     }
-    if s.optimizer_on_host && !r.optimizer_on_host {
-        flags += " --optimizer-on-host";
-    }
-    if s.zero_stage != r.zero_stage {
-        flags += &format!(" --zero-stage {}", s.zero_stage);
-    }
-    if s.offload_params && !r.offload_params {
-        flags += " --offload-params";
-    }
-    if s.offload_gradients && !r.offload_gradients {
-        flags += " --offload-gradients";
+    for lever in plan::added_levers(s, r) {
+        flags += &format!(" {}", lever.flag);
     }
     flags
 }
